@@ -1,0 +1,22 @@
+"""kvcached_client: the thin engine-side client of the kvcached daemon."""
+from kvcached_proto.errors import (
+    Busy,
+    DaemonUnavailable,
+    KvcachedError,
+    KvcachedTimeout,
+    ProtocolError,
+    RequestError,
+    TaskFailed,
+)
+
+from .client import Client
+from .hashing import BlockHasher, make_namespace
+from .kv_alloc import allocate_kv_cache
+from .launch import DaemonHandle, launch
+from .tasks import LoadTask, Task
+
+__all__ = [
+    "Client", "BlockHasher", "make_namespace", "allocate_kv_cache", "launch", "DaemonHandle",
+    "Task", "LoadTask", "Busy", "DaemonUnavailable", "KvcachedError", "KvcachedTimeout",
+    "ProtocolError", "RequestError", "TaskFailed",
+]

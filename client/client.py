@@ -1,0 +1,271 @@
+"""The thin engine-side client: one DEALER socket, a handshake, typed errors, timeouts.
+
+Whichever thread holds the socket lock reads the socket and files what arrives: replies by
+request id, task events by task id. Every wait checks the daemon's pid, `up` flag and heartbeat
+in shared memory, so a dead daemon is reported as DaemonUnavailable within a second instead
+of a hang.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+import uuid
+from typing import Callable, Sequence
+
+import numpy as np
+import zmq
+
+from kvcached_proto import (
+    DaemonUnavailable,
+    KvcachedError,
+    KvcachedTimeout,
+    Op,
+    ProtocolError,
+    decode,
+    encode,
+    make_request,
+    pack_block_ids,
+    pack_keys,
+    request_error,
+)
+from kvcached_proto.paths import DEFAULT_INSTANCE, check_instance, request_endpoint, resolve_run_dir
+from kvcached_proto.version import PROTOCOL_VERSION
+
+from .kv_alloc import describe_kv_cache
+from .signals import SignalReader
+from .tasks import LoadTask, Task
+
+DEFAULT_TIMEOUT_S = 5.0
+POLL_SLICE_MS = 20
+SEND_TIMEOUT_MS = 1000
+BYE_LINGER_MS = 100
+
+
+class Client:
+    """Connect with `Client.connect(instance=..., run_dir=..., timeout=...)`."""
+
+    def __init__(self, instance: str = DEFAULT_INSTANCE, run_dir: str | None = None,
+                 timeout: float = DEFAULT_TIMEOUT_S, name: str = "", endpoint: str | None = None):
+        self.instance = check_instance(instance)
+        self.run_dir = resolve_run_dir(run_dir)
+        self.timeout = timeout
+        self.name = name
+        self.client_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._endpoint = endpoint or request_endpoint(self.run_dir, self.instance)
+        self._rid = itertools.count(1)
+        self._lock = threading.RLock()
+        self._replies: dict[int, dict] = {}
+        self._events: dict[int, dict] = {}
+        self._sock: zmq.Socket | None = None
+        self.signals: SignalReader | None = None
+        self.info: dict = {}
+        self._kv_tensors = None
+        self._closed = False
+
+    @classmethod
+    def connect(cls, instance: str = DEFAULT_INSTANCE, run_dir: str | None = None,
+                timeout: float = DEFAULT_TIMEOUT_S, name: str = "", endpoint: str | None = None) -> "Client":
+        client = cls(instance, run_dir, timeout, name, endpoint)
+        try:
+            client._open()
+        except BaseException:
+            client.close()
+            raise
+        return client
+
+    def _open(self) -> None:
+        self.signals = SignalReader(self.instance)
+        self.signals.check_alive()
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a daemon that is not there
+        self._sock.connect(self._endpoint)
+        self.info = self._request(Op.HELLO, pid=os.getpid(), name=self.name)
+        if self.info["epoch"] != self.signals.epoch:
+            raise DaemonUnavailable("the daemon restarted during the handshake; connect again")
+
+    # context manager ------------------------------------------------------
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._sock is not None:
+            if self.info:  # said hello: say bye, best effort, without waiting for a reply
+                try:
+                    self._sock.send(encode(make_request(Op.BYE, next(self._rid), self.client_id)),
+                                    zmq.NOBLOCK)
+                except zmq.ZMQError as exc:
+                    self._bye_error = exc  # the daemon is gone or unreachable: nothing to tell it
+            self._sock.close(linger=BYE_LINGER_MS)
+            self._sock = None
+        if self.signals is not None:
+            self.signals.close()
+            self.signals = None
+
+    # plumbing -------------------------------------------------------------
+    def _send(self, op: Op, fields: dict) -> int:
+        if self._sock is None:
+            raise DaemonUnavailable("client is closed")
+        rid = next(self._rid)
+        frame = encode(make_request(op, rid, self.client_id, **fields))
+        deadline = time.monotonic() + SEND_TIMEOUT_MS / 1000
+        with self._lock:
+            while True:
+                try:
+                    self._sock.send(frame, zmq.NOBLOCK)
+                    break
+                except zmq.Again:
+                    pass  # not connected (yet): make sure the daemon lives, then wait a little
+                self._check_daemon()
+                if time.monotonic() > deadline:
+                    raise DaemonUnavailable(
+                        f"cannot reach the daemon at {self._endpoint} within {SEND_TIMEOUT_MS} ms")
+                self._sock.poll(POLL_SLICE_MS, zmq.POLLOUT)
+        return rid
+
+    def _request(self, op: Op, timeout: float | None = None, **fields) -> dict:
+        rid = self._send(op, fields)
+        reply = self._wait(lambda: self._replies.pop(rid, None), timeout,
+                           f"{op.name.lower()} reply", "Client(timeout=...)")
+        if not reply.get("ok"):
+            err = reply.get("error") or {}
+            raise request_error(err.get("code", 0), err.get("message", "no message"))
+        return reply
+
+    def _wait(self, take: Callable[[], object], timeout: float | None, what: str, knob: str):
+        """Pump the socket until take() returns something; check the daemon while waiting."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            got = take()
+            if got is not None:
+                return got
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._check_daemon()
+                raise KvcachedTimeout(f"no {what} within {timeout:.3g} s (set {knob})")
+            slice_s = min(left, POLL_SLICE_MS / 1000)
+            received = False
+            if self._lock.acquire(timeout=slice_s):
+                try:
+                    received = self._pump(slice_s)
+                finally:
+                    self._lock.release()
+            if not received:
+                self._check_daemon()  # silence: make sure the daemon is still there
+
+    def _pump(self, wait_s: float) -> bool:
+        """Read and file every frame that is waiting; True if at least one arrived."""
+        sock = self._sock
+        if sock is None:
+            raise DaemonUnavailable("client is closed")
+        if not sock.poll(int(wait_s * 1000)):
+            return False
+        while True:
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            try:
+                msg = decode(frame)
+            except ProtocolError as exc:
+                raise KvcachedError(f"undecodable frame from the daemon: {exc}") from None
+            if "event" in msg:
+                self._events[msg.get("task", 0)] = msg
+            else:
+                self._replies[msg.get("rid", 0)] = msg
+
+    def _check_daemon(self) -> None:
+        if self.signals is None:
+            raise DaemonUnavailable("client is closed")
+        self.signals.check_alive()
+
+    def take_event(self, task_id: int) -> dict | None:
+        return self._events.pop(task_id, None)
+
+    def wait_event(self, task_id: int, timeout: float | None) -> dict:
+        return self._wait(lambda: self._events.pop(task_id, None), timeout,
+                          f"completion of task {task_id}", "wait(timeout=...)")
+
+    def poll_events(self) -> None:
+        """Read whatever has arrived without blocking (for task.done())."""
+        self._check_daemon()
+        if self._lock.acquire(blocking=False):
+            try:
+                self._pump(0)
+            finally:
+                self._lock.release()
+
+    # lifecycle ops --------------------------------------------------------
+    def ping(self, timeout: float | None = None) -> float:
+        """Round trip in seconds."""
+        start = time.perf_counter()
+        self._request(Op.PING, timeout)
+        return time.perf_counter() - start
+
+    def status(self, timeout: float | None = None) -> dict:
+        return self._request(Op.STATUS, timeout)["status"]
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        self._request(Op.SHUTDOWN, timeout)
+
+    @property
+    def epoch(self) -> int:
+        return self.info.get("epoch", 0)
+
+    @property
+    def protocol_version(self) -> tuple[int, int]:
+        return PROTOCOL_VERSION
+
+    # KV and data ops ------------------------------------------------------
+    def register_kv_cache(self, tensors, timeout: float | None = None) -> dict:
+        """Register the engine's KV cache: a list per layer of a (K, V) pair or one tensor."""
+        layout = describe_kv_cache(tensors)
+        reply = self._request(Op.REGISTER_KV, timeout, layout=layout)
+        self._kv_tensors = tensors
+        self.num_layers = layout["num_layers"]
+        return reply
+
+    def unregister_kv_cache(self, timeout: float | None = None) -> None:
+        self._request(Op.UNREGISTER_KV, timeout)
+        self._kv_tensors = None
+
+    def offload(self, device_blocks: Sequence[int] | np.ndarray, keys: Sequence[bytes],
+                priority: int = 0, timeout: float | None = None) -> Task:
+        reply = self._request(Op.OFFLOAD, timeout, keys=pack_keys(keys),
+                              blocks=pack_block_ids(device_blocks), priority=priority)
+        return Task(self, reply["task"], "offload", reply)
+
+    def lookup(self, keys: Sequence[bytes], timeout: float | None = None) -> tuple[int, int]:
+        reply = self._request(Op.LOOKUP, timeout, keys=pack_keys(keys))
+        return reply["host"], reply["storage"]
+
+    def load(self, keys: Sequence[bytes], device_blocks: Sequence[int] | np.ndarray,
+             priority: int = 0, timeout: float | None = None) -> LoadTask:
+        reply = self._request(Op.LOAD, timeout, keys=pack_keys(keys),
+                              blocks=pack_block_ids(device_blocks), priority=priority)
+        return LoadTask(self, reply["task"], reply)
+
+    def cancel(self, task_id: int, timeout: float | None = None) -> str:
+        return self._request(Op.CANCEL, timeout, task=task_id)["state"]
+
+    def delete(self, keys: Sequence[bytes], timeout: float | None = None) -> int:
+        return self._request(Op.DELETE, timeout, keys=pack_keys(keys))["deleted"]
+
+    def clear(self, tier: str = "all", weights_update: bool = False,
+              timeout: float | None = None) -> int:
+        return self._request(Op.CLEAR, timeout, tier=tier, weights_update=weights_update)["cleared"]
+
+    def pause(self, timeout: float | None = None) -> None:
+        self._request(Op.PAUSE, timeout)
+
+    def resume(self, timeout: float | None = None) -> None:
+        self._request(Op.RESUME, timeout)

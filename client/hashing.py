@@ -1,0 +1,64 @@
+"""Content keys for KV blocks: chained 16-byte blake2b digests, equal across processes.
+
+key[i] = blake2b16(namespace_digest, key[i-1], tokens of block i, extra_keys[i]) with key[-1] =
+16 zero bytes, so equal keys mean equal prefixes under the same namespace. `extra_keys[i]`
+carries content hashes of images or videos whose tokens fall in block i.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+import numpy as np
+
+KEY_BYTES = 16
+_ROOT = bytes(KEY_BYTES)
+
+
+def make_namespace(model: str, dtype: str, layout: str = "", tp_rank: int = 0, tp_size: int = 1,
+                   tenant: str = "", weights_version: str = "") -> str:
+    """The namespace string: model id, dtype, layout, tp rank/size, tenant salt, weights version.
+    A weight update must change `weights_version` (or the tiers must be cleared)."""
+    return "|".join([model, dtype, layout, f"tp{tp_rank}/{tp_size}", tenant, weights_version])
+
+
+def _encode_extra(extra) -> bytes:
+    if extra is None:
+        return b"\x00"
+    items = [extra] if isinstance(extra, (bytes, str)) else list(extra)
+    out = [b"\x01", len(items).to_bytes(4, "little")]
+    for item in items:
+        raw = item.encode() if isinstance(item, str) else bytes(item)
+        out += [len(raw).to_bytes(4, "little"), raw]
+    return b"".join(out)
+
+
+class BlockHasher:
+    def __init__(self, namespace: str | bytes):
+        raw = namespace.encode() if isinstance(namespace, str) else bytes(namespace)
+        self.namespace = namespace
+        self._ns = hashlib.blake2b(raw, digest_size=32, person=b"kvcached-ns").digest()
+
+    def hash_block(self, parent: bytes | None, tokens: Sequence[int] | np.ndarray, extra=None) -> bytes:
+        h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvcached-blk")
+        h.update(self._ns)
+        h.update(parent if parent is not None else _ROOT)
+        h.update(np.asarray(tokens, dtype="<i8").tobytes())
+        h.update(_encode_extra(extra))
+        return h.digest()
+
+    def hash_blocks(self, token_ids: Sequence[int] | np.ndarray, block_size: int,
+                    extra_keys: Sequence | None = None, parent: bytes | None = None) -> list[bytes]:
+        """Keys of the full blocks of token_ids (a trailing partial block has no key)."""
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        n = len(tokens) // block_size
+        if extra_keys is not None and len(extra_keys) < n:
+            raise ValueError(f"extra_keys has {len(extra_keys)} entries for {n} blocks")
+        keys, prev = [], parent
+        for i in range(n):
+            prev = self.hash_block(prev, tokens[i * block_size : (i + 1) * block_size],
+                                   extra_keys[i] if extra_keys is not None else None)
+            keys.append(prev)
+        return keys

@@ -1,0 +1,174 @@
+"""Allocating the engine's KV cache where the daemon can map it, and describing it.
+
+CPU: one POSIX shared-memory segment `/kvcached.{uid}.kv.{pid}.{n}` per allocation, owned by
+this process and unlinked when the tensors are garbage collected or the process exits (a
+daemon sweeps the segments of engines that were killed). CUDA: ordinary device memory,
+exported to the daemon as CUDA IPC handles.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import mmap
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+
+import posix_ipc
+
+from kvcached_proto.errors import KvcachedError
+from kvcached_proto.layout import DTYPE_BYTES
+
+_seq = itertools.count()
+_lock = threading.Lock()
+
+
+@dataclass
+class _Segment:
+    name: str
+    base: int
+    size: int
+    mm_ref: weakref.ref
+
+
+_segments: dict[str, _Segment] = {}
+
+
+def _unlink(name: str) -> None:
+    with _lock:
+        _segments.pop(name, None)
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        pass  # already swept (e.g. by the daemon after a restart); nothing left to free
+
+
+def _dtype_name(dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise KvcachedError(f"KV dtype {dtype} is not supported; use one of {sorted(DTYPE_BYTES)}")
+    return name
+
+
+def _shared_cpu_buffer(nbytes: int) -> tuple[mmap.mmap, str]:
+    name = f"/kvcached.{os.getuid()}.kv.{os.getpid()}.{next(_seq)}"
+    shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o600, size=nbytes)
+    try:
+        mm = mmap.mmap(shm.fd, nbytes)
+    except BaseException:
+        posix_ipc.unlink_shared_memory(name)
+        raise
+    finally:
+        shm.close_fd()
+    weakref.finalize(mm, _unlink, name)
+    return mm, name
+
+
+def allocate_kv_cache(num_layers: int, num_blocks: int, block_shape, dtype=None,
+                      device: str = "cpu", kv_pair: bool = True) -> list:
+    """One entry per layer: a (K, V) tuple of `[num_blocks, *block_shape]` tensors, or one
+    tensor when kv_pair=False (MLA). `t[block_ids]` selects blocks. dtype defaults to bfloat16."""
+    import torch  # imported here: the CLI uses this package without paying torch's import
+
+    dtype = torch.bfloat16 if dtype is None else dtype
+    block_shape = tuple(int(s) for s in block_shape)
+    shape = (num_blocks, *block_shape)
+    per_layer = 2 if kv_pair else 1
+    if str(device).startswith("cuda"):
+        _check_cuda_allocator()
+        tensors = [
+            tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(per_layer))
+            for _ in range(num_layers)
+        ]
+        return [t if kv_pair else t[0] for t in tensors]
+    if device != "cpu":
+        raise KvcachedError(f"device {device!r}: expected 'cpu' or 'cuda:N'")
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    tensor_bytes = math.prod(shape) * itemsize
+    total = tensor_bytes * per_layer * num_layers
+    mm, name = _shared_cpu_buffer(total)
+    flat = torch.frombuffer(mm, dtype=torch.uint8, count=total)
+    with _lock:
+        _segments[name] = _Segment(name, flat.data_ptr(), total, weakref.ref(mm))
+    out = []
+    for layer in range(num_layers):
+        views = []
+        for p in range(per_layer):
+            start = (layer * per_layer + p) * tensor_bytes
+            views.append(flat[start : start + tensor_bytes].view(dtype).view(shape))
+        out.append(tuple(views) if kv_pair else views[0])
+    return out
+
+
+def _check_cuda_allocator() -> None:
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    if "expandable_segments:true" in conf.replace(" ", "").lower():
+        raise KvcachedError(
+            "PyTorch expandable segments are on (PYTORCH_CUDA_ALLOC_CONF): their memory cannot be "
+            "exported over CUDA IPC; allocate the KV cache with expandable_segments:False")
+
+
+def _shm_handle(t: torch.Tensor) -> dict:
+    ptr = t.data_ptr()
+    with _lock:
+        for seg in _segments.values():
+            if seg.base <= ptr and ptr + t.numel() * t.element_size() <= seg.base + seg.size:
+                return {"kind": "shm", "name": seg.name, "offset": ptr - seg.base, "size": seg.size}
+    raise KvcachedError(
+        "CPU KV tensors must come from kvcached_client.allocate_kv_cache (POSIX shared memory "
+        "the daemon can map)")
+
+
+def _cuda_handle(t: torch.Tensor) -> dict:
+    storage = t.untyped_storage()
+    try:
+        (device, handle, storage_size, storage_offset, ref_handle, ref_offset, event_handle,
+         event_sync) = storage._share_cuda_()
+    except RuntimeError as exc:
+        raise KvcachedError(
+            f"this CUDA tensor cannot be exported over CUDA IPC ({exc}); memory from PyTorch "
+            "expandable segments cannot be shared: set expandable_segments:False") from None
+    return {
+        "kind": "cuda_ipc", "device": device, "handle": handle, "storage_size": storage_size,
+        "storage_offset": storage_offset, "ref_counter_handle": ref_handle,
+        "ref_counter_offset": ref_offset, "event_handle": event_handle or b"",
+        "event_sync_required": bool(event_sync),
+        "offset": (t.data_ptr() - storage.data_ptr()),
+    }
+
+
+def describe_kv_cache(tensors) -> dict:
+    """The `register_kv` layout for a list per layer of (K, V) pairs or single tensors."""
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise KvcachedError("KV cache: expected a non-empty list with one entry per layer")
+    import torch
+
+    entries, device, num_blocks = [], None, None
+    for layer, item in enumerate(tensors):
+        parts = list(item) if isinstance(item, (list, tuple)) else [item]
+        for part, t in enumerate(parts):
+            if not isinstance(t, torch.Tensor):
+                raise KvcachedError(f"layer {layer} part {part}: not a tensor")
+            if not t.is_contiguous():
+                raise KvcachedError(f"layer {layer} part {part}: tensor is not contiguous")
+            dev = "cpu" if t.device.type == "cpu" else f"cuda:{t.device.index}"
+            if device is None:
+                device, num_blocks = dev, t.shape[0]
+            if dev != device:
+                raise KvcachedError(f"layer {layer} part {part}: on {dev}, layer 0 is on {device}")
+            handle = _shm_handle(t) if dev == "cpu" else _cuda_handle(t)
+            entries.append({
+                "layer": layer, "part": part, "name": _part_name(len(parts), part),
+                "dtype": _dtype_name(t.dtype), "shape": list(t.shape), "handle": handle,
+            })
+    return {"device": device, "num_layers": len(tensors), "num_blocks": num_blocks,
+            "tensors": entries}
+
+
+def _part_name(num_parts: int, part: int) -> str:
+    if num_parts == 1:
+        return "latent"
+    if num_parts == 2:
+        return "kv"[part]
+    return f"part{part}"

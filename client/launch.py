@@ -1,0 +1,121 @@
+"""Start a kvcached daemon next to the engine and wait until it is ready.
+
+The wait watches the child too: a daemon that exits at start raises at once with its exit code
+and the last lines of its stderr, instead of running into the ready timeout.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+
+from kvcached_proto.errors import DaemonUnavailable, KvcachedError, KvcachedTimeout
+from kvcached_proto.paths import DEFAULT_INSTANCE, check_instance, resolve_run_dir
+
+from .signals import SignalReader
+
+STDERR_TAIL_LINES = 20
+
+
+def _tail(path: str, lines: int = STDERR_TAIL_LINES) -> str:
+    try:
+        with open(path, "rb") as f:
+            return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
+    except OSError as exc:
+        return f"(stderr unreadable: {exc})"
+
+
+def _terminate(proc: subprocess.Popen, timeout: float, log_path: str, keep_log: bool) -> int | None:
+    """SIGTERM, wait up to timeout, then SIGKILL. Safe to call twice."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    if not keep_log and os.path.exists(log_path):
+        os.unlink(log_path)
+    return proc.returncode
+
+
+class DaemonHandle:
+    def __init__(self, proc: subprocess.Popen, instance: str, run_dir: str, log_path: str):
+        self.proc = proc
+        self.pid = proc.pid
+        self.instance = instance
+        self.run_dir = run_dir
+        self.log_path = log_path
+        self._finalizer = weakref.finalize(self, _terminate, proc, 10.0, log_path, False)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """Graceful stop (SIGTERM), SIGKILL after timeout; returns the exit code."""
+        self._finalizer.detach()
+        return _terminate(self.proc, timeout, self.log_path, False)
+
+    def kill(self) -> None:
+        """SIGKILL, no cleanup by the daemon (tests of crash handling)."""
+        self.proc.kill()
+        self.proc.wait(5)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stderr_tail(self) -> str:
+        return _tail(self.log_path)
+
+    def connect(self, **kwargs):
+        from .client import Client
+
+        return Client.connect(instance=self.instance, run_dir=self.run_dir, **kwargs)
+
+    def __enter__(self) -> "DaemonHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def launch(instance: str = DEFAULT_INSTANCE, device: str = "cpu", host_cache_gb: float = 1.0,
+           run_dir: str | None = None, extra_args=(), ready_timeout: float = 60.0,
+           env: dict | None = None) -> DaemonHandle:
+    """Spawn `kvcached serve` and return once its readiness flag is up."""
+    check_instance(instance)
+    run_dir = resolve_run_dir(run_dir)
+    cmd = [sys.executable, "-m", "kvcached", "serve", "--instance", instance, "--device", device,
+           "--host-cache-gb", str(host_cache_gb), "--run-dir", run_dir, *map(str, extra_args)]
+    fd, log_path = tempfile.mkstemp(prefix=f"kvcached-{instance}-", suffix=".log")
+    with os.fdopen(fd, "wb") as log_file:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+                                env=env, start_new_session=True)
+    handle = DaemonHandle(proc, instance, run_dir, log_path)
+    deadline = time.monotonic() + ready_timeout
+    while True:
+        code = proc.poll()
+        if code is not None:
+            tail = _tail(log_path)
+            handle.stop()
+            raise KvcachedError(f"kvcached serve exited with code {code} at start:\n{tail}")
+        if _ready(instance, proc.pid):
+            return handle
+        if time.monotonic() > deadline:
+            tail = _tail(log_path)
+            handle.stop()
+            raise KvcachedTimeout(
+                f"kvcached serve not ready within {ready_timeout} s (set launch(ready_timeout=...)):\n{tail}")
+        time.sleep(0.02)
+
+
+def _ready(instance: str, pid: int) -> bool:
+    try:
+        reader = SignalReader(instance)
+    except DaemonUnavailable:
+        return False
+    try:
+        return reader.pid == pid and reader.ready()
+    finally:
+        reader.close()

@@ -1,0 +1,105 @@
+"""Handles of tasks the daemon runs: completion comes as an event; loads also signal layers."""
+from __future__ import annotations
+
+import time
+
+from kvcached_proto import KvcachedTimeout, TaskFailed
+from kvcached_proto.shm_layout import SlotStatus
+
+SPIN_ITERATIONS = 2000  # ~100 us of busy polling before backing off
+MAX_BACKOFF_S = 0.001
+LIVENESS_EVERY_S = 0.01
+
+
+class Task:
+    def __init__(self, client, task_id: int, kind: str, reply: dict):
+        self.client = client
+        self.id = task_id
+        self.kind = kind
+        self.reply = reply
+        self.status: str | None = None
+        self.result: dict | None = None
+
+    def _absorb(self, event: dict) -> None:
+        self.status = event.get("status")
+        self.result = event.get("result") or {}
+
+    def done(self) -> bool:
+        if self.result is None:
+            self.client.poll_events()
+            event = self.client.take_event(self.id)
+            if event is not None:
+                self._absorb(event)
+        return self.result is not None
+
+    def wait(self, timeout: float | None = None) -> dict:
+        """Wait for completion; returns the daemon's result. Raises TaskFailed on failure."""
+        if self.result is None:
+            self._absorb(self.client.wait_event(self.id, timeout))
+        if self.status == "failed":
+            raise TaskFailed(f"{self.kind} task {self.id} failed: {self.result.get('error')}",
+                             self.result)
+        return self.result
+
+    def cancel(self) -> str:
+        """Ask the daemon to stop the task. Its completion event still follows: wait() for it
+        before reusing the device blocks it touches."""
+        if self.result is not None:
+            return "done"
+        return self.client.cancel(self.id)
+
+
+class LoadTask(Task):
+    """A host -> device load. `wait_layer(i)` returns once layer i's bytes are in place."""
+
+    def __init__(self, client, task_id: int, reply: dict):
+        super().__init__(client, task_id, "load", reply)
+        self.slot = reply["slot"]
+        self.num_blocks = reply["blocks"]  # leading blocks the daemon is loading
+        self.num_layers = reply["num_layers"]
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the end of the load; returns the number of leading blocks loaded (every
+        layer in place). A failed or cancelled load returns how many are valid (0)."""
+        if self.result is None:
+            self._absorb(self.client.wait_event(self.id, timeout))
+        return int(self.result.get("loaded", 0))
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} outside [0, {self.num_layers})")
+        if self.num_blocks == 0:
+            return
+        view = self.client.signals.view
+        timeout = self.client.timeout if timeout is None else timeout
+        start = time.monotonic()
+        spins, backoff, next_check = 0, 0.00002, start + LIVENESS_EVERY_S
+        while True:
+            if view.slot_task(self.slot) == self.id:
+                done = view.slot_layers_done(self.slot)
+                if view.slot_task(self.slot) == self.id:
+                    if done > layer:
+                        return
+                    if view.slot_status(self.slot) in (SlotStatus.FAILED, SlotStatus.CANCELLED):
+                        self._raise_incomplete(layer)
+            elif self.done():  # slot reused: the task ended; its event says how
+                if self.result.get("loaded", 0) == self.num_blocks:
+                    return
+                self._raise_incomplete(layer)
+            spins += 1
+            if spins > SPIN_ITERATIONS:
+                time.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + LIVENESS_EVERY_S
+                self.client.poll_events()  # also checks that the daemon is alive
+                if now - start > timeout:
+                    raise KvcachedTimeout(
+                        f"layer {layer} of load task {self.id} not in place within {timeout:.3g} s "
+                        "(set wait_layer(timeout=...))")
+
+    def _raise_incomplete(self, layer: int) -> None:
+        loaded = self.wait(timeout=self.client.timeout)
+        raise TaskFailed(f"load task {self.id} ended ({self.status}) before layer {layer}: "
+                         f"{loaded} of {self.num_blocks} blocks valid", self.result)

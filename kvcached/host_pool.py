@@ -1,0 +1,148 @@
+"""The host tier's memory: one flat buffer carved into host blocks, and their allocator.
+
+A host block holds one device block's bytes for every layer and part. Two layouts:
+- layer_first: for each (layer, part) a contiguous region `[num_host_blocks, part_bytes]`,
+  mirroring the device (one gather/scatter per layer).
+- page_first: one contiguous page per block, (layer, part) slices inside it (one object per
+  block: the shape storage I/O wants).
+Either way each (layer, part) is a 2-D uint8 view `[num_host_blocks, part_bytes]`, only the
+strides differ, so the copy code is the same for both.
+
+CPU mode: plain RAM. CUDA mode: the buffer is registered with cudaHostRegister in chunks of at
+most 64 GiB (pinned), with progress logged.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kvcached_proto.layout import LayoutSpec
+
+log = logging.getLogger(__name__)
+
+PIN_CHUNK_BYTES = 64 << 30
+
+
+class DoubleFree(RuntimeError):
+    pass
+
+
+class BlockAllocator:
+    """O(1) alloc and free of block ids, with double-free detection.
+
+    Freed ids are pushed so that the next pops come out ascending: blocks allocated together
+    tend to be contiguous, which lets copies run as one slice instead of a gather.
+    """
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._used = bytearray(num_blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        n = min(n, len(self._free))
+        out = [self._free.pop() for _ in range(n)]
+        for b in out:
+            self._used[b] = 1
+        return out
+
+    def free(self, blocks) -> None:
+        blocks = sorted(blocks, reverse=True)
+        for b in blocks:
+            if not self._used[b]:
+                raise DoubleFree(f"host block {b} freed twice")
+        for b in blocks:
+            self._used[b] = 0
+            self._free.append(b)
+
+    def is_used(self, block: int) -> bool:
+        return bool(self._used[block])
+
+
+class HostPool:
+    def __init__(self, capacity_bytes: int, device: str, layout: str = "layer_first"):
+        self.capacity_bytes = capacity_bytes
+        self.device = device
+        self.layout = layout
+        started = time.monotonic()
+        self.buffer = torch.empty(capacity_bytes, dtype=torch.uint8)
+        self._pinned_ptr = None
+        if device.startswith("cuda"):
+            self._pin()
+        log.info("[host] %.2f GiB host pool ready in %.2f s (%s, %s)",
+                 capacity_bytes / 2**30, time.monotonic() - started, device, layout)
+        self.spec: LayoutSpec | None = None
+        self.views: list[list[torch.Tensor]] = []
+        self.allocator = BlockAllocator(0)
+        self.page_bytes = 0
+
+    def _pin(self) -> None:
+        cudart = torch.cuda.cudart()
+        ptr = self.buffer.data_ptr()
+        done = 0
+        while done < self.capacity_bytes:
+            n = min(PIN_CHUNK_BYTES, self.capacity_bytes - done)
+            err = cudart.cudaHostRegister(ptr + done, n, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister failed at offset {done}: error {int(err)}")
+            done += n
+            log.info("[host] pinned %.1f / %.1f GiB", done / 2**30, self.capacity_bytes / 2**30)
+        self._pinned_ptr = ptr
+
+    def configure(self, spec: LayoutSpec) -> bool:
+        """Carve the buffer for this layout. Returns False when the old content stays valid."""
+        if self.spec is not None and self.spec.geometry() == spec.geometry():
+            self.spec = spec
+            return False
+        self.spec = spec
+        self.page_bytes = spec.page_bytes
+        n = self.capacity_bytes // self.page_bytes
+        self.allocator = BlockAllocator(n)
+        self.views = []
+        part_bytes = [p.block_bytes for p in spec.parts]
+        offset = 0
+        for _layer in range(spec.num_layers):
+            row = []
+            for pb in part_bytes:
+                if self.layout == "layer_first":
+                    view = self.buffer[offset : offset + n * pb].view(n, pb)
+                    offset += n * pb
+                else:
+                    base = self.buffer[offset : offset + max(n - 1, 0) * self.page_bytes + pb]
+                    view = base.as_strided((n, pb), (self.page_bytes, 1))
+                    offset += pb
+                row.append(view)
+            self.views.append(row)
+        log.info("[host] %d host blocks of %d bytes (%s)", n, self.page_bytes, self.layout)
+        return True
+
+    def page(self, block: int) -> torch.Tensor:
+        """The bytes of one host block as one contiguous tensor (page_first) or None."""
+        if self.layout != "page_first":
+            raise ValueError("page() needs the page_first layout")
+        start = block * self.page_bytes
+        return self.buffer[start : start + self.page_bytes]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def used_bytes(self) -> int:
+        return (self.allocator.num_blocks - self.allocator.num_free) * self.page_bytes
+
+    def close(self) -> None:
+        if self._pinned_ptr is not None:
+            cudart = torch.cuda.cudart()
+            done = 0
+            while done < self.capacity_bytes:
+                cudart.cudaHostUnregister(self._pinned_ptr + done)
+                done += min(PIN_CHUNK_BYTES, self.capacity_bytes - done)
+            self._pinned_ptr = None
+        self.views = []

@@ -1,0 +1,202 @@
+"""Content-addressed block index: 16-byte key -> host block, with states and pins.
+
+An entry is WRITING while its bytes are copied in and READY after; READY entries with no
+readers (`refs == 0`) and no children are the only ones eviction may take, so a block being
+written or loaded is never evicted and a prefix loses its tail before its head (descendants
+before ancestors). A key's parent is the key before it in the offload that inserted it.
+
+Eviction order comes from a pluggable policy (`priority`: lower goes first) through a heap
+with lazy deletion: a heap item is live only while its sequence number matches the entry's,
+so a touch is one push (O(log n)) and stale items are skipped or compacted away.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Iterable
+
+from .policies import EvictionPolicy, make_policy
+
+WRITING = 0
+READY = 1
+
+
+class Entry:
+    __slots__ = ("key", "block", "state", "refs", "parent", "children", "live", "doomed",
+                 "seq", "last", "hits", "score")
+
+    def __init__(self, key: bytes, block: int, parent: "Entry | None"):
+        self.key = key
+        self.block = block
+        self.state = WRITING
+        self.refs = 0
+        self.parent = parent
+        self.children = 0
+        self.live = True  # False once removed from the index
+        self.doomed = False  # deleted while in use: removed when the last reader leaves
+        self.seq = -1
+        self.last = 0
+        self.hits = 0
+        self.score = 0.0
+
+
+class BlockIndex:
+    def __init__(self, policy: str | EvictionPolicy = "lru"):
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self._entries: dict[bytes, Entry] = {}
+        self._heap: list[tuple[float, int, Entry]] = []
+        self._seq = itertools.count()
+        self._clock = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def get(self, key: bytes) -> Entry | None:
+        return self._entries.get(key)
+
+    # queries --------------------------------------------------------------
+    def prefix(self, keys: Iterable[bytes], touch: bool = True) -> list[Entry]:
+        """The READY entries of the longest leading run of keys present."""
+        out = []
+        for key in keys:
+            e = self._entries.get(key)
+            if e is None or e.state != READY or e.doomed:
+                break
+            out.append(e)
+        if touch and out:
+            self._clock += 1
+            for e in out:
+                self.policy.on_access(e, self._clock)
+                self._push(e)
+        return out
+
+    def touch(self, e: Entry) -> None:
+        self._clock += 1
+        self.policy.on_access(e, self._clock)
+        self._push(e)
+
+    # updates --------------------------------------------------------------
+    def insert(self, key: bytes, block: int, parent_key: bytes | None) -> Entry:
+        if key in self._entries:
+            raise KeyError("key already indexed")
+        parent = self._entries.get(parent_key) if parent_key is not None else None
+        e = Entry(key, block, parent)
+        if parent is not None:
+            parent.children += 1
+        self._clock += 1
+        self.policy.on_insert(e, self._clock)
+        self._entries[key] = e
+        return e
+
+    def mark_ready(self, e: Entry) -> None:
+        e.state = READY
+        self._push(e)
+
+    def pin(self, entries: Iterable[Entry]) -> None:
+        for e in entries:
+            e.refs += 1
+
+    def unpin(self, entries: Iterable[Entry]) -> list[int]:
+        """Drop a reader; returns host blocks freed by doomed entries that became unused."""
+        freed = []
+        for e in entries:
+            if e.refs <= 0:
+                raise RuntimeError("unpin of an entry with no readers")
+            e.refs -= 1
+            if e.refs == 0:
+                if e.doomed and e.live:
+                    freed.append(self._remove(e))
+                else:
+                    self._push(e)
+        return freed
+
+    def discard(self, e: Entry) -> int:
+        """Remove an entry whose write failed or was cancelled; returns its host block."""
+        return self._remove(e)
+
+    def delete(self, key: bytes) -> int | None:
+        """Delete a key: now if unused (returns its block), else when its readers leave."""
+        e = self._entries.get(key)
+        if e is None:
+            return None
+        if e.refs or e.state == WRITING:
+            e.doomed = True
+            return None
+        return self._remove(e)
+
+    def evict(self, n: int) -> list[int]:
+        """Evict up to n unused leaves in policy order; returns their host blocks."""
+        freed: list[int] = []
+        while len(freed) < n and self._heap:
+            _prio, seq, e = heapq.heappop(self._heap)
+            if seq != e.seq or not self._evictable(e):
+                continue
+            freed.append(self._remove(e))
+            self.evictions += 1
+            self.policy.on_evict(e)
+        return freed
+
+    def clear(self) -> list[int]:
+        """Remove every unused entry; in-use ones are doomed. Returns the blocks freed."""
+        freed = []
+        for e in list(self._entries.values()):
+            if e.refs or e.state == WRITING:
+                e.doomed = True
+            elif e.live:
+                freed.append(self._remove(e))
+        return freed
+
+    # internals ------------------------------------------------------------
+    @staticmethod
+    def _evictable(e: Entry) -> bool:
+        return e.live and e.state == READY and e.refs == 0 and e.children == 0
+
+    def _push(self, e: Entry) -> None:
+        if not self._evictable(e):
+            return
+        e.seq = next(self._seq)
+        heapq.heappush(self._heap, (self.policy.priority(e), e.seq, e))
+        if len(self._heap) > 2 * len(self._entries) + 1024:
+            self._compact()
+
+    def _compact(self) -> None:
+        self._heap = [item for item in self._heap if item[1] == item[2].seq and self._evictable(item[2])]
+        heapq.heapify(self._heap)
+
+    def _remove(self, e: Entry) -> int:
+        del self._entries[e.key]
+        e.live = False
+        e.seq = -1
+        p = e.parent
+        if p is not None and p.live:
+            p.children -= 1
+            if p.children == 0:
+                self._push(p)
+        e.parent = None
+        return e.block
+
+    def entries(self):
+        return self._entries.values()
+
+    def check(self) -> None:
+        """Invariant walk (tests, fuzzing): raises AssertionError on any inconsistency."""
+        children: dict[int, int] = {}
+        blocks: set[int] = set()
+        for key, e in self._entries.items():
+            assert e.key == key and e.live, f"entry {key.hex()} mismatched or dead"
+            assert e.refs >= 0, f"entry {key.hex()} has negative refs"
+            assert e.block not in blocks, f"host block {e.block} indexed twice"
+            blocks.add(e.block)
+            if e.parent is not None:
+                assert e.parent.live, f"entry {key.hex()} points to a removed parent"
+                children[id(e.parent)] = children.get(id(e.parent), 0) + 1
+        for e in self._entries.values():
+            assert e.children == children.get(id(e), 0), f"entry {e.key.hex()} child count off"
+        live = {id(item[2]) for item in self._heap if item[1] == item[2].seq}
+        for e in self._entries.values():
+            if self._evictable(e):
+                assert id(e) in live, f"evictable entry {e.key.hex()} missing from the heap"

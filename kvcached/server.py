@@ -1,0 +1,322 @@
+"""The daemon: sockets, dispatch and lifecycle.
+
+One thread owns the ROUTER request socket and dispatches every request; worker threads hand
+task completions back through an inproc PULL socket, so only this thread ever writes to the
+ROUTER. The status REP socket has its own thread, so a busy data path cannot starve it.
+Signals only set the stop flag; SIGTERM, SIGINT and the `shutdown` op take one path out.
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from kvcached_proto import (
+    ErrorCode,
+    Op,
+    ProtocolError,
+    decode,
+    encode,
+    error_reply,
+    ok_reply,
+    parse_request,
+)
+from kvcached_proto.liveness import pid_alive
+from kvcached_proto.paths import lock_path, request_endpoint, socket_paths, status_endpoint
+from kvcached_proto.shm_layout import Flag, State
+from kvcached_proto.version import PROTOCOL_VERSION
+
+from . import __version__
+from .config import DaemonConfig, prepare_run_dir
+from .errors import OpError, StartupError
+from .events import EventSink
+from .service import CacheService
+from .signals import SignalSegment
+from .status import StatusThread
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 50
+CLIENT_REAP_PERIOD_S = 0.25
+MAX_BATCH = 256  # requests handled per wake before events get their turn
+RECV_MAX_BYTES = 64 << 20  # zmq drops a peer that sends more; 8..64 MiB get FRAME_TOO_LARGE
+
+
+@dataclass
+class ClientInfo:
+    client_id: str
+    routing_id: bytes
+    pid: int
+    name: str
+    connected_ns: int
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig):
+        self.cfg = config
+        self.started_ns = time.monotonic_ns()
+        self.stop_requested = threading.Event()
+        self.clients: dict[bytes, ClientInfo] = {}
+        self._lock_fd: int | None = None
+        self._ctx: zmq.Context | None = None
+        self._router: zmq.Socket | None = None
+        self.events: EventSink | None = None
+        self.signals: SignalSegment | None = None
+        self.service: CacheService | None = None
+        self._status_thread: StatusThread | None = None
+        self._handlers = {
+            Op.HELLO: self._op_hello,
+            Op.PING: lambda ident, req: {},
+            Op.STATUS: lambda ident, req: {"status": self.status()},
+            Op.SHUTDOWN: self._op_shutdown,
+            Op.BYE: self._op_bye,
+        }
+
+    # lifecycle ------------------------------------------------------------
+    def serve(self) -> int:
+        """Run until shutdown; returns the process exit code."""
+        try:
+            self._start()
+        except BaseException:
+            self._close()
+            raise
+        try:
+            self._loop()
+        finally:
+            self._close()
+        return 0
+
+    def _start(self) -> None:
+        cfg = self.cfg
+        os.umask(0o077)  # socket files and anything else we create: owner only
+        prepare_run_dir(cfg.run_dir)
+        self._take_instance_lock()
+        self._sweep_socket_files()
+        self.signals = SignalSegment(cfg.instance)
+        self._ctx = zmq.Context(io_threads=1)
+        self.events = EventSink()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, RECV_MAX_BYTES)
+        self._router.setsockopt(zmq.RCVHWM, 10000)
+        self._router.setsockopt(zmq.SNDHWM, 100000)
+        self._router.bind(request_endpoint(cfg.run_dir, cfg.instance))
+        for endpoint in cfg.listen:
+            self._router.bind(endpoint)
+        self.service = CacheService(cfg, self.signals, self.events)
+        self._status_thread = StatusThread(
+            self._ctx, status_endpoint(cfg.run_dir, cfg.instance), self.status
+        )
+        self._status_thread.start()
+        self._install_signal_handlers()
+        self.signals.set_state(State.NORMAL)
+        self.signals.set_flag(Flag.UP)
+        log.info(
+            "[startup] instance %s ready: pid %d epoch %x run dir %s device %s",
+            cfg.instance, os.getpid(), self.signals.epoch, cfg.run_dir, cfg.device,
+        )
+
+    def _take_instance_lock(self) -> None:
+        path = lock_path(self.cfg.run_dir, self.cfg.instance)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise StartupError(
+                f"instance {self.cfg.instance!r} is already running in {self.cfg.run_dir} "
+                f"(pid {owner or 'unknown'}); stop it first or pick another --instance"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def _sweep_socket_files(self) -> None:
+        # We hold the instance lock, so any socket file left here belongs to a dead daemon.
+        for path in socket_paths(self.cfg.run_dir, self.cfg.instance):
+            if os.path.exists(path):
+                log.warning("[startup] removing stale socket %s", path)
+                os.unlink(path)
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        def request_stop(signum, _frame):
+            self.stop_requested.set()
+        signal.signal(signal.SIGTERM, request_stop)
+        signal.signal(signal.SIGINT, request_stop)
+
+    def _close(self) -> None:
+        """Graceful stop: refuse new work, drain tasks, remove sockets, unlink shm.
+
+        Every step runs even if an earlier one fails; the first failure is re-raised at the end.
+        """
+        errors: list[BaseException] = []
+        for step in (self._close_service, self._close_sockets, self._close_files):
+            try:
+                step()
+            except BaseException as exc:
+                log.exception("[shutdown] %s failed", step.__name__)
+                errors.append(exc)
+        log.info("[shutdown] instance %s stopped", self.cfg.instance)
+        if errors:
+            raise errors[0]
+
+    def _close_service(self) -> None:
+        if self.signals is not None:
+            self.signals.set_state(State.STOPPING)
+        if self.service is not None:
+            service, self.service = self.service, None
+            service.close()
+
+    def _close_sockets(self) -> None:
+        if self._status_thread is not None:
+            self._status_thread.stop()
+            self._status_thread = None
+        if self.events is not None:
+            self.events.close()
+        if self._router is not None:
+            self._router.close(linger=0)
+            self._router = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def _close_files(self) -> None:
+        if self._lock_fd is None:
+            return  # we never owned this instance's files: leave them to their owner
+        for path in socket_paths(self.cfg.run_dir, self.cfg.instance):
+            if os.path.exists(path):
+                os.unlink(path)
+        if self.signals is not None:
+            self.signals.close()
+            self.signals = None
+        if self._lock_fd is not None:
+            os.unlink(lock_path(self.cfg.run_dir, self.cfg.instance))
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # main loop ------------------------------------------------------------
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self.events.pull, zmq.POLLIN)
+        next_reap = time.monotonic() + CLIENT_REAP_PERIOD_S
+        while not self.stop_requested.is_set():
+            ready = dict(poller.poll(POLL_MS))
+            if self._router in ready:
+                for _ in range(MAX_BATCH):
+                    try:
+                        frames = self._router.recv_multipart(zmq.NOBLOCK, copy=True)
+                    except zmq.Again:
+                        break
+                    self._handle(frames)
+            if self.events.pull in ready:
+                self._forward_events()
+            if time.monotonic() >= next_reap:
+                self._reap_dead_clients()
+                next_reap = time.monotonic() + CLIENT_REAP_PERIOD_S
+
+    def _forward_events(self) -> None:
+        for routing_id, payload in self.events.drain():
+            try:
+                self._router.send_multipart([routing_id, payload], zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("[events] send queue of a client is full; event dropped")
+
+    def _handle(self, frames: list[bytes]) -> None:
+        routing_id, body = frames[0], frames[1:]
+        rid = 0
+        try:
+            if len(body) != 1:
+                raise ProtocolError(ErrorCode.BAD_FRAME, f"expected one frame, got {len(body)}")
+            msg = decode(body[0])
+            if isinstance(msg.get("rid"), int) and not isinstance(msg.get("rid"), bool):
+                rid = msg["rid"] if 0 <= msg["rid"] < 2**64 else 0
+            req = parse_request(msg)
+            reply = ok_reply(rid, **self._dispatch(routing_id, req))
+        except ProtocolError as exc:
+            reply = error_reply(rid, exc.code, exc.message)
+        except OpError as exc:
+            reply = error_reply(rid, exc.code, exc.message)
+        except Exception as exc:  # a bug: report it to the caller and keep serving others
+            log.exception("[dispatch] internal error")
+            reply = error_reply(rid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        self._router.send_multipart([routing_id, encode(reply)])
+
+    def _dispatch(self, routing_id: bytes, req) -> dict:
+        handler = self._handlers.get(req.op)
+        if handler is not None:
+            return handler(routing_id, req)
+        client = self.clients.get(routing_id)
+        if client is None:
+            raise OpError(ErrorCode.NOT_HELLO, f"{req.op.name.lower()} before hello")
+        if self.stop_requested.is_set():
+            raise OpError(ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
+        return self.service.handle(client, req)
+
+    # lifecycle ops --------------------------------------------------------
+    def _op_hello(self, routing_id: bytes, req) -> dict:
+        old = self.clients.get(routing_id)
+        if old is not None and old.client_id != req.client:
+            self.service.drop_client(old)
+        self.clients[routing_id] = ClientInfo(
+            req.client, routing_id, req.body["pid"], req.body["name"], time.monotonic_ns()
+        )
+        log.info("[handshake] client %s (pid %d %s)", req.client, req.body["pid"], req.body["name"])
+        return {
+            "daemon_version": __version__,
+            "protocol_version": list(PROTOCOL_VERSION),
+            "instance": self.cfg.instance,
+            "epoch": self.signals.epoch,
+            "pid": os.getpid(),
+            "device": self.cfg.device,
+            "shm": self.signals.name,
+            "capabilities": self.service.capabilities(),
+        }
+
+    def _op_shutdown(self, routing_id: bytes, req) -> dict:
+        log.info("[shutdown] requested by client %s", req.client)
+        self.stop_requested.set()
+        return {}
+
+    def _op_bye(self, routing_id: bytes, req) -> dict:
+        client = self.clients.pop(routing_id, None)
+        if client is not None:
+            log.info("[clients] client %s said bye", client.client_id)
+            self.service.drop_client(client)
+        return {}
+
+    def _reap_dead_clients(self) -> None:
+        for routing_id, client in list(self.clients.items()):
+            if not pid_alive(client.pid):
+                log.warning("[clients] client %s (pid %d) is gone; releasing its work",
+                            client.client_id, client.pid)
+                del self.clients[routing_id]
+                self.service.drop_client(client)
+
+    # status ---------------------------------------------------------------
+    def status(self) -> dict:
+        sig = self.signals
+        status = {
+            "instance": self.cfg.instance,
+            "pid": os.getpid(),
+            "epoch": sig.epoch if sig else 0,
+            "state": sig.state.name.lower() if sig else "stopping",
+            "protocol_version": list(PROTOCOL_VERSION),
+            "daemon_version": __version__,
+            "uptime_s": round((time.monotonic_ns() - self.started_ns) / 1e9, 3),
+            "device": self.cfg.device,
+            "run_dir": self.cfg.run_dir,
+            "clients": len(self.clients),
+        }
+        if self.service is not None:
+            status.update(self.service.status())
+        return status

@@ -1,0 +1,431 @@
+"""The cache service: the data-path ops on top of KV registration, host pool, index and copies.
+
+Called from the server thread (ops) and from the transfer workers (completions); one lock
+guards the index, the allocator and the task table, and is never held during a copy.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+
+import numpy as np
+import torch
+
+from kvcached_proto import ErrorCode, Op, task_event
+from kvcached_proto.layout import parse_layout
+from kvcached_proto.shm_layout import NUM_SLOTS, Flag, SlotStatus, State
+
+from .config import DaemonConfig
+from .errors import OpError
+from .host_pool import HostPool
+from .index import BlockIndex
+from .kv import KVRegistration
+from .transfer import LOAD, OFFLOAD, SPLIT_BLOCKS, Copier, CopyTask, TransferWorker, host_runs
+
+log = logging.getLogger(__name__)
+
+DRAIN_TIMEOUT_S = 30.0
+
+
+class TaskCounters:
+    def __init__(self):
+        self.completed = 0
+        self.failed = 0
+        self.cancelled = 0
+        self.bytes = {"d2h": 0, "h2d": 0}
+
+
+class CacheService:
+    def __init__(self, cfg: DaemonConfig, signals, events):
+        self.cfg = cfg
+        self.signals = signals
+        self.events = events
+        self._lock = threading.RLock()
+        self.pool = HostPool(cfg.host_cache_bytes, cfg.device, cfg.host_layout)
+        signals.set_flag(Flag.HOST_POOL_READY)
+        self.index = BlockIndex(cfg.eviction)
+        self.kv: KVRegistration | None = None
+        self.copier: Copier | None = None
+        self.tasks: dict[int, CopyTask] = {}
+        self._task_ids = itertools.count(1)
+        self._slot_cursor = 0
+        self._slots_busy: set[int] = set()
+        self.counters = TaskCounters()
+        self.hits = {"lookups": 0, "keys": 0, "host_hits": 0}
+        self.loader = TransferWorker(LOAD, self._run_loads, self._batch_failed)
+        self.offloader = TransferWorker(OFFLOAD, self._run_offloads, self._batch_failed)
+        self.loader.start()
+        self.offloader.start()
+        self._handlers = {
+            Op.REGISTER_KV: self._register_kv,
+            Op.UNREGISTER_KV: self._unregister_kv,
+            Op.OFFLOAD: self._offload,
+            Op.LOOKUP: self._lookup,
+            Op.LOAD: self._load,
+            Op.CANCEL: self._cancel,
+            Op.DELETE: self._delete,
+            Op.CLEAR: self._clear,
+            Op.PAUSE: self._pause,
+            Op.RESUME: self._resume,
+        }
+
+    # dispatch -------------------------------------------------------------
+    def handle(self, client, req) -> dict:
+        if req.op in (Op.OFFLOAD, Op.LOAD) and self.kv is None:
+            raise OpError(ErrorCode.NOT_REGISTERED, f"{req.op.name.lower()} before register_kv")
+        return self._handlers[req.op](client, req)
+
+    def capabilities(self) -> list[str]:
+        caps = ["layerwise_load", "host_tier", f"host_layout:{self.cfg.host_layout}"]
+        caps.append("cuda_ipc" if self.cfg.device.startswith("cuda") else "cpu_shm")
+        return caps
+
+    # registration ---------------------------------------------------------
+    def _register_kv(self, client, req) -> dict:
+        spec = parse_layout(req.body["layout"])
+        if spec.device.split(":")[0] != self.cfg.device.split(":")[0]:
+            raise OpError(ErrorCode.KV_MISMATCH,
+                          f"KV on {spec.device} but the daemon serves {self.cfg.device}")
+        if spec.page_bytes > self.pool.capacity_bytes:
+            raise OpError(ErrorCode.KV_MISMATCH,
+                          f"one block across layers is {spec.page_bytes} bytes, more than the "
+                          f"host pool ({self.pool.capacity_bytes}); raise --host-cache-gb")
+        reg = KVRegistration(spec, client.client_id)  # maps or raises, changing nothing
+        self._drain("register_kv")
+        try:
+            with self._lock:
+                old, self.kv = self.kv, reg
+                if self.pool.configure(spec):
+                    self.index = BlockIndex(self.cfg.eviction)  # new geometry: old blocks are void
+                    kept = 0
+                else:
+                    kept = len(self.index)
+                self.copier = Copier(reg.views, self.pool.views)
+            if old is not None:
+                old.close()
+        finally:
+            self._undrain()
+        self.signals.set_flag(Flag.KV_REGISTERED)
+        log.info("[kv] %s registered %d layers x %d parts, %d device blocks; %d host blocks kept",
+                 client.client_id, spec.num_layers, len(spec.parts), spec.num_blocks, kept)
+        return {"host_blocks": self.pool.num_blocks, "kept_blocks": kept,
+                "page_bytes": spec.page_bytes, "num_slots": NUM_SLOTS}
+
+    def _unregister_kv(self, client, req) -> dict:
+        if self.kv is None:
+            raise OpError(ErrorCode.NOT_REGISTERED, "no KV is registered")
+        self._drain("unregister_kv")
+        try:
+            with self._lock:
+                old, self.kv, self.copier = self.kv, None, None
+            old.close()
+        finally:
+            self._undrain()
+        self.signals.set_flag(Flag.KV_REGISTERED, False)
+        return {}
+
+    # data ops -------------------------------------------------------------
+    def _check_blocks(self, blocks: np.ndarray) -> None:
+        if len(blocks) and int(blocks.max()) >= self.kv.spec.num_blocks:
+            raise OpError(ErrorCode.BAD_FIELD,
+                          f"blocks: id {int(blocks.max())} >= {self.kv.spec.num_blocks} device blocks")
+
+    def _check_queue(self) -> None:
+        if self.loader.queued + self.offloader.queued >= self.cfg.max_queued_tasks:
+            raise OpError(ErrorCode.BUSY, f"{self.cfg.max_queued_tasks} tasks queued "
+                          "(--max-queued-tasks); retry later")
+
+    def _lookup(self, client, req) -> dict:
+        with self._lock:
+            hit = len(self.index.prefix(req.body["keys"]))
+            self.hits["lookups"] += 1
+            self.hits["keys"] += len(req.body["keys"])
+            self.hits["host_hits"] += hit
+        return {"host": hit, "storage": 0}
+
+    def _offload(self, client, req) -> dict:
+        keys, blocks = req.body["keys"], req.body["blocks"]
+        self._check_blocks(blocks)
+        self._check_queue()
+        with self._lock:
+            new_pos, host_ids, entries, held = [], [], [], []
+            accepted = len(keys)
+            for i, key in enumerate(keys):
+                present = self.index.get(key)
+                if present is not None:
+                    # hold it while we allocate, so eviction cannot cut the chain we extend
+                    self.index.touch(present)
+                    self.index.pin([present])
+                    held.append(present)
+                    continue
+                got = self._alloc_host(1)
+                if not got:
+                    accepted = i  # pool full of blocks in use: keep the leading ones only
+                    break
+                entries.append(self.index.insert(key, got[0], keys[i - 1] if i else None))
+                new_pos.append(i)
+                host_ids.append(got[0])
+            self.pool.allocator.free(self.index.unpin(held))
+            task = self._new_task(OFFLOAD, client, req, blocks[new_pos], host_ids, entries)
+        if entries:
+            self.offloader.submit(task)
+        else:
+            self._finish(task, "done", {"stored": 0})
+        return {"task": task.task_id, "stored": len(entries), "skipped": len(held),
+                "accepted": accepted}
+
+    def _load(self, client, req) -> dict:
+        keys, blocks = req.body["keys"], req.body["blocks"]
+        self._check_blocks(blocks)
+        self._check_queue()
+        with self._lock:
+            slot = self._take_slot()
+            entries = self.index.prefix(keys)
+            self.index.pin(entries)
+            n = len(entries)
+            host_ids = [e.block for e in entries]
+            task = self._new_task(LOAD, client, req, blocks[:n], host_ids, entries)
+            task.slot = slot
+        self.signals.slot_begin(slot, task.task_id, self.kv.spec.num_layers)
+        if n:
+            self.loader.submit(task)
+        else:
+            self._finish(task, "done", {"loaded": 0})
+        return {"task": task.task_id, "slot": slot, "blocks": n,
+                "num_layers": self.kv.spec.num_layers}
+
+    def _new_task(self, kind, client, req, dev_blocks, host_ids, entries) -> CopyTask:
+        task = CopyTask(next(self._task_ids), kind, client.client_id, client.routing_id,
+                        req.body.get("priority", 0), np.asarray(dev_blocks, dtype=np.int64),
+                        np.asarray(host_ids, dtype=np.int64), entries)
+        self.tasks[task.task_id] = task
+        return task
+
+    def _take_slot(self) -> int:
+        for _ in range(NUM_SLOTS):
+            slot = self._slot_cursor
+            self._slot_cursor = (self._slot_cursor + 1) % NUM_SLOTS
+            if slot not in self._slots_busy:
+                self._slots_busy.add(slot)
+                return slot
+        raise OpError(ErrorCode.BUSY, f"all {NUM_SLOTS} load-progress slots are in use; retry later")
+
+    def _alloc_host(self, n: int) -> list[int]:
+        got = self.pool.allocator.alloc(n)
+        if len(got) < n:
+            self.pool.allocator.free(self.index.evict(n - len(got)))
+            got += self.pool.allocator.alloc(n - len(got))
+        return got
+
+    def _cancel(self, client, req) -> dict:
+        task_id = req.body["task"]
+        with self._lock:
+            task = self.tasks.get(task_id)
+            if task is None or task.client_id != client.client_id:
+                raise OpError(ErrorCode.UNKNOWN_TASK, f"task {task_id} is not a live task of this client")
+            task.cancelled = True
+        worker = self.loader if task.kind == LOAD else self.offloader
+        if worker.remove_queued(lambda t: t is task):
+            self._finish_cancelled([task])
+            return {"state": "cancelled"}
+        return {"state": "finishing"}  # in flight: it stops at the next layer or chunk
+
+    def _delete(self, client, req) -> dict:
+        deleted = 0
+        with self._lock:
+            for key in req.body["keys"]:
+                block = self.index.delete(key)
+                if block is not None:
+                    self.pool.allocator.free([block])
+                    deleted += 1
+        return {"deleted": deleted}
+
+    def _clear(self, client, req) -> dict:
+        weights = req.body["weights_update"]
+        prior = self.signals.state
+        if weights:
+            self.signals.set_state(State.CLEARING)
+        self._drain("clear", cancel_queued=True)
+        try:
+            with self._lock:
+                freed = self.index.clear()
+                self.pool.allocator.free(freed)
+        finally:
+            self._undrain()
+        self.signals.set_state(State.CLEARED if weights else prior)
+        log.info("[clear] %d host blocks dropped (tier %s, weights_update=%s)",
+                 len(freed), req.body["tier"], weights)
+        return {"cleared": len(freed)}
+
+    def _pause(self, client, req) -> dict:
+        self._drain("pause", undrain_on_timeout=True)
+        self.signals.set_state(State.PAUSED)
+        return {}
+
+    def _resume(self, client, req) -> dict:
+        self._undrain()
+        self.signals.set_state(State.NORMAL)
+        return {}
+
+    def _drain(self, why: str, cancel_queued: bool = False, undrain_on_timeout: bool = True) -> None:
+        ok = self.loader.pause(DRAIN_TIMEOUT_S) and self.offloader.pause(DRAIN_TIMEOUT_S)
+        if not ok:
+            if undrain_on_timeout:
+                self._undrain()
+            raise OpError(ErrorCode.BUSY, f"{why}: in-flight copies did not drain in {DRAIN_TIMEOUT_S} s")
+        if cancel_queued:
+            for worker in (self.loader, self.offloader):
+                self._finish_cancelled(worker.remove_queued(lambda t: True))
+
+    def _undrain(self) -> None:
+        self.loader.resume()
+        self.offloader.resume()
+
+    # execution (worker threads) ------------------------------------------
+    def _run_offloads(self, batch: list[CopyTask]) -> None:
+        for task in batch:
+            task.started_ns = time.monotonic_ns()
+            dev_all = torch.from_numpy(task.dev_blocks)
+            for start in range(0, task.num_blocks, SPLIT_BLOCKS):
+                if task.cancelled:
+                    break
+                end = min(start + SPLIT_BLOCKS, task.num_blocks)
+                host_ids = task.host_blocks[start:end]
+                runs = host_runs(host_ids)
+                for layer in range(self.kv.spec.num_layers):
+                    task.bytes_moved += self.copier.offload_layer(layer, dev_all[start:end], host_ids, runs)
+            self._complete_offload(task)
+
+    def _run_loads(self, batch: list[CopyTask]) -> None:
+        num_layers = self.kv.spec.num_layers
+        plans = []
+        for task in batch:
+            task.started_ns = time.monotonic_ns()
+            plans.append((task, torch.from_numpy(task.dev_blocks), host_runs(task.host_blocks)))
+        for layer in range(num_layers):
+            for task, dev_ids, runs in plans:
+                if task.cancelled:
+                    continue
+                task.bytes_moved += self.copier.load_layer(layer, dev_ids, task.host_blocks, runs)
+                self.signals.slot_layer_done(task.slot, layer + 1)
+        for task, _, _ in plans:
+            self._complete_load(task)
+
+    def _complete_offload(self, task: CopyTask) -> None:
+        with self._lock:
+            if task.cancelled:
+                freed = [self.index.discard(e) for e in task.entries]
+                self.pool.allocator.free(freed)
+            else:
+                freed = []
+                for e in task.entries:
+                    if e.doomed:
+                        freed.append(self.index.discard(e))
+                    else:
+                        self.index.mark_ready(e)
+                self.pool.allocator.free(freed)
+                self.counters.bytes["d2h"] += task.bytes_moved
+        if task.cancelled:
+            self._finish(task, "cancelled", {"stored": 0})
+        else:
+            self._finish(task, "done", {"stored": task.num_blocks})
+
+    def _complete_load(self, task: CopyTask) -> None:
+        loaded = 0 if task.cancelled else task.num_blocks
+        with self._lock:
+            self.pool.allocator.free(self.index.unpin(task.entries))
+            self.counters.bytes["h2d"] += task.bytes_moved
+        self._finish(task, "cancelled" if task.cancelled else "done", {"loaded": loaded})
+
+    def _batch_failed(self, batch: list[CopyTask], exc: BaseException) -> None:
+        for task in batch:
+            if task.task_id not in self.tasks:
+                continue  # completed before the failure
+            with self._lock:
+                if task.kind == LOAD:
+                    self.pool.allocator.free(self.index.unpin(task.entries))
+                else:
+                    self.pool.allocator.free([self.index.discard(e) for e in task.entries if e.live])
+            result = {"loaded": 0} if task.kind == LOAD else {"stored": 0}
+            result["error"] = f"{type(exc).__name__}: {exc}"
+            self._finish(task, "failed", result)
+
+    def _finish_cancelled(self, tasks: list[CopyTask]) -> None:
+        for task in tasks:
+            task.cancelled = True
+            if task.kind == LOAD:
+                self._complete_load(task)
+            else:
+                self._complete_offload(task)
+
+    def _finish(self, task: CopyTask, status: str, result: dict) -> None:
+        with self._lock:
+            if self.tasks.pop(task.task_id, None) is None:
+                return
+            if status == "done":
+                self.counters.completed += 1
+            elif status == "failed":
+                self.counters.failed += 1
+            else:
+                self.counters.cancelled += 1
+            if task.slot >= 0:
+                slot_status = {"done": SlotStatus.DONE, "failed": SlotStatus.FAILED}.get(
+                    status, SlotStatus.CANCELLED)
+                self.signals.slot_finish(task.slot, slot_status, result.get("loaded", 0))
+                self._slots_busy.discard(task.slot)
+        result["blocks"] = task.num_blocks
+        result["bytes"] = task.bytes_moved
+        self.events.emit(task.routing_id, task_event(task.task_id, status, result))
+
+    # clients and lifecycle -------------------------------------------------
+    def drop_client(self, client) -> None:
+        """A client left or died: cancel its queued tasks; in-flight ones end at the next layer."""
+        mine = lambda t: t.client_id == client.client_id  # noqa: E731
+        with self._lock:
+            for task in self.tasks.values():
+                if mine(task):
+                    task.cancelled = True
+        for worker in (self.loader, self.offloader):
+            self._finish_cancelled(worker.remove_queued(mine))
+
+    def status(self) -> dict:
+        with self._lock:
+            kv = self.kv
+            return {
+                "host": {
+                    "capacity_bytes": self.pool.capacity_bytes,
+                    "used_bytes": self.pool.used_bytes,
+                    "blocks": len(self.index),
+                    "capacity_blocks": self.pool.num_blocks,
+                    "layout": self.cfg.host_layout,
+                    "evictions": self.index.evictions,
+                },
+                "kv": {
+                    "registered": kv is not None,
+                    "owner": kv.owner if kv else None,
+                    "num_layers": kv.spec.num_layers if kv else 0,
+                    "num_blocks": kv.spec.num_blocks if kv else 0,
+                    "page_bytes": kv.spec.page_bytes if kv else 0,
+                },
+                "storage": [],
+                "tasks": {
+                    "queued": self.loader.queued + self.offloader.queued,
+                    "inflight": len(self.tasks) - self.loader.queued - self.offloader.queued,
+                    "completed": self.counters.completed,
+                    "failed": self.counters.failed,
+                    "cancelled": self.counters.cancelled,
+                },
+                "bytes": dict(self.counters.bytes),
+                "lookups": dict(self.hits),
+            }
+
+    def close(self) -> None:
+        self.loader.stop()
+        self.offloader.stop()
+        with self._lock:
+            if self.kv is not None:
+                self.kv.close()
+                self.kv = None
+        self.pool.close()

@@ -1,0 +1,128 @@
+"""The daemon's side of the shared-memory signal segment (layout: kvcached_proto.shm_layout).
+
+The daemon is the only writer and the only one that unlinks. A segment left by a daemon that
+died is swept at start, after checking that its recorded pid is gone.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+import threading
+import time
+
+import posix_ipc
+
+from kvcached_proto.shm_layout import (
+    MAGIC,
+    SEGMENT_BYTES,
+    Flag,
+    SignalView,
+    SlotStatus,
+    State,
+    segment_name,
+)
+
+from .errors import StartupError
+from kvcached_proto.liveness import pid_alive
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_PERIOD_S = 0.05
+
+
+def _owner_of_existing(name: str) -> int | None:
+    """pid recorded in an existing segment, 0 when it has no valid header, None when absent."""
+    try:
+        shm = posix_ipc.SharedMemory(name, flags=0)
+    except posix_ipc.ExistentialError:
+        return None
+    try:
+        if shm.size < SEGMENT_BYTES:
+            return 0
+        with mmap.mmap(shm.fd, SEGMENT_BYTES, prot=mmap.PROT_READ) as mm:
+            view = SignalView(mm)
+            try:
+                return view.pid if view.magic == MAGIC else 0
+            finally:
+                view.release()
+    finally:
+        shm.close_fd()
+
+
+class SignalSegment:
+    """Creates the segment (O_EXCL, 0600), keeps the heartbeat, and unlinks it on close."""
+
+    def __init__(self, instance: str):
+        self.name = segment_name(os.getuid(), instance)
+        self.epoch = secrets.randbits(63) | 1
+        self._sweep_stale()
+        try:
+            shm = posix_ipc.SharedMemory(
+                self.name, flags=posix_ipc.O_CREX, mode=0o600, size=SEGMENT_BYTES
+            )
+        except posix_ipc.ExistentialError:
+            raise StartupError(f"shared-memory segment {self.name} appeared while starting") from None
+        try:
+            self._mm = mmap.mmap(shm.fd, SEGMENT_BYTES)
+        finally:
+            shm.close_fd()
+        self.view = SignalView(self._mm)
+        self.view.init_header(os.getpid(), self.epoch)
+        self.view.set_heartbeat(time.monotonic_ns())
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="kvcached-heartbeat", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    def _sweep_stale(self) -> None:
+        owner = _owner_of_existing(self.name)
+        if owner is None:
+            return
+        if owner and owner != os.getpid() and pid_alive(owner):
+            raise StartupError(
+                f"instance already running: segment {self.name} belongs to live pid {owner}"
+            )
+        log.warning("[startup] sweeping stale segment %s (owner pid %s is gone)", self.name, owner)
+        try:
+            posix_ipc.unlink_shared_memory(self.name)
+        except posix_ipc.ExistentialError:
+            pass  # another starter swept it first; O_CREX below settles who wins
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_PERIOD_S):
+            self.view.set_heartbeat(time.monotonic_ns())
+
+    def set_flag(self, flag: Flag, on: bool = True) -> None:
+        self.view.set_flag(flag, on)
+
+    def set_state(self, state: State) -> None:
+        self.view.set_state(state)
+
+    @property
+    def state(self) -> State:
+        return self.view.state
+
+    def slot_begin(self, slot: int, task_id: int, num_layers: int) -> None:
+        self.view.slot_begin(slot, task_id, num_layers)
+
+    def slot_layer_done(self, slot: int, layers_done: int) -> None:
+        self.view.slot_layer_done(slot, layers_done)
+
+    def slot_finish(self, slot: int, status: SlotStatus, blocks_valid: int) -> None:
+        self.view.slot_finish(slot, status, blocks_valid)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._thread.join(timeout=1.0)
+        self.view.set_flag(Flag.UP, False)
+        self.view.release()
+        self._mm.close()
+        try:
+            posix_ipc.unlink_shared_memory(self.name)
+        except posix_ipc.ExistentialError:
+            log.warning("[shutdown] segment %s was already gone", self.name)

@@ -1,0 +1,43 @@
+"""kvcached_proto: the wire protocol shared by the kvcached daemon and its clients."""
+from .codec import (
+    KEY_BYTES,
+    MAX_BLOCKS_PER_REQUEST,
+    MAX_FRAME_BYTES,
+    MAX_KEYS_PER_REQUEST,
+    decode,
+    encode,
+    pack_block_ids,
+    pack_keys,
+    unpack_block_ids,
+    unpack_keys,
+)
+from .errors import (
+    Busy,
+    DaemonUnavailable,
+    KvcachedError,
+    KvcachedTimeout,
+    ProtocolError,
+    RequestError,
+    TaskFailed,
+    request_error,
+)
+from .messages import (
+    OP_SPECS,
+    Request,
+    error_reply,
+    make_request,
+    ok_reply,
+    parse_request,
+    task_event,
+)
+from .ops import ErrorCode, Op
+from .version import PROTOCOL_VERSION
+
+__all__ = [
+    "KEY_BYTES", "MAX_BLOCKS_PER_REQUEST", "MAX_FRAME_BYTES", "MAX_KEYS_PER_REQUEST",
+    "decode", "encode", "pack_block_ids", "pack_keys", "unpack_block_ids", "unpack_keys",
+    "Busy", "DaemonUnavailable", "KvcachedError", "KvcachedTimeout", "ProtocolError",
+    "RequestError", "TaskFailed", "request_error", "OP_SPECS", "Request", "error_reply",
+    "make_request", "ok_reply", "parse_request", "task_event", "ErrorCode", "Op",
+    "PROTOCOL_VERSION",
+]

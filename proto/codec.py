@@ -1,0 +1,92 @@
+"""Frame encoding: msgpack maps with size limits, packed keys and block ids.
+
+No pickle anywhere: msgpack with `raw=False, strict_map_key=True` and explicit length limits.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import msgpack
+import numpy as np
+
+from .errors import ProtocolError
+from .ops import ErrorCode
+
+KEY_BYTES = 16
+MAX_FRAME_BYTES = 8 << 20  # 8 MiB: 64 Ki keys (1 MiB) plus block ids with room to spare
+MAX_KEYS_PER_REQUEST = 65536
+MAX_BLOCKS_PER_REQUEST = 65536
+MAX_STR_BYTES = 4096
+MAX_CONTAINER_ITEMS = 4096  # arrays and maps inside a frame (layouts, status tables)
+
+_BLOCK_DTYPE = np.dtype("<i4")
+
+
+def encode(message: dict) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def decode(frame: bytes) -> dict:
+    """Decode one frame into a map, or raise ProtocolError (BAD_FRAME / FRAME_TOO_LARGE)."""
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(
+            ErrorCode.FRAME_TOO_LARGE, f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}"
+        )
+    try:
+        obj = msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=MAX_FRAME_BYTES,
+            max_str_len=MAX_STR_BYTES,
+            max_array_len=MAX_CONTAINER_ITEMS,
+            max_map_len=MAX_CONTAINER_ITEMS,
+            max_ext_len=0,
+        )
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"not a msgpack frame: {exc}") from None
+    except Exception as exc:  # msgpack raises a few other types on garbage (e.g. UnicodeDecodeError)
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"not a msgpack frame: {type(exc).__name__}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"frame is a {type(obj).__name__}, not a map")
+    return obj
+
+
+def pack_keys(keys: Iterable[bytes]) -> bytes:
+    keys = list(keys)
+    for i, k in enumerate(keys):
+        if not isinstance(k, (bytes, bytearray)) or len(k) != KEY_BYTES:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"keys[{i}] is not a {KEY_BYTES}-byte digest")
+    return b"".join(bytes(k) for k in keys)
+
+
+def unpack_keys(blob: bytes, field: str = "keys") -> list[bytes]:
+    if len(blob) % KEY_BYTES:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD, f"{field}: {len(blob)} bytes is not a multiple of {KEY_BYTES}"
+        )
+    n = len(blob) // KEY_BYTES
+    if n > MAX_KEYS_PER_REQUEST:
+        raise ProtocolError(ErrorCode.TOO_MANY_ITEMS, f"{field}: {n} keys > {MAX_KEYS_PER_REQUEST}")
+    return [blob[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(n)]
+
+
+def pack_block_ids(block_ids: Sequence[int] | np.ndarray) -> bytes:
+    arr = np.asarray(block_ids)
+    if arr.ndim != 1:
+        raise ProtocolError(ErrorCode.BAD_FIELD, "block ids must be one-dimensional")
+    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
+        raise ProtocolError(ErrorCode.BAD_FIELD, "block ids must fit in int32 and be >= 0")
+    return arr.astype(_BLOCK_DTYPE, copy=False).tobytes()
+
+
+def unpack_block_ids(blob: bytes, field: str = "blocks") -> np.ndarray:
+    if len(blob) % 4:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{field}: {len(blob)} bytes is not a multiple of 4")
+    n = len(blob) // 4
+    if n > MAX_BLOCKS_PER_REQUEST:
+        raise ProtocolError(ErrorCode.TOO_MANY_ITEMS, f"{field}: {n} blocks > {MAX_BLOCKS_PER_REQUEST}")
+    arr = np.frombuffer(blob, dtype=_BLOCK_DTYPE).astype(np.int64)
+    if n and arr.min() < 0:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{field}: negative block id")
+    return arr

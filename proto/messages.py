@@ -1,0 +1,213 @@
+"""Message types: the header, each op's typed fields, and their validation.
+
+A request is one msgpack map: header fields `proto` ([major, minor]), `op` (int), `rid` (int)
+and `client` (str), plus the op's body fields. `parse_request` checks every field before
+anything executes and raises ProtocolError naming the bad field.
+
+A reply is `{"rid", "ok": True, ...fields}` or `{"rid", "ok": False, "error": {"code",
+"name", "message"}}`. A task event is `{"event": "task", "task", "status", "result"}`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .codec import MAX_STR_BYTES, unpack_block_ids, unpack_keys
+from .errors import ProtocolError
+from .ops import ErrorCode, Op
+from .version import PROTOCOL_VERSION
+
+INT32_MAX = 2**31 - 1
+UINT64_MAX = 2**64 - 1
+TIERS = ("host", "storage", "all")
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    kind: str  # int | uint | str | bool | bytes | keys | blocks | map | tier
+    required: bool = True
+    default: Any = None
+    max_len: int = MAX_STR_BYTES
+    lo: int = -(2**63)
+    hi: int = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    op: Op
+    fields: tuple[Field, ...] = ()
+    needs_kv: bool = False  # refused with NOT_REGISTERED before register_kv
+
+
+KEYS = Field("keys", "keys")
+BLOCKS = Field("blocks", "blocks")
+PRIORITY = Field("priority", "int", required=False, default=0, lo=-1000, hi=1000)
+
+OP_SPECS: dict[Op, OpSpec] = {
+    s.op: s
+    for s in (
+        OpSpec(Op.HELLO, (Field("pid", "uint", hi=2**31 - 1), Field("name", "str", False, "", 256))),
+        OpSpec(Op.PING),
+        OpSpec(Op.STATUS),
+        OpSpec(Op.SHUTDOWN),
+        OpSpec(Op.BYE),
+        OpSpec(Op.REGISTER_KV, (Field("layout", "map"),)),
+        OpSpec(Op.UNREGISTER_KV),
+        OpSpec(
+            Op.OFFLOAD,
+            (KEYS, BLOCKS, PRIORITY, Field("event", "bytes", False, b"", 1024)),
+            needs_kv=True,
+        ),
+        OpSpec(Op.LOOKUP, (KEYS,)),
+        OpSpec(Op.LOAD, (KEYS, BLOCKS, PRIORITY), needs_kv=True),
+        OpSpec(Op.CANCEL, (Field("task", "uint", hi=UINT64_MAX),)),
+        OpSpec(Op.DELETE, (KEYS,)),
+        OpSpec(
+            Op.CLEAR,
+            (Field("tier", "tier", False, "all"), Field("weights_update", "bool", False, False)),
+        ),
+        OpSpec(Op.PAUSE),
+        OpSpec(Op.RESUME),
+    )
+}
+
+
+@dataclass
+class Request:
+    op: Op
+    rid: int
+    client: str
+    body: dict = field(default_factory=dict)
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{name}: expected int, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{name}: {value} outside [{lo}, {hi}]")
+    return value
+
+
+def _check_field(f: Field, value: Any) -> Any:
+    kind = f.kind
+    if kind == "int":
+        return _check_int(f.name, value, f.lo, f.hi)
+    if kind == "uint":
+        return _check_int(f.name, value, 0, f.hi)
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{f.name}: expected bool")
+        return value
+    if kind in ("str", "tier"):
+        if not isinstance(value, str) or len(value.encode()) > f.max_len:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{f.name}: expected str of <= {f.max_len} bytes")
+        if kind == "tier" and value not in TIERS:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{f.name}: {value!r} is not one of {TIERS}")
+        return value
+    if kind in ("bytes", "keys", "blocks"):
+        if not isinstance(value, bytes):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{f.name}: expected bin, got {type(value).__name__}")
+        if kind == "keys":
+            return unpack_keys(value, f.name)
+        if kind == "blocks":
+            return unpack_block_ids(value, f.name)
+        if len(value) > f.max_len:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{f.name}: over {f.max_len} bytes")
+        return value
+    if kind == "map":
+        if not isinstance(value, dict):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{f.name}: expected map")
+        return value
+    raise AssertionError(f"unknown field kind {kind}")
+
+
+def parse_header(msg: dict) -> tuple[Op, int, str]:
+    """Check the header; returns (op, rid, client). rid is -1 when it cannot be read."""
+    rid = msg.get("rid")
+    if isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid <= UINT64_MAX:
+        raise ProtocolError(ErrorCode.BAD_HEADER, "rid: missing or not a uint64")
+    version = msg.get("proto")
+    if (
+        not isinstance(version, (list, tuple))
+        or len(version) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in version)
+    ):
+        raise ProtocolError(ErrorCode.BAD_HEADER, "proto: missing or not [major, minor]")
+    if version[0] != PROTOCOL_VERSION[0]:
+        raise ProtocolError(
+            ErrorCode.UNSUPPORTED_VERSION,
+            f"client speaks protocol {version[0]}.{version[1]}, daemon speaks "
+            f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}; upgrade the older side",
+        )
+    client = msg.get("client")
+    if not isinstance(client, str) or not 0 < len(client) <= 128:
+        raise ProtocolError(ErrorCode.BAD_HEADER, "client: missing or not a str of 1..128 chars")
+    op = msg.get("op")
+    if isinstance(op, bool) or not isinstance(op, int):
+        raise ProtocolError(ErrorCode.BAD_HEADER, "op: missing or not an int")
+    try:
+        return Op(op), rid, client
+    except ValueError:
+        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"op {op} is not a known op") from None
+
+
+HEADER_FIELDS = ("proto", "op", "rid", "client")
+
+
+def parse_request(msg: dict) -> Request:
+    op, rid, client = parse_header(msg)
+    spec = OP_SPECS[op]
+    body: dict = {}
+    known = {f.name for f in spec.fields}
+    for name in msg:
+        if name not in known and name not in HEADER_FIELDS:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{name}: not a field of {op.name.lower()}")
+    for f in spec.fields:
+        if f.name in msg:
+            body[f.name] = _check_field(f, msg[f.name])
+        elif f.required:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{f.name}: required by {op.name.lower()}")
+        else:
+            body[f.name] = f.default
+    _check_pairs(op, body)
+    return Request(op, rid, client, body)
+
+
+def _check_pairs(op: Op, body: dict) -> None:
+    if "keys" in body and "blocks" in body:
+        if len(body["keys"]) != len(body["blocks"]):
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"keys and blocks differ in length ({len(body['keys'])} != {len(body['blocks'])})",
+            )
+        blocks: np.ndarray = body["blocks"]
+        if len(np.unique(blocks)) != len(blocks):
+            raise ProtocolError(ErrorCode.BAD_FIELD, "blocks: a block id is repeated in one request")
+
+
+def make_request(op: Op, rid: int, client: str, **fields) -> dict:
+    msg = {"proto": list(PROTOCOL_VERSION), "op": int(op), "rid": rid, "client": client}
+    msg.update(fields)
+    return msg
+
+
+def ok_reply(rid: int, **fields) -> dict:
+    reply = {"rid": rid, "ok": True}
+    reply.update(fields)
+    return reply
+
+
+def error_reply(rid: int, code: ErrorCode, message: str) -> dict:
+    return {
+        "rid": rid,
+        "ok": False,
+        "error": {"code": int(code), "name": ErrorCode(code).name, "message": message},
+    }
+
+
+def task_event(task_id: int, status: str, result: dict) -> dict:
+    return {"event": "task", "task": task_id, "status": status, "result": result}
+

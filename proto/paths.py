@@ -1,0 +1,43 @@
+"""Where an instance's files live: run dir, socket endpoints, lock file, shm name."""
+from __future__ import annotations
+
+import os
+import re
+
+_INSTANCE_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+DEFAULT_INSTANCE = "default"
+
+
+def check_instance(instance: str) -> str:
+    if not isinstance(instance, str) or not _INSTANCE_RE.match(instance):
+        raise ValueError(
+            f"instance name {instance!r} must be 1-64 characters of letters, digits, '_' or '-'"
+        )
+    return instance
+
+
+def default_run_dir() -> str:
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return os.path.join(xdg, "kvcached")
+    return f"/tmp/kvcached-{os.getuid()}"
+
+
+def resolve_run_dir(run_dir: str | None) -> str:
+    return os.path.abspath(run_dir or os.environ.get("KVCACHED_RUN_DIR") or default_run_dir())
+
+
+def request_endpoint(run_dir: str, instance: str) -> str:
+    return f"ipc://{os.path.join(run_dir, instance)}.sock"
+
+
+def status_endpoint(run_dir: str, instance: str) -> str:
+    return f"ipc://{os.path.join(run_dir, instance)}.status.sock"
+
+
+def lock_path(run_dir: str, instance: str) -> str:
+    return os.path.join(run_dir, f"{instance}.lock")
+
+
+def socket_paths(run_dir: str, instance: str) -> list[str]:
+    return [os.path.join(run_dir, f"{instance}.sock"), os.path.join(run_dir, f"{instance}.status.sock")]

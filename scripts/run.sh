@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The main job. Sets up .venv when missing, then starts a kvcached daemon on the embedded
+# default (CPU device, RAM host tier), runs a demo client session against it, prints the status
+# table and stops the daemon, leaving nothing behind.
+#   ./scripts/run.sh               demo session
+#   ./scripts/run.sh --serve-only  keep the daemon in the foreground until Ctrl-C
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+"$ROOT/scripts/setup_env.sh" test
+PY="$ROOT/.venv/bin/python"
+INSTANCE="${KVCACHED_INSTANCE:-demo}"
+RUN_DIR="${KVCACHED_RUN_DIR:-$ROOT/var/run}"
+mkdir -p "$ROOT/var"
+if [ "${1:-}" = "--serve-only" ]; then
+  shift
+  exec "$PY" -m kvcached serve --instance "$INSTANCE" --run-dir "$RUN_DIR" --device cpu \
+    --host-cache-gb "${KVCACHED_HOST_CACHE_GB:-1}" "$@"
+fi
+exec "$PY" "$ROOT/scripts/demo_session.py" --instance "$INSTANCE" --run-dir "$RUN_DIR" "$@"

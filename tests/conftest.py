@@ -1,0 +1,104 @@
+"""Fixtures: real daemons in real processes, in a short private run dir per test.
+
+The session ends with a check that no /dev/shm/kvcached.* segment and no daemon process
+outlives the suite.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import tempfile
+
+import proc_children as children
+import posix_ipc
+import pytest
+import torch
+
+from kvcached_client import allocate_kv_cache, launch
+from kvcached_proto.liveness import pid_alive
+
+_names = itertools.count()
+
+
+def _our_segments() -> set[str]:
+    prefix = f"kvcached.{os.getuid()}."
+    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leftovers():
+    before = _our_segments()
+    yield
+    import gc
+
+    gc.collect()  # KV segments are unlinked when their tensors are collected
+    leaked = _our_segments() - before
+    alive = children.live_children()
+    assert not leaked, f"tests leaked shared-memory segments: {sorted(leaked)}"
+    assert not alive, f"tests leaked child processes: {alive}"
+
+
+def _short_dir():
+    # ipc:// paths are limited to ~107 bytes: keep the dir short, not under pytest's tmp_path
+    path = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+run_dir = pytest.fixture(_short_dir)
+module_run_dir = pytest.fixture(_short_dir, scope="module")
+
+
+def unique_instance(tag: str = "t") -> str:
+    return f"{tag}{os.getpid()}-{next(_names)}"
+
+
+@pytest.fixture
+def instance() -> str:
+    return unique_instance()
+
+
+def sweep_crashed(instance: str) -> None:
+    """Remove the segment a kill -9'd daemon left (what its successor would sweep at start)."""
+    name = f"/kvcached.{os.getuid()}.{instance}"
+    if os.path.exists(f"/dev/shm{name}"):
+        reader_pid = int.from_bytes(open(f"/dev/shm{name}", "rb").read(20)[16:20], "little")
+        if not pid_alive(reader_pid):
+            posix_ipc.unlink_shared_memory(name)
+
+
+@pytest.fixture
+def daemon(run_dir, instance):
+    handle = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)
+    yield handle
+    handle.stop()
+    sweep_crashed(instance)
+
+
+@pytest.fixture(scope="module")
+def shared_daemon(module_run_dir):
+    """One daemon for a module of tests that do not change its state for each other."""
+    name = unique_instance("m")
+    handle = launch(instance=name, run_dir=module_run_dir, host_cache_gb=0.25)
+    yield handle
+    handle.stop()
+    sweep_crashed(name)
+
+
+@pytest.fixture
+def client(daemon):
+    c = daemon.connect(timeout=10.0)
+    yield c
+    c.close()
+
+
+def small_kv(num_layers=4, num_blocks=64, block_shape=(16, 2, 8), dtype=torch.bfloat16,
+             kv_pair=True, seed=0):
+    """A KV cache in shared memory filled with random data."""
+    kv = allocate_kv_cache(num_layers, num_blocks, block_shape, dtype, kv_pair=kv_pair)
+    gen = torch.Generator().manual_seed(seed)
+    for layer in kv:
+        for t in (layer if kv_pair else (layer,)):
+            t.copy_(torch.randn(t.shape, generator=gen).to(dtype))
+    return kv

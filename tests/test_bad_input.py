@@ -1,0 +1,103 @@
+"""Malformed input gets a typed error reply and the daemon keeps serving everyone else."""
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcached_proto import MAX_FRAME_BYTES, ErrorCode, Op, encode, make_request
+from rawsock import RawSocket
+
+
+@pytest.fixture
+def daemon(shared_daemon):
+    return shared_daemon
+
+
+@pytest.fixture
+def raw(daemon):
+    s = RawSocket(daemon.run_dir, daemon.instance)
+    yield s
+    s.close()
+
+
+def _rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+CASES = [
+    (b"\x93\x01\x02", ErrorCode.BAD_FRAME),  # an array, not a map
+    (b"\xc1\xc1\xc1", ErrorCode.BAD_FRAME),  # never-used msgpack bytes
+    (msgpack.packb({"op": 2, "rid": 1})[:-2], ErrorCode.BAD_FRAME),  # truncated
+    (msgpack.packb("hello"), ErrorCode.BAD_FRAME),
+    (msgpack.packb({"op": 2}), ErrorCode.BAD_HEADER),  # missing header fields
+    (encode({**make_request(Op.PING, 5, "c"), "proto": [7, 0]}), ErrorCode.UNSUPPORTED_VERSION),
+    (encode({**make_request(Op.PING, 5, "c"), "op": 12345}), ErrorCode.UNKNOWN_OP),
+    (encode(make_request(Op.HELLO, 5, "c", pid="me")), ErrorCode.BAD_FIELD),
+    (encode(make_request(Op.LOOKUP, 5, "c", keys=b"123")), ErrorCode.BAD_FIELD),
+    (b"\x00" * (MAX_FRAME_BYTES + 10), ErrorCode.FRAME_TOO_LARGE),
+]
+
+
+@pytest.mark.parametrize("frame, code", CASES, ids=[c[1].name + str(i) for i, c in enumerate(CASES)])
+def test_each_bad_frame_gets_its_error_code(daemon, raw, frame, code):
+    reply = raw.ask(frame)
+    assert reply["ok"] is False and reply["error"]["code"] == code, reply
+    with daemon.connect() as c:  # and a well-behaved client is still served
+        assert c.ping() < 1.0
+
+
+def test_multi_frame_messages_are_bad_frames(raw):
+    reply = raw.ask(encode(make_request(Op.PING, 1, "c")), b"extra")
+    assert reply["error"]["code"] == ErrorCode.BAD_FRAME
+
+
+def test_data_ops_before_hello_are_refused(raw):
+    reply = raw.ask(encode(make_request(Op.LOOKUP, 3, "c", keys=b"k" * 16)))
+    assert reply["rid"] == 3 and reply["error"]["code"] == ErrorCode.NOT_HELLO
+
+
+def test_valid_frames_on_a_raw_socket_work(raw):
+    assert raw.ask(encode(make_request(Op.PING, 9, "c"))) == {"rid": 9, "ok": True}
+
+
+_ints = st.integers(-(2**63), 2**64 - 1)  # what msgpack can carry
+_field_values = st.one_of(
+    st.none(), st.booleans(), _ints, st.binary(max_size=64),
+    st.text(max_size=16), st.lists(_ints, max_size=4), st.floats(allow_nan=True),
+)
+_maps = st.dictionaries(
+    st.sampled_from(["proto", "op", "rid", "client", "keys", "blocks", "pid", "task", "tier",
+                     "layout", "priority", "x"]),
+    _field_values, max_size=8,
+)
+_frames = st.one_of(
+    st.binary(max_size=256),
+    _maps.map(lambda m: msgpack.packb(m, use_bin_type=True)),
+    st.builds(lambda op, m: encode({**make_request(op, 1, "fuzz"), **m}),
+              st.sampled_from([op for op in Op if op not in (Op.SHUTDOWN, Op.PAUSE)]), _maps.filter(lambda m: "op" not in m)),
+)
+
+
+def test_a_thousand_random_frames_leave_the_daemon_serving(daemon, raw):
+    sent = []
+
+    @settings(max_examples=1000, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(frame=_frames)
+    def fuzz(frame):
+        reply = raw.ask(frame)
+        assert isinstance(reply, dict) and "ok" in reply
+        sent.append(1)
+
+    rss_before = _rss_kb(daemon.pid)
+    fuzz()
+    assert len(sent) >= 1000
+    with daemon.connect() as c:
+        assert c.ping() < 1.0
+        status = c.status()
+    assert status["state"] == "normal"
+    assert _rss_kb(daemon.pid) - rss_before < 64 * 1024, "daemon memory grew by > 64 MiB"

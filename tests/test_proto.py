@@ -1,0 +1,108 @@
+"""The wire protocol in isolation: codec limits, field validation, and the doc agreeing with the code."""
+import pathlib
+import re
+
+import msgpack
+import numpy as np
+import pytest
+
+from kvcached_proto import (
+    MAX_FRAME_BYTES,
+    ErrorCode,
+    Op,
+    ProtocolError,
+    decode,
+    encode,
+    make_request,
+    pack_block_ids,
+    pack_keys,
+    parse_request,
+    unpack_block_ids,
+    unpack_keys,
+)
+
+DOC = pathlib.Path(__file__).resolve().parents[1] / "proto" / "PROTOCOL.md"
+
+
+def _doc_table(heading: str) -> dict[str, int]:
+    text = DOC.read_text()
+    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^\| (\w+) \| (\d+) \|", section, re.M)}
+
+
+def test_doc_lists_exactly_the_ops_of_the_code():
+    assert _doc_table("## Ops") == {op.name.lower(): op.value for op in Op}
+
+
+def test_doc_lists_exactly_the_error_codes_of_the_code():
+    assert _doc_table("## Error codes") == {c.name: c.value for c in ErrorCode}
+
+
+def test_keys_and_block_ids_round_trip():
+    keys = [bytes([i]) * 16 for i in range(5)]
+    assert unpack_keys(pack_keys(keys)) == keys
+    ids = [0, 7, 2**31 - 1]
+    packed = pack_block_ids(ids)
+    assert packed == np.array(ids, dtype="<i4").tobytes()
+    assert unpack_block_ids(packed).tolist() == ids
+
+
+@pytest.mark.parametrize("blob", [b"\x00" * 15, b"\x00" * 17])
+def test_keys_of_the_wrong_size_are_refused(blob):
+    with pytest.raises(ProtocolError) as e:
+        unpack_keys(blob)
+    assert e.value.code == ErrorCode.BAD_FIELD
+
+
+def test_negative_block_ids_are_refused():
+    with pytest.raises(ProtocolError):
+        unpack_block_ids(np.array([-1], dtype="<i4").tobytes())
+
+
+def test_decode_refuses_oversize_and_non_maps():
+    with pytest.raises(ProtocolError) as e:
+        decode(b"\x00" * (MAX_FRAME_BYTES + 1))
+    assert e.value.code == ErrorCode.FRAME_TOO_LARGE
+    for frame in (msgpack.packb([1, 2]), b"\xc1", msgpack.packb({"a": 1})[:-1]):
+        with pytest.raises(ProtocolError) as e:
+            decode(frame)
+        assert e.value.code == ErrorCode.BAD_FRAME
+
+
+def test_decode_refuses_huge_containers():
+    with pytest.raises(ProtocolError):
+        decode(msgpack.packb({"a": list(range(5000))}))
+
+
+def _req(op, **fields):
+    return make_request(op, 1, "c", **fields)
+
+
+@pytest.mark.parametrize(
+    "msg, code",
+    [
+        ({"op": 2, "rid": 1, "client": "c"}, ErrorCode.BAD_HEADER),  # no version
+        ({**_req(Op.PING), "proto": [9, 0]}, ErrorCode.UNSUPPORTED_VERSION),
+        ({**_req(Op.PING), "op": 999}, ErrorCode.UNKNOWN_OP),
+        ({**_req(Op.PING), "rid": "x"}, ErrorCode.BAD_HEADER),
+        ({**_req(Op.PING), "client": ""}, ErrorCode.BAD_HEADER),
+        (_req(Op.HELLO), ErrorCode.BAD_FIELD),  # pid missing
+        (_req(Op.HELLO, pid="1"), ErrorCode.BAD_FIELD),
+        (_req(Op.PING, extra=1), ErrorCode.BAD_FIELD),
+        (_req(Op.LOOKUP, keys=[b"x" * 16]), ErrorCode.BAD_FIELD),  # array, not packed bin
+        (_req(Op.LOAD, keys=b"k" * 32, blocks=pack_block_ids([1])), ErrorCode.BAD_FIELD),
+        (_req(Op.LOAD, keys=b"k" * 32, blocks=pack_block_ids([1, 1])), ErrorCode.BAD_FIELD),
+        (_req(Op.CLEAR, tier="gpu"), ErrorCode.BAD_FIELD),
+        (_req(Op.LOOKUP, keys=b"k" * 16 * 70000), ErrorCode.TOO_MANY_ITEMS),
+    ],
+)
+def test_parse_request_names_the_bad_field(msg, code):
+    with pytest.raises(ProtocolError) as e:
+        parse_request(decode(encode(msg)))
+    assert e.value.code == code
+
+
+def test_parse_request_fills_defaults_and_unpacks():
+    req = parse_request(decode(encode(_req(Op.LOAD, keys=b"a" * 16, blocks=pack_block_ids([3])))))
+    assert req.op == Op.LOAD and req.body["priority"] == 0
+    assert req.body["keys"] == [b"a" * 16] and req.body["blocks"].tolist() == [3]
