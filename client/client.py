@@ -82,6 +82,8 @@ class Client:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a daemon that is not there
         self._sock.connect(self._endpoint)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
         self.info = self._request(Op.HELLO, pid=os.getpid(), name=self.name)
         if self.info["epoch"] != self.signals.epoch:
             raise DaemonUnavailable("the daemon restarted during the handshake; connect again")
@@ -167,21 +169,20 @@ class Client:
         sock = self._sock
         if sock is None:
             raise DaemonUnavailable("client is closed")
-        if not sock.poll(int(wait_s * 1000)):
-            return False
-        while True:
+        timeout_ms = int(wait_s * 1000)
+        received = False
+        while self._poller.poll(timeout_ms):
+            timeout_ms = 0  # after the first frame, take only what is already there
+            received = True
             try:
-                frame = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return True
-            try:
-                msg = decode(frame)
+                msg = decode(sock.recv(zmq.NOBLOCK))
             except ProtocolError as exc:
                 raise KvcachedError(f"undecodable frame from the daemon: {exc}") from None
             if "event" in msg:
                 self._events[msg.get("task", 0)] = msg
             else:
                 self._replies[msg.get("rid", 0)] = msg
+        return received
 
     def _check_daemon(self) -> None:
         if self.signals is None:

@@ -212,12 +212,10 @@ class Daemon:
         while not self.stop_requested.is_set():
             ready = dict(poller.poll(POLL_MS))
             if self._router in ready:
-                for _ in range(MAX_BATCH):
-                    try:
-                        frames = self._router.recv_multipart(zmq.NOBLOCK, copy=True)
-                    except zmq.Again:
+                for _ in range(MAX_BATCH):  # EVENTS instead of catching zmq.Again: cheaper
+                    if not self._router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                         break
-                    self._handle(frames)
+                    self._handle(self._router.recv_multipart(zmq.NOBLOCK))
             if self.events.pull in ready:
                 self._forward_events()
             if time.monotonic() >= next_reap:

@@ -4,7 +4,8 @@ No pickle anywhere: msgpack with `raw=False, strict_map_key=True` and explicit l
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Sequence
+from typing import Iterable
 
 import msgpack
 import numpy as np
@@ -53,14 +54,47 @@ def decode(frame: bytes) -> dict:
 
 
 def pack_keys(keys: Iterable[bytes]) -> bytes:
-    keys = list(keys)
-    for i, k in enumerate(keys):
-        if not isinstance(k, (bytes, bytearray)) or len(k) != KEY_BYTES:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"keys[{i}] is not a {KEY_BYTES}-byte digest")
-    return b"".join(bytes(k) for k in keys)
+    keys = keys if isinstance(keys, (list, tuple)) else list(keys)
+    try:
+        blob = b"".join(keys)
+    except TypeError:
+        blob = None
+    if blob is None or len(blob) != KEY_BYTES * len(keys):
+        for i, k in enumerate(keys):
+            if not isinstance(k, (bytes, bytearray, memoryview)) or len(k) != KEY_BYTES:
+                raise ProtocolError(ErrorCode.BAD_FIELD, f"keys[{i}] is not a {KEY_BYTES}-byte digest")
+    return blob
 
 
-def unpack_keys(blob: bytes, field: str = "keys") -> list[bytes]:
+class PackedKeys(Sequence):
+    """Keys still packed in their frame; each is sliced out only when used, so a lookup
+    that stops at its first miss does not pay for the rest."""
+
+    __slots__ = ("blob", "n")
+
+    def __init__(self, blob: bytes):
+        self.blob = blob
+        self.n = len(blob) // KEY_BYTES
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.n))]
+        if i < 0:
+            i += self.n
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return self.blob[i * KEY_BYTES : (i + 1) * KEY_BYTES]
+
+    def __iter__(self):
+        blob = self.blob
+        for start in range(0, self.n * KEY_BYTES, KEY_BYTES):
+            yield blob[start : start + KEY_BYTES]
+
+
+def unpack_keys(blob: bytes, field: str = "keys") -> PackedKeys:
     if len(blob) % KEY_BYTES:
         raise ProtocolError(
             ErrorCode.BAD_FIELD, f"{field}: {len(blob)} bytes is not a multiple of {KEY_BYTES}"
@@ -68,7 +102,7 @@ def unpack_keys(blob: bytes, field: str = "keys") -> list[bytes]:
     n = len(blob) // KEY_BYTES
     if n > MAX_KEYS_PER_REQUEST:
         raise ProtocolError(ErrorCode.TOO_MANY_ITEMS, f"{field}: {n} keys > {MAX_KEYS_PER_REQUEST}")
-    return [blob[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(n)]
+    return PackedKeys(blob)
 
 
 def pack_block_ids(block_ids: Sequence[int] | np.ndarray) -> bytes:

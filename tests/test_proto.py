@@ -40,7 +40,7 @@ def test_doc_lists_exactly_the_error_codes_of_the_code():
 
 def test_keys_and_block_ids_round_trip():
     keys = [bytes([i]) * 16 for i in range(5)]
-    assert unpack_keys(pack_keys(keys)) == keys
+    assert list(unpack_keys(pack_keys(keys))) == keys
     ids = [0, 7, 2**31 - 1]
     packed = pack_block_ids(ids)
     assert packed == np.array(ids, dtype="<i4").tobytes()
@@ -105,4 +105,4 @@ def test_parse_request_names_the_bad_field(msg, code):
 def test_parse_request_fills_defaults_and_unpacks():
     req = parse_request(decode(encode(_req(Op.LOAD, keys=b"a" * 16, blocks=pack_block_ids([3])))))
     assert req.op == Op.LOAD and req.body["priority"] == 0
-    assert req.body["keys"] == [b"a" * 16] and req.body["blocks"].tolist() == [3]
+    assert list(req.body["keys"]) == [b"a" * 16] and req.body["blocks"].tolist() == [3]

@@ -1,0 +1,100 @@
+"""`kvcached bench ipc`: request round trips through the real daemon vs a bare pyzmq echo.
+
+Both sides use the same encoded frames (a ping and a 64-key lookup) in the same run, timed
+interleaved; the daemon side goes through the real Client (encode, send, wait, decode) and the
+daemon's full request path. The ratio daemon/bare of the p50s is the figure of merit (<= 1.5).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import zmq
+
+from kvcached_client import launch
+from kvcached_proto import Op, encode, make_request, pack_keys
+
+from .stats import percentiles_us, ratio
+
+
+def _time_interleaved(calls: dict, n: int, warmup: int) -> dict:
+    """Time each call n times, interleaved, so drift in machine load hits all of them alike."""
+    samples = {name: [] for name in calls}
+    for i in range(warmup + n):
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            if i >= warmup:
+                samples[name].append(time.perf_counter() - t0)
+    return {name: percentiles_us(s) for name, s in samples.items()}
+
+
+def _bare_call(sock, frame: bytes):
+    def call():
+        sock.send(frame)
+        if not sock.poll(5000):
+            raise RuntimeError("bare echo did not answer within 5 s")
+        sock.recv()
+    return call
+
+
+def run(quick: bool = False, **_) -> dict:
+    n, warmup = (300, 50) if quick else (5000, 500)
+    run_dir = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
+    instance = f"bench-ipc-{os.getpid()}"
+    keys = [os.urandom(16) for _ in range(64)]
+    frames = {
+        "ping": encode(make_request(Op.PING, 1, "bench")),
+        "lookup64": encode(make_request(Op.LOOKUP, 1, "bench", keys=pack_keys(keys))),
+    }
+    echo_endpoint = f"ipc://{run_dir}/echo.sock"
+    echo = subprocess.Popen([sys.executable, "-m", "kvcached.bench.echo", echo_endpoint, "600"],
+                            stdout=subprocess.PIPE, text=True)
+    daemon = None
+    try:
+        if echo.stdout.readline().strip() != "ready":
+            raise RuntimeError("bare echo process failed to start")
+        daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.0625)
+        bare = zmq.Context.instance().socket(zmq.DEALER)
+        bare.setsockopt(zmq.LINGER, 0)
+        bare.connect(echo_endpoint)
+        with daemon.connect(name="bench-ipc") as client:
+            timed = _time_interleaved({
+                "daemon/ping": client.ping,
+                "bare/ping": _bare_call(bare, frames["ping"]),
+                "daemon/lookup64": lambda: client.lookup(keys),
+                "bare/lookup64": _bare_call(bare, frames["lookup64"]),
+            }, n, warmup)
+        bare.send(b"")
+        bare.close(linger=100)
+    finally:
+        if daemon is not None:
+            daemon.stop()
+        echo.terminate()
+        echo.wait(10)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    results = {}
+    for name in frames:
+        results[name] = {
+            "daemon": timed[f"daemon/{name}"], "bare_echo": timed[f"bare/{name}"],
+            "p50_ratio": ratio(timed[f"daemon/{name}"]["p50_us"], timed[f"bare/{name}"]["p50_us"]),
+            "p99_ratio": ratio(timed[f"daemon/{name}"]["p99_us"], timed[f"bare/{name}"]["p99_us"]),
+            "frame_bytes": len(frames[name]),
+        }
+    return {"bench": "ipc", "results": results, "target": {"p50_ratio_max": 1.5}}
+
+
+def format_result(r: dict) -> str:
+    lines = [f"{'request':<10} {'bytes':>6} {'daemon p50':>11} {'p99':>9} {'bare p50':>9} "
+             f"{'p99':>9} {'ratio p50':>10} {'p99':>7}"]
+    for name, x in r["results"].items():
+        d, b = x["daemon"], x["bare_echo"]
+        lines.append(f"{name:<10} {x['frame_bytes']:>6} {d['p50_us']:>9.1f}us {d['p99_us']:>7.1f}us "
+                     f"{b['p50_us']:>7.1f}us {b['p99_us']:>7.1f}us {x['p50_ratio']:>10.2f} "
+                     f"{x['p99_ratio']:>7.2f}")
+    lines.append(f"target: p50 ratio <= {r['target']['p50_ratio_max']}")
+    return "\n".join(lines)
