@@ -1,12 +1,14 @@
 """Handles of tasks the daemon runs: completion comes as an event; loads also signal layers."""
 from __future__ import annotations
 
+import os
 import time
 
 from kvcached_proto import KvcachedTimeout, TaskFailed
 from kvcached_proto.shm_layout import SlotStatus
 
-SPIN_ITERATIONS = 2000  # ~100 us of busy polling before backing off
+SPIN_S = 0.02  # poll (yielding the CPU) this long before sleeping between reads
+MIN_BACKOFF_S = 0.00005
 MAX_BACKOFF_S = 0.001
 LIVENESS_EVERY_S = 0.01
 
@@ -57,6 +59,7 @@ class LoadTask(Task):
         self.slot = reply["slot"]
         self.num_blocks = reply["blocks"]  # leading blocks the daemon is loading
         self.num_layers = reply["num_layers"]
+        self.layer_wake_ns: list[int] = []  # counter write -> this waiter saw it, per layer waited
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait for the end of the load; returns the number of leading blocks loaded (every
@@ -65,32 +68,42 @@ class LoadTask(Task):
             self._absorb(self.client.wait_event(self.id, timeout))
         return int(self.result.get("loaded", 0))
 
-    def wait_layer(self, layer: int, timeout: float | None = None) -> None:
+    def wait_layer(self, layer: int, timeout: float | None = None, spin_s: float = SPIN_S) -> None:
+        """Return once layer `layer` of every loaded block is in place.
+
+        Polls the slot's counter in shared memory: yielding the CPU between reads for up to
+        `spin_s` (a layer usually lands within that), then sleeping with a growing backoff.
+        """
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} outside [0, {self.num_layers})")
         if self.num_blocks == 0:
             return
-        view = self.client.signals.view
+        view, slot = self.client.signals.view, self.slot
         timeout = self.client.timeout if timeout is None else timeout
         start = time.monotonic()
-        spins, backoff, next_check = 0, 0.00002, start + LIVENESS_EVERY_S
+        spin_until, backoff, next_check = start + spin_s, MIN_BACKOFF_S, start + LIVENESS_EVERY_S
+        waited = False
         while True:
-            if view.slot_task(self.slot) == self.id:
-                done = view.slot_layers_done(self.slot)
-                if view.slot_task(self.slot) == self.id:
+            if view.slot_task(slot) == self.id:
+                done = view.slot_layers_done(slot)
+                if view.slot_task(slot) == self.id:
                     if done > layer:
+                        if waited and done == layer + 1:
+                            self.layer_wake_ns.append(time.monotonic_ns() - view.slot_layer_ns(slot))
                         return
-                    if view.slot_status(self.slot) in (SlotStatus.FAILED, SlotStatus.CANCELLED):
+                    if view.slot_status(slot) in (SlotStatus.FAILED, SlotStatus.CANCELLED):
                         self._raise_incomplete(layer)
             elif self.done():  # slot reused: the task ended; its event says how
                 if self.result.get("loaded", 0) == self.num_blocks:
                     return
                 self._raise_incomplete(layer)
-            spins += 1
-            if spins > SPIN_ITERATIONS:
+            waited = True
+            now = time.monotonic()
+            if now < spin_until:
+                os.sched_yield()
+            else:
                 time.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
-            now = time.monotonic()
             if now >= next_check:
                 next_check = now + LIVENESS_EVERY_S
                 self.client.poll_events()  # also checks that the daemon is alive

@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="extra loopback TCP endpoint (repeatable)")
     serve.add_argument("--max-queued-tasks", type=int, default=4096,
                        help="queued copy tasks before requests get BUSY (default: %(default)s)")
+    serve.add_argument("--copy-threads", type=int, default=0,
+                       help="CPU threads for copies; 0 = half the cores, 1..4 (default: %(default)s)")
     serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default: %(default)s)")
 
     status = sub.add_parser("status", help="show a running daemon's status")
@@ -81,7 +83,8 @@ def cmd_serve(args) -> int:
     cfg = DaemonConfig(instance=args.instance, run_dir=args.run_dir or "", device=args.device,
                        host_cache_gb=args.host_cache_gb, host_layout=args.host_layout,
                        eviction=args.eviction, numa=args.numa, listen=args.listen,
-                       max_queued_tasks=args.max_queued_tasks, log_level=args.log_level)
+                       max_queued_tasks=args.max_queued_tasks, copy_threads=args.copy_threads,
+                       log_level=args.log_level)
     cfg.validate()
     from .server import Daemon  # imports torch; keep `status`/`stop` fast
 

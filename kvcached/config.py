@@ -26,6 +26,7 @@ class DaemonConfig:
     numa: str = "auto"
     listen: list[str] = field(default_factory=list)
     max_queued_tasks: int = 4096
+    copy_threads: int = 0  # 0: half the cores (at least 1, at most 4), the rest stay the engine's
     log_level: str = "INFO"
 
     def validate(self) -> "DaemonConfig":
@@ -42,6 +43,10 @@ class DaemonConfig:
             raise StartupError(f"--host-layout {self.host_layout!r}: expected one of {HOST_LAYOUTS}")
         if self.numa not in ("auto", "off") and not self.numa.isdigit():
             raise StartupError(f"--numa {self.numa!r}: expected auto, off or a node number")
+        if self.copy_threads < 0 or self.copy_threads > 256:
+            raise StartupError(f"--copy-threads {self.copy_threads}: expected 0..256")
+        if self.copy_threads == 0:
+            self.copy_threads = max(1, min(4, (os.cpu_count() or 2) // 2))
         if self.max_queued_tasks < 1:
             raise StartupError("--max-queued-tasks must be >= 1")
         for endpoint in self.listen:

@@ -11,6 +11,7 @@ import mmap
 import os
 import re
 
+import numpy as np
 import posix_ipc
 import torch
 
@@ -75,6 +76,7 @@ class KVRegistration:
             finally:
                 shm.close_fd()
             self._maps[name] = mm
+            _prefault(mm)
         if offset + nbytes > len(mm):
             raise OpError(
                 ErrorCode.KV_MISMATCH,
@@ -91,6 +93,13 @@ class KVRegistration:
                 # a tensor view is still referenced (a copy in flight); the mapping goes when it does
                 log.debug("[kv] mapping of %s still referenced; left to the garbage collector", name)
         self._maps.clear()
+
+
+def _prefault(mm: mmap.mmap) -> None:
+    """Read one byte per page so the copies do not pay page-table faults. numpy's strided copy
+    runs without the GIL, so the heartbeat keeps beating during a multi-GB registration
+    (MAP_POPULATE would hold the GIL for the whole mmap call)."""
+    np.frombuffer(mm, dtype=np.uint8)[::4096].copy()
 
 
 def _map_cuda(handle: dict, nbytes: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from .errors import OpError
 from .host_pool import HostPool
 from .index import BlockIndex
 from .kv import KVRegistration
-from .transfer import LOAD, OFFLOAD, SPLIT_BLOCKS, Copier, CopyTask, TransferWorker, host_runs
+from .transfer import LOAD, OFFLOAD, SPLIT_BLOCKS, CopyTask, CpuCopier, TransferWorker, host_runs
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +43,12 @@ class CacheService:
         self.signals = signals
         self.events = events
         self._lock = threading.RLock()
+        torch.set_num_threads(cfg.copy_threads)
         self.pool = HostPool(cfg.host_cache_bytes, cfg.device, cfg.host_layout)
         signals.set_flag(Flag.HOST_POOL_READY)
         self.index = BlockIndex(cfg.eviction)
         self.kv: KVRegistration | None = None
-        self.copier: Copier | None = None
+        self.copier: CpuCopier | None = None
         self.tasks: dict[int, CopyTask] = {}
         self._task_ids = itertools.count(1)
         self._slot_cursor = 0
@@ -102,7 +103,7 @@ class CacheService:
                     kept = 0
                 else:
                     kept = len(self.index)
-                self.copier = Copier(reg.views, self.pool.views)
+                self.copier = CpuCopier(reg.views, self.pool.views)
             if old is not None:
                 old.close()
         finally:
@@ -287,7 +288,7 @@ class CacheService:
     def _run_offloads(self, batch: list[CopyTask]) -> None:
         for task in batch:
             task.started_ns = time.monotonic_ns()
-            dev_all = torch.from_numpy(task.dev_blocks)
+            dev_all = task.dev_blocks
             for start in range(0, task.num_blocks, SPLIT_BLOCKS):
                 if task.cancelled:
                     break
@@ -303,7 +304,7 @@ class CacheService:
         plans = []
         for task in batch:
             task.started_ns = time.monotonic_ns()
-            plans.append((task, torch.from_numpy(task.dev_blocks), host_runs(task.host_blocks)))
+            plans.append((task, task.dev_blocks, host_runs(task.host_blocks)))
         for layer in range(num_layers):
             for task, dev_ids, runs in plans:
                 if task.cancelled:

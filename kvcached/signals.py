@@ -108,7 +108,7 @@ class SignalSegment:
         self.view.slot_begin(slot, task_id, num_layers)
 
     def slot_layer_done(self, slot: int, layers_done: int) -> None:
-        self.view.slot_layer_done(slot, layers_done)
+        self.view.slot_layer_done(slot, layers_done, time.monotonic_ns())
 
     def slot_finish(self, slot: int, status: SlotStatus, blocks_valid: int) -> None:
         self.view.slot_finish(slot, status, blocks_valid)

@@ -25,7 +25,7 @@ Load-progress slot i at 128 + 32 * i::
      12     4  num_layers
      16     4  status           SlotStatus below
      20     4  blocks_valid     leading blocks whose every layer is in place (final)
-     24     8  reserved
+     24     8  layer_ns         CLOCK_MONOTONIC ns of the last layers_done bump (latency probes)
 
 Single writer per field (the daemon). Payload before counter: the daemon writes task_id and
 num_layers, then status RUNNING, then bumps layers_done after each layer's copies are in place;
@@ -169,11 +169,17 @@ class SignalView:
         self._u32[w + 2] = 0
         self._u32[w + 5] = 0
         self._u32[w + 3] = num_layers
+        self._u64[w // 2 + 3] = 0
         self._u64[w // 2] = task_id
         self._u32[w + 4] = SlotStatus.RUNNING
 
-    def slot_layer_done(self, i: int, layers_done: int) -> None:
-        self._u32[self._slot(i) + 2] = layers_done
+    def slot_layer_ns(self, i: int) -> int:
+        return self._u64[self._slot(i) // 2 + 3]
+
+    def slot_layer_done(self, i: int, layers_done: int, now_ns: int) -> None:
+        w = self._slot(i)
+        self._u64[w // 2 + 3] = now_ns
+        self._u32[w + 2] = layers_done
 
     def slot_finish(self, i: int, status: SlotStatus, blocks_valid: int) -> None:
         w = self._slot(i)

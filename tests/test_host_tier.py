@@ -1,0 +1,325 @@
+"""The host tier end to end through a real daemon: register, offload, lookup, layer-wise load."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import small_kv, unique_instance
+from kvcached_client import (
+    BlockHasher,
+    KvcachedError,
+    ProtocolError,
+    RequestError,
+    TaskFailed,
+    allocate_kv_cache,
+    launch,
+)
+from kvcached_proto import ErrorCode
+from kvcached_proto.shm_layout import State
+
+HASHER = BlockHasher("test-model|bfloat16")
+
+
+def keys_for(n: int, seed: int = 0) -> list[bytes]:
+    return HASHER.hash_blocks([seed * 100_000 + i for i in range(16 * n)], 16)
+
+
+def snapshot(kv, blocks):
+    return [tuple(t[blocks].clone() for t in (layer if isinstance(layer, tuple) else (layer,)))
+            for layer in kv]
+
+
+def assert_blocks_equal(kv, blocks, expected):
+    for i, layer in enumerate(kv):
+        parts = layer if isinstance(layer, tuple) else (layer,)
+        for j, t in enumerate(parts):
+            assert torch.equal(t[blocks], expected[i][j]), f"layer {i} part {j} differs"
+
+
+def scramble(kv):
+    for layer in kv:
+        for t in (layer if isinstance(layer, tuple) else (layer,)):
+            t.fill_(7)
+
+
+@pytest.fixture(params=["layer_first", "page_first"])
+def layout_daemon(request, run_dir):
+    h = launch(instance=unique_instance("h"), run_dir=run_dir, host_cache_gb=0.25,
+               extra_args=["--host-layout", request.param])
+    yield h
+    h.stop()
+
+
+def test_offload_then_load_elsewhere_is_byte_exact(layout_daemon):
+    kv = small_kv()
+    with layout_daemon.connect() as c:
+        c.register_kv_cache(kv)
+        keys = keys_for(20)
+        src = list(range(3, 23))
+        expected = snapshot(kv, src)
+        reply = c.offload(src, keys)
+        assert reply.reply["stored"] == 20
+        assert reply.wait(10)["stored"] == 20
+        scramble(kv)
+        assert c.lookup(keys) == (20, 0)
+        dst = list(range(40, 60))
+        task = c.load(keys, dst)
+        assert task.wait(10) == 20
+        assert_blocks_equal(kv, dst, expected)
+
+
+def test_mla_single_latent_tensor(daemon):
+    kv = small_kv(num_layers=3, block_shape=(16, 64), kv_pair=False)
+    with daemon.connect() as c:
+        c.register_kv_cache(kv)
+        keys, src, dst = keys_for(8, 1), list(range(8)), list(range(30, 38))
+        expected = snapshot(kv, src)
+        c.offload(src, keys).wait(10)
+        scramble(kv)
+        assert c.load(keys, dst).wait(10) == 8
+        assert_blocks_equal(kv, dst, expected)
+
+
+def test_extra_per_block_tensors_with_their_own_shape_and_dtype(daemon):
+    kv = small_kv(num_layers=2)
+    scales = allocate_kv_cache(2, 64, (4,), torch.float32, kv_pair=False)
+    for s in scales:
+        s.copy_(torch.rand(s.shape))
+    layers = [(k, v, s) for (k, v), s in zip(kv, scales)]
+    with daemon.connect() as c:
+        c.register_kv_cache(layers)
+        keys, src, dst = keys_for(5, 2), [1, 2, 3, 4, 5], [50, 51, 52, 53, 54]
+        expected = snapshot(layers, src)
+        c.offload(src, keys).wait(10)
+        scramble(layers)
+        assert c.load(keys, dst).wait(10) == 5
+        assert_blocks_equal(layers, dst, expected)
+
+
+def test_wait_layer_returns_only_when_that_layers_bytes_are_in_place(daemon):
+    kv = small_kv(num_layers=16, num_blocks=256, block_shape=(16, 8, 64))
+    with daemon.connect() as c:
+        c.register_kv_cache(kv)
+        keys, src, dst = keys_for(100, 3), list(range(100)), list(range(120, 220))
+        expected = snapshot(kv, src)
+        c.offload(src, keys).wait(10)
+        scramble(kv)
+        task = c.load(keys, dst)
+        for layer in range(16):
+            task.wait_layer(layer, timeout=10)
+            assert torch.equal(kv[layer][0][dst], expected[layer][0]), f"layer {layer} K early"
+            assert torch.equal(kv[layer][1][dst], expected[layer][1]), f"layer {layer} V early"
+        assert task.wait(10) == 100
+
+
+def test_load_of_partly_absent_keys_loads_the_present_leading_prefix(daemon):
+    kv = small_kv()
+    with daemon.connect() as c:
+        c.register_kv_cache(kv)
+        keys = keys_for(10, 4)
+        expected = snapshot(kv, list(range(6)))
+        c.offload(list(range(6)), keys[:6]).wait(10)
+        scramble(kv)
+        task = c.load(keys, list(range(20, 30)))
+        assert task.num_blocks == 6
+        assert task.wait(10) == 6
+        assert_blocks_equal(kv, list(range(20, 26)), expected)
+        assert c.load(keys_for(3, 99), [1, 2, 3]).wait(10) == 0
+
+
+def test_offload_of_keys_already_present_is_skipped(daemon):
+    kv = small_kv()
+    with daemon.connect() as c:
+        c.register_kv_cache(kv)
+        keys = keys_for(6, 5)
+        c.offload(list(range(4)), keys[:4]).wait(10)
+        again = c.offload(list(range(6)), keys)
+        assert (again.reply["stored"], again.reply["skipped"], again.reply["accepted"]) == (2, 4, 6)
+        again.wait(10)
+        assert c.status()["host"]["blocks"] == 6
+
+
+def test_a_full_pool_keeps_the_leading_keys_and_says_how_many(run_dir):
+    kv = small_kv(num_layers=4, num_blocks=64, block_shape=(16, 2, 64))  # 32 KiB per page
+    h = launch(instance=unique_instance("p"), run_dir=run_dir, host_cache_gb=0.0005)  # 16 pages
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            pinned = keys_for(10, 6)
+            c.offload(list(range(10)), pinned).wait(10)
+            c.pause()  # a load queued while paused keeps its 10 blocks pinned
+            load = c.load(pinned, list(range(40, 50)))
+            task = c.offload(list(range(10, 20)), keys_for(10, 7))
+            assert task.reply["accepted"] == 6 and task.reply["stored"] == 6
+            c.resume()
+            assert load.wait(10) == 10
+            task.wait(10)
+    finally:
+        h.stop()
+
+
+def test_prefixes_stay_whole_and_loads_stay_exact_under_pool_pressure(run_dir):
+    kv = small_kv(num_layers=4, num_blocks=256, block_shape=(16, 2, 64))  # 32 KiB per page
+    h = launch(instance=unique_instance("p"), run_dir=run_dir, host_cache_gb=0.001)  # 32 pages
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            chains = [keys_for(8, 10 + i) for i in range(12)]
+            expected = {}
+            for i, keys in enumerate(chains):
+                src = list(range(8 * (i % 4), 8 * (i % 4) + 8))
+                for layer in kv:  # fresh content for this chain
+                    for t in layer:
+                        t[src] = torch.randn(t[src].shape).to(t.dtype)
+                expected[i] = snapshot(kv, src)
+                c.offload(src, keys).wait(10)
+                # load an older chain back while later offloads evict around it
+                j = max(0, i - 2)
+                hit = c.lookup(chains[j])[0]
+                dst = list(range(100, 100 + hit))
+                task = c.load(chains[j][:hit], dst)
+                assert task.wait(10) == hit
+                for layer, exp in zip(kv, expected[j]):
+                    for t, e in zip(layer, exp):
+                        assert torch.equal(t[dst], e[:hit])
+            for keys in chains:  # every chain is a prefix: nothing cached past a hole
+                hit = c.lookup(keys)[0]
+                for j in range(hit + 1, len(keys)):
+                    assert c.lookup([keys[j]])[0] == 0
+            assert c.status()["host"]["evictions"] > 0
+    finally:
+        h.stop()
+
+
+def test_pause_holds_new_work_until_resume(daemon):
+    kv = small_kv()
+    with daemon.connect() as c:
+        c.register_kv_cache(kv)
+        c.pause()
+        assert c.status()["state"] == "paused"
+        task = c.offload([1, 2], keys_for(2, 20))
+        time.sleep(0.3)
+        assert not task.done()
+        c.resume()
+        assert task.wait(10)["stored"] == 2
+        assert c.status()["state"] == "normal"
+
+
+def test_clear_after_a_weight_update_leaves_nothing_readable(daemon):
+    kv = small_kv()
+    with daemon.connect() as c:
+        c.register_kv_cache(kv)
+        keys = keys_for(5, 21)
+        c.offload(list(range(5)), keys).wait(10)
+        assert c.clear(weights_update=True) == 5
+        assert c.signals.view.state == State.CLEARED
+        assert c.lookup(keys) == (0, 0)
+        assert c.load(keys, list(range(10, 15))).wait(10) == 0
+
+
+def test_delete_removes_keys(daemon):
+    kv = small_kv()
+    with daemon.connect() as c:
+        c.register_kv_cache(kv)
+        keys = keys_for(4, 22)
+        c.offload(list(range(4)), keys).wait(10)
+        assert c.delete(keys[2:]) == 2
+        assert c.lookup(keys) == (2, 0)
+
+
+def test_cancel_of_a_queued_load_reports_nothing_loaded(daemon):
+    kv = small_kv()
+    with daemon.connect() as c:
+        c.register_kv_cache(kv)
+        keys = keys_for(4, 23)
+        c.offload(list(range(4)), keys).wait(10)
+        c.pause()
+        task = c.load(keys, [20, 21, 22, 23])
+        assert task.cancel() == "cancelled"
+        c.resume()
+        assert task.wait(10) == 0 and task.status == "cancelled"
+        with pytest.raises(TaskFailed):
+            task.wait_layer(0, timeout=5)
+
+
+def _error_code(excinfo) -> int:
+    return excinfo.value.code
+
+
+def test_bad_data_requests_get_clear_errors_and_change_nothing(daemon):
+    kv = small_kv()
+    with daemon.connect() as c:
+        keys = keys_for(4, 24)
+        with pytest.raises(RequestError) as e:
+            c.offload([0, 1, 2, 3], keys)
+        assert _error_code(e) == ErrorCode.NOT_REGISTERED
+        c.register_kv_cache(kv)
+        c.offload([0, 1], keys[:2]).wait(10)
+        before = c.status()["host"]
+        cases = [
+            (lambda: c.offload([0, 1, 2], keys), ErrorCode.BAD_FIELD),  # lengths differ
+            (lambda: c.offload([0, 1, 64, 3], keys), ErrorCode.BAD_FIELD),  # out of range
+            (lambda: c.load(keys, [5, 5, 6, 7]), ErrorCode.BAD_FIELD),  # repeated
+            (lambda: c.load(keys, [0, 1, 2, 1000]), ErrorCode.BAD_FIELD),
+        ]
+        for call, code in cases:
+            with pytest.raises(RequestError) as e:
+                call()
+            assert _error_code(e) == code
+        with pytest.raises(ProtocolError):
+            c.lookup([b"short"])  # refused before it is sent
+        assert c.status()["host"] == before
+        assert c.lookup(keys) == (2, 0)
+
+
+def test_registration_is_validated(daemon):
+    with daemon.connect() as c:
+        a = allocate_kv_cache(1, 16, (16, 2, 8))
+        b = allocate_kv_cache(1, 16, (16, 2, 4))
+        with pytest.raises(RequestError) as e:
+            c.register_kv_cache([a[0], b[0]])  # layer shapes differ
+        assert _error_code(e) == ErrorCode.KV_MISMATCH
+        with pytest.raises(KvcachedError, match="contiguous"):
+            c.register_kv_cache([(a[0][0].transpose(1, 2), a[0][1])])
+        with pytest.raises(KvcachedError, match="allocate_kv_cache"):
+            c.register_kv_cache([(torch.zeros(16, 16, 2, 8), torch.zeros(16, 16, 2, 8))])
+        assert c.status()["kv"]["registered"] is False
+
+
+def test_a_restarted_engine_reregisters_and_finds_its_blocks(daemon):
+    kv = small_kv()
+    keys = keys_for(6, 25)
+    expected = snapshot(kv, list(range(6)))
+    with daemon.connect() as c:
+        c.register_kv_cache(kv)
+        c.offload(list(range(6)), keys).wait(10)
+    kv2 = small_kv(seed=9)  # the new engine's fresh KV of the same geometry
+    with daemon.connect() as c2:
+        reply = c2.register_kv_cache(kv2)
+        assert reply["kept_blocks"] == 6
+        assert c2.load(keys, list(range(10, 16))).wait(10) == 6
+        assert_blocks_equal(kv2, list(range(10, 16)), expected)
+
+
+def test_block_hashes_are_identical_across_processes():
+    code = ("from kvcached_client import BlockHasher; "
+            "print(BlockHasher('ns').hash_blocks(list(range(64)), 16, "
+            "extra_keys=[None, [b'img'], None, None])[-1].hex())")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout.strip()
+            for seed in (1, 2)}
+    here = BlockHasher("ns").hash_blocks(list(range(64)), 16, extra_keys=[None, [b"img"], None, None])
+    assert outs == {here[-1].hex()}
+
+
+def test_keys_depend_on_namespace_tokens_and_extra_keys():
+    toks = list(range(32))
+    base = BlockHasher("a").hash_blocks(toks, 16)
+    assert BlockHasher("b").hash_blocks(toks, 16) != base
+    assert BlockHasher("a").hash_blocks([1] + toks[1:], 16)[1] != base[1]  # chained
+    assert BlockHasher("a").hash_blocks(toks, 16, extra_keys=[None, b"x"])[0] == base[0]
+    assert BlockHasher("a").hash_blocks(toks, 16, extra_keys=[None, b"x"])[1] != base[1]
+    assert len(BlockHasher("a").hash_blocks(toks + [1, 2], 16)) == 2  # partial block: no key
