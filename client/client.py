@@ -255,10 +255,28 @@ class Client:
                               blocks=pack_block_ids(device_blocks), priority=priority)
         return LoadTask(self, reply["task"], reply)
 
+    def prefetch(self, keys: Sequence[bytes], policy: str = "best_effort", timeout_ms: int = 0,
+                 block_tokens: int = 1, priority: int = 0, timeout: float | None = None) -> Task:
+        """Warm the host tier from storage with the keys past the host prefix. The daemon
+        skips it (task id 0, done at once) when the storage hit is under its threshold.
+        policy: best_effort (use whatever arrived), wait_complete (wait() for all), timeout
+        (the daemon stops after timeout_ms)."""
+        reply = self._request(Op.PREFETCH, timeout, keys=pack_keys(keys), policy=policy,
+                              timeout_ms=timeout_ms, block_tokens=block_tokens, priority=priority)
+        task = Task(self, reply["task"], "prefetch", reply)
+        if reply["task"] == 0:
+            task.status, task.result = "skipped", {"prefetched": 0, "reason": reply.get("skipped")}
+        return task
+
+    def flush(self, timeout: float | None = None) -> Task:
+        """A task that completes once the storage backups queued so far are written."""
+        return Task(self, self._request(Op.FLUSH, timeout)["task"], "flush", {})
+
     def cancel(self, task_id: int, timeout: float | None = None) -> str:
         return self._request(Op.CANCEL, timeout, task=task_id)["state"]
 
     def delete(self, keys: Sequence[bytes], timeout: float | None = None) -> int:
+        """Delete keys from the host tier and the storage tiers; returns host blocks deleted."""
         return self._request(Op.DELETE, timeout, keys=pack_keys(keys))["deleted"]
 
     def clear(self, tier: str = "all", weights_update: bool = False,

@@ -91,10 +91,10 @@ class LoadTask(Task):
                         if waited and done == layer + 1:
                             self.layer_wake_ns.append(time.monotonic_ns() - view.slot_layer_ns(slot))
                         return
-                    if view.slot_status(slot) in (SlotStatus.FAILED, SlotStatus.CANCELLED):
+                    if view.slot_status(slot) != SlotStatus.RUNNING:  # ended short of it
                         self._raise_incomplete(layer)
             elif self.done():  # slot reused: the task ended; its event says how
-                if self.result.get("loaded", 0) == self.num_blocks:
+                if self.status == "done" and self.result.get("loaded", 0) > 0:
                     return
                 self._raise_incomplete(layer)
             waited = True
@@ -111,6 +111,16 @@ class LoadTask(Task):
                     raise KvcachedTimeout(
                         f"layer {layer} of load task {self.id} not in place within {timeout:.3g} s "
                         "(set wait_layer(timeout=...))")
+
+    @property
+    def valid_blocks(self) -> int:
+        """Leading blocks the layers cover; known once wait_layer(0) has returned (a load whose
+        storage part came back short covers fewer than `num_blocks`)."""
+        if self.result is not None:
+            return int(self.result.get("loaded", 0))
+        view = self.client.signals.view
+        valid = view.slot_blocks_valid(self.slot)
+        return valid if view.slot_task(self.slot) == self.id else self.wait()
 
     def _raise_incomplete(self, layer: int) -> None:
         loaded = self.wait(timeout=self.client.timeout)

@@ -45,6 +45,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="extra loopback TCP endpoint (repeatable)")
     serve.add_argument("--max-queued-tasks", type=int, default=4096,
                        help="queued copy tasks before requests get BUSY (default: %(default)s)")
+    serve.add_argument("--storage", action="append", default=[], metavar="URI",
+                       help="storage tier, repeatable, searched in order: disk:///abs/path?capacity_gb=F, "
+                            "redis://host:port/db, redis+cluster://host:port")
+    serve.add_argument("--storage-write-policy", default="write_through",
+                       choices=["write_through", "write_through_selective", "write_back"],
+                       help="when host blocks go to storage (default: %(default)s)")
+    serve.add_argument("--storage-writer", action=argparse.BooleanOptionalAction, default=True,
+                       help="write to storage (off on all but one rank for MLA models)")
+    serve.add_argument("--selective-hits", type=int, default=2,
+                       help="hits before write_through_selective backs a block up (default: %(default)s)")
+    serve.add_argument("--prefetch-threshold-tokens", type=int, default=256,
+                       help="smallest storage hit worth a prefetch (default: %(default)s)")
+    serve.add_argument("--prefetch-max-share", type=float, default=0.5,
+                       help="share of the host pool prefetches may fill (default: %(default)s)")
     serve.add_argument("--copy-threads", type=int, default=0,
                        help="CPU threads for copies; 0 = half the cores, 1..4 (default: %(default)s)")
     serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default: %(default)s)")
@@ -84,6 +98,10 @@ def cmd_serve(args) -> int:
                        host_cache_gb=args.host_cache_gb, host_layout=args.host_layout,
                        eviction=args.eviction, numa=args.numa, listen=args.listen,
                        max_queued_tasks=args.max_queued_tasks, copy_threads=args.copy_threads,
+                       storage=args.storage, storage_write_policy=args.storage_write_policy,
+                       storage_writer=args.storage_writer, selective_hits=args.selective_hits,
+                       prefetch_threshold_tokens=args.prefetch_threshold_tokens,
+                       prefetch_max_share=args.prefetch_max_share,
                        log_level=args.log_level)
     cfg.validate()
     from .server import Daemon  # imports torch; keep `status`/`stop` fast

@@ -10,6 +10,7 @@ from urllib.parse import urlparse
 from kvcached_proto.paths import check_instance, resolve_run_dir
 
 from .errors import StartupError
+from .storage.tiers import WRITE_POLICIES
 
 HOST_LAYOUTS = ("layer_first", "page_first")
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
@@ -26,6 +27,12 @@ class DaemonConfig:
     numa: str = "auto"
     listen: list[str] = field(default_factory=list)
     max_queued_tasks: int = 4096
+    storage: list[str] = field(default_factory=list)
+    storage_write_policy: str = "write_through"
+    storage_writer: bool = True
+    selective_hits: int = 2
+    prefetch_threshold_tokens: int = 256
+    prefetch_max_share: float = 0.5
     copy_threads: int = 0  # 0: half the cores (at least 1, at most 4), the rest stay the engine's
     log_level: str = "INFO"
 
@@ -49,6 +56,15 @@ class DaemonConfig:
             self.copy_threads = max(1, min(4, (os.cpu_count() or 2) // 2))
         if self.max_queued_tasks < 1:
             raise StartupError("--max-queued-tasks must be >= 1")
+        if self.storage_write_policy not in WRITE_POLICIES:
+            raise StartupError(f"--storage-write-policy {self.storage_write_policy!r}: "
+                               f"expected one of {WRITE_POLICIES}")
+        if not 0 < self.prefetch_max_share <= 1:
+            raise StartupError(f"--prefetch-max-share {self.prefetch_max_share}: expected (0, 1]")
+        if self.prefetch_threshold_tokens < 0 or self.selective_hits < 1:
+            raise StartupError("--prefetch-threshold-tokens must be >= 0, --selective-hits >= 1")
+        for uri in self.storage:
+            check_storage_uri(uri)
         for endpoint in self.listen:
             check_listen(endpoint)
         return self
@@ -59,6 +75,18 @@ class DaemonConfig:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def check_storage_uri(uri: str) -> None:
+    url = urlparse(uri)
+    if url.scheme == "disk":
+        if url.netloc or not url.path.startswith("/"):
+            raise StartupError(f"--storage {uri!r}: expected disk:///absolute/path[?capacity_gb=F]")
+    elif url.scheme in ("redis", "redis+cluster"):
+        if not url.hostname:
+            raise StartupError(f"--storage {uri!r}: expected {url.scheme}://host:port")
+    else:
+        raise StartupError(f"--storage {uri!r}: expected disk://, redis:// or redis+cluster://")
 
 
 def check_listen(endpoint: str) -> None:

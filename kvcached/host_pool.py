@@ -80,6 +80,7 @@ class HostPool:
         if hasattr(mmap, "MADV_HUGEPAGE"):
             self._mm.madvise(mmap.MADV_HUGEPAGE)
         self.buffer = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._flat = self.buffer.numpy()
         self._prefault()
         self._pinned_ptr = None
         if device.startswith("cuda"):
@@ -143,12 +144,34 @@ class HostPool:
         log.info("[host] %d host blocks of %d bytes (%s)", n, self.page_bytes, self.layout)
         return True
 
-    def page(self, block: int) -> torch.Tensor:
-        """The bytes of one host block as one contiguous tensor (page_first) or None."""
-        if self.layout != "page_first":
-            raise ValueError("page() needs the page_first layout")
-        start = block * self.page_bytes
-        return self.buffer[start : start + self.page_bytes]
+    def _np_rows(self):
+        for row in self.views:
+            for view in row:
+                yield view.numpy()
+
+    def read_page(self, block: int, out: np.ndarray) -> None:
+        """Copy one host block (every layer and part, in layout order) into `out`."""
+        if self.layout == "page_first":
+            start = block * self.page_bytes
+            out[:] = self._flat[start : start + self.page_bytes]
+            return
+        off = 0
+        for rows in self._np_rows():
+            pb = rows.shape[1]
+            out[off : off + pb] = rows[block]
+            off += pb
+
+    def write_page(self, block: int, data: np.ndarray) -> None:
+        """The inverse of read_page."""
+        if self.layout == "page_first":
+            start = block * self.page_bytes
+            self._flat[start : start + self.page_bytes] = data
+            return
+        off = 0
+        for rows in self._np_rows():
+            pb = rows.shape[1]
+            rows[block] = data[off : off + pb]
+            off += pb
 
     @property
     def num_blocks(self) -> int:
@@ -167,4 +190,4 @@ class HostPool:
                 done += min(PIN_CHUNK_BYTES, self.capacity_bytes - done)
             self._pinned_ptr = None
         self.views = []
-        self.buffer = None  # the mmap goes with the last view that references it
+        self.buffer = self._flat = None  # the mmap goes with the last view that references it

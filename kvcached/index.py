@@ -19,11 +19,12 @@ from .policies import EvictionPolicy, make_policy
 
 WRITING = 0
 READY = 1
+NOT_STORED, BACKUP_QUEUED, STORED = 0, 1, 2
 
 
 class Entry:
     __slots__ = ("key", "block", "state", "refs", "parent", "children", "live", "doomed",
-                 "seq", "last", "hits", "score")
+                 "seq", "last", "hits", "score", "stored", "prefetched")
 
     def __init__(self, key: bytes, block: int, parent: "Entry | None"):
         self.key = key
@@ -38,6 +39,8 @@ class Entry:
         self.last = 0
         self.hits = 0
         self.score = 0.0
+        self.stored = NOT_STORED  # backup state in the storage tiers
+        self.prefetched = False  # brought in by a prefetch and not loaded since
 
 
 class BlockIndex:
@@ -128,17 +131,19 @@ class BlockIndex:
             return None
         return self._remove(e)
 
-    def evict(self, n: int) -> list[int]:
-        """Evict up to n unused leaves in policy order; returns their host blocks."""
-        freed: list[int] = []
-        while len(freed) < n and self._heap:
+    def evict(self, n: int) -> list[Entry]:
+        """Evict up to n unused leaves in policy order; returns them (their blocks are free
+        for the caller to reuse once it has saved what it wants from them)."""
+        out: list[Entry] = []
+        while len(out) < n and self._heap:
             _prio, seq, e = heapq.heappop(self._heap)
             if seq != e.seq or not self._evictable(e):
                 continue
-            freed.append(self._remove(e))
+            self._remove(e)
+            out.append(e)
             self.evictions += 1
             self.policy.on_evict(e)
-        return freed
+        return out
 
     def clear(self) -> list[int]:
         """Remove every unused entry; in-use ones are doomed. Returns the blocks freed."""

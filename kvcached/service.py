@@ -22,6 +22,7 @@ from .errors import OpError
 from .host_pool import HostPool
 from .index import BlockIndex
 from .kv import KVRegistration
+from .service_storage import BACKUP, FETCH, PREFETCH, StorageFlow
 from .transfer import LOAD, OFFLOAD, SPLIT_BLOCKS, CopyTask, CpuCopier, TransferWorker, host_runs
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class TaskCounters:
         self.bytes = {"d2h": 0, "h2d": 0}
 
 
-class CacheService:
+class CacheService(StorageFlow):
     def __init__(self, cfg: DaemonConfig, signals, events):
         self.cfg = cfg
         self.signals = signals
@@ -54,17 +55,22 @@ class CacheService:
         self._slot_cursor = 0
         self._slots_busy: set[int] = set()
         self.counters = TaskCounters()
-        self.hits = {"lookups": 0, "keys": 0, "host_hits": 0}
+        self.hits = {"lookups": 0, "keys": 0, "host_hits": 0, "storage_hits": 0}
         self.loader = TransferWorker(LOAD, self._run_loads, self._batch_failed)
         self.offloader = TransferWorker(OFFLOAD, self._run_offloads, self._batch_failed)
         self.loader.start()
         self.offloader.start()
+        self._init_storage()
+        if self.tiers:
+            signals.set_flag(Flag.STORAGE_READY)
         self._handlers = {
             Op.REGISTER_KV: self._register_kv,
             Op.UNREGISTER_KV: self._unregister_kv,
             Op.OFFLOAD: self._offload,
             Op.LOOKUP: self._lookup,
             Op.LOAD: self._load,
+            Op.PREFETCH: self._prefetch,
+            Op.FLUSH: self._flush,
             Op.CANCEL: self._cancel,
             Op.DELETE: self._delete,
             Op.CLEAR: self._clear,
@@ -134,17 +140,22 @@ class CacheService:
                           f"blocks: id {int(blocks.max())} >= {self.kv.spec.num_blocks} device blocks")
 
     def _check_queue(self) -> None:
-        if self.loader.queued + self.offloader.queued >= self.cfg.max_queued_tasks:
+        if self.loader.queued + self.offloader.queued + self.fetcher.queued >= self.cfg.max_queued_tasks:
             raise OpError(ErrorCode.BUSY, f"{self.cfg.max_queued_tasks} tasks queued "
                           "(--max-queued-tasks); retry later")
 
     def _lookup(self, client, req) -> dict:
+        keys = req.body["keys"]
         with self._lock:
-            hit = len(self.index.prefix(req.body["keys"]))
+            entries = self.index.prefix(keys)
+            hit = len(entries)
+            self._after_hits(entries)
+            stored = self._storage_prefix(keys[hit:]) if hit < len(keys) else 0
             self.hits["lookups"] += 1
-            self.hits["keys"] += len(req.body["keys"])
+            self.hits["keys"] += len(keys)
             self.hits["host_hits"] += hit
-        return {"host": hit, "storage": 0}
+            self.hits["storage_hits"] += stored
+        return {"host": hit, "storage": stored}
 
     def _offload(self, client, req) -> dict:
         keys, blocks = req.body["keys"], req.body["blocks"]
@@ -185,17 +196,25 @@ class CacheService:
             slot = self._take_slot()
             entries = self.index.prefix(keys)
             self.index.pin(entries)
+            self._after_hits(entries)
             n = len(entries)
-            host_ids = [e.block for e in entries]
-            task = self._new_task(LOAD, client, req, blocks[:n], host_ids, entries)
+            fetch = []
+            if n < len(keys):  # the part past the host prefix may come from storage
+                fetch = self._insert_for_fetch(keys, n, self._storage_prefix(keys[n:]))
+            planned = n + len(fetch)
+            task = self._new_task(LOAD, client, req, blocks[:planned],
+                                  [e.block for e in entries], entries)
             task.slot = slot
+            task.extra["fetch"] = fetch
         self.signals.slot_begin(slot, task.task_id, self.kv.spec.num_layers)
-        if n:
+        if fetch:
+            self.fetcher.submit(task)
+        elif n:
             self.loader.submit(task)
         else:
             self._finish(task, "done", {"loaded": 0})
-        return {"task": task.task_id, "slot": slot, "blocks": n,
-                "num_layers": self.kv.spec.num_layers}
+        return {"task": task.task_id, "slot": slot, "blocks": planned, "host_blocks": n,
+                "storage_blocks": len(fetch), "num_layers": self.kv.spec.num_layers}
 
     def _new_task(self, kind, client, req, dev_blocks, host_ids, entries) -> CopyTask:
         task = CopyTask(next(self._task_ids), kind, client.client_id, client.routing_id,
@@ -216,7 +235,9 @@ class CacheService:
     def _alloc_host(self, n: int) -> list[int]:
         got = self.pool.allocator.alloc(n)
         if len(got) < n:
-            self.pool.allocator.free(self.index.evict(n - len(got)))
+            evicted = self.index.evict(n - len(got))
+            self._on_evicted(evicted)  # write_back saves them before their blocks are reused
+            self.pool.allocator.free([e.block for e in evicted])
             got += self.pool.allocator.alloc(n - len(got))
         return got
 
@@ -227,38 +248,47 @@ class CacheService:
             if task is None or task.client_id != client.client_id:
                 raise OpError(ErrorCode.UNKNOWN_TASK, f"task {task_id} is not a live task of this client")
             task.cancelled = True
-        worker = self.loader if task.kind == LOAD else self.offloader
-        if worker.remove_queued(lambda t: t is task):
+        workers = {LOAD: (self.fetcher, self.loader), OFFLOAD: (self.offloader,),
+                   PREFETCH: (self.fetcher,)}.get(task.kind, ())
+        if any(w.remove_queued(lambda t: t is task) for w in workers):
             self._finish_cancelled([task])
             return {"state": "cancelled"}
         return {"state": "finishing"}  # in flight: it stops at the next layer or chunk
 
     def _delete(self, client, req) -> dict:
         deleted = 0
+        keys = list(req.body["keys"])
         with self._lock:
-            for key in req.body["keys"]:
+            for key in keys:
                 block = self.index.delete(key)
                 if block is not None:
                     self.pool.allocator.free([block])
                     deleted += 1
-        return {"deleted": deleted}
+        stored = self.tiers.delete(keys) if self.tiers else 0
+        return {"deleted": deleted, "storage_deleted": stored}
 
     def _clear(self, client, req) -> dict:
         weights = req.body["weights_update"]
         prior = self.signals.state
         if weights:
             self.signals.set_state(State.CLEARING)
+        tier = req.body["tier"]
         self._drain("clear", cancel_queued=True)
         try:
-            with self._lock:
-                freed = self.index.clear()
-                self.pool.allocator.free(freed)
+            freed, stored = [], 0
+            if tier in ("host", "all"):
+                with self._lock:
+                    freed = self.index.clear()
+                    self.pool.allocator.free(freed)
+            if tier in ("storage", "all") and self.tiers:
+                stored = self.tiers.clear()
         finally:
             self._undrain()
         self.signals.set_state(State.CLEARED if weights else prior)
-        log.info("[clear] %d host blocks dropped (tier %s, weights_update=%s)",
-                 len(freed), req.body["tier"], weights)
-        return {"cleared": len(freed)}
+        log.info("[clear] %d host blocks and %d stored blocks dropped (tier %s, weights_update=%s)",
+                 len(freed), stored, tier, weights)
+        return {"cleared": len(freed) + stored, "host_cleared": len(freed),
+                "storage_cleared": stored}
 
     def _pause(self, client, req) -> dict:
         self._drain("pause", undrain_on_timeout=True)
@@ -270,19 +300,23 @@ class CacheService:
         self.signals.set_state(State.NORMAL)
         return {}
 
+    @property
+    def _workers(self) -> tuple[TransferWorker, ...]:
+        return (self.fetcher, self.loader, self.offloader, self.backer)
+
     def _drain(self, why: str, cancel_queued: bool = False, undrain_on_timeout: bool = True) -> None:
-        ok = self.loader.pause(DRAIN_TIMEOUT_S) and self.offloader.pause(DRAIN_TIMEOUT_S)
+        ok = all(w.pause(DRAIN_TIMEOUT_S) for w in self._workers)
         if not ok:
             if undrain_on_timeout:
                 self._undrain()
             raise OpError(ErrorCode.BUSY, f"{why}: in-flight copies did not drain in {DRAIN_TIMEOUT_S} s")
         if cancel_queued:
-            for worker in (self.loader, self.offloader):
+            for worker in (self.fetcher, self.loader, self.offloader):
                 self._finish_cancelled(worker.remove_queued(lambda t: True))
 
     def _undrain(self) -> None:
-        self.loader.resume()
-        self.offloader.resume()
+        for w in self._workers:
+            w.resume()
 
     # execution (worker threads) ------------------------------------------
     def _run_offloads(self, batch: list[CopyTask]) -> None:
@@ -304,6 +338,7 @@ class CacheService:
         plans = []
         for task in batch:
             task.started_ns = time.monotonic_ns()
+            self.signals.slot_set_valid(task.slot, task.num_blocks)
             plans.append((task, task.dev_blocks, host_runs(task.host_blocks)))
         for layer in range(num_layers):
             for task, dev_ids, runs in plans:
@@ -331,6 +366,9 @@ class CacheService:
         if task.cancelled:
             self._finish(task, "cancelled", {"stored": 0})
         else:
+            if self.tiers and self.tiers.write_policy == "write_through":
+                with self._lock:
+                    self._queue_backup([e for e in task.entries if e.live and not e.doomed])
             self._finish(task, "done", {"stored": task.num_blocks})
 
     def _complete_load(self, task: CopyTask) -> None:
@@ -342,24 +380,44 @@ class CacheService:
 
     def _batch_failed(self, batch: list[CopyTask], exc: BaseException) -> None:
         for task in batch:
-            if task.task_id not in self.tasks:
-                continue  # completed before the failure
             with self._lock:
-                if task.kind == LOAD:
-                    self.pool.allocator.free(self.index.unpin(task.entries))
-                else:
-                    self.pool.allocator.free([self.index.discard(e) for e in task.entries if e.live])
+                self._release_failed(task)
+            if task.task_id not in self.tasks:
+                continue  # an internal task (backup) or completed before the failure
             result = {"loaded": 0} if task.kind == LOAD else {"stored": 0}
             result["error"] = f"{type(exc).__name__}: {exc}"
             self._finish(task, "failed", result)
+
+    def _release_failed(self, task: CopyTask) -> None:
+        """Give back every host block and pin a failed task holds (called with the lock)."""
+        fetch = task.extra.pop("fetch", [])
+        self.pool.allocator.free([self.index.discard(e) for e in fetch if e.live])
+        if task.kind == LOAD:
+            self.pool.allocator.free(self.index.unpin(task.entries))
+            task.entries = []
+        elif task.kind == OFFLOAD:
+            self.pool.allocator.free([self.index.discard(e) for e in task.entries if e.live])
+        elif task.kind == BACKUP and task.entries:
+            self._pending_backups -= len(task.entries)
+            self.pool.allocator.free(self.index.unpin([e for e in task.entries if e.refs]))
+            task.entries = []
+        elif task.kind == PREFETCH:
+            self._prefetched_resident -= len(fetch)
 
     def _finish_cancelled(self, tasks: list[CopyTask]) -> None:
         for task in tasks:
             task.cancelled = True
             if task.kind == LOAD:
+                with self._lock:
+                    fetch = task.extra.pop("fetch", [])
+                    self.pool.allocator.free([self.index.discard(e) for e in fetch if e.live])
                 self._complete_load(task)
-            else:
+            elif task.kind == OFFLOAD:
                 self._complete_offload(task)
+            elif task.kind == PREFETCH:
+                with self._lock:
+                    self._release_failed(task)
+                self._finish(task, "cancelled", {"prefetched": 0})
 
     def _finish(self, task: CopyTask, status: str, result: dict) -> None:
         with self._lock:
@@ -388,12 +446,13 @@ class CacheService:
             for task in self.tasks.values():
                 if mine(task):
                     task.cancelled = True
-        for worker in (self.loader, self.offloader):
+        for worker in (self.fetcher, self.loader, self.offloader):
             self._finish_cancelled(worker.remove_queued(mine))
 
     def status(self) -> dict:
         with self._lock:
             kv = self.kv
+            queued = self.loader.queued + self.offloader.queued + self.fetcher.queued
             return {
                 "host": {
                     "capacity_bytes": self.pool.capacity_bytes,
@@ -410,21 +469,27 @@ class CacheService:
                     "num_blocks": kv.spec.num_blocks if kv else 0,
                     "page_bytes": kv.spec.page_bytes if kv else 0,
                 },
-                "storage": [],
+                "storage": self._storage_status(),
                 "tasks": {
-                    "queued": self.loader.queued + self.offloader.queued,
-                    "inflight": len(self.tasks) - self.loader.queued - self.offloader.queued,
+                    "queued": queued,
+                    "inflight": len(self.tasks) - queued,
                     "completed": self.counters.completed,
                     "failed": self.counters.failed,
                     "cancelled": self.counters.cancelled,
                 },
                 "bytes": dict(self.counters.bytes),
                 "lookups": dict(self.hits),
+                "storage_io": dict(self.storage_counters),
             }
 
     def close(self) -> None:
+        # graceful: copies first, then the backups they queued (write_through's promise that
+        # what reached the host tier is in storage after a stop)
+        self.fetcher.stop()
         self.loader.stop()
         self.offloader.stop()
+        self.backer.stop(timeout=DRAIN_TIMEOUT_S)
+        self.tiers.close()
         with self._lock:
             if self.kv is not None:
                 self.kv.close()

@@ -110,6 +110,9 @@ class SignalSegment:
     def slot_layer_done(self, slot: int, layers_done: int) -> None:
         self.view.slot_layer_done(slot, layers_done, time.monotonic_ns())
 
+    def slot_set_valid(self, slot: int, blocks_valid: int) -> None:
+        self.view.slot_set_valid(slot, blocks_valid)
+
     def slot_finish(self, slot: int, status: SlotStatus, blocks_valid: int) -> None:
         self.view.slot_finish(slot, status, blocks_valid)
 

@@ -22,17 +22,19 @@ from .version import PROTOCOL_VERSION
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
 TIERS = ("host", "storage", "all")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
 @dataclass(frozen=True)
 class Field:
     name: str
-    kind: str  # int | uint | str | bool | bytes | keys | blocks | map | tier
+    kind: str  # int | uint | str | bool | bytes | keys | blocks | map | choice
     required: bool = True
     default: Any = None
     max_len: int = MAX_STR_BYTES
     lo: int = -(2**63)
     hi: int = 2**63 - 1
+    choices: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -63,11 +65,20 @@ OP_SPECS: dict[Op, OpSpec] = {
         ),
         OpSpec(Op.LOOKUP, (KEYS,)),
         OpSpec(Op.LOAD, (KEYS, BLOCKS, PRIORITY), needs_kv=True),
+        OpSpec(
+            Op.PREFETCH,
+            (KEYS, PRIORITY,
+             Field("policy", "choice", False, "best_effort", choices=PREFETCH_POLICIES),
+             Field("timeout_ms", "uint", False, 0, hi=3_600_000),
+             Field("block_tokens", "uint", False, 1, hi=1 << 20)),
+        ),
         OpSpec(Op.CANCEL, (Field("task", "uint", hi=UINT64_MAX),)),
+        OpSpec(Op.FLUSH),
         OpSpec(Op.DELETE, (KEYS,)),
         OpSpec(
             Op.CLEAR,
-            (Field("tier", "tier", False, "all"), Field("weights_update", "bool", False, False)),
+            (Field("tier", "choice", False, "all", choices=TIERS),
+             Field("weights_update", "bool", False, False)),
         ),
         OpSpec(Op.PAUSE),
         OpSpec(Op.RESUME),
@@ -101,11 +112,11 @@ def _check_field(f: Field, value: Any) -> Any:
         if not isinstance(value, bool):
             raise ProtocolError(ErrorCode.BAD_FIELD, f"{f.name}: expected bool")
         return value
-    if kind in ("str", "tier"):
+    if kind in ("str", "choice"):
         if not isinstance(value, str) or len(value.encode()) > f.max_len:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"{f.name}: expected str of <= {f.max_len} bytes")
-        if kind == "tier" and value not in TIERS:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"{f.name}: {value!r} is not one of {TIERS}")
+        if kind == "choice" and value not in f.choices:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{f.name}: {value!r} is not one of {f.choices}")
         return value
     if kind in ("bytes", "keys", "blocks"):
         if not isinstance(value, bytes):

@@ -21,7 +21,9 @@ class Op(enum.IntEnum):
     OFFLOAD = 20
     LOOKUP = 21
     LOAD = 22
+    PREFETCH = 23
     CANCEL = 24
+    FLUSH = 25
     # maintenance
     DELETE = 30
     CLEAR = 31

@@ -24,7 +24,8 @@ Load-progress slot i at 128 + 32 * i::
       8     4  layers_done      layers whose copies are complete (monotonic within a task)
      12     4  num_layers
      16     4  status           SlotStatus below
-     20     4  blocks_valid     leading blocks whose every layer is in place (final)
+     20     4  blocks_valid     leading blocks the layers cover: set before the first layers_done
+                                bump, final at the end (0 when failed or cancelled)
      24     8  layer_ns         CLOCK_MONOTONIC ns of the last layers_done bump (latency probes)
 
 Single writer per field (the daemon). Payload before counter: the daemon writes task_id and
@@ -180,6 +181,10 @@ class SignalView:
         w = self._slot(i)
         self._u64[w // 2 + 3] = now_ns
         self._u32[w + 2] = layers_done
+
+    def slot_set_valid(self, i: int, blocks_valid: int) -> None:
+        """Blocks the layers will cover; written before the first layers_done bump."""
+        self._u32[self._slot(i) + 5] = blocks_valid
 
     def slot_finish(self, i: int, status: SlotStatus, blocks_valid: int) -> None:
         w = self._slot(i)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job. Sets up .venv when missing, then starts a kvcached daemon on the embedded
-# default (CPU device, RAM host tier), runs a demo client session against it, prints the status
-# table and stops the daemon, leaving nothing behind.
+# default (CPU device, RAM host tier, disk tier under var/disk), runs a demo client session
+# against it (host hit, then a disk hit after a daemon restart), prints the status table and
+# stops the daemon, leaving nothing behind but the disk tier's files.
 #   ./scripts/run.sh               demo session
 #   ./scripts/run.sh --serve-only  keep the daemon in the foreground until Ctrl-C
 set -euo pipefail
@@ -10,10 +11,12 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="$ROOT/.venv/bin/python"
 INSTANCE="${KVCACHED_INSTANCE:-demo}"
 RUN_DIR="${KVCACHED_RUN_DIR:-$ROOT/var/run}"
+DISK="${KVCACHED_DISK:-disk://$ROOT/var/disk?capacity_gb=4}"
 mkdir -p "$ROOT/var"
 if [ "${1:-}" = "--serve-only" ]; then
   shift
   exec "$PY" -m kvcached serve --instance "$INSTANCE" --run-dir "$RUN_DIR" --device cpu \
-    --host-cache-gb "${KVCACHED_HOST_CACHE_GB:-1}" "$@"
+    --host-cache-gb "${KVCACHED_HOST_CACHE_GB:-1}" --storage "$DISK" "$@"
 fi
-exec "$PY" "$ROOT/scripts/demo_session.py" --instance "$INSTANCE" --run-dir "$RUN_DIR" "$@"
+exec "$PY" "$ROOT/scripts/demo_session.py" --instance "$INSTANCE" --run-dir "$RUN_DIR" \
+  --storage "$DISK" "$@"

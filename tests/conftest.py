@@ -102,3 +102,74 @@ def small_kv(num_layers=4, num_blocks=64, block_shape=(16, 2, 8), dtype=torch.bf
         for t in (layer if kv_pair else (layer,)):
             t.copy_(torch.randn(t.shape, generator=gen).to(dtype))
     return kv
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A real redis-server on a free loopback port, persistence off; stop/start at will."""
+
+    def __init__(self, port: int | None = None, extra=()):
+        import shutil as _shutil
+        import subprocess
+
+        self.exe = _shutil.which("redis-server")
+        if self.exe is None:
+            pytest.skip("redis-server is not installed (.ci/run installs it)")
+        self.port = port or free_port()
+        self.extra = list(extra)
+        self.dir = tempfile.mkdtemp(prefix="kvredis-", dir="/tmp")
+        self._subprocess = subprocess
+        self.proc = None
+        self.start()
+
+    @property
+    def uri(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        import time
+
+        import redis
+
+        self.proc = self._subprocess.Popen(
+            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.dir, *self.extra],
+            stdout=self._subprocess.DEVNULL, stderr=self._subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis(port=self.port, socket_timeout=0.5).ping()
+                return
+            except redis.RedisError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.stop()
+                    raise RuntimeError(f"redis-server on port {self.port} did not start")
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        self.proc = None
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def redis_server():
+    server = RedisServer()
+    yield server
+    server.close()
+
+
+def disk_uri(path: str, capacity_gb: float = 1.0) -> str:
+    return f"disk://{path}?capacity_gb={capacity_gb}"

@@ -11,6 +11,10 @@ def k(i: int) -> bytes:
     return i.to_bytes(16, "little")
 
 
+def blocks(index, n):
+    return [e.block for e in index.evict(n)]
+
+
 def chain(index: BlockIndex, ids, first_block=None, parent=None):
     entries = []
     for n, i in enumerate(ids):
@@ -36,7 +40,7 @@ def test_eviction_is_lru_over_leaves_and_keeps_prefixes_whole():
     chain(idx, [1, 2, 3])
     chain(idx, [10, 11])
     idx.prefix([k(1)])  # touches 1 but 3 is the leaf that goes first
-    evicted = idx.evict(3)
+    evicted = blocks(idx, 3)
     # chain 1-2-3 is older except for 1: leaves go 3, 2, then 11 (older than 1)
     assert evicted == [3, 2, 11]
     assert len(idx.prefix([k(1), k(2)])) == 1
@@ -47,7 +51,7 @@ def test_descendants_go_before_ancestors_even_when_ancestors_are_older():
     idx = BlockIndex()
     chain(idx, [1, 2, 3, 4])
     idx.prefix([k(3)])  # make an inner node recently used
-    assert idx.evict(4) == [4, 3, 2, 1]
+    assert blocks(idx, 4) == [4, 3, 2, 1]
 
 
 def test_pinned_and_writing_entries_are_never_evicted():
@@ -56,10 +60,10 @@ def test_pinned_and_writing_entries_are_never_evicted():
     idx.pin(pinned)
     idx.insert(k(2), 2, None)  # writing
     chain(idx, [3])
-    assert idx.evict(10) == [3]
+    assert blocks(idx, 10) == [3]
     assert len(idx) == 2
     idx.unpin(pinned)
-    assert idx.evict(10) == [1]
+    assert blocks(idx, 10) == [1]
     idx.check()
 
 
@@ -79,7 +83,7 @@ def test_removing_a_middle_node_keeps_child_counts_right():
     chain(idx, [1, 2, 3])
     assert idx.delete(k(2)) == 2
     idx.check()
-    assert sorted(idx.evict(5)) == [1, 3]  # 1 became a leaf when its child went
+    assert sorted(blocks(idx, 5)) == [1, 3]  # 1 became a leaf when its child went
 
 
 def test_clear_frees_unused_and_dooms_used():

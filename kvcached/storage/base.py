@@ -1,0 +1,45 @@
+"""The storage backend interface. Backends move whole host pages (one block, all layers).
+
+Every method is called from the daemon's storage threads, never from the request thread, and
+must not raise for I/O trouble: a failed put or get is reported per key (False), and a backend
+that cannot reach its store reports `health() == False` and 0 hits until it recovers.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Sequence
+
+
+class StorageBackend(abc.ABC):
+    uri: str
+
+    @abc.abstractmethod
+    def exists_prefix(self, keys: Sequence[bytes]) -> int:
+        """Number of leading keys present."""
+
+    @abc.abstractmethod
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[bool]:
+        """Fill buffers[i] with key i's payload; False where missing, corrupt or failed."""
+
+    @abc.abstractmethod
+    def put(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[bool]:
+        """Store payloads; a key already stored is not rewritten (and counts as True)."""
+
+    @abc.abstractmethod
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Remove keys; returns how many were there."""
+
+    @abc.abstractmethod
+    def clear(self) -> int:
+        """Remove every block of this store; returns how many."""
+
+    @abc.abstractmethod
+    def health(self) -> bool:
+        """True when the store answers."""
+
+    @abc.abstractmethod
+    def usage(self) -> dict:
+        """{"used_bytes", "capacity_bytes", "blocks"} plus backend counters."""
+
+    def close(self) -> None:
+        """Release connections and threads."""

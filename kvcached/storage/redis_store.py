@@ -1,0 +1,196 @@
+"""The Redis / Valkey tier (optional extra `kvcached[redis]`): one value per block, pipelined.
+
+    redis://host:port/db[?prefix=P&ttl_s=N]        one server
+    redis+cluster://host:port[?prefix=P&ttl_s=N]   a cluster (any node as the entry point)
+
+Keys are `{prefix}{key hex}`; values are record.py records (header with a checksum, then the
+page). A server that stops answering marks the tier unhealthy: lookups see 0 hits, puts are
+dropped and counted, and a health probe at most once a second brings it back.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Sequence
+from urllib.parse import parse_qs, urlparse
+
+from .base import StorageBackend
+from .record import HEADER_BYTES, BadRecord, check_header, check_payload, pack_header
+
+log = logging.getLogger(__name__)
+
+PROBE_EVERY_S = 1.0
+SOCKET_TIMEOUT_S = 1.0
+
+
+class RedisBackend(StorageBackend):
+    def __init__(self, uri: str):
+        try:
+            import redis
+            import redis.cluster
+        except ImportError:
+            raise ValueError(f"{uri!r}: the redis tier needs redis-py: pip install 'kvcached[redis]'") from None
+        self._redis = redis
+        url = urlparse(uri)
+        self.uri = uri
+        self.cluster = url.scheme == "redis+cluster"
+        q = parse_qs(url.query)
+        unknown = set(q) - {"prefix", "ttl_s"}
+        if unknown:
+            raise ValueError(f"{uri!r}: unknown option(s) {sorted(unknown)}")
+        self.prefix = q.get("prefix", ["kvcached:"])[0].encode()
+        self.ttl_s = int(q.get("ttl_s", ["0"])[0]) or None
+        host, port = url.hostname or "127.0.0.1", url.port or 6379
+        common = dict(socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=SOCKET_TIMEOUT_S)
+        if self.cluster:
+            self._client = redis.cluster.RedisCluster(host=host, port=port, **common)
+        else:
+            db = int(url.path.strip("/") or 0)
+            self._client = redis.Redis(host=host, port=port, db=db, **common)
+        self._healthy = True
+        self._next_probe = 0.0
+        self._lock = threading.Lock()
+        self.counters = {"puts": 0, "gets": 0, "dropped_puts": 0, "errors": 0, "corrupt": 0}
+        self.last_error = ""
+        self.health()
+
+    def _name(self, key: bytes) -> bytes:
+        return self.prefix + key.hex().encode()
+
+    def _failed(self, exc: Exception) -> None:
+        self.counters["errors"] += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        if self._healthy:
+            log.warning("[redis] %s unhealthy: %s", self.uri, self.last_error)
+        self._healthy = False
+        self._next_probe = time.monotonic() + PROBE_EVERY_S
+
+    def _usable(self) -> bool:
+        return self._healthy or self.health()
+
+    def health(self) -> bool:
+        if not self._healthy and time.monotonic() < self._next_probe:
+            return False
+        try:
+            self._client.ping()
+        except self._redis.RedisError as exc:
+            self._failed(exc)
+            return False
+        if not self._healthy:
+            log.info("[redis] %s healthy again", self.uri)
+        self._healthy = True
+        return True
+
+    def exists_prefix(self, keys: Sequence[bytes]) -> int:
+        if not keys or not self._usable():
+            return 0
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self._name(key))
+            found = pipe.execute()
+        except self._redis.RedisError as exc:
+            self._failed(exc)
+            return 0
+        n = 0
+        for hit in found:
+            if not hit:
+                break
+            n += 1
+        return n
+
+    def get_into(self, keys, buffers) -> list[bool]:
+        if not keys or not self._usable():
+            return [False] * len(keys)
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.get(self._name(key))
+            values = pipe.execute()
+        except self._redis.RedisError as exc:
+            self._failed(exc)
+            return [False] * len(keys)
+        out = []
+        for key, buf, value in zip(keys, buffers, values):
+            view = memoryview(buf).cast("B")
+            if value is None:
+                out.append(False)
+                continue
+            try:
+                crc = check_header(value, key, len(view))
+                payload = memoryview(value)[HEADER_BYTES:]
+                if len(payload) != len(view):
+                    raise BadRecord("short value")
+                check_payload(payload, crc)
+            except BadRecord as exc:
+                log.warning("[redis] %s: %s; deleted", key.hex(), exc)
+                self.counters["corrupt"] += 1
+                self.delete([key])
+                out.append(False)
+                continue
+            view[:] = payload
+            self.counters["gets"] += 1
+            out.append(True)
+        return out
+
+    def put(self, keys, buffers) -> list[bool]:
+        if not keys:
+            return []
+        if not self._usable():
+            self.counters["dropped_puts"] += len(keys)
+            return [False] * len(keys)
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key, buf in zip(keys, buffers):
+                view = memoryview(buf).cast("B")
+                # NX: a key already stored is not rewritten
+                pipe.set(self._name(key), pack_header(key, view) + view, ex=self.ttl_s, nx=True)
+            pipe.execute()
+        except self._redis.RedisError as exc:
+            self._failed(exc)
+            self.counters["dropped_puts"] += len(keys)
+            return [False] * len(keys)
+        self.counters["puts"] += len(keys)
+        return [True] * len(keys)
+
+    def delete(self, keys) -> int:
+        if not keys or not self._usable():
+            return 0
+        try:
+            if self.cluster:  # multi-key DEL must not cross slots
+                return sum(self._client.delete(self._name(k)) for k in keys)
+            return int(self._client.delete(*[self._name(k) for k in keys]))
+        except self._redis.RedisError as exc:
+            self._failed(exc)
+            return 0
+
+    def clear(self) -> int:
+        if not self._usable():
+            return 0
+        n = 0
+        try:
+            batch = []
+            for name in self._client.scan_iter(match=self.prefix + b"*", count=1000):
+                batch.append(name)
+                if len(batch) >= 1000:
+                    n += self._delete_names(batch)
+                    batch = []
+            n += self._delete_names(batch)
+        except self._redis.RedisError as exc:
+            self._failed(exc)
+        return n
+
+    def _delete_names(self, names) -> int:
+        if not names:
+            return 0
+        if self.cluster:
+            return sum(self._client.delete(n) for n in names)
+        return int(self._client.delete(*names))
+
+    def usage(self) -> dict:
+        return {"used_bytes": 0, "capacity_bytes": 0, "blocks": None, "healthy": self._healthy,
+                "last_error": self.last_error, **self.counters}
+
+    def close(self) -> None:
+        self._client.close()

@@ -1,0 +1,446 @@
+"""The storage tiers through real daemons: disk (restart, corruption, full disk), Redis (and its
+outage), write policies, loads through host, prefetch."""
+import glob
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+
+import pytest
+import torch
+
+from conftest import RedisServer, disk_uri, small_kv, unique_instance
+from kvcached_client import BlockHasher, launch
+
+HASHER = BlockHasher("storage-test")
+PAGE_SHAPE = (16, 2, 64)  # 4 layers x (K, V) x 4 KiB = 32 KiB per block
+
+
+def keys_for(n, seed=0):
+    return HASHER.hash_blocks([seed * 100_000 + i for i in range(16 * n)], 16)
+
+
+def files(root):
+    return sorted(glob.glob(os.path.join(root, "??", "*.kvb")))
+
+
+def snapshot(kv, blocks):
+    return [(k[blocks].clone(), v[blocks].clone()) for k, v in kv]
+
+
+def equal(kv, blocks, expected, upto=None):
+    upto = len(blocks) if upto is None else upto
+    return all(torch.equal(k[blocks[:upto]], e[0][:upto]) and torch.equal(v[blocks[:upto]], e[1][:upto])
+               for (k, v), e in zip(kv, expected))
+
+
+def scramble(kv):
+    for k, v in kv:
+        k.fill_(3)
+        v.fill_(3)
+
+
+@pytest.fixture
+def disk_dir():
+    path = tempfile.mkdtemp(prefix="kvdisk-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def start(run_dir, instance, *storage, host_gb=0.05, extra=()):
+    args = [a for uri in storage for a in ("--storage", uri)] + list(extra)
+    return launch(instance=instance, run_dir=run_dir, host_cache_gb=host_gb, extra_args=args)
+
+
+def offload_and_flush(c, kv, keys, src):
+    c.offload(src, keys).wait(10)
+    c.flush().wait(30)
+
+
+def test_blocks_survive_a_daemon_restart_on_disk(run_dir, instance, disk_dir):
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys, src, dst = keys_for(12), list(range(12)), list(range(30, 42))
+    expected = snapshot(kv, src)
+    h = start(run_dir, instance, disk_uri(disk_dir))
+    with h.connect() as c:
+        c.register_kv_cache(kv)
+        offload_and_flush(c, kv, keys, src)
+    h.stop()
+    assert len(files(disk_dir)) == 12
+    h = start(run_dir, instance, disk_uri(disk_dir))
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            deadline = time.monotonic() + 10
+            while c.lookup(keys) != (0, 12):  # the index is rebuilt in the background
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            scramble(kv)
+            task = c.load(keys, dst)
+            assert (task.reply["host_blocks"], task.reply["storage_blocks"]) == (0, 12)
+            task.wait_layer(0, timeout=10)
+            assert task.valid_blocks == 12
+            assert task.wait(10) == 12
+            assert equal(kv, dst, expected)
+            assert c.lookup(keys) == (12, 0)  # pulled through the host tier
+    finally:
+        h.stop()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign_key", "empty"])
+def test_a_damaged_block_file_is_a_miss_never_wrong_bytes(run_dir, instance, disk_dir, damage):
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys, src, dst = keys_for(8, 1), list(range(8)), list(range(40, 48))
+    expected = snapshot(kv, src)
+    h = start(run_dir, instance, disk_uri(disk_dir))
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, src)
+            c.clear(tier="host")
+            bad = os.path.join(disk_dir, keys[5].hex()[:2], keys[5].hex() + ".kvb")
+            data = bytearray(open(bad, "rb").read())
+            if damage == "flip":
+                data[len(data) // 2] ^= 0x01
+            elif damage == "truncate":
+                data = data[: len(data) - 100]
+            elif damage == "foreign_key":  # a valid record of another key under this name
+                data = bytearray(open(os.path.join(disk_dir, keys[4].hex()[:2], keys[4].hex() + ".kvb"), "rb").read())
+            else:
+                data = bytearray()
+            open(bad, "wb").write(data)
+            scramble(kv)
+            assert c.lookup(keys) == (0, 8)  # the index does not know yet
+            task = c.load(keys, dst)
+            assert task.wait(10) == 5  # the leading blocks before the damaged one
+            assert equal(kv, dst, expected, upto=5)
+            assert not os.path.exists(bad)  # removed, never served
+            assert c.lookup(keys) == (5, 0)
+    finally:
+        h.stop()
+
+
+def test_stray_and_temp_files_are_removed_at_start(run_dir, instance, disk_dir):
+    os.makedirs(os.path.join(disk_dir, "ab"))
+    stray = [os.path.join(disk_dir, "ab", "not-a-block.txt"),
+             os.path.join(disk_dir, "ab", "ab" + "0" * 30 + ".kvb.123.tmp")]
+    for p in stray:
+        open(p, "wb").write(b"junk")
+    h = start(run_dir, instance, disk_uri(disk_dir))
+    try:
+        with h.connect() as c:
+            deadline = time.monotonic() + 10
+            while any(os.path.exists(p) for p in stray):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert c.status()["storage"][0]["healthy"]
+    finally:
+        h.stop()
+
+
+@pytest.fixture
+def tiny_fs():
+    """A 1 MiB filesystem (tmpfs) that fills up."""
+    path = tempfile.mkdtemp(prefix="kvfull-", dir="/tmp")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", path],
+                       capture_output=True)
+    if r.returncode != 0:
+        os.rmdir(path)
+        pytest.skip(f"cannot mount a size-limited tmpfs here: {r.stderr.decode().strip()}")
+    yield path
+    subprocess.run(["umount", path], check=True)
+    os.rmdir(path)
+
+
+def test_a_full_disk_fails_puts_cleanly_and_the_daemon_keeps_serving(run_dir, instance, tiny_fs):
+    kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=128)
+    keys, src = keys_for(64, 2), list(range(64))  # 64 x 32 KiB = 2 MiB > 1 MiB
+    expected = snapshot(kv, src)
+    h = start(run_dir, instance, disk_uri(tiny_fs, capacity_gb=1.0), host_gb=0.01)
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, src)
+            disk = c.status()["storage"][0]
+            assert disk["put_errors"] > 0 and "ENOSPC" in disk["last_error"]
+            assert disk["healthy"]
+            assert c.lookup(keys)[0] == 64  # the host tier holds them all
+            scramble(kv)
+            assert c.load(keys, list(range(64, 128))).wait(10) == 64
+            assert equal(kv, list(range(64, 128)), expected)
+            stored = c.status()["storage"][0]["blocks"]
+            assert 0 < stored < 64
+            assert all(os.path.getsize(f) > 0 for f in files(tiny_fs))  # no torn files left
+            assert not glob.glob(os.path.join(tiny_fs, "??", "*.tmp"))
+    finally:
+        h.stop()
+
+
+def test_disk_capacity_is_enforced_with_lru(run_dir, instance, disk_dir):
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    cap_gb = 10 * (32768 + 48) / 2**30  # room for 10 block files
+    h = start(run_dir, instance, disk_uri(disk_dir, cap_gb))
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            first, second = keys_for(8, 3), keys_for(8, 4)
+            offload_and_flush(c, kv, first, list(range(8)))
+            offload_and_flush(c, kv, second, list(range(8, 16)))
+            assert len(files(disk_dir)) == 10
+            c.clear(tier="host")
+            assert c.lookup(second) == (0, 8)  # the newest survive
+            assert c.lookup(first) == (0, 0)  # the oldest went first
+    finally:
+        h.stop()
+
+
+def test_write_through_selective_waits_for_hits(run_dir, instance, disk_dir):
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    h = start(run_dir, instance, disk_uri(disk_dir),
+              extra=["--storage-write-policy", "write_through_selective", "--selective-hits", "2"])
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            keys = keys_for(4, 5)
+            offload_and_flush(c, kv, keys, [0, 1, 2, 3])
+            assert files(disk_dir) == []
+            c.lookup(keys[:2])
+            c.lookup(keys[:2])
+            c.flush().wait(10)
+            assert len(files(disk_dir)) == 2
+    finally:
+        h.stop()
+
+
+def test_write_back_writes_only_what_the_host_tier_evicts(run_dir, instance, disk_dir):
+    kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=128)
+    h = start(run_dir, instance, disk_uri(disk_dir), host_gb=0.0005,  # 16 host blocks
+              extra=["--storage-write-policy", "write_back"])
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            first, second = keys_for(10, 6), keys_for(10, 7)
+            expected = snapshot(kv, list(range(10)))
+            offload_and_flush(c, kv, first, list(range(10)))
+            assert files(disk_dir) == []
+            offload_and_flush(c, kv, second, list(range(10, 20)))  # evicts 4 of `first`
+            assert len(files(disk_dir)) == 4
+            scramble(kv)
+            assert c.lookup(first) == (6, 4)
+            assert c.load(first, list(range(50, 60))).wait(10) == 10
+            assert equal(kv, list(range(50, 60)), expected)
+    finally:
+        h.stop()
+
+
+def test_a_non_writer_rank_reads_but_never_writes(run_dir, disk_dir):
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys = keys_for(4, 8)
+    writer = start(run_dir, unique_instance("w"), disk_uri(disk_dir))
+    try:
+        with writer.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, [0, 1, 2, 3])
+    finally:
+        writer.stop()
+    other = start(run_dir, unique_instance("r"), disk_uri(disk_dir), extra=["--no-storage-writer"])
+    try:
+        with other.connect() as c:
+            c.register_kv_cache(kv)
+            more = keys_for(4, 9)
+            offload_and_flush(c, kv, more, [4, 5, 6, 7])
+            assert len(files(disk_dir)) == 4  # nothing new written
+            deadline = time.monotonic() + 10
+            while c.lookup(keys) != (0, 4):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert c.load(keys, [10, 11, 12, 13]).wait(10) == 4
+    finally:
+        other.stop()
+
+
+def test_keys_already_stored_are_not_rewritten(run_dir, instance, disk_dir):
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    h = start(run_dir, instance, disk_uri(disk_dir))
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            keys = keys_for(3, 10)
+            offload_and_flush(c, kv, keys, [0, 1, 2])
+            mtimes = [os.stat(f).st_mtime_ns for f in files(disk_dir)]
+            c.clear(tier="host")
+            offload_and_flush(c, kv, keys, [0, 1, 2])
+            assert [os.stat(f).st_mtime_ns for f in files(disk_dir)] == mtimes
+            assert c.status()["storage"][0]["puts"] == 3
+    finally:
+        h.stop()
+
+
+def test_prefetch_warms_the_host_tier(run_dir, instance, disk_dir):
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys = keys_for(20, 11)
+    expected = snapshot(kv, list(range(20)))
+    h = start(run_dir, instance, disk_uri(disk_dir))
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, list(range(20)))
+            c.clear(tier="host")
+            small = c.prefetch(keys[:1], block_tokens=16)  # 16 tokens < threshold 256
+            assert small.status == "skipped" and small.wait()["prefetched"] == 0
+            task = c.prefetch(keys, block_tokens=16, policy="wait_complete")
+            assert task.reply["blocks"] == 20
+            assert task.wait(10)["prefetched"] == 20
+            assert c.lookup(keys) == (20, 0)
+            scramble(kv)
+            assert c.load(keys, list(range(30, 50))).wait(10) == 20
+            assert equal(kv, list(range(30, 50)), expected)
+    finally:
+        h.stop()
+
+
+def test_prefetch_uses_at_most_its_share_of_the_host_pool(run_dir, instance, disk_dir):
+    kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=128)
+    keys = keys_for(30, 12)
+    h = start(run_dir, instance, disk_uri(disk_dir), host_gb=0.001,  # 32 host blocks
+              extra=["--prefetch-max-share", "0.25", "--prefetch-threshold-tokens", "0"])
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, list(range(30)))
+            c.clear(tier="host")
+            task = c.prefetch(keys)
+            assert task.reply["blocks"] == 8
+            assert task.wait(10)["prefetched"] == 8
+            assert c.lookup(keys) == (8, 22)
+    finally:
+        h.stop()
+
+
+def test_cancel_stops_a_prefetch(run_dir, instance, disk_dir):
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys = keys_for(20, 13)
+    h = start(run_dir, instance, disk_uri(disk_dir), extra=["--prefetch-threshold-tokens", "0"])
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, list(range(20)))
+            c.clear(tier="host")
+            c.pause()
+            task = c.prefetch(keys)
+            assert task.cancel() == "cancelled"
+            c.resume()
+            result = task.wait(10)
+            assert task.status == "cancelled" and result["prefetched"] == 0
+            assert c.lookup(keys) == (0, 20)
+            assert c.status()["host"]["used_bytes"] == 0
+    finally:
+        h.stop()
+
+
+def test_redis_tier_round_trip(run_dir, instance, redis_server):
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys, src, dst = keys_for(10, 14), list(range(10)), list(range(20, 30))
+    expected = snapshot(kv, src)
+    h = start(run_dir, instance, redis_server.uri)
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, src)
+            c.clear(tier="host")
+            assert c.lookup(keys) == (0, 10)
+            scramble(kv)
+            assert c.load(keys, dst).wait(10) == 10
+            assert equal(kv, dst, expected)
+            assert c.status()["storage"][0]["healthy"]
+    finally:
+        h.stop()
+
+
+def test_a_corrupt_redis_value_is_a_miss(run_dir, instance, redis_server):
+    import redis
+
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys = keys_for(6, 15)
+    h = start(run_dir, instance, redis_server.uri)
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, list(range(6)))
+            c.clear(tier="host")
+            r = redis.Redis(port=redis_server.port)
+            name = b"kvcached:" + keys[3].hex().encode()
+            value = bytearray(r.get(name))
+            value[-1] ^= 0xFF
+            r.set(name, bytes(value))
+            assert c.load(keys, list(range(10, 16))).wait(10) == 3
+            assert r.get(name) is None  # removed, never served
+    finally:
+        h.stop()
+
+
+def test_redis_outage_makes_the_tier_unhealthy_not_the_daemon(run_dir, instance, redis_server):
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys = keys_for(4, 16)
+    h = start(run_dir, instance, redis_server.uri)
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, [0, 1, 2, 3])
+            c.clear(tier="host")
+            redis_server.stop()
+            assert c.lookup(keys) == (0, 0)
+            more = keys_for(4, 17)
+            offload_and_flush(c, kv, more, [4, 5, 6, 7])  # backups dropped, counted
+            tier = c.status()["storage"][0]
+            assert tier["healthy"] is False and tier["dropped_puts"] >= 4
+            assert c.lookup(more) == (4, 0)  # the host tier still works
+            redis_server.start()  # empty again: persistence is off
+            deadline = time.monotonic() + 5
+            while not c.status()["storage"][0]["healthy"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            offload_and_flush(c, kv, keys, [0, 1, 2, 3])
+            c.clear(tier="host")
+            assert c.lookup(keys) == (0, 4)
+    finally:
+        h.stop()
+
+
+def _cluster(ports):
+    nodes = [RedisServer(p, extra=["--cluster-enabled", "yes", "--cluster-config-file",
+                                   f"nodes-{p}.conf"]) for p in ports]
+    r = subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+                        "--cluster-replicas", "0", "--cluster-yes"], capture_output=True,
+                       text=True, timeout=30)
+    return nodes, r
+
+
+def test_redis_cluster_tier(run_dir, instance):
+    from conftest import free_port
+
+    if shutil.which("redis-cli") is None:
+        pytest.skip("redis-cli is not installed")
+    nodes, r = _cluster([free_port() for _ in range(3)])
+    try:
+        assert r.returncode == 0, r.stdout + r.stderr
+        time.sleep(1.0)  # let the nodes agree on the slots
+        kv = small_kv(block_shape=PAGE_SHAPE)
+        keys = keys_for(12, 18)
+        expected = snapshot(kv, list(range(12)))
+        h = start(run_dir, instance, f"redis+cluster://127.0.0.1:{nodes[0].port}")
+        try:
+            with h.connect() as c:
+                c.register_kv_cache(kv)
+                offload_and_flush(c, kv, keys, list(range(12)))
+                c.clear(tier="host")
+                assert c.lookup(keys) == (0, 12)
+                scramble(kv)
+                assert c.load(keys, list(range(20, 32))).wait(10) == 12
+                assert equal(kv, list(range(20, 32)), expected)
+        finally:
+            h.stop()
+    finally:
+        for n in nodes:
+            n.close()
