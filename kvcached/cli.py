@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds to wait for the exit (default: %(default)s)")
 
     bench = sub.add_parser("bench", help="benchmarks against raw baselines in the same run")
-    bench.add_argument("what", choices=["ipc", "transfer"], help="which benchmark")
+    bench.add_argument("what", choices=["ipc", "transfer", "storage"], help="which benchmark")
     bench.add_argument("--json", action="store_true", help="print results as JSON")
     bench.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
     bench.add_argument("--device", default="cpu", help="cpu or cuda:N (transfer)")

@@ -141,13 +141,20 @@ class HostPool:
                     offset += pb
                 row.append(view)
             self.views.append(row)
+        self._rows = [v.numpy() for row in self.views for v in row]  # page order, made once
         log.info("[host] %d host blocks of %d bytes (%s)", n, self.page_bytes, self.layout)
         return True
 
-    def _np_rows(self):
-        for row in self.views:
-            for view in row:
-                yield view.numpy()
+    def _np_rows(self) -> list[np.ndarray]:
+        return self._rows
+
+    def page_pieces(self, block: int) -> list[memoryview]:
+        """One host block's bytes in page order, as writable views (no copy): the whole page
+        for page_first, one slice per (layer, part) for layer_first."""
+        if self.layout == "page_first":
+            start = block * self.page_bytes
+            return [memoryview(self._flat[start : start + self.page_bytes])]
+        return [memoryview(rows[block]) for rows in self._np_rows()]
 
     def read_page(self, block: int, out: np.ndarray) -> None:
         """Copy one host block (every layer and part, in layout order) into `out`."""

@@ -51,6 +51,7 @@ class BlockIndex:
         self._seq = itertools.count()
         self._clock = 0
         self.evictions = 0
+        self.prefetched = 0  # entries brought in (or being brought in) by prefetch, not used yet
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -98,6 +99,11 @@ class BlockIndex:
     def mark_ready(self, e: Entry) -> None:
         e.state = READY
         self._push(e)
+
+    def set_prefetched(self, e: Entry, on: bool) -> None:
+        if e.prefetched != on and e.live:
+            e.prefetched = on
+            self.prefetched += 1 if on else -1
 
     def pin(self, entries: Iterable[Entry]) -> None:
         for e in entries:
@@ -174,6 +180,9 @@ class BlockIndex:
 
     def _remove(self, e: Entry) -> int:
         del self._entries[e.key]
+        if e.prefetched:
+            self.prefetched -= 1
+            e.prefetched = False
         e.live = False
         e.seq = -1
         p = e.parent

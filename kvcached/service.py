@@ -401,8 +401,6 @@ class CacheService(StorageFlow):
             self._pending_backups -= len(task.entries)
             self.pool.allocator.free(self.index.unpin([e for e in task.entries if e.refs]))
             task.entries = []
-        elif task.kind == PREFETCH:
-            self._prefetched_resident -= len(fetch)
 
     def _finish_cancelled(self, tasks: list[CopyTask]) -> None:
         for task in tasks:

@@ -1,10 +1,10 @@
 """The storage half of the cache service: backups (host -> storage), fetches (storage -> host)
 for loads and prefetches, and flush. Mixed into CacheService; shares its lock and index.
 
-A fetch inserts WRITING host entries for the storage part of a request, reads their pages on
-the fetch worker, and keeps the leading ones that arrived intact; a load then continues with
-its device copy on the load worker. A backup pins its entries only while their pages are
-copied out of the host pool, so storage latency never holds host blocks.
+A fetch inserts WRITING host entries for the storage part of a request, reads their pages
+straight into those host blocks on the fetch worker, and keeps the leading ones that arrived
+intact; a load then continues with its device copy on the load worker. A backup writes
+straight from the host blocks and keeps them pinned until the write is done.
 """
 from __future__ import annotations
 
@@ -32,7 +32,6 @@ class StorageFlow:
         self.storage_counters = {"backups": 0, "backup_dropped": 0, "fetched": 0,
                                  "fetch_failed": 0, "prefetched": 0}
         self._pending_backups = 0
-        self._prefetched_resident = 0
         self.fetcher = TransferWorker(FETCH, self._run_fetches, self._batch_failed)
         self.backer = TransferWorker(BACKUP, self._run_backups, self._batch_failed)
         self.fetcher.start()
@@ -85,11 +84,11 @@ class StorageFlow:
             return
         keys, pages = [], []
         for e in evicted:
-            if e.stored == NOT_STORED:
+            if e.stored == NOT_STORED:  # its block is reused right after: copy the page out
                 page = np.empty(self.pool.page_bytes, dtype=np.uint8)
                 self.pool.read_page(e.block, page)
                 keys.append(e.key)
-                pages.append(page)
+                pages.append([memoryview(page)])
         if keys:
             self._queue_backup_payloads(keys, pages)
 
@@ -98,9 +97,7 @@ class StorageFlow:
         if self.tiers and self.tiers.write_policy == "write_through_selective":
             self._queue_backup([e for e in entries if e.hits >= self.tiers.selective_hits])
         for e in entries:
-            if e.prefetched:
-                e.prefetched = False
-                self._prefetched_resident -= 1
+            self.index.set_prefetched(e, False)
 
     # ops ------------------------------------------------------------------
     def _prefetch(self, client, req) -> dict:
@@ -116,14 +113,15 @@ class StorageFlow:
                 return {"task": 0, "blocks": 0, "host": host,
                         "skipped": f"storage hit {tokens} tokens < threshold "
                                    f"{self.cfg.prefetch_threshold_tokens}"}
-            room = int(self.pool.num_blocks * self.cfg.prefetch_max_share) - self._prefetched_resident
+            room = int(self.pool.num_blocks * self.cfg.prefetch_max_share) - self.index.prefetched
             entries = self._insert_for_fetch(keys, host, max(0, min(stored, room)))
+            for e in entries:
+                self.index.set_prefetched(e, True)
             task = self._new_task(PREFETCH, client, req, np.zeros(len(entries), np.int64),
                                   [e.block for e in entries], [])
             task.extra["fetch"] = entries
             if req.body["policy"] == "timeout" and req.body["timeout_ms"]:
                 task.extra["deadline"] = time.monotonic() + req.body["timeout_ms"] / 1000
-            self._prefetched_resident += len(entries)
         if entries:
             self.fetcher.submit(task)
         else:
@@ -160,10 +158,6 @@ class StorageFlow:
             if task.kind == LOAD:
                 self._continue_load(task, good)
             else:
-                for e in good:
-                    e.prefetched = True
-                with self._lock:
-                    self._prefetched_resident -= len(bad)
                 self.storage_counters["prefetched"] += n_ok
                 status = "cancelled" if task.cancelled else "done"
                 self._finish(task, status, {"prefetched": n_ok})
@@ -177,10 +171,9 @@ class StorageFlow:
             if task.cancelled or (deadline is not None and time.monotonic() > deadline):
                 break
             chunk = entries[done : done + IO_CHUNK_BLOCKS]
-            staging = [np.empty(page_bytes, dtype=np.uint8) for _ in chunk]
-            got = self.tiers.fetch([e.key for e in chunk], staging)
-            for e, page in zip(chunk[:got], staging):
-                self.pool.write_page(e.block, page)
+            # straight into the (still WRITING, invisible) host blocks: no staging copy
+            got = self.tiers.fetch([e.key for e in chunk],
+                                   [self.pool.page_pieces(e.block) for e in chunk])
             task.bytes_moved += got * page_bytes
             done += got
             if got < len(chunk):
@@ -218,13 +211,11 @@ class StorageFlow:
                 continue
             for start in range(0, len(task.entries), IO_CHUNK_BLOCKS):
                 chunk = task.entries[start : start + IO_CHUNK_BLOCKS]
-                pages = [np.empty(self.pool.page_bytes, dtype=np.uint8) for _ in chunk]
-                for e, page in zip(chunk, pages):
-                    self.pool.read_page(e.block, page)
-                with self._lock:  # pages copied out: the host blocks may go now
-                    self.pool.allocator.free(self.index.unpin(chunk))
-                ok = self.tiers.put([e.key for e in chunk], pages)
+                # written straight from the host blocks, which stay pinned until it is done
+                ok = self.tiers.put([e.key for e in chunk],
+                                    [self.pool.page_pieces(e.block) for e in chunk])
                 with self._lock:
+                    self.pool.allocator.free(self.index.unpin(chunk))
                     self._pending_backups -= len(chunk)
                     for e, stored in zip(chunk, ok):
                         e.stored = STORED if stored else NOT_STORED

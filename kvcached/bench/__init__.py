@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 
-BENCHES = ("ipc", "transfer")
+BENCHES = ("ipc", "transfer", "storage")
 
 
 def run(what: str, **kwargs) -> dict:

@@ -1,5 +1,9 @@
 """The storage backend interface. Backends move whole host pages (one block, all layers).
 
+A page is passed as its list of pieces (memoryviews in page order): one piece for the page_first
+host layout, one per (layer, part) for layer_first. The disk tier writes and reads them in place
+with writev/readv and checksums them in a stream, so a page is never staged just to be stored.
+
 Every method is called from the daemon's storage threads, never from the request thread, and
 must not raise for I/O trouble: a failed put or get is reported per key (False), and a backend
 that cannot reach its store reports `health() == False` and 0 hits until it recovers.
@@ -18,12 +22,13 @@ class StorageBackend(abc.ABC):
         """Number of leading keys present."""
 
     @abc.abstractmethod
-    def get_into(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[bool]:
-        """Fill buffers[i] with key i's payload; False where missing, corrupt or failed."""
+    def get_into(self, keys: Sequence[bytes], pages: Sequence[list]) -> list[bool]:
+        """Fill pages[i]'s pieces with key i's verified payload; False where missing, corrupt or
+        failed (the pieces may then hold garbage: the caller drops them)."""
 
     @abc.abstractmethod
-    def put(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[bool]:
-        """Store payloads; a key already stored is not rewritten (and counts as True)."""
+    def put(self, keys: Sequence[bytes], pages: Sequence[list]) -> list[bool]:
+        """Store pages; a key already stored is not rewritten (and counts as True)."""
 
     @abc.abstractmethod
     def delete(self, keys: Sequence[bytes]) -> int:

@@ -16,7 +16,7 @@ from typing import Sequence
 from urllib.parse import parse_qs, urlparse
 
 from .base import StorageBackend
-from .record import HEADER_BYTES, BadRecord, check_header, check_payload, pack_header
+from .record import HEADER_BYTES, BadRecord, nbytes, pack_header, verify
 
 log = logging.getLogger(__name__)
 
@@ -112,24 +112,19 @@ class RedisBackend(StorageBackend):
             self._failed(exc)
             return [False] * len(keys)
         out = []
-        for key, buf, value in zip(keys, buffers, values):
-            view = memoryview(buf).cast("B")
+        for key, pieces, value in zip(keys, buffers, values):
             if value is None:
                 out.append(False)
                 continue
             try:
-                crc = check_header(value, key, len(view))
-                payload = memoryview(value)[HEADER_BYTES:]
-                if len(payload) != len(view):
-                    raise BadRecord("short value")
-                check_payload(payload, crc)
+                verify(value, key, nbytes(pieces))
             except BadRecord as exc:
                 log.warning("[redis] %s: %s; deleted", key.hex(), exc)
                 self.counters["corrupt"] += 1
                 self.delete([key])
                 out.append(False)
                 continue
-            view[:] = payload
+            _scatter(memoryview(value)[HEADER_BYTES:], pieces)
             self.counters["gets"] += 1
             out.append(True)
         return out
@@ -142,10 +137,10 @@ class RedisBackend(StorageBackend):
             return [False] * len(keys)
         try:
             pipe = self._client.pipeline(transaction=False)
-            for key, buf in zip(keys, buffers):
-                view = memoryview(buf).cast("B")
+            for key, pieces in zip(keys, buffers):
+                value = b"".join([pack_header(key, pieces), *pieces])
                 # NX: a key already stored is not rewritten
-                pipe.set(self._name(key), pack_header(key, view) + view, ex=self.ttl_s, nx=True)
+                pipe.set(self._name(key), value, ex=self.ttl_s, nx=True)
             pipe.execute()
         except self._redis.RedisError as exc:
             self._failed(exc)
@@ -194,3 +189,11 @@ class RedisBackend(StorageBackend):
 
     def close(self) -> None:
         self._client.close()
+
+
+def _scatter(payload: memoryview, pieces) -> None:
+    off = 0
+    for piece in pieces:
+        view = memoryview(piece).cast("B")
+        view[:] = payload[off : off + view.nbytes]
+        off += view.nbytes

@@ -1,0 +1,186 @@
+"""`kvcached bench storage`: the daemon's storage tiers vs the raw store, in the same run.
+
+Through the real daemon (7B-like pages: 32 layers x (K, V) x 32 KiB = 2 MiB per block):
+- put: blocks offloaded under write_through, timed from the end of the offload to the end of
+  a flush (the backups host -> storage);
+- get: the host tier cleared, then a wait_complete prefetch of every block (storage -> host).
+Baselines on the same bytes: disk = one sequential file written with os.write in page-sized
+chunks and read back with readinto (fsync off on both sides, so both run against the page
+cache); redis = bare redis-py pipelined SET / GET of values of the same size, in batches of
+the daemon's I/O chunk. A redis-server is started on a free loopback port when one is installed.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from kvcached_client import allocate_kv_cache, launch
+
+from ..service_storage import IO_CHUNK_BLOCKS
+from ..storage.record import HEADER_BYTES
+from .stats import ratio
+
+LAYERS, BLOCK_SHAPE = 32, (16, 8, 128)
+PAGE = LAYERS * 2 * 16 * 8 * 128 * 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _through_daemon(run_dir: str, storage_uri: str, n: int, repeats: int) -> dict:
+    daemon = launch(instance=f"bench-st-{os.getpid()}", run_dir=run_dir,
+                    host_cache_gb=(n + 8) * PAGE / 2**30,
+                    extra_args=["--storage", storage_uri, "--prefetch-threshold-tokens", "0",
+                                "--prefetch-max-share", "1.0"])
+    put_s, get_s = [], []
+    try:
+        with daemon.connect(name="bench-storage", timeout=300) as c:
+            kv = allocate_kv_cache(LAYERS, n, BLOCK_SHAPE, torch.bfloat16)
+            for k, v in kv:
+                k.fill_(1.5)
+                v.fill_(2.5)
+            c.register_kv_cache(kv)
+            for _ in range(repeats):
+                keys = [os.urandom(16) for _ in range(n)]
+                c.offload(list(range(n)), keys).wait(300)
+                t0 = time.perf_counter()
+                c.flush().wait(300)
+                put_s.append(time.perf_counter() - t0)
+                c.clear(tier="host")
+                t0 = time.perf_counter()
+                got = c.prefetch(keys, policy="wait_complete").wait(300)["prefetched"]
+                get_s.append(time.perf_counter() - t0)
+                if got != n:
+                    raise RuntimeError(f"prefetch brought {got} of {n} blocks back")
+                c.clear(tier="all")
+            del kv
+    finally:
+        daemon.stop()
+    nbytes = n * PAGE
+    return {"put_gbps": nbytes / min(put_s) / 1e9, "get_gbps": nbytes / min(get_s) / 1e9}
+
+
+def _raw_disk(path: str, n: int, repeats: int) -> dict:
+    page = np.ones(PAGE + HEADER_BYTES, dtype=np.uint8)
+    buf = np.empty_like(page)
+    fname = os.path.join(path, "raw.bin")
+    put_s, get_s = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fd = os.open(fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        for _ in range(n):
+            os.write(fd, page)
+        os.close(fd)
+        put_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with open(fname, "rb", buffering=0) as f:
+            for _ in range(n):
+                f.readinto(buf)
+        get_s.append(time.perf_counter() - t0)
+        os.unlink(fname)
+    nbytes = n * PAGE
+    return {"put_gbps": nbytes / min(put_s) / 1e9, "get_gbps": nbytes / min(get_s) / 1e9}
+
+
+def _raw_redis(port: int, n: int, repeats: int) -> dict:
+    import redis
+
+    r = redis.Redis(port=port)
+    value = bytes(PAGE + HEADER_BYTES)
+    put_s, get_s = [], []
+    for rep in range(repeats):
+        names = [f"raw:{rep}:{i}".encode() for i in range(n)]
+        t0 = time.perf_counter()
+        for start in range(0, n, IO_CHUNK_BLOCKS):
+            pipe = r.pipeline(transaction=False)
+            for name in names[start : start + IO_CHUNK_BLOCKS]:
+                pipe.set(name, value)
+            pipe.execute()
+        put_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for start in range(0, n, IO_CHUNK_BLOCKS):
+            pipe = r.pipeline(transaction=False)
+            for name in names[start : start + IO_CHUNK_BLOCKS]:
+                pipe.get(name)
+            pipe.execute()
+        get_s.append(time.perf_counter() - t0)
+        r.delete(*names)
+    r.close()
+    nbytes = n * PAGE
+    return {"put_gbps": nbytes / min(put_s) / 1e9, "get_gbps": nbytes / min(get_s) / 1e9}
+
+
+def _pair(name: str, daemon: dict, raw: dict, note: str) -> dict:
+    return {"tier": name, "note": note,
+            **{f"{k}": round(v, 3) for k, v in daemon.items()},
+            **{f"raw_{k}": round(v, 3) for k, v in raw.items()},
+            "put_ratio": ratio(daemon["put_gbps"], raw["put_gbps"]),
+            "get_ratio": ratio(daemon["get_gbps"], raw["get_gbps"])}
+
+
+def run(quick: bool = False, **_) -> dict:
+    n = 64 if quick else 256
+    repeats = 2 if quick else 3
+    work = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
+    results = []
+    try:
+        disk = os.path.join(work, "disk")
+        os.makedirs(disk)
+        raw = _raw_disk(work, n, repeats)
+        got = _through_daemon(work, f"disk://{disk}?capacity_gb={2 * n * PAGE / 2**30:.3f}", n, repeats)
+        results.append(_pair("disk", got, raw, "fsync off on both sides (page cache)"))
+        exe = shutil.which("redis-server")
+        if exe:
+            port = _free_port()
+            server = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                       "--appendonly", "no", "--dir", work],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                _wait_redis(port)
+                raw = _raw_redis(port, n, repeats)
+                got = _through_daemon(work, f"redis://127.0.0.1:{port}/0", n, repeats)
+                results.append(_pair("redis", got, raw, "loopback, persistence off"))
+            finally:
+                server.terminate()
+                server.wait(10)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"bench": "storage", "blocks": n, "page_bytes": PAGE, "repeats": repeats,
+            "results": results, "target": {"ratio_min": 0.7},
+            "skipped": [] if len(results) > 1 else ["redis (no redis-server on PATH)"]}
+
+
+def _wait_redis(port: int) -> None:
+    import redis
+
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            redis.Redis(port=port, socket_timeout=0.5).ping()
+            return
+        except redis.RedisError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server on port {port} did not start within 10 s")
+            time.sleep(0.05)
+
+
+def format_result(r: dict) -> str:
+    lines = [f"{r['blocks']} blocks of {r['page_bytes'] / 2**20:.0f} MiB, best of {r['repeats']}",
+             f"{'tier':<6} {'put GB/s':>9} {'raw':>7} {'ratio':>6}   {'get GB/s':>9} {'raw':>7} {'ratio':>6}"]
+    for x in r["results"]:
+        lines.append(f"{x['tier']:<6} {x['put_gbps']:>9.2f} {x['raw_put_gbps']:>7.2f} {x['put_ratio']:>6.2f}   "
+                     f"{x['get_gbps']:>9.2f} {x['raw_get_gbps']:>7.2f} {x['get_ratio']:>6.2f}   ({x['note']})")
+    for s in r["skipped"]:
+        lines.append(f"skipped: {s}")
+    lines.append(f"target: ratio >= {r['target']['ratio_min']}")
+    return "\n".join(lines)
