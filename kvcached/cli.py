@@ -74,7 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds to wait for the exit (default: %(default)s)")
 
     bench = sub.add_parser("bench", help="benchmarks against raw baselines in the same run")
-    bench.add_argument("what", choices=["ipc", "transfer", "storage"], help="which benchmark")
+    bench.add_argument("what", choices=["ipc", "transfer", "storage", "disk-index"],
+                       help="which benchmark")
+    bench.add_argument("--files", type=int, default=0,
+                       help="disk-index: block files to create (default 200000; --quick 20000)")
     bench.add_argument("--json", action="store_true", help="print results as JSON")
     bench.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
     bench.add_argument("--device", default="cpu", help="cpu or cuda:N (transfer)")
@@ -180,6 +183,7 @@ def cmd_stop(args) -> int:
 def cmd_bench(args) -> int:
     from . import bench
 
-    result = bench.run(args.what, quick=args.quick, device=args.device)
+    result = bench.run(args.what.replace("-", "_"), quick=args.quick, device=args.device,
+                       files=args.files)
     print(json.dumps(result, indent=2) if args.json else bench.format_result(result))
     return 0

@@ -150,7 +150,7 @@ class CacheService(StorageFlow):
             entries = self.index.prefix(keys)
             hit = len(entries)
             self._after_hits(entries)
-            stored = self._storage_prefix(keys[hit:]) if hit < len(keys) else 0
+            stored = self._storage_prefix(keys[hit:]) if self.tiers and hit < len(keys) else 0
             self.hits["lookups"] += 1
             self.hits["keys"] += len(keys)
             self.hits["host_hits"] += hit

@@ -81,7 +81,10 @@ class PackedKeys(Sequence):
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(self.n))]
+            start, stop, step = i.indices(self.n)
+            if step == 1:  # stays packed
+                return PackedKeys(self.blob[start * KEY_BYTES : max(start, stop) * KEY_BYTES])
+            return [self[j] for j in range(start, stop, step)]
         if i < 0:
             i += self.n
         if not 0 <= i < self.n:

@@ -104,12 +104,32 @@ def small_kv(num_layers=4, num_blocks=64, block_shape=(16, 2, 8), dtype=torch.bf
     return kv
 
 
-def free_port() -> int:
+def _bindable(port: int) -> bool:
     import socket
 
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+_taken: set[int] = set()
+
+
+def free_port(with_bus: bool = False) -> int:
+    """A free loopback port, not handed out before in this run; with_bus also needs port+10000
+    free (a Redis cluster node's bus port)."""
+    import random
+
+    for _ in range(1000):
+        port = random.randint(20000, 50000)
+        if port in _taken or not _bindable(port) or (with_bus and not _bindable(port + 10000)):
+            continue
+        _taken.add(port)
+        return port
+    raise RuntimeError("no free loopback port found")
 
 
 class RedisServer:

@@ -409,11 +409,18 @@ def test_redis_outage_makes_the_tier_unhealthy_not_the_daemon(run_dir, instance,
 
 
 def _cluster(ports):
-    nodes = [RedisServer(p, extra=["--cluster-enabled", "yes", "--cluster-config-file",
-                                   f"nodes-{p}.conf"]) for p in ports]
-    r = subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
-                        "--cluster-replicas", "0", "--cluster-yes"], capture_output=True,
-                       text=True, timeout=30)
+    nodes = []
+    try:
+        for p in ports:
+            nodes.append(RedisServer(p, extra=["--cluster-enabled", "yes", "--cluster-config-file",
+                                               f"nodes-{p}.conf"]))
+        r = subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+                            "--cluster-replicas", "0", "--cluster-yes"], capture_output=True,
+                           text=True, timeout=30)
+    except BaseException:
+        for n in nodes:
+            n.close()
+        raise
     return nodes, r
 
 
@@ -422,7 +429,7 @@ def test_redis_cluster_tier(run_dir, instance):
 
     if shutil.which("redis-cli") is None:
         pytest.skip("redis-cli is not installed")
-    nodes, r = _cluster([free_port() for _ in range(3)])
+    nodes, r = _cluster([free_port(with_bus=True) for _ in range(3)])
     try:
         assert r.returncode == 0, r.stdout + r.stderr
         time.sleep(1.0)  # let the nodes agree on the slots
