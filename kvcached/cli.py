@@ -73,6 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
     stop.add_argument("--timeout", type=float, default=30.0,
                       help="seconds to wait for the exit (default: %(default)s)")
 
+    replay = sub.add_parser("replay", help="replay a Mooncake-format request trace against the host tier")
+    replay.add_argument("trace", nargs="?", help="TRACE.jsonl (timestamp, input_length, output_length, hash_ids)")
+    replay.add_argument("--capacity-tokens", type=int, nargs="+", default=[1_000_000, 3_000_000, 10_000_000],
+                        help="host tier capacities in tokens (default: 1e6 3e6 1e7)")
+    replay.add_argument("--policy", default="lru",
+                        help="eviction policy, or a comma-separated list (see --list-policies)")
+    replay.add_argument("--block-tokens", type=int, default=512, help="tokens per hash id (default: 512)")
+    replay.add_argument("--through-daemon", action="store_true",
+                        help="send the lookups and offloads to a real daemon over the real client")
+    replay.add_argument("--json", action="store_true", help="print results as JSON")
+    replay.add_argument("--list-policies", action="store_true", help="print the policy names and exit")
+
     bench = sub.add_parser("bench", help="benchmarks against raw baselines in the same run")
     bench.add_argument("what", choices=["ipc", "transfer", "storage", "disk-index"],
                        help="which benchmark")
@@ -88,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"serve": cmd_serve, "status": cmd_status, "stop": cmd_stop,
-                "bench": cmd_bench}[args.command](args)
+                "bench": cmd_bench, "replay": cmd_replay}[args.command](args)
     except (StartupError, KvcachedError) as exc:
         print(f"kvcached {args.command}: {exc}", file=sys.stderr)
         return 1
@@ -186,4 +198,40 @@ def cmd_bench(args) -> int:
     result = bench.run(args.what.replace("-", "_"), quick=args.quick, device=args.device,
                        files=args.files)
     print(json.dumps(result, indent=2) if args.json else bench.format_result(result))
+    return 0
+
+
+def cmd_replay(args) -> int:
+    if args.list_policies:
+        print("\n".join(sorted(POLICIES)))
+        return 0
+    if not args.trace:
+        print("kvcached replay: a TRACE.jsonl is required", file=sys.stderr)
+        return 2
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or any(c <= 0 for c in args.capacity_tokens) or args.block_tokens <= 0:
+        print(f"kvcached replay: unknown policy {unknown} (known: {', '.join(sorted(POLICIES))}) "
+              "or a capacity / block size that is not positive", file=sys.stderr)
+        return 2
+    from . import replay
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        results = replay.run(args.trace, args.capacity_tokens, policies, args.block_tokens,
+                             args.through_daemon, progress)
+    except (OSError, ValueError) as exc:
+        print(f"kvcached replay: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"trace": args.trace, "block_tokens": args.block_tokens,
+                          "through_daemon": args.through_daemon,
+                          "results": [r.as_dict() for r in results]}, indent=2))
+        return 0
+    print(f"{'capacity tokens':>16} {'policy':>8} {'hit rate':>9} {'ops/s':>10} {'evictions':>10}")
+    for r in results:
+        print(f"{r.capacity_tokens:>16,} {r.policy:>8} {100 * r.hit_rate:>8.2f}% {r.ops_per_s:>10,.0f} "
+              f"{r.evictions:>10,}")
     return 0

@@ -46,6 +46,7 @@ class Entry:
 class BlockIndex:
     def __init__(self, policy: str | EvictionPolicy = "lru"):
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.policy.bind(self)
         self._entries: dict[bytes, Entry] = {}
         self._heap: list[tuple[float, int, Entry]] = []
         self._seq = itertools.count()
@@ -61,6 +62,10 @@ class BlockIndex:
 
     def get(self, key: bytes) -> Entry | None:
         return self._entries.get(key)
+
+    def note_request(self, keys) -> None:
+        """Tell the policy about every key of a request (its history counts misses too)."""
+        self.policy.on_request(keys)
 
     # queries --------------------------------------------------------------
     def prefix(self, keys: Iterable[bytes], touch: bool = True) -> list[Entry]:

@@ -147,7 +147,8 @@ class CacheService(StorageFlow):
     def _lookup(self, client, req) -> dict:
         keys = req.body["keys"]
         with self._lock:
-            entries = self.index.prefix(keys)
+            self.index.note_request(keys)  # the eviction policy's history (lookups only: a load
+            entries = self.index.prefix(keys)  # follows the lookup of the same request)
             hit = len(entries)
             self._after_hits(entries)
             stored = self._storage_prefix(keys[hit:]) if self.tiers and hit < len(keys) else 0

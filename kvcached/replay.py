@@ -1,0 +1,166 @@
+"""Trace replay: how many prefill tokens a host tier of a given capacity would have served.
+
+Mooncake-format traces (one JSON object per line: `timestamp`, `input_length`,
+`output_length`, `hash_ids`, each hash id naming one block *including its whole prefix*). For
+each request: hit = leading blocks present x block tokens, capped at input_length; then every
+block of the request is inserted (evicting per the policy when the capacity, in tokens, is
+full). In process, the daemon's real BlockIndex does the work; `--through-daemon` sends the
+same lookups and offloads to a real daemon over the real client.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from .index import BlockIndex
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Request:
+    input_length: int
+    hash_ids: list[int]
+
+
+def load_trace(path: str) -> list[Request]:
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+                out.append(Request(int(obj["input_length"]), [int(h) for h in obj["hash_ids"]]))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{n}: not a Mooncake trace record ({exc})") from None
+    return out
+
+
+def block_key(hash_id: int) -> bytes:
+    return hash_id.to_bytes(16, "little", signed=False)
+
+
+@dataclass
+class ReplayResult:
+    capacity_tokens: int
+    policy: str
+    hit_rate: float
+    hit_tokens: int
+    input_tokens: int
+    requests: int
+    block_ops: int
+    ops_per_s: float
+    evictions: int
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def replay_in_process(trace: list[Request], capacity_tokens: int, policy: str,
+                      block_tokens: int = 512,
+                      progress: Callable[[int, int], None] | None = None) -> ReplayResult:
+    capacity_blocks = max(1, capacity_tokens // block_tokens)
+    index = BlockIndex(policy)
+    used = 0
+    hit_tokens = input_tokens = ops = 0
+    started = time.perf_counter()
+    block = 0  # host block ids are irrelevant here; a counter keeps them distinct
+    for n, req in enumerate(trace):
+        keys = [block_key(h) for h in req.hash_ids]
+        index.note_request(keys)
+        hits = index.prefix(keys)
+        ops += len(keys)
+        hit_tokens += min(len(hits) * block_tokens, req.input_length)
+        input_tokens += req.input_length
+        parent = keys[len(hits) - 1] if hits else None
+        index.pin(hits)  # as the daemon's offload does: the chain being extended stays put
+        written = []
+        for key in keys[len(hits):]:
+            if key in index:  # present past a miss cannot happen with whole prefixes
+                parent = key
+                continue
+            if used >= capacity_blocks:
+                if not index.evict(1):
+                    break  # the rest of the pool is this request's own chain: keep its head
+                used -= 1
+            written.append(index.insert(key, block, parent))  # WRITING until the copy is done
+            block += 1
+            used += 1
+            parent = key
+            ops += 1
+        for e in written:
+            index.mark_ready(e)
+        index.unpin(hits)
+        if progress is not None and n % 500 == 0:
+            progress(n, len(trace))
+    elapsed = time.perf_counter() - started
+    return ReplayResult(capacity_tokens, policy, hit_tokens / max(1, input_tokens), hit_tokens,
+                        input_tokens, len(trace), ops, ops / elapsed if elapsed else 0.0,
+                        index.evictions)
+
+
+def replay_through_daemon(trace: list[Request], capacity_tokens: int, policy: str,
+                          block_tokens: int = 512,
+                          progress: Callable[[int, int], None] | None = None) -> ReplayResult:
+    """The same replay against a real daemon: a 1-layer KV whose block is 512 bytes, a host
+    pool of exactly capacity_blocks pages, lookups and offloads through the real client."""
+    import shutil
+    import tempfile
+
+    import torch
+
+    from kvcached_client import allocate_kv_cache, launch
+
+    capacity_blocks = max(1, capacity_tokens // block_tokens)
+    page = 512  # 1 layer x 1 part x 512 bytes: a block per token-block, small enough to be fast
+    run_dir = tempfile.mkdtemp(prefix="kvr-", dir="/tmp")
+    max_blocks = max(len(r.hash_ids) for r in trace)
+    daemon = launch(instance=f"replay-{os.getpid()}", run_dir=run_dir,
+                    host_cache_gb=capacity_blocks * page / 2**30 + 1e-9,
+                    extra_args=["--eviction", policy, "--host-layout", "page_first"])
+    hit_tokens = input_tokens = ops = 0
+    try:
+        with daemon.connect(name="replay", timeout=60) as c:
+            kv = allocate_kv_cache(1, max_blocks, (page,), torch.uint8, kv_pair=False)
+            c.register_kv_cache(kv)
+            started = time.perf_counter()
+            for n, req in enumerate(trace):
+                keys = [block_key(h) for h in req.hash_ids]
+                host, _ = c.lookup(keys)
+                hit_tokens += min(host * block_tokens, req.input_length)
+                input_tokens += req.input_length
+                ops += len(keys)
+                if host < len(keys):
+                    c.offload(list(range(len(keys))), keys).wait(60)
+                    ops += len(keys) - host
+                if progress is not None and n % 500 == 0:
+                    progress(n, len(trace))
+            elapsed = time.perf_counter() - started
+            evictions = c.status()["host"]["evictions"]
+            del kv
+    finally:
+        daemon.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return ReplayResult(capacity_tokens, policy, hit_tokens / max(1, input_tokens), hit_tokens,
+                        input_tokens, len(trace), ops, ops / elapsed if elapsed else 0.0, evictions)
+
+
+def run(trace_path: str, capacities: Iterable[int], policies: Iterable[str],
+        block_tokens: int = 512, through_daemon: bool = False,
+        progress: Callable[[str], None] | None = None) -> list[ReplayResult]:
+    trace = load_trace(trace_path)
+    fn = replay_through_daemon if through_daemon else replay_in_process
+    results = []
+    for policy in policies:
+        for cap in capacities:
+            def tick(n, total, _p=policy, _c=cap):
+                if progress:
+                    progress(f"[replay] {_p} @ {_c:,} tokens: {n}/{total} requests")
+            results.append(fn(trace, cap, policy, block_tokens, tick))
+    return results

@@ -1,0 +1,92 @@
+"""Trace replay through the daemon's real index, and the eviction policies it compares."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvcached import tracegen
+from kvcached.replay import load_trace, replay_in_process, replay_through_daemon
+
+SHARED_TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces",
+                            "synthetic_trace.jsonl")
+needs_trace = pytest.mark.skipif(not os.path.exists(SHARED_TRACE), reason="shared trace not present")
+
+
+@pytest.fixture(scope="module")
+def mooncake():
+    return load_trace(SHARED_TRACE)
+
+
+@needs_trace
+@pytest.mark.parametrize("capacity, published", [(100_000, 1.7), (1_000_000, 14.5),
+                                                 (3_000_000, 31.5), (10_000_000, 57.7)])
+def test_leaf_first_lru_reproduces_the_published_figures(mooncake, capacity, published):
+    assert round(100 * replay_in_process(mooncake, capacity, "lru").hit_rate, 1) == published
+
+
+@needs_trace
+@pytest.mark.parametrize("capacity", [1_000_000, 3_000_000, 10_000_000])
+def test_s2lru_beats_lru_on_the_mooncake_trace(mooncake, capacity):
+    lru = replay_in_process(mooncake, capacity, "lru").hit_rate
+    s2 = replay_in_process(mooncake, capacity, "s2lru").hit_rate
+    assert s2 > lru + 0.01
+
+
+@pytest.mark.parametrize("pattern", ["documents", "scan"])
+def test_s2lru_beats_lru_on_generated_traces_with_one_time_blocks(tmp_path, pattern):
+    path = str(tmp_path / "t.jsonl")
+    tracegen.write(path, tracegen.generate(pattern, requests=2000, seed=1))
+    trace = load_trace(path)
+    capacity = int(sum(len(r.hash_ids) for r in trace) * 0.02) * 512
+    assert (replay_in_process(trace, capacity, "s2lru").hit_rate
+            > replay_in_process(trace, capacity, "lru").hit_rate)
+
+
+def test_hit_is_leading_blocks_capped_at_input_length(tmp_path):
+    path = tmp_path / "t.jsonl"
+    rows = [{"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [1, 2]},
+            {"timestamp": 1, "input_length": 700, "output_length": 1, "hash_ids": [1, 3]},
+            {"timestamp": 2, "input_length": 900, "output_length": 1, "hash_ids": [1, 2]}]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    r = replay_in_process(load_trace(str(path)), 10 * 512, "lru")
+    assert r.hit_tokens == 512 + 900 and r.input_tokens == 2600
+
+
+def test_through_the_daemon_matches_the_in_process_replay(tmp_path):
+    path = str(tmp_path / "t.jsonl")
+    tracegen.write(path, tracegen.generate("documents", requests=300, seed=2))
+    trace = load_trace(path)
+    capacity = 300 * 512
+    for policy in ("lru", "s2lru"):
+        here = replay_in_process(trace, capacity, policy)
+        there = replay_through_daemon(trace, capacity, policy)
+        assert (there.hit_tokens, there.evictions) == (here.hit_tokens, here.evictions)
+
+
+def test_a_bad_trace_line_is_a_clear_error(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"input_length": 5}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        load_trace(str(path))
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "kvcached", "replay", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_lists_policies_and_prints_json(tmp_path):
+    out = _cli("--list-policies")
+    assert out.returncode == 0 and "lru" in out.stdout.split() and "s2lru" in out.stdout.split()
+    path = str(tmp_path / "t.jsonl")
+    tracegen.write(path, tracegen.generate("scan", requests=200, seed=3))
+    out = _cli(path, "--capacity-tokens", "20000", "50000", "--policy", "lru,s2lru", "--json")
+    assert out.returncode == 0, out.stderr
+    results = json.loads(out.stdout)["results"]
+    assert [(r["capacity_tokens"], r["policy"]) for r in results] == [
+        (20000, "lru"), (50000, "lru"), (20000, "s2lru"), (50000, "s2lru")]
+    assert all(0 <= r["hit_rate"] <= 1 for r in results)
+    assert "[replay]" in out.stderr  # progress
+    assert _cli(path, "--policy", "nope").returncode == 2
