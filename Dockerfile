@@ -1,16 +1,29 @@
-# kvcached sidecar image (first version; the operations work finishes it).
-# CUDA base with PyTorch; the daemon runs as a non-root user.
+# kvcached sidecar image: a CUDA base with PyTorch, the daemon as a non-root user.
+#   docker build -t kvcached .
+#   docker run --gpus '"device=0"' --ipc host -v kvcached-run:/run/kvcached \
+#     -v /var/cache/kvcached:/var/cache/kvcached -p 127.0.0.1:9400:9400 kvcached \
+#     --device cuda:0 --host-cache-gb 64 --storage 'disk:///var/cache/kvcached?capacity_gb=500' \
+#     --metrics-port 9400 --metrics-addr 0.0.0.0
+# --ipc host: CUDA IPC handles and the /dev/shm signal segment must be shared with the engine.
 FROM pytorch/pytorch:2.4.1-cuda12.4-cudnn9-runtime
+
 WORKDIR /opt/kvcached
 COPY pyproject.toml README.md ./
 COPY kvcached ./kvcached
 COPY client ./client
 COPY proto ./proto
-RUN pip install --no-cache-dir . \
+# torch comes with the base image (>= 2.4 satisfies the requirement): pip adds only the rest
+RUN pip install --no-cache-dir ".[redis]" \
  && useradd --create-home --uid 1000 kvcached \
- && mkdir -p /run/kvcached && chown kvcached /run/kvcached && chmod 0700 /run/kvcached
+ && mkdir -p /run/kvcached /var/cache/kvcached \
+ && chown kvcached /run/kvcached /var/cache/kvcached && chmod 0700 /run/kvcached
+
 USER kvcached
-ENV KVCACHED_RUN_DIR=/run/kvcached
-HEALTHCHECK --interval=10s --timeout=5s --retries=3 CMD ["kvcached", "status", "--run-dir", "/run/kvcached"]
-ENTRYPOINT ["kvcached", "serve", "--run-dir", "/run/kvcached"]
+ENV KVCACHED_RUN_DIR=/run/kvcached \
+    KVCACHED_LOG_FORMAT=json
+VOLUME ["/run/kvcached", "/var/cache/kvcached"]
+EXPOSE 9400
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+  CMD ["kvcached", "status", "--timeout", "3"]
+ENTRYPOINT ["kvcached", "serve"]
 CMD ["--device", "cuda:0", "--host-cache-gb", "16"]

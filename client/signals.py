@@ -36,13 +36,19 @@ class SignalReader:
             raise DaemonUnavailable(f"segment {self.name} has no valid kvcached header (yet)")
         self.pid = self.view.pid
         self.epoch = self.view.epoch
+        # In another pid namespace (a sidecar container without a shared process namespace)
+        # the daemon's pid means nothing here: then only the heartbeat tells it is alive.
+        self.pid_visible = pid_alive(self.pid) or not self._beating()
 
     def ready(self) -> bool:
         return bool(self.view.flags & Flag.UP)
 
+    def _beating(self) -> bool:
+        return (time.monotonic_ns() - self.view.heartbeat_ns) / 1e9 <= HEARTBEAT_STALE_S
+
     def check_alive(self) -> None:
         """Raise DaemonUnavailable if the daemon exited, stopped or stopped beating."""
-        if not pid_alive(self.pid):
+        if self.pid_visible and not pid_alive(self.pid):
             raise DaemonUnavailable(f"kvcached daemon pid {self.pid} has exited")
         if not self.view.flags & Flag.UP:
             raise DaemonUnavailable(f"kvcached daemon pid {self.pid} is stopping or stopped")

@@ -13,7 +13,7 @@ from kvcached_proto import DaemonUnavailable, KvcachedError, Op, decode, encode,
 from kvcached_proto.liveness import pid_alive
 from kvcached_proto.paths import DEFAULT_INSTANCE, resolve_run_dir, status_endpoint
 
-from .config import HOST_LAYOUTS, DaemonConfig
+from .config import HOST_LAYOUTS
 from .errors import StartupError
 from .policies import POLICIES
 
@@ -31,42 +31,59 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcached", description="Per-GPU KV-cache sidecar daemon.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the daemon in the foreground")
-    _common(serve)
-    serve.add_argument("--device", default="cpu", help="cpu or cuda:N (default: %(default)s)")
-    serve.add_argument("--host-cache-gb", type=float, default=1.0,
-                       help="host tier size in GiB (default: %(default)s)")
-    serve.add_argument("--host-layout", choices=HOST_LAYOUTS, default="layer_first",
-                       help="host block layout (default: %(default)s)")
-    serve.add_argument("--eviction", choices=sorted(POLICIES), default="lru",
-                       help="host eviction policy (default: %(default)s)")
-    serve.add_argument("--numa", default="auto", help="auto, off or a NUMA node (CUDA pinning)")
-    serve.add_argument("--listen", action="append", default=[], metavar="tcp://127.0.0.1:PORT",
+    serve = sub.add_parser(
+        "serve", help="run the daemon in the foreground",
+        description="Run the daemon. Settings come from defaults < --config FILE (TOML) < "
+                    "KVCACHED_<KEY> environment variables < these flags.")
+    S = argparse.SUPPRESS  # only flags given on the command line override the other sources
+    serve.add_argument("--config", default=None, help="TOML file with any of the keys below")
+    serve.add_argument("--print-config", action="store_true",
+                       help="print the resolved configuration as TOML and exit")
+    serve.add_argument("--instance", default=S, help="instance name; one daemon per GPU (default: default)")
+    serve.add_argument("--run-dir", default=S,
+                       help="socket/lock dir, 0700 (default: $XDG_RUNTIME_DIR/kvcached or /tmp/kvcached-$UID)")
+    serve.add_argument("--device", default=S, help="cpu or cuda:N (default: cpu)")
+    serve.add_argument("--host-cache-gb", type=float, default=S, help="host tier size in GiB (default: 1)")
+    serve.add_argument("--host-layout", choices=HOST_LAYOUTS, default=S,
+                       help="host block layout (default: layer_first)")
+    serve.add_argument("--eviction", choices=sorted(POLICIES), default=S,
+                       help="host eviction policy (default: lru)")
+    serve.add_argument("--numa", default=S, help="auto, off or a NUMA node (CUDA pinning; default: auto)")
+    serve.add_argument("--listen", action="append", default=S, metavar="tcp://127.0.0.1:PORT",
                        help="extra loopback TCP endpoint (repeatable)")
-    serve.add_argument("--max-queued-tasks", type=int, default=4096,
-                       help="queued copy tasks before requests get BUSY (default: %(default)s)")
-    serve.add_argument("--storage", action="append", default=[], metavar="URI",
+    serve.add_argument("--max-queued-tasks", type=int, default=S,
+                       help="queued copy tasks before requests get BUSY (default: 4096)")
+    serve.add_argument("--storage", action="append", default=S, metavar="URI",
                        help="storage tier, repeatable, searched in order: disk:///abs/path?capacity_gb=F, "
                             "redis://host:port/db, redis+cluster://host:port")
-    serve.add_argument("--storage-write-policy", default="write_through",
+    serve.add_argument("--storage-write-policy", default=S,
                        choices=["write_through", "write_through_selective", "write_back"],
-                       help="when host blocks go to storage (default: %(default)s)")
-    serve.add_argument("--storage-writer", action=argparse.BooleanOptionalAction, default=True,
-                       help="write to storage (off on all but one rank for MLA models)")
-    serve.add_argument("--selective-hits", type=int, default=2,
-                       help="hits before write_through_selective backs a block up (default: %(default)s)")
-    serve.add_argument("--prefetch-threshold-tokens", type=int, default=256,
-                       help="smallest storage hit worth a prefetch (default: %(default)s)")
-    serve.add_argument("--prefetch-max-share", type=float, default=0.5,
-                       help="share of the host pool prefetches may fill (default: %(default)s)")
-    serve.add_argument("--copy-threads", type=int, default=0,
-                       help="CPU threads for copies; 0 = half the cores, 1..4 (default: %(default)s)")
-    serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default: %(default)s)")
+                       help="when host blocks go to storage (default: write_through)")
+    serve.add_argument("--storage-writer", action=argparse.BooleanOptionalAction, default=S,
+                       help="write to storage (off on all but one rank for MLA models; default: on)")
+    serve.add_argument("--selective-hits", type=int, default=S,
+                       help="hits before write_through_selective backs a block up (default: 2)")
+    serve.add_argument("--prefetch-threshold-tokens", type=int, default=S,
+                       help="smallest storage hit worth a prefetch (default: 256)")
+    serve.add_argument("--prefetch-max-share", type=float, default=S,
+                       help="share of the host pool prefetches may fill (default: 0.5)")
+    serve.add_argument("--copy-threads", type=int, default=S,
+                       help="CPU threads for copies; 0 = half the cores, 1..4 (default: 0)")
+    serve.add_argument("--metrics-port", type=int, default=S,
+                       help="serve Prometheus /metrics on this port (default: 0 = off)")
+    serve.add_argument("--metrics-addr", default=S, help="address for /metrics (default: 127.0.0.1)")
+    serve.add_argument("--log-level", default=S, help="DEBUG, INFO, WARNING, ERROR (default: INFO)")
+    serve.add_argument("--log-format", choices=["text", "json"], default=S,
+                       help="text lines or one JSON object per line (default: text)")
+    serve.add_argument("--stats-interval-s", type=float, default=S,
+                       help="seconds between [stats] summary lines at INFO (default: 60)")
 
     status = sub.add_parser("status", help="show a running daemon's status")
     _common(status)
     status.add_argument("--json", action="store_true", help="print the status as JSON")
     status.add_argument("--timeout", type=float, default=2.0, help="seconds (default: %(default)s)")
+    status.add_argument("--watch", type=float, default=0, metavar="N",
+                        help="refresh every N seconds until Ctrl-C")
 
     stop = sub.add_parser("stop", help="stop a running daemon gracefully")
     _common(stop)
@@ -107,21 +124,32 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_serve(args) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = DaemonConfig(instance=args.instance, run_dir=args.run_dir or "", device=args.device,
-                       host_cache_gb=args.host_cache_gb, host_layout=args.host_layout,
-                       eviction=args.eviction, numa=args.numa, listen=args.listen,
-                       max_queued_tasks=args.max_queued_tasks, copy_threads=args.copy_threads,
-                       storage=args.storage, storage_write_policy=args.storage_write_policy,
-                       storage_writer=args.storage_writer, selective_hits=args.selective_hits,
-                       prefetch_threshold_tokens=args.prefetch_threshold_tokens,
-                       prefetch_max_share=args.prefetch_max_share,
-                       log_level=args.log_level)
-    cfg.validate()
+    from .config_sources import resolve
+
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "print_config")}
+    cfg = resolve(flags, args.config)
+    if args.print_config:
+        print(config_as_toml(cfg.as_dict()))
+        return 0
+    from .logs import setup_logging
+
+    setup_logging(cfg.log_level, cfg.log_format)
     from .server import Daemon  # imports torch; keep `status`/`stop` fast
 
     return Daemon(cfg).serve()
+
+
+def config_as_toml(d: dict) -> str:
+    def value(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(json.dumps(x) for x in v) + "]"
+        return json.dumps(v)
+
+    return "\n".join(f"{k} = {value(v)}" for k, v in d.items())
 
 
 def fetch_status(instance: str, run_dir: str | None, timeout: float) -> dict:
@@ -146,8 +174,15 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def _pct(num: int, den: int) -> str:
+    return f"{100.0 * num / den:.1f}%" if den else "-"
+
+
 def format_status(s: dict) -> str:
-    host, tasks = s["host"], s["tasks"]
+    host, tasks, lookups = s["host"], s["tasks"], s.get("lookups", {})
+    moved = s.get("bytes", {})
+    io = s.get("storage_io", {})
+    asked = lookups.get("keys", 0)
     rows = [
         ("instance", s["instance"]), ("pid", s["pid"]), ("epoch", f"{s['epoch']:x}"),
         ("state", s["state"]), ("protocol", ".".join(map(str, s["protocol_version"]))),
@@ -155,24 +190,44 @@ def format_status(s: dict) -> str:
         ("clients", s["clients"]),
         ("kv registered", "yes" if s["kv"]["registered"] else "no"),
         ("host tier", f"{_gib(host['used_bytes'])} / {_gib(host['capacity_bytes'])} "
-                      f"({host.get('blocks', 0)} blocks)"),
+                      f"({host.get('blocks', 0)} blocks, {host.get('evictions', 0)} evicted)"),
+        ("lookups", f"{lookups.get('lookups', 0)} asking {asked} blocks: host hit "
+                    f"{_pct(lookups.get('host_hits', 0), asked)}, storage hit "
+                    f"{_pct(lookups.get('storage_hits', 0), asked)}"),
+        ("moved", f"d2h {_gib(moved.get('d2h', 0))}  h2d {_gib(moved.get('h2d', 0))}  "
+                  f"to storage {io.get('backups', 0)} blocks  from storage {io.get('fetched', 0)} blocks"),
         ("tasks", f"queued {tasks['queued']}  inflight {tasks['inflight']}  "
                   f"completed {tasks['completed']}  failed {tasks['failed']}"),
     ]
     for st in s["storage"]:
-        rows.append(("storage", f"{st['uri']}  {'healthy' if st['healthy'] else 'UNHEALTHY'}"))
+        used = (f"  {_gib(st['used_bytes'])} / {_gib(st['capacity_bytes'])}"
+                if st.get("capacity_bytes") else "")
+        err = f"  last error: {st['last_error']}" if st.get("last_error") else ""
+        rows.append(("storage", f"{st['uri']}  {'healthy' if st['healthy'] else 'UNHEALTHY'}{used}{err}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
 def cmd_status(args) -> int:
     try:
-        s = fetch_status(args.instance, args.run_dir, args.timeout)
-    except DaemonUnavailable as exc:
-        print(f"kvcached status: {exc}", file=sys.stderr)
-        return 3
-    print(json.dumps(s, indent=2, sort_keys=True) if args.json else format_status(s))
-    return 0
+        return _status_loop(args)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _status_loop(args) -> int:
+    while True:
+        try:
+            s = fetch_status(args.instance, args.run_dir, args.timeout)
+        except DaemonUnavailable as exc:
+            print(f"kvcached status: {exc}", file=sys.stderr)
+            return 3
+        if args.watch:
+            print("\033[2J\033[H" + time.strftime("%H:%M:%S"), flush=False)
+        print(json.dumps(s, indent=2, sort_keys=True) if args.json else format_status(s), flush=True)
+        if not args.watch:
+            return 0
+        time.sleep(args.watch)
 
 
 def cmd_stop(args) -> int:

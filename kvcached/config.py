@@ -1,4 +1,4 @@
-"""Daemon configuration: one dataclass, validated once, built from CLI flags."""
+"""Daemon configuration: one dataclass, validated once (sources: config_sources.py)."""
 from __future__ import annotations
 
 import ipaddress
@@ -34,7 +34,11 @@ class DaemonConfig:
     prefetch_threshold_tokens: int = 256
     prefetch_max_share: float = 0.5
     copy_threads: int = 0  # 0: half the cores (at least 1, at most 4), the rest stay the engine's
+    metrics_port: int = 0  # 0: no /metrics endpoint
+    metrics_addr: str = "127.0.0.1"
     log_level: str = "INFO"
+    log_format: str = "text"
+    stats_interval_s: float = 60.0
 
     def validate(self) -> "DaemonConfig":
         try:
@@ -50,6 +54,18 @@ class DaemonConfig:
             raise StartupError(f"--host-layout {self.host_layout!r}: expected one of {HOST_LAYOUTS}")
         if self.numa not in ("auto", "off") and not self.numa.isdigit():
             raise StartupError(f"--numa {self.numa!r}: expected auto, off or a node number")
+        from .policies import POLICIES
+
+        if self.eviction not in POLICIES:
+            raise StartupError(f"eviction {self.eviction!r}: expected one of {sorted(POLICIES)}")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise StartupError(f"log_level {self.log_level!r}: expected DEBUG, INFO, WARNING or ERROR")
+        if self.log_format not in ("text", "json"):
+            raise StartupError(f"log_format {self.log_format!r}: expected text or json")
+        if not 0 <= self.metrics_port <= 65535:
+            raise StartupError(f"metrics_port {self.metrics_port}: expected 0..65535")
+        if self.stats_interval_s <= 0:
+            raise StartupError(f"stats_interval_s {self.stats_interval_s}: expected > 0")
         if self.copy_threads < 0 or self.copy_threads > 256:
             raise StartupError(f"--copy-threads {self.copy_threads}: expected 0..256")
         if self.copy_threads == 0:

@@ -37,6 +37,7 @@ from .config import DaemonConfig, prepare_run_dir
 from .errors import OpError, StartupError
 from .events import EventSink
 from .service import CacheService
+from .metrics import Metrics
 from .signals import SignalSegment
 from .status import StatusThread
 
@@ -55,6 +56,7 @@ class ClientInfo:
     pid: int
     name: str
     connected_ns: int
+    pid_visible: bool = True  # False across pid namespaces: no pid-based reaping then
 
 
 class Daemon:
@@ -70,6 +72,7 @@ class Daemon:
         self.signals: SignalSegment | None = None
         self.service: CacheService | None = None
         self._status_thread: StatusThread | None = None
+        self.metrics: Metrics | None = None
         self._handlers = {
             Op.HELLO: self._op_hello,
             Op.PING: lambda ident, req: {},
@@ -110,6 +113,12 @@ class Daemon:
         for endpoint in cfg.listen:
             self._router.bind(endpoint)
         self.service = CacheService(cfg, self.signals, self.events)
+        try:
+            self.metrics = Metrics(cfg.instance, self.status, cfg.metrics_port, cfg.metrics_addr)
+        except OSError as exc:
+            raise StartupError(f"--metrics-port {cfg.metrics_port}: cannot listen on "
+                               f"{cfg.metrics_addr}: {exc.strerror}") from None
+        self.service.on_task_end = self.metrics.observe
         self._status_thread = StatusThread(
             self._ctx, status_endpoint(cfg.run_dir, cfg.instance), self.status
         )
@@ -177,6 +186,9 @@ class Daemon:
             service.close()
 
     def _close_sockets(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
         if self._status_thread is not None:
             self._status_thread.stop()
             self._status_thread = None
@@ -209,6 +221,7 @@ class Daemon:
         poller.register(self._router, zmq.POLLIN)
         poller.register(self.events.pull, zmq.POLLIN)
         next_reap = time.monotonic() + CLIENT_REAP_PERIOD_S
+        next_stats = time.monotonic() + self.cfg.stats_interval_s
         while not self.stop_requested.is_set():
             ready = dict(poller.poll(POLL_MS))
             if self._router in ready:
@@ -221,6 +234,9 @@ class Daemon:
             if time.monotonic() >= next_reap:
                 self._reap_dead_clients()
                 next_reap = time.monotonic() + CLIENT_REAP_PERIOD_S
+            if time.monotonic() >= next_stats:
+                log.info("[stats] %s", stats_line(self.status()))
+                next_stats = time.monotonic() + self.cfg.stats_interval_s
 
     def _forward_events(self) -> None:
         for routing_id, payload in self.events.drain():
@@ -266,7 +282,8 @@ class Daemon:
         if old is not None and old.client_id != req.client:
             self.service.drop_client(old)
         self.clients[routing_id] = ClientInfo(
-            req.client, routing_id, req.body["pid"], req.body["name"], time.monotonic_ns()
+            req.client, routing_id, req.body["pid"], req.body["name"], time.monotonic_ns(),
+            pid_visible=pid_alive(req.body["pid"]),
         )
         log.info("[handshake] client %s (pid %d %s)", req.client, req.body["pid"], req.body["name"])
         return {
@@ -294,7 +311,7 @@ class Daemon:
 
     def _reap_dead_clients(self) -> None:
         for routing_id, client in list(self.clients.items()):
-            if not pid_alive(client.pid):
+            if client.pid_visible and not pid_alive(client.pid):
                 log.warning("[clients] client %s (pid %d) is gone; releasing its work",
                             client.client_id, client.pid)
                 del self.clients[routing_id]
@@ -318,3 +335,15 @@ class Daemon:
         if self.service is not None:
             status.update(self.service.status())
         return status
+
+
+def stats_line(s: dict) -> str:
+    """One summary line for the log (every --stats-interval-s at INFO)."""
+    host, tasks, lookups = s["host"], s["tasks"], s.get("lookups", {})
+    asked = lookups.get("keys", 0)
+    hit = 100.0 * lookups.get("host_hits", 0) / asked if asked else 0.0
+    return (f"clients={s['clients']} host={host['used_bytes'] / 2**30:.2f}/"
+            f"{host['capacity_bytes'] / 2**30:.2f}GiB blocks={host.get('blocks', 0)} "
+            f"tasks completed={tasks['completed']} failed={tasks['failed']} queued={tasks['queued']} "
+            f"lookup_host_hit={hit:.1f}% d2h={s['bytes']['d2h']} h2d={s['bytes']['h2d']} "
+            f"storage_healthy={all(t.get('healthy') for t in s['storage'])}")

@@ -55,6 +55,7 @@ class CacheService(StorageFlow):
         self._slot_cursor = 0
         self._slots_busy: set[int] = set()
         self.counters = TaskCounters()
+        self.on_task_end = lambda op, seconds: None  # metrics hook, set by the server
         self.hits = {"lookups": 0, "keys": 0, "host_hits": 0, "storage_hits": 0}
         self.loader = TransferWorker(LOAD, self._run_loads, self._batch_failed)
         self.offloader = TransferWorker(OFFLOAD, self._run_offloads, self._batch_failed)
@@ -435,6 +436,10 @@ class CacheService(StorageFlow):
                 self._slots_busy.discard(task.slot)
         result["blocks"] = task.num_blocks
         result["bytes"] = task.bytes_moved
+        seconds = (time.monotonic_ns() - task.created_ns) / 1e9
+        self.on_task_end(task.kind, seconds)
+        log.debug("[task] %d %s %s: %d blocks, %d bytes, %.2f ms", task.task_id, task.kind,
+                  status, task.num_blocks, task.bytes_moved, seconds * 1e3)
         self.events.emit(task.routing_id, task_event(task.task_id, status, result))
 
     # clients and lifecycle -------------------------------------------------

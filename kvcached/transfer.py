@@ -43,6 +43,7 @@ class CopyTask:
     cancelled: bool = False
     started_ns: int = 0
     bytes_moved: int = 0
+    created_ns: int = field(default_factory=time.monotonic_ns)
     extra: dict = field(default_factory=dict)
 
     @property

@@ -1,0 +1,111 @@
+"""Prometheus metrics on `--metrics-port` (off by default), label `instance` on every series.
+
+Counters and gauges are read from the daemon's status snapshot at scrape time (nothing on the
+data path); task latencies are a histogram observed when each task ends.
+
+    kvcached_bytes_moved_total{direction="d2h"|"h2d",tier="host"}     counter
+    kvcached_storage_bytes_total{direction="put"|"get"}               counter (blocks x page bytes)
+    kvcached_task_duration_seconds{op="load"|"offload"|"prefetch"|...}  histogram
+    kvcached_tasks_total{status="completed"|"failed"|"cancelled"}     counter
+    kvcached_hit_blocks_total{tier="host"|"storage"}                  counter (x block tokens = tokens)
+    kvcached_lookup_blocks_total                                       counter
+    kvcached_evictions_total{tier="host"|"disk"}                      counter
+    kvcached_storage_errors_total{uri}                                 counter
+    kvcached_storage_healthy{uri}                                      gauge
+    kvcached_queue_depth                                               gauge
+    kvcached_host_bytes_used / kvcached_host_bytes_capacity            gauges
+    kvcached_clients                                                   gauge
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class StatusCollector:
+    def __init__(self, instance: str, snapshot: Callable[[], dict]):
+        self.instance = instance
+        self.snapshot = snapshot
+
+    def _family(self, cls, name, doc, labels=()):
+        return cls(name, doc, labels=["instance", *labels])
+
+    def collect(self):
+        s = self.snapshot()
+        i = self.instance
+        fam = self._family
+        moved = fam(CounterMetricFamily, "kvcached_bytes_moved", "Bytes copied between device and host",
+                    ["direction", "tier"])
+        for direction, n in s.get("bytes", {}).items():
+            moved.add_metric([i, direction, "host"], n)
+        yield moved
+        io = s.get("storage_io", {})
+        page = s["kv"].get("page_bytes", 0)
+        st_bytes = fam(CounterMetricFamily, "kvcached_storage_bytes", "Bytes moved to and from storage",
+                       ["direction"])
+        st_bytes.add_metric([i, "put"], io.get("backups", 0) * page)
+        st_bytes.add_metric([i, "get"], io.get("fetched", 0) * page)
+        yield st_bytes
+        tasks = fam(CounterMetricFamily, "kvcached_tasks", "Tasks ended, by status", ["status"])
+        for status in ("completed", "failed", "cancelled"):
+            tasks.add_metric([i, status], s["tasks"].get(status, 0))
+        yield tasks
+        lookups = s.get("lookups", {})
+        hits = fam(CounterMetricFamily, "kvcached_hit_blocks", "Leading blocks found by lookups", ["tier"])
+        hits.add_metric([i, "host"], lookups.get("host_hits", 0))
+        hits.add_metric([i, "storage"], lookups.get("storage_hits", 0))
+        yield hits
+        asked = fam(CounterMetricFamily, "kvcached_lookup_blocks", "Blocks asked for by lookups")
+        asked.add_metric([i], lookups.get("keys", 0))
+        yield asked
+        evictions = fam(CounterMetricFamily, "kvcached_evictions", "Blocks evicted", ["tier"])
+        evictions.add_metric([i, "host"], s["host"].get("evictions", 0))
+        errors = fam(CounterMetricFamily, "kvcached_storage_errors", "Storage errors", ["uri"])
+        healthy = fam(GaugeMetricFamily, "kvcached_storage_healthy", "1 when the tier answers", ["uri"])
+        for tier in s.get("storage", []):
+            if "evicted" in tier:
+                evictions.add_metric([i, "disk"], tier["evicted"])
+            errors.add_metric([i, tier["uri"]], sum(tier.get(k, 0) or 0 for k in
+                                                    ("errors", "put_errors", "corrupt", "dropped_puts")))
+            healthy.add_metric([i, tier["uri"]], 1 if tier.get("healthy") else 0)
+        yield evictions
+        yield errors
+        yield healthy
+        for name, doc, value in (
+            ("kvcached_queue_depth", "Tasks queued", s["tasks"].get("queued", 0)),
+            ("kvcached_host_bytes_used", "Host tier bytes in use", s["host"]["used_bytes"]),
+            ("kvcached_host_bytes_capacity", "Host tier capacity", s["host"]["capacity_bytes"]),
+            ("kvcached_clients", "Connected clients", s.get("clients", 0)),
+        ):
+            g = fam(GaugeMetricFamily, name, doc)
+            g.add_metric([i], value)
+            yield g
+
+
+class Metrics:
+    def __init__(self, instance: str, snapshot: Callable[[], dict], port: int, addr: str):
+        self.registry = CollectorRegistry()
+        self.registry.register(StatusCollector(instance, snapshot))
+        self.latency = Histogram("kvcached_task_duration_seconds", "Task latency from request to end",
+                                 ["instance", "op"], registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.instance = instance
+        self._server = None
+        if port:
+            self._server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+            log.info("[metrics] serving /metrics on http://%s:%d", addr, port)
+
+    def observe(self, op: str, seconds: float) -> None:
+        self.latency.labels(self.instance, op).observe(seconds)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

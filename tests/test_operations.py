@@ -1,0 +1,138 @@
+"""Operating the daemon: status, metrics, configuration sources, logging."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import free_port, small_kv, unique_instance
+from kvcached_client import BlockHasher, launch
+
+
+def _serve(*args, env=None, timeout=30):
+    return subprocess.run([sys.executable, "-m", "kvcached", "serve", *args], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def _config(*args, env=None):
+    out = _serve(*args, "--print-config", env=env)
+    assert out.returncode == 0, out.stderr
+    return tomllib.loads(out.stdout)
+
+
+def test_print_config_shows_the_defaults():
+    cfg = _config()
+    assert cfg["host_cache_gb"] == 1.0 and cfg["eviction"] == "lru" and cfg["storage"] == []
+
+
+def test_flags_beat_env_beat_file_beat_defaults(tmp_path):
+    f = tmp_path / "kvcached.toml"
+    f.write_text('host_cache_gb = 2.0\neviction = "s2lru"\nstorage = ["disk:///tmp/a"]\n'
+                 'selective_hits = 5\n')
+    env = {"KVCACHED_HOST_CACHE_GB": "3", "KVCACHED_SELECTIVE_HITS": "7"}
+    cfg = _config("--config", str(f), "--host-cache-gb", "4", env=env)
+    assert cfg["host_cache_gb"] == 4.0  # flag
+    assert cfg["selective_hits"] == 7  # env over file
+    assert cfg["eviction"] == "s2lru" and cfg["storage"] == ["disk:///tmp/a"]  # file
+    assert cfg["prefetch_max_share"] == 0.5  # default
+    assert _config(env={"KVCACHED_STORAGE": "disk:///x,redis://h:1/0",
+                        "KVCACHED_STORAGE_WRITER": "false"})["storage_writer"] is False
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("hots_cache_gb = 2\n", "hots_cache_gb"),  # unknown key
+    ('host_cache_gb = "lots"\n', "host_cache_gb"),  # wrong type
+    ("eviction = 'fifo'\n", "eviction"),  # bad value
+    ("host_cache_gb = = 2\n", "not valid TOML"),
+])
+def test_a_bad_config_file_is_refused_with_a_message_that_names_it(tmp_path, content, needle):
+    f = tmp_path / "bad.toml"
+    f.write_text(content)
+    out = _serve("--config", str(f), "--print-config")
+    assert out.returncode == 1 and needle in out.stderr
+
+
+def test_a_bad_environment_value_is_refused():
+    out = _serve("--print-config", env={"KVCACHED_MAX_QUEUED_TASKS": "many"})
+    assert out.returncode == 1 and "KVCACHED_MAX_QUEUED_TASKS" in out.stderr
+
+
+@pytest.fixture
+def busy_daemon(run_dir):
+    port = free_port()
+    h = launch(instance=unique_instance("o"), run_dir=run_dir, host_cache_gb=0.05,
+               extra_args=["--metrics-port", str(port), "--log-format", "json",
+                           "--stats-interval-s", "0.2", "--log-level", "DEBUG"])
+    h.metrics_port = port
+    kv = small_kv(block_shape=(16, 2, 64))
+    with h.connect() as c:
+        c.register_kv_cache(kv)
+        keys = BlockHasher("ops").hash_blocks(list(range(16 * 8)), 16)
+        c.offload(list(range(8)), keys).wait(10)
+        c.load(keys, list(range(10, 18))).wait(10)
+        c.lookup(keys)
+    yield h
+    h.stop()
+
+
+def test_status_json_has_the_contract_keys_and_the_operator_figures(busy_daemon):
+    out = subprocess.run([sys.executable, "-m", "kvcached", "status", "--instance",
+                          busy_daemon.instance, "--run-dir", busy_daemon.run_dir, "--json"],
+                         capture_output=True, text=True, timeout=30)
+    s = json.loads(out.stdout)
+    assert {"instance", "pid", "epoch", "state", "protocol_version", "host", "kv", "storage",
+            "clients", "tasks", "uptime_s", "bytes", "lookups"} <= s.keys()
+    assert {"capacity_bytes", "used_bytes", "evictions"} <= s["host"].keys()
+    assert s["bytes"]["d2h"] > 0 and s["bytes"]["h2d"] > 0
+    assert s["lookups"]["host_hits"] == 8
+
+
+def test_metrics_parse_and_carry_the_expected_names(busy_daemon):
+    body = urllib.request.urlopen(f"http://127.0.0.1:{busy_daemon.metrics_port}/metrics",
+                                  timeout=10).read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(body)}
+    for name in ("kvcached_bytes_moved", "kvcached_task_duration_seconds", "kvcached_tasks",
+                 "kvcached_hit_blocks", "kvcached_evictions", "kvcached_storage_errors",
+                 "kvcached_queue_depth", "kvcached_host_bytes_used", "kvcached_host_bytes_capacity"):
+        assert name in families, name
+    samples = [s for s in families["kvcached_bytes_moved"].samples if s.labels["direction"] == "d2h"]
+    assert samples and samples[0].labels["instance"] == busy_daemon.instance and samples[0].value > 0
+    ops = {s.labels["op"] for s in families["kvcached_task_duration_seconds"].samples}
+    assert {"load", "offload"} <= ops
+
+
+def test_json_logs_with_task_lines_and_periodic_stats(busy_daemon):
+    time.sleep(0.5)
+    lines = [json.loads(line) for line in open(busy_daemon.log_path) if line.startswith("{")]
+    assert lines and all({"ts", "level", "logger", "msg"} <= line.keys() for line in lines)
+    assert any(line["msg"].startswith("[stats]") for line in lines)
+    assert any(line["msg"].startswith("[task]") for line in lines)
+
+
+def test_status_watch_refreshes_until_interrupted(busy_daemon):
+    proc = subprocess.Popen([sys.executable, "-m", "kvcached", "status", "--instance",
+                             busy_daemon.instance, "--run-dir", busy_daemon.run_dir, "--watch", "0.2"],
+                            stdout=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=10)
+    assert proc.returncode == 0
+    assert out.count("instance") >= 2
+
+
+def test_a_metrics_port_in_use_fails_the_start_clearly(run_dir):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(Exception, match="metrics-port"):
+            launch(instance=unique_instance("m"), run_dir=run_dir, host_cache_gb=0.05,
+                   extra_args=["--metrics-port", str(port)])
