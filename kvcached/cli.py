@@ -103,8 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--list-policies", action="store_true", help="print the policy names and exit")
 
     bench = sub.add_parser("bench", help="benchmarks against raw baselines in the same run")
-    bench.add_argument("what", choices=["ipc", "transfer", "storage", "disk-index"],
-                       help="which benchmark")
+    bench.add_argument("what", choices=["ipc", "transfer", "storage", "disk-index", "all"],
+                       help="which benchmark (all: every one, one JSON)")
+    bench.add_argument("--trace", default=None,
+                       help="all: trace for the replay part (default: ../shared/traces/synthetic_trace.jsonl)")
+    bench.add_argument("--out", default=None, help="also write the JSON result to this file")
     bench.add_argument("--files", type=int, default=0,
                        help="disk-index: block files to create (default 200000; --quick 20000)")
     bench.add_argument("--json", action="store_true", help="print results as JSON")
@@ -251,7 +254,10 @@ def cmd_bench(args) -> int:
     from . import bench
 
     result = bench.run(args.what.replace("-", "_"), quick=args.quick, device=args.device,
-                       files=args.files)
+                       files=args.files, trace=args.trace)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
     print(json.dumps(result, indent=2) if args.json else bench.format_result(result))
     return 0
 

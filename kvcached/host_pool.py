@@ -22,6 +22,8 @@ import torch
 
 from kvcached_proto.layout import LayoutSpec
 
+from . import numa
+
 log = logging.getLogger(__name__)
 
 PIN_CHUNK_BYTES = 64 << 30
@@ -68,7 +70,8 @@ class BlockAllocator:
 
 
 class HostPool:
-    def __init__(self, capacity_bytes: int, device: str, layout: str = "layer_first"):
+    def __init__(self, capacity_bytes: int, device: str, layout: str = "layer_first",
+                 numa_node: int | None = None):
         self.capacity_bytes = capacity_bytes
         self.device = device
         self.layout = layout
@@ -80,6 +83,9 @@ class HostPool:
         if hasattr(mmap, "MADV_HUGEPAGE"):
             self._mm.madvise(mmap.MADV_HUGEPAGE)
         self.buffer = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.numa_node = numa_node
+        if numa_node is not None:
+            numa.bind(self.buffer.data_ptr(), capacity_bytes, numa_node)
         self._flat = self.buffer.numpy()
         self._prefault()
         self._pinned_ptr = None

@@ -19,6 +19,7 @@ from kvcached_proto.shm_layout import NUM_SLOTS, Flag, SlotStatus, State
 
 from .config import DaemonConfig
 from .errors import OpError
+from . import numa
 from .host_pool import HostPool
 from .index import BlockIndex
 from .kv import KVRegistration
@@ -45,7 +46,8 @@ class CacheService(StorageFlow):
         self.events = events
         self._lock = threading.RLock()
         torch.set_num_threads(cfg.copy_threads)
-        self.pool = HostPool(cfg.host_cache_bytes, cfg.device, cfg.host_layout)
+        self.pool = HostPool(cfg.host_cache_bytes, cfg.device, cfg.host_layout,
+                             numa.resolve_node(cfg.numa, cfg.device))
         signals.set_flag(Flag.HOST_POOL_READY)
         self.index = BlockIndex(cfg.eviction)
         self.kv: KVRegistration | None = None

@@ -156,3 +156,17 @@ def test_cli_status_without_a_daemon_fails_clearly(run_dir):
     out = _cli("status", "--instance", unique_instance("none"), "--run-dir", run_dir,
                "--timeout", "0.3")
     assert out.returncode == 3 and "no daemon" in out.stderr
+
+
+def test_numa_binding_of_the_host_pool(run_dir, instance):
+    h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05, extra_args=["--numa", "0"])
+    try:
+        maps = open(f"/proc/{h.pid}/numa_maps").read()
+        assert "bind:0" in maps  # the pool's mapping carries the policy
+    finally:
+        h.stop()
+
+
+def test_a_numa_node_that_does_not_exist_is_refused(run_dir, instance):
+    with pytest.raises(KvcachedError, match="NUMA node 63 does not exist"):
+        launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05, extra_args=["--numa", "63"])

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 
-BENCHES = ("ipc", "transfer", "storage", "disk_index")
+BENCHES = ("ipc", "transfer", "storage", "disk_index", "all")
 
 
 def run(what: str, **kwargs) -> dict:

@@ -73,7 +73,7 @@ def run(quick: bool = False, device: str = "cpu", **_) -> dict:
     if device != "cpu":
         raise SystemExit("bench transfer --device cuda:N runs the CUDA path (scripts/gpu_check.sh)")
     n = 200 if quick else 1000
-    repeats = 2 if quick else 3
+    repeats = 2 if quick else 5
     num_blocks = n + n // 10
     page = LAYERS * 2 * int(np.prod(BLOCK_SHAPE)) * 2
     nbytes = n * page

@@ -1,0 +1,35 @@
+"""The benchmarks run end to end and report what they measured (no timing assertions here:
+speed is judged from their ratios, recorded in README)."""
+import json
+import subprocess
+import sys
+
+
+def _bench(*args):
+    out = subprocess.run([sys.executable, "-m", "kvcached", "bench", *args, "--quick", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_bench_ipc_reports_both_sides():
+    r = _bench("ipc")
+    for name in ("ping", "lookup64"):
+        x = r["results"][name]
+        assert x["daemon"]["p50_us"] > 0 and x["bare_echo"]["p50_us"] > 0 and x["p50_ratio"] > 0
+
+
+def test_bench_transfer_moves_the_bytes_it_reports():
+    r = _bench("transfer")
+    assert r["bytes_exact"] is True
+    assert r["offload_gbps"] > 0 and r["load_gbps"] > 0 and r["memcpy_d2h_gbps"] > 0
+    assert r["layer_signal"]["n"] > 0
+
+
+def test_bench_storage_covers_disk_and_redis_when_installed():
+    import shutil
+
+    r = _bench("storage")
+    tiers = {x["tier"] for x in r["results"]}
+    assert "disk" in tiers and (("redis" in tiers) == bool(shutil.which("redis-server")))
+    assert all(x["put_ratio"] > 0 and x["get_ratio"] > 0 for x in r["results"])
