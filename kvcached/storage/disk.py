@@ -47,6 +47,8 @@ class DiskBackend(StorageBackend):
         self.counters = {"puts": 0, "gets": 0, "put_errors": 0, "corrupt": 0, "evicted": 0}
         self.last_error = ""
         os.makedirs(self.root, mode=0o700, exist_ok=True)
+        for shard in range(256):  # made once here, not stat'ed on every put
+            os.makedirs(os.path.join(self.root, f"{shard:02x}"), mode=0o700, exist_ok=True)
         self._pool = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvcached-disk")
         self.ready = threading.Event()
         self._rebuild_thread = threading.Thread(target=self._rebuild, name="kvcached-disk-index",
@@ -187,8 +189,11 @@ class DiskBackend(StorageBackend):
         path = self._path(key)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
-            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            except FileNotFoundError:  # the shard dir was removed under us: make it again
+                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
                 _write_all(fd, [pack_header(key, pieces), *pieces], size)
                 if self.fsync:
