@@ -135,14 +135,22 @@ class Client:
 
     def _request(self, op: Op, timeout: float | None = None, **fields) -> dict:
         rid = self._send(op, fields)
-        reply = self._wait(lambda: self._replies.pop(rid, None), timeout,
-                           f"{op.name.lower()} reply", "Client(timeout=...)")
+        replies = self._replies
+        # fast path: one blocking poll usually brings the reply
+        if self._lock.acquire(timeout=POLL_SLICE_MS / 1000):
+            try:
+                self._pump(POLL_SLICE_MS / 1000)
+            finally:
+                self._lock.release()
+        reply = replies.pop(rid, None)
+        if reply is None:
+            reply = self._wait(lambda: replies.pop(rid, None), timeout, op, "Client(timeout=...)")
         if not reply.get("ok"):
             err = reply.get("error") or {}
             raise request_error(err.get("code", 0), err.get("message", "no message"))
         return reply
 
-    def _wait(self, take: Callable[[], object], timeout: float | None, what: str, knob: str):
+    def _wait(self, take: Callable[[], object], timeout: float | None, what, knob: str):
         """Pump the socket until take() returns something; check the daemon while waiting."""
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
@@ -153,6 +161,7 @@ class Client:
             left = deadline - time.monotonic()
             if left <= 0:
                 self._check_daemon()
+                what = f"{what.name.lower()} reply" if isinstance(what, Op) else what
                 raise KvcachedTimeout(f"no {what} within {timeout:.3g} s (set {knob})")
             slice_s = min(left, POLL_SLICE_MS / 1000)
             received = False
