@@ -30,6 +30,7 @@ from kvcached_proto import (
     pack_keys,
     request_error,
 )
+from kvcached_proto.liveness import pid_alive
 from kvcached_proto.paths import DEFAULT_INSTANCE, check_instance, request_endpoint, resolve_run_dir
 from kvcached_proto.version import PROTOCOL_VERSION
 
@@ -62,6 +63,7 @@ class Client:
         self.signals: SignalReader | None = None
         self.info: dict = {}
         self._kv_tensors = None
+        self._fences: dict[int, list[int]] = {}  # task id -> device blocks it may still write
         self._closed = False
 
     @classmethod
@@ -189,6 +191,7 @@ class Client:
                 raise KvcachedError(f"undecodable frame from the daemon: {exc}") from None
             if "event" in msg:
                 self._events[msg.get("task", 0)] = msg
+                self._fences.pop(msg.get("task", 0), None)  # the task ended: its fence lifts
             else:
                 self._replies[msg.get("rid", 0)] = msg
         return received
@@ -197,6 +200,23 @@ class Client:
         if self.signals is None:
             raise DaemonUnavailable("client is closed")
         self.signals.check_alive()
+
+    def fence(self, task_id: int, blocks) -> None:
+        self._fences[task_id] = list(blocks)
+
+    @property
+    def fenced_blocks(self) -> set[int]:
+        """Device blocks of loads that timed out and whose end the daemon has not confirmed
+        yet: the engine must not reuse them (reading this also reads pending events)."""
+        if self._fences:
+            try:
+                self.poll_events()
+            except DaemonUnavailable:
+                sig = self.signals
+                if sig is not None and sig.pid_visible and not pid_alive(sig.pid):
+                    self._fences.clear()  # a daemon that is gone writes nothing more
+                # else it may be hung and come back: its writes could still land
+        return {b for blocks in self._fences.values() for b in blocks}
 
     def take_event(self, task_id: int) -> dict | None:
         return self._events.pop(task_id, None)
@@ -262,6 +282,7 @@ class Client:
              priority: int = 0, timeout: float | None = None) -> LoadTask:
         reply = self._request(Op.LOAD, timeout, keys=pack_keys(keys),
                               blocks=pack_block_ids(device_blocks), priority=priority)
+        reply["device_blocks"] = [int(b) for b in list(device_blocks)[: reply["blocks"]]]
         return LoadTask(self, reply["task"], reply)
 
     def prefetch(self, keys: Sequence[bytes], policy: str = "best_effort", timeout_ms: int = 0,

@@ -63,10 +63,35 @@ class LoadTask(Task):
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait for the end of the load; returns the number of leading blocks loaded (every
-        layer in place). A failed or cancelled load returns how many are valid (0)."""
+        layer in place). A failed or cancelled load returns how many are valid (0).
+
+        On timeout the load is cancelled and its device blocks are *fenced*: the daemon may
+        still be writing them, so the engine must not reuse them until the daemon confirms the
+        task ended (cancel + ack). Raises KvcachedTimeout with `.fenced_blocks`; the fence lifts
+        by itself when the ack arrives (see Client.fenced_blocks)."""
         if self.result is None:
-            self._absorb(self.client.wait_event(self.id, timeout))
+            try:
+                self._absorb(self.client.wait_event(self.id, timeout))
+            except KvcachedTimeout as exc:
+                raise self._fence(exc) from None
         return int(self.result.get("loaded", 0))
+
+    def _fence(self, exc: KvcachedTimeout) -> KvcachedTimeout:
+        """Cancel after a timeout; wait (client timeout) for the daemon's ack; fence if none."""
+        blocks = self.reply.get("device_blocks", ())
+        self.client.fence(self.id, blocks)
+        self.client.cancel(self.id)
+        try:
+            self._absorb(self.client.wait_event(self.id, self.client.timeout))
+        except KvcachedTimeout:
+            exc.fenced_blocks = list(blocks)
+            exc.args = (f"{exc.args[0]}; the daemon has not confirmed the cancel: device blocks "
+                        f"{list(blocks)[:8]}{'...' if len(blocks) > 8 else ''} stay fenced",)
+            return exc
+        exc.fenced_blocks = []
+        exc.args = (f"{exc.args[0]}; cancelled ({self.status}, {self.result.get('loaded', 0)} "
+                    "blocks valid), the daemon confirmed: its device blocks are free to reuse",)
+        return exc
 
     def wait_layer(self, layer: int, timeout: float | None = None, spin_s: float = SPIN_S) -> None:
         """Return once layer `layer` of every loaded block is in place.

@@ -11,6 +11,7 @@ from conftest import small_kv, unique_instance
 from kvcached_client import (
     BlockHasher,
     KvcachedError,
+    KvcachedTimeout,
     ProtocolError,
     RequestError,
     TaskFailed,
@@ -323,3 +324,48 @@ def test_keys_depend_on_namespace_tokens_and_extra_keys():
     assert BlockHasher("a").hash_blocks(toks, 16, extra_keys=[None, b"x"])[0] == base[0]
     assert BlockHasher("a").hash_blocks(toks, 16, extra_keys=[None, b"x"])[1] != base[1]
     assert len(BlockHasher("a").hash_blocks(toks + [1, 2], 16)) == 2  # partial block: no key
+
+
+def test_a_load_that_times_out_is_cancelled_and_never_writes_after_the_ack(daemon):
+    kv = small_kv(num_layers=16, num_blocks=512, block_shape=(16, 8, 128))
+    with daemon.connect(timeout=10) as c:
+        c.register_kv_cache(kv)
+        keys, src, dst = keys_for(200, 30), list(range(200)), list(range(250, 450))
+        c.offload(src, keys).wait(30)
+        task = c.load(keys, dst)
+        with pytest.raises(KvcachedTimeout) as e:
+            task.wait(timeout=0.0001)
+        assert e.value.fenced_blocks == []  # the daemon confirmed the end
+        assert "confirmed" in str(e.value)
+        assert task.status in ("cancelled", "done") and c.fenced_blocks == set()
+        for k, v in kv:  # the engine reuses the blocks: nothing may overwrite them now
+            k[dst] = 5
+            v[dst] = 5
+        time.sleep(0.3)
+        assert all(bool((k[dst] == 5).all()) and bool((v[dst] == 5).all()) for k, v in kv)
+
+
+def test_blocks_stay_fenced_until_a_hung_daemon_confirms_the_cancel(daemon):
+    import signal as _signal
+
+    from kvcached_client import DaemonUnavailable
+
+    kv = small_kv()
+    with daemon.connect(timeout=2) as c:
+        c.register_kv_cache(kv)
+        keys = keys_for(4, 31)
+        c.offload([0, 1, 2, 3], keys).wait(10)
+        c.pause()  # the load stays queued
+        task = c.load(keys, [20, 21, 22, 23])
+        os.kill(daemon.pid, _signal.SIGSTOP)
+        try:
+            with pytest.raises((KvcachedTimeout, DaemonUnavailable)):
+                task.wait(timeout=0.05)
+            assert c.fenced_blocks == {20, 21, 22, 23}
+        finally:
+            os.kill(daemon.pid, _signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while c.fenced_blocks:  # the cancel reaches the daemon, its ack lifts the fence
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        c.resume()
