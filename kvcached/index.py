@@ -53,6 +53,7 @@ class BlockIndex:
         self._clock = 0
         self.evictions = 0
         self.prefetched = 0  # entries brought in (or being brought in) by prefetch, not used yet
+        self.pinned = 0  # entries with readers (loads, backups in flight)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -112,6 +113,8 @@ class BlockIndex:
 
     def pin(self, entries: Iterable[Entry]) -> None:
         for e in entries:
+            if e.refs == 0:
+                self.pinned += 1
             e.refs += 1
 
     def unpin(self, entries: Iterable[Entry]) -> list[int]:
@@ -122,6 +125,7 @@ class BlockIndex:
                 raise RuntimeError("unpin of an entry with no readers")
             e.refs -= 1
             if e.refs == 0:
+                self.pinned -= 1
                 if e.doomed and e.live:
                     freed.append(self._remove(e))
                 else:

@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import posix_ipc
 import zmq
 
 from kvcached_proto import (
@@ -316,7 +317,8 @@ class Daemon:
                 log.warning("[clients] client %s (pid %d) is gone; releasing its work",
                             client.client_id, client.pid)
                 del self.clients[routing_id]
-                self.service.drop_client(client)
+                self.service.drop_client(client, dead=True)
+                sweep_kv_segments(client.pid)
 
     # status ---------------------------------------------------------------
     def status(self) -> dict:
@@ -348,3 +350,19 @@ def stats_line(s: dict) -> str:
             f"tasks completed={tasks['completed']} failed={tasks['failed']} queued={tasks['queued']} "
             f"lookup_host_hit={hit:.1f}% d2h={s['bytes']['d2h']} h2d={s['bytes']['h2d']} "
             f"storage_healthy={all(t.get('healthy') for t in s['storage'])}")
+
+
+def sweep_kv_segments(pid: int) -> None:
+    """Unlink the POSIX KV segments a dead engine left (its allocate_kv_cache would have)."""
+    prefix = f"kvcached.{os.getuid()}.kv.{pid}."
+    try:
+        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    except OSError as exc:
+        log.warning("[clients] cannot list /dev/shm to sweep pid %d's segments: %s", pid, exc)
+        return
+    for name in names:
+        try:
+            posix_ipc.unlink_shared_memory("/" + name)
+            log.info("[clients] swept KV segment /%s of dead pid %d", name, pid)
+        except posix_ipc.ExistentialError:
+            log.debug("[clients] segment /%s already gone", name)

@@ -445,8 +445,10 @@ class CacheService(StorageFlow):
         self.events.emit(task.routing_id, task_event(task.task_id, status, result))
 
     # clients and lifecycle -------------------------------------------------
-    def drop_client(self, client) -> None:
-        """A client left or died: cancel its queued tasks; in-flight ones end at the next layer."""
+    def drop_client(self, client, dead: bool = False) -> None:
+        """A client left or died: cancel its queued tasks; in-flight ones end at the next layer.
+        A dead client's KV mapping is dropped too (the host tier's content stays for the engine
+        that restarts)."""
         mine = lambda t: t.client_id == client.client_id  # noqa: E731
         with self._lock:
             for task in self.tasks.values():
@@ -454,6 +456,16 @@ class CacheService(StorageFlow):
                     task.cancelled = True
         for worker in (self.fetcher, self.loader, self.offloader):
             self._finish_cancelled(worker.remove_queued(mine))
+        if dead and self.kv is not None and self.kv.owner == client.client_id:
+            self._drain("dead client")
+            try:
+                with self._lock:
+                    old, self.kv, self.copier = self.kv, None, None
+                old.close()
+            finally:
+                self._undrain()
+            self.signals.set_flag(Flag.KV_REGISTERED, False)
+            log.warning("[clients] dropped the KV mapping of dead client %s", client.client_id)
 
     def status(self) -> dict:
         with self._lock:
@@ -467,6 +479,9 @@ class CacheService(StorageFlow):
                     "capacity_blocks": self.pool.num_blocks,
                     "layout": self.cfg.host_layout,
                     "evictions": self.index.evictions,
+                    "pinned_blocks": self.index.pinned,
+                    "writing_blocks": sum(len(t.entries) for t in self.tasks.values()
+                                          if t.kind == OFFLOAD),
                 },
                 "kv": {
                     "registered": kv is not None,

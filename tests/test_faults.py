@@ -1,0 +1,132 @@
+"""Failure rules with real processes: a client killed mid-task, overload, many clients at once."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from conftest import small_kv, unique_instance
+from kvcached_client import BlockHasher, Busy, launch
+
+HASHER = BlockHasher("faults")
+
+ENGINE = textwrap.dedent("""
+    import sys, torch
+    from kvcached_client import Client, BlockHasher, allocate_kv_cache
+    c = Client.connect(instance=sys.argv[1], run_dir=sys.argv[2], timeout=30)
+    kv = allocate_kv_cache(16, 512, (16, 8, 128), torch.bfloat16)
+    c.register_kv_cache(kv)
+    keys = BlockHasher("victim").hash_blocks(list(range(16 * 200)), 16)
+    c.offload(list(range(200)), keys).wait(60)
+    c.pause()  # everything below stays queued: the kill lands while work is pending
+    c.load(keys, list(range(250, 450)))
+    c.offload(list(range(200, 250)), BlockHasher("victim2").hash_blocks(list(range(16 * 50)), 16))
+    print("ready", flush=True)
+    sys.stdin.read()
+""")
+
+
+def _status(c):
+    return c.status()
+
+
+def test_a_killed_engine_has_its_tasks_cancelled_and_pins_released(run_dir, instance):
+    h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.5)
+    try:
+        engine = subprocess.Popen([sys.executable, "-c", ENGINE, instance, run_dir],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert engine.stdout.readline().strip() == "ready"
+        with h.connect() as other:
+            before = other.status()
+            assert before["tasks"]["queued"] == 2 and before["host"]["pinned_blocks"] == 200
+            other.resume()  # the engine paused the daemon; a second client lifts it
+            engine.kill()
+            engine.wait(10)
+            start = time.monotonic()
+            while True:
+                s = other.status()
+                if (s["tasks"]["queued"], s["tasks"]["inflight"], s["host"]["pinned_blocks"],
+                        s["clients"]) == (0, 0, 0, 1):
+                    break
+                assert time.monotonic() - start < 2.0, s
+                time.sleep(0.02)
+            assert other.ping() < 1.0  # the other client is unaffected
+            assert other.status()["kv"]["registered"] is False
+            kv = small_kv()
+            other.register_kv_cache(kv)
+            keys = HASHER.hash_blocks(list(range(16 * 4)), 16)
+            other.offload([0, 1, 2, 3], keys).wait(10)
+            assert other.lookup(keys) == (4, 0)
+            # the dead engine's KV mapping is dropped and its shm segment swept
+            assert not [n for n in os.listdir("/dev/shm")
+                        if n.startswith(f"kvcached.{os.getuid()}.kv.{engine.pid}.")]
+    finally:
+        h.stop()
+
+
+def test_a_full_queue_answers_busy_and_changes_nothing(run_dir, instance):
+    h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05,
+               extra_args=["--max-queued-tasks", "4"])
+    try:
+        with h.connect() as c:
+            kv = small_kv()
+            c.register_kv_cache(kv)
+            c.pause()
+            tasks = [c.offload([i], HASHER.hash_blocks(list(range(16 * i, 16 * i + 16)), 16))
+                     for i in range(4)]
+            with pytest.raises(Busy, match="max-queued-tasks"):
+                c.offload([10], HASHER.hash_blocks(list(range(999, 999 + 16)), 16))
+            assert c.status()["host"]["blocks"] == 4  # the refused one left no trace
+            c.resume()
+            assert [t.wait(10)["stored"] for t in tasks] == [1, 1, 1, 1]
+    finally:
+        h.stop()
+
+
+def test_many_clients_at_once_lose_and_duplicate_no_completion(run_dir, instance):
+    h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)
+    clients, errors, done = 8, [], []
+    ops = int(os.environ.get("KVCACHED_SOAK_OPS", "300"))
+
+    def engine(n):
+        try:
+            with h.connect(timeout=30) as c:
+                kv = small_kv(num_layers=2, num_blocks=64, seed=n) if n == 0 else None
+                if kv is not None:
+                    c.register_kv_cache(kv)
+                seen = set()
+                for i in range(ops):
+                    keys = HASHER.hash_blocks(list(range(n * 10**6 + i * 16, n * 10**6 + i * 16 + 32)), 16)
+                    if n == 0 and i % 3 == 0:
+                        t = c.offload([i % 32, 32 + i % 32], keys)
+                        t.wait(30)
+                        assert t.id not in seen
+                        seen.add(t.id)
+                        lt = c.load(keys, [(i + 5) % 32, 32 + (i + 7) % 32])
+                        assert lt.wait(30) in (0, 1, 2)
+                    else:
+                        c.lookup(keys)
+                done.append((n, ops))
+        except Exception as exc:  # reported below with the client number
+            errors.append((n, repr(exc)))
+
+    try:
+        threads = [threading.Thread(target=engine, args=(n,)) for n in range(clients)]
+        rss0 = int(open(f"/proc/{h.pid}/status").read().split("VmRSS:")[1].split()[0])
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+        assert sorted(n for n, _ in done) == list(range(clients))
+        with h.connect() as c:
+            s = c.status()
+        assert s["tasks"]["failed"] == 0 and s["tasks"]["queued"] == 0 and s["tasks"]["inflight"] == 0
+        rss1 = int(open(f"/proc/{h.pid}/status").read().split("VmRSS:")[1].split()[0])
+        assert rss1 - rss0 < 64 * 1024, f"daemon RSS grew by {(rss1 - rss0) // 1024} MiB"
+    finally:
+        h.stop()
