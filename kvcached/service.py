@@ -126,7 +126,12 @@ class CacheService(StorageFlow):
     def _unregister_kv(self, client, req) -> dict:
         if self.kv is None:
             raise OpError(ErrorCode.NOT_REGISTERED, "no KV is registered")
-        self._drain("unregister_kv")
+        self._drop_kv("unregister_kv")
+        return {}
+
+    def _drop_kv(self, why: str) -> None:
+        """Unmap the engine's KV once the copies in flight have drained."""
+        self._drain(why)
         try:
             with self._lock:
                 old, self.kv, self.copier = self.kv, None, None
@@ -134,7 +139,6 @@ class CacheService(StorageFlow):
         finally:
             self._undrain()
         self.signals.set_flag(Flag.KV_REGISTERED, False)
-        return {}
 
     # data ops -------------------------------------------------------------
     def _check_blocks(self, blocks: np.ndarray) -> None:
@@ -457,14 +461,7 @@ class CacheService(StorageFlow):
         for worker in (self.fetcher, self.loader, self.offloader):
             self._finish_cancelled(worker.remove_queued(mine))
         if dead and self.kv is not None and self.kv.owner == client.client_id:
-            self._drain("dead client")
-            try:
-                with self._lock:
-                    old, self.kv, self.copier = self.kv, None, None
-                old.close()
-            finally:
-                self._undrain()
-            self.signals.set_flag(Flag.KV_REGISTERED, False)
+            self._drop_kv("dead client")
             log.warning("[clients] dropped the KV mapping of dead client %s", client.client_id)
 
     def status(self) -> dict:
