@@ -11,7 +11,8 @@ from kvcached_proto.errors import DaemonUnavailable
 from kvcached_proto.liveness import pid_alive
 from kvcached_proto.shm_layout import LAYOUT_VERSION, MAGIC, SEGMENT_BYTES, Flag, SignalView, segment_name
 
-HEARTBEAT_STALE_S = 0.5  # the daemon beats every 50 ms; 10 missed beats mean it is gone
+HEARTBEAT_STALE_S = 0.8  # the daemon beats every 50 ms; 16 missed beats mean it is hung
+# (0.5 s was seen to trip on a loaded 2-vCPU VM; 0.8 s keeps detection of a hung daemon < 1 s)
 
 
 class SignalReader:
