@@ -334,6 +334,7 @@ class Daemon:
             "device": self.cfg.device,
             "run_dir": self.cfg.run_dir,
             "clients": len(self.clients),
+            "heartbeat_max_gap_s": round(sig.max_gap_s, 3) if sig else 0.0,
         }
         if self.service is not None:
             status.update(self.service.status())

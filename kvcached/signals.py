@@ -30,6 +30,7 @@ from kvcached_proto.liveness import pid_alive
 log = logging.getLogger(__name__)
 
 HEARTBEAT_PERIOD_S = 0.05
+LATE_BEAT_S = 0.25
 
 
 def _owner_of_existing(name: str) -> int | None:
@@ -72,6 +73,7 @@ class SignalSegment:
         self.view.init_header(os.getpid(), self.epoch)
         self.view.set_heartbeat(time.monotonic_ns())
         self._stop = threading.Event()
+        self.max_gap_s = 0.0
         self._thread = threading.Thread(target=self._beat, name="kvcached-heartbeat", daemon=True)
         self._thread.start()
         self._closed = False
@@ -91,8 +93,16 @@ class SignalSegment:
             pass  # another starter swept it first; O_CREX below settles who wins
 
     def _beat(self) -> None:
+        last = time.monotonic_ns()
         while not self._stop.wait(HEARTBEAT_PERIOD_S):
-            self.view.set_heartbeat(time.monotonic_ns())
+            now = time.monotonic_ns()
+            self.view.set_heartbeat(now)
+            gap = (now - last) / 1e9
+            last = now
+            if gap > self.max_gap_s:
+                self.max_gap_s = gap
+            if gap > LATE_BEAT_S:  # the process was starved (GIL held, CPU taken): say so
+                log.warning("[heartbeat] beat %.2f s apart (expected %.2f s)", gap, HEARTBEAT_PERIOD_S)
 
     def set_flag(self, flag: Flag, on: bool = True) -> None:
         self.view.set_flag(flag, on)
