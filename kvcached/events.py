@@ -12,7 +12,7 @@ from kvcached_proto import encode
 
 
 class EventSink:
-    def __init__(self, _ctx=None):
+    def __init__(self):
         self._queue: collections.deque[tuple[bytes, bytes]] = collections.deque()
         self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
 

@@ -163,7 +163,8 @@ class HostPool:
         return [memoryview(rows[block]) for rows in self._np_rows()]
 
     def read_page(self, block: int, out: np.ndarray) -> None:
-        """Copy one host block (every layer and part, in layout order) into `out`."""
+        """Copy one host block (every layer and part, in page order) into `out` (write_back
+        saves evicted blocks this way before their memory is reused)."""
         if self.layout == "page_first":
             start = block * self.page_bytes
             out[:] = self._flat[start : start + self.page_bytes]
@@ -172,18 +173,6 @@ class HostPool:
         for rows in self._np_rows():
             pb = rows.shape[1]
             out[off : off + pb] = rows[block]
-            off += pb
-
-    def write_page(self, block: int, data: np.ndarray) -> None:
-        """The inverse of read_page."""
-        if self.layout == "page_first":
-            start = block * self.page_bytes
-            self._flat[start : start + self.page_bytes] = data
-            return
-        off = 0
-        for rows in self._np_rows():
-            pb = rows.shape[1]
-            rows[block] = data[off : off + pb]
             off += pb
 
     @property

@@ -202,9 +202,6 @@ class BlockIndex:
         e.parent = None
         return e.block
 
-    def entries(self):
-        return self._entries.values()
-
     def check(self) -> None:
         """Invariant walk (tests, fuzzing): raises AssertionError on any inconsistency."""
         children: dict[int, int] = {}
