@@ -14,8 +14,12 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import posix_ipc
+
+if TYPE_CHECKING:  # imported lazily at run time: the CLI uses this package without torch
+    import torch
 
 from kvcached_proto.errors import KvcachedError
 from kvcached_proto.layout import DTYPE_BYTES

@@ -23,7 +23,7 @@ from . import numa
 from .host_pool import HostPool
 from .index import BlockIndex
 from .kv import KVRegistration
-from .service_storage import BACKUP, FETCH, PREFETCH, StorageFlow
+from .service_storage import BACKUP, PREFETCH, StorageFlow
 from .transfer import LOAD, OFFLOAD, SPLIT_BLOCKS, CopyTask, CpuCopier, TransferWorker, host_runs
 
 log = logging.getLogger(__name__)

@@ -46,7 +46,7 @@ def main() -> int:
             if args.storage:
                 client.flush().wait(timeout=60)  # write_through backups on disk before the stop
         if args.storage:
-            print(f"[demo] restarting the daemon: the host tier is gone, the disk tier stays")
+            print("[demo] restarting the daemon: the host tier is gone, the disk tier stays")
             daemon.stop()
             daemon = start()
             with daemon.connect(name="demo-engine") as client:

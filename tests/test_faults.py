@@ -1,6 +1,5 @@
 """Failure rules with real processes: a client killed mid-task, overload, many clients at once."""
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -9,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import small_kv, unique_instance
+from conftest import small_kv
 from kvcached_client import BlockHasher, Busy, launch
 
 HASHER = BlockHasher("faults")

@@ -82,16 +82,22 @@ class RedisBackend(StorageBackend):
         self._healthy = True
         return True
 
-    def exists_prefix(self, keys: Sequence[bytes]) -> int:
+    def _per_key(self, command: str, keys) -> list | None:
+        """One pipelined command per key; None when the store is unusable or fails."""
         if not keys or not self._usable():
-            return 0
+            return None
         try:
             pipe = self._client.pipeline(transaction=False)
             for key in keys:
-                pipe.exists(self._name(key))
-            found = pipe.execute()
+                getattr(pipe, command)(self._name(key))
+            return pipe.execute()
         except self._redis.RedisError as exc:
             self._failed(exc)
+            return None
+
+    def exists_prefix(self, keys: Sequence[bytes]) -> int:
+        found = self._per_key("exists", keys)
+        if found is None:
             return 0
         n = 0
         for hit in found:
@@ -101,15 +107,8 @@ class RedisBackend(StorageBackend):
         return n
 
     def get_into(self, keys, buffers) -> list[bool]:
-        if not keys or not self._usable():
-            return [False] * len(keys)
-        try:
-            pipe = self._client.pipeline(transaction=False)
-            for key in keys:
-                pipe.get(self._name(key))
-            values = pipe.execute()
-        except self._redis.RedisError as exc:
-            self._failed(exc)
+        values = self._per_key("get", keys)
+        if values is None:
             return [False] * len(keys)
         out = []
         for key, pieces, value in zip(keys, buffers, values):
