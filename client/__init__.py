@@ -13,10 +13,12 @@ from .client import Client
 from .hashing import BlockHasher, make_namespace
 from .kv_alloc import allocate_kv_cache
 from .launch import DaemonHandle, launch
+from .prefix import MMItem, PrefixCacheManager
+from .prefix_tree import NoFreeBlocks
 from .tasks import LoadTask, Task
 
 __all__ = [
     "Client", "BlockHasher", "make_namespace", "allocate_kv_cache", "launch", "DaemonHandle",
-    "Task", "LoadTask", "Busy", "DaemonUnavailable", "KvcachedError", "KvcachedTimeout",
+    "Task", "LoadTask", "PrefixCacheManager", "MMItem", "NoFreeBlocks", "Busy", "DaemonUnavailable", "KvcachedError", "KvcachedTimeout",
     "ProtocolError", "RequestError", "TaskFailed",
 ]

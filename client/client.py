@@ -218,6 +218,15 @@ class Client:
                 # else it may be hung and come back: its writes could still land
         return {b for blocks in self._fences.values() for b in blocks}
 
+    @property
+    def has_fences(self) -> bool:
+        return bool(self._fences)
+
+    @property
+    def fenced_without_check(self) -> set[int]:
+        """The fenced device blocks as last known, without reading events."""
+        return {b for blocks in self._fences.values() for b in blocks}
+
     def take_event(self, task_id: int) -> dict | None:
         return self._events.pop(task_id, None)
 
