@@ -370,20 +370,44 @@ class PrefixCacheManager:
         """After a weight update: nothing cached so far is ever matched again. Waits for the
         daemon work in flight, drops every cached GPU block, and clears the daemon's tiers
         (clear_daemon) or switches to a new namespace. Running requests keep their blocks
-        privately until released."""
-        for load in list(self._loads):
-            self._resolve(load, timeout)
-        for off in list(self._offloads):
-            self._finish_offload(off, timeout)
-        for node in list(self.tree.nodes.values()):
-            if node.key in self.tree.nodes:
-                self._invalidate(node)
+        privately until released, and nothing they compute is cached."""
+        self.settle(timeout)
+        self.drop_gpu_cache()
         for seq in self._seqs.values():
             seq.stale = True  # its KV came (partly) from the old weights
         if namespace is not None:
             self.hasher = BlockHasher(namespace)
         if clear_daemon and self.client is not None:
             self._daemon(self.client.clear, "all", True)
+
+    def drop_gpu_cache(self) -> int:
+        """Forget every cached GPU block (the daemon's tiers keep theirs); blocks in use by
+        running requests or in-flight copies are freed when those end. Returns the count."""
+        dropped = len(self.tree)
+        for node in list(self.tree.nodes.values()):
+            if self.tree.holds(node):
+                self._invalidate(node)
+        return dropped
+
+    def settle(self, timeout: float | None = None) -> None:
+        """Wait for every load and offload in flight (each bounded by timeout, or the
+        client's)."""
+        for load in list(self._loads):
+            self._resolve(load, timeout)
+        for off in list(self._offloads):
+            self._finish_offload(off, timeout)
+
+    def try_attach(self) -> bool:
+        """Check the daemon now (not at the next request): detach from a dead one, attach to
+        one that is there. Returns whether the manager is attached."""
+        if self.client is not None:
+            try:
+                self.client.poll_events()
+            except DaemonUnavailable as exc:
+                self._detach(exc)
+        self._next_attach = 0.0
+        self._maybe_attach()
+        return self.attached
 
     # helpers ----------------------------------------------------------------
     def _seq(self, request_id) -> _Seq:
@@ -651,10 +675,7 @@ class PrefixCacheManager:
 
     def close(self) -> None:
         """Wait for daemon work in flight (bounded by the client's timeout), then close."""
-        for load in list(self._loads):
-            self._resolve(load, None)
-        for off in list(self._offloads):
-            self._finish_offload(off, None)
+        self.settle()
         for client in self._retired + ([self.client] if self.client is not None else []):
             client.close()
         self._retired.clear()

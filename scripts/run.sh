@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The main job. Sets up .venv when missing, then starts a kvcached daemon on the embedded
-# default (CPU device, RAM host tier, disk tier under var/disk), runs a demo client session
-# against it (host hit, then a disk hit after a daemon restart), prints the status table and
-# stops the daemon, leaving nothing behind but the disk tier's files.
-#   ./scripts/run.sh               demo session
-#   ./scripts/run.sh --serve-only  keep the daemon in the foreground until Ctrl-C
+# default (CPU device, RAM host tier, disk tier under var/disk) and runs the demo engine on it:
+# a small transformer (random weights, no download) whose PrefixCacheManager drives the daemon.
+# It prints time-to-first-token for recompute vs GPU hit vs host hit vs disk hit (after a daemon
+# restart), checks the continuations equal the recompute's, prints the status table and stops
+# the daemon, leaving nothing behind but the disk tier's files.
+#   ./scripts/run.sh [demo_engine.py options]   the demo engine (--help lists them)
+#   ./scripts/run.sh --serve-only               keep the daemon in the foreground until Ctrl-C
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$ROOT/scripts/setup_env.sh" test
@@ -18,5 +20,5 @@ if [ "${1:-}" = "--serve-only" ]; then
   exec "$PY" -m kvcached serve --instance "$INSTANCE" --run-dir "$RUN_DIR" --device cpu \
     --host-cache-gb "${KVCACHED_HOST_CACHE_GB:-1}" --storage "$DISK" "$@"
 fi
-exec "$PY" "$ROOT/scripts/demo_session.py" --instance "$INSTANCE" --run-dir "$RUN_DIR" \
-  --storage "$DISK" "$@"
+exec "$PY" "$ROOT/scripts/demo_engine.py" --instance "$INSTANCE" --run-dir "$RUN_DIR" \
+  --storage "$DISK" --status "$@"

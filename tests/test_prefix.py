@@ -315,3 +315,23 @@ def test_the_manager_degrades_when_the_daemon_dies_and_reattaches(run_dir, insta
             assert c.lookup(BlockHasher(NS).hash_blocks(toks(4 * BS, 40), BS))[0] == 4
         mgr.close()
     sweep_crashed(instance)
+
+
+def test_reset_after_a_weight_update_leaves_nothing_readable(daemon):
+    kv = new_kv()
+    mgr = manager(daemon, kv)
+    prompt = toks(4 * BS)
+    SimEngine(mgr, kv).prefill("a", prompt + [1])
+    SimEngine(mgr, kv).prefill("running", toks(2 * BS, 3) + [1])
+    mgr.release("a")
+    mgr.reset()  # waits for the write-through copies, then clears the daemon's tiers
+    mgr.commit("running", 2 * BS + 1)
+    keys = BlockHasher(NS).hash_blocks(prompt, BS)
+    with daemon.connect() as c:
+        assert c.lookup(keys) == (0, 0)
+    hit = mgr.match("b", prompt + [2])
+    assert hit.cached_tokens == 0
+    mgr.release("b")
+    mgr.release("running")
+    mgr.check()
+    mgr.close()
