@@ -202,7 +202,9 @@ class Client:
         self.signals.check_alive()
 
     def fence(self, task_id: int, blocks) -> None:
-        self._fences[task_id] = list(blocks)
+        """Keep `blocks` out of reuse until task_id's end event arrives."""
+        if task_id not in self._events:  # an end already read needs no fence
+            self._fences[task_id] = list(blocks)
 
     @property
     def fenced_blocks(self) -> set[int]:

@@ -244,7 +244,7 @@ class PrefixCacheManager:
             return 0, 0
         task = self._daemon(self.client.load, keys[: len(blocks)], blocks)
         planned = task.num_blocks if task is not None else 0
-        self.pool.give(blocks[planned:])
+        self._free(blocks[planned:])  # fenced ones (a rank of a group still writing) wait
         if not planned:
             return 0, 0
         nodes = []

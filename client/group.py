@@ -1,0 +1,376 @@
+"""GroupClient: one call fanned out to the kvcached daemon of every tensor-parallel rank.
+
+Each rank has its own daemon (and its own KV shard); every rank gets the same device block ids.
+Answers are the minimum over ranks, so all ranks load the same prefix and compute on the same
+context: `lookup` gives the shortest (host, storage) hit, a load's count is the smallest any
+rank loaded. A rank whose daemon is missing makes the group report 0 hits (the request is
+recomputed) and is named in `missing`; the group reconnects it once its daemon is back.
+
+Keys: the caller passes one key list. For ordinary attention every rank holds different heads,
+so each rank stores them under rank-derived keys (H(key, rank, tp_size): still chained, still
+equal for equal prefixes). With `mla=True` the KV is identical on every rank: keys stay
+rank-free, and only the daemon started as storage writer puts them to shared storage
+(`kvcached serve --no-storage-writer` on the others), while every rank reads.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+from kvcached_proto.errors import DaemonUnavailable, KvcachedTimeout, TaskFailed
+from kvcached_proto.paths import resolve_run_dir
+
+from .client import DEFAULT_TIMEOUT_S, Client
+
+log = logging.getLogger(__name__)
+
+RECONNECT_EVERY_S = 1.0
+
+
+def rank_keys(keys: Sequence[bytes], rank: int, tp_size: int) -> list[bytes]:
+    """The keys rank `rank` of `tp_size` stores a block under (its shard of the heads)."""
+    salt = f"tp{rank}/{tp_size}".encode()
+    return [hashlib.blake2b(bytes(k), digest_size=16, person=b"kvcached-tp", salt=salt[:16]).digest()
+            for k in keys]
+
+
+class GroupTask:
+    """A task on every present rank; `wait` returns the ranks' results by rank."""
+
+    kind = "task"
+
+    def __init__(self, group: "GroupClient", tasks: dict[int, object], reply: dict):
+        self.group = group
+        self.id = next(group._task_ids)
+        self.tasks = tasks  # rank -> Task
+        self.reply = reply
+        self.status: str | None = None
+        self.result: dict | None = None
+
+    def done(self) -> bool:
+        if self.result is None and all(self._rank_done(r, t) for r, t in self.tasks.items()):
+            self.wait(0)
+        return self.result is not None
+
+    def _rank_done(self, rank: int, task) -> bool:
+        try:
+            return task.done()
+        except DaemonUnavailable as exc:
+            self.group._lost(rank, exc)
+            return True
+
+    def wait(self, timeout: float | None = None) -> dict:
+        if self.result is None:
+            per_rank, failed = {}, []
+            deadline = time.monotonic() + (self.group.timeout if timeout is None else timeout)
+            for rank, task in self.tasks.items():
+                try:
+                    per_rank[rank] = task.wait(max(0.0, deadline - time.monotonic()))
+                except DaemonUnavailable as exc:
+                    self.group._lost(rank, exc)
+                    failed.append(rank)
+                except TaskFailed as exc:
+                    per_rank[rank] = exc.result
+                    failed.append(rank)
+            self.status = "failed" if failed else "done"
+            self.result = {"ranks": per_rank, "failed_ranks": failed}
+            self.group._forget(self)
+        if self.status == "failed":
+            raise TaskFailed(f"group {self.kind} task {self.id} failed on ranks "
+                             f"{self.result['failed_ranks']}", self.result)
+        return self.result
+
+    def cancel(self) -> str:
+        for rank, task in self.tasks.items():
+            try:
+                task.cancel()
+            except DaemonUnavailable as exc:
+                self.group._lost(rank, exc)
+        return "finishing"
+
+
+class GroupOffloadTask(GroupTask):
+    kind = "offload"
+
+
+class GroupLoadTask(GroupTask):
+    """A load on every rank; its count is the minimum over ranks."""
+
+    kind = "load"
+
+    def __init__(self, group, tasks, reply, num_layers: int):
+        super().__init__(group, tasks, reply)
+        self.num_blocks = reply["blocks"]
+        self.num_layers = num_layers
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Leading blocks every rank loaded. A rank that timed out, failed or went away counts
+        0 (its blocks stay fenced by its client until its daemon confirms the end)."""
+        if self.result is None:
+            loaded = {}
+            deadline = time.monotonic() + (self.group.timeout if timeout is None else timeout)
+            for rank, task in self.tasks.items():
+                try:
+                    loaded[rank] = task.wait(max(0.0, deadline - time.monotonic()))
+                except KvcachedTimeout as exc:
+                    log.warning("[group] rank %d: %s", rank, str(exc))
+                    loaded[rank] = 0
+                except DaemonUnavailable as exc:
+                    self.group._lost(rank, exc)
+                    self.group._fence_rank(rank, task, task.reply.get("device_blocks", ()))
+                    loaded[rank] = 0
+            self.result = {"loaded": min(loaded.values(), default=0), "ranks": loaded}
+            self.status = "done"
+            self.group._forget(self)
+        return min(int(self.result["loaded"]), self.num_blocks)
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> None:
+        """Waits on the local rank (each worker waits on its own daemon); layer 0 also waits on
+        every rank, so that `valid_blocks` (the minimum) is known."""
+        ranks = self.tasks if layer == 0 else {self.group.local_rank: self.tasks.get(self.group.local_rank)}
+        for rank, task in ranks.items():
+            if task is None:
+                raise TaskFailed(f"group load {self.id}: rank {rank} has no load", {"loaded": 0})
+            try:
+                task.wait_layer(layer, timeout)
+            except DaemonUnavailable as exc:
+                self.group._lost(rank, exc)
+                raise TaskFailed(f"group load {self.id}: rank {rank} went away", {"loaded": 0}) from None
+
+    @property
+    def valid_blocks(self) -> int:
+        return min([t.valid_blocks for t in self.tasks.values()] + [self.num_blocks])
+
+
+class GroupClient:
+    """`GroupClient.connect(instances, run_dir=...)`; the calls of Client across ranks."""
+
+    def __init__(self, instances: Sequence[str], run_dir: str | None = None,
+                 timeout: float = DEFAULT_TIMEOUT_S, name: str = "", mla: bool = False,
+                 local_rank: int = 0, endpoints: Sequence[str] | None = None):
+        if not instances:
+            raise ValueError("a group needs at least one rank")
+        if endpoints is not None and len(endpoints) != len(instances):
+            raise ValueError("one endpoint per instance")
+        self.instances = list(instances)
+        self.tp_size = len(self.instances)
+        self.run_dir = resolve_run_dir(run_dir)
+        self.timeout = timeout
+        self.name = name
+        self.mla = mla
+        self.local_rank = local_rank
+        self._endpoints = list(endpoints) if endpoints else [None] * self.tp_size
+        self.clients: list[Client | None] = [None] * self.tp_size
+        self.missing: dict[int, str] = {r: "not connected yet" for r in range(self.tp_size)}
+        self._retired: list[Client] = []  # lost clients whose fences still hold
+        self._kv = None
+        self._next_retry = 0.0
+        self._task_ids = itertools.count(1)
+        self._live: dict[int, GroupTask] = {}
+        self._pool = ThreadPoolExecutor(self.tp_size, thread_name_prefix="kvcached-group")
+
+    @classmethod
+    def connect(cls, instances: Sequence[str], **kwargs) -> "GroupClient":
+        group = cls(instances, **kwargs)
+        group.reconnect()
+        return group
+
+    def reconnect_args(self) -> dict:
+        return {"instances": self.instances, "run_dir": self.run_dir, "timeout": self.timeout,
+                "name": self.name, "mla": self.mla, "local_rank": self.local_rank,
+                "endpoints": self._endpoints}
+
+    # ranks ------------------------------------------------------------------
+    def reconnect(self) -> list[int]:
+        """Connect every missing rank whose daemon is there; returns the ranks connected."""
+        self._next_retry = time.monotonic() + RECONNECT_EVERY_S
+        ranks = list(self.missing)
+        got = list(self._pool.map(self._connect_rank, ranks))
+        return [r for r, ok in zip(ranks, got) if ok]
+
+    def _connect_rank(self, rank: int) -> bool:
+        try:
+            client = Client.connect(self.instances[rank], self.run_dir, self.timeout,
+                                    f"{self.name}-tp{rank}", self._endpoints[rank])
+        except DaemonUnavailable as exc:
+            self.missing[rank] = str(exc)
+            return False
+        try:
+            if self._kv is not None:
+                client.register_kv_cache(self._kv[rank])
+        except Exception:
+            client.close()
+            raise
+        self.clients[rank] = client
+        self.missing.pop(rank, None)
+        return True
+
+    def _lost(self, rank: int, exc: Exception) -> None:
+        client = self.clients[rank]
+        if client is None:
+            return
+        log.warning("[group] rank %d (%s) is missing: %s", rank, self.instances[rank], str(exc))
+        self.clients[rank] = None
+        self.missing[rank] = str(exc)
+        self._retired.append(client)
+
+    def _fence_rank(self, rank: int, task, blocks) -> None:
+        for client in [self.clients[rank]] + self._retired:
+            if client is not None and task.client is client:
+                client.fence(task.id, blocks)
+
+    def _ready(self) -> bool:
+        """All ranks present (reconnecting missing ones at most once a second)."""
+        if self.missing and time.monotonic() >= self._next_retry:
+            self.reconnect()
+        return not self.missing
+
+    def _fan(self, call) -> dict[int, object]:
+        """call(rank, client) on every present rank in parallel; results by rank. A rank that
+        turns out gone is marked missing and left out; other errors are raised."""
+        ranks = [r for r, c in enumerate(self.clients) if c is not None]
+        futures = {r: self._pool.submit(call, r, self.clients[r]) for r in ranks}
+        out, error = {}, None
+        for r, fut in futures.items():
+            try:
+                out[r] = fut.result()
+            except DaemonUnavailable as exc:
+                self._lost(r, exc)
+            except Exception as exc:  # surfaced below, after every rank's call has ended
+                error = error or exc
+        if error is not None:
+            raise error
+        return out
+
+    def _keys(self, keys, rank: int):
+        return list(keys) if self.mla else rank_keys(keys, rank, self.tp_size)
+
+    def _forget(self, task: GroupTask) -> None:
+        self._live.pop(task.id, None)
+
+    # the Client calls ---------------------------------------------------------
+    def register_kv_cache(self, per_rank_tensors: Sequence, timeout: float | None = None) -> dict:
+        """Register each rank's KV shard with its daemon (one entry per rank); re-registered on
+        reconnect."""
+        if len(per_rank_tensors) != self.tp_size:
+            raise ValueError(f"{len(per_rank_tensors)} KV shards for {self.tp_size} ranks")
+        self._kv = list(per_rank_tensors)
+        return self._fan(lambda r, c: c.register_kv_cache(self._kv[r], timeout))
+
+    def lookup(self, keys: Sequence[bytes], timeout: float | None = None) -> tuple[int, int]:
+        if not self._ready():
+            return 0, 0
+        hits = self._fan(lambda r, c: c.lookup(self._keys(keys, r), timeout))
+        if self.missing or not hits:
+            return 0, 0
+        host = min(h for h, _ in hits.values())
+        total = min(h + s for h, s in hits.values())
+        return host, total - host
+
+    def load(self, keys: Sequence[bytes], device_blocks, priority: int = 0,
+             timeout: float | None = None) -> GroupLoadTask:
+        blocks = [int(b) for b in device_blocks]
+        tasks = self._fan(lambda r, c: c.load(self._keys(keys, r), blocks, priority, timeout)) \
+            if self._ready() else {}
+        planned = min((t.num_blocks for t in tasks.values()), default=0) if not self.missing else 0
+        for rank, task in tasks.items():
+            if task.num_blocks > planned and task.result is None:  # it writes past the common prefix
+                task.client.fence(task.id, blocks[planned:task.num_blocks])
+        reply = {"blocks": planned, "device_blocks": blocks[:planned],
+                 "host_blocks": min((t.reply.get("host_blocks", 0) for t in tasks.values()), default=0)}
+        num_layers = max((t.num_layers for t in tasks.values()), default=0)
+        task = GroupLoadTask(self, tasks, reply, num_layers)
+        self._live[task.id] = task
+        return task
+
+    def offload(self, device_blocks, keys: Sequence[bytes], priority: int = 0,
+                timeout: float | None = None) -> GroupOffloadTask:
+        blocks = [int(b) for b in device_blocks]
+        self._ready()
+        tasks = self._fan(lambda r, c: c.offload(blocks, self._keys(keys, r), priority, timeout))
+        reply = {"accepted": min((t.reply.get("accepted", len(blocks)) for t in tasks.values()),
+                                 default=0)}
+        task = GroupOffloadTask(self, tasks, reply)
+        self._live[task.id] = task
+        return task
+
+    def prefetch(self, keys: Sequence[bytes], **kwargs) -> dict:
+        return self._fan(lambda r, c: c.prefetch(self._keys(keys, r), **kwargs))
+
+    def delete(self, keys: Sequence[bytes], timeout: float | None = None) -> int:
+        got = self._fan(lambda r, c: c.delete(self._keys(keys, r), timeout))
+        return min(got.values(), default=0)
+
+    def clear(self, tier: str = "all", weights_update: bool = False, timeout: float | None = None) -> int:
+        return sum(self._fan(lambda r, c: c.clear(tier, weights_update, timeout)).values())
+
+    def flush(self, timeout: float | None = None) -> GroupTask:
+        task = GroupTask(self, self._fan(lambda r, c: c.flush(timeout)), {})
+        self._live[task.id] = task
+        return task
+
+    def status(self, timeout: float | None = None) -> list[dict]:
+        got = self._fan(lambda r, c: c.status(timeout))
+        return [got.get(r, {"rank": r, "instance": self.instances[r], "missing": self.missing.get(r)})
+                for r in range(self.tp_size)]
+
+    def ping(self, timeout: float | None = None) -> float:
+        return max(self._fan(lambda r, c: c.ping(timeout)).values(), default=0.0)
+
+    # fences and events (what PrefixCacheManager uses) ----------------------------
+    def _all_clients(self) -> list[Client]:
+        return [c for c in self.clients if c is not None] + self._retired
+
+    def fence(self, task_id: int, blocks) -> None:
+        task = self._live.get(task_id)
+        if task is None:
+            return
+        for rank, t in task.tasks.items():
+            t.client.fence(t.id, blocks)
+
+    @property
+    def fenced_blocks(self) -> set[int]:
+        out: set[int] = set()
+        for client in self._all_clients():
+            out |= client.fenced_blocks
+        for client in [c for c in self._retired if not c.has_fences]:
+            self._retired.remove(client)
+            client.close()
+        return out
+
+    @property
+    def has_fences(self) -> bool:
+        return any(c.has_fences for c in self._all_clients())
+
+    @property
+    def fenced_without_check(self) -> set[int]:
+        return set().union(*(c.fenced_without_check for c in self._all_clients()))
+
+    def poll_events(self) -> None:
+        for rank, client in enumerate(self.clients):
+            if client is not None:
+                try:
+                    client.poll_events()
+                except DaemonUnavailable as exc:
+                    self._lost(rank, exc)
+
+    @property
+    def epoch(self) -> tuple:
+        return tuple(c.epoch if c else 0 for c in self.clients)
+
+    def close(self) -> None:
+        for client in self._all_clients():
+            client.close()
+        self.clients = [None] * self.tp_size
+        self._retired.clear()
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> "GroupClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

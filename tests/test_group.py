@@ -1,0 +1,164 @@
+"""GroupClient: tensor-parallel ranks, one real daemon each, answers agreed on the minimum."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+import pytest
+import torch
+from conftest import disk_uri, small_kv, sweep_crashed, unique_instance
+
+from kvcached_client import BlockHasher, GroupClient, PrefixCacheManager, launch
+from kvcached_client.group import rank_keys
+
+BS = 16
+NBLK = 8
+
+
+@contextlib.contextmanager
+def ranks(run_dir, n, extra=lambda rank: ()):
+    names = [unique_instance(f"r{r}-") for r in range(n)]
+    handles = []
+    try:
+        for r, name in enumerate(names):
+            handles.append(launch(instance=name, run_dir=run_dir, host_cache_gb=0.05,
+                                  extra_args=list(extra(r))))
+        yield names, handles
+    finally:
+        for h in handles:
+            h.stop()
+        for name in names:
+            sweep_crashed(name)
+
+
+def shards(n, seed=0):
+    return [small_kv(num_layers=2, num_blocks=32, block_shape=(BS, 2, 8), seed=seed + r) for r in range(n)]
+
+
+def same(kv, a, b) -> bool:
+    tensors = [t for layer in kv for t in (layer if isinstance(layer, (tuple, list)) else (layer,))]
+    return all(torch.equal(t[a], t[b]) for t in tensors)
+
+
+def keys_for(n, seed=0):
+    return BlockHasher(f"group-test-{seed}").hash_blocks(list(range(n * BS)), BS)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_lookup_and_load_agree_on_the_shortest_prefix(run_dir, n):
+    keys = keys_for(NBLK)
+    kv = shards(n)
+    with ranks(run_dir, n) as (names, handles), GroupClient.connect(names, run_dir=run_dir) as g:
+        g.register_kv_cache(kv)
+        assert not g.missing
+        g.offload(range(NBLK), keys).wait(10)
+        assert g.lookup(keys) == (NBLK, 0)
+        with handles[n - 1].connect() as c:  # one rank loses its copy of block 5
+            assert c.delete(rank_keys(keys[5:6], n - 1, n)) == 1
+        assert g.lookup(keys) == (5, 0)
+        task = g.load(keys, range(16, 16 + NBLK))
+        assert task.num_blocks == 5
+        task.wait_layer(0)
+        assert task.valid_blocks == 5
+        assert task.wait(10) == 5
+        for shard in kv:
+            for i in range(5):
+                assert same(shard, i, 16 + i), "a rank's bytes differ after the load"
+
+
+def test_ranks_store_their_shard_under_their_own_keys(run_dir):
+    keys = keys_for(2)
+    with ranks(run_dir, 2) as (names, handles), GroupClient.connect(names, run_dir=run_dir) as g:
+        g.register_kv_cache(shards(2))
+        g.offload([0, 1], keys).wait(10)
+        with handles[0].connect() as c0:
+            assert c0.lookup(rank_keys(keys, 0, 2)) == (2, 0)
+            assert c0.lookup(rank_keys(keys, 1, 2)) == (0, 0)
+            assert c0.lookup(keys) == (0, 0)
+
+
+def test_mla_only_the_writer_rank_puts_to_shared_storage_and_every_rank_reads(run_dir, tmp_path):
+    storage = disk_uri(str(tmp_path / "shared"), 0.1)
+    keys = keys_for(NBLK, 1)
+    kv = [small_kv(num_layers=2, num_blocks=32, block_shape=(BS, 8), kv_pair=False, seed=3)] * 2
+
+    def extra(rank):
+        return ["--storage", storage] + ([] if rank == 0 else ["--no-storage-writer"])
+
+    with ranks(run_dir, 2, extra) as (names, _), \
+            GroupClient.connect(names, run_dir=run_dir, mla=True) as g:
+        g.register_kv_cache(kv)
+        g.offload(range(NBLK), keys).wait(10)
+        g.flush().wait(10)
+        puts = [s["storage"][0]["puts"] for s in g.status()]
+        files = [p for p in (tmp_path / "shared").rglob("*") if p.is_file()]
+        assert len(files) == NBLK
+    assert puts[1] == 0 and puts[0] == NBLK, puts
+    with ranks(run_dir, 2, extra) as (names, _), \
+            GroupClient.connect(names, run_dir=run_dir, mla=True) as g:  # host tiers empty
+        g.register_kv_cache(kv)
+        assert g.lookup(keys) == (0, NBLK)
+        assert g.load(keys, range(16, 16 + NBLK)).wait(10) == NBLK
+        for i in range(NBLK):
+            assert same(kv[0], i, 16 + i)
+
+
+def test_a_killed_rank_means_zero_hits_and_is_named_within_the_timeout(run_dir):
+    keys = keys_for(4)
+    with ranks(run_dir, 2) as (names, handles), \
+            GroupClient.connect(names, run_dir=run_dir, timeout=2.0) as g:
+        g.register_kv_cache(shards(2))
+        g.offload(range(4), keys).wait(10)
+        os.kill(handles[1].proc.pid, signal.SIGKILL)
+        handles[1].proc.wait(10)
+        start = time.monotonic()
+        assert g.lookup(keys) == (0, 0)
+        task = g.load(keys, range(16, 20))
+        assert task.num_blocks == 0 and task.wait(2) == 0
+        assert time.monotonic() - start < 2.0
+        assert list(g.missing) == [1] and "exited" in g.missing[1]
+        statuses = g.status()
+        assert statuses[0]["instance"] == names[0] and statuses[1]["missing"]
+
+
+def test_a_missing_rank_at_start_is_reconnected_when_its_daemon_comes(run_dir):
+    names = [unique_instance("r0-"), unique_instance("r1-")]
+    with launch(instance=names[0], run_dir=run_dir, host_cache_gb=0.05) as h0:
+        g = GroupClient.connect(names, run_dir=run_dir)
+        try:
+            assert list(g.missing) == [1] and g.lookup(keys_for(2)) == (0, 0)
+            g.register_kv_cache(shards(2))
+            with launch(instance=names[1], run_dir=run_dir, host_cache_gb=0.05):
+                time.sleep(1.1)  # reconnects are tried at most once a second
+                g.offload([0, 1], keys_for(2)).wait(10)
+                assert not g.missing and g.lookup(keys_for(2)) == (2, 0)
+        finally:
+            g.close()
+        assert h0.alive()
+    for name in names:
+        sweep_crashed(name)
+
+
+def test_the_prefix_cache_manager_drives_a_group(run_dir):
+    kv = shards(2, seed=7)
+    prompt = list(range(1000, 1000 + 4 * BS))
+    with ranks(run_dir, 2) as (names, _):
+        g = GroupClient.connect(names, run_dir=run_dir)
+        mgr = PrefixCacheManager(32, BS, client=g, namespace="grp", kv_caches=kv)
+        mgr.match("a", prompt + [1])
+        table = mgr.allocate("a", len(prompt) + 1)
+        mgr.commit("a", len(prompt) + 1)   # write-through to both ranks
+        mgr.release("a")
+        mgr.settle(10)
+        mgr.drop_gpu_cache()
+        hit = mgr.match("b", prompt + [2])
+        assert hit.host_tokens == 4 * BS
+        assert mgr.wait_loaded("b") == 4 * BS
+        for shard in kv:
+            for src, dst in zip(table[:4], hit.block_ids):
+                assert same(shard, src, dst)
+        mgr.release("b")
+        mgr.check()
+        mgr.close()
