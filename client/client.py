@@ -48,13 +48,15 @@ class Client:
     """Connect with `Client.connect(instance=..., run_dir=..., timeout=...)`."""
 
     def __init__(self, instance: str = DEFAULT_INSTANCE, run_dir: str | None = None,
-                 timeout: float = DEFAULT_TIMEOUT_S, name: str = "", endpoint: str | None = None):
+                 timeout: float = DEFAULT_TIMEOUT_S, name: str = "", endpoint: str | None = None,
+                 curve_server_key_file: str | None = None, curve_client_key_file: str | None = None):
         self.instance = check_instance(instance)
         self.run_dir = resolve_run_dir(run_dir)
         self.timeout = timeout
         self.name = name
         self.client_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._endpoint = endpoint or request_endpoint(self.run_dir, self.instance)
+        self._curve = (curve_server_key_file, curve_client_key_file)
         self._rid = itertools.count(1)
         self._lock = threading.RLock()
         self._replies: dict[int, dict] = {}
@@ -68,8 +70,14 @@ class Client:
 
     @classmethod
     def connect(cls, instance: str = DEFAULT_INSTANCE, run_dir: str | None = None,
-                timeout: float = DEFAULT_TIMEOUT_S, name: str = "", endpoint: str | None = None) -> "Client":
-        client = cls(instance, run_dir, timeout, name, endpoint)
+                timeout: float = DEFAULT_TIMEOUT_S, name: str = "", endpoint: str | None = None,
+                curve_server_key_file: str | None = None,
+                curve_client_key_file: str | None = None) -> "Client":
+        """endpoint: a tcp:// address of the daemon's --listen instead of its ipc socket; over
+        non-loopback TCP give the daemon's public key file and this client's secret key file
+        (CURVE; the client's public key must be in the daemon's --curve-allow-dir)."""
+        client = cls(instance, run_dir, timeout, name, endpoint, curve_server_key_file,
+                     curve_client_key_file)
         try:
             client._open()
         except BaseException:
@@ -83,12 +91,26 @@ class Client:
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a daemon that is not there
+        if any(self._curve):
+            self._set_curve(*self._curve)
         self._sock.connect(self._endpoint)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self.info = self._request(Op.HELLO, pid=os.getpid(), name=self.name)
         if self.info["epoch"] != self.signals.epoch:
             raise DaemonUnavailable("the daemon restarted during the handshake; connect again")
+
+    def _set_curve(self, server_key_file: str | None, client_key_file: str | None) -> None:
+        import zmq.auth
+
+        if not (server_key_file and client_key_file):
+            raise ValueError("CURVE needs both curve_server_key_file and curve_client_key_file")
+        server_public, _ = zmq.auth.load_certificate(server_key_file)
+        public, secret = zmq.auth.load_certificate(client_key_file)
+        if not secret:
+            raise ValueError(f"{client_key_file} holds no secret key (use NAME.key_secret)")
+        self._sock.curve_serverkey = server_public
+        self._sock.curve_publickey, self._sock.curve_secretkey = public, secret
 
     # context manager ------------------------------------------------------
     def __enter__(self) -> "Client":

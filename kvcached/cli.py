@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import logging
 import sys
 import time
@@ -49,8 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--eviction", choices=sorted(POLICIES), default=S,
                        help="host eviction policy (default: lru)")
     serve.add_argument("--numa", default=S, help="auto, off or a NUMA node (CUDA pinning; default: auto)")
-    serve.add_argument("--listen", action="append", default=S, metavar="tcp://127.0.0.1:PORT",
-                       help="extra loopback TCP endpoint (repeatable)")
+    serve.add_argument("--listen", action="append", default=S, metavar="tcp://ADDR:PORT",
+                       help="extra TCP endpoint (repeatable); loopback only, unless CURVE keys are "
+                            "given, which then every --listen endpoint requires")
+    serve.add_argument("--curve-secret-key-file", default=S, metavar="FILE",
+                       help="the daemon's CURVE key pair (a zmq certificate, `kvcached keygen`)")
+    serve.add_argument("--curve-allow-dir", default=S, metavar="DIR",
+                       help="public keys (*.key) of the clients allowed over TCP")
     serve.add_argument("--max-queued-tasks", type=int, default=S,
                        help="queued copy tasks before requests get BUSY (default: 4096)")
     serve.add_argument("--storage", action="append", default=S, metavar="URI",
@@ -102,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--json", action="store_true", help="print results as JSON")
     replay.add_argument("--list-policies", action="store_true", help="print the policy names and exit")
 
+    keygen = sub.add_parser("keygen", help="write a CURVE key pair (for --listen on non-loopback TCP)")
+    keygen.add_argument("dir", help="directory for NAME.key (public) and NAME.key_secret (0600)")
+    keygen.add_argument("--name", default="kvcached", help="file name stem (default: %(default)s)")
+
     bench = sub.add_parser("bench", help="benchmarks against raw baselines in the same run")
     bench.add_argument("what", choices=["ipc", "transfer", "storage", "disk-index", "all"],
                        help="which benchmark (all: every one, one JSON)")
@@ -120,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"serve": cmd_serve, "status": cmd_status, "stop": cmd_stop,
-                "bench": cmd_bench, "replay": cmd_replay}[args.command](args)
+                "bench": cmd_bench, "replay": cmd_replay, "keygen": cmd_keygen}[args.command](args)
     except (StartupError, KvcachedError) as exc:
         print(f"kvcached {args.command}: {exc}", file=sys.stderr)
         return 1
@@ -140,6 +150,21 @@ def cmd_serve(args) -> int:
     from .server import Daemon  # imports torch; keep `status`/`stop` fast
 
     return Daemon(cfg).serve()
+
+
+def cmd_keygen(args) -> int:
+    import zmq.auth
+
+    os.makedirs(args.dir, mode=0o700, exist_ok=True)
+    old = os.umask(0o077)
+    try:
+        public, secret = zmq.auth.create_certificates(args.dir, args.name)
+    finally:
+        os.umask(old)
+    os.chmod(secret, 0o600)
+    print(f"public key: {public}\nsecret key: {secret} (keep it private; the public file goes "
+          "into the other side's --curve-allow-dir or curve_server_key)")
+    return 0
 
 
 def config_as_toml(d: dict) -> str:

@@ -26,6 +26,8 @@ class DaemonConfig:
     eviction: str = "lru"
     numa: str = "auto"
     listen: list[str] = field(default_factory=list)
+    curve_secret_key_file: str = ""  # ZMQ CURVE: the daemon's key pair (zmq.auth certificate)
+    curve_allow_dir: str = ""        # public keys (*.key certificates) of the allowed clients
     max_queued_tasks: int = 4096
     storage: list[str] = field(default_factory=list)
     storage_write_policy: str = "write_through"
@@ -81,9 +83,26 @@ class DaemonConfig:
             raise StartupError("--prefetch-threshold-tokens must be >= 0, --selective-hits >= 1")
         for uri in self.storage:
             check_storage_uri(uri)
+        self._check_curve()
         for endpoint in self.listen:
-            check_listen(endpoint)
+            check_listen(endpoint, curve=bool(self.curve_secret_key_file))
         return self
+
+    def _check_curve(self) -> None:
+        if bool(self.curve_secret_key_file) != bool(self.curve_allow_dir):
+            raise StartupError("--curve-secret-key-file and --curve-allow-dir go together: the "
+                               "daemon's keys and the public keys of the clients it lets in")
+        if not self.curve_secret_key_file:
+            return
+        if not self.listen:
+            raise StartupError("CURVE keys given but no --listen tcp:// endpoint to use them on")
+        if not os.path.isfile(self.curve_secret_key_file):
+            raise StartupError(f"--curve-secret-key-file {self.curve_secret_key_file}: no such file")
+        if os.stat(self.curve_secret_key_file).st_mode & 0o077:
+            raise StartupError(f"--curve-secret-key-file {self.curve_secret_key_file}: readable by "
+                               "group or others; chmod 600 it")
+        if not os.path.isdir(self.curve_allow_dir):
+            raise StartupError(f"--curve-allow-dir {self.curve_allow_dir}: no such directory")
 
     @property
     def host_cache_bytes(self) -> int:
@@ -105,7 +124,7 @@ def check_storage_uri(uri: str) -> None:
         raise StartupError(f"--storage {uri!r}: expected disk://, redis:// or redis+cluster://")
 
 
-def check_listen(endpoint: str) -> None:
+def check_listen(endpoint: str, curve: bool = False) -> None:
     """Only loopback TCP is allowed without CURVE keys."""
     url = urlparse(endpoint)
     if url.scheme != "tcp" or not url.hostname or url.port is None:
@@ -114,10 +133,11 @@ def check_listen(endpoint: str) -> None:
         loopback = ipaddress.ip_address(url.hostname).is_loopback
     except ValueError:
         loopback = url.hostname == "localhost"
-    if not loopback:
+    if not loopback and not curve:
         raise StartupError(
-            f"--listen {endpoint!r}: non-loopback addresses need CURVE keys, which this build "
-            "does not enable; bind to 127.0.0.1 or use the ipc:// socket in the run dir"
+            f"--listen {endpoint!r}: non-loopback addresses need CURVE keys "
+            "(--curve-secret-key-file and --curve-allow-dir); or bind to 127.0.0.1, or use the "
+            "ipc:// socket in the run dir"
         )
 
 

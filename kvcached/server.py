@@ -45,6 +45,7 @@ from .status import StatusThread
 log = logging.getLogger(__name__)
 
 POLL_MS = 50
+CURVE_TAG = b"C"  # ROUTER-made ids start with 0x00: this prefix cannot collide
 CLIENT_REAP_PERIOD_S = 0.25
 MAX_BATCH = 256  # requests handled per wake before events get their turn
 RECV_MAX_BYTES = 64 << 20  # zmq drops a peer that sends more; 8..64 MiB get FRAME_TOO_LARGE
@@ -69,6 +70,8 @@ class Daemon:
         self._lock_fd: int | None = None
         self._ctx: zmq.Context | None = None
         self._router: zmq.Socket | None = None
+        self._curve_router: zmq.Socket | None = None  # TCP with CURVE, when keys are given
+        self._auth = None
         self.events: EventSink | None = None
         self.signals: SignalSegment | None = None
         self.service: CacheService | None = None
@@ -111,8 +114,11 @@ class Daemon:
         self._router.setsockopt(zmq.RCVHWM, 10000)
         self._router.setsockopt(zmq.SNDHWM, 100000)
         self._router.bind(request_endpoint(cfg.run_dir, cfg.instance))
-        for endpoint in cfg.listen:
-            self._router.bind(endpoint)
+        if cfg.curve_secret_key_file:
+            self._curve_router = self._curve_socket()
+        else:
+            for endpoint in cfg.listen:
+                self._router.bind(endpoint)
         self.service = CacheService(cfg, self.signals, self.events)
         try:
             self.metrics = Metrics(cfg.instance, self.status, cfg.metrics_port, cfg.metrics_addr)
@@ -131,6 +137,32 @@ class Daemon:
             "[startup] instance %s ready: pid %d epoch %x run dir %s device %s",
             cfg.instance, os.getpid(), self.signals.epoch, cfg.run_dir, cfg.device,
         )
+
+    def _curve_socket(self) -> zmq.Socket:
+        """A second ROUTER for --listen endpoints: CURVE-encrypted, and only clients whose
+        public key is in --curve-allow-dir get through the ZAP handshake."""
+        import zmq.auth
+        from zmq.auth.thread import ThreadAuthenticator
+
+        cfg = self.cfg
+        try:
+            public, secret = zmq.auth.load_certificate(cfg.curve_secret_key_file)
+        except (OSError, ValueError) as exc:
+            raise StartupError(f"--curve-secret-key-file {cfg.curve_secret_key_file}: {exc}") from None
+        if not secret:
+            raise StartupError(f"--curve-secret-key-file {cfg.curve_secret_key_file}: no secret key in it")
+        self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("kvcached.auth"))
+        self._auth.start()
+        self._auth.configure_curve(domain="*", location=cfg.curve_allow_dir)
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, RECV_MAX_BYTES)
+        sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
+        for endpoint in cfg.listen:
+            sock.bind(endpoint)
+        log.info("[startup] CURVE on %s; allowed client keys from %s", ", ".join(cfg.listen),
+                 cfg.curve_allow_dir)
+        return sock
 
     def _take_instance_lock(self) -> None:
         path = lock_path(self.cfg.run_dir, self.cfg.instance)
@@ -198,6 +230,12 @@ class Daemon:
         if self._router is not None:
             self._router.close(linger=0)
             self._router = None
+        if self._curve_router is not None:
+            self._curve_router.close(linger=0)
+            self._curve_router = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -220,6 +258,8 @@ class Daemon:
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
+        if self._curve_router is not None:
+            poller.register(self._curve_router, zmq.POLLIN)
         poller.register(self.events.pull, zmq.POLLIN)
         next_reap = time.monotonic() + CLIENT_REAP_PERIOD_S
         next_stats = time.monotonic() + self.cfg.stats_interval_s
@@ -230,6 +270,12 @@ class Daemon:
                     if not self._router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                         break
                     self._handle(self._router.recv_multipart(zmq.NOBLOCK))
+            if self._curve_router is not None and self._curve_router in ready:
+                for _ in range(MAX_BATCH):
+                    if not self._curve_router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        break
+                    frames = self._curve_router.recv_multipart(zmq.NOBLOCK)
+                    self._handle([CURVE_TAG + frames[0], *frames[1:]])
             if self.events.pull in ready:
                 self._forward_events()
             if time.monotonic() >= next_reap:
@@ -242,7 +288,7 @@ class Daemon:
     def _forward_events(self) -> None:
         for routing_id, payload in self.events.drain():
             try:
-                self._router.send_multipart([routing_id, payload], zmq.NOBLOCK)
+                self._send_to(routing_id, payload)
             except zmq.Again:
                 log.warning("[events] send queue of a client is full; event dropped")
 
@@ -264,8 +310,19 @@ class Daemon:
         except Exception as exc:  # a bug: report it to the caller and keep serving others
             log.exception("[dispatch] internal error")
             reply = error_reply(rid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        if routing_id[:1] == CURVE_TAG:
+            self._send_to(routing_id, encode(reply))
+            return
         self._router.send(routing_id, zmq.SNDMORE)  # two sends: cheaper than send_multipart
         self._router.send(encode(reply))
+
+    def _send_to(self, routing_id: bytes, payload: bytes) -> None:
+        """Send on the socket the client came in on (CURVE clients' ids carry CURVE_TAG)."""
+        if routing_id[:1] == CURVE_TAG:
+            if self._curve_router is not None:
+                self._curve_router.send_multipart([routing_id[1:], payload], zmq.NOBLOCK)
+            return
+        self._router.send_multipart([routing_id, payload], zmq.NOBLOCK)
 
     def _dispatch(self, routing_id: bytes, req) -> dict:
         handler = self._handlers.get(req.op)
