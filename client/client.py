@@ -277,6 +277,10 @@ class Client:
     def status(self, timeout: float | None = None) -> dict:
         return self._request(Op.STATUS, timeout)["status"]
 
+    def check(self, timeout: float | None = None) -> str:
+        """Ask the daemon to walk its index and host-pool invariants: "ok" or what is wrong."""
+        return self._request(Op.STATUS, timeout, check=True)["check"]
+
     def shutdown(self, timeout: float | None = None) -> None:
         self._request(Op.SHUTDOWN, timeout)
 

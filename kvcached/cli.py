@@ -113,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_argument("--name", default="kvcached", help="file name stem (default: %(default)s)")
 
     bench = sub.add_parser("bench", help="benchmarks against raw baselines in the same run")
-    bench.add_argument("what", choices=["ipc", "transfer", "storage", "disk-index", "all"],
-                       help="which benchmark (all: every one, one JSON)")
+    bench.add_argument("what", choices=["ipc", "transfer", "storage", "disk-index", "faults", "all"],
+                       help="which benchmark (all: every one, one JSON; faults: injected failures, "
+                            "lost and wrong counts)")
     bench.add_argument("--trace", default=None,
                        help="all: trace for the replay part (default: ../shared/traces/synthetic_trace.jsonl)")
     bench.add_argument("--out", default=None, help="also write the JSON result to this file")

@@ -61,6 +61,9 @@ class BlockIndex:
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
 
+    def blocks(self) -> list[int]:
+        return [e.block for e in self._entries.values()]
+
     def get(self, key: bytes) -> Entry | None:
         return self._entries.get(key)
 

@@ -80,7 +80,7 @@ class Daemon:
         self._handlers = {
             Op.HELLO: self._op_hello,
             Op.PING: lambda ident, req: {},
-            Op.STATUS: lambda ident, req: {"status": self.status()},
+            Op.STATUS: self._op_status,
             Op.SHUTDOWN: self._op_shutdown,
             Op.BYE: self._op_bye,
         }
@@ -336,6 +336,12 @@ class Daemon:
         return self.service.handle(client, req)
 
     # lifecycle ops --------------------------------------------------------
+    def _op_status(self, routing_id: bytes, req) -> dict:
+        out = {"status": self.status()}
+        if req.body["check"]:  # an invariant walk of the index and the host pool (tests, fuzzing)
+            out["check"] = self.service.check()
+        return out
+
     def _op_hello(self, routing_id: bytes, req) -> dict:
         old = self.clients.get(routing_id)
         if old is not None and old.client_id != req.client:

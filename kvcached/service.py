@@ -464,6 +464,26 @@ class CacheService(StorageFlow):
             self._drop_kv("dead client")
             log.warning("[clients] dropped the KV mapping of dead client %s", client.client_id)
 
+    def check(self) -> str:
+        """Walk the invariants: the index's own, and every indexed host block allocated and
+        not free. Returns "ok" or what is wrong."""
+        with self._lock:
+            try:
+                self.index.check()
+                alloc = self.pool.allocator
+                free = set(alloc._free)
+                if len(free) != len(alloc._free):
+                    return "failed: a host block is in the free list twice"
+                for block in free:
+                    if alloc.is_used(block):
+                        return f"failed: host block {block} is free and in use"
+                for block in self.index.blocks():
+                    if not alloc.is_used(block) or block in free:
+                        return f"failed: indexed host block {block} is not allocated"
+            except AssertionError as exc:
+                return f"failed: {exc}"
+        return "ok"
+
     def status(self) -> dict:
         with self._lock:
             kv = self.kv

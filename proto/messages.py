@@ -53,7 +53,7 @@ OP_SPECS: dict[Op, OpSpec] = {
     for s in (
         OpSpec(Op.HELLO, (Field("pid", "uint", hi=2**31 - 1), Field("name", "str", False, "", 256))),
         OpSpec(Op.PING),
-        OpSpec(Op.STATUS),
+        OpSpec(Op.STATUS, (Field("check", "bool", False, False),)),
         OpSpec(Op.SHUTDOWN),
         OpSpec(Op.BYE),
         OpSpec(Op.REGISTER_KV, (Field("layout", "map"),)),

@@ -15,8 +15,11 @@ class RawSocket:
 
     def ask(self, *frames: bytes, timeout_ms: int = 5000) -> dict:
         self.sock.send_multipart(list(frames))
-        assert self.sock.poll(timeout_ms), "the daemon did not answer"
-        return msgpack.unpackb(self.sock.recv(), raw=False)
+        while True:  # task events of this connection may come first: the reply is what we want
+            assert self.sock.poll(timeout_ms), "the daemon did not answer"
+            msg = msgpack.unpackb(self.sock.recv(), raw=False)
+            if not (isinstance(msg, dict) and "event" in msg):
+                return msg
 
     def close(self) -> None:
         self.sock.close(linger=0)

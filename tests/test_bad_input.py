@@ -4,7 +4,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcached_proto import MAX_FRAME_BYTES, ErrorCode, Op, encode, make_request
+import os
+
+from kvcached_proto import MAX_FRAME_BYTES, ErrorCode, Op, encode, make_request, pack_block_ids, pack_keys
 from rawsock import RawSocket
 
 
@@ -82,22 +84,55 @@ _frames = st.one_of(
 )
 
 
-def test_a_thousand_random_frames_leave_the_daemon_serving(daemon, raw):
+_key = st.binary(min_size=16, max_size=16)
+_data_ops = st.builds(  # well-formed data ops with random content: they change the index
+    lambda op, keys, blocks, rid: encode(make_request(op, rid, "fuzz", keys=pack_keys(keys),
+                                                      blocks=pack_block_ids(blocks[: len(keys)])))
+    if op in (Op.OFFLOAD, Op.LOAD) else encode(make_request(op, rid, "fuzz", keys=pack_keys(keys))),
+    st.sampled_from([Op.OFFLOAD, Op.LOAD, Op.LOOKUP, Op.DELETE]),
+    st.lists(st.sampled_from([bytes([i]) * 16 for i in range(24)]) | _key, min_size=1, max_size=8),
+    st.lists(st.integers(0, 63), min_size=8, max_size=8),
+    st.integers(1, 2**32),
+)
+FRAMES_PER_EXAMPLE = 10
+
+
+def test_ten_thousand_random_frames_leave_the_daemon_serving_and_its_index_consistent(run_dir):
+    from conftest import small_kv, sweep_crashed, unique_instance
+
+    from kvcached_client import launch
+
+    name = unique_instance("fz")
+    d = launch(instance=name, run_dir=run_dir, host_cache_gb=0.01)
+    raw = RawSocket(run_dir, name)
     sent = []
+    try:
+        owner = d.connect()
+        owner.register_kv_cache(small_kv(num_layers=2, num_blocks=64))
+        assert raw.ask(encode(make_request(Op.HELLO, 1, "fuzz", pid=os.getpid())))["ok"]
 
-    @settings(max_examples=1000, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(frame=_frames)
-    def fuzz(frame):
-        reply = raw.ask(frame)
-        assert isinstance(reply, dict) and "ok" in reply
-        sent.append(1)
+        @settings(max_examples=1000, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(frames=st.lists(st.one_of(_frames, _data_ops), min_size=FRAMES_PER_EXAMPLE,
+                               max_size=FRAMES_PER_EXAMPLE))
+        def fuzz(frames):
+            hello = raw.ask(encode(make_request(Op.HELLO, 1, "fuzz", pid=os.getpid())))
+            assert hello["ok"]  # again: a fuzzed bye may have ended the session
+            for frame in frames:
+                reply = raw.ask(frame)
+                assert isinstance(reply, dict) and "ok" in reply
+                sent.append(reply["ok"])
 
-    rss_before = _rss_kb(daemon.pid)
-    fuzz()
-    assert len(sent) >= 1000
-    with daemon.connect() as c:
-        assert c.ping() < 1.0
-        status = c.status()
-    assert status["state"] == "normal"
-    assert _rss_kb(daemon.pid) - rss_before < 64 * 1024, "daemon memory grew by > 64 MiB"
+        rss_before = _rss_kb(d.pid)
+        fuzz()
+        assert len(sent) >= 10_000
+        assert sum(sent) > 1000, "too few frames were valid requests to exercise the index"
+        assert owner.ping() < 1.0
+        assert owner.status()["state"] == "normal"
+        assert owner.check() == "ok"
+        assert _rss_kb(d.pid) - rss_before < 64 * 1024, "daemon memory grew by > 64 MiB"
+        owner.close()
+    finally:
+        raw.close()
+        d.stop()
+        sweep_crashed(name)

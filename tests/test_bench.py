@@ -33,3 +33,12 @@ def test_bench_storage_covers_disk_and_redis_when_installed():
     tiers = {x["tier"] for x in r["results"]}
     assert "disk" in tiers and (("redis" in tiers) == bool(shutil.which("redis-server")))
     assert all(x["put_ratio"] > 0 and x["get_ratio"] > 0 for x in r["results"])
+
+
+def test_bench_faults_injects_every_fault_and_loses_nothing():
+    r = _bench("faults")
+    assert r["lost"] == 0 and r["wrong"] == 0, r
+    assert r["faults_injected"] >= 5 and r["inputs_tried"] >= 2000 and r["index_check"] == "ok"
+    assert r["bytes_verified"] > 0 and r["tasks_completed"] > 0
+    assert r["fenced_while_stopped"] == 64 and r["disk_loaded_before_damage"] == 40
+    assert r["corrupt_records_seen"] >= 1 and r["dead_daemon_seen_ms"] < 1000

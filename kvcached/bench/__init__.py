@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 
-BENCHES = ("ipc", "transfer", "storage", "disk_index", "all")
+BENCHES = ("ipc", "transfer", "storage", "disk_index", "faults", "all")
 
 
 def run(what: str, **kwargs) -> dict:
