@@ -89,7 +89,7 @@ def test_a_full_queue_answers_busy_and_changes_nothing(run_dir, instance):
 def test_many_clients_at_once_lose_and_duplicate_no_completion(run_dir, instance):
     h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)
     clients, errors, done = 8, [], []
-    ops = int(os.environ.get("KVCACHED_SOAK_OPS", "300"))
+    ops = int(os.environ.get("KVCACHED_SOAK_OPS", "2000"))
 
     def engine(n):
         try:
