@@ -59,6 +59,7 @@ class ClientInfo:
     name: str
     connected_ns: int
     pid_visible: bool = True  # False across pid namespaces: no pid-based reaping then
+    fd: int = -1              # the connection's socket fd: its close means the client is gone
 
 
 class Daemon:
@@ -71,6 +72,10 @@ class Daemon:
         self._ctx: zmq.Context | None = None
         self._router: zmq.Socket | None = None
         self._curve_router: zmq.Socket | None = None  # TCP with CURVE, when keys are given
+        self._monitors: list[zmq.Socket] = []  # DISCONNECTED events of the request sockets
+        self._fd_clients: dict[int, bytes] = {}  # connection fd -> routing id (said hello)
+        self._last_fd = -1
+        self._gone_pids: set[int] = set()  # disconnected clients whose segments await sweeping
         self._auth = None
         self.events: EventSink | None = None
         self.signals: SignalSegment | None = None
@@ -119,6 +124,9 @@ class Daemon:
         else:
             for endpoint in cfg.listen:
                 self._router.bind(endpoint)
+        for sock in (self._router, self._curve_router):
+            if sock is not None:
+                self._monitors.append(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
         self.service = CacheService(cfg, self.signals, self.events)
         try:
             self.metrics = Metrics(cfg.instance, self.status, cfg.metrics_port, cfg.metrics_addr)
@@ -227,6 +235,9 @@ class Daemon:
             self._status_thread = None
         if self.events is not None:
             self.events.close()
+        for mon in self._monitors:
+            mon.close(linger=0)
+        self._monitors = []
         if self._router is not None:
             self._router.close(linger=0)
             self._router = None
@@ -261,21 +272,25 @@ class Daemon:
         if self._curve_router is not None:
             poller.register(self._curve_router, zmq.POLLIN)
         poller.register(self.events.pull, zmq.POLLIN)
+        for mon in self._monitors:
+            poller.register(mon, zmq.POLLIN)
         next_reap = time.monotonic() + CLIENT_REAP_PERIOD_S
         next_stats = time.monotonic() + self.cfg.stats_interval_s
         while not self.stop_requested.is_set():
             ready = dict(poller.poll(POLL_MS))
+            for mon in self._monitors:  # before requests: a closed fd may be reused meanwhile
+                if mon in ready:
+                    self._on_disconnects(mon)
             if self._router in ready:
                 for _ in range(MAX_BATCH):  # EVENTS instead of catching zmq.Again: cheaper
                     if not self._router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                         break
-                    self._handle(self._router.recv_multipart(zmq.NOBLOCK))
+                    self._handle(self._recv(self._router, b""))
             if self._curve_router is not None and self._curve_router in ready:
                 for _ in range(MAX_BATCH):
                     if not self._curve_router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                         break
-                    frames = self._curve_router.recv_multipart(zmq.NOBLOCK)
-                    self._handle([CURVE_TAG + frames[0], *frames[1:]])
+                    self._handle(self._recv(self._curve_router, CURVE_TAG))
             if self.events.pull in ready:
                 self._forward_events()
             if time.monotonic() >= next_reap:
@@ -284,6 +299,36 @@ class Daemon:
             if time.monotonic() >= next_stats:
                 log.info("[stats] %s", stats_line(self.status()))
                 next_stats = time.monotonic() + self.cfg.stats_interval_s
+
+    def _recv(self, sock: zmq.Socket, tag: bytes) -> list[bytes]:
+        """One message: [routing id, frames...]; notes the connection's fd (for hello)."""
+        frames = [tag + sock.recv(zmq.NOBLOCK)]
+        first = None
+        while sock.getsockopt(zmq.RCVMORE):
+            part = sock.recv(zmq.NOBLOCK, copy=False)
+            first = first or part
+            frames.append(part.bytes)
+        self._last_fd = first.get(zmq.SRCFD) if first is not None else -1
+        return frames
+
+    def _on_disconnects(self, mon: zmq.Socket) -> None:
+        """A client's connection closed (it died, in any pid namespace): release its work."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while mon.poll(0):
+            fd = int(recv_monitor_message(mon, zmq.NOBLOCK)["value"])
+            routing_id = self._fd_clients.pop(fd, None)
+            client = self.clients.get(routing_id) if routing_id is not None else None
+            if client is None or client.fd != fd:
+                continue
+            log.warning("[clients] client %s (pid %d) closed its connection; releasing its work",
+                        client.client_id, client.pid)
+            del self.clients[routing_id]
+            self.service.drop_client(client, dead=True)
+            if client.pid_visible and not pid_alive(client.pid):
+                sweep_kv_segments(client.pid)
+            elif client.pid_visible:
+                self._gone_pids.add(client.pid)  # its KV segments go once the process has
 
     def _forward_events(self) -> None:
         for routing_id, payload in self.events.drain():
@@ -348,8 +393,10 @@ class Daemon:
             self.service.drop_client(old)
         self.clients[routing_id] = ClientInfo(
             req.client, routing_id, req.body["pid"], req.body["name"], time.monotonic_ns(),
-            pid_visible=pid_alive(req.body["pid"]),
+            pid_visible=pid_alive(req.body["pid"]), fd=self._last_fd,
         )
+        if self._last_fd >= 0:
+            self._fd_clients[self._last_fd] = routing_id
         log.info("[handshake] client %s (pid %d %s)", req.client, req.body["pid"], req.body["name"])
         return {
             "daemon_version": __version__,
@@ -382,6 +429,9 @@ class Daemon:
                 del self.clients[routing_id]
                 self.service.drop_client(client, dead=True)
                 sweep_kv_segments(client.pid)
+        for pid in [p for p in self._gone_pids if not pid_alive(p)]:
+            self._gone_pids.discard(pid)
+            sweep_kv_segments(pid)
 
     # status ---------------------------------------------------------------
     def status(self) -> dict:
