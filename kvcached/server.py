@@ -45,10 +45,18 @@ from .status import StatusThread
 log = logging.getLogger(__name__)
 
 POLL_MS = 50
+ZMTP_HEARTBEAT_MS, ZMTP_HEARTBEAT_TIMEOUT_MS = 1000, 5000
 CURVE_TAG = b"C"  # ROUTER-made ids start with 0x00: this prefix cannot collide
 CLIENT_REAP_PERIOD_S = 0.25
 MAX_BATCH = 256  # requests handled per wake before events get their turn
 RECV_MAX_BYTES = 64 << 20  # zmq drops a peer that sends more; 8..64 MiB get FRAME_TOO_LARGE
+
+
+def _heartbeats(sock: zmq.Socket) -> None:
+    """ZMTP heartbeats: a peer that stops answering (a hung host, a cut network: no FIN ever
+    comes) has its connection closed, which the disconnect monitor turns into a dead client."""
+    sock.setsockopt(zmq.HEARTBEAT_IVL, ZMTP_HEARTBEAT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMTP_HEARTBEAT_TIMEOUT_MS)
 
 
 @dataclass
@@ -118,6 +126,7 @@ class Daemon:
         self._router.setsockopt(zmq.MAXMSGSIZE, RECV_MAX_BYTES)
         self._router.setsockopt(zmq.RCVHWM, 10000)
         self._router.setsockopt(zmq.SNDHWM, 100000)
+        _heartbeats(self._router)
         self._router.bind(request_endpoint(cfg.run_dir, cfg.instance))
         if cfg.curve_secret_key_file:
             self._curve_router = self._curve_socket()
@@ -166,6 +175,7 @@ class Daemon:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, RECV_MAX_BYTES)
         sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
+        _heartbeats(sock)
         for endpoint in cfg.listen:
             sock.bind(endpoint)
         log.info("[startup] CURVE on %s; allowed client keys from %s", ", ".join(cfg.listen),

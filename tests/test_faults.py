@@ -1,4 +1,4 @@
-"""Failure rules with real processes: a client killed mid-task, overload, many clients at once."""
+"""Failure rules with real processes: a client killed mid-task, overload, many clients at once, a closed connection."""
 import os
 import subprocess
 import sys
