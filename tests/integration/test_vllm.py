@@ -1,0 +1,129 @@
+"""A real vLLM engine (CPU) with the KvcachedConnector: prefixes come back from kvcached after
+vLLM dropped its own cache, greedy outputs equal a run without the connector, a dead daemon and
+a damaged disk record only cost recomputation. Runs in .venv-vllm (./scripts/test.sh --with-vllm)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is installed in .venv-vllm: ./scripts/test.sh --with-vllm")
+
+from conftest import disk_uri, sweep_crashed  # noqa: E402
+
+from kvcached_client import BlockHasher, launch  # noqa: E402
+
+DRIVER = os.path.join(os.path.dirname(__file__), "vllm_driver.py")
+sys.path.insert(0, os.path.dirname(__file__))
+import vllm_driver  # noqa: E402
+
+
+class Engine:
+    """The driver process: one vLLM engine, steps sent on stdin, answers read from stdout."""
+
+    def __init__(self, tmp, *args):
+        self.proc = subprocess.Popen(
+            [sys.executable, DRIVER, "--model-dir", str(tmp / "model"), *args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)
+        self.log: list[str] = []
+        assert self._answer().get("ready"), "the engine did not start:\n" + "".join(self.log[-40:])
+
+    def _answer(self) -> dict:
+        for line in self.proc.stdout:
+            self.log.append(line)
+            if line.startswith(vllm_driver.MARK):
+                return json.loads(line[len(vllm_driver.MARK):])
+        raise AssertionError("the engine exited:\n" + "".join(self.log[-60:]))
+
+    def gen(self, name: str) -> dict:
+        self.proc.stdin.write(f"gen {name}\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(60)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Greedy outputs of the same engine and prompts with no connector."""
+    eng = Engine(tmp_path_factory.mktemp("ref"), "--connector", "none")
+    try:
+        return {name: eng.gen(name)["tokens"] for name in ("A", "B", "C")}
+    finally:
+        eng.close()
+
+
+def _records(disk_dir, keys):
+    found = {}
+    for dirpath, _, names in os.walk(disk_dir):
+        for n in names:
+            for i, k in enumerate(keys):
+                if n.startswith(k.hex()):
+                    found[i] = os.path.join(dirpath, n)
+    return found
+
+
+def test_prefixes_come_back_from_kvcached_and_faults_only_cost_recomputation(
+        reference, tmp_path, run_dir, instance):
+    storage_dir = tmp_path / "disk"
+    storage = disk_uri(str(storage_dir), 0.2)
+    daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2,
+                    extra_args=["--storage", storage])
+    eng = Engine(tmp_path, "--connector", "kvcached", "--instance", instance, "--run-dir", run_dir)
+    try:
+        a = eng.gen("A")
+        assert a["tokens"] == reference["A"] and a["num_cached_tokens"] == 0
+        b = eng.gen("B")  # vLLM's own cache was reset: the shared prefix comes from kvcached
+        assert b["num_cached_tokens"] >= len(vllm_driver.PREFIX), b
+        assert b["tokens"] == reference["B"]
+        with daemon.connect() as c:
+            s = c.status()
+            assert s["lookups"]["host_hits"] >= len(vllm_driver.PREFIX) // vllm_driver.BLOCK, s["hits"]
+            c.flush().wait(30)  # the prefix is on disk before the daemon dies
+        os.kill(daemon.pid, signal.SIGKILL)
+        daemon.proc.wait(10)
+        sweep_crashed(instance)
+        c_out = eng.gen("C")  # no daemon: vLLM recomputes, generation goes on
+        assert c_out["tokens"] == reference["C"] and c_out["num_cached_tokens"] == 0
+        # damage the disk record of prefix block 5, then a new daemon (empty host tier)
+        connector_keys = _prefix_keys(tmp_path)
+        records = _records(storage_dir, connector_keys)
+        assert len(records) >= 10, "the prefix blocks were not written through to disk"
+        with open(records[5], "r+b") as f:
+            f.seek(-2, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-2, os.SEEK_END)
+            f.write(bytes([byte[0] ^ 0x5A]))
+        daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2,
+                        extra_args=["--storage", storage])
+        b2 = eng.gen("B")  # blocks 0-4 load from disk, the damaged one and what follows are recomputed
+        assert b2["tokens"] == reference["B"]
+        with daemon.connect() as c:
+            s = c.status()
+        assert sum(t.get("corrupt", 0) for t in s["storage"]) == 1
+        assert s["lookups"]["storage_hits"] >= 10
+    finally:
+        eng.close()
+        daemon.stop()
+        sweep_crashed(instance)
+
+
+def _prefix_keys(tmp_path):
+    """The keys the connector gives the prompt blocks (its namespace: model, dtype, block size)."""
+    from kvcached_client import make_namespace
+
+    ns = make_namespace(str(tmp_path / "model"), "bfloat16", f"vllm-bs{vllm_driver.BLOCK}", 0, 1)
+    return BlockHasher(ns).hash_blocks(vllm_driver.PREFIX, vllm_driver.BLOCK)
