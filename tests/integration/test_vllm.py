@@ -3,10 +3,8 @@ vLLM dropped its own cache, greedy outputs equal a run without the connector, a 
 a damaged disk record only cost recomputation. Runs in .venv-vllm (./scripts/test.sh --with-vllm)."""
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
 import sys
 
 import pytest
@@ -17,43 +15,14 @@ from conftest import disk_uri, sweep_crashed  # noqa: E402
 
 from kvcached_client import BlockHasher, launch  # noqa: E402
 
-DRIVER = os.path.join(os.path.dirname(__file__), "vllm_driver.py")
-sys.path.insert(0, os.path.dirname(__file__))
+SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "..", "scripts")
+DRIVER = os.path.join(SCRIPTS, "vllm_driver.py")
+sys.path.insert(0, SCRIPTS)
 import vllm_driver  # noqa: E402
 
 
-class Engine:
-    """The driver process: one vLLM engine, steps sent on stdin, answers read from stdout."""
-
-    def __init__(self, tmp, *args):
-        self.proc = subprocess.Popen(
-            [sys.executable, DRIVER, "--model-dir", str(tmp / "model"), *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True)
-        self.log: list[str] = []
-        assert self._answer().get("ready"), "the engine did not start:\n" + "".join(self.log[-40:])
-
-    def _answer(self) -> dict:
-        for line in self.proc.stdout:
-            self.log.append(line)
-            if line.startswith(vllm_driver.MARK):
-                return json.loads(line[len(vllm_driver.MARK):])
-        raise AssertionError("the engine exited:\n" + "".join(self.log[-60:]))
-
-    def gen(self, name: str) -> dict:
-        self.proc.stdin.write(f"gen {name}\n")
-        self.proc.stdin.flush()
-        return self._answer()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write("quit\n")
-                self.proc.stdin.flush()
-                self.proc.wait(60)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+def Engine(tmp, *args):
+    return vllm_driver.EngineProcess(str(tmp / "model"), *args)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,155 @@
+"""Drives a real vLLM engine (CPU) through prefix reuse; used by tests/integration/test_vllm.py
+and scripts/bench_vllm.py (run it with .venv-vllm's python).
+
+Writes a Llama config (tiny by default: hidden 256, 4 layers, 4 heads, 2 KV heads, vocab 1024;
+dummy weights), starts LLM(...) with the KvcachedConnector, vLLM's ExampleConnector or none,
+then runs the steps given on stdin, answering one marked JSON line per step on stdout:
+  gen NAME   greedy-generate prompt NAME (A, B, C: a shared prefix, different suffixes) after
+             reset_prefix_cache(); answers tokens, num_cached_tokens and seconds.
+  ttft NAME  the same with one output token: the time to first token.
+  quit
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+    "intermediate_size": 704, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "vocab_size": 1024, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
+    "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+}
+BLOCK = 32
+PREFIX_BLOCKS = 14
+
+
+def prompts(prefix_blocks: int = PREFIX_BLOCKS) -> dict[str, list[int]]:
+    prefix = [(i * 37 + 11) % 1000 + 3 for i in range(prefix_blocks * BLOCK)]
+    return {"A": prefix + [(i * 13 + 5) % 1000 + 3 for i in range(40)],
+            "B": prefix + [(i * 7 + 9) % 1000 + 3 for i in range(23)],
+            "C": prefix + [(i * 3 + 1) % 1000 + 3 for i in range(31)]}
+
+
+PREFIX = prompts()["A"][: PREFIX_BLOCKS * BLOCK]
+
+
+MARK = "@@kvcached-driver "  # vLLM logs to stdout too: our lines carry this mark
+
+
+class EngineProcess:
+    """This script as a child process: steps sent on stdin, answers read from stdout."""
+
+    def __init__(self, model_dir: str, *args: str):
+        import subprocess
+
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--model-dir", model_dir, *args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)
+        self.log: list[str] = []
+        if not self._answer().get("ready"):
+            raise RuntimeError("the engine did not start")
+
+    def _answer(self) -> dict:
+        for line in self.proc.stdout:
+            self.log.append(line)
+            at = line.find(MARK)  # other processes' log output may share the line
+            if at >= 0:
+                return json.JSONDecoder().raw_decode(line[at + len(MARK):])[0]
+        raise RuntimeError("the engine exited:\n" + "".join(self.log[-60:]))
+
+    def step(self, cmd: str, name: str) -> dict:
+        self.proc.stdin.write(f"{cmd} {name}\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def gen(self, name: str) -> dict:
+        return self.step("gen", name)
+
+    def ttft(self, name: str) -> float:
+        return self.step("ttft", name)["seconds"]
+
+    def close(self) -> None:
+        import signal
+        import subprocess
+
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(60)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+def say(obj: dict) -> None:
+    print(MARK + json.dumps(obj), flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--instance", default="")
+    ap.add_argument("--run-dir", default="")
+    ap.add_argument("--connector", choices=["kvcached", "none", "example"], default="kvcached")
+    ap.add_argument("--example-path", default="")
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=CONFIG["hidden_size"])
+    ap.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"])
+    ap.add_argument("--prefix-blocks", type=int, default=PREFIX_BLOCKS)
+    args = ap.parse_args()
+    os.makedirs(args.model_dir, exist_ok=True)
+    config = dict(CONFIG, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+                  num_hidden_layers=args.layers)
+    with open(os.path.join(args.model_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    prompt_ids = prompts(args.prefix_blocks)
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kv = None
+    if args.connector == "kvcached":
+        kv = KVTransferConfig(kv_connector="KvcachedConnector",
+                              kv_connector_module_path="kvcached_client.vllm", kv_role="kv_both",
+                              kv_load_failure_policy="recompute",
+                              kv_connector_extra_config={"instance": args.instance,
+                                                         "run_dir": args.run_dir, "timeout_s": 5})
+    elif args.connector == "example":
+        kv = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                              kv_connector_extra_config={"shared_storage_path": args.example_path})
+    llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True,
+              enforce_eager=True, block_size=BLOCK, seed=0,
+              max_model_len=max(1024, (args.prefix_blocks + 4) * BLOCK),
+              dtype="bfloat16", kv_transfer_config=kv, gpu_memory_utilization=0.2)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False)
+    first_token = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    say({"ready": True})
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd:
+            continue
+        if cmd[0] == "quit":
+            break
+        if cmd[0] in ("gen", "ttft"):
+            import time
+
+            llm.reset_prefix_cache()
+            step = params if cmd[0] == "gen" else first_token
+            start = time.perf_counter()
+            out = llm.generate([TokensPrompt(prompt_token_ids=prompt_ids[cmd[1]])], step,
+                               use_tqdm=False)[0]
+            seconds = time.perf_counter() - start
+            say({"name": cmd[1], "tokens": list(out.outputs[0].token_ids),
+                 "num_cached_tokens": out.num_cached_tokens or 0, "seconds": seconds})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
