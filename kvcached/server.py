@@ -428,7 +428,9 @@ class Daemon:
         client = self.clients.pop(routing_id, None)
         if client is not None:
             log.info("[clients] client %s said bye", client.client_id)
-            self.service.drop_client(client)
+            # its KV mapping goes with it: an engine that closes its client is done with the
+            # memory, and a mapping nobody owns would pin it in the daemon
+            self.service.drop_client(client, dead=True)
         return {}
 
     def _reap_dead_clients(self) -> None:

@@ -451,8 +451,8 @@ class CacheService(StorageFlow):
     # clients and lifecycle -------------------------------------------------
     def drop_client(self, client, dead: bool = False) -> None:
         """A client left or died: cancel its queued tasks; in-flight ones end at the next layer.
-        A dead client's KV mapping is dropped too (the host tier's content stays for the engine
-        that restarts)."""
+        With dead (it died, or said bye) the KV mapping it registered is dropped too (the host
+        tier's content stays for the engine that restarts)."""
         mine = lambda t: t.client_id == client.client_id  # noqa: E731
         with self._lock:
             for task in self.tasks.values():
@@ -461,8 +461,8 @@ class CacheService(StorageFlow):
         for worker in (self.fetcher, self.loader, self.offloader):
             self._finish_cancelled(worker.remove_queued(mine))
         if dead and self.kv is not None and self.kv.owner == client.client_id:
-            self._drop_kv("dead client")
-            log.warning("[clients] dropped the KV mapping of dead client %s", client.client_id)
+            self._drop_kv("client gone")
+            log.info("[clients] dropped the KV mapping of client %s (gone)", client.client_id)
 
     def check(self) -> str:
         """Walk the invariants: the index's own, and every indexed host block allocated and

@@ -369,3 +369,16 @@ def test_blocks_stay_fenced_until_a_hung_daemon_confirms_the_cancel(daemon):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         c.resume()
+
+
+def test_a_client_that_closes_takes_its_kv_mapping_with_it(daemon):
+    kv = small_kv()
+    with daemon.connect() as owner:
+        owner.register_kv_cache(kv)
+        with daemon.connect() as other:
+            assert other.status()["kv"]["registered"] is True
+    with daemon.connect() as later:
+        deadline = time.monotonic() + 2
+        while later.status()["kv"]["registered"] and time.monotonic() < deadline:
+            time.sleep(0.02)  # the bye is sent without waiting for its reply
+        assert later.status()["kv"]["registered"] is False
