@@ -18,6 +18,7 @@ import hashlib
 import itertools
 import logging
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
@@ -170,7 +171,8 @@ class GroupClient:
         self._kv = None
         self._next_retry = 0.0
         self._task_ids = itertools.count(1)
-        self._live: dict[int, GroupTask] = {}
+        # tasks by id, for fence(task_id); weak, so a task its caller dropped unwaited goes
+        self._live: weakref.WeakValueDictionary[int, GroupTask] = weakref.WeakValueDictionary()
         self._pool = ThreadPoolExecutor(self.tp_size, thread_name_prefix="kvcached-group")
 
     @classmethod

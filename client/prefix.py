@@ -587,7 +587,7 @@ class PrefixCacheManager:
             node.load = None
             if i < loaded:
                 node.state = READY
-                self.tree._maybe_evictable(node)
+                self.tree.maybe_evictable(node)
             else:
                 node.state = INVALID
         for node in load.nodes[loaded:]:

@@ -124,9 +124,9 @@ class PrefixTree:
         if node.refs == 0 and self.holds(node):
             self.idle += 1
         node.last_used = self.tick()
-        self._maybe_evictable(node)
+        self.maybe_evictable(node)
 
-    def _maybe_evictable(self, node: Node) -> None:
+    def maybe_evictable(self, node: Node) -> None:
         if node.refs == 0 and node.is_leaf and node.state != INVALID and self.holds(node):
             node._stamp += 1
             heapq.heappush(self._heap, (node.last_used, next(self._seq), node, node._stamp))
@@ -144,7 +144,7 @@ class PrefixTree:
         siblings.pop(node.key, None)
         node._stamp += 1
         if node.parent is not None:
-            self._maybe_evictable(node.parent)
+            self.maybe_evictable(node.parent)
 
     def lru_leaves(self, skip=lambda node: False):
         """Unreferenced leaves, least recently used first, without removing them: yields while
@@ -163,7 +163,7 @@ class PrefixTree:
                     skipped.append(node)
         finally:
             for node in skipped:
-                self._maybe_evictable(node)
+                self.maybe_evictable(node)
 
     def subtree(self, node: Node) -> list[Node]:
         """node and its descendants, children before parents."""

@@ -440,4 +440,5 @@ class KvcachedConnector(KVConnectorBase_V1):
         if self.role == KVConnectorRole.WORKER:
             self._finish_loads()
             self._reap_saves(wait=True)
+        log.info("[vllm] %s side counters: %s", self.role.name.lower(), self.counters)
         self.link.close()
