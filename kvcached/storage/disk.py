@@ -6,7 +6,8 @@ Writes go to a temp file in the same shard, then os.replace: a crash leaves eith
 state or the whole new file, never half a block. The file name is the key, so the index is
 rebuilt by listing the shards at start (in a background thread; the tier reports no hits until
 it is done), oldest modification first for LRU. Capacity is enforced by evicting the least
-recently used files. fsync is off by default (a crash may lose recent blocks, never corrupt
+recently used files; a chain put or read together is ordered head-last, so a prefix loses its
+tail first and what stays is still a loadable prefix. fsync is off by default (a crash may lose recent blocks, never corrupt
 one: torn files fail their checksum); `?fsync=1` turns it on.
 """
 from __future__ import annotations
@@ -142,18 +143,28 @@ class DiskBackend(StorageBackend):
             for key in keys:
                 if key not in self._lru:
                     break
-                self._lru.move_to_end(key)
                 n += 1
+            self._touch_chain(keys[:n])
         return n
 
+    def _touch_chain(self, keys) -> None:
+        """Mark a chain's blocks used, its head last: under capacity pressure a prefix loses
+        its tail first and what stays is still a whole, loadable prefix (the order does not
+        depend on which worker thread finished first). Called under the lock."""
+        for key in reversed(keys):
+            if key in self._lru:
+                self._lru.move_to_end(key)
+
     def get_into(self, keys, buffers) -> list[bool]:
-        return list(self._pool.map(self._get_one, keys, buffers))
+        got = list(self._pool.map(self._get_one, keys, buffers))
+        with self._lock:
+            self._touch_chain([k for k, ok in zip(keys, got) if ok])
+        return got
 
     def _get_one(self, key: bytes, pieces) -> bool:
         with self._lock:
             if key not in self._lru:
                 return False
-            self._lru.move_to_end(key)
         want = nbytes(pieces)
         try:
             fd = os.open(self._path(key), os.O_RDONLY)
@@ -176,12 +187,14 @@ class DiskBackend(StorageBackend):
         return True
 
     def put(self, keys, buffers) -> list[bool]:
-        return list(self._pool.map(self._put_one, keys, buffers))
+        stored = list(self._pool.map(self._put_one, keys, buffers))
+        with self._lock:
+            self._touch_chain([k for k, ok in zip(keys, stored) if ok])
+        return stored
 
     def _put_one(self, key: bytes, pieces) -> bool:
         with self._lock:
             if key in self._lru:
-                self._lru.move_to_end(key)
                 return True
         size = HEADER_BYTES + nbytes(pieces)
         if size > self.capacity_bytes or not self._evict_over_capacity(size):
