@@ -17,6 +17,13 @@ from kvcached_proto.paths import DEFAULT_INSTANCE, resolve_run_dir, status_endpo
 from .config import HOST_LAYOUTS
 from .errors import StartupError
 from .policies import POLICIES
+from .policies_offline import OFFLINE_POLICIES
+
+
+def replay_policies() -> list[str]:
+    """The daemon's eviction policies, then the offline references replay alone can run."""
+    return sorted(POLICIES) + sorted(OFFLINE_POLICIES)
+
 
 log = logging.getLogger("kvcached")
 
@@ -101,7 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--capacity-tokens", type=int, nargs="+", default=[1_000_000, 3_000_000, 10_000_000],
                         help="host tier capacities in tokens (default: 1e6 3e6 1e7)")
     replay.add_argument("--policy", default="lru",
-                        help="eviction policy, or a comma-separated list (see --list-policies)")
+                        help="eviction policy, or a comma-separated list (see --list-policies); "
+                             "belady, oracle-reuse and oracle-features are offline references "
+                             "that read the whole trace first (in process only)")
     replay.add_argument("--block-tokens", type=int, default=512, help="tokens per hash id (default: 512)")
     replay.add_argument("--through-daemon", action="store_true",
                         help="send the lookups and offloads to a real daemon over the real client")
@@ -290,15 +299,20 @@ def cmd_bench(args) -> int:
 
 def cmd_replay(args) -> int:
     if args.list_policies:
-        print("\n".join(sorted(POLICIES)))
+        print("\n".join(replay_policies()))
         return 0
     if not args.trace:
         print("kvcached replay: a TRACE.jsonl is required", file=sys.stderr)
         return 2
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICIES]
+    unknown = [p for p in policies if p not in replay_policies()]
+    offline = [p for p in policies if p in OFFLINE_POLICIES]
+    if args.through_daemon and offline:
+        print(f"kvcached replay: {offline} read the trace's future: a daemon cannot run them "
+              "(drop --through-daemon)", file=sys.stderr)
+        return 2
     if unknown or any(c <= 0 for c in args.capacity_tokens) or args.block_tokens <= 0:
-        print(f"kvcached replay: unknown policy {unknown} (known: {', '.join(sorted(POLICIES))}) "
+        print(f"kvcached replay: unknown policy {unknown} (known: {', '.join(replay_policies())}) "
               "or a capacity / block size that is not positive", file=sys.stderr)
         return 2
     from . import replay
@@ -317,8 +331,8 @@ def cmd_replay(args) -> int:
                           "through_daemon": args.through_daemon,
                           "results": [r.as_dict() for r in results]}, indent=2))
         return 0
-    print(f"{'capacity tokens':>16} {'policy':>8} {'hit rate':>9} {'ops/s':>10} {'evictions':>10}")
+    print(f"{'capacity tokens':>16} {'policy':>15} {'hit rate':>9} {'ops/s':>10} {'evictions':>10}")
     for r in results:
-        print(f"{r.capacity_tokens:>16,} {r.policy:>8} {100 * r.hit_rate:>8.2f}% {r.ops_per_s:>10,.0f} "
+        print(f"{r.capacity_tokens:>16,} {r.policy:>15} {100 * r.hit_rate:>8.2f}% {r.ops_per_s:>10,.0f} "
               f"{r.evictions:>10,}")
     return 0

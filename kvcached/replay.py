@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from .index import BlockIndex
+from .policies import POLICIES, make_policy
+from .policies_offline import OFFLINE_POLICIES
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 class Request:
     input_length: int
     hash_ids: list[int]
+    output_length: int = 0
 
 
 def load_trace(path: str) -> list[Request]:
@@ -36,7 +39,8 @@ def load_trace(path: str) -> list[Request]:
                 continue
             try:
                 obj = json.loads(line)
-                out.append(Request(int(obj["input_length"]), [int(h) for h in obj["hash_ids"]]))
+                out.append(Request(int(obj["input_length"]), [int(h) for h in obj["hash_ids"]],
+                                   int(obj.get("output_length", 0))))
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{n}: not a Mooncake trace record ({exc})") from None
     return out
@@ -62,11 +66,23 @@ class ReplayResult:
         return dict(self.__dict__)
 
 
+REPLAY_POLICIES = sorted(POLICIES) + sorted(OFFLINE_POLICIES)
+
+
+def make_replay_policy(name: str, trace: list[Request]):
+    """An online policy (the daemon's), or an offline reference prepared with the trace."""
+    if name in OFFLINE_POLICIES:
+        policy = OFFLINE_POLICIES[name]()
+        policy.prepare(trace)
+        return policy
+    return make_policy(name)
+
+
 def replay_in_process(trace: list[Request], capacity_tokens: int, policy: str,
                       block_tokens: int = 512,
                       progress: Callable[[int, int], None] | None = None) -> ReplayResult:
     capacity_blocks = max(1, capacity_tokens // block_tokens)
-    index = BlockIndex(policy)
+    index = BlockIndex(make_replay_policy(policy, trace))
     used = 0
     hit_tokens = input_tokens = ops = 0
     started = time.perf_counter()
@@ -109,7 +125,10 @@ def replay_through_daemon(trace: list[Request], capacity_tokens: int, policy: st
                           block_tokens: int = 512,
                           progress: Callable[[int, int], None] | None = None) -> ReplayResult:
     """The same replay against a real daemon: a 1-layer KV whose block is 512 bytes, a host
-    pool of exactly capacity_blocks pages, lookups and offloads through the real client."""
+    pool of exactly capacity_blocks pages, lookups and offloads through the real client.
+    Online policies only: the daemon cannot see the trace's future."""
+    if policy not in POLICIES:
+        raise ValueError(f"{policy!r} is an offline reference policy: replay it in process")
     import shutil
     import tempfile
 

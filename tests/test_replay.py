@@ -44,6 +44,28 @@ def test_s2lru_beats_lru_on_generated_traces_with_one_time_blocks(tmp_path, patt
             > replay_in_process(trace, capacity, "lru").hit_rate)
 
 
+@needs_trace
+def test_offline_references_bound_the_online_policies_on_the_mooncake_trace(mooncake):
+    cap = 1_000_000
+    got = {p: 100 * replay_in_process(mooncake, cap, p).hit_rate
+           for p in ("lru", "s2lru", "oracle-features", "oracle-reuse", "belady")}
+    # the traces README lists 38.3 % for the optimum here; ties between blocks requested at
+    # the same time next are broken differently, the figure moves by a few tenths
+    assert 37.0 < got["belady"] <= 38.3
+    assert got["belady"] > got["oracle-reuse"] > got["oracle-features"] > got["s2lru"] > got["lru"]
+
+
+@pytest.mark.parametrize("pattern", ["documents", "scan", "multiturn"])
+def test_belady_is_never_beaten_on_generated_traces(tmp_path, pattern):
+    path = str(tmp_path / "t.jsonl")
+    tracegen.write(path, tracegen.generate(pattern, requests=1500, seed=4))
+    trace = load_trace(path)
+    capacity = int(sum(len(r.hash_ids) for r in trace) * 0.02) * 512
+    best = replay_in_process(trace, capacity, "belady").hit_rate
+    for policy in ("lru", "s2lru", "oracle-reuse", "oracle-features"):
+        assert replay_in_process(trace, capacity, policy).hit_rate <= best
+
+
 def test_hit_is_leading_blocks_capped_at_input_length(tmp_path):
     path = tmp_path / "t.jsonl"
     rows = [{"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [1, 2]},
@@ -79,7 +101,8 @@ def _cli(*args):
 
 def test_cli_lists_policies_and_prints_json(tmp_path):
     out = _cli("--list-policies")
-    assert out.returncode == 0 and "lru" in out.stdout.split() and "s2lru" in out.stdout.split()
+    names = out.stdout.split()
+    assert out.returncode == 0 and {"lru", "s2lru", "belady", "oracle-reuse", "oracle-features"} <= set(names)
     path = str(tmp_path / "t.jsonl")
     tracegen.write(path, tracegen.generate("scan", requests=200, seed=3))
     out = _cli(path, "--capacity-tokens", "20000", "50000", "--policy", "lru,s2lru", "--json")
@@ -90,3 +113,5 @@ def test_cli_lists_policies_and_prints_json(tmp_path):
     assert all(0 <= r["hit_rate"] <= 1 for r in results)
     assert "[replay]" in out.stderr  # progress
     assert _cli(path, "--policy", "nope").returncode == 2
+    offline = _cli(path, "--policy", "belady", "--through-daemon")
+    assert offline.returncode == 2 and "cannot run them" in offline.stderr
