@@ -12,7 +12,7 @@ from kvcached_proto.errors import (
 from .client import Client
 from .hashing import BlockHasher, make_namespace
 from .kv_alloc import allocate_kv_cache
-from .group import GroupClient
+from .group import GroupClient, rank_keys
 from .launch import DaemonHandle, launch
 from .prefix import MMItem, PrefixCacheManager
 from .prefix_tree import NoFreeBlocks
@@ -20,6 +20,6 @@ from .tasks import LoadTask, Task
 
 __all__ = [
     "Client", "BlockHasher", "make_namespace", "allocate_kv_cache", "launch", "DaemonHandle",
-    "Task", "LoadTask", "GroupClient", "PrefixCacheManager", "MMItem", "NoFreeBlocks", "Busy", "DaemonUnavailable", "KvcachedError", "KvcachedTimeout",
+    "Task", "LoadTask", "GroupClient", "rank_keys", "PrefixCacheManager", "MMItem", "NoFreeBlocks", "Busy", "DaemonUnavailable", "KvcachedError", "KvcachedTimeout",
     "ProtocolError", "RequestError", "TaskFailed",
 ]

@@ -20,8 +20,15 @@ request's is in flight). Blocks a load did not fill are reported by
 `get_block_ids_with_load_errors` and vLLM recomputes them; a missing or failing daemon only
 ever costs the cache, never the generation.
 
-kv_connector_extra_config: instance (default "default"), run_dir, timeout_s (5), staging_blocks
-(512), namespace (a salt, e.g. a tenant), weights_version.
+Tensor parallelism: one daemon per rank. `instances` lists them by rank (or `instance` holds
+"{rank}", e.g. "gpu{rank}"). The scheduler asks every rank through a GroupClient and takes the
+shortest hit, so all ranks load the same prefix; each worker loads and saves on its own rank's
+daemon under rank-derived keys (rank-free for MLA, whose KV is the same on every rank: start all
+but one daemon with --no-storage-writer). A rank whose load falls short reports those blocks as
+load errors; vLLM gathers them from every worker and all ranks recompute them.
+
+kv_connector_extra_config: instance (default "default") or instances, run_dir, timeout_s (5),
+staging_blocks (512), namespace (a salt, e.g. a tenant), weights_version.
 """
 from __future__ import annotations
 
@@ -41,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvcached_proto.errors import DaemonUnavailable, KvcachedError
 
 from .client import Client
+from .group import GroupClient, rank_keys
 from .hashing import BlockHasher, make_namespace
 from .kv_alloc import allocate_kv_cache
 from .prefix import MMItem, block_extra_keys
@@ -117,6 +125,41 @@ class _DaemonLink:
             self.client = None
 
 
+class _GroupLink:
+    """The scheduler's view of every rank's daemon: a GroupClient, which reconnects missing
+    ranks itself (at most once a second) and answers 0 hits while one is missing."""
+
+    def __init__(self, instances: list[str], run_dir: str | None, timeout: float, name: str, mla: bool):
+        self.client = GroupClient(instances, run_dir=run_dir, timeout=timeout, name=name, mla=mla)
+
+    def get(self) -> GroupClient:
+        return self.client
+
+    def failed(self, exc: Exception) -> None:
+        log.warning("[vllm] kvcached group call failed, going on without it: %s", str(exc))
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def rank_instances(extra: dict, tp_size: int) -> list[str]:
+    """The daemon of every tensor-parallel rank, from kv_connector_extra_config."""
+    if "instances" in extra:
+        instances = [str(i) for i in extra["instances"]]
+        if len(instances) != tp_size:
+            raise ValueError(f"kv_connector_extra_config instances lists {len(instances)} daemons "
+                             f"for tensor_parallel_size {tp_size}: one per rank")
+        return instances
+    instance = str(extra.get("instance", "default"))
+    if tp_size == 1:
+        return [instance.replace("{rank}", "0")]
+    if "{rank}" not in instance:
+        raise ValueError(f"tensor_parallel_size {tp_size} needs one kvcached daemon per rank: give "
+                         "kv_connector_extra_config 'instances' (by rank) or an 'instance' with "
+                         "{rank} in it")
+    return [instance.replace("{rank}", str(r)) for r in range(tp_size)]
+
+
 @dataclass(eq=False)
 class _ReqState:
     request: Any
@@ -139,20 +182,31 @@ class KvcachedConnector(KVConnectorBase_V1):
                                    tenant=str(extra.get("namespace", "")),
                                    weights_version=str(extra.get("weights_version", "")))
         self.hasher = BlockHasher(namespace)
-        if vllm_config.parallel_config.tensor_parallel_size > 1:
-            raise ValueError("KvcachedConnector runs with tensor_parallel_size 1 so far (one daemon "
-                             "per rank through a GroupClient is not wired into it yet)")
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1:
+            raise ValueError("KvcachedConnector does not run with pipeline parallelism")
+        self.tp_size = parallel.tensor_parallel_size
+        self.mla = bool(getattr(model, "use_mla", False))
+        instances = rank_instances(extra, self.tp_size)
         timeout = float(extra.get("timeout_s", 5.0))
-        instance, run_dir = str(extra.get("instance", "default")), extra.get("run_dir")
+        run_dir = extra.get("run_dir")
         self.counters = {"lookups": 0, "hit_tokens": 0, "loaded_blocks": 0, "load_errors": 0,
                          "saved_blocks": 0, "save_skipped_blocks": 0, "daemon_errors": 0}
         if role == KVConnectorRole.SCHEDULER:
             self._reqs: dict[str, _ReqState] = {}
             self._loads: dict[str, BlockTransfer] = {}
-            self.link = _DaemonLink(instance, run_dir, timeout, "vllm-scheduler")
+            self.link = (_GroupLink(instances, run_dir, timeout, "vllm-scheduler", self.mla)
+                         if self.tp_size > 1 else
+                         _DaemonLink(instances[0], run_dir, timeout, "vllm-scheduler"))
         else:
+            self.rank = 0
+            if self.tp_size > 1:
+                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+                self.rank = get_tensor_model_parallel_rank()
             self.staging_blocks = int(extra.get("staging_blocks", 512))
-            self.link = _DaemonLink(instance, run_dir, timeout, "vllm-worker", self._register)
+            self.link = _DaemonLink(instances[self.rank], run_dir, timeout,
+                                    f"vllm-worker-tp{self.rank}", self._register)
             self._layers: list[str] = []
             self._vllm_kv: list = []      # per layer: a tensor, or a (K, V) pair
             self._staging: list | None = None
@@ -277,6 +331,10 @@ class KvcachedConnector(KVConnectorBase_V1):
         self._free_staging = deque(range(self.staging_blocks))
         self.link.get()
 
+    def _rank_keys(self, keys: list[bytes]) -> list[bytes]:
+        """The keys this rank's daemon holds a block under (what GroupClient looks up)."""
+        return keys if self.tp_size == 1 or self.mla else rank_keys(keys, self.rank, self.tp_size)
+
     def _register(self, client: Client) -> None:
         if self._staging is not None:
             client.register_kv_cache(self._staging)
@@ -320,7 +378,7 @@ class KvcachedConnector(KVConnectorBase_V1):
             task = None
             if staging:
                 try:
-                    task = client.load(load.keys[: len(staging)], staging)
+                    task = client.load(self._rank_keys(load.keys[: len(staging)]), staging)
                 except KvcachedError as exc:
                     self.counters["daemon_errors"] += 1
                     self.link.failed(exc)
@@ -401,7 +459,7 @@ class KvcachedConnector(KVConnectorBase_V1):
             for layer in range(len(self._layers)):
                 self._copy(layer, save.block_ids[:n], staging, to_staging=True)
             try:
-                task = client.offload(staging, save.keys[:n])
+                task = client.offload(staging, self._rank_keys(save.keys[:n]))
             except KvcachedError as exc:
                 self.counters["daemon_errors"] += 1
                 self.link.failed(exc)

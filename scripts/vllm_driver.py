@@ -4,6 +4,8 @@ and scripts/bench_vllm.py (run it with .venv-vllm's python).
 Writes a Llama config (tiny by default: hidden 256, 4 layers, 4 heads, 2 KV heads, vocab 1024;
 dummy weights), starts LLM(...) with the KvcachedConnector, vLLM's ExampleConnector or none,
 then runs the steps given on stdin, answering one marked JSON line per step on stdout:
+--tp N runs N tensor-parallel CPU workers (their CPUs split between them) and, with the
+kvcached connector, an --instance holding "{rank}" names one daemon per rank.
   gen NAME   greedy-generate prompt NAME (A, B, C: a shared prefix, different suffixes) after
              reset_prefix_cache(); answers tokens, num_cached_tokens and seconds.
   ttft NAME  the same with one output token: the time to first token.
@@ -102,6 +104,7 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=CONFIG["hidden_size"])
     ap.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"])
     ap.add_argument("--prefix-blocks", type=int, default=PREFIX_BLOCKS)
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (one worker per rank)")
     args = ap.parse_args()
     os.makedirs(args.model_dir, exist_ok=True)
     config = dict(CONFIG, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
@@ -109,6 +112,13 @@ def main() -> int:
     with open(os.path.join(args.model_dir, "config.json"), "w") as f:
         json.dump(config, f)
     prompt_ids = prompts(args.prefix_blocks)
+    if args.tp > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        # vLLM's CPU workers bind to one NUMA node each; on one node, split its CPUs by rank
+        cpus = sorted(os.sched_getaffinity(0))
+        per = max(1, len(cpus) // args.tp)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            f"{cpus[min(r * per, len(cpus) - 1)]}-{cpus[min((r + 1) * per, len(cpus)) - 1]}"
+            for r in range(args.tp))
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -127,7 +137,8 @@ def main() -> int:
     llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True,
               enforce_eager=True, block_size=BLOCK, seed=0,
               max_model_len=max(1024, (args.prefix_blocks + 4) * BLOCK),
-              dtype="bfloat16", kv_transfer_config=kv, gpu_memory_utilization=0.2)
+              dtype="bfloat16", kv_transfer_config=kv, gpu_memory_utilization=0.2,
+              tensor_parallel_size=args.tp)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False)
     first_token = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     say({"ready": True})

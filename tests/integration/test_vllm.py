@@ -90,9 +90,57 @@ def test_prefixes_come_back_from_kvcached_and_faults_only_cost_recomputation(
         sweep_crashed(instance)
 
 
-def _prefix_keys(tmp_path):
-    """The keys the connector gives the prompt blocks (its namespace: model, dtype, block size)."""
+def _prefix_keys(tmp_path, tp_size=1):
+    """The keys the connector gives the prompt blocks (its namespace: model, dtype, block size,
+    tensor-parallel size; each rank's daemon holds them under rank_keys of these)."""
     from kvcached_client import make_namespace
 
-    ns = make_namespace(str(tmp_path / "model"), "bfloat16", f"vllm-bs{vllm_driver.BLOCK}", 0, 1)
+    ns = make_namespace(str(tmp_path / "model"), "bfloat16", f"vllm-bs{vllm_driver.BLOCK}", 0, tp_size)
     return BlockHasher(ns).hash_blocks(vllm_driver.PREFIX, vllm_driver.BLOCK)
+
+
+def test_tensor_parallel_ranks_agree_on_the_shortest_hit(tmp_path, run_dir, instance):
+    """Two CPU workers, one daemon each: the shared prefix comes back through both ranks; when
+    one rank's daemon restarts empty, the group hit is 0 and both ranks recompute."""
+    names = [f"{instance}-{r}" for r in range(2)]
+    daemons = [launch(instance=n, run_dir=run_dir, host_cache_gb=0.1) for n in names]
+    eng = Engine(tmp_path, "--connector", "kvcached", "--instance", instance + "-{rank}",
+                 "--run-dir", run_dir, "--tp", "2")
+    try:
+        cold = eng.gen("B")  # nothing cached anywhere yet: the reference for B at TP 2
+        assert cold["num_cached_tokens"] == 0
+        a = eng.gen("A")
+        assert a["num_cached_tokens"] >= len(vllm_driver.PREFIX), a
+        warm = eng.gen("B")
+        assert warm["num_cached_tokens"] >= len(vllm_driver.PREFIX), warm
+        assert warm["tokens"] == cold["tokens"]
+        from kvcached_client import rank_keys
+
+        base = _prefix_keys(tmp_path, tp_size=2)
+        for r, d in enumerate(daemons):  # each rank holds its own shard under its own keys
+            with d.connect() as c:
+                assert c.lookup(rank_keys(base, r, 2))[0] == len(base)
+                assert c.lookup(rank_keys(base, 1 - r, 2)) == (0, 0)
+        cold_c = eng.gen("C")
+        daemons[1].stop()
+        daemons[1] = launch(instance=names[1], run_dir=run_dir, host_cache_gb=0.1)
+        again = eng.gen("C")  # rank 0 still has the prefix, rank 1 has nothing: recompute
+        assert again["num_cached_tokens"] == 0 and again["tokens"] == cold_c["tokens"]
+    finally:
+        eng.close()
+        for d in daemons:
+            d.stop()
+        for n in names:
+            sweep_crashed(n)
+
+
+def test_one_daemon_per_rank_is_named_or_refused_clearly():
+    from kvcached_client.vllm import rank_instances
+
+    assert rank_instances({"instance": "gpu0"}, 1) == ["gpu0"]
+    assert rank_instances({"instance": "gpu{rank}"}, 2) == ["gpu0", "gpu1"]
+    assert rank_instances({"instances": ["a", "b"]}, 2) == ["a", "b"]
+    with pytest.raises(ValueError, match="one per rank"):
+        rank_instances({"instances": ["a"]}, 2)
+    with pytest.raises(ValueError, match="needs one kvcached daemon per rank"):
+        rank_instances({"instance": "gpu0"}, 2)
