@@ -47,6 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvcached_proto.errors import DaemonUnavailable, KvcachedError
 
+from .block_copy import copy_blocks
 from .client import Client
 from .group import GroupClient, rank_keys
 from .hashing import BlockHasher, make_namespace
@@ -359,14 +360,11 @@ class KvcachedConnector(KVConnectorBase_V1):
 
     def _copy(self, layer: int, src_blocks, dst_blocks, to_staging: bool) -> None:
         vllm, staging = self._vllm_kv[layer], self._staging[layer]
-        pairs = zip(vllm, staging) if isinstance(vllm, tuple) else [(vllm, staging)]
-        src_idx = torch.as_tensor(src_blocks, dtype=torch.long)
-        dst_idx = torch.as_tensor(dst_blocks, dtype=torch.long)
-        for v, s in pairs:
+        for v, s in (zip(vllm, staging) if isinstance(vllm, tuple) else [(vllm, staging)]):
             if to_staging:
-                s.index_copy_(0, dst_idx, v.index_select(0, src_idx).to(s.device))
+                copy_blocks(s, dst_blocks, v, src_blocks)
             else:
-                v.index_copy_(0, dst_idx, s.index_select(0, src_idx).to(v.device))
+                copy_blocks(v, dst_blocks, s, src_blocks)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
