@@ -98,6 +98,21 @@ class GroupOffloadTask(GroupTask):
     kind = "offload"
 
 
+class GroupPrefetchTask(GroupTask):
+    """A prefetch on every rank; `prefetched` is the minimum over ranks (0 when one is
+    missing), as a load would find the blocks on every rank."""
+
+    kind = "prefetch"
+
+    def wait(self, timeout: float | None = None) -> dict:
+        result = super().wait(timeout)
+        if "prefetched" not in result:
+            counts = [int(r.get("prefetched", 0)) for r in result["ranks"].values()]
+            full = len(counts) == self.group.tp_size
+            result["prefetched"] = min(counts) if counts and full else 0
+        return result
+
+
 class GroupLoadTask(GroupTask):
     """A load on every rank; its count is the minimum over ranks."""
 
@@ -300,8 +315,12 @@ class GroupClient:
         self._live[task.id] = task
         return task
 
-    def prefetch(self, keys: Sequence[bytes], **kwargs) -> dict:
-        return self._fan(lambda r, c: c.prefetch(self._keys(keys, r), **kwargs))
+    def prefetch(self, keys: Sequence[bytes], **kwargs) -> GroupPrefetchTask:
+        """Client.prefetch on every rank; `.wait()["prefetched"]` is the minimum over ranks."""
+        tasks = self._fan(lambda r, c: c.prefetch(self._keys(keys, r), **kwargs)) if self._ready() else {}
+        task = GroupPrefetchTask(self, tasks, {})
+        self._live[task.id] = task
+        return task
 
     def delete(self, keys: Sequence[bytes], timeout: float | None = None) -> int:
         got = self._fan(lambda r, c: c.delete(self._keys(keys, r), timeout))

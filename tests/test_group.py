@@ -100,6 +100,9 @@ def test_mla_only_the_writer_rank_puts_to_shared_storage_and_every_rank_reads(ru
             GroupClient.connect(names, run_dir=run_dir, mla=True) as g:  # host tiers empty
         g.register_kv_cache(kv)
         assert g.lookup(keys) == (0, NBLK)
+        warm = g.prefetch(keys, block_tokens=64, policy="wait_complete")  # 512 tokens >= 256
+        assert warm.wait(10)["prefetched"] == NBLK
+        assert g.lookup(keys) == (NBLK, 0)  # every rank's host tier has them now
         assert g.load(keys, range(16, 16 + NBLK)).wait(10) == NBLK
         for i in range(NBLK):
             assert same(kv[0], i, 16 + i)
@@ -117,6 +120,7 @@ def test_a_killed_rank_means_zero_hits_and_is_named_within_the_timeout(run_dir):
         assert g.lookup(keys) == (0, 0)
         task = g.load(keys, range(16, 20))
         assert task.num_blocks == 0 and task.wait(2) == 0
+        assert g.prefetch(keys).wait(2)["prefetched"] == 0
         assert time.monotonic() - start < 2.0
         assert list(g.missing) == [1] and "exited" in g.missing[1]
         statuses = g.status()
