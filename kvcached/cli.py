@@ -305,14 +305,15 @@ def cmd_replay(args) -> int:
         print("kvcached replay: a TRACE.jsonl is required", file=sys.stderr)
         return 2
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in replay_policies()]
+    known = replay_policies()
+    unknown = [p for p in policies if p not in known]
     offline = [p for p in policies if p in OFFLINE_POLICIES]
     if args.through_daemon and offline:
         print(f"kvcached replay: {offline} read the trace's future: a daemon cannot run them "
               "(drop --through-daemon)", file=sys.stderr)
         return 2
     if unknown or any(c <= 0 for c in args.capacity_tokens) or args.block_tokens <= 0:
-        print(f"kvcached replay: unknown policy {unknown} (known: {', '.join(replay_policies())}) "
+        print(f"kvcached replay: unknown policy {unknown} (known: {', '.join(known)}) "
               "or a capacity / block size that is not positive", file=sys.stderr)
         return 2
     from . import replay

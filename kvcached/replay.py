@@ -66,9 +66,6 @@ class ReplayResult:
         return dict(self.__dict__)
 
 
-REPLAY_POLICIES = sorted(POLICIES) + sorted(OFFLINE_POLICIES)
-
-
 def make_replay_policy(name: str, trace: list[Request]):
     """An online policy (the daemon's), or an offline reference prepared with the trace."""
     if name in OFFLINE_POLICIES:

@@ -7,8 +7,8 @@ state or the whole new file, never half a block. The file name is the key, so th
 rebuilt by listing the shards at start (in a background thread; the tier reports no hits until
 it is done), oldest modification first for LRU. Capacity is enforced by evicting the least
 recently used files; a chain put or read together is ordered head-last, so a prefix loses its
-tail first and what stays is still a loadable prefix. fsync is off by default (a crash may lose recent blocks, never corrupt
-one: torn files fail their checksum); `?fsync=1` turns it on.
+tail first and what stays is still a loadable prefix. fsync is off by default (a crash may lose
+recent blocks, never corrupt one: torn files fail their checksum); `?fsync=1` turns it on.
 """
 from __future__ import annotations
 
