@@ -65,6 +65,7 @@ class Client:
         self.signals: SignalReader | None = None
         self.info: dict = {}
         self._kv_tensors = None
+        self.cuda = None  # CudaOrder once CUDA KV is registered (cuda_order.py)
         self._fences: dict[int, list[int]] = {}  # task id -> device blocks it may still write
         self._closed = False
 
@@ -299,16 +300,30 @@ class Client:
         reply = self._request(Op.REGISTER_KV, timeout, layout=layout)
         self._kv_tensors = tensors
         self.num_layers = layout["num_layers"]
+        self.cuda = None
+        if layout["device"].startswith("cuda") and reply.get("load_events"):
+            from .cuda_order import CudaOrder
+
+            self.cuda = CudaOrder(layout["device"], reply["load_events"], reply["event_groups"],
+                                  layout["num_layers"])
         return reply
 
     def unregister_kv_cache(self, timeout: float | None = None) -> None:
         self._request(Op.UNREGISTER_KV, timeout)
         self._kv_tensors = None
+        self.cuda = None
 
     def offload(self, device_blocks: Sequence[int] | np.ndarray, keys: Sequence[bytes],
-                priority: int = 0, timeout: float | None = None) -> Task:
-        reply = self._request(Op.OFFLOAD, timeout, keys=pack_keys(keys),
-                              blocks=pack_block_ids(device_blocks), priority=priority)
+                priority: int = 0, timeout: float | None = None, stream=None) -> Task:
+        """Copy `device_blocks` to the host tier under `keys`. CUDA KV: the daemon's copies
+        wait (on the GPU) for the work queued so far on `stream` (default: the current
+        stream), so the engine calls this right after queuing its KV writes, with no
+        synchronize. Either way the blocks stay the daemon's to read until the task ends."""
+        fields = {"keys": pack_keys(keys), "blocks": pack_block_ids(device_blocks),
+                  "priority": priority}
+        if self.cuda is not None:
+            fields["event"] = self.cuda.record_kv_written(stream)
+        reply = self._request(Op.OFFLOAD, timeout, **fields)
         return Task(self, reply["task"], "offload", reply)
 
     def lookup(self, keys: Sequence[bytes], timeout: float | None = None) -> tuple[int, int]:

@@ -124,8 +124,26 @@ def _shm_handle(t: torch.Tensor) -> dict:
         "the daemon can map)")
 
 
-def _cuda_handle(t: torch.Tensor) -> dict:
+def _expandable_ranges() -> list[tuple[int, int]]:
+    """Address ranges of the caching allocator's expandable segments (its memory snapshot
+    marks them); empty where this torch does not say."""
+    import torch
+
+    try:
+        return [(s["address"], s["address"] + s["total_size"])
+                for s in torch.cuda.memory_snapshot() if s.get("is_expandable")]
+    except (RuntimeError, KeyError, TypeError):
+        return []
+
+
+def _cuda_handle(t: torch.Tensor, expandable: list[tuple[int, int]]) -> dict:
     storage = t.untyped_storage()
+    ptr = storage.data_ptr()
+    if any(lo <= ptr < hi for lo, hi in expandable):
+        raise KvcachedError(
+            "this CUDA tensor lives in a PyTorch expandable segment, which the daemon cannot map "
+            "over CUDA IPC; allocate the KV cache with expandable_segments:False "
+            "(kvcached_client.allocate_kv_cache does)")
     try:
         (device, handle, storage_size, storage_offset, ref_handle, ref_offset, event_handle,
          event_sync) = storage._share_cuda_()
@@ -148,7 +166,7 @@ def describe_kv_cache(tensors) -> dict:
         raise KvcachedError("KV cache: expected a non-empty list with one entry per layer")
     import torch
 
-    entries, device, num_blocks = [], None, None
+    entries, device, num_blocks, expandable = [], None, None, None
     for layer, item in enumerate(tensors):
         parts = list(item) if isinstance(item, (list, tuple)) else [item]
         for part, t in enumerate(parts):
@@ -161,7 +179,9 @@ def describe_kv_cache(tensors) -> dict:
                 device, num_blocks = dev, t.shape[0]
             if dev != device:
                 raise KvcachedError(f"layer {layer} part {part}: on {dev}, layer 0 is on {device}")
-            handle = _shm_handle(t) if dev == "cpu" else _cuda_handle(t)
+            if dev != "cpu" and expandable is None:
+                expandable = _expandable_ranges()
+            handle = _shm_handle(t) if dev == "cpu" else _cuda_handle(t, expandable)
             entries.append({
                 "layer": layer, "part": part, "name": _part_name(len(parts), part),
                 "dtype": _dtype_name(t.dtype), "shape": list(t.shape), "handle": handle,

@@ -93,11 +93,15 @@ class LoadTask(Task):
                     "blocks valid), the daemon confirmed: its device blocks are free to reuse",)
         return exc
 
-    def wait_layer(self, layer: int, timeout: float | None = None, spin_s: float = SPIN_S) -> None:
+    def wait_layer(self, layer: int, timeout: float | None = None, spin_s: float = SPIN_S,
+                   stream=None) -> None:
         """Return once layer `layer` of every loaded block is in place.
 
         Polls the slot's counter in shared memory: yielding the CPU between reads for up to
         `spin_s` (a layer usually lands within that), then sleeping with a growing backoff.
+        CUDA KV: the counter moves once the layer's copies are queued, and this makes `stream`
+        (default: the current stream) wait for them on the GPU; work queued on that stream
+        afterwards sees the layer, the CPU does not wait for the copies.
         """
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} outside [0, {self.num_layers})")
@@ -115,6 +119,8 @@ class LoadTask(Task):
                     if done > layer:
                         if waited and done == layer + 1:
                             self.layer_wake_ns.append(time.monotonic_ns() - view.slot_layer_ns(slot))
+                        if self.client.cuda is not None:
+                            self.client.cuda.wait_layer_loaded(slot, layer, stream)
                         return
                     if view.slot_status(slot) != SlotStatus.RUNNING:  # ended short of it
                         self._raise_incomplete(layer)

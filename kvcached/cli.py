@@ -82,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="share of the host pool prefetches may fill (default: 0.5)")
     serve.add_argument("--copy-threads", type=int, default=S,
                        help="CPU threads for copies; 0 = half the cores, 1..4 (default: 0)")
+    serve.add_argument("--copy-strategy", default=S,
+                       choices=["auto", "numpy", "runs", "gather", "zero_copy"],
+                       help="how blocks move: auto (CPU: numpy row copies; CUDA: runs when ids "
+                            "come in long runs, else gather), or one of runs, gather, zero_copy "
+                            "(torch ops, on CPU too) (default: auto)")
     serve.add_argument("--metrics-port", type=int, default=S,
                        help="serve Prometheus /metrics on this port (default: 0 = off)")
     serve.add_argument("--metrics-addr", default=S, help="address for /metrics (default: 127.0.0.1)")
@@ -132,7 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="disk-index: block files to create (default 200000; --quick 20000)")
     bench.add_argument("--json", action="store_true", help="print results as JSON")
     bench.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
-    bench.add_argument("--device", default="cpu", help="cpu or cuda:N (transfer)")
+    bench.add_argument("--device", default="cpu",
+                       help="cpu or cuda:N (transfer; cuda:N measures the copy strategies, the "
+                            "daemon, layer-wise overlap and pinning, scripts/gpu_check.sh)")
+    bench.add_argument("--pin-gb", type=float, default=None,
+                       help="transfer on CUDA: pin this much host memory and report the time "
+                            "(default: 32, 2 with --quick)")
     return parser
 
 
@@ -288,8 +298,9 @@ def cmd_stop(args) -> int:
 def cmd_bench(args) -> int:
     from . import bench
 
+    kwargs = {"pin_gb": args.pin_gb} if args.pin_gb is not None else {}
     result = bench.run(args.what.replace("-", "_"), quick=args.quick, device=args.device,
-                       files=args.files, trace=args.trace)
+                       files=args.files, trace=args.trace, **kwargs)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

@@ -36,6 +36,7 @@ class DaemonConfig:
     prefetch_threshold_tokens: int = 256
     prefetch_max_share: float = 0.5
     copy_threads: int = 0  # 0: half the cores (at least 1, at most 4), the rest stay the engine's
+    copy_strategy: str = "auto"  # see transfer_cuda.COPY_STRATEGIES
     metrics_port: int = 0  # 0: no /metrics endpoint
     metrics_addr: str = "127.0.0.1"
     log_level: str = "INFO"
@@ -72,6 +73,13 @@ class DaemonConfig:
             raise StartupError(f"--copy-threads {self.copy_threads}: expected 0..256")
         if self.copy_threads == 0:
             self.copy_threads = max(1, min(4, (os.cpu_count() or 2) // 2))
+        from .transfer_cuda import COPY_STRATEGIES
+
+        if self.copy_strategy not in COPY_STRATEGIES:
+            raise StartupError(f"--copy-strategy {self.copy_strategy!r}: expected one of {COPY_STRATEGIES}")
+        if self.copy_strategy == "numpy" and self.device != "cpu":
+            raise StartupError("--copy-strategy numpy moves CPU KV only; a CUDA daemon takes "
+                               "auto, runs, gather or zero_copy")
         if self.max_queued_tasks < 1:
             raise StartupError("--max-queued-tasks must be >= 1")
         if self.storage_write_policy not in WRITE_POLICIES:

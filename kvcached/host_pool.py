@@ -27,6 +27,15 @@ from . import numa
 log = logging.getLogger(__name__)
 
 PIN_CHUNK_BYTES = 64 << 30
+CUDA_HOST_REGISTER_PORTABLE_MAPPED = 1 | 2  # pinned for every context, mapped for the device
+
+
+class _CudaArray:
+    """`__cuda_array_interface__` over a device-addressable range (torch.as_tensor reads it)."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (ptr, False), "version": 3}
 
 
 class DoubleFree(RuntimeError):
@@ -111,17 +120,31 @@ class HostPool:
         del flat
 
     def _pin(self) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"--device {self.device}: this torch sees no CUDA device")
+        if torch.device(self.device).index is not None:
+            torch.cuda.set_device(torch.device(self.device))  # the daemon's context on its GPU
         cudart = torch.cuda.cudart()
         ptr = self.buffer.data_ptr()
         done = 0
         while done < self.capacity_bytes:
             n = min(PIN_CHUNK_BYTES, self.capacity_bytes - done)
-            err = cudart.cudaHostRegister(ptr + done, n, 0)
+            err = cudart.cudaHostRegister(ptr + done, n, CUDA_HOST_REGISTER_PORTABLE_MAPPED)
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister failed at offset {done}: error {int(err)}")
             done += n
             log.info("[host] pinned %.1f / %.1f GiB", done / 2**30, self.capacity_bytes / 2**30)
         self._pinned_ptr = ptr
+
+    def device_views(self, device, widen=lambda t: t) -> list[list[torch.Tensor]]:
+        """The host views as the GPU addresses them, for zero-copy kernels. With unified
+        addressing the pinned pool's host address is also its device address; torch checks
+        that the range is registered (it raises for memory that is not)."""
+        if self._pinned_ptr is None:
+            raise RuntimeError("the host pool is not pinned (CUDA daemons only)")
+        flat = torch.as_tensor(_CudaArray(self._pinned_ptr, self.capacity_bytes), device=device)
+        return [[widen(flat.as_strided(v.shape, v.stride(), v.data_ptr() - self._pinned_ptr))
+                 for v in row] for row in self.views]
 
     def configure(self, spec: LayoutSpec) -> bool:
         """Carve the buffer for this layout. Returns False when the old content stays valid."""

@@ -24,7 +24,8 @@ from .host_pool import HostPool
 from .index import BlockIndex
 from .kv import KVRegistration
 from .service_storage import BACKUP, PREFETCH, StorageFlow
-from .transfer import LOAD, OFFLOAD, SPLIT_BLOCKS, CopyTask, CpuCopier, TransferWorker, host_runs
+from .transfer import LOAD, OFFLOAD, SPLIT_BLOCKS, CopyTask, TransferWorker
+from .transfer_cuda import make_copier
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class CacheService(StorageFlow):
         signals.set_flag(Flag.HOST_POOL_READY)
         self.index = BlockIndex(cfg.eviction)
         self.kv: KVRegistration | None = None
-        self.copier: CpuCopier | None = None
+        self.copier = None  # CpuCopier, StrategyCopier or CudaCopier (transfer_cuda.make_copier)
         self.tasks: dict[int, CopyTask] = {}
         self._task_ids = itertools.count(1)
         self._slot_cursor = 0
@@ -106,22 +107,35 @@ class CacheService(StorageFlow):
         self._drain("register_kv")
         try:
             with self._lock:
-                old, self.kv = self.kv, reg
+                old, old_copier = self.kv, self.copier
                 if self.pool.configure(spec):
                     self.index = BlockIndex(self.cfg.eviction)  # new geometry: old blocks are void
                     kept = 0
                 else:
                     kept = len(self.index)
-                self.copier = CpuCopier(reg.views, self.pool.views)
-            if old is not None:
-                old.close()
+                try:
+                    copier = make_copier(spec.device, self.cfg.copy_strategy, reg.views,
+                                         self.pool, spec.num_layers)
+                except BaseException:  # a CUDA error: no registration is left half made
+                    self.kv = self.copier = None
+                    self.signals.set_flag(Flag.KV_REGISTERED, False)
+                    reg.close()
+                    raise
+                finally:
+                    if old_copier is not None:
+                        old_copier.close()
+                    if old is not None:
+                        old.close()
+                self.kv, self.copier = reg, copier
         finally:
             self._undrain()
         self.signals.set_flag(Flag.KV_REGISTERED)
-        log.info("[kv] %s registered %d layers x %d parts, %d device blocks; %d host blocks kept",
-                 client.client_id, spec.num_layers, len(spec.parts), spec.num_blocks, kept)
+        log.info("[kv] %s registered %d layers x %d parts, %d device blocks; %d host blocks kept "
+                 "(copy strategy %s)", client.client_id, spec.num_layers, len(spec.parts),
+                 spec.num_blocks, kept, copier.strategy)
         return {"host_blocks": self.pool.num_blocks, "kept_blocks": kept,
-                "page_bytes": spec.page_bytes, "num_slots": NUM_SLOTS}
+                "page_bytes": spec.page_bytes, "num_slots": NUM_SLOTS,
+                "copy_strategy": copier.strategy, **copier.registration_reply()}
 
     def _unregister_kv(self, client, req) -> dict:
         if self.kv is None:
@@ -134,7 +148,9 @@ class CacheService(StorageFlow):
         self._drain(why)
         try:
             with self._lock:
-                old, self.kv, self.copier = self.kv, None, None
+                old, self.kv, copier, self.copier = self.kv, None, self.copier, None
+            if copier is not None:
+                copier.close()
             old.close()
         finally:
             self._undrain()
@@ -169,6 +185,7 @@ class CacheService(StorageFlow):
         keys, blocks = req.body["keys"], req.body["blocks"]
         self._check_blocks(blocks)
         self._check_queue()
+        engine_event = self.copier.open_event(req.body.get("event", b""))  # CUDA: KV writes done
         with self._lock:
             new_pos, host_ids, entries, held = [], [], [], []
             accepted = len(keys)
@@ -189,6 +206,7 @@ class CacheService(StorageFlow):
                 host_ids.append(got[0])
             self.pool.allocator.free(self.index.unpin(held))
             task = self._new_task(OFFLOAD, client, req, blocks[new_pos], host_ids, entries)
+            task.extra["engine_event"] = engine_event
         if entries:
             self.offloader.submit(task)
         else:
@@ -331,14 +349,15 @@ class CacheService(StorageFlow):
         for task in batch:
             task.started_ns = time.monotonic_ns()
             dev_all = task.dev_blocks
+            self.copier.begin_offload(task)  # CUDA: the copies wait for the engine's KV writes
             for start in range(0, task.num_blocks, SPLIT_BLOCKS):
                 if task.cancelled:
                     break
                 end = min(start + SPLIT_BLOCKS, task.num_blocks)
-                host_ids = task.host_blocks[start:end]
-                runs = host_runs(host_ids)
+                plan = self.copier.plan(OFFLOAD, dev_all[start:end], task.host_blocks[start:end])
                 for layer in range(self.kv.spec.num_layers):
-                    task.bytes_moved += self.copier.offload_layer(layer, dev_all[start:end], host_ids, runs)
+                    task.bytes_moved += self.copier.offload_layer(layer, plan)
+            self.copier.sync(OFFLOAD)  # the host blocks hold the bytes before they are marked ready
             self._complete_offload(task)
 
     def _run_loads(self, batch: list[CopyTask]) -> None:
@@ -347,14 +366,16 @@ class CacheService(StorageFlow):
         for task in batch:
             task.started_ns = time.monotonic_ns()
             self.signals.slot_set_valid(task.slot, task.num_blocks)
-            plans.append((task, task.dev_blocks, host_runs(task.host_blocks)))
+            plans.append((task, self.copier.plan(LOAD, task.dev_blocks, task.host_blocks)))
         for layer in range(num_layers):
-            for task, dev_ids, runs in plans:
+            for task, plan in plans:
                 if task.cancelled:
                     continue
-                task.bytes_moved += self.copier.load_layer(layer, dev_ids, task.host_blocks, runs)
+                task.bytes_moved += self.copier.load_layer(layer, plan)
+                self.copier.layer_loaded(task.slot, layer)  # CUDA: the slot's event for the layer
                 self.signals.slot_layer_done(task.slot, layer + 1)
-        for task, _, _ in plans:
+        self.copier.sync(LOAD)  # every copy landed before the host blocks are unpinned
+        for task, _ in plans:
             self._complete_load(task)
 
     def _complete_offload(self, task: CopyTask) -> None:

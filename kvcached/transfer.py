@@ -7,7 +7,9 @@ task of the batch are in place, each task's progress slot is bumped.
 
 Copies (CPU mode; measured by `kvcached bench transfer`): a run of consecutive host blocks is
 one row gather into (offload) or scatter from (load) a host slice, a single pass over the
-bytes; scattered host blocks fall back to a gather into a temporary and a scatter.
+bytes; scattered host blocks fall back to a gather into a temporary and a scatter. The CUDA
+copier (transfer_cuda.py) has the same interface: a CopyPlan per chunk, `offload_layer` /
+`load_layer` per layer, and the stream and event hooks that are no-ops here.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from typing import Callable
 
 import numpy as np
 import torch
+
+from .copy_strategies import widen
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +66,25 @@ def host_runs(host_blocks: np.ndarray) -> list[tuple[int, int, int]]:
     return [(int(a), int(b), int(host_blocks[a])) for a, b in zip(starts, ends)]
 
 
+@dataclass(eq=False)
+class CopyPlan:
+    """One chunk of a task as every layer copies it: device ids, host ids at the same
+    positions, and the runs of consecutive host ids. A copier may attach what it derives once
+    per chunk (device-side index tensors, say) in `extra`."""
+    dev_ids: np.ndarray
+    host_ids: np.ndarray
+    runs: list
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def make(cls, dev_ids: np.ndarray, host_ids: np.ndarray) -> "CopyPlan":
+        return cls(dev_ids, host_ids, host_runs(host_ids))
+
+
 def widest_view(t: torch.Tensor) -> np.ndarray:
     """A `[blocks, bytes]` uint8 view as a numpy array of the widest integer type its size,
     stride and address allow: row gathers and scatters run near memcpy speed on wide rows."""
-    for dtype, width in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if t.shape[1] % width == 0 and t.stride(0) % width == 0 and t.data_ptr() % width == 0:
-            return t.view(dtype).numpy()
-    return t.numpy()
+    return widen(t).numpy()
 
 
 class CpuCopier:
@@ -80,11 +96,36 @@ class CpuCopier:
     a task is queued, so "clip" never changes an index.
     """
 
+    strategy = "numpy"
+
     def __init__(self, dev_views, host_views):
         self.dev = [[widest_view(t) for t in row] for row in dev_views]
         self.host = [[widest_view(t) for t in row] for row in host_views]
 
-    def offload_layer(self, layer: int, dev_ids: np.ndarray, host_ids: np.ndarray, runs) -> int:
+    def plan(self, kind: str, dev_ids: np.ndarray, host_ids: np.ndarray) -> CopyPlan:
+        return CopyPlan.make(dev_ids, host_ids)
+
+    # What a GPU copier does with streams and events; on CPU a copy is done when it returns.
+    def registration_reply(self) -> dict:
+        return {}
+
+    def open_event(self, handle: bytes):
+        return None  # a CPU daemon has no events to wait on; the field is ignored
+
+    def begin_offload(self, task: CopyTask) -> None:
+        pass
+
+    def layer_loaded(self, slot: int, layer: int) -> None:
+        pass
+
+    def sync(self, kind: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def offload_layer(self, layer: int, plan: CopyPlan) -> int:
+        dev_ids, host_ids, runs = plan.dev_ids, plan.host_ids, plan.runs
         moved = 0
         for dev, host in zip(self.dev[layer], self.host[layer]):
             if len(runs) * 4 > len(host_ids):  # fragmented: one gather + one scatter
@@ -95,7 +136,8 @@ class CpuCopier:
             moved += len(host_ids) * dev.shape[1] * dev.itemsize
         return moved
 
-    def load_layer(self, layer: int, dev_ids: np.ndarray, host_ids: np.ndarray, runs) -> int:
+    def load_layer(self, layer: int, plan: CopyPlan) -> int:
+        dev_ids, host_ids, runs = plan.dev_ids, plan.host_ids, plan.runs
         moved = 0
         for dev, host in zip(self.dev[layer], self.host[layer]):
             if len(runs) * 4 > len(host_ids):

@@ -69,9 +69,11 @@ def _check(kv, blocks: np.ndarray, source_blocks: np.ndarray) -> bool:
     return True
 
 
-def run(quick: bool = False, device: str = "cpu", **_) -> dict:
+def run(quick: bool = False, device: str = "cpu", **kwargs) -> dict:
     if device != "cpu":
-        raise SystemExit("bench transfer --device cuda:N runs the CUDA path (scripts/gpu_check.sh)")
+        from .transfer_cuda import run as run_cuda
+
+        return run_cuda(quick=quick, device=device, **kwargs)
     n = 200 if quick else 1000
     repeats = 2 if quick else 5
     num_blocks = n + n // 10

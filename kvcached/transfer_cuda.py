@@ -1,0 +1,210 @@
+"""Copiers that run the torch copy strategies (copy_strategies.py), and the CUDA one with its
+streams and cross-process events.
+
+`StrategyCopier` moves blocks with the strategy named by `--copy-strategy` (runs, gather,
+zero_copy, or auto: runs when the ids come in long runs, else gather) on any device; on CPU
+it is how CI drives the CUDA copier's code through a real daemon. `CudaCopier` adds:
+- one offload and one load stream on the KV's device (the engine's streams never wait for
+  the daemon's copies unless the engine asks);
+- offload: the engine records an interprocess event after its KV writes and sends its handle
+  with the request; the offload stream waits on it, so no host synchronize stands between a
+  kernel's writes and the copy that reads them;
+- load: after layer i's copies of a task are issued, event (group, i) is recorded on the load
+  stream, then the slot's layer counter is bumped. The engine waits for the counter, then makes
+  its compute stream wait on the event. Events come from a pool made at registration, one per
+  (group, layer) with group = slot % EVENT_GROUPS, their handles in the registration reply.
+  Sharing an event between slots stays correct: every record is on the one load stream, and
+  the engine calls the wait after the record it needs (it saw the counter, bumped after the
+  record), so the record it waits on is that one or a later one of the same stream;
+- the end of a batch synchronizes its stream before host blocks are marked ready (offload)
+  or unpinned (load), and before the task's end event is sent.
+
+Not yet run on a GPU in this project: see README ("CUDA path").
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+
+import numpy as np
+import torch
+
+from kvcached_client.block_copy import paired_runs
+from kvcached_proto import ErrorCode
+
+from . import copy_strategies as cs
+from .errors import OpError
+from .transfer import LOAD, OFFLOAD, CopyPlan, CopyTask, CpuCopier
+
+COPY_STRATEGIES = ("auto", "numpy", *cs.STRATEGIES)
+EVENT_GROUPS = 32
+IPC_EVENT_HANDLE_BYTES = 64
+STAGING_BYTES = 64 << 20  # per direction and part: bounds the device memory taken from the engine
+OPENED_EVENTS_MAX = 256
+
+
+def make_copier(device: str, strategy: str, dev_views, host_pool, num_layers: int):
+    if device == "cpu" and strategy in ("auto", "numpy"):
+        return CpuCopier(dev_views, host_pool.views)
+    if strategy == "numpy":
+        raise OpError(ErrorCode.KV_MISMATCH, "--copy-strategy numpy is for CPU KV only")
+    if device == "cpu":
+        return StrategyCopier(dev_views, host_pool.views, strategy)
+    return CudaCopier(dev_views, host_pool, strategy, device, num_layers)
+
+
+class StrategyCopier:
+    """The torch strategies over [blocks, bytes] views; see copy_strategies.py."""
+
+    non_blocking = False
+
+    def __init__(self, dev_views, host_views, strategy: str):
+        self.strategy = strategy
+        self.dev = [[cs.widen(t) for t in row] for row in dev_views]
+        self.host = [[cs.widen(t) for t in row] for row in host_views]
+        self.host_view = self.host  # zero_copy's device-addressable host rows (CPU: the same)
+        self.device = self.dev[0][0].device
+        self.host_contiguous = all(cs.rows_contiguous(t) for t in host_views[0])
+        self._staging: dict[tuple[str, int], torch.Tensor] = {}
+
+    def _stream(self, kind: str):
+        return contextlib.nullcontext()
+
+    def _pick(self, plan: CopyPlan) -> str:
+        if self.strategy != "auto":
+            return self.strategy
+        return "runs" if len(plan.extra["pairs"]) * 4 <= len(plan.dev_ids) else "gather"
+
+    def plan(self, kind: str, dev_ids: np.ndarray, host_ids: np.ndarray) -> CopyPlan:
+        plan = CopyPlan.make(dev_ids, host_ids)
+        if self.host_contiguous:
+            plan.extra["pairs"] = paired_runs(dev_ids, host_ids)
+        else:
+            plan.extra["pairs"] = [(int(d), int(h), 1) for d, h in zip(dev_ids, host_ids)]
+        plan.extra["strategy"] = strategy = self._pick(plan)
+        if strategy != "runs":
+            with self._stream(kind):  # small index copies, ordered before the copies that use them
+                plan.extra["dev_index"] = torch.from_numpy(dev_ids).to(self.device)
+                plan.extra["host_index"] = torch.from_numpy(host_ids).to(self.device)
+            plan.extra["host_runs"] = cs.host_runs_for(plan.runs, self.host_contiguous)
+        return plan
+
+    def staging(self, kind: str, part: int, like: torch.Tensor) -> torch.Tensor:
+        buf = self._staging.get((kind, part))
+        if buf is None:
+            rows = max(1, STAGING_BYTES // (like.shape[1] * like.element_size()))
+            buf = torch.empty((rows, like.shape[1]), dtype=like.dtype, device=self.device)
+            self._staging[(kind, part)] = buf
+        return buf
+
+    def offload_layer(self, layer: int, plan: CopyPlan) -> int:
+        return self._layer(OFFLOAD, layer, plan)
+
+    def load_layer(self, layer: int, plan: CopyPlan) -> int:
+        return self._layer(LOAD, layer, plan)
+
+    def _layer(self, kind: str, layer: int, plan: CopyPlan) -> int:
+        x, moved = plan.extra, 0
+        with self._stream(kind):
+            for part, (dev, host) in enumerate(zip(self.dev[layer], self.host[layer])):
+                if x["strategy"] == "runs":
+                    fn = cs.offload_runs if kind == OFFLOAD else cs.load_runs
+                    fn(dev, host, x["pairs"], self.non_blocking)
+                elif x["strategy"] == "gather":
+                    fn = cs.offload_gather if kind == OFFLOAD else cs.load_gather
+                    fn(dev, host, x["dev_index"], x["host_runs"], self.staging(kind, part, dev),
+                       self.non_blocking)
+                else:
+                    fn = cs.offload_zero_copy if kind == OFFLOAD else cs.load_zero_copy
+                    fn(dev, self.host_view[layer][part], x["dev_index"], x["host_index"],
+                       self.staging(kind, part, dev))
+                moved += len(plan.dev_ids) * dev.shape[1] * dev.element_size()
+        return moved
+
+    # stream and event hooks: a CPU copy is done when it returns
+    def registration_reply(self) -> dict:
+        return {}
+
+    def open_event(self, handle: bytes):
+        return None  # a CPU daemon has no events to wait on; the field is ignored
+
+    def begin_offload(self, task: CopyTask) -> None:
+        pass
+
+    def layer_loaded(self, slot: int, layer: int) -> None:
+        pass
+
+    def sync(self, kind: str) -> None:
+        pass
+
+    def close(self) -> None:
+        self._staging.clear()
+
+
+class CudaCopier(StrategyCopier):
+    non_blocking = True
+
+    def __init__(self, dev_views, host_pool, strategy: str, device: str, num_layers: int):
+        if not torch.cuda.is_available():
+            raise OpError(ErrorCode.KV_MISMATCH, "CUDA KV registered but this daemon sees no CUDA device")
+        super().__init__(dev_views, host_pool.views, strategy)
+        self.num_layers = num_layers
+        with torch.cuda.device(self.device):
+            self.streams = {OFFLOAD: torch.cuda.Stream(), LOAD: torch.cuda.Stream()}
+            self.load_events = [torch.cuda.Event(interprocess=True)
+                                for _ in range(EVENT_GROUPS * num_layers)]
+            self.event_handles = [bytes(e.ipc_handle()) for e in self.load_events]
+        if strategy == "zero_copy":
+            self.host_view = host_pool.device_views(self.device, widen=cs.widen)
+        self._opened: collections.OrderedDict[bytes, torch.cuda.Event] = collections.OrderedDict()
+        self._opened_lock = threading.Lock()
+
+    def _stream(self, kind: str):
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.device))
+        stack.enter_context(torch.cuda.stream(self.streams[kind]))
+        return stack
+
+    def registration_reply(self) -> dict:
+        return {"load_events": self.event_handles, "event_groups": EVENT_GROUPS}
+
+    def open_event(self, handle: bytes):
+        """The engine's interprocess event from its handle (the offload's `event` field);
+        opened once per handle (the client reuses a small ring of events)."""
+        if not handle:
+            return None
+        if len(handle) != IPC_EVENT_HANDLE_BYTES:
+            raise OpError(ErrorCode.BAD_FIELD, f"event: expected a {IPC_EVENT_HANDLE_BYTES}-byte "
+                          f"CUDA IPC event handle, got {len(handle)} bytes")
+        with self._opened_lock:
+            ev = self._opened.get(handle)
+            if ev is None:
+                try:
+                    ev = torch.cuda.Event.from_ipc_handle(self.device, handle)
+                except RuntimeError as exc:
+                    raise OpError(ErrorCode.BAD_FIELD, f"event: the CUDA IPC event handle could "
+                                  f"not be opened ({exc})") from None
+                self._opened[handle] = ev
+                while len(self._opened) > OPENED_EVENTS_MAX:
+                    self._opened.popitem(last=False)
+            else:
+                self._opened.move_to_end(handle)
+            return ev
+
+    def begin_offload(self, task: CopyTask) -> None:
+        ev = task.extra.get("engine_event")
+        if ev is not None:
+            self.streams[OFFLOAD].wait_event(ev)
+
+    def layer_loaded(self, slot: int, layer: int) -> None:
+        self.load_events[(slot % EVENT_GROUPS) * self.num_layers + layer].record(self.streams[LOAD])
+
+    def sync(self, kind: str) -> None:
+        self.streams[kind].synchronize()
+
+    def close(self) -> None:
+        for stream in self.streams.values():
+            stream.synchronize()
+        super().close()
+        self._opened.clear()

@@ -1,0 +1,222 @@
+"""The CUDA path on a real GPU (skipped without one; run by scripts/gpu_check.sh).
+
+CUDA IPC registration of the engine's tensors by the daemon (another process), byte-exact
+round trips through every copy strategy, event ordering (a kernel's writes are what the
+offload reads, with no host synchronize), wait_layer's stream wait under concurrent compute,
+the refusal of expandable-segment memory, and a dead engine's mappings released.
+"""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import unique_instance
+from kvcached.host_pool import HostPool
+from kvcached.transfer import LOAD, OFFLOAD
+from kvcached.transfer_cuda import CudaCopier
+from kvcached_client import BlockHasher, allocate_kv_cache, launch
+from kvcached_client.kv_alloc import describe_kv_cache
+from kvcached_proto.layout import parse_layout
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+DEV = "cuda:0"
+HASHER = BlockHasher("gpu-test|bfloat16")
+SHAPE = (16, 8, 128)  # 32 KiB per block per part in bf16
+
+
+def keys_for(n: int, seed: int = 0) -> list[bytes]:
+    return HASHER.hash_blocks([seed * 1_000_003 + i for i in range(16 * n)], 16)
+
+
+def randomize(kv, gen_seed: int = 0) -> None:
+    g = torch.Generator(device=DEV).manual_seed(gen_seed)
+    for layer in kv:
+        for t in layer:
+            t.copy_(torch.randn(t.shape, device=DEV, generator=g).to(t.dtype))
+
+
+def busy_stream(ms: float = 200.0) -> None:
+    """Queue about `ms` of matmuls on the current stream (the CPU does not wait for them)."""
+    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    a @ a
+    end.record()
+    end.synchronize()
+    for _ in range(max(1, int(ms / max(start.elapsed_time(end), 0.01)))):
+        a = (a @ a).clamp_(-1, 1)
+
+
+@pytest.fixture
+def cuda_daemon(run_dir):
+    h = launch(instance=unique_instance("g"), run_dir=run_dir, host_cache_gb=1.0, device=DEV)
+    yield h
+    h.stop()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("strategy", ["runs", "gather", "zero_copy", "auto"])
+def test_copier_strategies_are_byte_exact(strategy, layout):
+    kv = allocate_kv_cache(4, 96, SHAPE, torch.bfloat16, device=DEV)
+    randomize(kv, 1)
+    spec = parse_layout(describe_kv_cache(kv))
+    pool = HostPool(spec.page_bytes * 64, DEV, layout)
+    pool.configure(spec)
+    dev_views = [[t.view(torch.uint8).view(96, -1) for t in layer] for layer in kv]
+    copier = CudaCopier(dev_views, pool, strategy, DEV, 4)
+    rng = np.random.default_rng(2)
+    perm = rng.permutation(96).astype(np.int64)
+    src, dst = perm[:40], perm[40:80]
+    host = rng.permutation(64)[:40].astype(np.int64)
+    expected = [[a[torch.from_numpy(src).to(DEV)].clone() for a in row] for row in dev_views]
+    plan = copier.plan(OFFLOAD, src, host)
+    for layer in range(4):
+        copier.offload_layer(layer, plan)
+    copier.sync(OFFLOAD)
+    for row, exp in zip(pool.views, expected):
+        for h, e in zip(row, exp):
+            assert torch.equal(h[torch.from_numpy(host)], e.cpu())
+    plan = copier.plan(LOAD, dst, host)
+    for layer in range(4):
+        copier.load_layer(layer, plan)
+    copier.sync(LOAD)
+    for row, exp in zip(dev_views, expected):
+        for a, e in zip(row, exp):
+            assert torch.equal(a[torch.from_numpy(dst).to(DEV)], e)
+    copier.close()
+    pool.close()
+
+
+def test_round_trip_through_the_daemon_is_byte_exact(cuda_daemon):
+    kv = allocate_kv_cache(8, 128, SHAPE, torch.bfloat16, device=DEV)
+    randomize(kv, 3)
+    with cuda_daemon.connect(timeout=60) as c:
+        reply = c.register_kv_cache(kv)
+        assert len(reply["load_events"]) == reply["event_groups"] * 8
+        src, dst, keys = list(range(10, 60)), list(range(70, 120)), keys_for(50)
+        expected = [[t[src].clone() for t in layer] for layer in kv]
+        assert c.offload(src, keys).wait(60)["stored"] == 50
+        for layer in kv:
+            for t in layer:
+                t.zero_()
+        task = c.load(keys, dst)
+        for i in range(8):
+            task.wait_layer(i, timeout=60)
+        assert task.wait(60) == 50
+        torch.cuda.synchronize()
+        for layer, exp in zip(kv, expected):
+            for t, e in zip(layer, exp):
+                assert torch.equal(t[dst], e)
+        assert c.check() == "ok"
+
+
+def test_offload_reads_what_a_queued_kernel_writes_without_host_sync(cuda_daemon):
+    kv = allocate_kv_cache(2, 64, SHAPE, torch.bfloat16, device=DEV)
+    with cuda_daemon.connect(timeout=60) as c:
+        c.register_kv_cache(kv)
+        torch.cuda.synchronize()
+        busy_stream(300)  # the writes below run only after this, long after offload() returns
+        for layer in kv:
+            for t in layer:
+                t[:8] = 3.0
+        keys = keys_for(8, 7)
+        task = c.offload(list(range(8)), keys)  # no synchronize before it
+        assert task.wait(60)["stored"] == 8
+        for layer in kv:
+            for t in layer:
+                t[:] = 0
+        load = c.load(keys, list(range(20, 28)))
+        assert load.wait(60) == 8
+        torch.cuda.synchronize()
+        for layer in kv:
+            for t in layer:
+                assert bool((t[20:28] == 3.0).all()), "the offload read the KV before the kernel wrote it"
+
+
+def test_wait_layer_orders_the_engine_stream_under_concurrent_compute(cuda_daemon):
+    layers = 16
+    kv = allocate_kv_cache(layers, 256, SHAPE, torch.bfloat16, device=DEV)
+    randomize(kv, 4)
+    with cuda_daemon.connect(timeout=60) as c:
+        c.register_kv_cache(kv)
+        src, dst, keys = list(range(0, 120)), list(range(130, 250)), keys_for(120, 9)
+        want = [float(t[src].float().sum()) for layer in kv for t in layer]
+        c.offload(src, keys).wait(60)
+        for layer in kv:
+            for t in layer:
+                t[dst] = 0
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            busy_stream(200)  # competes for the GPU while the load runs
+        task = c.load(keys, dst)
+        sums = []
+        for i in range(layers):
+            task.wait_layer(i, timeout=60)  # the CPU sees the counter; the stream waits on the event
+            sums += [t[dst].float().sum() for t in kv[i]]
+        got = [float(s) for s in sums]  # synchronizes the current stream only now
+        assert task.wait(60) == 120
+        assert got == pytest.approx(want, rel=1e-6), "a layer was read before its copies landed"
+
+
+def test_expandable_segments_memory_is_refused():
+    code = textwrap.dedent(f"""
+        import torch
+        from kvcached_client import KvcachedError, allocate_kv_cache
+        from kvcached_client.kv_alloc import describe_kv_cache
+        try:
+            allocate_kv_cache(2, 16, (16, 8, 128), torch.bfloat16, device="{DEV}")
+        except KvcachedError as exc:
+            print("ALLOC_REFUSED", "expandable" in str(exc))
+        t = torch.zeros(16, 16, 8, 128, dtype=torch.bfloat16, device="{DEV}")
+        try:
+            describe_kv_cache([(t, t.clone())])
+        except KvcachedError as exc:
+            print("EXPORT_REFUSED", "expandable" in str(exc))
+    """)
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert "ALLOC_REFUSED True" in out.stdout, out.stdout + out.stderr
+    assert "EXPORT_REFUSED True" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_dead_engines_mappings_are_released(cuda_daemon):
+    with cuda_daemon.connect(timeout=60) as c:
+        c.status()  # the daemon's own CUDA context exists before the baseline is read
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        code = textwrap.dedent(f"""
+            import sys, time, torch
+            from kvcached_client import Client, allocate_kv_cache
+            kv = allocate_kv_cache(16, 1024, (16, 8, 128), torch.bfloat16, device="{DEV}")  # 1 GiB
+            c = Client.connect(instance={cuda_daemon.instance!r}, run_dir={cuda_daemon.run_dir!r}, timeout=60)
+            c.register_kv_cache(kv)
+            print("REGISTERED", flush=True)
+            time.sleep(600)
+        """)
+        engine = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            assert engine.stdout.readline().strip() == "REGISTERED"
+            assert c.status()["kv"]["registered"]
+            engine.send_signal(signal.SIGKILL)
+            engine.wait(30)
+            deadline = time.monotonic() + 30
+            while c.status()["kv"]["registered"] and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not c.status()["kv"]["registered"], "the daemon kept a dead engine's KV mapped"
+            while time.monotonic() < deadline and torch.cuda.mem_get_info()[0] < free_before - (256 << 20):
+                time.sleep(0.2)
+            assert torch.cuda.mem_get_info()[0] >= free_before - (256 << 20), \
+                "the dead engine's GPU memory is still held"
+        finally:
+            if engine.poll() is None:
+                engine.kill()
+                engine.wait(30)

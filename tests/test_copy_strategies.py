@@ -1,0 +1,138 @@
+"""The torch copy strategies (the CUDA copier's code) on CPU tensors, byte for byte, and through
+a real daemon started with --copy-strategy."""
+import numpy as np
+import pytest
+import torch
+
+from conftest import small_kv, unique_instance
+from kvcached import copy_strategies as cs
+from kvcached.transfer import LOAD, OFFLOAD
+from kvcached.transfer_cuda import STAGING_BYTES, StrategyCopier
+from kvcached_client import BlockHasher, launch
+
+HASHER = BlockHasher("strategy-test|bfloat16")
+
+
+def host_views(layout: str, num_layers: int, parts: int, n: int, row: int):
+    """Host rows as HostPool carves them: layer_first regions or page_first strided pages."""
+    page = num_layers * parts * row
+    buf = torch.zeros(n * page, dtype=torch.uint8)
+    views, offset = [], 0
+    for _ in range(num_layers):
+        out = []
+        for _ in range(parts):
+            if layout == "layer_first":
+                out.append(buf[offset:offset + n * row].view(n, row))
+                offset += n * row
+            else:
+                out.append(buf[offset:offset + (n - 1) * page + row].as_strided((n, row), (page, 1)))
+                offset += row
+        views.append(out)
+    return views
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("strategy", ["runs", "gather", "zero_copy", "auto"])
+@pytest.mark.parametrize("ids", ["scattered", "runs"])
+def test_strategy_round_trip_is_byte_exact(layout, strategy, ids, monkeypatch):
+    monkeypatch.setattr("kvcached.transfer_cuda.STAGING_BYTES", 3 * 96)  # chunks of 3 rows
+    rng = np.random.default_rng(sum(map(ord, layout + strategy + ids)))
+    layers, parts, num_dev, num_host, row = 3, 2, 40, 50, 96
+    dev = [[torch.from_numpy(rng.integers(0, 256, (num_dev, row), dtype=np.uint8))
+            for _ in range(parts)] for _ in range(layers)]
+    original = [[t.clone() for t in r] for r in dev]
+    host = host_views(layout, layers, parts, num_host, row)
+    copier = StrategyCopier(dev, host, strategy)
+    n = 17
+    if ids == "scattered":
+        src, hid = rng.permutation(num_dev)[:n], rng.permutation(num_host)[:n]
+    else:
+        src, hid = np.arange(5, 5 + n), np.concatenate([np.arange(20, 30), np.arange(2, 9)])
+    plan = copier.plan(OFFLOAD, src.astype(np.int64), hid.astype(np.int64))
+    moved = sum(copier.offload_layer(layer, plan) for layer in range(layers))
+    assert moved == n * row * layers * parts
+    for layer in range(layers):
+        for p in range(parts):
+            assert torch.equal(host[layer][p][torch.from_numpy(hid)],
+                               original[layer][p][torch.from_numpy(src)])
+    for r in dev:
+        for t in r:
+            t.fill_(0)
+    dst = rng.permutation(num_dev)[:n].astype(np.int64)
+    plan = copier.plan(LOAD, dst, hid.astype(np.int64))
+    for layer in range(layers):
+        copier.load_layer(layer, plan)
+    untouched = np.setdiff1d(np.arange(num_dev), dst)
+    for layer in range(layers):
+        for p in range(parts):
+            assert torch.equal(dev[layer][p][torch.from_numpy(dst)],
+                               original[layer][p][torch.from_numpy(src)])
+            assert not dev[layer][p][torch.from_numpy(untouched)].any(), "a block not asked for was written"
+
+
+def test_auto_picks_runs_for_long_runs_and_gather_for_scattered_ids():
+    dev = [[torch.zeros(64, 16, dtype=torch.uint8)]]
+    copier = StrategyCopier(dev, host_views("layer_first", 1, 1, 64, 16), "auto")
+    assert copier.plan(OFFLOAD, np.arange(10, 42), np.arange(0, 32)).extra["strategy"] == "runs"
+    scattered = np.random.default_rng(1).permutation(64)[:32]
+    assert copier.plan(OFFLOAD, scattered, np.arange(32)).extra["strategy"] == "gather"
+    paged = StrategyCopier(dev, host_views("page_first", 2, 1, 64, 8)[:1], "auto")
+    assert paged.plan(OFFLOAD, np.arange(32), np.arange(32)).extra["strategy"] == "gather", \
+        "page_first host rows take one copy per block: gather is the one DMA per block there"
+
+
+def test_widen_picks_the_widest_element_the_rows_allow():
+    assert cs.widen(torch.zeros(4, 64, dtype=torch.uint8)).dtype == torch.int64
+    assert cs.widen(torch.zeros(4, 6, dtype=torch.uint8)).dtype == torch.int16
+    assert cs.widen(torch.zeros(4, 7, dtype=torch.uint8)).dtype == torch.uint8
+    assert STAGING_BYTES >= 1 << 20
+
+
+def test_host_runs_split_for_strided_rows():
+    runs = [(0, 3, 10), (3, 4, 2)]
+    assert cs.host_runs_for(runs, True) == runs
+    assert cs.host_runs_for(runs, False) == [(0, 1, 10), (1, 2, 11), (2, 3, 12), (3, 4, 2)]
+
+
+@pytest.mark.parametrize("strategy,layout", [("runs", "page_first"), ("gather", "layer_first"),
+                                             ("zero_copy", "page_first")])
+def test_daemon_with_copy_strategy_round_trips(strategy, layout, run_dir):
+    h = launch(instance=unique_instance("cs"), run_dir=run_dir, host_cache_gb=0.1,
+               extra_args=["--copy-strategy", strategy, "--host-layout", layout])
+    try:
+        kv = small_kv(num_layers=3, num_blocks=48)
+        for layer in kv:
+            for t in layer:
+                t.copy_(torch.randn(t.shape).to(t.dtype))
+        with h.connect() as c:
+            reply = c.register_kv_cache(kv)
+            assert reply["copy_strategy"] == strategy
+            assert "load_events" not in reply  # events are for CUDA daemons
+            keys = HASHER.hash_blocks(list(range(16 * 12)), 16)
+            src = [3, 4, 5, 6, 20, 11, 30, 31, 32, 40, 1, 2]
+            expected = [[t[src].clone() for t in layer] for layer in kv]
+            assert c.offload(src, keys).wait(10)["stored"] == 12
+            for layer in kv:
+                for t in layer:
+                    t.fill_(0)
+            dst = [7, 8, 9, 10, 44, 45, 12, 13, 0, 47, 33, 34]
+            task = c.load(keys, dst)
+            for layer in range(3):
+                task.wait_layer(layer, timeout=10)
+            assert task.wait(10) == 12
+            for i, layer in enumerate(kv):
+                for j, t in enumerate(layer):
+                    assert torch.equal(t[dst], expected[i][j]), f"layer {i} part {j}"
+            assert c.check() == "ok"
+    finally:
+        h.stop()
+
+
+def test_numpy_strategy_is_refused_for_cuda_daemons(run_dir):
+    from kvcached.config import DaemonConfig
+    from kvcached.errors import StartupError
+
+    with pytest.raises(StartupError, match="numpy"):
+        DaemonConfig(device="cuda:0", copy_strategy="numpy", run_dir=run_dir).validate()
+    with pytest.raises(StartupError, match="copy-strategy"):
+        DaemonConfig(copy_strategy="fast", run_dir=run_dir).validate()
