@@ -136,3 +136,19 @@ def test_numpy_strategy_is_refused_for_cuda_daemons(run_dir):
         DaemonConfig(device="cuda:0", copy_strategy="numpy", run_dir=run_dir).validate()
     with pytest.raises(StartupError, match="copy-strategy"):
         DaemonConfig(copy_strategy="fast", run_dir=run_dir).validate()
+
+
+def test_a_cpu_daemon_ignores_an_offload_event(daemon):
+    import os
+
+    from kvcached_proto import Op, pack_block_ids, pack_keys
+
+    kv = small_kv(num_layers=2, num_blocks=16)
+    with daemon.connect() as c:
+        assert c.register_kv_cache(kv)["copy_strategy"] == "numpy"
+        assert c.cuda is None
+        keys = HASHER.hash_blocks(list(range(16 * 3)), 16)
+        reply = c._request(Op.OFFLOAD, None, keys=pack_keys(keys), blocks=pack_block_ids([0, 1, 2]),
+                           event=os.urandom(64))
+        assert c.wait_event(reply["task"], 10)["status"] == "done"
+        assert c.lookup(keys) == (3, 0)

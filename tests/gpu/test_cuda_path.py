@@ -220,3 +220,20 @@ def test_a_dead_engines_mappings_are_released(cuda_daemon):
             if engine.poll() is None:
                 engine.kill()
                 engine.wait(30)
+
+
+def test_a_bad_offload_event_handle_is_refused_and_changes_nothing(cuda_daemon):
+    from kvcached_client import RequestError
+    from kvcached_proto import ErrorCode, Op, pack_block_ids, pack_keys
+
+    kv = allocate_kv_cache(2, 32, SHAPE, torch.bfloat16, device=DEV)
+    with cuda_daemon.connect(timeout=60) as c:
+        c.register_kv_cache(kv)
+        keys = keys_for(4, 11)
+        for bad in (b"\x01" * 10, b"\x00" * 64):  # wrong size; the right size but no such event
+            with pytest.raises(RequestError) as err:
+                c._request(Op.OFFLOAD, None, keys=pack_keys(keys), blocks=pack_block_ids([0, 1, 2, 3]),
+                           event=bad)
+            assert err.value.code == ErrorCode.BAD_FIELD
+        assert c.lookup(keys) == (0, 0)
+        assert c.check() == "ok"
