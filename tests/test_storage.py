@@ -409,6 +409,64 @@ def test_redis_outage_makes_the_tier_unhealthy_not_the_daemon(run_dir, instance,
         h.stop()
 
 
+class Blackhole:
+    """A TCP port that accepts connections and never answers (a blackholed server)."""
+
+    def __init__(self):
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(128)
+        self.port = self.sock.getsockname()[1]
+        self.conns = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+
+    def close(self):
+        self.sock.close()
+        for conn in self.conns:
+            conn.close()
+        self._thread.join(5)
+
+
+def test_a_blackholed_redis_never_stalls_the_request_loop(run_dir, instance):
+    """Lookups run on the request thread: with a server that never answers, the tier goes
+    unhealthy and its probes run on their own thread, so every request keeps answering within a
+    client timeout (0.5 s) shorter than the 1 s a probe on the request thread would block."""
+    hole = Blackhole()
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    h = start(run_dir, instance, f"redis://127.0.0.1:{hole.port}/0")
+    try:
+        with h.connect(timeout=0.5) as c:
+            c.register_kv_cache(kv)
+            keys = keys_for(4, 31)
+            c.offload([0, 1, 2, 3], keys).wait(5)
+            deadline = time.monotonic() + 3.5  # three probe periods
+            n = 0
+            while time.monotonic() < deadline:
+                assert c.lookup(keys_for(4, 32)) == (0, 0)  # KvcachedTimeout if the loop stalls
+                assert c.lookup(keys) == (4, 0)
+                c.ping()
+                n += 1
+                time.sleep(0.01)
+            tier = c.status()["storage"][0]
+            assert tier["healthy"] is False and tier["errors"] >= 1
+            assert n > 20
+    finally:
+        h.stop()
+        hole.close()
+
+
 def _cluster(ports):
     nodes = []
     try:

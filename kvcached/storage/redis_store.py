@@ -5,13 +5,18 @@
 
 Keys are `{prefix}{key hex}`; values are record.py records (header with a checksum, then the
 page). A server that stops answering marks the tier unhealthy: lookups see 0 hits, puts are
-dropped and counted, and a health probe at most once a second brings it back.
+dropped and counted, and a probe thread pings once a second until it answers again.
+
+Lookups run on the daemon's request thread, so they never wait on a probe and use their own
+connection with a short timeout (LOOKUP_TIMEOUT_S): a server that accepts connections but
+never answers (a blackholed host) costs one request at most that long, then the tier is
+unhealthy and lookups skip it until the probe sees it back. Fetches and backups run on
+storage worker threads with the longer SOCKET_TIMEOUT_S.
 """
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Sequence
 from urllib.parse import parse_qs, urlparse
 
@@ -22,6 +27,7 @@ log = logging.getLogger(__name__)
 
 PROBE_EVERY_S = 1.0
 SOCKET_TIMEOUT_S = 1.0
+LOOKUP_TIMEOUT_S = 0.25
 
 
 class RedisBackend(StorageBackend):
@@ -42,18 +48,26 @@ class RedisBackend(StorageBackend):
         self.prefix = q.get("prefix", ["kvcached:"])[0].encode()
         self.ttl_s = int(q.get("ttl_s", ["0"])[0]) or None
         host, port = url.hostname or "127.0.0.1", url.port or 6379
-        common = dict(socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=SOCKET_TIMEOUT_S)
-        if self.cluster:
-            self._client = redis.cluster.RedisCluster(host=host, port=port, **common)
-        else:
-            db = int(url.path.strip("/") or 0)
-            self._client = redis.Redis(host=host, port=port, db=db, **common)
+        db = int(url.path.strip("/") or 0)
+
+        def connect(timeout: float):
+            common = dict(socket_timeout=timeout, socket_connect_timeout=timeout)
+            if self.cluster:
+                return redis.cluster.RedisCluster(host=host, port=port, **common)
+            return redis.Redis(host=host, port=port, db=db, **common)
+
         self._healthy = True
-        self._next_probe = 0.0
+        self._prober: threading.Thread | None = None
+        self._closed = threading.Event()
         self._lock = threading.Lock()
         self.counters = {"puts": 0, "gets": 0, "dropped_puts": 0, "errors": 0, "corrupt": 0}
         self.last_error = ""
-        self.health()
+        self._client = connect(SOCKET_TIMEOUT_S)
+        self._lookup_client = connect(LOOKUP_TIMEOUT_S)
+        try:
+            self._client.ping()
+        except redis.RedisError as exc:
+            self._failed(exc)
 
     def _name(self, key: bytes) -> bytes:
         return self.prefix + key.hex().encode()
@@ -61,33 +75,44 @@ class RedisBackend(StorageBackend):
     def _failed(self, exc: Exception) -> None:
         self.counters["errors"] += 1
         self.last_error = f"{type(exc).__name__}: {exc}"
-        if self._healthy:
-            log.warning("[redis] %s unhealthy: %s", self.uri, self.last_error)
-        self._healthy = False
-        self._next_probe = time.monotonic() + PROBE_EVERY_S
+        with self._lock:
+            if self._healthy:
+                log.warning("[redis] %s unhealthy: %s", self.uri, self.last_error)
+            self._healthy = False
+            if self._prober is None and not self._closed.is_set():
+                self._prober = threading.Thread(target=self._probe_until_healthy,
+                                                name="kvcached-redis-probe", daemon=True)
+                self._prober.start()
+
+    def _probe_until_healthy(self) -> None:
+        while not self._closed.wait(PROBE_EVERY_S):
+            try:
+                self._client.ping()
+            except self._redis.RedisError as exc:
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                continue
+            with self._lock:
+                self._healthy = True
+                self._prober = None
+            log.info("[redis] %s healthy again", self.uri)
+            return
+        with self._lock:
+            self._prober = None
 
     def _usable(self) -> bool:
-        return self._healthy or self.health()
+        return self._healthy
 
     def health(self) -> bool:
-        if not self._healthy and time.monotonic() < self._next_probe:
-            return False
-        try:
-            self._client.ping()
-        except self._redis.RedisError as exc:
-            self._failed(exc)
-            return False
-        if not self._healthy:
-            log.info("[redis] %s healthy again", self.uri)
-        self._healthy = True
-        return True
+        """The last known state: an operation that fails marks the tier down, the probe
+        thread marks it up again (no call here waits on the server)."""
+        return self._healthy
 
-    def _per_key(self, command: str, keys) -> list | None:
+    def _per_key(self, command: str, keys, client=None) -> list | None:
         """One pipelined command per key; None when the store is unusable or fails."""
         if not keys or not self._usable():
             return None
         try:
-            pipe = self._client.pipeline(transaction=False)
+            pipe = (client or self._client).pipeline(transaction=False)
             for key in keys:
                 getattr(pipe, command)(self._name(key))
             return pipe.execute()
@@ -96,7 +121,7 @@ class RedisBackend(StorageBackend):
             return None
 
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
-        found = self._per_key("exists", keys)
+        found = self._per_key("exists", keys, self._lookup_client)  # the request thread
         if found is None:
             return 0
         n = 0
@@ -187,7 +212,12 @@ class RedisBackend(StorageBackend):
                 "last_error": self.last_error, **self.counters}
 
     def close(self) -> None:
+        self._closed.set()
+        prober = self._prober
+        if prober is not None:
+            prober.join(SOCKET_TIMEOUT_S + PROBE_EVERY_S)
         self._client.close()
+        self._lookup_client.close()
 
 
 def _scatter(payload: memoryview, pieces) -> None:
