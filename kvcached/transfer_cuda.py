@@ -40,7 +40,7 @@ from .transfer import LOAD, OFFLOAD, CopyPlan, CopyTask, CpuCopier
 COPY_STRATEGIES = ("auto", "numpy", *cs.STRATEGIES)
 EVENT_GROUPS = 32
 IPC_EVENT_HANDLE_BYTES = 64
-STAGING_BYTES = 64 << 20  # per direction and part: bounds the device memory taken from the engine
+STAGING_BYTES = 64 << 20  # per direction: bounds the device memory taken from the engine
 OPENED_EVENTS_MAX = 256
 
 
@@ -66,7 +66,7 @@ class StrategyCopier:
         self.host_view = self.host  # zero_copy's device-addressable host rows (CPU: the same)
         self.device = self.dev[0][0].device
         self.host_contiguous = all(cs.rows_contiguous(t) for t in host_views[0])
-        self._staging: dict[tuple[str, int], torch.Tensor] = {}
+        self._staging: dict[str, torch.Tensor] = {}
 
     def _stream(self, kind: str):
         return contextlib.nullcontext()
@@ -90,13 +90,18 @@ class StrategyCopier:
             plan.extra["host_runs"] = cs.host_runs_for(plan.runs, self.host_contiguous)
         return plan
 
-    def staging(self, kind: str, part: int, like: torch.Tensor) -> torch.Tensor:
-        buf = self._staging.get((kind, part))
-        if buf is None:
-            rows = max(1, STAGING_BYTES // (like.shape[1] * like.element_size()))
-            buf = torch.empty((rows, like.shape[1]), dtype=like.dtype, device=self.device)
-            self._staging[(kind, part)] = buf
-        return buf
+    def staging(self, kind: str, like: torch.Tensor) -> torch.Tensor:
+        """One staging buffer per direction, viewed as rows like `like`'s. Every part and
+        layer of a direction reuses it: its copies are ordered on the direction's stream."""
+        flat = self._staging.get(kind)
+        if flat is None:
+            flat = torch.empty(STAGING_BYTES, dtype=torch.uint8, device=self.device)
+            self._staging[kind] = flat
+        row_bytes = like.shape[1] * like.element_size()
+        rows = max(1, STAGING_BYTES // row_bytes)
+        if rows * row_bytes > flat.numel():  # one row larger than the buffer
+            flat = self._staging[kind] = torch.empty(row_bytes, dtype=torch.uint8, device=self.device)
+        return flat[: rows * row_bytes].view(like.dtype).view(rows, like.shape[1])
 
     def offload_layer(self, layer: int, plan: CopyPlan) -> int:
         return self._layer(OFFLOAD, layer, plan)
@@ -113,12 +118,11 @@ class StrategyCopier:
                     fn(dev, host, x["pairs"], self.non_blocking)
                 elif x["strategy"] == "gather":
                     fn = cs.offload_gather if kind == OFFLOAD else cs.load_gather
-                    fn(dev, host, x["dev_index"], x["host_runs"], self.staging(kind, part, dev),
-                       self.non_blocking)
+                    fn(dev, host, x["dev_index"], x["host_runs"], self.staging(kind, dev), self.non_blocking)
                 else:
                     fn = cs.offload_zero_copy if kind == OFFLOAD else cs.load_zero_copy
                     fn(dev, self.host_view[layer][part], x["dev_index"], x["host_index"],
-                       self.staging(kind, part, dev))
+                       self.staging(kind, dev))
                 moved += len(plan.dev_ids) * dev.shape[1] * dev.element_size()
         return moved
 
