@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default="cpu",
                        help="cpu or cuda:N (transfer; cuda:N measures the copy strategies, the "
                             "daemon, layer-wise overlap and pinning, scripts/gpu_check.sh)")
+    bench.add_argument("--copy-strategy", default="auto",
+                       choices=["auto", "numpy", "runs", "gather", "zero_copy"],
+                       help="transfer on CPU: the daemon's --copy-strategy (default: auto)")
     bench.add_argument("--pin-gb", type=float, default=None,
                        help="transfer on CUDA: pin this much host memory and report the time "
                             "(default: 32, 2 with --quick)")
@@ -299,6 +302,8 @@ def cmd_bench(args) -> int:
     from . import bench
 
     kwargs = {"pin_gb": args.pin_gb} if args.pin_gb is not None else {}
+    if args.what == "transfer" and args.device == "cpu":
+        kwargs["copy_strategy"] = args.copy_strategy
     result = bench.run(args.what.replace("-", "_"), quick=args.quick, device=args.device,
                        files=args.files, trace=args.trace, **kwargs)
     if args.out:

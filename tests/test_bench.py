@@ -4,6 +4,9 @@ import json
 import subprocess
 import sys
 
+import pytest
+import torch
+
 
 def _bench(*args):
     out = subprocess.run([sys.executable, "-m", "kvcached", "bench", *args, "--quick", "--json"],
@@ -24,6 +27,19 @@ def test_bench_transfer_moves_the_bytes_it_reports():
     assert r["bytes_exact"] is True
     assert r["offload_gbps"] > 0 and r["load_gbps"] > 0 and r["memcpy_d2h_gbps"] > 0
     assert r["layer_signal"]["n"] > 0
+    assert r["copy_strategy"] == "numpy"
+
+
+def test_bench_transfer_runs_a_named_copy_strategy():
+    r = _bench("transfer", "--copy-strategy", "gather")
+    assert r["copy_strategy"] == "gather" and r["bytes_exact"] is True
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="scripts/gpu_check.sh runs it on a GPU")
+def test_bench_transfer_on_cuda_says_when_there_is_no_gpu():
+    out = subprocess.run([sys.executable, "-m", "kvcached", "bench", "transfer", "--device", "cuda:0",
+                          "--quick"], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "no CUDA device" in out.stderr
 
 
 def test_bench_storage_covers_disk_and_redis_when_installed():

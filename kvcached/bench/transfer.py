@@ -69,7 +69,7 @@ def _check(kv, blocks: np.ndarray, source_blocks: np.ndarray) -> bool:
     return True
 
 
-def run(quick: bool = False, device: str = "cpu", **kwargs) -> dict:
+def run(quick: bool = False, device: str = "cpu", copy_strategy: str = "auto", **kwargs) -> dict:
     if device != "cpu":
         from .transfer_cuda import run as run_cuda
 
@@ -82,11 +82,12 @@ def run(quick: bool = False, device: str = "cpu", **kwargs) -> dict:
     rng = np.random.default_rng(0)
     run_dir = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
     daemon = launch(instance=f"bench-xfer-{os.getpid()}", run_dir=run_dir,
-                    host_cache_gb=(n + 8) * page / 2**30)
+                    host_cache_gb=(n + 8) * page / 2**30,
+                    extra_args=["--copy-strategy", copy_strategy])
     try:
         with daemon.connect(name="bench-transfer", timeout=120) as client:
             kv = allocate_kv_cache(LAYERS, num_blocks, BLOCK_SHAPE, DTYPE)
-            client.register_kv_cache(kv)
+            strategy = client.register_kv_cache(kv)["copy_strategy"]
             offload_s, load_s, wakes, exact = [], [], [], True
             baseline = MemcpyBaseline(nbytes)
             for rep in range(repeats):
@@ -116,7 +117,7 @@ def run(quick: bool = False, device: str = "cpu", **kwargs) -> dict:
     off_gbps = nbytes / min(offload_s) / 1e9
     load_gbps = nbytes / min(load_s) / 1e9
     return {
-        "bench": "transfer", "device": device, "blocks": n, "bytes": nbytes,
+        "bench": "transfer", "device": device, "copy_strategy": strategy, "blocks": n, "bytes": nbytes,
         "layout": f"{LAYERS} layers x (K, V) {list(BLOCK_SHAPE)} bf16", "repeats": repeats,
         "memcpy_d2h_gbps": round(memcpy_d2h, 2), "memcpy_h2d_gbps": round(memcpy_h2d, 2),
         "offload_gbps": round(off_gbps, 2), "offload_ratio": ratio(off_gbps, memcpy_d2h),
@@ -130,7 +131,8 @@ def run(quick: bool = False, device: str = "cpu", **kwargs) -> dict:
 def format_result(r: dict) -> str:
     sig = r["layer_signal"] or {"p50_us": float("nan"), "p99_us": float("nan"), "n": 0}
     return "\n".join([
-        f"{r['blocks']} random blocks, {r['layout']}, {r['bytes'] / 2**30:.2f} GiB per direction",
+        f"{r['blocks']} random blocks, {r['layout']}, {r['bytes'] / 2**30:.2f} GiB per direction, "
+        f"copy strategy {r.get('copy_strategy', 'numpy')}",
         f"{'':<10} {'GB/s':>8} {'memcpy GB/s':>12} {'ratio':>6}",
         f"{'offload':<10} {r['offload_gbps']:>8.2f} {r['memcpy_d2h_gbps']:>12.2f} "
         f"{r['offload_ratio']:>6.2f}   (device -> host)",
