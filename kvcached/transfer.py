@@ -87,25 +87,10 @@ def widest_view(t: torch.Tensor) -> np.ndarray:
     return widen(t).numpy()
 
 
-class CpuCopier:
-    """Moves blocks between the registered device views and the host views, one layer at a time.
+class CopierHooks:
+    """What a GPU copier does with streams and events, as no-ops: on CPU a copy is done when
+    it returns. transfer_cuda.CudaCopier overrides them."""
 
-    Measured on CPU (see `kvcached bench transfer`): numpy's fancy-index assignment and
-    `take(mode="clip", out=...)` on int64 rows run at ~0.95x of a single-threaded memcpy, where
-    torch's index_copy_ reaches ~0.7x and uint8 rows ~0.25x. Block ids are validated before
-    a task is queued, so "clip" never changes an index.
-    """
-
-    strategy = "numpy"
-
-    def __init__(self, dev_views, host_views):
-        self.dev = [[widest_view(t) for t in row] for row in dev_views]
-        self.host = [[widest_view(t) for t in row] for row in host_views]
-
-    def plan(self, kind: str, dev_ids: np.ndarray, host_ids: np.ndarray) -> CopyPlan:
-        return CopyPlan.make(dev_ids, host_ids)
-
-    # What a GPU copier does with streams and events; on CPU a copy is done when it returns.
     def registration_reply(self) -> dict:
         return {}
 
@@ -123,6 +108,25 @@ class CpuCopier:
 
     def close(self) -> None:
         pass
+
+
+class CpuCopier(CopierHooks):
+    """Moves blocks between the registered device views and the host views, one layer at a time.
+
+    Measured on CPU (see `kvcached bench transfer`): numpy's fancy-index assignment and
+    `take(mode="clip", out=...)` on int64 rows run at ~0.95x of a single-threaded memcpy, where
+    torch's index_copy_ reaches ~0.7x and uint8 rows ~0.25x. Block ids are validated before
+    a task is queued, so "clip" never changes an index.
+    """
+
+    strategy = "numpy"
+
+    def __init__(self, dev_views, host_views):
+        self.dev = [[widest_view(t) for t in row] for row in dev_views]
+        self.host = [[widest_view(t) for t in row] for row in host_views]
+
+    def plan(self, kind: str, dev_ids: np.ndarray, host_ids: np.ndarray) -> CopyPlan:
+        return CopyPlan.make(dev_ids, host_ids)
 
     def offload_layer(self, layer: int, plan: CopyPlan) -> int:
         dev_ids, host_ids, runs = plan.dev_ids, plan.host_ids, plan.runs

@@ -35,7 +35,7 @@ from kvcached_proto import ErrorCode
 
 from . import copy_strategies as cs
 from .errors import OpError
-from .transfer import LOAD, OFFLOAD, CopyPlan, CopyTask, CpuCopier
+from .transfer import LOAD, OFFLOAD, CopierHooks, CopyPlan, CopyTask, CpuCopier
 
 COPY_STRATEGIES = ("auto", "numpy", *cs.STRATEGIES)
 EVENT_GROUPS = 32
@@ -54,7 +54,7 @@ def make_copier(device: str, strategy: str, dev_views, host_pool, num_layers: in
     return CudaCopier(dev_views, host_pool, strategy, device, num_layers)
 
 
-class StrategyCopier:
+class StrategyCopier(CopierHooks):
     """The torch strategies over [blocks, bytes] views; see copy_strategies.py."""
 
     non_blocking = False
@@ -125,22 +125,6 @@ class StrategyCopier:
                        self.staging(kind, dev))
                 moved += len(plan.dev_ids) * dev.shape[1] * dev.element_size()
         return moved
-
-    # stream and event hooks: a CPU copy is done when it returns
-    def registration_reply(self) -> dict:
-        return {}
-
-    def open_event(self, handle: bytes):
-        return None  # a CPU daemon has no events to wait on; the field is ignored
-
-    def begin_offload(self, task: CopyTask) -> None:
-        pass
-
-    def layer_loaded(self, slot: int, layer: int) -> None:
-        pass
-
-    def sync(self, kind: str) -> None:
-        pass
 
     def close(self) -> None:
         self._staging.clear()

@@ -88,7 +88,7 @@ class RedisBackend(StorageBackend):
         while not self._closed.wait(PROBE_EVERY_S):
             try:
                 self._client.ping()
-            except self._redis.RedisError as exc:
+            except Exception as exc:  # any failure keeps the tier down and the probe going
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 continue
             with self._lock:
