@@ -398,6 +398,11 @@ class Daemon:
         return out
 
     def _op_hello(self, routing_id: bytes, req) -> dict:
+        # A closed connection's fd may already be this new connection's: libzmq queues the
+        # close's monitor event before the fd is closed, so it is readable now. Handle it
+        # first, or it would be taken for this client's close.
+        for mon in self._monitors:
+            self._on_disconnects(mon)
         old = self.clients.get(routing_id)
         if old is not None and old.client_id != req.client:
             self.service.drop_client(old)

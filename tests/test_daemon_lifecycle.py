@@ -171,3 +171,17 @@ def test_numa_binding_of_the_host_pool(run_dir, instance):
 def test_a_numa_node_that_does_not_exist_is_refused(run_dir, instance):
     with pytest.raises(KvcachedError, match="NUMA node 63 does not exist"):
         launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05, extra_args=["--numa", "63"])
+
+
+def test_a_client_that_reconnects_at_once_is_not_taken_for_the_one_that_left(daemon):
+    """A new connection often gets the fd the closed one had; the close's monitor event must
+    not be read as the new client's (before the fix ~1 in 4 rounds lost the new client's
+    hello and its register answered NOT_HELLO)."""
+    from conftest import small_kv
+
+    kv = small_kv(num_layers=1, num_blocks=4)
+    for _ in range(60):
+        with daemon.connect() as c:
+            c.register_kv_cache(kv)
+        with daemon.connect() as c2:
+            c2.register_kv_cache(kv)
