@@ -64,23 +64,26 @@ def load_runs(dev, host, pairs, non_blocking: bool) -> None:
         dev[d:d + n].copy_(host[h:h + n], non_blocking=non_blocking)
 
 
+def _chunks(n: int, staging: torch.Tensor):
+    """(c0, c1, staging rows for positions [c0, c1)) over n positions: the staging buffer is
+    reused chunk after chunk (the copies of one stream run in order)."""
+    cap = staging.shape[0]
+    for c0 in range(0, n, cap):
+        c1 = min(c0 + cap, n)
+        yield c0, c1, staging[: c1 - c0]
+
+
 def offload_gather(dev, host, dev_index, runs, staging, non_blocking: bool) -> None:
     """dev_index: device ids on dev's device; runs: host runs; staging: [cap, row] on dev's
-    device, reused chunk after chunk (the copies of one stream run in order)."""
-    cap = staging.shape[0]
-    for c0 in range(0, len(dev_index), cap):
-        c1 = min(c0 + cap, len(dev_index))
-        out = staging[: c1 - c0]
+    device."""
+    for c0, c1, out in _chunks(len(dev_index), staging):
         torch.index_select(dev, 0, dev_index[c0:c1], out=out)
         for a, b, h in _clip(runs, c0, c1):
             host[h:h + (b - a)].copy_(out[a:b], non_blocking=non_blocking)
 
 
 def load_gather(dev, host, dev_index, runs, staging, non_blocking: bool) -> None:
-    cap = staging.shape[0]
-    for c0 in range(0, len(dev_index), cap):
-        c1 = min(c0 + cap, len(dev_index))
-        out = staging[: c1 - c0]
+    for c0, c1, out in _chunks(len(dev_index), staging):
         for a, b, h in _clip(runs, c0, c1):
             out[a:b].copy_(host[h:h + (b - a)], non_blocking=non_blocking)
         dev.index_copy_(0, dev_index[c0:c1], out)
@@ -88,18 +91,12 @@ def load_gather(dev, host, dev_index, runs, staging, non_blocking: bool) -> None
 
 def offload_zero_copy(dev, host_view, dev_index, host_index, staging) -> None:
     """host_view: the host rows as the device addresses them (the host view itself on CPU)."""
-    cap = staging.shape[0]
-    for c0 in range(0, len(dev_index), cap):
-        c1 = min(c0 + cap, len(dev_index))
-        out = staging[: c1 - c0]
+    for c0, c1, out in _chunks(len(dev_index), staging):
         torch.index_select(dev, 0, dev_index[c0:c1], out=out)
         host_view.index_copy_(0, host_index[c0:c1], out)
 
 
 def load_zero_copy(dev, host_view, dev_index, host_index, staging) -> None:
-    cap = staging.shape[0]
-    for c0 in range(0, len(dev_index), cap):
-        c1 = min(c0 + cap, len(dev_index))
-        out = staging[: c1 - c0]
+    for c0, c1, out in _chunks(len(dev_index), staging):
         torch.index_select(host_view, 0, host_index[c0:c1], out=out)
         dev.index_copy_(0, dev_index[c0:c1], out)

@@ -34,8 +34,8 @@ from ..host_pool import HostPool
 from ..transfer import LOAD, OFFLOAD
 from ..transfer_cuda import CudaCopier
 from .stats import ratio
+from .transfer import BLOCK_SHAPE, DTYPE, LAYERS, _check, _fill
 
-LAYERS, BLOCK_SHAPE, DTYPE = 32, (16, 8, 128), torch.bfloat16  # 32 KiB per layer per part
 CROSS_LAYER_BYTES = LAYERS * 2 * 32 * 1024
 STRATEGIES = ("runs", "gather", "zero_copy")
 HIDDEN, QKV, FFN = 4096, 3 * 4096, 11008
@@ -119,25 +119,6 @@ def _strategies(device, n: int, repeats: int, baseline: PinnedMemcpy) -> list[di
     return rows
 
 
-def _fill(kv, blocks: np.ndarray, salt: int = 0) -> None:
-    idx = torch.from_numpy(blocks).to(kv[0][0].device)
-    for layer, (k, v) in enumerate(kv):
-        for part, t in enumerate((k, v)):
-            marks = ((idx * 7 + layer * 3 + part + salt) % 251).to(DTYPE)
-            t[idx] = marks.view(-1, 1, 1, 1).expand(-1, *BLOCK_SHAPE)
-
-
-def _exact(kv, blocks: np.ndarray, source: np.ndarray) -> bool:
-    idx = torch.from_numpy(blocks).to(kv[0][0].device)
-    want_src = torch.from_numpy(source).to(kv[0][0].device)
-    for layer, (k, v) in enumerate(kv):
-        for part, t in enumerate((k, v)):
-            want = ((want_src * 7 + layer * 3 + part) % 251).to(DTYPE)
-            if not torch.equal(t[idx], want.view(-1, 1, 1, 1).expand(-1, *BLOCK_SHAPE)):
-                return False
-    return True
-
-
 class Forward:
     """A 32-layer forward with 7B-sized matmuls over `tokens` rows; each layer also reads its
     loaded KV blocks (what attention would do), so it depends on the load's bytes."""
@@ -187,7 +168,7 @@ def _daemon_runs(device, n: int, repeats: int, baseline: PinnedMemcpy, run_dir: 
                 loaded = task.wait(120)
                 torch.cuda.synchronize()
                 load_s.append(time.perf_counter() - t0)
-                exact &= loaded == n and _exact(kv, dst, src)
+                exact &= loaded == n and _check(kv, dst, src)
                 client.clear()
             overlap = _overlap(client, kv, num_blocks, device, rng)
     finally:
@@ -231,7 +212,7 @@ def _overlap(client, kv, num_blocks: int, device, rng) -> dict:
                 fwd.layer(kv[i], idx)
         with_load.append(_timed(overlapped))  # the end event follows the last layer's kernels
         tasks[-1].wait(120)
-    exact = _exact(kv, dst, src)
+    exact = _check(kv, dst, src)
     return {"tokens": 2048, "layer_ms": round(per_layer * 1e3, 3), "blocks": n,
             "forward_ms": round(min(alone) * 1e3, 2), "with_load_ms": round(min(with_load) * 1e3, 2),
             "ratio": ratio(min(with_load), min(alone)), "bytes_exact": bool(exact)}
