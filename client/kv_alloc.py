@@ -36,16 +36,28 @@ class _Segment:
     mm_ref: weakref.ref
 
 
-_segments: dict[str, _Segment] = {}
+_segments: dict[str, _Segment] = {}  # entries whose mapping is gone are pruned under _lock
 
 
 def _unlink(name: str) -> None:
-    with _lock:
-        _segments.pop(name, None)
+    """The segment's finalizer. It runs wherever a garbage collection happens - possibly on a
+    thread that holds _lock, in the middle of a walk over _segments - so it takes no lock and
+    touches nothing shared (taking _lock here deadlocked register_kv_cache)."""
     try:
         posix_ipc.unlink_shared_memory(name)
     except posix_ipc.ExistentialError:
         pass  # already swept (e.g. by the daemon after a restart); nothing left to free
+
+
+def _live_segments() -> list[_Segment]:
+    """(With _lock held.) The segments whose mapping is alive; prunes the others."""
+    live = []
+    for name, seg in list(_segments.items()):
+        if seg.mm_ref() is None:
+            del _segments[name]
+        else:
+            live.append(seg)
+    return live
 
 
 def _dtype_name(dtype) -> str:
@@ -94,6 +106,7 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_shape, dtype=None,
     mm, name = _shared_cpu_buffer(total)
     flat = torch.frombuffer(mm, dtype=torch.uint8, count=total)
     with _lock:
+        _live_segments()  # prune: a dead segment's address range may be this one's now
         _segments[name] = _Segment(name, flat.data_ptr(), total, weakref.ref(mm))
     out = []
     for layer in range(num_layers):
@@ -116,7 +129,7 @@ def _check_cuda_allocator() -> None:
 def _shm_handle(t: torch.Tensor) -> dict:
     ptr = t.data_ptr()
     with _lock:
-        for seg in _segments.values():
+        for seg in _live_segments():
             if seg.base <= ptr and ptr + t.numel() * t.element_size() <= seg.base + seg.size:
                 return {"kind": "shm", "name": seg.name, "offset": ptr - seg.base, "size": seg.size}
     raise KvcachedError(
