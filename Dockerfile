@@ -5,15 +5,20 @@
 #     --device cuda:0 --host-cache-gb 64 --storage 'disk:///var/cache/kvcached?capacity_gb=500' \
 #     --metrics-port 9400 --metrics-addr 0.0.0.0
 # --ipc host: CUDA IPC handles and the /dev/shm signal segment must be shared with the engine.
-FROM pytorch/pytorch:2.4.1-cuda12.4-cudnn9-runtime
-
-WORKDIR /opt/kvcached
+# The distribution (kvcached-sidecar) compiles one small C extension (the daemon's SIGBUS guard):
+# its wheel is built in the devel image, which has a compiler, and installed in the runtime one.
+FROM pytorch/pytorch:2.4.1-cuda12.4-cudnn9-devel AS build
+WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY kvcached ./kvcached
 COPY client ./client
 COPY proto ./proto
+RUN pip wheel --no-cache-dir --no-deps -w /wheels .
+
+FROM pytorch/pytorch:2.4.1-cuda12.4-cudnn9-runtime
+COPY --from=build /wheels /wheels
 # torch comes with the base image (>= 2.4 satisfies the requirement): pip adds only the rest
-RUN pip install --no-cache-dir ".[redis]" \
+RUN pip install --no-cache-dir /wheels/*.whl "redis>=5.0" && rm -rf /wheels \
  && useradd --create-home --uid 1000 kvcached \
  && mkdir -p /run/kvcached /var/cache/kvcached \
  && chown kvcached /run/kvcached /var/cache/kvcached && chmod 0700 /run/kvcached

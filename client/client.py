@@ -31,6 +31,7 @@ from kvcached_proto import (
     request_error,
 )
 from kvcached_proto.liveness import pid_alive
+from kvcached_proto.messages import ROLES
 from kvcached_proto.paths import DEFAULT_INSTANCE, check_instance, request_endpoint, resolve_run_dir
 from kvcached_proto.version import PROTOCOL_VERSION
 
@@ -49,8 +50,12 @@ class Client:
 
     def __init__(self, instance: str = DEFAULT_INSTANCE, run_dir: str | None = None,
                  timeout: float = DEFAULT_TIMEOUT_S, name: str = "", endpoint: str | None = None,
-                 curve_server_key_file: str | None = None, curve_client_key_file: str | None = None):
+                 curve_server_key_file: str | None = None, curve_client_key_file: str | None = None,
+                 role: str = "engine"):
+        if role not in ROLES:
+            raise ValueError(f"role {role!r}: expected one of {ROLES}")
         self.instance = check_instance(instance)
+        self.role = role
         self.run_dir = resolve_run_dir(run_dir)
         self.timeout = timeout
         self.name = name
@@ -73,12 +78,15 @@ class Client:
     def connect(cls, instance: str = DEFAULT_INSTANCE, run_dir: str | None = None,
                 timeout: float = DEFAULT_TIMEOUT_S, name: str = "", endpoint: str | None = None,
                 curve_server_key_file: str | None = None,
-                curve_client_key_file: str | None = None) -> "Client":
-        """endpoint: a tcp:// address of the daemon's --listen instead of its ipc socket; over
-        non-loopback TCP give the daemon's public key file and this client's secret key file
-        (CURVE; the client's public key must be in the daemon's --curve-allow-dir)."""
+                curve_client_key_file: str | None = None, role: str = "engine") -> "Client":
+        """endpoint: a tcp:// address of the daemon's --listen instead of its ipc socket; TCP
+        needs the daemon's public key file and this client's secret key file (CURVE; the
+        client's public key must be in the daemon's --curve-allow-dir).
+        role: "engine" (default), or "operator" (ipc socket only): an operator may send the
+        ops that change the daemon for every engine (clear, pause, resume, unregister_kv,
+        shutdown), which an engine may send only while its KV cache is the registered one."""
         client = cls(instance, run_dir, timeout, name, endpoint, curve_server_key_file,
-                     curve_client_key_file)
+                     curve_client_key_file, role)
         try:
             client._open()
         except BaseException:
@@ -97,7 +105,8 @@ class Client:
         self._sock.connect(self._endpoint)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
-        self.info = self._request(Op.HELLO, pid=os.getpid(), name=self.name)
+        hello = {"role": self.role} if self.role != "engine" else {}  # 1.0 daemons know no role
+        self.info = self._request(Op.HELLO, pid=os.getpid(), name=self.name, **hello)
         if self.info["epoch"] != self.signals.epoch:
             raise DaemonUnavailable("the daemon restarted during the handshake; connect again")
 
@@ -284,6 +293,13 @@ class Client:
 
     def shutdown(self, timeout: float | None = None) -> None:
         self._request(Op.SHUTDOWN, timeout)
+
+    def wait_storage_ready(self, timeout: float | None = None) -> None:
+        """Until every storage tier of the daemon is ready (the disk tier indexes what it holds
+        in the background after a start; lookups see no storage hits until then)."""
+        if self.signals is None:
+            raise DaemonUnavailable("client is closed")
+        self.signals.wait_storage_ready(self.timeout if timeout is None else timeout)
 
     @property
     def epoch(self) -> int:

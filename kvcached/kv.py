@@ -3,13 +3,21 @@
 Every registered tensor is seen here as a uint8 view `[num_blocks, block_bytes]`, so copies
 are layout-agnostic byte moves. CPU tensors are mapped from the engine's POSIX shared-memory
 segment; CUDA tensors are rebuilt from their CUDA IPC handles.
+
+A CPU segment is the client's: it must belong to the daemon's uid (checked on the open file,
+not its name), and it may shrink under the mapping. Every mapping is SIGBUS-guarded
+(sigbus.py): a copy that runs past a shrunken segment reads and writes zero pages instead of
+killing the daemon, and `lost` then names the segment, so the task fails and the registration
+takes no more work.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import mmap
 import os
 import re
+import stat
 
 import numpy as np
 import posix_ipc
@@ -18,6 +26,7 @@ import torch
 from kvcached_proto import ErrorCode
 from kvcached_proto.layout import LayoutSpec
 
+from . import sigbus
 from .errors import OpError
 
 log = logging.getLogger(__name__)
@@ -37,6 +46,7 @@ class KVRegistration:
         self.spec = spec
         self.owner = owner
         self._maps: dict[str, mmap.mmap] = {}
+        self._guards: dict[str, sigbus.GuardedMap] = {}
         self.views: list[list[torch.Tensor]] = []
         try:
             for layer in range(spec.num_layers):
@@ -53,6 +63,15 @@ class KVRegistration:
     def device(self) -> str:
         return self.spec.device
 
+    @property
+    def lost(self) -> str | None:
+        """Why this registration can no longer be copied from or to (None while it can)."""
+        shrunk = [name for name, g in self._guards.items() if g.faulted]
+        if shrunk:
+            return (f"KV segment {shrunk[0]} shrank under the daemon's mapping (truncated by "
+                    "its owner); register the KV cache again")
+        return None
+
     def _map(self, handle: dict, block_bytes: int) -> torch.Tensor:
         nbytes = self.spec.num_blocks * block_bytes
         if handle["kind"] == "shm":
@@ -67,16 +86,7 @@ class KVRegistration:
         offset = _int_field(handle, "offset")
         mm = self._maps.get(name)
         if mm is None:
-            try:
-                shm = posix_ipc.SharedMemory(name, flags=0)
-            except posix_ipc.ExistentialError:
-                raise OpError(ErrorCode.KV_MISMATCH, f"KV segment {name} does not exist") from None
-            try:
-                mm = mmap.mmap(shm.fd, shm.size)
-            finally:
-                shm.close_fd()
-            self._maps[name] = mm
-            _prefault(mm)
+            mm = self._open_segment(name)
         if offset + nbytes > len(mm):
             raise OpError(
                 ErrorCode.KV_MISMATCH,
@@ -84,15 +94,61 @@ class KVRegistration:
             )
         return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset)
 
+    def _open_segment(self, name: str) -> mmap.mmap:
+        if not sigbus.available():
+            raise OpError(ErrorCode.KV_MISMATCH, "CPU KV cannot be mapped safely: kvcached._sigbus "
+                          "is not built (reinstall kvcached with a C compiler present)")
+        try:
+            shm = posix_ipc.SharedMemory(name, flags=0)
+        except posix_ipc.ExistentialError:
+            raise OpError(ErrorCode.KV_MISMATCH, f"KV segment {name} does not exist") from None
+        except posix_ipc.PermissionsError:
+            raise OpError(ErrorCode.KV_MISMATCH, f"KV segment {name} is not readable by the daemon") from None
+        try:
+            st = os.fstat(shm.fd)
+            if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
+                raise OpError(ErrorCode.KV_MISMATCH,
+                              f"KV segment {name} belongs to uid {st.st_uid}, not to the daemon's "
+                              f"uid {os.getuid()}: refused")
+            if st.st_mode & 0o022:
+                raise OpError(ErrorCode.KV_MISMATCH, f"KV segment {name} is writable by group or "
+                              f"others (mode {st.st_mode & 0o777:o}): refused")
+            if st.st_size == 0:
+                raise OpError(ErrorCode.KV_MISMATCH, f"KV segment {name} is empty")
+            mm = mmap.mmap(shm.fd, st.st_size)
+        finally:
+            shm.close_fd()
+        guard = sigbus.GuardedMap(mm, len(mm))
+        self._maps[name], self._guards[name] = mm, guard
+        _prefault(mm)  # guarded: a segment shrunk meanwhile shows up as `lost`, not SIGBUS
+        if guard.faulted:
+            raise OpError(ErrorCode.KV_MISMATCH, f"KV segment {name} shrank while it was mapped")
+        return mm
+
     def close(self) -> None:
         self.views = []
-        for name, mm in self._maps.items():
-            try:
-                mm.close()
-            except BufferError:
-                # a tensor view is still referenced (a copy in flight); the mapping goes when it does
-                log.debug("[kv] mapping of %s still referenced; left to the garbage collector", name)
+        for name, mm in list(self._maps.items()):
+            _close_guarded(mm, self._guards.pop(name, None))
         self._maps.clear()
+
+
+_unclosed: list[tuple[mmap.mmap, "sigbus.GuardedMap | None"]] = []
+
+
+def _close_guarded(mm: mmap.mmap, guard) -> None:
+    """Unmap, then drop the guard (never the other way round: an unguarded live mapping could
+    still fault). A mapping a stray view still holds stays guarded and is retried later."""
+    _unclosed.append((mm, guard))
+    gc.collect()  # views of a replaced copier may sit in reference cycles
+    for item in list(_unclosed):
+        try:
+            item[0].close()
+        except BufferError:
+            log.debug("[kv] a mapping is still referenced; kept guarded, closed later")
+            continue
+        _unclosed.remove(item)
+        if item[1] is not None:
+            item[1].release()
 
 
 def _prefault(mm: mmap.mmap) -> None:

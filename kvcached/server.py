@@ -19,6 +19,7 @@ import posix_ipc
 import zmq
 
 from kvcached_proto import (
+    OP_SPECS,
     ErrorCode,
     Op,
     ProtocolError,
@@ -33,7 +34,7 @@ from kvcached_proto.paths import lock_path, request_endpoint, socket_paths, stat
 from kvcached_proto.shm_layout import Flag, State
 from kvcached_proto.version import PROTOCOL_VERSION
 
-from . import __version__
+from . import __version__, machine, sigbus
 from .config import DaemonConfig, prepare_run_dir
 from .errors import OpError, StartupError
 from .events import EventSink
@@ -45,6 +46,7 @@ from .status import StatusThread
 log = logging.getLogger(__name__)
 
 POLL_MS = 50
+LOOP_STALL_S = 5.0  # the request loop not turning for this long makes status `degraded`
 ZMTP_HEARTBEAT_MS, ZMTP_HEARTBEAT_TIMEOUT_MS = 1000, 5000
 CURVE_TAG = b"C"  # ROUTER-made ids start with 0x00: this prefix cannot collide
 CLIENT_REAP_PERIOD_S = 0.25
@@ -68,12 +70,14 @@ class ClientInfo:
     connected_ns: int
     pid_visible: bool = True  # False across pid namespaces: no pid-based reaping then
     fd: int = -1              # the connection's socket fd: its close means the client is gone
+    role: str = "engine"      # "operator": may send the admin ops (ipc socket only)
 
 
 class Daemon:
     def __init__(self, config: DaemonConfig):
         self.cfg = config
         self.started_ns = time.monotonic_ns()
+        self._loop_turned = time.monotonic()  # the request loop's last turn (status reads it)
         self.stop_requested = threading.Event()
         self.clients: dict[bytes, ClientInfo] = {}
         self._lock_fd: int | None = None
@@ -90,11 +94,10 @@ class Daemon:
         self.service: CacheService | None = None
         self._status_thread: StatusThread | None = None
         self.metrics: Metrics | None = None
-        self._handlers = {
+        self._handlers = {  # the ops a client may send before hello
             Op.HELLO: self._op_hello,
             Op.PING: lambda ident, req: {},
             Op.STATUS: self._op_status,
-            Op.SHUTDOWN: self._op_shutdown,
             Op.BYE: self._op_bye,
         }
 
@@ -115,6 +118,9 @@ class Daemon:
     def _start(self) -> None:
         cfg = self.cfg
         os.umask(0o077)  # socket files and anything else we create: owner only
+        sigbus.install()  # a client's shrunken KV segment must not kill the daemon
+        machine.check_device(cfg.device)
+        machine.check_host_memory(cfg.host_cache_bytes)
         prepare_run_dir(cfg.run_dir)
         self._take_instance_lock()
         self._sweep_socket_files()
@@ -128,11 +134,8 @@ class Daemon:
         self._router.setsockopt(zmq.SNDHWM, 100000)
         _heartbeats(self._router)
         self._router.bind(request_endpoint(cfg.run_dir, cfg.instance))
-        if cfg.curve_secret_key_file:
+        if cfg.curve_secret_key_file:  # config validation refuses --listen without it
             self._curve_router = self._curve_socket()
-        else:
-            for endpoint in cfg.listen:
-                self._router.bind(endpoint)
         for sock in (self._router, self._curve_router):
             if sock is not None:
                 self._monitors.append(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
@@ -177,7 +180,11 @@ class Daemon:
         sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
         _heartbeats(sock)
         for endpoint in cfg.listen:
-            sock.bind(endpoint)
+            try:
+                sock.bind(endpoint)
+            except zmq.ZMQError as exc:
+                sock.close(linger=0)  # else the context's term() waits for it forever
+                raise StartupError(f"--listen {endpoint}: cannot listen there: {exc}") from None
         log.info("[startup] CURVE on %s; allowed client keys from %s", ", ".join(cfg.listen),
                  cfg.curve_allow_dir)
         return sock
@@ -219,13 +226,15 @@ class Daemon:
         Every step runs even if an earlier one fails; the first failure is re-raised at the end.
         """
         errors: list[BaseException] = []
+        owned = self._lock_fd is not None  # a start refused for a running instance stops nothing
         for step in (self._close_service, self._close_sockets, self._close_files):
             try:
                 step()
             except BaseException as exc:
                 log.exception("[shutdown] %s failed", step.__name__)
                 errors.append(exc)
-        log.info("[shutdown] instance %s stopped", self.cfg.instance)
+        if owned:
+            log.info("[shutdown] instance %s stopped", self.cfg.instance)
         if errors:
             raise errors[0]
 
@@ -287,6 +296,7 @@ class Daemon:
         next_reap = time.monotonic() + CLIENT_REAP_PERIOD_S
         next_stats = time.monotonic() + self.cfg.stats_interval_s
         while not self.stop_requested.is_set():
+            self._loop_turned = time.monotonic()
             ready = dict(poller.poll(POLL_MS))
             for mon in self._monitors:  # before requests: a closed fd may be reused meanwhile
                 if mon in ready:
@@ -386,9 +396,42 @@ class Daemon:
         client = self.clients.get(routing_id)
         if client is None:
             raise OpError(ErrorCode.NOT_HELLO, f"{req.op.name.lower()} before hello")
+        spec = OP_SPECS[req.op]
+        if spec.admin:
+            self._check_admin(client, req.op)
+        if spec.needs_kv:
+            self._check_kv_owner(client, req.op)
+        if req.op == Op.SHUTDOWN:
+            return self._op_shutdown(routing_id, req)
         if self.stop_requested.is_set():
             raise OpError(ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
+        if req.op == Op.REGISTER_KV:
+            self._reap_dead_clients()  # an engine that died a moment ago holds no registration
         return self.service.handle(client, req)
+
+    def _check_kv_owner(self, client: ClientInfo, op: Op) -> None:
+        """offload and load read and write the registered engine's memory: its client only."""
+        kv = self.service.kv
+        if kv is None:
+            raise OpError(ErrorCode.NOT_REGISTERED, f"{op.name.lower()} before register_kv")
+        if kv.owner != client.client_id:
+            raise OpError(ErrorCode.FORBIDDEN,
+                          f"{op.name.lower()} copies into or out of the registered KV cache, which "
+                          f"belongs to client {kv.owner}: only that client may send it")
+
+    def _check_admin(self, client: ClientInfo, op: Op) -> None:
+        """Ops that change the daemon for every engine: the registered engine or an operator."""
+        if client.role == "operator":
+            return
+        kv = self.service.kv if self.service is not None else None
+        if kv is not None and kv.owner == client.client_id:
+            return
+        owner = f"the registered engine (client {kv.owner})" if kv is not None else \
+            "the registered engine (none is registered)"
+        raise OpError(ErrorCode.FORBIDDEN,
+                      f"{op.name.lower()} changes the daemon for every engine: only {owner} or an "
+                      "operator may send it (Client.connect(role='operator') on the ipc socket, "
+                      "as `kvcached stop` does)")
 
     # lifecycle ops --------------------------------------------------------
     def _op_status(self, routing_id: bytes, req) -> dict:
@@ -403,16 +446,26 @@ class Daemon:
         # first, or it would be taken for this client's close.
         for mon in self._monitors:
             self._on_disconnects(mon)
+        role = req.body["role"]
+        if role == "operator" and routing_id[:1] == CURVE_TAG:
+            raise OpError(ErrorCode.FORBIDDEN, "the operator role is for the ipc socket in the "
+                          "run dir only, not for TCP clients")
+        for rid_other, other in self.clients.items():
+            if other.client_id == req.client and rid_other != routing_id:
+                raise OpError(ErrorCode.CLIENT_ID_IN_USE,
+                              f"client id {req.client!r} is in use by another connection "
+                              f"(pid {other.pid}); every connection needs its own id")
         old = self.clients.get(routing_id)
         if old is not None and old.client_id != req.client:
             self.service.drop_client(old)
         self.clients[routing_id] = ClientInfo(
             req.client, routing_id, req.body["pid"], req.body["name"], time.monotonic_ns(),
-            pid_visible=pid_alive(req.body["pid"]), fd=self._last_fd,
+            pid_visible=pid_alive(req.body["pid"]), fd=self._last_fd, role=role,
         )
         if self._last_fd >= 0:
             self._fd_clients[self._last_fd] = routing_id
-        log.info("[handshake] client %s (pid %d %s)", req.client, req.body["pid"], req.body["name"])
+        log.info("[handshake] client %s (pid %d %s, %s)", req.client, req.body["pid"],
+                 req.body["name"], role)
         return {
             "daemon_version": __version__,
             "protocol_version": list(PROTOCOL_VERSION),
@@ -468,7 +521,20 @@ class Daemon:
         }
         if self.service is not None:
             status.update(self.service.status())
+        lag = time.monotonic() - self._loop_turned
+        status["stalled"] = lag > LOOP_STALL_S and not self.stop_requested.is_set()
+        status["degraded"] = self._degraded(status, lag)
         return status
+
+    def _degraded(self, status: dict, lag: float) -> list[str]:
+        """What keeps the daemon from serving fully, for operators. Only a stalled request
+        loop makes `kvcached status` fail (exit 4: the health check's cue to restart it); a
+        store that is down is not something a restart of the daemon mends."""
+        out = [f"the request loop has not turned for {lag:.1f} s"] if status["stalled"] else []
+        for tier in status.get("storage", []):
+            if not tier.get("healthy", True):
+                out.append(f"storage {tier['uri']} unhealthy: {tier.get('last_error') or 'down'}")
+        return out
 
 
 def stats_line(s: dict) -> str:

@@ -37,7 +37,6 @@ from . import copy_strategies as cs
 from .errors import OpError
 from .transfer import LOAD, OFFLOAD, CopierHooks, CopyPlan, CopyTask, CpuCopier
 
-COPY_STRATEGIES = ("auto", "numpy", *cs.STRATEGIES)
 EVENT_GROUPS = 32
 IPC_EVENT_HANDLE_BYTES = 64
 STAGING_BYTES = 64 << 20  # per direction: bounds the device memory taken from the engine
@@ -128,6 +127,7 @@ class StrategyCopier(CopierHooks):
 
     def close(self) -> None:
         self._staging.clear()
+        self.dev = self.host = self.host_view = []  # the registration can be unmapped now
 
 
 class CudaCopier(StrategyCopier):

@@ -23,6 +23,7 @@ INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
 TIERS = ("host", "storage", "all")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+ROLES = ("engine", "operator")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class OpSpec:
     op: Op
     fields: tuple[Field, ...] = ()
     needs_kv: bool = False  # refused with NOT_REGISTERED before register_kv
+    admin: bool = False  # changes the daemon for every client: the registered engine or an
+    #                      operator only (FORBIDDEN otherwise)
 
 
 KEYS = Field("keys", "keys")
@@ -51,13 +54,14 @@ PRIORITY = Field("priority", "int", required=False, default=0, lo=-1000, hi=1000
 OP_SPECS: dict[Op, OpSpec] = {
     s.op: s
     for s in (
-        OpSpec(Op.HELLO, (Field("pid", "uint", hi=2**31 - 1), Field("name", "str", False, "", 256))),
+        OpSpec(Op.HELLO, (Field("pid", "uint", hi=2**31 - 1), Field("name", "str", False, "", 256),
+                          Field("role", "choice", False, "engine", choices=ROLES))),
         OpSpec(Op.PING),
         OpSpec(Op.STATUS, (Field("check", "bool", False, False),)),
-        OpSpec(Op.SHUTDOWN),
+        OpSpec(Op.SHUTDOWN, admin=True),
         OpSpec(Op.BYE),
         OpSpec(Op.REGISTER_KV, (Field("layout", "map"),)),
-        OpSpec(Op.UNREGISTER_KV),
+        OpSpec(Op.UNREGISTER_KV, admin=True),
         OpSpec(
             Op.OFFLOAD,
             (KEYS, BLOCKS, PRIORITY, Field("event", "bytes", False, b"", 1024)),
@@ -79,9 +83,10 @@ OP_SPECS: dict[Op, OpSpec] = {
             Op.CLEAR,
             (Field("tier", "choice", False, "all", choices=TIERS),
              Field("weights_update", "bool", False, False)),
+            admin=True,
         ),
-        OpSpec(Op.PAUSE),
-        OpSpec(Op.RESUME),
+        OpSpec(Op.PAUSE, admin=True),
+        OpSpec(Op.RESUME, admin=True),
     )
 }
 

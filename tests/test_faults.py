@@ -40,10 +40,10 @@ def test_a_killed_engine_has_its_tasks_cancelled_and_pins_released(run_dir, inst
         engine = subprocess.Popen([sys.executable, "-c", ENGINE, instance, run_dir],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert engine.stdout.readline().strip() == "ready"
-        with h.connect() as other:
+        with h.connect(role="operator") as other:
             before = other.status()
             assert before["tasks"]["queued"] == 2 and before["host"]["pinned_blocks"] == 200
-            other.resume()  # the engine paused the daemon; a second client lifts it
+            other.resume()  # the engine paused the daemon; an operator lifts it
             engine.kill()
             engine.wait(10)
             start = time.monotonic()
@@ -135,31 +135,37 @@ def test_many_clients_at_once_lose_and_duplicate_no_completion(run_dir, instance
 
 
 def test_a_client_whose_pid_the_daemon_cannot_see_is_released_when_its_connection_closes(daemon):
-    """Across pid namespaces the pid means nothing; the closed connection tells instead."""
+    """Across pid namespaces the pid means nothing; the closed connection tells instead: the
+    stranger's queued load is cancelled, its pins and its KV mapping released."""
+    from kvcached_client.kv_alloc import describe_kv_cache
     from kvcached_proto import encode, make_request, pack_block_ids, pack_keys
     from rawsock import RawSocket
 
     kv = small_kv()
     keys = HASHER.hash_blocks(list(range(16 * 4)), 16)
-    with daemon.connect() as owner:
-        owner.register_kv_cache(kv)
-        owner.offload([0, 1, 2, 3], keys).wait(10)
-        owner.pause()  # the stranger's load stays queued, pinning 4 host blocks
+    with daemon.connect() as first, daemon.connect(role="operator") as operator:
+        first.register_kv_cache(kv)
+        first.offload([0, 1, 2, 3], keys).wait(10)
+        first.unregister_kv_cache()  # the host tier keeps the blocks
         raw = RawSocket(daemon.run_dir, daemon.instance)
         unseen_pid = 2**22 + 12345  # above pid_max: not a pid this namespace has
         assert raw.ask(encode(make_request(Op.HELLO, 1, "stranger", pid=unseen_pid)))["ok"]
-        reply = raw.ask(encode(make_request(Op.LOAD, 2, "stranger", keys=pack_keys(keys),
+        assert raw.ask(encode(make_request(Op.REGISTER_KV, 2, "stranger",
+                                           layout=describe_kv_cache(kv))))["ok"]
+        operator.pause()  # the stranger's load stays queued, pinning 4 host blocks
+        reply = raw.ask(encode(make_request(Op.LOAD, 3, "stranger", keys=pack_keys(keys),
                                             blocks=pack_block_ids([8, 9, 10, 11]))))
         assert reply["ok"], reply
-        s = owner.status()
-        assert s["clients"] == 2 and s["tasks"]["queued"] == 1 and s["host"]["pinned_blocks"] == 4
+        s = operator.status()
+        assert s["clients"] == 3 and s["tasks"]["queued"] == 1 and s["host"]["pinned_blocks"] == 4
         raw.close()
         start = time.monotonic()
         while True:
-            s = owner.status()
-            if (s["clients"], s["tasks"]["queued"], s["host"]["pinned_blocks"]) == (1, 0, 0):
+            s = operator.status()
+            if (s["clients"], s["tasks"]["queued"], s["host"]["pinned_blocks"]) == (2, 0, 0):
                 break
             assert time.monotonic() - start < 2.0, s
             time.sleep(0.02)
-        owner.resume()
-        assert owner.status()["kv"]["registered"] is True  # the owner's mapping is untouched
+        operator.resume()
+        assert operator.status()["kv"]["registered"] is False  # its mapping went with it
+        assert operator.check() == "ok"

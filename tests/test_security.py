@@ -1,15 +1,70 @@
-"""Who may talk to a daemon over TCP (CURVE + allow-list), and tenants kept apart."""
+"""Who may talk to a daemon and what they may do: TCP only with CURVE (loopback included),
+segments owned by the daemon's uid, one engine per instance, admin ops for the registered
+engine or an operator, unique client ids, tenants kept apart, and a client that shrinks its own
+segment fails its own tasks only. Hostile processes run as a second uid where the test machine
+allows it (root), else those tests skip with the reason."""
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import subprocess
 import sys
+import time
 
+import posix_ipc
 import pytest
+import torch
 from conftest import free_port, small_kv
 
 from kvcached_client import BlockHasher, Client, DaemonUnavailable, launch, make_namespace
+from kvcached_client.kv_alloc import describe_kv_cache
+from kvcached_proto import ErrorCode, Op, RequestError, TaskFailed
+
+OTHER_UID = 65534  # nobody
+
+
+def _other_uid():
+    if os.getuid() != 0:
+        pytest.skip("a second uid needs root to setuid (this test runs as uid %d)" % os.getuid())
+    return OTHER_UID
+
+
+def run_as_other_uid(fn, *args, timeout: float = 30) -> str:
+    """fn(*args) in a forked child that dropped to another uid; returns what it returned, as
+    text ("error: ..." when it raised). Forked, not exec'd: that uid may not be able to read
+    this interpreter's files."""
+    uid = _other_uid()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            os.write(w, str(fn(*args)).encode())
+            code = 0
+        except BaseException as exc:  # reported to the parent through the pipe
+            os.write(w, f"error: {type(exc).__name__}: {exc}".encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    deadline = time.monotonic() + timeout
+    chunks = []
+    with os.fdopen(r, "rb") as f:
+        while True:
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                break
+            if select.select([f], [], [], 0.1)[0]:
+                chunk = f.read1(4096)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+    os.waitpid(pid, 0)
+    return b"".join(chunks).decode()
 
 
 def keygen(directory, name) -> tuple[str, str]:
@@ -57,11 +112,13 @@ def test_clients_without_an_allowed_key_cannot_connect(curve_daemon):
         assert local.ping() < 1.0
 
 
-def test_non_loopback_tcp_without_curve_keys_does_not_start(run_dir, instance):
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "localhost"])
+def test_tcp_without_curve_keys_does_not_start_loopback_included(run_dir, instance, host):
     out = subprocess.run([sys.executable, "-m", "kvcached", "serve", "--instance", instance,
-                          "--run-dir", run_dir, "--listen", f"tcp://0.0.0.0:{free_port()}"],
+                          "--run-dir", run_dir, "--listen", f"tcp://{host}:{free_port()}"],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 1 and "need CURVE keys" in out.stderr
+    assert out.returncode == 1 and "TCP needs CURVE keys" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_one_tenants_keys_are_never_served_to_another(daemon):
@@ -75,3 +132,238 @@ def test_one_tenants_keys_are_never_served_to_another(daemon):
         assert c.lookup(keys_a) == (4, 0)
         assert c.lookup(keys_b) == (0, 0)  # same tokens, same model: another tenant's keys
         assert c.load(keys_b, range(8, 12)).wait(10) == 0
+
+
+# another uid ---------------------------------------------------------------------------------
+
+def _raw_hello(endpoint: str) -> str:
+    import msgpack
+    import zmq
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    s.send(msgpack.packb({"proto": [1, 1], "op": 1, "rid": 1, "client": "intruder", "pid": 1}))
+    answered = s.poll(1500)
+    s.close(0)
+    ctx.term()
+    return "answered" if answered else "silent"
+
+
+def _create_segment(name: str, size: int) -> str:
+    posix_ipc.SharedMemory(name, posix_ipc.O_CREX, 0o600, size).close_fd()
+    return "created"
+
+
+def test_another_uid_gets_no_answer_on_tcp_or_the_ipc_socket(curve_daemon):
+    d, endpoint, *_ = curve_daemon
+    for target in (endpoint, f"ipc://{d.run_dir}/{d.instance}.sock"):
+        assert run_as_other_uid(_raw_hello, target) == "silent", target
+    with d.connect() as c:
+        assert c.status()["clients"] == 1  # nobody got in
+
+
+def test_a_segment_created_by_another_uid_is_refused(daemon):
+    kv = small_kv(num_layers=1, num_blocks=4, block_shape=(16, 2, 8))
+    layout = describe_kv_cache(kv)
+    size = layout["tensors"][0]["handle"]["size"]
+    forged = f"/kvcached.{os.getuid()}.kv.{os.getpid()}.999"  # our uid's name, their file
+    assert run_as_other_uid(_create_segment, forged, size) == "created"
+    try:
+        for t in layout["tensors"]:
+            t["handle"]["name"] = forged
+        with daemon.connect() as c:
+            with pytest.raises(RequestError) as e:
+                c._request(Op.REGISTER_KV, layout=layout)
+            assert e.value.code == ErrorCode.KV_MISMATCH and f"uid {OTHER_UID}" in e.value.message
+            assert c.status()["kv"]["registered"] is False
+    finally:
+        posix_ipc.unlink_shared_memory(forged)
+
+
+def test_a_segment_writable_by_others_is_refused(daemon):
+    kv = small_kv(num_layers=1, num_blocks=4, block_shape=(16, 2, 8))
+    name = describe_kv_cache(kv)["tensors"][0]["handle"]["name"]
+    os.chmod(f"/dev/shm{name}", 0o666)
+    with daemon.connect() as c:
+        with pytest.raises(RequestError, match="writable by group or others"):
+            c.register_kv_cache(kv)
+
+
+# one engine per instance, admin ops -----------------------------------------------------------
+
+KEYS_A = BlockHasher("engine-a").hash_blocks(list(range(4 * 16)), 16)
+
+
+def _registered_engine(daemon):
+    kv = small_kv(num_layers=2, num_blocks=16, block_shape=(16, 2, 8), seed=1)
+    c = daemon.connect()
+    c.register_kv_cache(kv)
+    c.offload(range(4), KEYS_A).wait(10)
+    return c, kv
+
+
+def test_a_second_register_kv_is_refused_and_the_first_engine_keeps_its_bytes(daemon):
+    a, kv_a = _registered_engine(daemon)
+    kv_b = small_kv(num_layers=2, num_blocks=16, block_shape=(16, 2, 8), seed=2)
+    with a, daemon.connect() as b:
+        with pytest.raises(RequestError) as e:
+            b.register_kv_cache(kv_b)
+        assert e.value.code == ErrorCode.KV_IN_USE
+        assert a.status()["kv"]["owner"] == a.client_id
+        # A's load lands in A's memory, with A's bytes; B's memory is untouched
+        b_before = [t.clone() for layer in kv_b for t in layer]
+        assert a.load(KEYS_A, range(8, 12)).wait(10) == 4
+        for k, v in kv_a:
+            assert torch.equal(k[8:12], k[0:4]) and torch.equal(v[8:12], v[0:4])
+        assert all(torch.equal(x, y) for x, y in zip(b_before, [t for layer in kv_b for t in layer]))
+
+
+def test_the_same_engine_may_register_again(daemon):
+    a, kv = _registered_engine(daemon)
+    with a:
+        reply = a.register_kv_cache(kv)
+        assert reply["kept_blocks"] == 4
+
+
+def test_admin_ops_are_forbidden_to_an_engine_that_is_not_the_registered_one(daemon):
+    a, _ = _registered_engine(daemon)
+    with a, daemon.connect() as b:
+        for op in ("clear", "pause", "resume", "unregister_kv_cache", "shutdown"):
+            with pytest.raises(RequestError) as e:
+                getattr(b, op)()
+            assert e.value.code == ErrorCode.FORBIDDEN, op
+            s = a.status()
+            assert (s["state"], s["kv"]["owner"], s["host"]["blocks"]) == ("normal", a.client_id, 4)
+            assert a.lookup(KEYS_A) == (4, 0) and daemon.alive()
+
+
+def test_admin_ops_are_forbidden_while_no_engine_is_registered(daemon):
+    with daemon.connect() as c:
+        with pytest.raises(RequestError) as e:
+            c.clear()
+        assert e.value.code == ErrorCode.FORBIDDEN
+
+
+def test_the_registered_engine_and_an_operator_may_send_admin_ops(daemon):
+    a, _ = _registered_engine(daemon)
+    with a, daemon.connect(role="operator") as op:
+        a.pause()
+        a.resume()
+        assert op.clear(tier="host") == 4
+        op.pause()
+        op.resume()
+        assert a.status()["state"] == "normal"
+        op.shutdown()
+    daemon.proc.wait(30)
+    assert daemon.proc.returncode == 0
+
+
+def test_the_operator_role_is_refused_over_tcp(curve_daemon):
+    d, endpoint, server_pub, allowed_secret, _ = curve_daemon
+    with pytest.raises(RequestError) as e:
+        Client.connect(d.instance, d.run_dir, timeout=3, endpoint=endpoint, role="operator",
+                       curve_server_key_file=server_pub, curve_client_key_file=allowed_secret)
+    assert e.value.code == ErrorCode.FORBIDDEN
+
+
+def test_a_client_id_in_use_by_another_connection_is_refused(daemon):
+    a, kv = _registered_engine(daemon)
+    with a:
+        impostor = Client(daemon.instance, daemon.run_dir, timeout=3)
+        impostor.client_id = a.client_id  # the id status shows as kv.owner
+        with pytest.raises(RequestError) as e:
+            impostor._open()
+        assert e.value.code == ErrorCode.CLIENT_ID_IN_USE
+        impostor.close()
+        assert a.status()["kv"]["owner"] == a.client_id
+        assert a.load(KEYS_A, range(8, 12)).wait(10) == 4
+
+
+def test_a_closed_or_killed_engine_leaves_the_instance_to_the_next(daemon):
+    a, _ = _registered_engine(daemon)
+    a.close()
+    with daemon.connect() as b:
+        b.register_kv_cache(small_kv(num_layers=2, num_blocks=16, block_shape=(16, 2, 8)))
+    engine = subprocess.Popen([sys.executable, "-c", _HOLD_ENGINE, daemon.instance, daemon.run_dir],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert engine.stdout.readline().strip() == "registered"
+        engine.kill()
+        engine.wait(10)
+        with daemon.connect() as c:  # at once: the dead engine is reaped at register_kv
+            c.register_kv_cache(small_kv(num_layers=2, num_blocks=16, block_shape=(16, 2, 8)))
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait(10)
+
+
+_HOLD_ENGINE = """
+import sys, torch
+from kvcached_client import Client, allocate_kv_cache
+c = Client.connect(sys.argv[1], sys.argv[2], timeout=10)
+c.register_kv_cache(allocate_kv_cache(2, 16, (16, 2, 8), torch.bfloat16))
+print("registered", flush=True)
+sys.stdin.read() if not sys.stdin.isatty() else None
+import time; time.sleep(60)
+"""
+
+
+# a client that shrinks its own segment ------------------------------------------------------
+
+def test_a_truncated_segment_fails_its_clients_tasks_and_the_daemon_lives(daemon):
+    a, kv = _registered_engine(daemon)
+    with a:
+        name = describe_kv_cache(kv)["tensors"][0]["handle"]["name"]
+        shm = posix_ipc.SharedMemory(name, flags=0)
+        os.ftruncate(shm.fd, 0)
+        shm.close_fd()
+        assert a.load(KEYS_A, range(8, 12)).wait(10) == 0  # failed: nothing valid
+        assert daemon.alive()
+        lost = a.status()["kv"]["lost"]
+        assert lost and name in lost
+        with pytest.raises(RequestError) as e:
+            a.offload(range(4), BlockHasher("after").hash_blocks(list(range(64)), 16))
+        assert e.value.code == ErrorCode.KV_MISMATCH
+        assert a.check() == "ok" and a.status()["host"]["pinned_blocks"] == 0
+    # another engine's memory is served the bytes stored before the truncation, exactly
+    fresh = small_kv(num_layers=2, num_blocks=16, block_shape=(16, 2, 8), seed=9)
+    reference = small_kv(num_layers=2, num_blocks=16, block_shape=(16, 2, 8), seed=1)
+    with daemon.connect() as b:
+        b.register_kv_cache(fresh)
+        assert b.load(KEYS_A, range(8, 12)).wait(10) == 4
+        for (k, v), (rk, rv) in zip(fresh, reference):
+            assert torch.equal(k[8:12], rk[0:4]) and torch.equal(v[8:12], rv[0:4])
+
+
+def test_a_segment_truncated_during_an_offload_stores_nothing(daemon):
+    kv = small_kv(num_layers=8, num_blocks=512, block_shape=(16, 8, 64), seed=3)
+    keys = BlockHasher("trunc").hash_blocks(list(range(512 * 16)), 16)
+    with daemon.connect(timeout=30) as c:
+        c.register_kv_cache(kv)
+        name = describe_kv_cache(kv)["tensors"][0]["handle"]["name"]
+        c.pause()
+        task = c.offload(range(512), keys)
+        shm = posix_ipc.SharedMemory(name, flags=0)
+        os.ftruncate(shm.fd, 4096)
+        shm.close_fd()
+        c.resume()
+        with pytest.raises(TaskFailed):
+            task.wait(30)
+        assert daemon.alive() and c.lookup(keys) == (0, 0)
+        assert c.check() == "ok"
+
+
+def test_only_the_registered_engine_may_copy_into_or_out_of_its_kv(daemon):
+    a, kv = _registered_engine(daemon)
+    with a, daemon.connect() as b:
+        before = [t.clone() for layer in kv for t in layer]
+        for call in (lambda: b.load(KEYS_A, range(8, 12)),
+                     lambda: b.offload(range(4), BlockHasher("b").hash_blocks(list(range(64)), 16))):
+            with pytest.raises(RequestError) as e:
+                call()
+            assert e.value.code == ErrorCode.FORBIDDEN
+        assert all(torch.equal(x, y) for x, y in zip(before, [t for layer in kv for t in layer]))
+        assert b.lookup(KEYS_A) == (4, 0)  # lookups stay open to every client
