@@ -30,7 +30,8 @@ def _tail(path: str, lines: int = STDERR_TAIL_LINES) -> str:
 
 
 def _terminate(proc: subprocess.Popen, timeout: float, log_path: str, keep_log: bool) -> int | None:
-    """SIGTERM, wait up to timeout, then SIGKILL. Safe to call twice."""
+    """SIGTERM, wait up to timeout, then SIGKILL. Safe to call twice. The log goes unless it
+    is to be kept, or the daemon did not exit cleanly (its last words are in it)."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -38,24 +39,29 @@ def _terminate(proc: subprocess.Popen, timeout: float, log_path: str, keep_log: 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
-    if not keep_log and os.path.exists(log_path):
+    if proc.returncode != 0 and os.path.exists(log_path):
+        print(f"[kvcached] daemon exited with {proc.returncode}: its log is kept at {log_path}",
+              file=sys.stderr)
+    elif not keep_log and os.path.exists(log_path):
         os.unlink(log_path)
     return proc.returncode
 
 
 class DaemonHandle:
-    def __init__(self, proc: subprocess.Popen, instance: str, run_dir: str, log_path: str):
+    def __init__(self, proc: subprocess.Popen, instance: str, run_dir: str, log_path: str,
+                 keep_log: bool = False):
         self.proc = proc
         self.pid = proc.pid
         self.instance = instance
         self.run_dir = run_dir
         self.log_path = log_path
-        self._finalizer = weakref.finalize(self, _terminate, proc, 10.0, log_path, False)
+        self.keep_log = keep_log
+        self._finalizer = weakref.finalize(self, _terminate, proc, 10.0, log_path, keep_log)
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """Graceful stop (SIGTERM), SIGKILL after timeout; returns the exit code."""
         self._finalizer.detach()
-        return _terminate(self.proc, timeout, self.log_path, False)
+        return _terminate(self.proc, timeout, self.log_path, self.keep_log)
 
     def kill(self) -> None:
         """SIGKILL, no cleanup by the daemon (tests of crash handling)."""
@@ -82,17 +88,29 @@ class DaemonHandle:
 
 def launch(instance: str = DEFAULT_INSTANCE, device: str = "cpu", host_cache_gb: float = 1.0,
            run_dir: str | None = None, extra_args=(), ready_timeout: float = 60.0,
-           env: dict | None = None) -> DaemonHandle:
-    """Spawn `kvcached serve` and return once its readiness flag is up."""
+           env: dict | None = None, wait_storage: bool = False,
+           log_path: str | None = None) -> DaemonHandle:
+    """Spawn `kvcached serve` and return once its readiness flag is up; with wait_storage, once
+    its storage tiers are ready too (the disk index rebuilt: lookups see what disk holds).
+
+    The daemon's stdout and stderr go to `log_path` (kept), else to a file in
+    $KVCACHED_LOG_DIR (kept), else to a temporary file removed at a clean stop; a daemon that
+    exits non-zero always leaves its log, and says where."""
     check_instance(instance)
     run_dir = resolve_run_dir(run_dir)
     cmd = [sys.executable, "-m", "kvcached", "serve", "--instance", instance, "--device", device,
            "--host-cache-gb", str(host_cache_gb), "--run-dir", run_dir, *map(str, extra_args)]
-    fd, log_path = tempfile.mkstemp(prefix=f"kvcached-{instance}-", suffix=".log")
-    with os.fdopen(fd, "wb") as log_file:
+    keep = log_path is not None or bool(os.environ.get("KVCACHED_LOG_DIR"))
+    if log_path is None:
+        fd, log_path = tempfile.mkstemp(prefix=f"kvcached-{instance}-", suffix=".log",
+                                        dir=os.environ.get("KVCACHED_LOG_DIR") or None)
+        log_file = os.fdopen(fd, "wb")
+    else:
+        log_file = open(log_path, "ab")
+    with log_file:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
                                 env=env, start_new_session=True)
-    handle = DaemonHandle(proc, instance, run_dir, log_path)
+    handle = DaemonHandle(proc, instance, run_dir, log_path, keep)
     deadline = time.monotonic() + ready_timeout
     while True:
         code = proc.poll()
@@ -100,7 +118,7 @@ def launch(instance: str = DEFAULT_INSTANCE, device: str = "cpu", host_cache_gb:
             tail = _tail(log_path)
             handle.stop()
             raise KvcachedError(f"kvcached serve exited with code {code} at start:\n{tail}")
-        if _ready(instance, proc.pid):
+        if _ready(instance, proc.pid, wait_storage):
             return handle
         if time.monotonic() > deadline:
             tail = _tail(log_path)
@@ -110,12 +128,12 @@ def launch(instance: str = DEFAULT_INSTANCE, device: str = "cpu", host_cache_gb:
         time.sleep(0.02)
 
 
-def _ready(instance: str, pid: int) -> bool:
+def _ready(instance: str, pid: int, storage: bool) -> bool:
     try:
         reader = SignalReader(instance)
     except DaemonUnavailable:
         return False
     try:
-        return reader.pid == pid and reader.ready()
+        return reader.pid == pid and reader.ready() and (not storage or reader.storage_ready())
     finally:
         reader.close()

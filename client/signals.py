@@ -7,7 +7,7 @@ import time
 
 import posix_ipc
 
-from kvcached_proto.errors import DaemonUnavailable
+from kvcached_proto.errors import DaemonUnavailable, KvcachedTimeout
 from kvcached_proto.liveness import pid_alive
 from kvcached_proto.shm_layout import LAYOUT_VERSION, MAGIC, SEGMENT_BYTES, Flag, SignalView, segment_name
 
@@ -45,6 +45,20 @@ class SignalReader:
 
     def ready(self) -> bool:
         return bool(self.view.flags & Flag.UP)
+
+    def storage_ready(self) -> bool:
+        """Every storage tier is ready (the disk tier's index rebuilt): lookups see it all."""
+        return bool(self.view.flags & Flag.STORAGE_READY)
+
+    def wait_storage_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.storage_ready():
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise KvcachedTimeout(f"the daemon's storage tiers were not ready within "
+                                      f"{timeout:g} s (the disk index is still being rebuilt?); "
+                                      "set the wait's timeout")
+            time.sleep(0.01)
 
     def _beating(self) -> bool:
         return (time.monotonic_ns() - self.view.heartbeat_ns) / 1e9 <= HEARTBEAT_STALE_S

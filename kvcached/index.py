@@ -64,6 +64,9 @@ class BlockIndex:
     def blocks(self) -> list[int]:
         return [e.block for e in self._entries.values()]
 
+    def pinned_entries(self) -> list[Entry]:
+        return [e for e in self._entries.values() if e.refs]
+
     def get(self, key: bytes) -> Entry | None:
         return self._entries.get(key)
 

@@ -21,15 +21,19 @@ from .config import DaemonConfig
 from .errors import OpError
 from . import numa
 from .host_pool import HostPool
-from .index import BlockIndex
+from .index import READY, WRITING, BlockIndex
 from .kv import KVRegistration
 from .service_storage import BACKUP, PREFETCH, StorageFlow
-from .transfer import LOAD, OFFLOAD, SPLIT_BLOCKS, CopyTask, TransferWorker
+from .transfer import LOAD, OFFLOAD, SPLIT_BLOCKS, CopyTask, TaskAbort, TransferWorker
 from .transfer_cuda import make_copier
 
 log = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT_S = 30.0
+
+
+class KVLost(TaskAbort):
+    """The registered KV memory went away under a copy (a CPU segment truncated by its owner)."""
 
 
 class TaskCounters:
@@ -54,6 +58,7 @@ class CacheService(StorageFlow):
         self.kv: KVRegistration | None = None
         self.copier = None  # CpuCopier, StrategyCopier or CudaCopier (transfer_cuda.make_copier)
         self.tasks: dict[int, CopyTask] = {}
+        self._parked: list[CopyTask] = []  # loads waiting for another task's fetch of their tail
         self._task_ids = itertools.count(1)
         self._slot_cursor = 0
         self._slots_busy: set[int] = set()
@@ -64,9 +69,7 @@ class CacheService(StorageFlow):
         self.offloader = TransferWorker(OFFLOAD, self._run_offloads, self._batch_failed)
         self.loader.start()
         self.offloader.start()
-        self._init_storage()
-        if self.tiers:
-            signals.set_flag(Flag.STORAGE_READY)
+        self._init_storage()  # STORAGE_READY once every tier is (the disk index rebuilt)
         self._handlers = {
             Op.REGISTER_KV: self._register_kv,
             Op.UNREGISTER_KV: self._unregister_kv,
@@ -84,8 +87,12 @@ class CacheService(StorageFlow):
 
     # dispatch -------------------------------------------------------------
     def handle(self, client, req) -> dict:
-        if req.op in (Op.OFFLOAD, Op.LOAD) and self.kv is None:
-            raise OpError(ErrorCode.NOT_REGISTERED, f"{req.op.name.lower()} before register_kv")
+        if req.op in (Op.OFFLOAD, Op.LOAD):
+            if self.kv is None:
+                raise OpError(ErrorCode.NOT_REGISTERED, f"{req.op.name.lower()} before register_kv")
+            lost = self.kv.lost
+            if lost:
+                raise OpError(ErrorCode.KV_MISMATCH, lost)
         return self._handlers[req.op](client, req)
 
     def capabilities(self) -> list[str]:
@@ -95,6 +102,11 @@ class CacheService(StorageFlow):
 
     # registration ---------------------------------------------------------
     def _register_kv(self, client, req) -> dict:
+        if self.kv is not None and self.kv.owner != client.client_id:
+            raise OpError(ErrorCode.KV_IN_USE,
+                          f"this instance already serves the KV cache of client {self.kv.owner}: "
+                          "one engine per instance (start another with `kvcached serve "
+                          "--instance NAME`), or that engine unregisters or exits first")
         spec = parse_layout(req.body["layout"])
         if spec.device.split(":")[0] != self.cfg.device.split(":")[0]:
             raise OpError(ErrorCode.KV_MISMATCH,
@@ -220,27 +232,100 @@ class CacheService(StorageFlow):
         self._check_queue()
         with self._lock:
             slot = self._take_slot()
-            entries = self.index.prefix(keys)
-            self.index.pin(entries)
+            entries: list = []
+            try:
+                entries = self.index.prefix(keys)
+                self.index.pin(entries)
+                n = len(entries)
+                tail, own, shared = [], [], []
+                if n < len(keys) and self.tiers:  # the part past the host prefix: from storage
+                    tail, own, shared = self._plan_tail(keys, n, self._storage_prefix(keys[n:]))
+            except BaseException:  # nothing of the request stays: slot, pins
+                self._slots_busy.discard(slot)
+                self.pool.allocator.free(self.index.unpin(entries))
+                raise
             self._after_hits(entries)
-            n = len(entries)
-            fetch = []
-            if n < len(keys):  # the part past the host prefix may come from storage
-                fetch = self._insert_for_fetch(keys, n, self._storage_prefix(keys[n:]))
-            planned = n + len(fetch)
-            task = self._new_task(LOAD, client, req, blocks[:planned],
+            task = self._new_task(LOAD, client, req, blocks[: n + len(tail)],
                                   [e.block for e in entries], entries)
-            task.slot = slot
-            task.extra["fetch"] = fetch
+            task.slot, task.keys, task.dev_request = slot, list(keys), blocks
+            task.tail, task.fetch, task.tail_pins = tail, own, shared
         self.signals.slot_begin(slot, task.task_id, self.kv.spec.num_layers)
-        if fetch:
+        self._route_load(task)
+        return {"task": task.task_id, "slot": slot, "blocks": n + len(tail), "host_blocks": n,
+                "storage_blocks": len(tail), "num_layers": self.kv.spec.num_layers}
+
+    def _route_load(self, task: CopyTask) -> None:
+        """Send a load on: to the fetcher while it has entries of its own to fetch; parked
+        while another task still writes entries of its tail (their fetch is shared); else to
+        the loader with the leading entries that are in place."""
+        while True:
+            with self._lock:
+                if task.cancelled:
+                    step = "cancelled"
+                elif task.fetch:
+                    step = "fetch"
+                elif any(e.live and e.state == WRITING for e in task.tail_pins):
+                    self._parked.append(task)
+                    return
+                else:
+                    step = "load" if self._absorb_tail(task) else "replan"
+            if step != "replan":
+                break
+            # an entry it waited on went before it arrived (its owner was cancelled, say):
+            # plan the rest once more from storage (outside the lock: a store may be remote)
+            stored = self._storage_prefix(task.keys[len(task.entries):])
+            with self._lock:
+                task.replanned = True
+                start = len(task.entries)
+                task.tail, task.fetch, task.tail_pins = self._plan_tail(task.keys, start, stored)
+        if step == "cancelled":
+            self._finish_cancelled([task])
+        elif step == "fetch":
             self.fetcher.submit(task)
-        elif n:
+        elif task.entries:
             self.loader.submit(task)
         else:
-            self._finish(task, "done", {"loaded": 0})
-        return {"task": task.task_id, "slot": slot, "blocks": planned, "host_blocks": n,
-                "storage_blocks": len(fetch), "num_layers": self.kv.spec.num_layers}
+            self._complete_load(task)
+
+    def _absorb_tail(self, task: CopyTask) -> bool:
+        """(Lock held.) Move the tail's leading READY entries into the load; False when one
+        was lost before arriving and the load has not re-planned yet."""
+        valid = []
+        for e in task.tail:
+            if not (e.live and e.state == READY):
+                break
+            valid.append(e)
+        short = len(valid) < len(task.tail)
+        keep = {id(e) for e in valid}
+        self.pool.allocator.free(self.index.unpin([e for e in task.tail_pins if id(e) not in keep]))
+        task.entries = task.entries + valid
+        task.tail, task.tail_pins = [], []
+        if short and not task.replanned and self.tiers:
+            return False
+        task.host_blocks = np.array([e.block for e in task.entries], dtype=np.int64)
+        task.dev_blocks = np.asarray(task.dev_request[: len(task.entries)], dtype=np.int64)
+        return True
+
+    def _wake_parked(self) -> None:
+        """Loads whose shared entries all arrived (or went) continue."""
+        if not self._parked:
+            return
+        with self._lock:
+            woken = [t for t in self._parked
+                     if t.cancelled or not any(e.live and e.state == WRITING for e in t.tail_pins)]
+            if not woken:
+                return
+            gone = {id(t) for t in woken}
+            self._parked = [t for t in self._parked if id(t) not in gone]
+        for task in woken:
+            self._route_load(task)
+
+    def _take_parked(self, pred) -> list[CopyTask]:
+        with self._lock:
+            taken = [t for t in self._parked if pred(t)]
+            gone = {id(t) for t in taken}
+            self._parked = [t for t in self._parked if id(t) not in gone]
+        return taken
 
     def _new_task(self, kind, client, req, dev_blocks, host_ids, entries) -> CopyTask:
         task = CopyTask(next(self._task_ids), kind, client.client_id, client.routing_id,
@@ -276,7 +361,8 @@ class CacheService(StorageFlow):
             task.cancelled = True
         workers = {LOAD: (self.fetcher, self.loader), OFFLOAD: (self.offloader,),
                    PREFETCH: (self.fetcher,)}.get(task.kind, ())
-        if any(w.remove_queued(lambda t: t is task) for w in workers):
+        if (any(w.remove_queued(lambda t: t is task) for w in workers)
+                or self._take_parked(lambda t: t is task)):
             self._finish_cancelled([task])
             return {"state": "cancelled"}
         return {"state": "finishing"}  # in flight: it stops at the next layer or chunk
@@ -339,6 +425,7 @@ class CacheService(StorageFlow):
         if cancel_queued:
             for worker in (self.fetcher, self.loader, self.offloader):
                 self._finish_cancelled(worker.remove_queued(lambda t: True))
+            self._finish_cancelled(self._take_parked(lambda t: True))
 
     def _undrain(self) -> None:
         for w in self._workers:
@@ -358,6 +445,7 @@ class CacheService(StorageFlow):
                 for layer in range(self.kv.spec.num_layers):
                     task.bytes_moved += self.copier.offload_layer(layer, plan)
             self.copier.sync(OFFLOAD)  # the host blocks hold the bytes before they are marked ready
+            self._check_kv_intact()  # raised: the batch fails, its host blocks are discarded
             self._complete_offload(task)
 
     def _run_loads(self, batch: list[CopyTask]) -> None:
@@ -375,8 +463,17 @@ class CacheService(StorageFlow):
                 self.copier.layer_loaded(task.slot, layer)  # CUDA: the slot's event for the layer
                 self.signals.slot_layer_done(task.slot, layer + 1)
         self.copier.sync(LOAD)  # every copy landed before the host blocks are unpinned
+        self._check_kv_intact()
         for task, _ in plans:
             self._complete_load(task)
+
+    def _check_kv_intact(self) -> None:
+        """After a batch's copies: a segment that shrank under them means what was copied is
+        zero pages, not the engine's KV. Raising fails the whole batch (it is all this
+        registration's: one engine per instance)."""
+        lost = self.kv.lost
+        if lost:
+            raise KVLost(lost)
 
     def _complete_offload(self, task: CopyTask) -> None:
         with self._lock:
@@ -399,28 +496,32 @@ class CacheService(StorageFlow):
                 with self._lock:
                     self._queue_backup([e for e in task.entries if e.live and not e.doomed])
             self._finish(task, "done", {"stored": task.num_blocks})
+        self._wake_parked()  # loads that shared its entries
 
     def _complete_load(self, task: CopyTask) -> None:
         loaded = 0 if task.cancelled else task.num_blocks
         with self._lock:
             self.pool.allocator.free(self.index.unpin(task.entries))
+            task.entries = []
             self.counters.bytes["h2d"] += task.bytes_moved
         self._finish(task, "cancelled" if task.cancelled else "done", {"loaded": loaded})
 
     def _batch_failed(self, batch: list[CopyTask], exc: BaseException) -> None:
         for task in batch:
             with self._lock:
+                if task.kind != BACKUP and task.task_id not in self.tasks:
+                    continue  # it ended before the failure: nothing of it is held any more
                 self._release_failed(task)
             if task.task_id not in self.tasks:
-                continue  # an internal task (backup) or completed before the failure
+                continue  # an internal task (backup)
             result = {"loaded": 0} if task.kind == LOAD else {"stored": 0}
             result["error"] = f"{type(exc).__name__}: {exc}"
             self._finish(task, "failed", result)
+        self._wake_parked()
 
     def _release_failed(self, task: CopyTask) -> None:
         """Give back every host block and pin a failed task holds (called with the lock)."""
-        fetch = task.extra.pop("fetch", [])
-        self.pool.allocator.free([self.index.discard(e) for e in fetch if e.live])
+        self._release_fetch(task)
         if task.kind == LOAD:
             self.pool.allocator.free(self.index.unpin(task.entries))
             task.entries = []
@@ -428,16 +529,21 @@ class CacheService(StorageFlow):
             self.pool.allocator.free([self.index.discard(e) for e in task.entries if e.live])
         elif task.kind == BACKUP and task.entries:
             self._pending_backups -= len(task.entries)
-            self.pool.allocator.free(self.index.unpin([e for e in task.entries if e.refs]))
+            self.pool.allocator.free(self.index.unpin(task.entries))
             task.entries = []
+
+    def _release_fetch(self, task: CopyTask) -> None:
+        """(Lock held.) The entries a load or prefetch was to fetch, and its tail's pins."""
+        self._discard_fetched(task.fetch)
+        self.pool.allocator.free(self.index.unpin(task.tail_pins))
+        task.fetch, task.tail, task.tail_pins = [], [], []
 
     def _finish_cancelled(self, tasks: list[CopyTask]) -> None:
         for task in tasks:
             task.cancelled = True
             if task.kind == LOAD:
                 with self._lock:
-                    fetch = task.extra.pop("fetch", [])
-                    self.pool.allocator.free([self.index.discard(e) for e in fetch if e.live])
+                    self._release_fetch(task)
                 self._complete_load(task)
             elif task.kind == OFFLOAD:
                 self._complete_offload(task)
@@ -445,6 +551,8 @@ class CacheService(StorageFlow):
                 with self._lock:
                     self._release_failed(task)
                 self._finish(task, "cancelled", {"prefetched": 0})
+        if tasks:
+            self._wake_parked()
 
     def _finish(self, task: CopyTask, status: str, result: dict) -> None:
         with self._lock:
@@ -481,13 +589,15 @@ class CacheService(StorageFlow):
                     task.cancelled = True
         for worker in (self.fetcher, self.loader, self.offloader):
             self._finish_cancelled(worker.remove_queued(mine))
+        self._finish_cancelled(self._take_parked(mine))
         if dead and self.kv is not None and self.kv.owner == client.client_id:
             self._drop_kv("client gone")
             log.info("[clients] dropped the KV mapping of client %s (gone)", client.client_id)
 
     def check(self) -> str:
-        """Walk the invariants: the index's own, and every indexed host block allocated and
-        not free. Returns "ok" or what is wrong."""
+        """Walk the invariants: the index's own; every indexed host block allocated and not
+        free; every pin held by a live task and every live task's pins held; every busy
+        progress slot a live load's. Returns "ok" or what is wrong."""
         with self._lock:
             try:
                 self.index.check()
@@ -501,9 +611,38 @@ class CacheService(StorageFlow):
                 for block in self.index.blocks():
                     if not alloc.is_used(block) or block in free:
                         return f"failed: indexed host block {block} is not allocated"
+                return self._check_pins_and_slots()
             except AssertionError as exc:
                 return f"failed: {exc}"
+
+    def _check_pins_and_slots(self) -> str:
+        held: dict[int, int] = {}
+        pinned: dict[int, object] = {}
+        for task in self._live_tasks():
+            for e in (task.entries + task.tail_pins if task.kind in (LOAD, BACKUP) else ()):
+                held[id(e)] = held.get(id(e), 0) + 1
+                pinned[id(e)] = e
+        for e in self._lent_pins.values():  # backups whose write is late: pinned until it returns
+            held[id(e)] = held.get(id(e), 0) + 1
+            pinned[id(e)] = e
+        for e in pinned.values():
+            if e.refs != held[id(e)]:
+                return f"failed: entry {e.key.hex()} has {e.refs} pins, live tasks hold {held[id(e)]}"
+        for e in self.index.pinned_entries():
+            if id(e) not in pinned:
+                return f"failed: entry {e.key.hex()} is pinned by no live task"
+        if self.index.pinned != len(pinned):
+            return f"failed: {self.index.pinned} pinned entries counted, live tasks pin {len(pinned)}"
+        slots = {t.slot for t in self.tasks.values() if t.slot >= 0}
+        if slots != self._slots_busy:
+            return (f"failed: progress slots {sorted(self._slots_busy - slots)[:8]} busy without a "
+                    f"live load, {sorted(slots - self._slots_busy)[:8]} of live loads not busy")
         return "ok"
+
+    def _live_tasks(self) -> list[CopyTask]:
+        """Every task that may hold pins: the client tasks, and backups queued or in flight."""
+        tasks = list(self.tasks.values()) + self.backer.queued_tasks() + list(self.backer.inflight)
+        return list({id(t): t for t in tasks}.values())  # a flush is in both
 
     def status(self) -> dict:
         with self._lock:
@@ -524,17 +663,20 @@ class CacheService(StorageFlow):
                 "kv": {
                     "registered": kv is not None,
                     "owner": kv.owner if kv else None,
+                    "lost": kv.lost if kv else None,
                     "num_layers": kv.spec.num_layers if kv else 0,
                     "num_blocks": kv.spec.num_blocks if kv else 0,
                     "page_bytes": kv.spec.page_bytes if kv else 0,
                 },
                 "storage": self._storage_status(),
+                "storage_ready": self.tiers.ready(),
                 "tasks": {
                     "queued": queued,
                     "inflight": len(self.tasks) - queued,
                     "completed": self.counters.completed,
                     "failed": self.counters.failed,
                     "cancelled": self.counters.cancelled,
+                    "slots_busy": len(self._slots_busy),
                 },
                 "bytes": dict(self.counters.bytes),
                 "lookups": dict(self.hits),
@@ -544,6 +686,7 @@ class CacheService(StorageFlow):
     def close(self) -> None:
         # graceful: copies first, then the backups they queued (write_through's promise that
         # what reached the host tier is in storage after a stop)
+        self._finish_cancelled(self._take_parked(lambda t: True))
         self.fetcher.stop()
         self.loader.stop()
         self.offloader.stop()

@@ -5,14 +5,23 @@ A fetch inserts WRITING host entries for the storage part of a request, reads th
 straight into those host blocks on the fetch worker, and keeps the leading ones that arrived
 intact; a load then continues with its device copy on the load worker. A backup writes
 straight from the host blocks and keeps them pinned until the write is done.
+
+Storage I/O that misses its deadline (a hung filesystem) still owns the host page it reads into
+or writes from: such a page is *lent* (IOLoans) - a fetched block is not freed, a backed-up
+block stays pinned - until the I/O returns, however late.
 """
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
 import time
 
 import numpy as np
 
+from kvcached_proto.shm_layout import Flag
+
+from .errors import StartupError
 from .index import BACKUP_QUEUED, NOT_STORED, STORED
 from .storage.tiers import StorageTiers
 from .transfer import LOAD, CopyTask, TransferWorker
@@ -24,27 +33,106 @@ IO_CHUNK_BLOCKS = 16  # pages staged per storage call: bounds staging memory
 MAX_PENDING_BACKUPS = 4096  # blocks queued for backup before new ones are dropped (and counted)
 
 
+class IOLoans:
+    """Host pages lent to storage I/O that missed its deadline. `lend(token, then)` after the
+    call returned; `returned(token)` from the I/O thread once the I/O ends: `then()` runs
+    exactly once, when both happened (lend returns False when the I/O was back already: the
+    caller does then's work itself)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._out: dict = {}
+        self._back: set = set()
+        self._calls = itertools.count()
+
+    def tokens(self):
+        """A release callback for one storage call, and its tokens: (call, position)."""
+        call = next(self._calls)
+        return (lambda i: self.returned((call, i))), (lambda i: (call, i))
+
+    def lend(self, token, then) -> bool:
+        with self._lock:
+            if token in self._back:
+                self._back.discard(token)
+                return False
+            self._out[token] = then
+            return True
+
+    def returned(self, token) -> None:
+        with self._lock:
+            then = self._out.pop(token, None)
+            if then is None:
+                self._back.add(token)
+                return
+        then()
+
+    def __len__(self) -> int:
+        return len(self._out)
+
+
 class StorageFlow:
     def _init_storage(self) -> None:
         cfg = self.cfg
-        self.tiers = StorageTiers(cfg.storage, cfg.storage_write_policy, cfg.storage_writer,
-                                  cfg.selective_hits)
+        self.loans = IOLoans()
+        self._lent_blocks: set[int] = set()  # host blocks a late read still writes into
+        self._lent_pins: dict[int, object] = {}  # entries a late write still reads (pinned)
+        try:
+            self.tiers = StorageTiers(cfg.storage, cfg.storage_write_policy, cfg.storage_writer,
+                                      cfg.selective_hits, self._storage_ready)
+        except ValueError as exc:  # a store that cannot be opened (a disk root not creatable)
+            raise StartupError(f"--storage {exc}") from None
         self.storage_counters = {"backups": 0, "backup_dropped": 0, "fetched": 0,
-                                 "fetch_failed": 0, "prefetched": 0}
+                                 "fetched_bytes": 0, "fetch_failed": 0, "prefetched": 0}
         self._pending_backups = 0
         self.fetcher = TransferWorker(FETCH, self._run_fetches, self._batch_failed)
         self.backer = TransferWorker(BACKUP, self._run_backups, self._batch_failed)
         self.fetcher.start()
         self.backer.start()
 
+    def _storage_ready(self) -> None:
+        """Every tier is ready (the disk index rebuilt): lookups see what storage holds."""
+        self.signals.set_flag(Flag.STORAGE_READY)
+        log.info("[storage] ready")
+
     # request-thread helpers (called with self._lock held) ------------------
     def _storage_prefix(self, keys) -> int:
         return self.tiers.exists_prefix(keys) if self.tiers else 0
 
+    def _plan_tail(self, keys, start: int, stored: int) -> tuple[list, list, list]:
+        """Entries for keys[start:start+stored] (the part a load takes from storage), in key
+        order: (tail, own, shared). `own` are new WRITING entries this load fetches; `shared`
+        were already in the index - being written by another task's fetch or offload (the
+        load waits for it instead of fetching twice), or READY - and are pinned here. Stops
+        where the host pool is full or a key is being deleted. On an error nothing stays."""
+        tail, own, shared = [], [], []
+        try:
+            for i in range(start, start + stored):
+                e = self.index.get(keys[i])
+                if e is None:
+                    got = self._alloc_host(1)  # may evict: what is in `shared` is pinned by now
+                    if not got:
+                        break
+                    e = self.index.insert(keys[i], got[0], keys[i - 1] if i else None)
+                    own.append(e)
+                elif e.doomed:
+                    break
+                else:
+                    self.index.pin([e])
+                    shared.append(e)
+                tail.append(e)
+        except BaseException:
+            self.pool.allocator.free(self.index.unpin(shared))
+            self.pool.allocator.free([self.index.discard(e) for e in own if e.live])
+            raise
+        return tail, own, shared
+
     def _insert_for_fetch(self, keys, start: int, count: int) -> list:
-        """WRITING host entries for keys[start:start+count]; fewer if the pool is full."""
+        """Prefetch: WRITING host entries for the keys of keys[start:start+count] not in the
+        index yet (a key present is already there or on its way); fewer if the pool is full."""
         entries = []
         for i in range(start, start + count):
+            if keys[i] in self.index:
+                continue
             got = self._alloc_host(1)
             if not got:
                 break
@@ -119,7 +207,7 @@ class StorageFlow:
                 self.index.set_prefetched(e, True)
             task = self._new_task(PREFETCH, client, req, np.zeros(len(entries), np.int64),
                                   [e.block for e in entries], [])
-            task.extra["fetch"] = entries
+            task.fetch = entries
             if req.body["policy"] == "timeout" and req.body["timeout_ms"]:
                 task.extra["deadline"] = time.monotonic() + req.body["timeout_ms"] / 1000
         if entries:
@@ -140,27 +228,38 @@ class StorageFlow:
     # worker side ----------------------------------------------------------
     def _run_fetches(self, batch: list[CopyTask]) -> None:
         for task in batch:
-            entries = task.extra["fetch"]
-            n_ok = self._fetch_pages(task, entries)  # on an exception "fetch" stays for cleanup
-            with self._lock:
-                task.extra.pop("fetch")
-                good, bad = entries[:n_ok], entries[n_ok:]
-                freed = [self.index.discard(e) for e in bad if e.live]
-                self.pool.allocator.free(freed)
-                for e in good:
-                    e.stored = STORED
-                    if e.doomed:
-                        self.pool.allocator.free([self.index.discard(e)])
-                    else:
-                        self.index.mark_ready(e)
-                self.storage_counters["fetched"] += n_ok
-                self.storage_counters["fetch_failed"] += len(bad)
-            if task.kind == LOAD:
-                self._continue_load(task, good)
-            else:
-                self.storage_counters["prefetched"] += n_ok
-                status = "cancelled" if task.cancelled else "done"
-                self._finish(task, status, {"prefetched": n_ok})
+            try:
+                self._fetch_task(task)
+            except Exception as exc:  # this task only: the others of the batch went on already
+                log.exception("[fetch] task %d failed", task.task_id)
+                self._batch_failed([task], exc)
+            self._wake_parked()
+
+    def _fetch_task(self, task: CopyTask) -> None:
+        entries = task.fetch
+        n_ok = self._fetch_pages(task, entries)  # on an exception `fetch` stays for cleanup
+        with self._lock:
+            task.fetch = []
+            good, bad = entries[:n_ok], entries[n_ok:]
+            self._discard_fetched(bad)
+            for e in good:
+                e.stored = STORED
+                if e.doomed:
+                    self.pool.allocator.free([self.index.discard(e)])
+                else:
+                    self.index.mark_ready(e)
+            if task.kind == LOAD:  # held for the device copy, from the moment they are READY
+                arrived = [e for e in good if e.live]
+                self.index.pin(arrived)
+                task.tail_pins = task.tail_pins + arrived
+            self.storage_counters["fetched"] += n_ok
+            self.storage_counters["fetch_failed"] += len(bad)
+        if task.kind == LOAD:
+            self._route_load(task)
+        else:
+            self.storage_counters["prefetched"] += n_ok
+            status = "cancelled" if task.cancelled else "done"
+            self._finish(task, status, {"prefetched": n_ok})
 
     def _fetch_pages(self, task: CopyTask, entries) -> int:
         """Read pages into their host blocks, in chunks; returns the leading count intact."""
@@ -171,55 +270,86 @@ class StorageFlow:
             if task.cancelled or (deadline is not None and time.monotonic() > deadline):
                 break
             chunk = entries[done : done + IO_CHUNK_BLOCKS]
+            release, token = self.loans.tokens()
             # straight into the (still WRITING, invisible) host blocks: no staging copy
-            got = self.tiers.fetch([e.key for e in chunk],
-                                   [self.pool.page_pieces(e.block) for e in chunk])
-            task.bytes_moved += got * page_bytes
+            got, late = self.tiers.fetch([e.key for e in chunk],
+                                         [self.pool.page_pieces(e.block) for e in chunk], release)
+            if late:
+                with self._lock:
+                    for i in late:
+                        self._lend_block(token(i), chunk[i])
+            self.storage_counters["fetched_bytes"] += got * page_bytes
+            if task.kind != LOAD:  # a load's bytes are its device copies (h2d), counted once
+                task.bytes_moved += got * page_bytes
             done += got
             if got < len(chunk):
                 break
         return done
 
-    def _continue_load(self, task: CopyTask, fetched) -> None:
-        """After its storage part arrived: pin what came, then copy host -> device."""
-        with self._lock:
-            self.index.pin(fetched)
-            n_host = len(task.entries)
-            task.entries = task.entries + list(fetched)
-            task.host_blocks = np.array([e.block for e in task.entries], dtype=np.int64)
-            task.dev_blocks = task.dev_blocks[: len(task.entries)]
-        if task.cancelled:
-            self._finish_cancelled([task])
-            return
-        if not task.entries:
-            self._complete_load(task)
-            return
-        log.debug("[load] task %d: %d host + %d storage blocks", task.task_id, n_host, len(fetched))
-        self.loader.submit(task)
+    def _lend_block(self, token, e) -> None:
+        """(Lock held.) A late read still writes into e's host block: it goes back to the
+        pool only once the read returned and the entry is gone (whichever comes last)."""
+        block = e.block
+
+        def back() -> None:
+            with self._lock:
+                self._lent_blocks.discard(block)
+                if not e.live:
+                    self.pool.allocator.free([block])
+
+        if self.loans.lend(token, back):
+            self._lent_blocks.add(block)
+
+    def _discard_fetched(self, entries) -> None:
+        """(Lock held.) Drop fetch entries whose page did not arrive; a block lent to a late
+        read is freed when that read returns instead."""
+        for e in entries:
+            if e.live:
+                block = self.index.discard(e)
+                if block not in self._lent_blocks:
+                    self.pool.allocator.free([block])
 
     def _run_backups(self, batch: list[CopyTask]) -> None:
         for task in batch:
             if task.extra.get("flush"):
                 self._finish(task, "done", {})
                 continue
-            if "payloads" in task.extra:
+            if "payloads" in task.extra:  # private copies: a late write may keep them
                 keys, pages = task.extra.pop("payloads")
-                stored = self.tiers.put(keys, pages)
+                stored, _late = self.tiers.put(keys, pages)
                 with self._lock:
                     self._pending_backups -= len(keys)
                 self.storage_counters["backups"] += sum(stored)
                 continue
-            for start in range(0, len(task.entries), IO_CHUNK_BLOCKS):
-                chunk = task.entries[start : start + IO_CHUNK_BLOCKS]
+            while task.entries:  # task.entries: the blocks still pinned for it
+                chunk = task.entries[:IO_CHUNK_BLOCKS]
+                release, token = self.loans.tokens()
                 # written straight from the host blocks, which stay pinned until it is done
-                ok = self.tiers.put([e.key for e in chunk],
-                                    [self.pool.page_pieces(e.block) for e in chunk])
+                ok, late = self.tiers.put([e.key for e in chunk],
+                                          [self.pool.page_pieces(e.block) for e in chunk], release)
                 with self._lock:
-                    self.pool.allocator.free(self.index.unpin(chunk))
-                    self._pending_backups -= len(chunk)
+                    task.entries = task.entries[len(chunk):]
                     for e, stored in zip(chunk, ok):
                         e.stored = STORED if stored else NOT_STORED
+                    done = [e for i, e in enumerate(chunk)
+                            if i not in late or not self._lend_pin(token(i), e)]
+                    self.pool.allocator.free(self.index.unpin(done))
+                    self._pending_backups -= len(done)
                 self.storage_counters["backups"] += sum(ok)
+
+    def _lend_pin(self, token, e) -> bool:
+        """(Lock held.) A late write still reads e's host block: e stays pinned until it
+        returned. False when it has already (the caller unpins now)."""
+        def back() -> None:
+            with self._lock:
+                if self._lent_pins.pop(id(e), None) is not None:
+                    self.pool.allocator.free(self.index.unpin([e]))
+                    self._pending_backups -= 1
+
+        if not self.loans.lend(token, back):
+            return False
+        self._lent_pins[id(e)] = e
+        return True
 
     def _drain_backups(self, timeout: float) -> bool:
         """Wait until the backups queued so far are written (graceful stop, flush)."""

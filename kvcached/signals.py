@@ -73,6 +73,7 @@ class SignalSegment:
         self.view.init_header(os.getpid(), self.epoch)
         self.view.set_heartbeat(time.monotonic_ns())
         self._stop = threading.Event()
+        self._flags_lock = threading.Lock()  # flags are set from several threads (read-modify-write)
         self.max_gap_s = 0.0
         self._thread = threading.Thread(target=self._beat, name="kvcached-heartbeat", daemon=True)
         self._thread.start()
@@ -105,7 +106,8 @@ class SignalSegment:
                 log.warning("[heartbeat] beat %.2f s apart (expected %.2f s)", gap, HEARTBEAT_PERIOD_S)
 
     def set_flag(self, flag: Flag, on: bool = True) -> None:
-        self.view.set_flag(flag, on)
+        with self._flags_lock:
+            self.view.set_flag(flag, on)
 
     def set_state(self, state: State) -> None:
         self.view.set_state(state)
@@ -132,7 +134,7 @@ class SignalSegment:
         self._closed = True
         self._stop.set()
         self._thread.join(timeout=1.0)
-        self.view.set_flag(Flag.UP, False)
+        self.set_flag(Flag.UP, False)
         self.view.release()
         self._mm.close()
         try:

@@ -49,6 +49,13 @@ class CopyTask:
     bytes_moved: int = 0
     created_ns: int = field(default_factory=time.monotonic_ns)
     extra: dict = field(default_factory=dict)
+    # loads and prefetches past the host prefix (service_storage.py)
+    keys: list = field(default_factory=list)       # the request's keys (a load re-plans from them)
+    fetch: list = field(default_factory=list)      # WRITING entries this task fetches itself
+    tail: list = field(default_factory=list)       # load: the entries past `entries`, in key order
+    tail_pins: list = field(default_factory=list)  # load: the tail entries this task has pinned
+    replanned: bool = False
+    dev_request: np.ndarray | None = None  # load: every device block the request named
 
     @property
     def num_blocks(self) -> int:
@@ -85,6 +92,10 @@ def widest_view(t: torch.Tensor) -> np.ndarray:
     """A `[blocks, bytes]` uint8 view as a numpy array of the widest integer type its size,
     stride and address allow: row gathers and scatters run near memcpy speed on wide rows."""
     return widen(t).numpy()
+
+
+class TaskAbort(Exception):
+    """An expected end of a batch (a client's memory went away): one log line, no traceback."""
 
 
 class CopierHooks:
@@ -124,6 +135,9 @@ class CpuCopier(CopierHooks):
     def __init__(self, dev_views, host_views):
         self.dev = [[widest_view(t) for t in row] for row in dev_views]
         self.host = [[widest_view(t) for t in row] for row in host_views]
+
+    def close(self) -> None:
+        self.dev = self.host = []  # the registration's mapping can be unmapped now
 
     def plan(self, kind: str, dev_ids: np.ndarray, host_ids: np.ndarray) -> CopyPlan:
         return CopyPlan.make(dev_ids, host_ids)
@@ -179,6 +193,10 @@ class TransferWorker(threading.Thread):
         with self._cv:
             heapq.heappush(self._heap, (-task.priority, next(self._seq), task))
             self._cv.notify()
+
+    def queued_tasks(self) -> list[CopyTask]:
+        with self._cv:
+            return [t for _, _, t in self._heap]
 
     def remove_queued(self, pred: Callable[[CopyTask], bool]) -> list[CopyTask]:
         with self._cv:
@@ -239,7 +257,10 @@ class TransferWorker(threading.Thread):
             try:
                 self._execute(batch)
             except BaseException as exc:  # reported to every task of the batch
-                log.exception("[%s] batch of %d tasks failed", self.kind, len(batch))
+                if isinstance(exc, TaskAbort):
+                    log.error("[%s] batch of %d tasks failed: %s", self.kind, len(batch), exc)
+                else:
+                    log.exception("[%s] batch of %d tasks failed", self.kind, len(batch))
                 self._on_error(batch, exc)
             finally:
                 with self._cv:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import tempfile
 
@@ -22,8 +23,12 @@ _names = itertools.count()
 
 
 def _our_segments() -> set[str]:
-    prefix = f"kvcached.{os.getuid()}."
-    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
+    """Segments of this test session: KV segments this process made, and the signal segments
+    of its daemons (instance names carry this pid: unique_instance). Others' are not ours to
+    count (a benchmark or a second test run on the same machine)."""
+    uid, pid = os.getuid(), os.getpid()
+    mine = re.compile(rf"^kvcached\.{uid}\.(kv\.{pid}\.\d+|([\w-]*[^\d])?{pid}-\d+)$")
+    return {n for n in os.listdir("/dev/shm") if mine.match(n)}
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -3,6 +3,7 @@ outage), write policies, loads through host, prefetch."""
 import glob
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from conftest import RedisServer, disk_uri, small_kv, unique_instance
-from kvcached_client import BlockHasher, launch
+from kvcached_client import BlockHasher, KvcachedTimeout, launch
 
 HASHER = BlockHasher("storage-test")
 PAGE_SHAPE = (16, 2, 64)  # 4 layers x (K, V) x 4 KiB = 32 KiB per block
@@ -48,9 +49,10 @@ def disk_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def start(run_dir, instance, *storage, host_gb=0.05, extra=()):
+def start(run_dir, instance, *storage, host_gb=0.05, extra=(), wait_storage=True):
     args = [a for uri in storage for a in ("--storage", uri)] + list(extra)
-    return launch(instance=instance, run_dir=run_dir, host_cache_gb=host_gb, extra_args=args)
+    return launch(instance=instance, run_dir=run_dir, host_cache_gb=host_gb, extra_args=args,
+                  wait_storage=wait_storage)
 
 
 def offload_and_flush(c, kv, keys, src):
@@ -84,6 +86,9 @@ def test_blocks_survive_a_daemon_restart_on_disk(run_dir, instance, disk_dir):
             assert task.wait(10) == 12
             assert equal(kv, dst, expected)
             assert c.lookup(keys) == (12, 0)  # pulled through the host tier
+            s = c.status()  # the fetch is storage I/O; h2d counts the device copies once
+            assert s["bytes"]["h2d"] == 12 * s["kv"]["page_bytes"]
+            assert s["storage_io"]["fetched_bytes"] == 12 * s["kv"]["page_bytes"]
     finally:
         h.stop()
 
@@ -127,6 +132,10 @@ def test_stray_and_temp_files_are_removed_at_start(run_dir, instance, disk_dir):
              os.path.join(disk_dir, "ab", "ab" + "0" * 30 + ".kvb.123.tmp")]
     for p in stray:
         open(p, "wb").write(b"junk")
+    fifo, link = (os.path.join(disk_dir, "ab", "ab" + c * 30 + ".kvb") for c in "12")
+    os.mkfifo(fifo, 0o600)  # record names, but not regular files: not ours to serve
+    os.symlink(stray[0], link)
+    stray += [fifo, link]
     h = start(run_dir, instance, disk_uri(disk_dir))
     try:
         with h.connect() as c:
@@ -136,6 +145,191 @@ def test_stray_and_temp_files_are_removed_at_start(run_dir, instance, disk_dir):
                 time.sleep(0.05)
             assert c.status()["storage"][0]["healthy"]
     finally:
+        h.stop()
+
+
+def record_path(disk_dir, key):
+    return os.path.join(disk_dir, key.hex()[:2], key.hex() + ".kvb")
+
+
+def test_a_fifo_in_place_of_a_record_is_damage_not_a_hang(run_dir, instance, disk_dir):
+    """Before, the fetch's open() waited for a writer forever: the load never ended."""
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys, src = keys_for(8, 40), list(range(8))
+    expected = snapshot(kv, src)
+    h = start(run_dir, instance, disk_uri(disk_dir))
+    try:
+        with h.connect(timeout=5) as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, src)
+            c.clear(tier="host")
+            fifo = record_path(disk_dir, keys[3])
+            os.unlink(fifo)
+            os.mkfifo(fifo, 0o600)
+            scramble(kv)
+            assert c.load(keys, list(range(20, 28))).wait(5) == 3
+            assert equal(kv, list(range(20, 28)), expected, upto=3)
+            assert not os.path.exists(fifo)  # damage: removed
+            assert c.status()["storage"][0]["healthy"]
+        assert h.stop(timeout=10) == 0
+    finally:
+        h.stop()
+
+
+def _keys_alone_in_a_shard(n, index):
+    """n keys of which keys[index] has a shard directory to itself."""
+    for seed in range(50, 500):
+        keys = keys_for(n, seed)
+        if sum(k[0] == keys[index][0] for k in keys) == 1:
+            return keys
+    raise AssertionError("no such keys")
+
+
+def test_a_record_on_a_hung_filesystem_costs_its_load_a_deadline_not_the_daemon(
+        run_dir, instance, disk_dir):
+    """A read that never returns (a hung NFS, here a FUSE shard whose reads hang): the load
+    gets the leading blocks within the I/O deadline, the tier is stuck (unhealthy, no hits)
+    while everything else answers, and a stop still runs to its end: sockets, shared memory
+    and the instance are released (a new daemon could start). The process itself exits once
+    the kernel lets the blocked thread go - a FUSE request already handed to the server is
+    waited for uninterruptibly, SIGKILL included. Before, that load, then every load, hello and
+    stop hung."""
+    import hangfs
+
+    why = hangfs.available()
+    if why:
+        pytest.skip(why)
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys, src = _keys_alone_in_a_shard(8, 3), list(range(8))
+    expected = snapshot(kv, src)
+    uri = f"disk://{disk_dir}?capacity_gb=1&io_timeout_s=1"
+    h = start(run_dir, instance, uri)
+    with h.connect() as c:
+        c.register_kv_cache(kv)
+        offload_and_flush(c, kv, keys, src)
+    h.stop()
+    hung = record_path(disk_dir, keys[3])
+    size = os.path.getsize(hung)
+    os.unlink(hung)
+    fs = hangfs.HangFS(os.path.dirname(hung), os.path.basename(hung), size)
+    h = None
+    try:
+        h = start(run_dir, instance, uri)  # the index rebuild lists the FUSE shard: it answers that
+        with h.connect(timeout=5) as c, h.connect(timeout=5) as other:
+            c.register_kv_cache(kv)
+            assert c.lookup(keys) == (0, 8)
+            scramble(kv)
+            assert c.load(keys, list(range(20, 28))).wait(5) == 3  # after the 1 s deadline
+            assert fs.held, "the read did not reach the hung filesystem"
+            assert equal(kv, list(range(20, 28)), expected, upto=3)
+            tier = c.status()["storage"][0]
+            assert (tier["healthy"], tier["stuck"], tier["late_io"]) == (False, True, 1)
+            assert c.lookup(keys) == (3, 0)  # a stuck tier gives no hits
+            assert other.ping() < 5 and other.status()["instance"] == instance
+            assert c.check() == "ok"
+        h.proc.send_signal(signal.SIGTERM)
+        released = [os.path.join(run_dir, f"{instance}.sock"), f"/dev/shm/kvcached.{os.getuid()}.{instance}"]
+        deadline = time.monotonic() + 15
+        while any(os.path.exists(p) for p in released) or "stopped" not in open(h.log_path).read():
+            assert time.monotonic() < deadline, "the stop did not run to its end"
+            time.sleep(0.05)
+    finally:
+        fs.close()  # the blocked read ends (EIO): the process can exit now
+        if h is not None:
+            h.proc.wait(20)
+            assert h.stop() == 0
+
+
+def test_a_hung_read_that_returns_gives_its_block_back_and_the_tier_recovers(
+        run_dir, instance, disk_dir):
+    import hangfs
+
+    why = hangfs.available()
+    if why:
+        pytest.skip(why)
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys, src = _keys_alone_in_a_shard(8, 5), list(range(8))
+    expected = snapshot(kv, src)
+    uri = f"disk://{disk_dir}?capacity_gb=1&io_timeout_s=1"
+    h = start(run_dir, instance, uri)
+    with h.connect() as c:
+        c.register_kv_cache(kv)
+        offload_and_flush(c, kv, keys, src)
+    h.stop()
+    hung = record_path(disk_dir, keys[5])
+    size = os.path.getsize(hung)
+    os.unlink(hung)
+    fs = hangfs.HangFS(os.path.dirname(hung), os.path.basename(hung), size)
+    try:
+        h = start(run_dir, instance, uri)
+        with h.connect(timeout=5) as c:
+            c.register_kv_cache(kv)
+            blocks_before = c.status()["host"]["capacity_blocks"]
+            assert c.load(keys, list(range(20, 28))).wait(5) == 5
+            fs.release_reads()  # the read ends (EIO): its host block comes back, the tier serves
+            deadline = time.monotonic() + 5
+            while not c.status()["storage"][0]["healthy"]:
+                assert time.monotonic() < deadline, c.status()["storage"][0]
+                time.sleep(0.05)
+            assert c.check() == "ok"
+            c.clear(tier="host")
+            assert c.status()["host"]["used_bytes"] == 0  # the lent block went back to the pool
+            assert c.status()["host"]["capacity_blocks"] == blocks_before
+            scramble(kv)
+            assert c.load(keys, list(range(20, 28))).wait(5) == 5  # the damaged record is gone
+            assert equal(kv, list(range(20, 28)), expected, upto=5)
+    finally:
+        h.stop()
+        fs.close()
+
+
+def test_storage_readiness_is_shown_and_waited_for_and_what_changed_meanwhile_wins(
+        run_dir, instance, disk_dir):
+    """While the disk index is rebuilt (held here: one shard's listing hangs until released),
+    status and the shm flag say storage is not ready, lookups see no storage hits, and
+    wait_storage_ready waits. Puts made meanwhile are counted once, a delete made meanwhile
+    stays deleted. Before, nothing said so, puts counted twice and deleted blocks came back."""
+    import hangfs
+
+    why = hangfs.available()
+    if why:
+        pytest.skip(why)
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    old, new = keys_for(8, 60), keys_for(4, 61)
+    h = start(run_dir, instance, disk_uri(disk_dir))
+    with h.connect() as c:
+        c.register_kv_cache(kv)
+        offload_and_flush(c, kv, old, list(range(8)))
+    h.stop()
+    shard = next(f"{b:02x}" for b in range(256) if b not in {k[0] for k in old + new})
+    fs = hangfs.HangFS(os.path.join(disk_dir, shard), f"{shard}{'0' * 30}.kvb", 4096, hang="readdir")
+    h = start(run_dir, instance, disk_uri(disk_dir), wait_storage=False)
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            s = c.status()
+            assert (s["storage_ready"], s["storage"][0]["ready"]) == (False, False)
+            assert not c.signals.storage_ready()
+            assert c.lookup(old) == (0, 0)  # not indexed yet: no storage hits
+            with pytest.raises(KvcachedTimeout):
+                c.wait_storage_ready(0.3)
+            offload_and_flush(c, kv, new, [0, 1, 2, 3])  # puts while indexing
+            c.delete([old[7]])  # a delete while indexing
+            fs.release_listing()
+            c.wait_storage_ready(10)
+            assert c.status()["storage_ready"] is True
+            c.clear(tier="host")
+            assert c.lookup(new) == (0, 4)
+            assert c.lookup(old) == (0, 7)  # the deleted block stays deleted
+            gone = record_path(disk_dir, old[7])
+            deadline = time.monotonic() + 5
+            while os.path.exists(gone):  # its file goes on an I/O thread
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            on_disk = sum(os.path.getsize(f) for f in files(disk_dir))  # the FUSE shard's file too
+            assert c.status()["storage"][0]["used_bytes"] == on_disk
+    finally:
+        fs.close()
         h.stop()
 
 
@@ -153,26 +347,31 @@ def tiny_fs():
     os.rmdir(path)
 
 
-def test_a_full_disk_fails_puts_cleanly_and_the_daemon_keeps_serving(run_dir, instance, tiny_fs):
+def test_a_full_disk_evicts_its_oldest_blocks_and_keeps_storing_new_ones(run_dir, instance, tiny_fs):
+    """A 1 MiB filesystem under a 1 GiB tier: ENOSPC lowers the tier's limit (said once, in
+    status and the log) and the tier evicts to stay under it. Before, it kept its oldest blocks
+    and refused every new one."""
     kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=128)
-    keys, src = keys_for(64, 2), list(range(64))  # 64 x 32 KiB = 2 MiB > 1 MiB
-    expected = snapshot(kv, src)
+    old, new = keys_for(48, 2), keys_for(16, 3)  # 48 x 32 KiB = 1.5 MiB > 1 MiB
+    expected = snapshot(kv, list(range(48, 64)))
     h = start(run_dir, instance, disk_uri(tiny_fs, capacity_gb=1.0), host_gb=0.01)
     try:
         with h.connect() as c:
             c.register_kv_cache(kv)
-            offload_and_flush(c, kv, keys, src)
+            offload_and_flush(c, kv, old, list(range(48)))
             disk = c.status()["storage"][0]
-            assert disk["put_errors"] > 0 and "ENOSPC" in disk["last_error"]
-            assert disk["healthy"]
-            assert c.lookup(keys)[0] == 64  # the host tier holds them all
+            assert disk["full"] and disk["enospc"] > 0 and disk["healthy"]
+            assert disk["limit_bytes"] < 1 << 20 < disk["capacity_bytes"]
+            offload_and_flush(c, kv, new, list(range(48, 64)))
+            c.clear(tier="host")
+            assert c.lookup(new) == (0, 16)  # the newest blocks made it to disk
             scramble(kv)
-            assert c.load(keys, list(range(64, 128))).wait(10) == 64
-            assert equal(kv, list(range(64, 128)), expected)
-            stored = c.status()["storage"][0]["blocks"]
-            assert 0 < stored < 64
+            assert c.load(new, list(range(64, 80))).wait(10) == 16
+            assert equal(kv, list(range(64, 80)), expected)
             assert all(os.path.getsize(f) > 0 for f in files(tiny_fs))  # no torn files left
             assert not glob.glob(os.path.join(tiny_fs, "??", "*.tmp"))
+        with open(h.log_path) as f:
+            assert f.read().count("the filesystem is full") == 1
     finally:
         h.stop()
 
@@ -409,6 +608,56 @@ def test_redis_outage_makes_the_tier_unhealthy_not_the_daemon(run_dir, instance,
         h.stop()
 
 
+def test_a_redis_outage_stalls_no_request_beyond_the_lookup_timeout(run_dir, instance, redis_server):
+    """The first lookup after the server died, and another client's pings meanwhile, answer
+    within a client timeout of 1 s (redis-py's default retries took ~4 s)."""
+    import threading
+
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    h = start(run_dir, instance, redis_server.uri)
+    try:
+        with h.connect(timeout=1.0) as c, h.connect(timeout=1.0) as other:
+            c.register_kv_cache(kv)
+            keys = keys_for(4, 33)
+            assert c.lookup(keys) == (0, 0)
+            redis_server.stop()
+            errors, done = [], threading.Event()
+
+            def ping():
+                try:
+                    while not done.is_set():
+                        other.ping()
+                except Exception as exc:  # KvcachedTimeout when the request loop stalls
+                    errors.append(exc)
+
+            pinger = threading.Thread(target=ping)
+            pinger.start()
+            try:
+                for _ in range(3):
+                    assert c.lookup(keys) == (0, 0)
+            finally:
+                done.set()
+                pinger.join(10)
+            assert not errors, errors
+    finally:
+        h.stop()
+
+
+def test_an_idle_daemon_shows_a_redis_outage_and_recovery_within_2_s(run_dir, instance, redis_server):
+    h = start(run_dir, instance, redis_server.uri)
+    try:
+        with h.connect() as c:
+            assert c.status()["storage"][0]["healthy"] is True
+            for up in (False, True):
+                (redis_server.start if up else redis_server.stop)()
+                deadline = time.monotonic() + 2.0  # no request touches the tier meanwhile
+                while c.status()["storage"][0]["healthy"] is not up:
+                    assert time.monotonic() < deadline, f"status still says healthy={not up}"
+                    time.sleep(0.05)
+    finally:
+        h.stop()
+
+
 class Blackhole:
     """A TCP port that accepts connections and never answers (a blackholed server)."""
 
@@ -510,3 +759,81 @@ def test_redis_cluster_tier(run_dir, instance):
     finally:
         for n in nodes:
             n.close()
+
+
+def _load_state(c):
+    s = c.status()
+    return (s["tasks"]["queued"], s["tasks"]["inflight"], s["host"]["pinned_blocks"],
+            s["tasks"]["slots_busy"], c.check())
+
+
+def test_two_loads_of_a_prefix_being_fetched_share_the_fetch(run_dir, instance, disk_dir):
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys, src = keys_for(8, 7), list(range(8))
+    expected = snapshot(kv, src)
+    h = start(run_dir, instance, disk_uri(disk_dir))
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, src)
+            c.clear(tier="host")
+            scramble(kv)
+            c.pause()  # both loads are planned before the first fetch runs
+            first = c.load(keys, list(range(20, 28)))
+            second = c.load(keys, list(range(40, 48)))  # INTERNAL: KeyError before the fix
+            third = c.load(keys[:5], list(range(50, 55)))
+            assert first.reply["storage_blocks"] == 8 and second.reply["blocks"] == 8
+            c.resume()
+            assert (first.wait(10), second.wait(10), third.wait(10)) == (8, 8, 5)
+            assert equal(kv, list(range(20, 28)), expected)
+            assert equal(kv, list(range(40, 48)), expected)
+            assert equal(kv, list(range(50, 55)), expected, upto=5)
+            assert c.status()["storage_io"]["fetched"] == 8  # one fetch, not three
+            assert _load_state(c) == (0, 0, 0, 0, "ok")
+    finally:
+        h.stop()
+
+
+def test_a_load_sharing_a_fetch_that_fails_gets_the_leading_blocks_that_arrived(
+        run_dir, instance, disk_dir):
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys, src = keys_for(8, 8), list(range(8))
+    expected = snapshot(kv, src)
+    h = start(run_dir, instance, disk_uri(disk_dir))
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, src)
+            c.clear(tier="host")
+            os.unlink(os.path.join(disk_dir, keys[3].hex()[:2], keys[3].hex() + ".kvb"))
+            scramble(kv)
+            c.pause()
+            first, second = c.load(keys, list(range(20, 28))), c.load(keys, list(range(40, 48)))
+            c.resume()
+            assert (first.wait(10), second.wait(10)) == (3, 3)
+            assert equal(kv, list(range(40, 48)), expected, upto=3)
+            assert _load_state(c) == (0, 0, 0, 0, "ok")
+    finally:
+        h.stop()
+
+
+def test_cancelling_the_load_that_owns_a_fetch_leaves_the_sharer_whole(run_dir, instance, disk_dir):
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys, src = keys_for(8, 9), list(range(8))
+    expected = snapshot(kv, src)
+    h = start(run_dir, instance, disk_uri(disk_dir))
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, src)
+            c.clear(tier="host")
+            scramble(kv)
+            c.pause()
+            owner, sharer = c.load(keys, list(range(20, 28))), c.load(keys, list(range(40, 48)))
+            assert owner.cancel() == "cancelled" and owner.wait(10) == 0
+            c.resume()
+            assert sharer.wait(10) == 8  # the owner's entries went unfetched: it fetched them itself
+            assert equal(kv, list(range(40, 48)), expected)
+            assert _load_state(c) == (0, 0, 0, 0, "ok")
+    finally:
+        h.stop()

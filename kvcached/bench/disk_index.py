@@ -28,7 +28,7 @@ def run(quick: bool = False, files: int = 0, **_) -> dict:
         created = time.perf_counter() - t0
         t0 = time.perf_counter()
         backend = DiskBackend(root, 1 << 40)
-        backend.ready.wait(3600)
+        backend.indexed.wait(3600)
         rebuild = time.perf_counter() - t0
         indexed = backend.usage()["blocks"]
         backend.close()

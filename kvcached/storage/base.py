@@ -4,9 +4,13 @@ A page is passed as its list of pieces (memoryviews in page order): one piece fo
 host layout, one per (layer, part) for layer_first. The disk tier writes and reads them in place
 with writev/readv and checksums them in a stream, so a page is never staged just to be stored.
 
-Every method is called from the daemon's storage threads, never from the request thread, and
-must not raise for I/O trouble: a failed put or get is reported per key (False), and a backend
-that cannot reach its store reports `health() == False` and 0 hits until it recovers.
+Methods must not raise for I/O trouble: a failed put or get is reported per key (False), and a
+backend that cannot reach its store reports `health() == False` and 0 hits until it recovers.
+`exists_prefix`, `delete`, `clear`, `health` and `usage` run on the daemon's request and status
+threads: they never wait on the store without a short bound. `get_into` and `put` run on
+storage worker threads and return within the backend's I/O deadline: a key whose I/O is still
+running then is reported None (late), and its page stays in use by that I/O until the backend
+calls `release(i)` (i: the key's position) - the caller must not reuse the page before.
 """
 from __future__ import annotations
 
@@ -22,13 +26,15 @@ class StorageBackend(abc.ABC):
         """Number of leading keys present."""
 
     @abc.abstractmethod
-    def get_into(self, keys: Sequence[bytes], pages: Sequence[list]) -> list[bool]:
+    def get_into(self, keys: Sequence[bytes], pages: Sequence[list], release=None) -> list:
         """Fill pages[i]'s pieces with key i's verified payload; False where missing, corrupt or
-        failed (the pieces may then hold garbage: the caller drops them)."""
+        failed (the pieces may then hold garbage: the caller drops them); None where the read
+        missed its deadline (release(i) follows once it returned)."""
 
     @abc.abstractmethod
-    def put(self, keys: Sequence[bytes], pages: Sequence[list]) -> list[bool]:
-        """Store pages; a key already stored is not rewritten (and counts as True)."""
+    def put(self, keys: Sequence[bytes], pages: Sequence[list], release=None) -> list:
+        """Store pages; a key already stored is not rewritten (and counts as True). None where
+        the write missed its deadline (release(i) follows once it returned)."""
 
     @abc.abstractmethod
     def delete(self, keys: Sequence[bytes]) -> int:
@@ -45,6 +51,10 @@ class StorageBackend(abc.ABC):
     @abc.abstractmethod
     def usage(self) -> dict:
         """{"used_bytes", "capacity_bytes", "blocks"} plus backend counters."""
+
+    def ready(self) -> bool:
+        """False while the backend is still starting (the disk tier rebuilding its index)."""
+        return True
 
     def close(self) -> None:
         """Release connections and threads."""

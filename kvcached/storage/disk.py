@@ -5,25 +5,39 @@
 Writes go to a temp file in the same shard, then os.replace: a crash leaves either the old
 state or the whole new file, never half a block. The file name is the key, so the index is
 rebuilt by listing the shards at start (in a background thread; the tier reports no hits until
-it is done), oldest modification first for LRU. Capacity is enforced by evicting the least
-recently used files; a chain put or read together is ordered head-last, so a prefix loses its
-tail first and what stays is still a loadable prefix. fsync is off by default (a crash may lose
-recent blocks, never corrupt one: torn files fail their checksum); `?fsync=1` turns it on.
+it is done, and puts, deletes and clears made meanwhile win over what the listing finds),
+oldest modification first for LRU. Capacity is enforced by evicting the least recently used
+files; a chain put or read together is ordered head-last, so a prefix loses its tail first and
+what stays is still a loadable prefix. A filesystem that fills up below the capacity (ENOSPC:
+it is smaller, or shared) sets a lower limit - a few blocks under what the tier holds then -
+and the tier evicts to stay under it, so new blocks keep coming in; status says `full` with
+`limit_bytes` (logged once), and the probe raises the limit again as the filesystem frees room.
+fsync is off by default (a crash may lose recent blocks, never corrupt one: torn files fail
+their checksum); `?fsync=1` turns it on.
+
+No file I/O runs on the caller's thread without a deadline (iothreads.py): reads and writes run
+on I/O threads, and one that has not returned after `io_timeout_s` (default 5) is reported
+late - its key a miss, its page on loan until it returns - and the tier is `stuck`: unhealthy,
+no hits, puts dropped, until every late operation has returned. A probe stats the root once a
+second on its own thread, so an idle tier on a hung filesystem shows it too. Records are opened
+non-blocking and without following links, and anything but a regular file is damage (a FIFO
+in place of a record would otherwise block its reader forever).
 """
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import errno
 import logging
 import os
 import re
+import stat
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 from urllib.parse import parse_qs, urlparse
 
 from .base import StorageBackend
+from .iothreads import IOThreads, run_bounded
 from .record import HEADER_BYTES, BadRecord, check_header, check_payload, nbytes, pack_header
 
 log = logging.getLogger(__name__)
@@ -34,42 +48,65 @@ PROGRESS_EVERY = 100_000
 # file I/O and checksums release the GIL: a few blocks in flight at once (2 measured best on
 # 2 cores; more cores take more)
 IO_THREADS = max(2, min(8, os.cpu_count() or 2))
+IO_TIMEOUT_S = 5.0
+PROBE_EVERY_S = 1.0
+ENOSPC_EVICT_BLOCKS = 8  # a full filesystem: the limit goes this many blocks under what is held
+FS_SLACK_MAX = 4 << 30  # room left free on the filesystem before the probe raises the limit
+_OPEN_READ = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPEN_TEMP = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class DiskBackend(StorageBackend):
-    def __init__(self, root: str, capacity_bytes: int, fsync: bool = False, uri: str = ""):
+    def __init__(self, root: str, capacity_bytes: int, fsync: bool = False, uri: str = "",
+                 io_timeout_s: float = IO_TIMEOUT_S, on_ready: Callable[[], None] | None = None):
         self.root = os.path.abspath(root)
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         self.uri = uri or f"disk://{self.root}"
+        self.io_timeout_s = io_timeout_s
         self._lock = threading.Lock()
         self._lru: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self.used_bytes = 0
-        self.counters = {"puts": 0, "gets": 0, "put_errors": 0, "corrupt": 0, "evicted": 0}
+        self.counters = {"puts": 0, "gets": 0, "put_errors": 0, "corrupt": 0, "evicted": 0,
+                         "dropped_puts": 0, "late_io": 0, "enospc": 0}
         self.last_error = ""
-        os.makedirs(self.root, mode=0o700, exist_ok=True)
-        for shard in range(256):  # made once here, not stat'ed on every put
-            os.makedirs(os.path.join(self.root, f"{shard:02x}"), mode=0o700, exist_ok=True)
-        self._pool = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvcached-disk")
-        self.ready = threading.Event()
+        self.limit_bytes = capacity_bytes  # lowered when the filesystem fills up first
+        self._block_bytes = 0  # size of the last record written (the probe's slack)
+        self._late = 0  # I/O operations past their deadline that have not returned yet
+        self._dropped_while_indexing: set[bytes] = set()  # deleted before the index was whole
+        self._cleared_while_indexing = False
+        self._probe_since = 0.0  # monotonic start of the probe in progress, 0 when none
+        self._probe_error = ""
+        self._closed = threading.Event()
+        self._on_ready = on_ready
+        self._io = IOThreads(IO_THREADS, "kvcached-disk")
+        self._make_root()
+        self.indexed = threading.Event()
         self._rebuild_thread = threading.Thread(target=self._rebuild, name="kvcached-disk-index",
                                                 daemon=True)
         self._rebuild_thread.start()
+        self._prober = threading.Thread(target=self._probe, name="kvcached-disk-probe", daemon=True)
+        self._prober.start()
 
     @classmethod
-    def from_uri(cls, uri: str) -> "DiskBackend":
-        url = urlparse(uri)
-        if not url.path.startswith("/") or url.netloc:
-            raise ValueError(f"{uri!r}: expected disk:///absolute/path[?capacity_gb=F]")
-        q = parse_qs(url.query)
-        unknown = set(q) - {"capacity_gb", "fsync"}
-        if unknown:
-            raise ValueError(f"{uri!r}: unknown option(s) {sorted(unknown)}")
-        capacity_gb = float(q.get("capacity_gb", ["16"])[0])
-        if not capacity_gb > 0:
-            raise ValueError(f"{uri!r}: capacity_gb must be positive")
-        fsync = q.get("fsync", ["0"])[0] in ("1", "true", "yes")
-        return cls(url.path, int(capacity_gb * (1 << 30)), fsync, uri)
+    def from_uri(cls, uri: str, on_ready: Callable[[], None] | None = None) -> "DiskBackend":
+        o = parse_uri(uri)
+        return cls(o["root"], o["capacity_bytes"], o["fsync"], uri, o["io_timeout_s"], on_ready)
+
+    def _make_root(self) -> None:
+        """The root, made on an I/O thread: a hung filesystem leaves the tier stuck at start
+        instead of hanging the daemon's start-up."""
+        def make():
+            os.makedirs(self.root, mode=0o700, exist_ok=True)
+            if not os.access(self.root, os.W_OK):
+                raise PermissionError(errno.EACCES, "not writable", self.root)
+
+        try:
+            run_bounded(self._io, make, [()], self.io_timeout_s, self._late_op("mkdir of the root"),
+                        lambda _i: self._late_returned())
+        except OSError as exc:
+            raise ValueError(f"{self.uri}: cannot use {self.root} as the disk tier: "
+                             f"{exc.strerror or exc}") from None
 
     # index ----------------------------------------------------------------
     def _path(self, key: bytes) -> str:
@@ -77,33 +114,63 @@ class DiskBackend(StorageBackend):
         return os.path.join(self.root, h[:2], h + ".kvb")
 
     def _rebuild(self) -> None:
-        started, found, removed = time.monotonic(), [], 0
+        started, removed = time.monotonic(), 0
         try:
-            for shard in os.scandir(self.root):
-                if not (shard.is_dir(follow_symlinks=False) and _SHARD_RE.match(shard.name)):
-                    continue
-                for entry in os.scandir(shard.path):
-                    if _NAME_RE.match(entry.name) and entry.name.startswith(shard.name):
-                        st = entry.stat(follow_symlinks=False)
-                        found.append((st.st_mtime_ns, bytes.fromhex(entry.name[:32]), st.st_size))
-                        if len(found) % PROGRESS_EVERY == 0:
-                            log.info("[disk] indexing %s: %d files", self.root, len(found))
-                    else:  # temp files of a crashed write, or anything foreign: not ours to serve
-                        os.unlink(entry.path)
-                        removed += 1
-            found.sort()
-            with self._lock:
-                for _mtime, key, size in found:
-                    self._lru[key] = size
-                    self.used_bytes += size
+            for shard in range(256):  # made once here, not stat'ed on every put
+                os.makedirs(os.path.join(self.root, f"{shard:02x}"), mode=0o700, exist_ok=True)
+            found, removed = self._list_records()
+            self._merge(found)
             log.info("[disk] %s: %d blocks (%.2f GiB) indexed in %.1f s, %d stray files removed",
-                     self.root, len(found), self.used_bytes / 2**30, time.monotonic() - started, removed)
+                     self.root, len(self._lru), self.used_bytes / 2**30,
+                     time.monotonic() - started, removed)
             self._evict_over_capacity(0)  # a smaller capacity than last time
         except OSError as exc:
             self.last_error = f"index rebuild failed: {exc}"
             log.error("[disk] %s", self.last_error)
         finally:
-            self.ready.set()
+            self.indexed.set()
+            if self._on_ready is not None:
+                self._on_ready()
+
+    def _list_records(self) -> tuple[list, int]:
+        found, removed = [], 0
+        for shard in os.scandir(self.root):
+            if not (shard.is_dir(follow_symlinks=False) and _SHARD_RE.match(shard.name)):
+                continue
+            for entry in os.scandir(shard.path):
+                if (_NAME_RE.match(entry.name) and entry.name.startswith(shard.name)
+                        and entry.is_file(follow_symlinks=False)):
+                    st = entry.stat(follow_symlinks=False)
+                    found.append((st.st_mtime_ns, bytes.fromhex(entry.name[:32]), st.st_size))
+                    if len(found) % PROGRESS_EVERY == 0:
+                        log.info("[disk] indexing %s: %d files", self.root, len(found))
+                elif entry.is_dir(follow_symlinks=False):
+                    log.warning("[disk] %s: a directory where records go; left alone", entry.path)
+                else:  # temp files of a crashed write, links, FIFOs, anything foreign
+                    os.unlink(entry.path)
+                    removed += 1
+        return found, removed
+
+    def _merge(self, found: list) -> None:
+        """Add what the listing found, oldest first, under what happened meanwhile: a key put
+        since is already indexed (and counted once), a key deleted or cleared since goes."""
+        found.sort()
+        stale = []
+        with self._lock:
+            known = dict(self._lru)
+            self._lru.clear()
+            for _mtime, key, size in found:
+                if key in known:
+                    continue
+                if self._cleared_while_indexing or key in self._dropped_while_indexing:
+                    stale.append(key)
+                    continue
+                self._lru[key] = size
+                self.used_bytes += size
+            self._lru.update(known)  # newest: the puts made while indexing
+            self._dropped_while_indexing.clear()
+            self._cleared_while_indexing = False
+        self._unlink_later(stale)
 
     def _forget(self, key: bytes) -> None:
         with self._lock:
@@ -112,21 +179,22 @@ class DiskBackend(StorageBackend):
                 self.used_bytes -= size
 
     def _evict_over_capacity(self, incoming: int) -> bool:
-        """Make room for `incoming` bytes and reserve them (0: just enforce the capacity).
+        """Make room for `incoming` bytes and reserve them (0: just enforce the limit).
         False when even an empty tier cannot take them now (others hold reservations)."""
         victims = []
         with self._lock:
-            while self._lru and self.used_bytes + incoming > self.capacity_bytes:
+            while self._lru and self.used_bytes + incoming > self.limit_bytes:
                 key, size = self._lru.popitem(last=False)
                 self.used_bytes -= size
                 victims.append(key)
-            fits = self.used_bytes + incoming <= self.capacity_bytes
+            fits = self.used_bytes + incoming <= self.limit_bytes
             if fits:
                 self.used_bytes += incoming  # reserved under the lock: parallel puts cannot overshoot
         self._unlink_victims(victims)
         return fits
 
     def _unlink_victims(self, victims) -> None:
+        """Called on an I/O thread (a put's) or the index thread: unlinks here."""
         for key in victims:
             try:
                 os.unlink(self._path(key))
@@ -134,9 +202,85 @@ class DiskBackend(StorageBackend):
                 log.debug("[disk] evicted file already gone")
         self.counters["evicted"] += len(victims)
 
+    def _unlink_later(self, keys) -> None:
+        """Unlink on an I/O thread, unless the key was stored again meanwhile."""
+        if keys:
+            self._io.submit(self._unlink_unless_indexed, list(keys))
+
+    def _unlink_unless_indexed(self, keys) -> None:
+        for key in keys:
+            with self._lock:
+                if key in self._lru:
+                    continue
+            try:
+                os.unlink(self._path(key))
+            except FileNotFoundError:
+                pass  # never written, or gone already: nothing to remove
+
+    # health ---------------------------------------------------------------
+    def _late_op(self, what: str):
+        def on_late(_i: int) -> None:
+            with self._lock:
+                first = self._late == 0
+                self._late += 1
+            self.counters["late_io"] += 1
+            self.last_error = (f"{what} has not returned in {self.io_timeout_s:g} s "
+                               "(a hung filesystem?); the tier is stuck until it does")
+            if first:
+                log.error("[disk] %s: %s", self.root, self.last_error)
+        return on_late
+
+    def _late_returned(self) -> None:
+        with self._lock:
+            self._late -= 1
+            done = self._late == 0
+        if done:
+            log.warning("[disk] %s: every late I/O operation returned; the tier serves again", self.root)
+
+    def _probe(self) -> None:
+        while not self._closed.wait(PROBE_EVERY_S):
+            self._probe_since = time.monotonic()
+            try:
+                st = os.stat(self.root)
+                if not stat.S_ISDIR(st.st_mode) or not os.access(self.root, os.W_OK):
+                    raise OSError(errno.EACCES, "not a writable directory")
+                self._probe_error = ""
+                if self.limit_bytes < self.capacity_bytes:
+                    self._regrow(os.statvfs(self.root))
+            except OSError as exc:
+                self._probe_error = f"{self.root}: {exc.strerror or exc}"
+            self._probe_since = 0.0
+
+    def _regrow(self, fs) -> None:
+        """Raise a limit the filesystem set, by what it has free beyond a slack."""
+        total, free = fs.f_blocks * fs.f_frsize, fs.f_bavail * fs.f_frsize
+        slack = min(FS_SLACK_MAX, max(total // 20, 16 * self._block_bytes))
+        if free <= slack:
+            return
+        with self._lock:
+            self.limit_bytes = min(self.capacity_bytes, self.limit_bytes + free - slack)
+            room = self.limit_bytes == self.capacity_bytes
+        if room:
+            log.info("[disk] %s has room for the tier's whole capacity again", self.root)
+
+    def _stuck(self) -> str:
+        """Why the tier takes no I/O now ("" when it does); never waits on the filesystem."""
+        if self._late:
+            return f"{self._late} I/O operations past their {self.io_timeout_s:g} s deadline"
+        since = self._probe_since
+        if since and time.monotonic() - since > self.io_timeout_s:
+            return f"a stat of {self.root} has not returned in {self.io_timeout_s:g} s"
+        return ""
+
+    def health(self) -> bool:
+        return not self._stuck() and not self._probe_error
+
+    def ready(self) -> bool:
+        return self.indexed.is_set()
+
     # interface ------------------------------------------------------------
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
-        if not self.ready.is_set():
+        if not self.indexed.is_set() or self._stuck():
             return 0
         n = 0
         with self._lock:
@@ -155,11 +299,21 @@ class DiskBackend(StorageBackend):
             if key in self._lru:
                 self._lru.move_to_end(key)
 
-    def get_into(self, keys, buffers) -> list[bool]:
-        got = list(self._pool.map(self._get_one, keys, buffers))
+    def get_into(self, keys, buffers, release=None) -> list:
+        if self._stuck():
+            return [False] * len(keys)
+        got = run_bounded(self._io, self._get_one, list(zip(keys, buffers)), self.io_timeout_s,
+                          self._late_op("a block read"), self._on_late_done(release))
         with self._lock:
             self._touch_chain([k for k, ok in zip(keys, got) if ok])
         return got
+
+    def _on_late_done(self, release):
+        def done(i: int) -> None:
+            self._late_returned()
+            if release is not None:
+                release(i)
+        return done
 
     def _get_one(self, key: bytes, pieces) -> bool:
         with self._lock:
@@ -167,8 +321,10 @@ class DiskBackend(StorageBackend):
                 return False
         want = nbytes(pieces)
         try:
-            fd = os.open(self._path(key), os.O_RDONLY)
+            fd = os.open(self._path(key), _OPEN_READ)
             try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise BadRecord("not a regular file")
                 crc = check_header(os.read(fd, HEADER_BYTES), key, want)
                 if os.readv(fd, pieces) != want or os.read(fd, 1):
                     raise BadRecord("short or long file")
@@ -186,8 +342,12 @@ class DiskBackend(StorageBackend):
         self.counters["gets"] += 1
         return True
 
-    def put(self, keys, buffers) -> list[bool]:
-        stored = list(self._pool.map(self._put_one, keys, buffers))
+    def put(self, keys, buffers, release=None) -> list:
+        if self._stuck():
+            self.counters["dropped_puts"] += len(keys)
+            return [False] * len(keys)
+        stored = run_bounded(self._io, self._put_one, list(zip(keys, buffers)), self.io_timeout_s,
+                             self._late_op("a block write"), self._on_late_done(release))
         with self._lock:
             self._touch_chain([k for k, ok in zip(keys, stored) if ok])
         return stored
@@ -197,33 +357,23 @@ class DiskBackend(StorageBackend):
             if key in self._lru:
                 return True
         size = HEADER_BYTES + nbytes(pieces)
+        self._block_bytes = size
         if size > self.capacity_bytes or not self._evict_over_capacity(size):
             return False
-        path = self._path(key)
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        try:
-            try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            except FileNotFoundError:  # the shard dir was removed under us: make it again
-                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                _write_all(fd, [pack_header(key, pieces), *pieces], size)
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except OSError as exc:
-            self.counters["put_errors"] += 1
-            self.last_error = f"write failed: {errno.errorcode.get(exc.errno, exc.errno)} {exc.strerror}"
-            log.warning("[disk] put %s: %s", key.hex(), self.last_error)
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                log.debug("[disk] no temp file to remove after the failed write")
+        err = self._write(key, pieces, size)
+        if err is not None and err.errno == errno.ENOSPC:
+            with self._lock:
+                self.used_bytes -= size  # the reservation, taken again under the new limit
+            self._on_full(size)
+            if not self._evict_over_capacity(size):
+                return False
+            err = self._write(key, pieces, size)
+        if err is not None:
             with self._lock:
                 self.used_bytes -= size  # the reservation
+            self.counters["put_errors"] += 1
+            self.last_error = f"write failed: {errno.errorcode.get(err.errno, err.errno)} {err.strerror}"
+            log.warning("[disk] put %s: %s", key.hex(), self.last_error)
             return False
         with self._lock:
             if key in self._lru:  # the same key written twice at once: count it once
@@ -233,6 +383,46 @@ class DiskBackend(StorageBackend):
         self.counters["puts"] += 1
         return True
 
+    def _write(self, key: bytes, pieces, size: int) -> OSError | None:
+        """Temp file, then rename; None when the record is in place, else the error (nothing
+        of it is left behind)."""
+        path = self._path(key)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            try:
+                fd = os.open(tmp, _OPEN_TEMP, 0o600)
+            except FileNotFoundError:  # the shard dir was removed under us: make it again
+                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+                fd = os.open(tmp, _OPEN_TEMP, 0o600)
+            try:
+                _write_all(fd, [pack_header(key, pieces), *pieces], size)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as exc:
+            if exc.errno != errno.EEXIST:  # EEXIST: not our file, leave it
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    log.debug("[disk] no temp file to remove after the failed write")
+            return exc
+        return None
+
+    def _on_full(self, size: int) -> None:
+        """ENOSPC below the limit (the filesystem is smaller, or shared): lower the limit a
+        few blocks under what the tier holds now; the caller evicts down to it and retries."""
+        self.counters["enospc"] += 1
+        with self._lock:
+            first = self.limit_bytes == self.capacity_bytes
+            self.limit_bytes = max(0, min(self.limit_bytes, self.used_bytes) - ENOSPC_EVICT_BLOCKS * size)
+            limit = self.limit_bytes
+        if first:
+            log.warning("[disk] %s: the filesystem is full at %.3f GiB, below the tier's capacity "
+                        "(%.3f GiB); the tier now evicts to stay under %.3f GiB", self.root,
+                        self.used_bytes / 2**30, self.capacity_bytes / 2**30, limit / 2**30)
+
     def _remove(self, key: bytes) -> bool:
         self._forget(key)
         try:
@@ -240,38 +430,75 @@ class DiskBackend(StorageBackend):
             return True
         except FileNotFoundError:
             return False
+        except OSError as exc:  # forgotten all the same: never read again by this daemon
+            log.warning("[disk] cannot remove the damaged record %s: %s", key.hex(), exc)
+            return False
 
     def delete(self, keys) -> int:
-        n = 0
-        for key in keys:
-            with self._lock:
-                present = key in self._lru
-            if present:
-                self._remove(key)
-                n += 1
-        return n
+        """Forget the keys now; their files go on an I/O thread (no file I/O on the caller's)."""
+        gone = []
+        with self._lock:
+            for key in keys:
+                size = self._lru.pop(key, None)
+                if size is not None:
+                    self.used_bytes -= size
+                    gone.append(key)
+                if not self.indexed.is_set():
+                    self._dropped_while_indexing.add(key)
+        self._unlink_later(gone)
+        return len(gone)
 
     def clear(self) -> int:
-        self.ready.wait(60)
+        """Forget every block now (what the index rebuild still finds goes too); the files go
+        on an I/O thread. Returns how many blocks were indexed."""
         with self._lock:
             keys = list(self._lru)
-        for key in keys:
-            self._remove(key)
+            self._lru.clear()
+            self.used_bytes = 0
+            if not self.indexed.is_set():
+                self._cleared_while_indexing = True
+        self._unlink_later(keys)
         return len(keys)
-
-    def health(self) -> bool:
-        return os.path.isdir(self.root) and os.access(self.root, os.W_OK)
 
     def usage(self) -> dict:
         with self._lock:
             blocks = len(self._lru)
+        stuck = self._stuck()
         return {"used_bytes": self.used_bytes, "capacity_bytes": self.capacity_bytes,
-                "blocks": blocks, "ready": self.ready.is_set(), "last_error": self.last_error,
-                **self.counters}
+                "limit_bytes": self.limit_bytes, "full": self.limit_bytes < self.capacity_bytes,
+                "blocks": blocks, "ready": self.indexed.is_set(), "stuck": bool(stuck),
+                "last_error": stuck or self._probe_error or self.last_error, **self.counters}
 
     def close(self) -> None:
-        self._rebuild_thread.join(timeout=5)
-        self._pool.shutdown(wait=True)
+        self._closed.set()
+        self._rebuild_thread.join(timeout=1.0)
+        self._io.shutdown(timeout=self.io_timeout_s)
+
+
+def parse_uri(uri: str) -> dict:
+    """disk:///abs/path[?capacity_gb=F&io_timeout_s=F&fsync=1], checked (nothing touched)."""
+    url = urlparse(uri)
+    if url.scheme != "disk" or not url.path.startswith("/") or url.netloc:
+        raise ValueError(f"{uri!r}: expected disk:///absolute/path[?capacity_gb=F]")
+    q = parse_qs(url.query)
+    unknown = set(q) - {"capacity_gb", "fsync", "io_timeout_s"}
+    if unknown:
+        raise ValueError(f"{uri!r}: unknown option(s) {sorted(unknown)}; known: capacity_gb, "
+                         "io_timeout_s, fsync")
+    return {"root": url.path, "capacity_bytes": int(_number(uri, q, "capacity_gb", 16.0) * (1 << 30)),
+            "io_timeout_s": _number(uri, q, "io_timeout_s", IO_TIMEOUT_S),
+            "fsync": q.get("fsync", ["0"])[0] in ("1", "true", "yes")}
+
+
+def _number(uri: str, q: dict, name: str, default: float) -> float:
+    raw = q.get(name, [str(default)])[0]
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{uri!r}: {name}={raw!r} is not a number") from None
+    if not value > 0:
+        raise ValueError(f"{uri!r}: {name} must be positive")
+    return value
 
 
 def _write_all(fd: int, pieces, total: int) -> None:

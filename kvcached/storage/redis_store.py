@@ -1,17 +1,19 @@
-"""The Redis / Valkey tier (optional extra `kvcached[redis]`): one value per block, pipelined.
+"""The Redis / Valkey tier (optional extra `kvcached-sidecar[redis]`): one value per block, pipelined.
 
     redis://host:port/db[?prefix=P&ttl_s=N]        one server
     redis+cluster://host:port[?prefix=P&ttl_s=N]   a cluster (any node as the entry point)
 
 Keys are `{prefix}{key hex}`; values are record.py records (header with a checksum, then the
 page). A server that stops answering marks the tier unhealthy: lookups see 0 hits, puts are
-dropped and counted, and a probe thread pings once a second until it answers again.
+dropped and counted, until it answers again.
 
-Lookups run on the daemon's request thread, so they never wait on a probe and use their own
-connection with a short timeout (LOOKUP_TIMEOUT_S): a server that accepts connections but
-never answers (a blackholed host) costs one request at most that long, then the tier is
-unhealthy and lookups skip it until the probe sees it back. Fetches and backups run on
-storage worker threads with the longer SOCKET_TIMEOUT_S.
+A probe thread pings the server every PROBE_EVERY_S on its own connection, whether the daemon
+is busy or idle, so status shows a server gone (or back) within PROBE_EVERY_S +
+PROBE_TIMEOUT_S. Lookups run on the daemon's request thread: their connection has a short
+timeout (LOOKUP_TIMEOUT_S) and no retries, so a server that dies or is blackholed costs one
+request at most that long, and lookups skip the tier from then on. (redis-py's default retries
+with backoff would take ~4 s.) Fetches and backups run on storage worker threads with the
+longer SOCKET_TIMEOUT_S and one quick retry.
 """
 from __future__ import annotations
 
@@ -25,9 +27,11 @@ from .record import HEADER_BYTES, BadRecord, nbytes, pack_header, verify
 
 log = logging.getLogger(__name__)
 
-PROBE_EVERY_S = 1.0
+PROBE_EVERY_S = 0.5
+PROBE_TIMEOUT_S = 0.25
 SOCKET_TIMEOUT_S = 1.0
 LOOKUP_TIMEOUT_S = 0.25
+WORKER_RETRY_BACKOFF_S = 0.05
 
 
 class RedisBackend(StorageBackend):
@@ -35,39 +39,36 @@ class RedisBackend(StorageBackend):
         try:
             import redis
             import redis.cluster
+            from redis.backoff import ConstantBackoff, NoBackoff
+            from redis.retry import Retry
         except ImportError:
-            raise ValueError(f"{uri!r}: the redis tier needs redis-py: pip install 'kvcached[redis]'") from None
+            raise ValueError(f"{uri!r}: the redis tier needs redis-py: pip install "
+                             "'kvcached-sidecar[redis]'") from None
         self._redis = redis
-        url = urlparse(uri)
+        opts = parse_uri(uri)
         self.uri = uri
-        self.cluster = url.scheme == "redis+cluster"
-        q = parse_qs(url.query)
-        unknown = set(q) - {"prefix", "ttl_s"}
-        if unknown:
-            raise ValueError(f"{uri!r}: unknown option(s) {sorted(unknown)}")
-        self.prefix = q.get("prefix", ["kvcached:"])[0].encode()
-        self.ttl_s = int(q.get("ttl_s", ["0"])[0]) or None
-        host, port = url.hostname or "127.0.0.1", url.port or 6379
-        db = int(url.path.strip("/") or 0)
+        self.cluster = opts["cluster"]
+        self.prefix, self.ttl_s = opts["prefix"], opts["ttl_s"]
+        host, port, db = opts["host"], opts["port"], opts["db"]
 
-        def connect(timeout: float):
-            common = dict(socket_timeout=timeout, socket_connect_timeout=timeout)
+        def connect(timeout: float, retries: int):
+            retry = Retry(ConstantBackoff(WORKER_RETRY_BACKOFF_S) if retries else NoBackoff(), retries)
+            common = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=retry)
             if self.cluster:
                 return redis.cluster.RedisCluster(host=host, port=port, **common)
             return redis.Redis(host=host, port=port, db=db, **common)
 
         self._healthy = True
-        self._prober: threading.Thread | None = None
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self.counters = {"puts": 0, "gets": 0, "dropped_puts": 0, "errors": 0, "corrupt": 0}
         self.last_error = ""
-        self._client = connect(SOCKET_TIMEOUT_S)
-        self._lookup_client = connect(LOOKUP_TIMEOUT_S)
-        try:
-            self._client.ping()
-        except redis.RedisError as exc:
-            self._failed(exc)
+        self._client = connect(SOCKET_TIMEOUT_S, 1)
+        self._lookup_client = connect(LOOKUP_TIMEOUT_S, 0)
+        self._probe_client = connect(PROBE_TIMEOUT_S, 0)
+        self._probe_once()
+        self._prober = threading.Thread(target=self._probe, name="kvcached-redis-probe", daemon=True)
+        self._prober.start()
 
     def _name(self, key: bytes) -> bytes:
         return self.prefix + key.hex().encode()
@@ -79,32 +80,28 @@ class RedisBackend(StorageBackend):
             if self._healthy:
                 log.warning("[redis] %s unhealthy: %s", self.uri, self.last_error)
             self._healthy = False
-            if self._prober is None and not self._closed.is_set():
-                self._prober = threading.Thread(target=self._probe_until_healthy,
-                                                name="kvcached-redis-probe", daemon=True)
-                self._prober.start()
 
-    def _probe_until_healthy(self) -> None:
+    def _probe(self) -> None:
         while not self._closed.wait(PROBE_EVERY_S):
-            try:
-                self._client.ping()
-            except Exception as exc:  # any failure keeps the tier down and the probe going
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                continue
-            with self._lock:
-                self._healthy = True
-                self._prober = None
-            log.info("[redis] %s healthy again", self.uri)
+            self._probe_once()
+
+    def _probe_once(self) -> None:
+        try:
+            self._probe_client.ping()
+        except Exception as exc:  # any failure: the tier is down until a ping answers
+            self._failed(exc)
             return
         with self._lock:
-            self._prober = None
+            back, self._healthy = not self._healthy, True
+        if back:
+            log.info("[redis] %s healthy again", self.uri)
 
     def _usable(self) -> bool:
         return self._healthy
 
     def health(self) -> bool:
-        """The last known state: an operation that fails marks the tier down, the probe
-        thread marks it up again (no call here waits on the server)."""
+        """The last known state: an operation or a probe that fails marks the tier down, a
+        probe that answers marks it up again (no call here waits on the server)."""
         return self._healthy
 
     def _per_key(self, command: str, keys, client=None) -> list | None:
@@ -131,7 +128,8 @@ class RedisBackend(StorageBackend):
             n += 1
         return n
 
-    def get_into(self, keys, buffers) -> list[bool]:
+    def get_into(self, keys, buffers, release=None) -> list[bool]:
+        """Synchronous: bounded by the socket timeout, never late (release is not called)."""
         values = self._per_key("get", keys)
         if values is None:
             return [False] * len(keys)
@@ -153,7 +151,7 @@ class RedisBackend(StorageBackend):
             out.append(True)
         return out
 
-    def put(self, keys, buffers) -> list[bool]:
+    def put(self, keys, buffers, release=None) -> list[bool]:
         if not keys:
             return []
         if not self._usable():
@@ -213,11 +211,9 @@ class RedisBackend(StorageBackend):
 
     def close(self) -> None:
         self._closed.set()
-        prober = self._prober
-        if prober is not None:
-            prober.join(SOCKET_TIMEOUT_S + PROBE_EVERY_S)
-        self._client.close()
-        self._lookup_client.close()
+        self._prober.join(PROBE_TIMEOUT_S + PROBE_EVERY_S)
+        for client in (self._client, self._lookup_client, self._probe_client):
+            client.close()
 
 
 def _scatter(payload: memoryview, pieces) -> None:
@@ -226,3 +222,24 @@ def _scatter(payload: memoryview, pieces) -> None:
         view = memoryview(piece).cast("B")
         view[:] = payload[off : off + view.nbytes]
         off += view.nbytes
+
+
+def parse_uri(uri: str) -> dict:
+    """The URI's parts and options, checked (no connection is made)."""
+    url = urlparse(uri)
+    if url.scheme not in ("redis", "redis+cluster") or not url.hostname:
+        raise ValueError(f"{uri!r}: expected redis://host:port/db or redis+cluster://host:port")
+    q = parse_qs(url.query)
+    unknown = set(q) - {"prefix", "ttl_s"}
+    if unknown:
+        raise ValueError(f"{uri!r}: unknown option(s) {sorted(unknown)}")
+    try:
+        port = url.port or 6379
+        db = int(url.path.strip("/") or 0)
+        ttl_s = int(q.get("ttl_s", ["0"])[0])
+    except ValueError:
+        raise ValueError(f"{uri!r}: the port, the db number and ttl_s must be integers") from None
+    if ttl_s < 0 or db < 0:
+        raise ValueError(f"{uri!r}: ttl_s and the db number must not be negative")
+    return {"cluster": url.scheme == "redis+cluster", "host": url.hostname, "port": port,
+            "db": db, "prefix": q.get("prefix", ["kvcached:"])[0].encode(), "ttl_s": ttl_s or None}

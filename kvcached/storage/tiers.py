@@ -12,6 +12,7 @@ Write policies (host -> storage):
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Sequence
 
 from .base import StorageBackend
@@ -22,10 +23,23 @@ log = logging.getLogger(__name__)
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
-def open_backend(uri: str) -> StorageBackend:
+def parse_uri(uri: str) -> dict:
+    """Check a storage URI's form and options without opening anything."""
     scheme = uri.split("://", 1)[0] if "://" in uri else ""
     if scheme == "disk":
-        return DiskBackend.from_uri(uri)
+        from .disk import parse_uri as parse
+    elif scheme in ("redis", "redis+cluster"):
+        from .redis_store import parse_uri as parse
+    else:
+        raise ValueError(f"{uri!r}: expected disk:///path, redis://host:port/db or "
+                         "redis+cluster://host:port")
+    return parse(uri)
+
+
+def open_backend(uri: str, on_ready=None) -> StorageBackend:
+    scheme = uri.split("://", 1)[0] if "://" in uri else ""
+    if scheme == "disk":
+        return DiskBackend.from_uri(uri, on_ready)
     if scheme in ("redis", "redis+cluster"):
         from .redis_store import RedisBackend
 
@@ -36,19 +50,33 @@ def open_backend(uri: str) -> StorageBackend:
 
 class StorageTiers:
     def __init__(self, uris: Sequence[str], write_policy: str = "write_through",
-                 writer: bool = True, selective_hits: int = 2):
+                 writer: bool = True, selective_hits: int = 2, on_ready=None):
+        """on_ready() is called once every backend is ready (at once when they all are)."""
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write policy {write_policy!r}: expected one of {WRITE_POLICIES}")
         self.write_policy = write_policy
         self.writer = writer
         self.selective_hits = selective_hits
         self.backends: list[StorageBackend] = []
+        self._on_ready = on_ready
+        self._ready_lock = threading.Lock()
+        self._opened = self._ready_said = False
         try:
             for uri in uris:
-                self.backends.append(open_backend(uri))
+                self.backends.append(open_backend(uri, self._backend_ready))
         except BaseException:
             self.close()
             raise
+        self._opened = True
+        self._backend_ready()
+
+    def _backend_ready(self) -> None:
+        with self._ready_lock:
+            if self._ready_said or not self._opened or not self.ready():
+                return
+            self._ready_said = True
+        if self._on_ready is not None:
+            self._on_ready()
 
     def __bool__(self) -> bool:
         return bool(self.backends)
@@ -67,36 +95,49 @@ class StorageTiers:
             n += best
         return n
 
-    def fetch(self, keys: Sequence[bytes], buffers: Sequence) -> int:
-        """Fill buffers from the first backend holding each key; returns the leading count
-        filled (the first miss or corrupt record ends the prefix)."""
+    def fetch(self, keys: Sequence[bytes], buffers: Sequence, release=None) -> tuple[int, set]:
+        """Fill buffers from the first backend holding each key. Returns the leading count
+        filled (the first miss or corrupt record ends the prefix) and the positions whose read
+        missed its deadline: their buffers stay in use until release(i) is called. A buffer
+        on loan is never handed to another backend."""
         ok = [False] * len(keys)
+        late: set[int] = set()
         todo = list(range(len(keys)))
         for b in self.backends:
             if not todo:
                 break
-            got = b.get_into([keys[i] for i in todo], [buffers[i] for i in todo])
+            got = b.get_into([keys[i] for i in todo], [buffers[i] for i in todo],
+                             _remap(release, todo))
             rest = []
             for i, g in zip(todo, got):
                 if g:
                     ok[i] = True
+                elif g is None:
+                    late.add(i)
                 else:
                     rest.append(i)
             todo = rest
         n = 0
         while n < len(ok) and ok[n]:
             n += 1
-        return n
+        return n, late
 
-    def put(self, keys: Sequence[bytes], buffers: Sequence) -> list[bool]:
-        """Store in every backend; per key, whether it reached at least one."""
+    def put(self, keys: Sequence[bytes], buffers: Sequence, release=None) -> tuple[list[bool], set]:
+        """Store in every backend; per key, whether it reached at least one, and the positions
+        whose write missed its deadline in some backend: their buffers stay in use until
+        release(i), called once every backend's late write of them returned."""
         stored = [False] * len(keys)
         if not self.writer:
-            return stored
+            return stored, set()
+        late: dict[int, int] = {}
+        writes = _LateWrites(release)
         for b in self.backends:
-            for i, ok in enumerate(b.put(keys, buffers)):
-                stored[i] |= ok
-        return stored
+            for i, ok in enumerate(b.put(keys, buffers, writes.returned)):
+                if ok is None:
+                    late[i] = late.get(i, 0) + 1
+                stored[i] |= bool(ok)
+        writes.count(late)
+        return stored, set(late)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         return max((b.delete(keys) for b in self.backends), default=0)
@@ -108,8 +149,43 @@ class StorageTiers:
         return [{"uri": b.uri, "healthy": b.health(), **b.usage()} for b in self.backends]
 
     def ready(self) -> bool:
-        return all(getattr(b, "ready", None) is None or b.ready.is_set() for b in self.backends)
+        return all(b.ready() for b in self.backends)
 
     def close(self) -> None:
         for b in self.backends:
             b.close()
+
+
+def _remap(release, positions: list[int]):
+    """A backend's release(j) for the j-th key it was given, as the caller's release(i)."""
+    if release is None:
+        return None
+    return lambda j: release(positions[j])
+
+
+class _LateWrites:
+    """One page may be late in several backends: the caller's release(i) comes once all of
+    them returned (a backend may return before they are counted)."""
+
+    def __init__(self, release):
+        self._release = release
+        self._lock = threading.Lock()
+        self._open: dict[int, int] = {}
+        self._counted = False
+
+    def returned(self, i: int) -> None:
+        with self._lock:
+            self._open[i] = self._open.get(i, 0) - 1
+            done = self._counted and self._open[i] == 0
+        if done and self._release is not None:
+            self._release(i)
+
+    def count(self, late: dict[int, int]) -> None:
+        with self._lock:
+            for i, n in late.items():
+                self._open[i] = self._open.get(i, 0) + n
+            self._counted = True
+            done = [i for i in late if self._open[i] == 0]
+        if self._release is not None:
+            for i in done:
+                self._release(i)
