@@ -36,7 +36,13 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvcached_proto.version import PROTOCOL_VERSION
+
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="kvcached", description="Per-GPU KV-cache sidecar daemon.")
+    parser.add_argument("--version", action="version",
+                        version=f"kvcached {__version__} (protocol {PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]})")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser(
@@ -58,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="host eviction policy (default: lru)")
     serve.add_argument("--numa", default=S, help="auto, off or a NUMA node (CUDA pinning; default: auto)")
     serve.add_argument("--listen", action="append", default=S, metavar="tcp://ADDR:PORT",
-                       help="extra TCP endpoint (repeatable); loopback only, unless CURVE keys are "
-                            "given, which then every --listen endpoint requires")
+                       help="extra TCP endpoint (repeatable); needs CURVE keys "
+                            "(--curve-secret-key-file, --curve-allow-dir), loopback included")
     serve.add_argument("--curve-secret-key-file", default=S, metavar="FILE",
                        help="the daemon's CURVE key pair (a zmq certificate, `kvcached keygen`)")
     serve.add_argument("--curve-allow-dir", default=S, metavar="DIR",
@@ -67,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queued-tasks", type=int, default=S,
                        help="queued copy tasks before requests get BUSY (default: 4096)")
     serve.add_argument("--storage", action="append", default=S, metavar="URI",
-                       help="storage tier, repeatable, searched in order: disk:///abs/path?capacity_gb=F, "
+                       help="storage tier, repeatable, searched in order: "
+                            "disk:///abs/path?capacity_gb=F[&io_timeout_s=F][&fsync=1], "
                             "redis://host:port/db, redis+cluster://host:port")
     serve.add_argument("--storage-write-policy", default=S,
                        choices=["write_through", "write_through_selective", "write_back"],
@@ -96,7 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--stats-interval-s", type=float, default=S,
                        help="seconds between [stats] summary lines at INFO (default: 60)")
 
-    status = sub.add_parser("status", help="show a running daemon's status")
+    status = sub.add_parser(
+        "status", help="show a running daemon's status",
+        description="Exit status: 0 the daemon answered; 3 no daemon answered; 4 it answered "
+                    "but its request loop is stalled (it serves no requests). Other trouble "
+                    "(a storage tier down or stuck) is listed under `degraded` with exit 0.")
     _common(status)
     status.add_argument("--json", action="store_true", help="print the status as JSON")
     status.add_argument("--timeout", type=float, default=2.0, help="seconds (default: %(default)s)")
@@ -122,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--json", action="store_true", help="print results as JSON")
     replay.add_argument("--list-policies", action="store_true", help="print the policy names and exit")
 
-    keygen = sub.add_parser("keygen", help="write a CURVE key pair (for --listen on non-loopback TCP)")
+    keygen = sub.add_parser("keygen", help="write a CURVE key pair (for --listen: TCP needs CURVE)")
     keygen.add_argument("dir", help="directory for NAME.key (public) and NAME.key_secret (0600)")
     keygen.add_argument("--name", default="kvcached", help="file name stem (default: %(default)s)")
 
@@ -170,6 +181,8 @@ def cmd_serve(args) -> int:
     from .logs import setup_logging
 
     setup_logging(cfg.log_level, cfg.log_format)
+    for warning in unknown_env_warnings(os.environ):
+        log.warning("[config] %s", warning)
     from .server import Daemon  # imports torch; keep `status`/`stop` fast
 
     return Daemon(cfg).serve()
@@ -204,21 +217,65 @@ def config_as_toml(d: dict) -> str:
 
 
 def fetch_status(instance: str, run_dir: str | None, timeout: float) -> dict:
-    """Ask the status socket. Raises DaemonUnavailable when nobody answers in time."""
-    endpoint = status_endpoint(resolve_run_dir(run_dir), instance)
+    """Ask the status socket. Raises DaemonUnavailable at once when no daemon of that name
+    runs (no socket, or its process is gone), else when nobody answers in time."""
+    run_dir = resolve_run_dir(run_dir)
+    _check_running(instance, run_dir)
+    endpoint = status_endpoint(run_dir, instance)
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(endpoint)
         sock.send(encode(make_request(Op.STATUS, 1, "kvcached-cli")))
         if not sock.poll(int(timeout * 1000)):
-            raise DaemonUnavailable(f"no daemon {instance!r} answered at {endpoint} within {timeout} s")
+            raise DaemonUnavailable(f"daemon {instance!r} did not answer at {endpoint} within "
+                                    f"{timeout} s (--timeout)")
         reply = decode(sock.recv())
     finally:
         sock.close(linger=0)
     if not reply.get("ok"):
         raise KvcachedError(f"status failed: {reply.get('error')}")
     return reply["status"]
+
+
+def _check_running(instance: str, run_dir: str) -> None:
+    """A daemon holds its instance lock (flock) while it lives; the kernel drops it when the
+    process dies, however it died - unlike its pid, which another pid namespace cannot see,
+    and its heartbeat, fresh for seconds after a kill -9."""
+    import fcntl
+
+    from kvcached_proto.paths import lock_path, socket_paths
+
+    if not os.path.exists(socket_paths(run_dir, instance)[1]):
+        raise DaemonUnavailable(f"no daemon {instance!r} is running in {run_dir} (no status socket)")
+    try:
+        fd = os.open(lock_path(run_dir, instance), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise DaemonUnavailable(f"no daemon {instance!r} is running in {run_dir} (no instance "
+                                "lock; its sockets are left from a daemon that died)") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return  # held: the daemon lives
+    finally:
+        os.close(fd)  # drops a shared lock we may have taken
+    raise DaemonUnavailable(f"no daemon {instance!r} is running in {run_dir} (its process is "
+                            "gone; its files are left from a daemon that died)")
+
+
+def unknown_env_warnings(environ) -> list[str]:
+    """KVCACHED_* variables that name no setting (a typo is otherwise silently ignored)."""
+    import difflib
+
+    from .config_sources import ENV_PREFIX, known_env_names
+
+    known = known_env_names()
+    out = []
+    for name in sorted(n for n in environ if n.startswith(ENV_PREFIX) and n not in known):
+        close = difflib.get_close_matches(name, sorted(known), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        out.append(f"{name} is not a kvcached setting and is ignored{hint}")
+    return out
 
 
 def _gib(n: int) -> str:
@@ -253,8 +310,13 @@ def format_status(s: dict) -> str:
     for st in s["storage"]:
         used = (f"  {_gib(st['used_bytes'])} / {_gib(st['capacity_bytes'])}"
                 if st.get("capacity_bytes") else "")
+        flags = "".join(f"  {w}" for w in ("stuck", "full") if st.get(w))
+        flags += "" if st.get("ready", True) else "  indexing"
         err = f"  last error: {st['last_error']}" if st.get("last_error") else ""
-        rows.append(("storage", f"{st['uri']}  {'healthy' if st['healthy'] else 'UNHEALTHY'}{used}{err}"))
+        rows.append(("storage", f"{st['uri']}  {'healthy' if st['healthy'] else 'UNHEALTHY'}"
+                                f"{used}{flags}{err}"))
+    for reason in s.get("degraded", []):
+        rows.append(("DEGRADED", reason))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -263,6 +325,9 @@ def cmd_status(args) -> int:
     try:
         return _status_loop(args)
     except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:  # `status --watch | head`: the reader is done, and so are we
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
 
 
@@ -277,14 +342,15 @@ def _status_loop(args) -> int:
             print("\033[2J\033[H" + time.strftime("%H:%M:%S"), flush=False)
         print(json.dumps(s, indent=2, sort_keys=True) if args.json else format_status(s), flush=True)
         if not args.watch:
-            return 0
+            return 4 if s.get("stalled") else 0
         time.sleep(args.watch)
 
 
 def cmd_stop(args) -> int:
     from kvcached_client import Client
 
-    with Client.connect(instance=args.instance, run_dir=args.run_dir, name="kvcached-cli") as c:
+    with Client.connect(instance=args.instance, run_dir=args.run_dir, name="kvcached-cli",
+                        role="operator") as c:
         pid = c.info["pid"]
         c.shutdown()
     deadline = time.monotonic() + args.timeout

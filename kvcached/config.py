@@ -1,7 +1,6 @@
 """Daemon configuration: one dataclass, validated once (sources: config_sources.py)."""
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 from dataclasses import asdict, dataclass, field
@@ -13,6 +12,9 @@ from .errors import StartupError
 from .storage.tiers import WRITE_POLICIES
 
 HOST_LAYOUTS = ("layer_first", "page_first")
+# how blocks move (copy_strategies.py, transfer_cuda.py); named here, where no torch is imported,
+# so that checking a flag does not cost torch's import
+COPY_STRATEGIES = ("auto", "numpy", "runs", "gather", "zero_copy")
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
@@ -36,7 +38,7 @@ class DaemonConfig:
     prefetch_threshold_tokens: int = 256
     prefetch_max_share: float = 0.5
     copy_threads: int = 0  # 0: half the cores (at least 1, at most 4), the rest stay the engine's
-    copy_strategy: str = "auto"  # see transfer_cuda.COPY_STRATEGIES
+    copy_strategy: str = "auto"  # one of COPY_STRATEGIES
     metrics_port: int = 0  # 0: no /metrics endpoint
     metrics_addr: str = "127.0.0.1"
     log_level: str = "INFO"
@@ -73,8 +75,6 @@ class DaemonConfig:
             raise StartupError(f"--copy-threads {self.copy_threads}: expected 0..256")
         if self.copy_threads == 0:
             self.copy_threads = max(1, min(4, (os.cpu_count() or 2) // 2))
-        from .transfer_cuda import COPY_STRATEGIES
-
         if self.copy_strategy not in COPY_STRATEGIES:
             raise StartupError(f"--copy-strategy {self.copy_strategy!r}: expected one of {COPY_STRATEGIES}")
         if self.copy_strategy == "numpy" and self.device != "cpu":
@@ -121,38 +121,43 @@ class DaemonConfig:
 
 
 def check_storage_uri(uri: str) -> None:
-    url = urlparse(uri)
-    if url.scheme == "disk":
-        if url.netloc or not url.path.startswith("/"):
-            raise StartupError(f"--storage {uri!r}: expected disk:///absolute/path[?capacity_gb=F]")
-    elif url.scheme in ("redis", "redis+cluster"):
-        if not url.hostname:
-            raise StartupError(f"--storage {uri!r}: expected {url.scheme}://host:port")
-    else:
-        raise StartupError(f"--storage {uri!r}: expected disk://, redis:// or redis+cluster://")
+    """The URI's form and options, without touching the store (that happens at start)."""
+    from .storage.tiers import parse_uri
+
+    try:
+        parse_uri(uri)
+    except ValueError as exc:
+        raise StartupError(f"--storage {exc}") from None
 
 
 def check_listen(endpoint: str, curve: bool = False) -> None:
-    """Only loopback TCP is allowed without CURVE keys."""
+    """TCP only with CURVE keys, loopback included: any local user can reach a loopback port,
+    and the private ipc socket in the run dir is there for same-user clients."""
     url = urlparse(endpoint)
-    if url.scheme != "tcp" or not url.hostname or url.port is None:
-        raise StartupError(f"--listen {endpoint!r}: expected tcp://127.0.0.1:PORT")
     try:
-        loopback = ipaddress.ip_address(url.hostname).is_loopback
+        port = url.port
     except ValueError:
-        loopback = url.hostname == "localhost"
-    if not loopback and not curve:
+        port = None
+    if url.scheme != "tcp" or not url.hostname or port is None:
+        raise StartupError(f"--listen {endpoint!r}: expected tcp://ADDRESS:PORT with a port "
+                           "number in 1..65535")
+    if not curve:
         raise StartupError(
-            f"--listen {endpoint!r}: non-loopback addresses need CURVE keys "
-            "(--curve-secret-key-file and --curve-allow-dir); or bind to 127.0.0.1, or use the "
-            "ipc:// socket in the run dir"
-        )
+            f"--listen {endpoint!r}: TCP needs CURVE keys (--curve-secret-key-file and "
+            "--curve-allow-dir; `kvcached keygen` makes them), loopback included: any local "
+            "user can connect to a loopback port. Same-user clients use the ipc:// socket in "
+            "the run dir, which needs no --listen")
 
 
 def prepare_run_dir(path: str) -> None:
     """Create the run dir 0700, or check that an existing one is ours and private."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.stat(path)
+    except OSError as exc:
+        raise StartupError(f"--run-dir {path}: cannot create it: {exc.strerror or exc}") from None
+    if not os.path.isdir(path):
+        raise StartupError(f"--run-dir {path}: not a directory")
     if st.st_uid != os.getuid():
         raise StartupError(f"run dir {path} belongs to uid {st.st_uid}, not to us ({os.getuid()})")
     if st.st_mode & 0o077:

@@ -9,8 +9,8 @@ the wrong type are rejected with a message that names them and where they came f
     storage = ["disk:///var/cache/kvcached?capacity_gb=500"]
 
 Environment: KVCACHED_HOST_CACHE_GB=64, KVCACHED_STORAGE="disk:///a,redis://r:6379/0" (lists
-are comma-separated), KVCACHED_STORAGE_WRITER=false. KVCACHED_* variables that name no key
-are left alone (the scripts and the client use a few).
+are comma-separated), KVCACHED_STORAGE_WRITER=false. A KVCACHED_* variable that names no key,
+and is none of those the scripts and tests read (NON_CONFIG_ENV), is warned about at start.
 """
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 ENV_PREFIX = "KVCACHED_"
+# read by the scripts and tests, not by the daemon's configuration
+NON_CONFIG_ENV = ("KVCACHED_INSTANCE", "KVCACHED_DISK", "KVCACHED_VENV", "KVCACHED_VLLM_VENV",
+                  "KVCACHED_VLLM_VERSION", "KVCACHED_SOAK_OPS", "KVCACHED_LOG_DIR")
 _HINTS = typing.get_type_hints(DaemonConfig)
 _TYPES = {f.name: _HINTS[f.name] for f in dataclasses.fields(DaemonConfig)}
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
@@ -82,6 +85,10 @@ def from_file(path: str) -> dict:
         raise StartupError(f"--config {path}: unknown key(s) {', '.join(unknown)}; "
                            f"known: {', '.join(sorted(_TYPES))}")
     return {k: _coerce(k, v, path) for k, v in data.items()}
+
+
+def known_env_names() -> set[str]:
+    return {ENV_PREFIX + k.upper() for k in _TYPES} | set(NON_CONFIG_ENV)
 
 
 def from_env(environ: Mapping[str, str]) -> dict:

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import torch
 
-STRATEGIES = ("runs", "gather", "zero_copy")
+from .config import COPY_STRATEGIES
+
+STRATEGIES = COPY_STRATEGIES[2:]  # the torch strategies: runs, gather, zero_copy
 
 
 def widen(t: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import argparse
 import subprocess
 import sys
 import time
+import uuid
 
 import torch
 
@@ -151,14 +152,18 @@ def run(args) -> dict:
     kv = allocate_kv_cache(args.layers, num_blocks, (args.block_size, args.kv_heads, head_dim), dtype)
     extra = [a for uri in args.storage for a in ("--storage", uri)]
 
-    def start():
+    def start():  # once its disk index is rebuilt: the disk-hit row must see what disk holds
         return launch(instance=args.instance, run_dir=args.run_dir, host_cache_gb=args.host_cache_gb,
-                      extra_args=extra)
+                      extra_args=extra, wait_storage=True)
 
     gen = torch.Generator().manual_seed(1)
     prefix = torch.randint(0, args.vocab, (args.prefix_tokens,), generator=gen).tolist()
     prompt = prefix + torch.randint(0, args.vocab, (args.suffix_tokens,), generator=gen).tolist()
-    namespace = make_namespace("demo-llama", args.dtype, f"bs{args.block_size}")
+    # a namespace of this run's own: the disk tier keeps earlier runs' blocks of the same
+    # prompt, and the "recompute" row must compute (not load them)
+    run_id = uuid.uuid4().hex[:8]
+    namespace = make_namespace("demo-llama", args.dtype, f"bs{args.block_size}", tenant=f"run-{run_id}")
+    print(f"[demo] run {run_id}: its own key namespace, so nothing from earlier runs is a hit")
     daemon = start()
     results = {}
     try:

@@ -1,19 +1,29 @@
 #!/usr/bin/env bash
 # Shared set-up for run.sh and test.sh: create .venv if missing, install torch (the CPU wheel
-# pinned here, so a fresh machine does not resolve several GB of CUDA packages), then the project.
+# pinned here, so a fresh machine does not resolve several GB of CUDA packages), then the project
+# (distribution kvcached-sidecar; it compiles one small C extension, kvcached/_sigbus.c).
+# Each step says what it does and how long it took: the first run takes a few minutes.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${KVCACHED_VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
+STAMP="$VENV/.kvcached-installed"
+if [ -f "$STAMP" ] && [ ! "$ROOT/pyproject.toml" -nt "$STAMP" ] && [ ! "$ROOT/kvcached/_sigbus.c" -nt "$STAMP" ]; then
+  exit 0
+fi
+START=$SECONDS
+step() { echo "[setup] $1 ($((SECONDS - START)) s so far)"; }
 if [ ! -x "$VENV/bin/python" ]; then
-  echo "[setup] creating $VENV"
+  step "1/4 creating $VENV"
   "$PY" -m venv "$VENV"
 fi
-STAMP="$VENV/.kvcached-installed"
-if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
-  echo "[setup] installing torch==2.13.0 and kvcached[$1] into $VENV"
-  "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[$1]"
-  touch "$STAMP"
-fi
+step "2/4 upgrading pip"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+step "3/4 installing torch==2.13.0 (the CPU wheel, a few hundred MB)"
+"$VENV/bin/python" -m pip install -q "torch==2.13.0"
+step "4/4 installing kvcached-sidecar[$1] and its dependencies (editable)"
+# a checkout installed before the distribution was renamed holds it as `kvcached`: drop that
+"$VENV/bin/python" -m pip uninstall -q -y kvcached >/dev/null 2>&1 || true
+"$VENV/bin/python" -m pip install -q -e "$ROOT[$1]"
+touch "$STAMP"
+step "done"

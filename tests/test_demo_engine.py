@@ -34,6 +34,24 @@ def test_logits_after_host_and_disk_hits_equal_a_full_recompute(run_dir, instanc
         torch.testing.assert_close(r["logits"], base["logits"], rtol=1e-4, atol=1e-4)
 
 
+def test_a_second_run_recomputes_its_recompute_row(run_dir, instance, tmp_path):
+    """The disk tier keeps the first run's blocks; the second run's "recompute" must not load
+    them (it did, and every "vs recompute" ratio of a second run was wrong)."""
+    args = demo_engine.parse_args([
+        "--instance", instance, "--run-dir", run_dir,
+        "--storage", f"disk://{tmp_path}/disk?capacity_gb=0.1", "--host-cache-gb", "0.05",
+        "--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--vocab", "256",
+        "--block-size", "16", "--prefix-tokens", "96", "--suffix-tokens", "5", "--decode-tokens", "2"])
+    try:
+        for _ in range(2):
+            results = demo_engine.run(args)
+            recompute = results["recompute"]
+            assert recompute["computed"] == 0 and recompute["match"].storage_tokens == 0
+            assert results["disk hit"]["match"].storage_tokens == 96
+    finally:
+        sweep_crashed(instance)
+
+
 def test_a_wrong_block_would_be_seen():
     """The equality check can fail: one changed KV value changes the continuation's logits."""
     model = demo_engine.build_model(64, 2, 4, 2, 256)

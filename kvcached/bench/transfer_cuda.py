@@ -30,6 +30,7 @@ from kvcached_client import allocate_kv_cache, launch
 from kvcached_client.kv_alloc import describe_kv_cache
 from kvcached_proto.layout import parse_layout
 
+from ..copy_strategies import STRATEGIES
 from ..host_pool import HostPool
 from ..transfer import LOAD, OFFLOAD
 from ..transfer_cuda import CudaCopier
@@ -37,7 +38,6 @@ from .stats import ratio
 from .transfer import BLOCK_SHAPE, DTYPE, LAYERS, _check, _fill
 
 CROSS_LAYER_BYTES = LAYERS * 2 * 32 * 1024
-STRATEGIES = ("runs", "gather", "zero_copy")
 HIDDEN, QKV, FFN = 4096, 3 * 4096, 11008
 
 

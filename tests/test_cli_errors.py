@@ -1,0 +1,116 @@
+"""A newcomer's mistakes get one clear line, not a traceback; the CLI's small promises hold."""
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import free_port
+from kvcached_client import launch
+
+
+def _kvcached(*args, env=None, timeout=60):
+    return subprocess.run([sys.executable, "-m", "kvcached", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def _one_line_error(out, *fragments):
+    assert out.returncode == 1, (out.returncode, out.stderr)
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("kvcached serve:")]
+    assert len(lines) == 1, out.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture
+def curve_keys(tmp_path):
+    import zmq.auth
+
+    _, secret = zmq.auth.create_certificates(str(tmp_path), "daemon")
+    os.chmod(secret, 0o600)
+    allow = tmp_path / "allow"
+    allow.mkdir()
+    return ["--curve-secret-key-file", secret, "--curve-allow-dir", str(allow)]
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--run-dir", "/dev/null/run"], ["--run-dir /dev/null/run", "cannot create it"]),
+    (["--storage", "disk:///dev/null/disk"], ["cannot use /dev/null/disk as the disk tier"]),
+    (["--storage", "disk:///tmp/kv-x?capacity_gb=abc"], ["capacity_gb='abc' is not a number"]),
+    (["--storage", "redis://localhost:6379/x"], ["must be integers"]),
+    (["--host-cache-gb", "4000"], ["--host-cache-gb 4000", "this machine can give"]),
+    (["--listen", "tcp://127.0.0.1:notaport"], ["port number"]),
+], ids=["run-dir", "disk-path", "capacity", "redis-db", "host-cache", "listen-port"])
+def test_bad_settings_get_one_clear_line(run_dir, instance, args, fragments):
+    base = ["serve", "--instance", instance] + ([] if "--run-dir" in args else ["--run-dir", run_dir])
+    _one_line_error(_kvcached(*base, *args), *fragments)
+
+
+def test_a_cuda_device_without_a_gpu_gets_one_clear_line(run_dir, instance):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    _one_line_error(_kvcached("serve", "--instance", instance, "--run-dir", run_dir,
+                              "--device", "cuda:0"), "--device cuda:0", "no CUDA device")
+
+
+def test_a_listen_port_in_use_gets_one_clear_line(run_dir, instance, curve_keys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        _one_line_error(_kvcached("serve", "--instance", instance, "--run-dir", run_dir,
+                                  "--listen", f"tcp://127.0.0.1:{port}", *curve_keys),
+                        f"--listen tcp://127.0.0.1:{port}", "cannot listen there")
+
+
+def test_version():
+    out = _kvcached("--version")
+    assert out.returncode == 0 and out.stdout.startswith("kvcached 0.") and "protocol 1.1" in out.stdout
+
+
+def test_status_says_no_daemon_at_once(run_dir, instance):
+    """Without waiting out --timeout (30 s here; the test gives it 20)."""
+    out = _kvcached("status", "--instance", instance, "--run-dir", run_dir, "--timeout", "30",
+                    timeout=20)
+    assert out.returncode == 3 and "no daemon" in out.stderr
+
+
+def test_status_of_a_killed_daemon_says_no_daemon_at_once(run_dir, instance):
+    h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05)
+    h.kill()  # its socket files and segment stay behind
+    try:
+        out = _kvcached("status", "--instance", instance, "--run-dir", run_dir, "--timeout", "30",
+                        timeout=20)
+        assert out.returncode == 3 and "process is gone" in out.stderr, out.stderr
+    finally:
+        from conftest import sweep_crashed
+
+        sweep_crashed(instance)
+
+
+def test_status_watch_into_head_ends_quietly(daemon):
+    cmd = (f"set -o pipefail; {sys.executable} -m kvcached status --instance {daemon.instance} "
+           f"--run-dir {daemon.run_dir} --watch 0.05 | head -n 3")
+    out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+
+
+def test_an_unknown_kvcached_variable_is_warned_about(run_dir, instance):
+    env = {**os.environ, "KVCACHED_HOST_CACHE_G": "2"}
+    with launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05, env=env) as h:
+        h.connect().close()
+        with open(h.log_path) as f:
+            log = f.read()
+    assert "KVCACHED_HOST_CACHE_G is not a kvcached setting" in log
+    assert "did you mean KVCACHED_HOST_CACHE_GB" in log
+
+
+def test_a_refused_second_daemon_says_nothing_of_the_running_one_stopping(daemon):
+    out = _kvcached("serve", "--instance", daemon.instance, "--run-dir", daemon.run_dir)
+    _one_line_error(out, "already running")
+    assert "stopped" not in out.stderr
+    with daemon.connect() as c:
+        assert c.ping() < 5
