@@ -64,9 +64,13 @@ class DaemonHandle:
         return _terminate(self.proc, timeout, self.log_path, self.keep_log)
 
     def kill(self) -> None:
-        """SIGKILL, no cleanup by the daemon (tests of crash handling)."""
+        """SIGKILL, no cleanup by the daemon (tests of crash handling): a kill asked for, so
+        its log goes like a clean stop's."""
+        self._finalizer.detach()
         self.proc.kill()
         self.proc.wait(5)
+        if not self.keep_log and os.path.exists(self.log_path):
+            os.unlink(self.log_path)
 
     def alive(self) -> bool:
         return self.proc.poll() is None

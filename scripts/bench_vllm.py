@@ -44,7 +44,7 @@ def main() -> int:
 
         def daemon():
             return launch(instance="bv", run_dir=run_dir, host_cache_gb=1.0,
-                          extra_args=["--storage", storage])
+                          extra_args=["--storage", storage], wait_storage=True)
 
         d = daemon()
         eng = vllm_driver.EngineProcess(model, "--connector", "kvcached", "--instance", "bv",

@@ -33,7 +33,7 @@ def main() -> int:
         print(f"[demo] launching kvcached (instance {args.instance}, run dir {args.run_dir}, "
               f"storage {', '.join(args.storage) or 'none'})")
         return launch(instance=args.instance, run_dir=args.run_dir,
-                      host_cache_gb=args.host_cache_gb, extra_args=extra)
+                      host_cache_gb=args.host_cache_gb, extra_args=extra, wait_storage=True)
 
     kv = allocate_kv_cache(LAYERS, BLOCKS, BLOCK_SHAPE, torch.bfloat16)
     hasher = BlockHasher(make_namespace("demo-7b", "bfloat16", "kv16"))

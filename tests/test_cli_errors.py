@@ -114,3 +114,18 @@ def test_a_refused_second_daemon_says_nothing_of_the_running_one_stopping(daemon
     assert "stopped" not in out.stderr
     with daemon.connect() as c:
         assert c.ping() < 5
+
+
+def test_the_distribution_is_kvcached_sidecar_and_the_names_users_type_stay():
+    """`kvcached` on the package index is another project: this one installs as
+    kvcached-sidecar, with the import names and the command unchanged."""
+    from importlib.metadata import distribution
+
+    dist = distribution("kvcached-sidecar")
+    assert [ep.value for ep in dist.entry_points if ep.name == "kvcached"] == ["kvcached.cli:main"]
+    import kvcached
+    import kvcached_client
+    import kvcached_proto
+
+    assert kvcached.__version__ == dist.version
+    assert kvcached_client.Client and kvcached_proto.PROTOCOL_VERSION

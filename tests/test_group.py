@@ -24,7 +24,7 @@ def ranks(run_dir, n, extra=lambda rank: ()):
     try:
         for r, name in enumerate(names):
             handles.append(launch(instance=name, run_dir=run_dir, host_cache_gb=0.05,
-                                  extra_args=list(extra(r))))
+                                  extra_args=list(extra(r)), wait_storage=True))
         yield names, handles
     finally:
         for h in handles:

@@ -249,7 +249,8 @@ def test_disk_hit_after_a_daemon_restart_and_a_damaged_block_is_recomputed(run_d
     kv = new_kv()
     storage = disk_uri(str(tmp_path / "disk"), 0.1)
     prompt = toks(5 * BS)
-    with launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05, extra_args=["--storage", storage]) as d:
+    with launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05, extra_args=["--storage", storage],
+                wait_storage=True) as d:
         mgr = manager(d, kv)
         SimEngine(mgr, kv).prefill("a", prompt + [1])
         mgr.release("a")
@@ -259,7 +260,8 @@ def test_disk_hit_after_a_daemon_restart_and_a_damaged_block_is_recomputed(run_d
         mgr.client.flush().wait(10)
         mgr.close()
     sweep_crashed(instance)
-    with launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05, extra_args=["--storage", storage]) as d:
+    with launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05, extra_args=["--storage", storage],
+                wait_storage=True) as d:
         mgr = manager(d, kv)
         hit, computed = SimEngine(mgr, kv).prefill("b", prompt + [2])
         assert hit.storage_tokens == 5 * BS and computed == 5 * BS
@@ -273,7 +275,8 @@ def test_disk_hit_after_a_daemon_restart_and_a_damaged_block_is_recomputed(run_d
     raw = bytearray(files[0].read_bytes())
     raw[-5] ^= 0xFF
     files[0].write_bytes(bytes(raw))
-    with launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05, extra_args=["--storage", storage]) as d:
+    with launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05, extra_args=["--storage", storage],
+                wait_storage=True) as d:
         mgr = manager(d, kv)
         hit, computed = SimEngine(mgr, kv).prefill("c", prompt + [3])
         assert hit.storage_tokens == 5 * BS and computed == 3 * BS

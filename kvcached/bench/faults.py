@@ -9,7 +9,12 @@ One daemon with a disk tier, in a private run dir:
 4. the daemon stopped (SIGSTOP) under a load that times out: the blocks stay fenced until the
    daemon, continued, confirms the end; then the bytes are checked;
 5. the daemon killed (-9): how long until the client says DaemonUnavailable;
-6. records damaged on disk, a new daemon started: the loads stop at the damage, what loads is exact.
+6. records damaged on disk, a new daemon started: the loads stop at the damage, what loads is exact;
+7. a second engine on the instance (register, admin ops, loads into the first's KV) and a client
+   that says hello with the engine's id: every attempt refused, the engine's bytes exact;
+8. an engine that truncates its own KV segment: its load fails, the daemon lives;
+9. two loads racing for one fetch from disk: both exact, one fetch, no slot or pin left over;
+10. a FIFO in place of a record: the load stops there, nothing hangs.
 """
 from __future__ import annotations
 
@@ -26,7 +31,8 @@ import msgpack
 import numpy as np
 import zmq
 
-from kvcached_client import BlockHasher, DaemonUnavailable, KvcachedTimeout, allocate_kv_cache, launch
+from kvcached_client import (BlockHasher, Client, DaemonUnavailable, KvcachedTimeout,
+                             RequestError, allocate_kv_cache, launch)
 from kvcached_proto import Op, encode, make_request, pack_block_ids, pack_keys
 from kvcached_proto.paths import request_endpoint
 
@@ -157,9 +163,10 @@ def _fuzz(d, owner, n: int, counts, out) -> None:
 def _stopped_daemon(d, c, kv, keys, counts, out) -> None:
     _fill(kv, 999)
     c.offload(range(HALF), keys).wait(30)
-    with d.connect(timeout=0.5) as quick:
-        quick.pause()  # the load stays queued, then the daemon stops answering
-        task = quick.load(keys, range(HALF, BLOCKS))
+    long_timeout, c.timeout = c.timeout, 0.5  # the engine's quick give-up on a stalled daemon
+    try:
+        c.pause()  # the load stays queued, then the daemon stops answering
+        task = c.load(keys, range(HALF, BLOCKS))
         os.kill(d.pid, signal.SIGSTOP)
         counts["faults_injected"] += 1
         try:
@@ -167,19 +174,107 @@ def _stopped_daemon(d, c, kv, keys, counts, out) -> None:
                 task.wait(timeout=0.05)
             except (KvcachedTimeout, DaemonUnavailable):
                 pass  # expected: the engine gives up on the load, its blocks stay fenced
-            out["fenced_while_stopped"] = len(quick.fenced_blocks)
+            out["fenced_while_stopped"] = len(c.fenced_blocks)
         finally:
             os.kill(d.pid, signal.SIGCONT)
         start = time.monotonic()
-        while quick.fenced_blocks and time.monotonic() - start < 10:
+        while c.fenced_blocks and time.monotonic() - start < 10:
             time.sleep(0.005)
         out["fence_lifted_ms"] = round((time.monotonic() - start) * 1e3, 1)
-        if quick.fenced_blocks or out["fenced_while_stopped"] != HALF:
+        if c.fenced_blocks or out["fenced_while_stopped"] != HALF:
             counts["lost"] += 1
+    finally:
+        c.timeout = long_timeout
     c.resume()
     loaded = c.load(keys, range(HALF, BLOCKS)).wait(30)
     counts["tasks_completed"] += 1
     _compare(kv, range(loaded), range(HALF, HALF + loaded), counts)
+
+
+def _second_engine(d, c, kv, counts, out) -> None:
+    """Everything a careless second engine, or a client using the engine's id, tries is
+    refused; a success is a wrong (it would have written or served another engine's KV)."""
+    _fill(kv, 777)
+    rkeys = BlockHasher("bench-faults-owner").hash_blocks(np.arange(HALF * SHAPE[0]), SHAPE[0])
+    c.offload(range(HALF), rkeys).wait(30)
+    refused = 0
+    other_kv = allocate_kv_cache(LAYERS, BLOCKS, SHAPE, kv[0][0].dtype)
+    with d.connect(timeout=10) as b:
+        attempts = [lambda: b.register_kv_cache(other_kv), lambda: b.clear(), lambda: b.pause(),
+                    lambda: b.unregister_kv_cache(), lambda: b.load(rkeys, range(HALF, BLOCKS)),
+                    lambda: b.offload(range(HALF), rkeys), lambda: b.shutdown()]
+        for attempt in attempts:
+            counts["faults_injected"] += 1
+            try:
+                attempt()
+            except RequestError:
+                refused += 1
+            else:
+                counts["wrong"] += 1
+    impostor = Client(d.instance, d.run_dir, timeout=5)
+    impostor.client_id = c.client_id
+    counts["faults_injected"] += 1
+    try:
+        impostor._open()
+        counts["wrong"] += 1
+    except RequestError:
+        refused += 1
+    finally:
+        impostor.close()
+    out["hostile_attempts_refused"] = refused
+    loaded = c.load(rkeys, range(HALF, BLOCKS)).wait(30)
+    counts["tasks_completed"] += 2
+    counts["lost"] += HALF - loaded
+    _compare(kv, range(loaded), range(HALF, HALF + loaded), counts)
+
+
+def _truncated_segment(d, c, kv, counts, out) -> None:
+    """The engine shrinks a KV segment it registered: its load fails (0 loaded), the daemon
+    lives, and the engine's next registration serves exact bytes again."""
+    import posix_ipc
+
+    from kvcached_client.kv_alloc import describe_kv_cache
+
+    small = allocate_kv_cache(LAYERS, 8, SHAPE, kv[0][0].dtype)
+    c.register_kv_cache(small)
+    tkeys = BlockHasher("bench-faults-trunc").hash_blocks(np.arange(4 * SHAPE[0]), SHAPE[0])
+    c.offload(range(4), tkeys).wait(30)
+    shm = posix_ipc.SharedMemory(describe_kv_cache(small)["tensors"][0]["handle"]["name"], flags=0)
+    os.ftruncate(shm.fd, 0)
+    shm.close_fd()
+    counts["faults_injected"] += 1
+    loaded = c.load(tkeys, range(4, 8)).wait(30)
+    counts["tasks_completed"] += 2
+    if loaded or not d.alive():
+        counts["wrong" if loaded else "lost"] += 1
+    out["truncated_segment_load"] = loaded
+    c.register_kv_cache(kv)
+
+
+def _racing_loads(c, kv, keys, counts, out) -> None:
+    """Two loads of the same prefix while it is fetched from disk share the fetch; both land
+    exact (kv's blocks 0..HALF hold what was stored under keys)."""
+    c.clear(tier="host")
+    n = HALF // 2
+    dsts = (range(HALF, HALF + n), range(HALF + n, BLOCKS))
+    for dst in dsts:  # zero the destinations: nothing stale can pass as loaded
+        for layer in kv:
+            for t in layer:
+                t[list(dst)] = 0
+    before = c.status()["storage_io"]["fetched"]
+    c.pause()
+    tasks = [c.load(keys[:n], dst) for dst in dsts]
+    counts["faults_injected"] += 1
+    c.resume()
+    for task, dst in zip(tasks, dsts):
+        loaded = task.wait(30)
+        counts["tasks_completed"] += 1
+        counts["lost"] += n - loaded
+        _compare(kv, range(loaded), dst[:loaded], counts)
+    s = c.status()
+    out["racing_loads_fetched"] = s["storage_io"]["fetched"] - before
+    if (s["tasks"]["slots_busy"], s["host"]["pinned_blocks"], c.check()) != (0, 0, "ok"):
+        counts["lost"] += 1  # a slot or a pin that outlives its load
 
 
 def _killed_daemon(d, c, counts, out) -> None:
@@ -200,6 +295,7 @@ def _damaged_disk(tmp, name, run_dir, storage, kv, keys, counts, out) -> None:
     files = sorted(p for p in _record_files(os.path.join(tmp, "disk")))
     by_key = {bytes.fromhex(os.path.basename(p)[:32]): p for p in files}
     damaged = [i for i in (40, 50, 60) if keys[i] in by_key]
+    fifo = by_key.get(keys[30])
     for i in damaged:
         with open(by_key[keys[i]], "r+b") as f:
             f.seek(-3, os.SEEK_END)
@@ -208,16 +304,20 @@ def _damaged_disk(tmp, name, run_dir, storage, kv, keys, counts, out) -> None:
             f.write(bytes([byte[0] ^ 0xFF]))
         counts["faults_injected"] += 1
     _sweep(name)
-    with launch(instance=name, run_dir=run_dir, host_cache_gb=0.05,
+    with launch(instance=name, run_dir=run_dir, host_cache_gb=0.05, wait_storage=True,
                 extra_args=["--storage", storage]) as d2, d2.connect(timeout=10) as c:
         c.register_kv_cache(kv)
+        if fifo is not None:  # a FIFO in place of an indexed record: opening it would block
+            os.unlink(fifo)
+            os.mkfifo(fifo, 0o600)
+            counts["faults_injected"] += 1
         for b in range(HALF, BLOCKS):  # zero the destinations: nothing stale can pass as loaded
             for layer in kv:
                 for t in layer:
                     t[b].zero_()
         loaded = c.load(keys, range(HALF, BLOCKS)).wait(30)
         counts["tasks_completed"] += 1
-        expect = min(damaged) if damaged else HALF
+        expect = min(damaged + ([30] if fifo is not None else [])) if damaged or fifo else HALF
         out["disk_loaded_before_damage"] = loaded
         if loaded > expect:
             counts["wrong"] += loaded - expect  # a damaged block was served
@@ -255,21 +355,24 @@ def run(quick: bool = False, **_) -> dict:
     kv = allocate_kv_cache(LAYERS, BLOCKS, SHAPE, torch.float16)
     keys = BlockHasher("bench-faults").hash_blocks(np.arange(HALF * SHAPE[0]), SHAPE[0])
     started = time.monotonic()
-    d = launch(instance=name, run_dir=run_dir, host_cache_gb=0.05, extra_args=["--storage", storage])
+    d = launch(instance=name, run_dir=run_dir, host_cache_gb=0.05, extra_args=["--storage", storage],
+               wait_storage=True)
     try:
         _killed_engine(d, counts, out)
         c = d.connect(timeout=10)
         c.register_kv_cache(kv)
         _round_trips(c, kv, 5 if quick else 40, counts)
         _fuzz(d, c, 2000 if quick else 20000, counts, out)
+        _second_engine(d, c, kv, counts, out)
+        _truncated_segment(d, c, kv, counts, out)
         _stopped_daemon(d, c, kv, keys, counts, out)
         c.flush().wait(60)
+        _racing_loads(c, kv, keys, counts, out)
         _killed_daemon(d, c, counts, out)
         c.close()
         _damaged_disk(tmp, name, run_dir, storage, kv, keys, counts, out)
     finally:
-        if d.alive():
-            d.kill()
+        d.kill()  # killed on purpose above (or still alive after an error): its log goes
         _sweep(name)
         shutil.rmtree(tmp, ignore_errors=True)
     return {"bench": "faults", **counts, **out, "seconds": round(time.monotonic() - started, 1)}

@@ -41,7 +41,7 @@ def _through_daemon(run_dir: str, storage_uri: str, n: int, repeats: int) -> dic
     daemon = launch(instance=f"bench-st-{os.getpid()}", run_dir=run_dir,
                     host_cache_gb=(n + 8) * PAGE / 2**30,
                     extra_args=["--storage", storage_uri, "--prefetch-threshold-tokens", "0",
-                                "--prefetch-max-share", "1.0"])
+                                "--prefetch-max-share", "1.0"], wait_storage=True)
     put_s, get_s = [], []
     try:
         with daemon.connect(name="bench-storage", timeout=300) as c:

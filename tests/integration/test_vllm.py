@@ -50,7 +50,7 @@ def test_prefixes_come_back_from_kvcached_and_faults_only_cost_recomputation(
     storage_dir = tmp_path / "disk"
     storage = disk_uri(str(storage_dir), 0.2)
     daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2,
-                    extra_args=["--storage", storage])
+                    extra_args=["--storage", storage], wait_storage=True)
     eng = Engine(tmp_path, "--connector", "kvcached", "--instance", instance, "--run-dir", run_dir)
     try:
         a = eng.gen("A")
@@ -77,7 +77,7 @@ def test_prefixes_come_back_from_kvcached_and_faults_only_cost_recomputation(
             f.seek(-2, os.SEEK_END)
             f.write(bytes([byte[0] ^ 0x5A]))
         daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2,
-                        extra_args=["--storage", storage])
+                        extra_args=["--storage", storage], wait_storage=True)
         b2 = eng.gen("B")  # blocks 0-4 load from disk, the damaged one and what follows are recomputed
         assert b2["tokens"] == reference["B"]
         with daemon.connect() as c:
