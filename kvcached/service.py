@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from kvcached_proto import ErrorCode, Op, task_event
+from kvcached_proto import OP_SPECS, ErrorCode, Op, task_event
 from kvcached_proto.layout import parse_layout
 from kvcached_proto.shm_layout import NUM_SLOTS, Flag, SlotStatus, State
 
@@ -87,12 +87,10 @@ class CacheService(StorageFlow):
 
     # dispatch -------------------------------------------------------------
     def handle(self, client, req) -> dict:
-        if req.op in (Op.OFFLOAD, Op.LOAD):
-            if self.kv is None:
-                raise OpError(ErrorCode.NOT_REGISTERED, f"{req.op.name.lower()} before register_kv")
-            lost = self.kv.lost
-            if lost:
-                raise OpError(ErrorCode.KV_MISMATCH, lost)
+        """An op from a client the server has checked (hello; for the ops that need the KV
+        cache, that it is registered and this client's)."""
+        if OP_SPECS[req.op].needs_kv and self.kv.lost:
+            raise OpError(ErrorCode.KV_MISMATCH, self.kv.lost)
         return self._handlers[req.op](client, req)
 
     def capabilities(self) -> list[str]:

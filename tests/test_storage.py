@@ -1,5 +1,6 @@
 """The storage tiers through real daemons: disk (restart, corruption, full disk), Redis (and its
 outage), write policies, loads through host, prefetch."""
+import contextlib
 import glob
 import os
 import shutil
@@ -60,6 +61,29 @@ def offload_and_flush(c, kv, keys, src):
     c.flush().wait(30)
 
 
+def record_path(disk_dir, key):
+    return os.path.join(disk_dir, key.hex()[:2], key.hex() + ".kvb")
+
+
+@contextlib.contextmanager
+def on_disk_only(run_dir, instance, disk_dir, seed):
+    """A daemon whose disk tier holds 8 blocks its host tier does not, and a client whose KV
+    holds other bytes: (client, kv, keys, the stored bytes)."""
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys, src = keys_for(8, seed), list(range(8))
+    expected = snapshot(kv, src)
+    h = start(run_dir, instance, disk_uri(disk_dir))
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, src)
+            c.clear(tier="host")
+            scramble(kv)
+            yield c, kv, keys, expected
+    finally:
+        h.stop()
+
+
 def test_blocks_survive_a_daemon_restart_on_disk(run_dir, instance, disk_dir):
     kv = small_kv(block_shape=PAGE_SHAPE)
     keys, src, dst = keys_for(12), list(range(12)), list(range(30, 42))
@@ -95,35 +119,25 @@ def test_blocks_survive_a_daemon_restart_on_disk(run_dir, instance, disk_dir):
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "foreign_key", "empty"])
 def test_a_damaged_block_file_is_a_miss_never_wrong_bytes(run_dir, instance, disk_dir, damage):
-    kv = small_kv(block_shape=PAGE_SHAPE)
-    keys, src, dst = keys_for(8, 1), list(range(8)), list(range(40, 48))
-    expected = snapshot(kv, src)
-    h = start(run_dir, instance, disk_uri(disk_dir))
-    try:
-        with h.connect() as c:
-            c.register_kv_cache(kv)
-            offload_and_flush(c, kv, keys, src)
-            c.clear(tier="host")
-            bad = os.path.join(disk_dir, keys[5].hex()[:2], keys[5].hex() + ".kvb")
-            data = bytearray(open(bad, "rb").read())
-            if damage == "flip":
-                data[len(data) // 2] ^= 0x01
-            elif damage == "truncate":
-                data = data[: len(data) - 100]
-            elif damage == "foreign_key":  # a valid record of another key under this name
-                data = bytearray(open(os.path.join(disk_dir, keys[4].hex()[:2], keys[4].hex() + ".kvb"), "rb").read())
-            else:
-                data = bytearray()
-            open(bad, "wb").write(data)
-            scramble(kv)
-            assert c.lookup(keys) == (0, 8)  # the index does not know yet
-            task = c.load(keys, dst)
-            assert task.wait(10) == 5  # the leading blocks before the damaged one
-            assert equal(kv, dst, expected, upto=5)
-            assert not os.path.exists(bad)  # removed, never served
-            assert c.lookup(keys) == (5, 0)
-    finally:
-        h.stop()
+    dst = list(range(40, 48))
+    with on_disk_only(run_dir, instance, disk_dir, 1) as (c, kv, keys, expected):
+        bad = record_path(disk_dir, keys[5])
+        data = bytearray(open(bad, "rb").read())
+        if damage == "flip":
+            data[len(data) // 2] ^= 0x01
+        elif damage == "truncate":
+            data = data[: len(data) - 100]
+        elif damage == "foreign_key":  # a valid record of another key under this name
+            data = bytearray(open(record_path(disk_dir, keys[4]), "rb").read())
+        else:
+            data = bytearray()
+        open(bad, "wb").write(data)
+        assert c.lookup(keys) == (0, 8)  # the index does not know yet
+        task = c.load(keys, dst)
+        assert task.wait(10) == 5  # the leading blocks before the damaged one
+        assert equal(kv, dst, expected, upto=5)
+        assert not os.path.exists(bad)  # removed, never served
+        assert c.lookup(keys) == (5, 0)
 
 
 def test_stray_and_temp_files_are_removed_at_start(run_dir, instance, disk_dir):
@@ -146,10 +160,6 @@ def test_stray_and_temp_files_are_removed_at_start(run_dir, instance, disk_dir):
             assert c.status()["storage"][0]["healthy"]
     finally:
         h.stop()
-
-
-def record_path(disk_dir, key):
-    return os.path.join(disk_dir, key.hex()[:2], key.hex() + ".kvb")
 
 
 def test_a_fifo_in_place_of_a_record_is_damage_not_a_hang(run_dir, instance, disk_dir):
@@ -185,6 +195,29 @@ def _keys_alone_in_a_shard(n, index):
     raise AssertionError("no such keys")
 
 
+def _stored_with_one_record_hung(run_dir, instance, disk_dir, index):
+    """8 blocks stored on disk by a daemon since stopped, keys[index]'s record on a FUSE shard
+    whose reads hang (skips where FUSE cannot be mounted). The tier's I/O deadline is 1 s."""
+    import hangfs
+
+    why = hangfs.available()
+    if why:
+        pytest.skip(why)
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys, src = _keys_alone_in_a_shard(8, index), list(range(8))
+    expected = snapshot(kv, src)
+    uri = f"disk://{disk_dir}?capacity_gb=1&io_timeout_s=1"
+    h = start(run_dir, instance, uri)
+    with h.connect() as c:
+        c.register_kv_cache(kv)
+        offload_and_flush(c, kv, keys, src)
+    h.stop()
+    hung = record_path(disk_dir, keys[index])
+    size = os.path.getsize(hung)
+    os.unlink(hung)
+    return kv, keys, expected, uri, hangfs.HangFS(os.path.dirname(hung), os.path.basename(hung), size)
+
+
 def test_a_record_on_a_hung_filesystem_costs_its_load_a_deadline_not_the_daemon(
         run_dir, instance, disk_dir):
     """A read that never returns (a hung NFS, here a FUSE shard whose reads hang): the load
@@ -194,24 +227,7 @@ def test_a_record_on_a_hung_filesystem_costs_its_load_a_deadline_not_the_daemon(
     the kernel lets the blocked thread go - a FUSE request already handed to the server is
     waited for uninterruptibly, SIGKILL included. Before, that load, then every load, hello and
     stop hung."""
-    import hangfs
-
-    why = hangfs.available()
-    if why:
-        pytest.skip(why)
-    kv = small_kv(block_shape=PAGE_SHAPE)
-    keys, src = _keys_alone_in_a_shard(8, 3), list(range(8))
-    expected = snapshot(kv, src)
-    uri = f"disk://{disk_dir}?capacity_gb=1&io_timeout_s=1"
-    h = start(run_dir, instance, uri)
-    with h.connect() as c:
-        c.register_kv_cache(kv)
-        offload_and_flush(c, kv, keys, src)
-    h.stop()
-    hung = record_path(disk_dir, keys[3])
-    size = os.path.getsize(hung)
-    os.unlink(hung)
-    fs = hangfs.HangFS(os.path.dirname(hung), os.path.basename(hung), size)
+    kv, keys, expected, uri, fs = _stored_with_one_record_hung(run_dir, instance, disk_dir, 3)
     h = None
     try:
         h = start(run_dir, instance, uri)  # the index rebuild lists the FUSE shard: it answers that
@@ -242,24 +258,7 @@ def test_a_record_on_a_hung_filesystem_costs_its_load_a_deadline_not_the_daemon(
 
 def test_a_hung_read_that_returns_gives_its_block_back_and_the_tier_recovers(
         run_dir, instance, disk_dir):
-    import hangfs
-
-    why = hangfs.available()
-    if why:
-        pytest.skip(why)
-    kv = small_kv(block_shape=PAGE_SHAPE)
-    keys, src = _keys_alone_in_a_shard(8, 5), list(range(8))
-    expected = snapshot(kv, src)
-    uri = f"disk://{disk_dir}?capacity_gb=1&io_timeout_s=1"
-    h = start(run_dir, instance, uri)
-    with h.connect() as c:
-        c.register_kv_cache(kv)
-        offload_and_flush(c, kv, keys, src)
-    h.stop()
-    hung = record_path(disk_dir, keys[5])
-    size = os.path.getsize(hung)
-    os.unlink(hung)
-    fs = hangfs.HangFS(os.path.dirname(hung), os.path.basename(hung), size)
+    kv, keys, expected, uri, fs = _stored_with_one_record_hung(run_dir, instance, disk_dir, 5)
     try:
         h = start(run_dir, instance, uri)
         with h.connect(timeout=5) as c:
@@ -768,72 +767,39 @@ def _load_state(c):
 
 
 def test_two_loads_of_a_prefix_being_fetched_share_the_fetch(run_dir, instance, disk_dir):
-    kv = small_kv(block_shape=PAGE_SHAPE)
-    keys, src = keys_for(8, 7), list(range(8))
-    expected = snapshot(kv, src)
-    h = start(run_dir, instance, disk_uri(disk_dir))
-    try:
-        with h.connect() as c:
-            c.register_kv_cache(kv)
-            offload_and_flush(c, kv, keys, src)
-            c.clear(tier="host")
-            scramble(kv)
-            c.pause()  # both loads are planned before the first fetch runs
-            first = c.load(keys, list(range(20, 28)))
-            second = c.load(keys, list(range(40, 48)))  # INTERNAL: KeyError before the fix
-            third = c.load(keys[:5], list(range(50, 55)))
-            assert first.reply["storage_blocks"] == 8 and second.reply["blocks"] == 8
-            c.resume()
-            assert (first.wait(10), second.wait(10), third.wait(10)) == (8, 8, 5)
-            assert equal(kv, list(range(20, 28)), expected)
-            assert equal(kv, list(range(40, 48)), expected)
-            assert equal(kv, list(range(50, 55)), expected, upto=5)
-            assert c.status()["storage_io"]["fetched"] == 8  # one fetch, not three
-            assert _load_state(c) == (0, 0, 0, 0, "ok")
-    finally:
-        h.stop()
+    with on_disk_only(run_dir, instance, disk_dir, 7) as (c, kv, keys, expected):
+        c.pause()  # every load is planned before the first fetch runs
+        first = c.load(keys, list(range(20, 28)))
+        second = c.load(keys, list(range(40, 48)))  # INTERNAL: KeyError before the fix
+        third = c.load(keys[:5], list(range(50, 55)))
+        assert first.reply["storage_blocks"] == 8 and second.reply["blocks"] == 8
+        c.resume()
+        assert (first.wait(10), second.wait(10), third.wait(10)) == (8, 8, 5)
+        assert equal(kv, list(range(20, 28)), expected)
+        assert equal(kv, list(range(40, 48)), expected)
+        assert equal(kv, list(range(50, 55)), expected, upto=5)
+        assert c.status()["storage_io"]["fetched"] == 8  # one fetch, not three
+        assert _load_state(c) == (0, 0, 0, 0, "ok")
 
 
 def test_a_load_sharing_a_fetch_that_fails_gets_the_leading_blocks_that_arrived(
         run_dir, instance, disk_dir):
-    kv = small_kv(block_shape=PAGE_SHAPE)
-    keys, src = keys_for(8, 8), list(range(8))
-    expected = snapshot(kv, src)
-    h = start(run_dir, instance, disk_uri(disk_dir))
-    try:
-        with h.connect() as c:
-            c.register_kv_cache(kv)
-            offload_and_flush(c, kv, keys, src)
-            c.clear(tier="host")
-            os.unlink(os.path.join(disk_dir, keys[3].hex()[:2], keys[3].hex() + ".kvb"))
-            scramble(kv)
-            c.pause()
-            first, second = c.load(keys, list(range(20, 28))), c.load(keys, list(range(40, 48)))
-            c.resume()
-            assert (first.wait(10), second.wait(10)) == (3, 3)
-            assert equal(kv, list(range(40, 48)), expected, upto=3)
-            assert _load_state(c) == (0, 0, 0, 0, "ok")
-    finally:
-        h.stop()
+    with on_disk_only(run_dir, instance, disk_dir, 8) as (c, kv, keys, expected):
+        os.unlink(record_path(disk_dir, keys[3]))
+        c.pause()
+        first, second = c.load(keys, list(range(20, 28))), c.load(keys, list(range(40, 48)))
+        c.resume()
+        assert (first.wait(10), second.wait(10)) == (3, 3)
+        assert equal(kv, list(range(40, 48)), expected, upto=3)
+        assert _load_state(c) == (0, 0, 0, 0, "ok")
 
 
 def test_cancelling_the_load_that_owns_a_fetch_leaves_the_sharer_whole(run_dir, instance, disk_dir):
-    kv = small_kv(block_shape=PAGE_SHAPE)
-    keys, src = keys_for(8, 9), list(range(8))
-    expected = snapshot(kv, src)
-    h = start(run_dir, instance, disk_uri(disk_dir))
-    try:
-        with h.connect() as c:
-            c.register_kv_cache(kv)
-            offload_and_flush(c, kv, keys, src)
-            c.clear(tier="host")
-            scramble(kv)
-            c.pause()
-            owner, sharer = c.load(keys, list(range(20, 28))), c.load(keys, list(range(40, 48)))
-            assert owner.cancel() == "cancelled" and owner.wait(10) == 0
-            c.resume()
-            assert sharer.wait(10) == 8  # the owner's entries went unfetched: it fetched them itself
-            assert equal(kv, list(range(40, 48)), expected)
-            assert _load_state(c) == (0, 0, 0, 0, "ok")
-    finally:
-        h.stop()
+    with on_disk_only(run_dir, instance, disk_dir, 9) as (c, kv, keys, expected):
+        c.pause()
+        owner, sharer = c.load(keys, list(range(20, 28))), c.load(keys, list(range(40, 48)))
+        assert owner.cancel() == "cancelled" and owner.wait(10) == 0
+        c.resume()
+        assert sharer.wait(10) == 8  # the owner's entries went unfetched: it fetched them itself
+        assert equal(kv, list(range(40, 48)), expected)
+        assert _load_state(c) == (0, 0, 0, 0, "ok")
