@@ -30,13 +30,12 @@ from kvcached_proto import (
     pack_keys,
     request_error,
 )
-from kvcached_proto.liveness import pid_alive
 from kvcached_proto.messages import ROLES
 from kvcached_proto.paths import DEFAULT_INSTANCE, check_instance, request_endpoint, resolve_run_dir
 from kvcached_proto.version import PROTOCOL_VERSION
 
 from .kv_alloc import describe_kv_cache
-from .signals import SignalReader
+from .signals import SignalReader, hang_threshold
 from .tasks import LoadTask, Task
 
 DEFAULT_TIMEOUT_S = 5.0
@@ -51,13 +50,14 @@ class Client:
     def __init__(self, instance: str = DEFAULT_INSTANCE, run_dir: str | None = None,
                  timeout: float = DEFAULT_TIMEOUT_S, name: str = "", endpoint: str | None = None,
                  curve_server_key_file: str | None = None, curve_client_key_file: str | None = None,
-                 role: str = "engine"):
+                 role: str = "engine", hang_s: float | None = None):
         if role not in ROLES:
             raise ValueError(f"role {role!r}: expected one of {ROLES}")
         self.instance = check_instance(instance)
         self.role = role
         self.run_dir = resolve_run_dir(run_dir)
         self.timeout = timeout
+        self.hang_s = hang_threshold(hang_s)
         self.name = name
         self.client_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._endpoint = endpoint or request_endpoint(self.run_dir, self.instance)
@@ -78,15 +78,19 @@ class Client:
     def connect(cls, instance: str = DEFAULT_INSTANCE, run_dir: str | None = None,
                 timeout: float = DEFAULT_TIMEOUT_S, name: str = "", endpoint: str | None = None,
                 curve_server_key_file: str | None = None,
-                curve_client_key_file: str | None = None, role: str = "engine") -> "Client":
+                curve_client_key_file: str | None = None, role: str = "engine",
+                hang_s: float | None = None) -> "Client":
         """endpoint: a tcp:// address of the daemon's --listen instead of its ipc socket; TCP
         needs the daemon's public key file and this client's secret key file (CURVE; the
         client's public key must be in the daemon's --curve-allow-dir).
         role: "engine" (default), or "operator" (ipc socket only): an operator may send the
         ops that change the daemon for every engine (clear, pause, resume, unregister_kv,
-        shutdown), which an engine may send only while its KV cache is the registered one."""
+        shutdown), which an engine may send only while its KV cache is the registered one.
+        hang_s: how long the daemon may miss its heartbeat before it counts as hung (every
+        wait then raises DaemonUnavailable); default $KVCACHED_HANG_S or 2 s. A daemon whose
+        process is gone is seen at once, whatever this says."""
         client = cls(instance, run_dir, timeout, name, endpoint, curve_server_key_file,
-                     curve_client_key_file, role)
+                     curve_client_key_file, role, hang_s)
         try:
             client._open()
         except BaseException:
@@ -95,7 +99,7 @@ class Client:
         return client
 
     def _open(self) -> None:
-        self.signals = SignalReader(self.instance)
+        self.signals = SignalReader(self.instance, self.hang_s)
         self.signals.check_alive()
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -247,7 +251,7 @@ class Client:
                 self.poll_events()
             except DaemonUnavailable:
                 sig = self.signals
-                if sig is not None and sig.pid_visible and not pid_alive(sig.pid):
+                if sig is not None and sig.gone():
                     self._fences.clear()  # a daemon that is gone writes nothing more
                 # else it may be hung and come back: its writes could still land
         return {b for blocks in self._fences.values() for b in blocks}

@@ -8,17 +8,38 @@ import time
 import posix_ipc
 
 from kvcached_proto.errors import DaemonUnavailable, KvcachedTimeout
-from kvcached_proto.liveness import pid_alive
+from kvcached_proto.liveness import pid_alive, pid_namespace, process_alive
 from kvcached_proto.shm_layout import LAYOUT_VERSION, MAGIC, SEGMENT_BYTES, Flag, SignalView, segment_name
 
-# A dead daemon is seen at once through its pid; the heartbeat catches a hung one (or one in
-# another pid namespace). Stalls of 0.5-0.9 s were seen on a loaded 2-vCPU VM in healthy
-# daemons, so the heartbeat threshold leaves room for them.
-HEARTBEAT_STALE_S = 3.0
+# A dead daemon is seen at once through its recorded identity (pid and start time); the
+# heartbeat catches a hung one (or one in another pid namespace). The hang threshold is how
+# long a heartbeat may be missed before the daemon counts as hung: its loads in flight are then
+# load errors and the engine goes on without it until it beats again. Heartbeat gaps of healthy
+# daemons measured on a loaded 2-core VM stayed under 0.6 s (README, "A daemon fault"), so 2 s
+# leaves room for them; a false "hung" costs cache hits only, never correctness.
+DEFAULT_HANG_S = 2.0
+HANG_ENV = "KVCACHED_HANG_S"
+HEARTBEAT_STALE_S = DEFAULT_HANG_S  # the name before the threshold became a setting
+
+
+def hang_threshold(hang_s: float | None = None) -> float:
+    """hang_s if given, else $KVCACHED_HANG_S, else DEFAULT_HANG_S."""
+    if hang_s is None:
+        raw = os.environ.get(HANG_ENV, "")
+        if not raw:
+            return DEFAULT_HANG_S
+        try:
+            hang_s = float(raw)
+        except ValueError:
+            raise ValueError(f"{HANG_ENV}={raw!r}: expected seconds, e.g. 2") from None
+    if not 0 < hang_s < 3600:
+        raise ValueError(f"hang threshold {hang_s!r} s: expected seconds in (0, 3600)")
+    return float(hang_s)
 
 
 class SignalReader:
-    def __init__(self, instance: str):
+    def __init__(self, instance: str, hang_s: float | None = None):
+        self.hang_s = hang_threshold(hang_s)
         self.name = segment_name(os.getuid(), instance)
         try:
             shm = posix_ipc.SharedMemory(self.name, flags=0)
@@ -39,9 +60,14 @@ class SignalReader:
             raise DaemonUnavailable(f"segment {self.name} has no valid kvcached header (yet)")
         self.pid = self.view.pid
         self.epoch = self.view.epoch
+        self.pid_start = self.view.pid_start
         # In another pid namespace (a sidecar container without a shared process namespace)
         # the daemon's pid means nothing here: then only the heartbeat tells it is alive.
-        self.pid_visible = pid_alive(self.pid) or not self._beating()
+        self._identity = bool(self.pid_start and self.view.pid_ns)
+        if self._identity:
+            self.pid_visible = self.view.pid_ns == pid_namespace()
+        else:  # a daemon that records no identity: guess the namespace from the pid
+            self.pid_visible = pid_alive(self.pid) or not self._beating()
 
     def ready(self) -> bool:
         return bool(self.view.flags & Flag.UP)
@@ -61,18 +87,28 @@ class SignalReader:
             time.sleep(0.01)
 
     def _beating(self) -> bool:
-        return (time.monotonic_ns() - self.view.heartbeat_ns) / 1e9 <= HEARTBEAT_STALE_S
+        return (time.monotonic_ns() - self.view.heartbeat_ns) / 1e9 <= self.hang_s
+
+    def gone(self) -> bool:
+        """The daemon's process is known to be gone (never true across pid namespaces)."""
+        if not self.pid_visible:
+            return False
+        if self._identity:
+            return not process_alive(self.pid, self.pid_start)
+        return not pid_alive(self.pid)
 
     def check_alive(self) -> None:
-        """Raise DaemonUnavailable if the daemon exited, stopped or stopped beating."""
-        if self.pid_visible and not pid_alive(self.pid):
+        """Raise DaemonUnavailable if the daemon exited, stopped, or has missed its heartbeat
+        for longer than the hang threshold."""
+        if self.gone():
             raise DaemonUnavailable(f"kvcached daemon pid {self.pid} has exited")
         if not self.view.flags & Flag.UP:
             raise DaemonUnavailable(f"kvcached daemon pid {self.pid} is stopping or stopped")
         age = (time.monotonic_ns() - self.view.heartbeat_ns) / 1e9
-        if age > HEARTBEAT_STALE_S:
+        if age > self.hang_s:
             raise DaemonUnavailable(
-                f"kvcached daemon pid {self.pid} missed its heartbeat for {age:.2f} s"
+                f"kvcached daemon pid {self.pid} missed its heartbeat for {age:.2f} s "
+                f"(hung: the hang threshold is {self.hang_s:g} s)"
             )
 
     def close(self) -> None:

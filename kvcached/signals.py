@@ -25,7 +25,7 @@ from kvcached_proto.shm_layout import (
 )
 
 from .errors import StartupError
-from kvcached_proto.liveness import pid_alive
+from kvcached_proto.liveness import pid_alive, pid_namespace, process_alive, start_ticks
 
 log = logging.getLogger(__name__)
 
@@ -33,19 +33,22 @@ HEARTBEAT_PERIOD_S = 0.05
 LATE_BEAT_S = 0.25
 
 
-def _owner_of_existing(name: str) -> int | None:
-    """pid recorded in an existing segment, 0 when it has no valid header, None when absent."""
+def _owner_of_existing(name: str) -> tuple[int, int, int] | None:
+    """(pid, start ticks, pid namespace) recorded in an existing segment, pid 0 when it has
+    no valid header, None when absent."""
     try:
         shm = posix_ipc.SharedMemory(name, flags=0)
     except posix_ipc.ExistentialError:
         return None
     try:
         if shm.size < SEGMENT_BYTES:
-            return 0
+            return 0, 0, 0
         with mmap.mmap(shm.fd, SEGMENT_BYTES, prot=mmap.PROT_READ) as mm:
             view = SignalView(mm)
             try:
-                return view.pid if view.magic == MAGIC else 0
+                if view.magic != MAGIC:
+                    return 0, 0, 0
+                return view.pid, view.pid_start, view.pid_ns
             finally:
                 view.release()
     finally:
@@ -70,7 +73,7 @@ class SignalSegment:
         finally:
             shm.close_fd()
         self.view = SignalView(self._mm)
-        self.view.init_header(os.getpid(), self.epoch)
+        self.view.init_header(os.getpid(), self.epoch, start_ticks(os.getpid()) or 0, pid_namespace())
         self.view.set_heartbeat(time.monotonic_ns())
         self._stop = threading.Event()
         self._flags_lock = threading.Lock()  # flags are set from several threads (read-modify-write)
@@ -80,10 +83,15 @@ class SignalSegment:
         self._closed = False
 
     def _sweep_stale(self) -> None:
-        owner = _owner_of_existing(self.name)
-        if owner is None:
+        found = _owner_of_existing(self.name)
+        if found is None:
             return
-        if owner and owner != os.getpid() and pid_alive(owner):
+        owner, started, ns = found
+        if ns and started and ns == pid_namespace():
+            alive = process_alive(owner, started)  # a reused pid is not the owner
+        else:
+            alive = pid_alive(owner)
+        if owner and owner != os.getpid() and alive:
             raise StartupError(
                 f"instance already running: segment {self.name} belongs to live pid {owner}"
             )

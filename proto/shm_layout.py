@@ -15,7 +15,11 @@ Header (128 bytes)::
      40     4  flags            bit 0 up, 1 host_pool_ready, 2 kv_registered, 3 storage_ready
      44     4  state            State below
      48     4  slot_bytes       32
-     52    76  reserved (zero)
+     52     4  reserved (zero)
+     56     8  pid_start        the daemon's start time, clock ticks after boot (/proc/PID/stat
+                                field 22); 0 when unknown
+     64     8  pid_ns           inode of the daemon's pid namespace; 0 when unknown
+     72    56  reserved (zero)
 
 Load-progress slot i at 128 + 32 * i::
 
@@ -122,11 +126,21 @@ class SignalView:
     def state(self) -> State:
         return State(self._u32[11])
 
-    def init_header(self, pid: int, epoch: int) -> None:
+    @property
+    def pid_start(self) -> int:
+        return self._u64[7]
+
+    @property
+    def pid_ns(self) -> int:
+        return self._u64[8]
+
+    def init_header(self, pid: int, epoch: int, pid_start: int = 0, pid_ns: int = 0) -> None:
         self._raw[0:HEADER_BYTES] = bytes(HEADER_BYTES)
         self._u32[2] = LAYOUT_VERSION
         self._u32[3] = HEADER_BYTES
         self._u32[4] = pid
+        self._u64[7] = pid_start
+        self._u64[8] = pid_ns
         self._u32[5] = NUM_SLOTS
         self._u64[3] = epoch
         self._u32[12] = SLOT_BYTES

@@ -11,7 +11,9 @@ import pytest
 
 from conftest import unique_instance
 from kvcached_client import Client, DaemonUnavailable, KvcachedError, launch
-from kvcached_client.signals import HEARTBEAT_STALE_S
+from kvcached_client.signals import DEFAULT_HANG_S, hang_threshold
+from kvcached_proto.liveness import pid_namespace, start_ticks
+from kvcached_proto.shm_layout import SEGMENT_BYTES, Flag, SignalView, segment_name
 from kvcached_proto.paths import socket_paths
 
 STATUS_KEYS = {"instance", "pid", "epoch", "state", "protocol_version", "host", "kv", "storage",
@@ -79,10 +81,90 @@ def test_a_hung_daemon_is_seen_through_its_heartbeat(daemon):
         start = time.monotonic()
         with pytest.raises(DaemonUnavailable, match="heartbeat"):
             c.ping()
-        assert time.monotonic() - start < HEARTBEAT_STALE_S + 1.0
+        assert time.monotonic() - start < DEFAULT_HANG_S + 1.0
     finally:
         os.kill(daemon.pid, signal.SIGCONT)
         c.close()
+
+
+def test_connecting_right_after_kill_9_is_refused_by_the_recorded_identity(daemon):
+    """The heartbeat is still fresh and the up flag still set: the pid and start time the
+    daemon recorded tell that it is gone (before, the connect waited out the send timeout)."""
+    with daemon.connect() as c:
+        assert c.signals.pid_start == start_ticks(daemon.pid) and c.signals.pid_visible
+    daemon.kill()
+    with pytest.raises(DaemonUnavailable, match="has exited"):
+        Client.connect(instance=daemon.instance, run_dir=daemon.run_dir)
+
+
+def _fake_segment(instance, pid, pid_start):
+    """A segment whose header names (pid, pid_start), beating now, flag up: what a killed
+    daemon leaves for its first seconds."""
+    import mmap
+
+    import posix_ipc
+
+    shm = posix_ipc.SharedMemory(segment_name(os.getuid(), instance), posix_ipc.O_CREX,
+                                 mode=0o600, size=SEGMENT_BYTES)
+    with mmap.mmap(shm.fd, SEGMENT_BYTES) as mm:
+        view = SignalView(mm)
+        view.init_header(pid, 12345, pid_start, pid_namespace())
+        view.set_heartbeat(time.monotonic_ns())
+        view.set_flag(Flag.UP)
+        view.release()
+    shm.close_fd()
+
+
+def test_a_reused_pid_does_not_keep_a_dead_daemon_alive(run_dir, instance):
+    """The recorded pid now belongs to a live process that started at another time (a pid
+    reused after the daemon died): clients see a dead daemon, a new daemon sweeps the segment."""
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        _fake_segment(instance, other.pid, start_ticks(other.pid) + 1)
+        with pytest.raises(DaemonUnavailable, match="has exited"):
+            Client.connect(instance=instance, run_dir=run_dir)
+        successor = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.1)
+        try:
+            with successor.connect() as c:
+                assert c.info["pid"] == successor.pid
+        finally:
+            successor.stop()
+    finally:
+        other.kill()
+        other.wait()
+        if os.path.exists(_segment(instance)):
+            os.unlink(_segment(instance))
+
+
+def test_the_recorded_live_process_keeps_the_instance(run_dir, instance):
+    """The same pid and start time: the instance is taken, a second daemon is refused."""
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        _fake_segment(instance, other.pid, start_ticks(other.pid))
+        with pytest.raises(KvcachedError, match="already running"):
+            launch(instance=instance, run_dir=run_dir, host_cache_gb=0.1)
+    finally:
+        other.kill()
+        other.wait()
+        os.unlink(_segment(instance))
+
+
+def test_the_hang_threshold_is_a_setting(daemon, monkeypatch):
+    c = daemon.connect(timeout=30.0, hang_s=0.4)
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(DaemonUnavailable, match="hang threshold is 0.4 s"):
+            c.ping()
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+        c.close()
+    monkeypatch.setenv("KVCACHED_HANG_S", "0.7")
+    assert hang_threshold() == 0.7 and hang_threshold(1.5) == 1.5
+    monkeypatch.setenv("KVCACHED_HANG_S", "soon")
+    with pytest.raises(ValueError, match="KVCACHED_HANG_S"):
+        hang_threshold()
+    monkeypatch.delenv("KVCACHED_HANG_S")
+    assert hang_threshold() == DEFAULT_HANG_S
 
 
 def test_a_new_daemon_takes_over_after_kill_9(run_dir, instance):
