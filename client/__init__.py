@@ -16,10 +16,11 @@ from .group import GroupClient, rank_keys
 from .launch import DaemonHandle, launch
 from .prefix import MMItem, PrefixCacheManager
 from .prefix_tree import NoFreeBlocks
+from .reattach import Reattacher
 from .tasks import LoadTask, Task
 
 __all__ = [
     "Client", "BlockHasher", "make_namespace", "allocate_kv_cache", "launch", "DaemonHandle",
-    "Task", "LoadTask", "GroupClient", "rank_keys", "PrefixCacheManager", "MMItem", "NoFreeBlocks", "Busy", "DaemonUnavailable", "KvcachedError", "KvcachedTimeout",
+    "Task", "LoadTask", "GroupClient", "rank_keys", "PrefixCacheManager", "MMItem", "NoFreeBlocks", "Reattacher", "Busy", "DaemonUnavailable", "KvcachedError", "KvcachedTimeout",
     "ProtocolError", "RequestError", "TaskFailed",
 ]

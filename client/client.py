@@ -12,7 +12,7 @@ import os
 import threading
 import time
 import uuid
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import zmq
@@ -37,6 +37,9 @@ from kvcached_proto.version import PROTOCOL_VERSION
 from .kv_alloc import describe_kv_cache
 from .signals import SignalReader, hang_threshold
 from .tasks import LoadTask, Task
+
+if TYPE_CHECKING:
+    from .reattach import Reattacher
 
 DEFAULT_TIMEOUT_S = 5.0
 POLL_SLICE_MS = 20
@@ -97,6 +100,18 @@ class Client:
             client.close()
             raise
         return client
+
+    @classmethod
+    def reattacher(cls, kv_caches=None, **connect_kwargs) -> "Reattacher[Client]":
+        """For an engine that drives a Client itself: a Reattacher whose take() answers at once
+        with a Client connected in the background (kv_caches registered, when given) or None.
+        Hold one while no daemon is attached; a Client itself is one connection, and every
+        call on it raises DaemonUnavailable once its daemon is gone."""
+        from .reattach import Reattacher
+
+        prepare = (lambda c: c.register_kv_cache(kv_caches)) if kv_caches is not None else None
+        return Reattacher(lambda: cls.connect(**connect_kwargs), prepare,
+                          name=connect_kwargs.get("name") or "client")
 
     def _open(self) -> None:
         self.signals = SignalReader(self.instance, self.hang_s)

@@ -4,7 +4,8 @@ Each rank has its own daemon (and its own KV shard); every rank gets the same de
 Answers are the minimum over ranks, so all ranks load the same prefix and compute on the same
 context: `lookup` gives the shortest (host, storage) hit, a load's count is the smallest any
 rank loaded. A rank whose daemon is missing makes the group report 0 hits (the request is
-recomputed) and is named in `missing`; the group reconnects it once its daemon is back.
+recomputed) and is named in `missing`; the group reattaches it in the background once its daemon
+is back (no call waits for a missing rank's daemon).
 
 Keys: the caller passes one key list. For ordinary attention every rank holds different heads,
 so each rank stores them under rank-derived keys (H(key, rank, tp_size): still chained, still
@@ -26,10 +27,9 @@ from kvcached_proto.errors import DaemonUnavailable, KvcachedTimeout, TaskFailed
 from kvcached_proto.paths import resolve_run_dir
 
 from .client import DEFAULT_TIMEOUT_S, Client
+from .reattach import Reattacher
 
 log = logging.getLogger(__name__)
-
-RECONNECT_EVERY_S = 1.0
 
 
 def rank_keys(keys: Sequence[bytes], rank: int, tp_size: int) -> list[bytes]:
@@ -167,7 +167,8 @@ class GroupClient:
 
     def __init__(self, instances: Sequence[str], run_dir: str | None = None,
                  timeout: float = DEFAULT_TIMEOUT_S, name: str = "", mla: bool = False,
-                 local_rank: int = 0, endpoints: Sequence[str] | None = None):
+                 local_rank: int = 0, endpoints: Sequence[str] | None = None,
+                 hang_s: float | None = None):
         if not instances:
             raise ValueError("a group needs at least one rank")
         if endpoints is not None and len(endpoints) != len(instances):
@@ -178,13 +179,15 @@ class GroupClient:
         self.timeout = timeout
         self.name = name
         self.mla = mla
+        self.hang_s = hang_s
         self.local_rank = local_rank
         self._endpoints = list(endpoints) if endpoints else [None] * self.tp_size
         self.clients: list[Client | None] = [None] * self.tp_size
         self.missing: dict[int, str] = {r: "not connected yet" for r in range(self.tp_size)}
         self._retired: list[Client] = []  # lost clients whose fences still hold
         self._kv = None
-        self._next_retry = 0.0
+        self._reattach = [Reattacher(lambda r=r: self._connect_rank(r), lambda c, r=r: self._prepare(r, c),
+                                     name=f"{name or 'group'}-tp{r}") for r in range(self.tp_size)]
         self._task_ids = itertools.count(1)
         # tasks by id, for fence(task_id); weak, so a task its caller dropped unwaited goes
         self._live: weakref.WeakValueDictionary[int, GroupTask] = weakref.WeakValueDictionary()
@@ -199,32 +202,34 @@ class GroupClient:
     def reconnect_args(self) -> dict:
         return {"instances": self.instances, "run_dir": self.run_dir, "timeout": self.timeout,
                 "name": self.name, "mla": self.mla, "local_rank": self.local_rank,
-                "endpoints": self._endpoints}
+                "endpoints": self._endpoints, "hang_s": self.hang_s}
 
     # ranks ------------------------------------------------------------------
     def reconnect(self) -> list[int]:
-        """Connect every missing rank whose daemon is there; returns the ranks connected."""
-        self._next_retry = time.monotonic() + RECONNECT_EVERY_S
+        """Connect every missing rank whose daemon is there, now, on this thread; returns the
+        ranks connected. (Calls reattach missing ranks in the background by themselves.)"""
         ranks = list(self.missing)
-        got = list(self._pool.map(self._connect_rank, ranks))
-        return [r for r, ok in zip(ranks, got) if ok]
+        got = list(self._pool.map(lambda r: self._reattach[r].attach_now(), ranks))
+        for r, client in zip(ranks, got):
+            if client is not None:
+                self._adopt(r, client)
+            else:
+                self.missing[r] = self._reattach[r].last_error or "not connected"
+        return [r for r, c in zip(ranks, got) if c is not None]
 
-    def _connect_rank(self, rank: int) -> bool:
-        try:
-            client = Client.connect(self.instances[rank], self.run_dir, self.timeout,
-                                    f"{self.name}-tp{rank}", self._endpoints[rank])
-        except DaemonUnavailable as exc:
-            self.missing[rank] = str(exc)
-            return False
-        try:
-            if self._kv is not None:
-                client.register_kv_cache(self._kv[rank])
-        except Exception:
-            client.close()
-            raise
+    def _connect_rank(self, rank: int) -> Client:
+        return Client.connect(self.instances[rank], self.run_dir, self.timeout,
+                              f"{self.name}-tp{rank}", self._endpoints[rank], hang_s=self.hang_s)
+
+    def _prepare(self, rank: int, client: Client) -> None:
+        kv = self._kv
+        if kv is not None:
+            client.register_kv_cache(kv[rank])
+
+    def _adopt(self, rank: int, client: Client) -> None:
         self.clients[rank] = client
         self.missing.pop(rank, None)
-        return True
+        log.info("[group] rank %d (%s) attached", rank, self.instances[rank])
 
     def _lost(self, rank: int, exc: Exception) -> None:
         client = self.clients[rank]
@@ -241,9 +246,14 @@ class GroupClient:
                 client.fence(task.id, blocks)
 
     def _ready(self) -> bool:
-        """All ranks present (reconnecting missing ones at most once a second)."""
-        if self.missing and time.monotonic() >= self._next_retry:
-            self.reconnect()
+        """All ranks present; a missing rank the background has reattached is taken, never
+        waited for."""
+        for rank in list(self.missing):
+            client = self._reattach[rank].take()
+            if client is not None:
+                self._adopt(rank, client)
+            elif self._reattach[rank].last_error:
+                self.missing[rank] = self._reattach[rank].last_error
         return not self.missing
 
     def _fan(self, call) -> dict[int, object]:
@@ -384,6 +394,8 @@ class GroupClient:
         return tuple(c.epoch if c else 0 for c in self.clients)
 
     def close(self) -> None:
+        for reattach in self._reattach:
+            reattach.close()
         for client in self._all_clients():
             client.close()
         self.clients = [None] * self.tp_size

@@ -106,8 +106,10 @@ def launch(instance: str = DEFAULT_INSTANCE, device: str = "cpu", host_cache_gb:
            "--host-cache-gb", str(host_cache_gb), "--run-dir", run_dir, *map(str, extra_args)]
     keep = log_path is not None or bool(os.environ.get("KVCACHED_LOG_DIR"))
     if log_path is None:
-        fd, log_path = tempfile.mkstemp(prefix=f"kvcached-{instance}-", suffix=".log",
-                                        dir=os.environ.get("KVCACHED_LOG_DIR") or None)
+        log_dir = os.environ.get("KVCACHED_LOG_DIR") or None
+        if log_dir:
+            os.makedirs(log_dir, exist_ok=True)
+        fd, log_path = tempfile.mkstemp(prefix=f"kvcached-{instance}-", suffix=".log", dir=log_dir)
         log_file = os.fdopen(fd, "wb")
     else:
         log_file = open(log_path, "ab")

@@ -21,7 +21,6 @@ the manager is a GPU-only prefix cache and reattaches when a daemon is back.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -29,11 +28,11 @@ from kvcached_proto.errors import DaemonUnavailable, KvcachedError, KvcachedTime
 
 from .hashing import BlockHasher
 from .prefix_tree import INVALID, LOADING, READY, BlockPool, NoFreeBlocks, Node, PrefixTree
+from .reattach import Reattacher
 
 log = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-REATTACH_EVERY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -119,8 +118,10 @@ class PrefixCacheManager:
         self.selective_hits = selective_hits
         self.kv_caches = kv_caches
         self.client = None
-        self._connect = connect or (_reconnector(client) if client is not None else None)
-        self._next_attach = 0.0
+        connect = connect or (_reconnector(client) if client is not None else None)
+        # attaching (connect, register the KV cache) runs in the background: no engine call
+        # waits for a daemon that is gone, hung or not there yet
+        self._reattach = Reattacher(connect, self._register, name="prefix") if connect else None
         self._seqs: dict[object, _Seq] = {}
         self._loads: list[_Load] = []
         self._offloads: list[_Offload] = []
@@ -140,9 +141,13 @@ class PrefixCacheManager:
     def attached(self) -> bool:
         return self.client is not None
 
-    def _attach(self, client) -> None:
+    def _register(self, client) -> None:
         if self.kv_caches is not None:
             client.register_kv_cache(self.kv_caches)
+
+    def _attach(self, client, registered: bool = False) -> None:
+        if not registered:
+            self._register(client)
         self.client = client
         for node in self.tree.nodes.values():
             node.backed_up = False  # a new daemon's host tier starts empty
@@ -150,21 +155,12 @@ class PrefixCacheManager:
         log.info("[prefix] attached to kvcached daemon (epoch %s)", getattr(client, "epoch", "?"))
 
     def _maybe_attach(self) -> None:
-        if self.client is not None or self._connect is None:
+        """Take a daemon the background has attached (connected and registered), if any."""
+        if self.client is not None or self._reattach is None:
             return
-        now = time.monotonic()
-        if now < self._next_attach:
-            return
-        self._next_attach = now + REATTACH_EVERY_S
-        try:
-            client = self._connect()
-        except DaemonUnavailable:
-            return  # not back yet: try again after REATTACH_EVERY_S
-        try:
-            self._attach(client)
-        except KvcachedError as exc:
-            log.warning("[prefix] attaching failed: %s", str(exc))
-            client.close()
+        client = self._reattach.take()
+        if client is not None:
+            self._attach(client, registered=True)
 
     def _detach(self, exc: Exception) -> None:
         """The daemon is gone (or hung): carry on GPU-only. Work it had in flight may still
@@ -405,8 +401,10 @@ class PrefixCacheManager:
                 self.client.poll_events()
             except DaemonUnavailable as exc:
                 self._detach(exc)
-        self._next_attach = 0.0
-        self._maybe_attach()
+        if self.client is None and self._reattach is not None:
+            client = self._reattach.attach_now()
+            if client is not None:
+                self._attach(client, registered=True)
         return self.attached
 
     # helpers ----------------------------------------------------------------
@@ -680,7 +678,9 @@ class PrefixCacheManager:
             client.close()
         self._retired.clear()
         self.client = None
-        self._connect = None
+        if self._reattach is not None:
+            self._reattach.close()
+            self._reattach = None
 
 
 def _chains(nodes: list[Node]) -> list[list[Node]]:
@@ -703,4 +703,5 @@ def _reconnector(client) -> Callable[[], object]:
     if hasattr(client, "reconnect_args"):
         return lambda: kind.connect(**client.reconnect_args())
     return lambda: kind.connect(instance=client.instance, run_dir=client.run_dir,
-                                timeout=client.timeout, name=client.name)
+                                timeout=client.timeout, name=client.name,
+                                hang_s=getattr(client, "hang_s", None))

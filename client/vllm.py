@@ -28,12 +28,17 @@ but one daemon with --no-storage-writer). A rank whose load falls short reports 
 load errors; vLLM gathers them from every worker and all ranks recompute them.
 
 kv_connector_extra_config: instance (default "default") or instances, run_dir, timeout_s (5),
-staging_blocks (512), namespace (a salt, e.g. a tenant), weights_version.
+hang_s (the hang threshold, default $KVCACHED_HANG_S or 2), staging_blocks (512), namespace (a
+salt, e.g. a tenant), weights_version.
+
+A daemon fault costs at most one step: no step waits to (re)connect (a background thread
+reattaches, and re-registers the staging cache, once a daemon is there; until then lookups miss
+and saves are skipped), a killed daemon is seen at once, and a hung one after the hang threshold
+(its loads in flight become load errors, vLLM recomputes them).
 """
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -53,6 +58,7 @@ from .group import GroupClient, rank_keys
 from .hashing import BlockHasher, make_namespace
 from .kv_alloc import allocate_kv_cache
 from .prefix import MMItem, block_extra_keys
+from .reattach import Reattacher
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -63,8 +69,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-RECONNECT_EVERY_S = 1.0
 
+def _log_to_stderr() -> None:
+    """vLLM configures its own loggers only: without a handler, what the connector says about
+    its daemon (gone, hung, attached again) would be lost. Say it on stderr, beside vLLM's."""
+    root = logging.getLogger("kvcached_client")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [kvcached] %(message)s",
+                                               "%m-%d %H:%M:%S"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        root.propagate = False
 
 @dataclass
 class BlockTransfer:
@@ -80,58 +96,66 @@ class KvcachedConnectorMetadata(KVConnectorMetadata):
 
 
 class _DaemonLink:
-    """A Client that connects lazily and again (at most once a second) after a failure."""
+    """A Client attached in the background (Reattacher): get() answers at once, with the
+    client or None (no daemon: a miss, a skipped save), and never waits for a daemon."""
 
-    def __init__(self, instance: str, run_dir: str | None, timeout: float, name: str, on_connect=None):
-        self.args = dict(instance=instance, run_dir=run_dir, timeout=timeout, name=name)
-        self.on_connect = on_connect
+    def __init__(self, instance: str, run_dir: str | None, timeout: float, name: str,
+                 on_connect=None, hang_s: float | None = None):
+        self.args = dict(instance=instance, run_dir=run_dir, timeout=timeout, name=name,
+                         hang_s=hang_s)
         self.client: Client | None = None
-        self._next_try = 0.0
+        self._reattach = Reattacher(lambda: Client.connect(**self.args), on_connect,
+                                    name=f"vllm-{name}")
 
     def get(self) -> Client | None:
         if self.client is not None:
             try:
                 self.client.signals.check_alive()  # shared memory: cheap, and sees a restart
-            except DaemonUnavailable as exc:
+            except (DaemonUnavailable, AttributeError) as exc:
                 log.info("[vllm] daemon %s went away: %s", self.args["instance"], str(exc))
-                self.client.close()
-                self.client, self._next_try = None, 0.0  # a successor may be up already
-        if self.client is None and time.monotonic() >= self._next_try:
-            self._next_try = time.monotonic() + RECONNECT_EVERY_S
-            try:
-                client = Client.connect(**self.args)
-            except DaemonUnavailable as exc:
-                log.debug("[vllm] no daemon: %s", str(exc))
-                return None
-            try:
-                if self.on_connect is not None:
-                    self.on_connect(client)
-            except KvcachedError as exc:
-                log.warning("[vllm] setting up with the daemon failed: %s", str(exc))
-                client.close()
-                return None
+                self._drop()
+        if self.client is None:
+            self._adopt(self._reattach.take())
+        return self.client
+
+    def attach_now(self) -> Client | None:
+        """At set-up: one attempt on this thread (a daemon that is up is attached at once)."""
+        if self.client is None:
+            self._adopt(self._reattach.attach_now())
+        return self.client
+
+    def _adopt(self, client: Client | None) -> None:
+        if client is not None:
             self.client = client
             log.info("[vllm] connected to kvcached %s", self.args["instance"])
-        return self.client
+
+    def _drop(self) -> None:
+        client, self.client = self.client, None
+        if client is not None:
+            client.close()
 
     def failed(self, exc: Exception) -> None:
         log.warning("[vllm] kvcached call failed, going on without it: %s", str(exc))
-        if isinstance(exc, DaemonUnavailable) and self.client is not None:
-            self.client.close()
-            self.client = None
+        if isinstance(exc, DaemonUnavailable):
+            self._drop()
 
     def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
-            self.client = None
+        self._reattach.close()
+        self._drop()
 
 
 class _GroupLink:
-    """The scheduler's view of every rank's daemon: a GroupClient, which reconnects missing
-    ranks itself (at most once a second) and answers 0 hits while one is missing."""
+    """The scheduler's view of every rank's daemon: a GroupClient, which reattaches missing
+    ranks in the background and answers 0 hits while one is missing."""
 
-    def __init__(self, instances: list[str], run_dir: str | None, timeout: float, name: str, mla: bool):
-        self.client = GroupClient(instances, run_dir=run_dir, timeout=timeout, name=name, mla=mla)
+    def __init__(self, instances: list[str], run_dir: str | None, timeout: float, name: str,
+                 mla: bool, hang_s: float | None = None):
+        self.client = GroupClient(instances, run_dir=run_dir, timeout=timeout, name=name, mla=mla,
+                                  hang_s=hang_s)
+
+    def attach_now(self) -> GroupClient:
+        self.client.reconnect()
+        return self.client
 
     def get(self) -> GroupClient:
         return self.client
@@ -174,6 +198,7 @@ class _ReqState:
 class KvcachedConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_to_stderr()
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.block_size = vllm_config.cache_config.block_size
         model = vllm_config.model_config
@@ -190,15 +215,18 @@ class KvcachedConnector(KVConnectorBase_V1):
         self.mla = bool(getattr(model, "use_mla", False))
         instances = rank_instances(extra, self.tp_size)
         timeout = float(extra.get("timeout_s", 5.0))
+        hang_s = float(extra["hang_s"]) if "hang_s" in extra else None
         run_dir = extra.get("run_dir")
         self.counters = {"lookups": 0, "hit_tokens": 0, "loaded_blocks": 0, "load_errors": 0,
                          "saved_blocks": 0, "save_skipped_blocks": 0, "daemon_errors": 0}
         if role == KVConnectorRole.SCHEDULER:
             self._reqs: dict[str, _ReqState] = {}
             self._loads: dict[str, BlockTransfer] = {}
-            self.link = (_GroupLink(instances, run_dir, timeout, "vllm-scheduler", self.mla)
+            self.link = (_GroupLink(instances, run_dir, timeout, "vllm-scheduler", self.mla, hang_s)
                          if self.tp_size > 1 else
-                         _DaemonLink(instances[0], run_dir, timeout, "vllm-scheduler"))
+                         _DaemonLink(instances[0], run_dir, timeout, "vllm-scheduler",
+                                     hang_s=hang_s))
+            self.link.attach_now()
         else:
             self.rank = 0
             if self.tp_size > 1:
@@ -207,7 +235,7 @@ class KvcachedConnector(KVConnectorBase_V1):
                 self.rank = get_tensor_model_parallel_rank()
             self.staging_blocks = int(extra.get("staging_blocks", 512))
             self.link = _DaemonLink(instances[self.rank], run_dir, timeout,
-                                    f"vllm-worker-tp{self.rank}", self._register)
+                                    f"vllm-worker-tp{self.rank}", self._register, hang_s)
             self._layers: list[str] = []
             self._vllm_kv: list = []      # per layer: a tensor, or a (K, V) pair
             self._staging: list | None = None
@@ -330,7 +358,7 @@ class KvcachedConnector(KVConnectorBase_V1):
         self._staging = allocate_kv_cache(len(self._layers), self.staging_blocks, tuple(first.shape[1:]),
                                           first.dtype, device="cpu", kv_pair=bool(pair))
         self._free_staging = deque(range(self.staging_blocks))
-        self.link.get()
+        self.link.attach_now()
 
     def _rank_keys(self, keys: list[bytes]) -> list[bytes]:
         """The keys this rank's daemon holds a block under (what GroupClient looks up)."""

@@ -4,6 +4,13 @@ ExampleConnector (its safetensors files on disk). Same model, prompt and setting
 vLLM's own prefix cache is reset before every request. Prints ratios to the recompute.
 
     .venv-vllm/bin/python scripts/bench_vllm.py [--hidden 1024 --layers 8 --prefix-blocks 64]
+
+--faults instead measures what a daemon fault costs a batch (scripts/vllm_faults.py): a batch
+of 12 prompts over 4 shared prefixes with the daemon SIGKILLed, SIGSTOPped, restarted mid-batch
+or absent, each batch's time against the same batch without a fault, outputs compared with an
+engine without a connector.
+
+    .venv-vllm/bin/python scripts/bench_vllm.py --faults [--repeats 3 --hang-s 2]
 """
 from __future__ import annotations
 
@@ -26,11 +33,18 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--prefix-blocks", type=int, default=64, help="32-token blocks (default 64)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--faults", action="store_true",
+                    help="measure a batch under daemon faults instead (see above)")
+    ap.add_argument("--hang-s", type=float, default=0.0,
+                    help="--faults: the connector's hang threshold (default: the client's, 2 s)")
+    ap.add_argument("--seed", type=int, default=0, help="--faults: the fault moments' seed")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="kvbv-", dir="/tmp")
     model = os.path.join(tmp, "model")
     size = ["--hidden", str(args.hidden), "--layers", str(args.layers),
             "--prefix-blocks", str(args.prefix_blocks)]
+    if args.faults:
+        return faults(args, model, size, tmp)
     times: dict[str, list[float]] = {}
     try:
         eng = vllm_driver.EngineProcess(model, "--connector", "none", *size)
@@ -81,6 +95,23 @@ def main() -> int:
         m = statistics.median(t)
         print(f"{name:<20} {m * 1e3:>9.1f} {m / base:>12.2f}x")
     return 0
+
+
+def faults(args, model: str, size: list[str], tmp: str) -> int:
+    import vllm_faults
+
+    from kvcached_client.signals import hang_threshold
+
+    hang = args.hang_s or hang_threshold()
+    try:
+        result = vllm_faults.run(model, size, tmp, args.repeats, args.seed, args.hang_s)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"\nvLLM {vllm_version()} CPU, Llama hidden {args.hidden} x {args.layers} layers (dummy "
+          f"weights, bf16), a batch of 12 prompts over 4 prefixes of {args.prefix_blocks} blocks, "
+          f"hang threshold {hang:g} s, {args.repeats} runs per case:")
+    print(vllm_faults.report(result, hang))
+    return 0 if all(r["equal"] for r in result["rows"]) else 1
 
 
 def vllm_version() -> str:

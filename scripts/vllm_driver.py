@@ -9,6 +9,9 @@ kvcached connector, an --instance holding "{rank}" names one daemon per rank.
   gen NAME   greedy-generate prompt NAME (A, B, C: a shared prefix, different suffixes) after
              reset_prefix_cache(); answers tokens, num_cached_tokens and seconds.
   ttft NAME  the same with one output token: the time to first token.
+  batch      greedy-generate the batch of batch_prompts() (12 prompts over 4 shared prefixes) in
+             one generate call after reset_prefix_cache(); answers every prompt's tokens,
+             num_cached_tokens and the batch's seconds.
   quit
 """
 from __future__ import annotations
@@ -39,6 +42,34 @@ def prompts(prefix_blocks: int = PREFIX_BLOCKS) -> dict[str, list[int]]:
 PREFIX = prompts()["A"][: PREFIX_BLOCKS * BLOCK]
 
 
+def batch_prompts(prefix_blocks: int = PREFIX_BLOCKS, groups: int = 4, per_group: int = 3) -> list[list[int]]:
+    """`groups` prefixes of `prefix_blocks` blocks, each followed by `per_group` suffixes."""
+    out = []
+    for g in range(groups):
+        prefix = [(i * 37 + 11 + 101 * g) % 1000 + 3 for i in range(prefix_blocks * BLOCK)]
+        for j in range(per_group):
+            out.append(prefix + [(i * (5 + 2 * j) + 7 * g + 1) % 1000 + 3 for i in range(17 + 9 * j)])
+    return out
+
+
+def wait_attached(daemon, clients: int = 2, timeout: float = 30.0) -> float:
+    """The connector attaches in the background (no engine step waits for a daemon): wait until
+    `clients` of it (the scheduler's and the worker's) are connected to `daemon` (a
+    DaemonHandle) and the KV cache is registered. Returns the seconds waited."""
+    import time
+
+    start = time.monotonic()
+    with daemon.connect(role="operator") as c:  # counts itself among the clients
+        while True:
+            s = c.status()
+            if s["clients"] >= clients + 1 and s["kv"]["registered"]:
+                return time.monotonic() - start
+            if time.monotonic() - start > timeout:
+                raise TimeoutError(f"the connector did not attach within {timeout:g} s: "
+                                   f"{s['clients'] - 1} clients, kv {s['kv']}")
+            time.sleep(0.02)
+
+
 MARK = "@@kvcached-driver "  # vLLM logs to stdout too: our lines carry this mark
 
 
@@ -64,9 +95,16 @@ class EngineProcess:
                 return json.JSONDecoder().raw_decode(line[at + len(MARK):])[0]
         raise RuntimeError("the engine exited:\n" + "".join(self.log[-60:]))
 
-    def step(self, cmd: str, name: str) -> dict:
+    def send(self, cmd: str, name: str = "") -> None:
+        """Start a step; answer() reads its result (a caller may act in between)."""
         self.proc.stdin.write(f"{cmd} {name}\n")
         self.proc.stdin.flush()
+
+    def answer(self) -> dict:
+        return self._answer()
+
+    def step(self, cmd: str, name: str) -> dict:
+        self.send(cmd, name)
         return self._answer()
 
     def gen(self, name: str) -> dict:
@@ -105,6 +143,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"])
     ap.add_argument("--prefix-blocks", type=int, default=PREFIX_BLOCKS)
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (one worker per rank)")
+    ap.add_argument("--hang-s", type=float, default=0.0, help="the connector's hang_s (0: default)")
     args = ap.parse_args()
     os.makedirs(args.model_dir, exist_ok=True)
     config = dict(CONFIG, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
@@ -126,11 +165,12 @@ def main() -> int:
 
     kv = None
     if args.connector == "kvcached":
+        extra = {"instance": args.instance, "run_dir": args.run_dir, "timeout_s": 5}
+        if args.hang_s:
+            extra["hang_s"] = args.hang_s
         kv = KVTransferConfig(kv_connector="KvcachedConnector",
                               kv_connector_module_path="kvcached_client.vllm", kv_role="kv_both",
-                              kv_load_failure_policy="recompute",
-                              kv_connector_extra_config={"instance": args.instance,
-                                                         "run_dir": args.run_dir, "timeout_s": 5})
+                              kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
     elif args.connector == "example":
         kv = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                               kv_connector_extra_config={"shared_storage_path": args.example_path})
@@ -142,12 +182,23 @@ def main() -> int:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False)
     first_token = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     say({"ready": True})
+    batch = [TokensPrompt(prompt_token_ids=p) for p in batch_prompts(args.prefix_blocks)]
     for line in sys.stdin:
         cmd = line.split()
         if not cmd:
             continue
         if cmd[0] == "quit":
             break
+        if cmd[0] == "batch":
+            import time
+
+            llm.reset_prefix_cache()
+            start = time.perf_counter()
+            outs = llm.generate(batch, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            say({"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                 "num_cached_tokens": [o.num_cached_tokens or 0 for o in outs], "seconds": seconds})
+            continue
         if cmd[0] in ("gen", "ttft"):
             import time
 

@@ -78,6 +78,7 @@ def test_prefixes_come_back_from_kvcached_and_faults_only_cost_recomputation(
             f.write(bytes([byte[0] ^ 0x5A]))
         daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2,
                         extra_args=["--storage", storage], wait_storage=True)
+        vllm_driver.wait_attached(daemon)
         b2 = eng.gen("B")  # blocks 0-4 load from disk, the damaged one and what follows are recomputed
         assert b2["tokens"] == reference["B"]
         with daemon.connect() as c:
@@ -124,7 +125,8 @@ def test_tensor_parallel_ranks_agree_on_the_shortest_hit(tmp_path, run_dir, inst
         cold_c = eng.gen("C")
         daemons[1].stop()
         daemons[1] = launch(instance=names[1], run_dir=run_dir, host_cache_gb=0.1)
-        again = eng.gen("C")  # rank 0 still has the prefix, rank 1 has nothing: recompute
+        again = eng.gen("C")  # rank 0 still has the prefix, rank 1 has nothing (or is not
+        # attached yet: the step that finds its daemon gone does not wait for it): recompute
         assert again["num_cached_tokens"] == 0 and again["tokens"] == cold_c["tokens"]
     finally:
         eng.close()

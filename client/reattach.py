@@ -1,0 +1,125 @@
+"""Reattaching to a daemon in the background, so that the engine's thread never waits for one.
+
+The engine-side pieces (GroupClient's ranks, PrefixCacheManager, the vLLM connector) hold a
+Reattacher while they have no daemon: `take()` answers at once, with a connection that a
+background thread has made ready (connected, and prepared: e.g. the KV cache registered) or
+with None, and the engine goes on without the daemon (a miss, a skipped save). Attempts run
+every `every_s` while someone wants a connection; one that fails is tried again later, however
+it failed (no daemon, a hung one, a refused registration).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Generic, TypeVar
+
+from kvcached_proto.errors import KvcachedError
+
+log = logging.getLogger(__name__)
+
+REATTACH_EVERY_S = 0.25
+
+T = TypeVar("T")
+
+
+class Reattacher(Generic[T]):
+    def __init__(self, connect: Callable[[], T], prepare: Callable[[T], None] | None = None,
+                 every_s: float = REATTACH_EVERY_S, name: str = "kvcached"):
+        self._connect = connect
+        self._prepare = prepare
+        self.every_s = every_s
+        self.name = name
+        self._lock = threading.Lock()      # guards _ready, _thread, _closed
+        self._attempt = threading.Lock()   # one attempt at a time (background or attach_now)
+        self._ready: T | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._closed = False
+        self.last_error = ""
+        self.attempts = 0
+
+    def take(self) -> T | None:
+        """A prepared connection if one is ready (it is the caller's from now on), else None at
+        once; in that case attempts go on in the background."""
+        with self._lock:
+            ready, self._ready = self._ready, None
+            if ready is None and not self._closed and (self._thread is None
+                                                       or not self._thread.is_alive()):
+                self._stop.clear()
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name=f"{self.name}-reattach")
+                self._thread.start()
+        return ready
+
+    def attach_now(self) -> T | None:
+        """One attempt on the calling thread (at set-up, or when the caller asks explicitly);
+        takes a connection the background made ready first. None when it failed."""
+        got = self.take_ready()
+        if got is not None:
+            return got
+        with self._attempt:
+            got = self.take_ready()  # the background may have finished while we waited
+            return got if got is not None else self._try()
+
+    def take_ready(self) -> T | None:
+        with self._lock:
+            ready, self._ready = self._ready, None
+        return ready
+
+    def _try(self) -> T | None:
+        self.attempts += 1
+        try:
+            conn = self._connect()
+        except KvcachedError as exc:
+            self._failed(exc)
+            return None
+        try:
+            if self._prepare is not None:
+                self._prepare(conn)
+        except Exception as exc:  # a refused registration, a daemon that died meanwhile, ...
+            _close(conn)
+            self._failed(exc)
+            return None
+        self.last_error = ""
+        return conn
+
+    def _failed(self, exc: Exception) -> None:
+        msg = str(exc)
+        if msg != self.last_error:  # say each new reason once, not every attempt
+            log.info("[%s] no daemon to attach to yet: %s", self.name, msg)
+        self.last_error = msg
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._attempt:
+                with self._lock:
+                    if self._ready is not None or self._closed:
+                        return
+                conn = self._try()
+                if conn is not None:
+                    with self._lock:
+                        if not self._closed:
+                            self._ready = conn
+                            return
+                    _close(conn)
+                    return
+            self._stop.wait(self.every_s)
+
+    def close(self) -> None:
+        """Stop attempting; a connection made ready and never taken is closed."""
+        with self._lock:
+            self._closed = True
+            ready, self._ready = self._ready, None
+            thread = self._thread
+        self._stop.set()
+        if ready is not None:
+            _close(ready)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=10.0)
+
+
+def _close(conn) -> None:
+    try:
+        conn.close()
+    except Exception as exc:  # closing a half-made connection must not raise over the cause
+        log.debug("closing a connection that was not taken: %s", exc)

@@ -1,0 +1,191 @@
+"""A daemon fault costs the engine at most one step: attaching runs in the background (the
+engine's calls never wait for a daemon to come), and a hung daemon's loads in flight fail once
+the hang threshold passes."""
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from conftest import small_kv, sweep_crashed
+from kvcached_client import (
+    BlockHasher,
+    Client,
+    DaemonUnavailable,
+    KvcachedError,
+    PrefixCacheManager,
+    Reattacher,
+    launch,
+)
+
+BS = 16
+NS = "reattach"
+
+
+def wait_for(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+class _Conn:
+    def __init__(self):
+        self.closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def test_take_never_waits_for_an_attempt_in_progress():
+    """Pure logic: the connect function blocks; take() answers None meanwhile, and hands the
+    connection over once the background made it."""
+    gate, entered = threading.Event(), threading.Event()
+
+    def connect():
+        entered.set()
+        gate.wait(30)
+        return _Conn()
+
+    r = Reattacher(connect, every_s=0.01)
+    try:
+        assert r.take() is None
+        assert entered.wait(10)
+        assert r.take() is None  # the attempt is still blocked: no waiting on it
+        gate.set()
+        got = []
+        wait_for(lambda: got.append(r.take()) or got[-1] is not None)
+        assert isinstance(got[-1], _Conn) and not got[-1].closed
+    finally:
+        gate.set()
+        r.close()
+
+
+def test_failed_attempts_and_preparations_are_tried_again_and_closed():
+    outcomes = [DaemonUnavailable("not yet"), "prepare fails", "ok"]
+    made = []
+
+    def connect():
+        what = outcomes.pop(0)
+        if isinstance(what, Exception):
+            raise what
+        made.append(_Conn())
+        made[-1].what = what
+        return made[-1]
+
+    def prepare(conn):
+        if conn.what == "prepare fails":
+            raise KvcachedError("registration refused")
+
+    r = Reattacher(connect, prepare, every_s=0.01)
+    got = []
+    wait_for(lambda: got.append(r.take()) or got[-1] is not None)
+    assert got[-1].what == "ok" and made[0].closed and not got[-1].closed
+    assert r.attempts == 3
+    r.close()
+
+
+def test_close_closes_a_connection_made_ready_and_never_taken():
+    conn = _Conn()
+    r = Reattacher(lambda: conn, every_s=0.01)
+    assert r.take() is None
+    wait_for(lambda: r._ready is not None)
+    r.close()
+    assert conn.closed and r.take() is None
+
+
+def test_a_client_reattacher_follows_the_daemon_across_a_kill_and_a_restart(run_dir, instance):
+    kv = small_kv(num_layers=2, num_blocks=8, block_shape=(BS, 2, 8))
+    r = Client.reattacher(kv_caches=kv, instance=instance, run_dir=run_dir, timeout=5.0)
+    try:
+        assert r.take() is None  # no daemon: None at once, attempts go on
+        first = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05)
+        got = []
+        wait_for(lambda: got.append(r.take()) or got[-1] is not None)
+        c = got[-1]
+        assert c.status()["kv"]["registered"] and c.info["pid"] == first.pid
+        first.kill()
+        with pytest.raises(DaemonUnavailable, match="has exited"):
+            c.ping()
+        c.close()
+        assert r.take() is None
+        second = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05)
+        try:
+            got = []
+            wait_for(lambda: got.append(r.take()) or got[-1] is not None)
+            assert got[-1].info["pid"] == second.pid and got[-1].status()["kv"]["registered"]
+            got[-1].close()
+        finally:
+            second.stop()
+    finally:
+        r.close()
+        sweep_crashed(instance)
+
+
+def test_a_load_in_flight_on_a_hung_daemon_fails_after_the_hang_threshold(daemon):
+    """The load is accepted, then the daemon stops (SIGSTOP): the layer wait raises
+    DaemonUnavailable once the heartbeat is older than hang_s, not after the client's timeout."""
+    kv = small_kv(num_layers=2, num_blocks=8, block_shape=(BS, 2, 8))
+    keys = BlockHasher(NS).hash_blocks(list(range(4 * BS)), BS)
+    c = daemon.connect(timeout=60.0, hang_s=0.5)
+    try:
+        c.register_kv_cache(kv)
+        c.offload(range(4), keys).wait(10)
+        c.pause()  # the load below is accepted and queued: in flight, deterministically
+        task = c.load(keys, range(4, 8))
+        assert task.num_blocks == 4
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(DaemonUnavailable, match="hang threshold is 0.5 s"):
+                task.wait_layer(0)
+            with pytest.raises(DaemonUnavailable):
+                c.lookup(keys)  # every later call says so too, until the daemon beats again
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        wait_for(lambda: _beating(c))
+        c.resume()
+        assert task.wait(10) == 4  # resumed, the daemon finishes it: nothing was lost
+    finally:
+        c.close()
+
+
+def _beating(client):
+    try:
+        client.signals.check_alive()
+        return True
+    except DaemonUnavailable:
+        return False
+
+
+def test_the_prefix_manager_recomputes_a_load_a_hung_daemon_holds_and_goes_on(daemon):
+    kv = small_kv(num_layers=2, num_blocks=12, block_shape=(BS, 2, 8))
+    prompt = list(range(100, 100 + 3 * BS))
+    client = daemon.connect(timeout=60.0, hang_s=0.5)
+    mgr = PrefixCacheManager(12, BS, client=client, namespace=NS, kv_caches=kv)
+    operator = daemon.connect(role="operator")
+    try:
+        mgr.match("a", prompt + [1])
+        mgr.allocate("a", len(prompt) + 1)
+        mgr.commit("a", len(prompt) + 1)  # write-through
+        mgr.release("a")
+        mgr.settle(10)
+        mgr.drop_gpu_cache()
+        operator.pause()
+        hit = mgr.match("b", prompt + [2])
+        assert hit.host_tokens == 3 * BS  # the load is issued and queued
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            assert mgr.wait_loaded("b") == 0  # failed after hang_s: the engine computes it all
+            assert not mgr.attached and mgr.stats()["detaches"] == 1
+            assert mgr.match("c", list(range(900, 900 + 2 * BS)) + [3]).host_tokens == 0
+            # the hung daemon may still write the load's blocks: they are not handed out
+            assert set(hit.block_ids) <= mgr._fenced()
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        operator.resume()
+        mgr.release("b")
+        mgr.release("c")
+    finally:
+        operator.close()
+        mgr.close()
