@@ -247,6 +247,17 @@ class Client:
                 self._replies[msg.get("rid", 0)] = msg
         return received
 
+    def alive(self) -> bool:
+        """The daemon is up, beating and not gone (shared memory only: cheap, never raises)."""
+        sig = self.signals
+        if sig is None:
+            return False
+        try:
+            sig.check_alive()
+            return True
+        except Exception:  # DaemonUnavailable, or a reader closed under us by another thread
+            return False
+
     def _check_daemon(self) -> None:
         if self.signals is None:
             raise DaemonUnavailable("client is closed")

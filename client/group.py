@@ -23,7 +23,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-from kvcached_proto.errors import DaemonUnavailable, KvcachedTimeout, TaskFailed
+from kvcached_proto.errors import DaemonUnavailable, KvcachedError, KvcachedTimeout, TaskFailed
 from kvcached_proto.paths import resolve_run_dir
 
 from .client import DEFAULT_TIMEOUT_S, Client
@@ -188,6 +188,8 @@ class GroupClient:
         self._kv = None
         self._reattach = [Reattacher(lambda r=r: self._connect_rank(r), lambda c, r=r: self._prepare(r, c),
                                      name=f"{name or 'group'}-tp{r}") for r in range(self.tp_size)]
+        for r, reattach in enumerate(self._reattach):  # a rank that dies between two calls is
+            reattach.watch(lambda r=r: self._rank_needed(r))  # attached again before the next
         self._task_ids = itertools.count(1)
         # tasks by id, for fence(task_id); weak, so a task its caller dropped unwaited goes
         self._live: weakref.WeakValueDictionary[int, GroupTask] = weakref.WeakValueDictionary()
@@ -215,7 +217,7 @@ class GroupClient:
                 self._adopt(r, client)
             else:
                 self.missing[r] = self._reattach[r].last_error or "not connected"
-        return [r for r, c in zip(ranks, got) if c is not None]
+        return [r for r in ranks if self.clients[r] is not None]
 
     def _connect_rank(self, rank: int) -> Client:
         return Client.connect(self.instances[rank], self.run_dir, self.timeout,
@@ -226,7 +228,19 @@ class GroupClient:
         if kv is not None:
             client.register_kv_cache(kv[rank])
 
+    def _rank_needed(self, rank: int) -> bool:
+        client = self.clients[rank]
+        return client is None or not client.alive()
+
     def _adopt(self, rank: int, client: Client) -> None:
+        kv = self._kv
+        if kv is not None and client._kv_tensors is not kv[rank]:
+            try:  # prepared before register_kv_cache was called
+                client.register_kv_cache(kv[rank])
+            except KvcachedError as exc:
+                client.close()
+                self.missing[rank] = str(exc)
+                return
         self.clients[rank] = client
         self.missing.pop(rank, None)
         log.info("[group] rank %d (%s) attached", rank, self.instances[rank])
@@ -248,6 +262,10 @@ class GroupClient:
     def _ready(self) -> bool:
         """All ranks present; a missing rank the background has reattached is taken, never
         waited for."""
+        for rank, present in enumerate(self.clients):
+            if present is not None and self._reattach[rank].has_ready() \
+                    and not present.alive():
+                self._lost(rank, DaemonUnavailable("its daemon is gone; a successor is attached"))
         for rank in list(self.missing):
             client = self._reattach[rank].take()
             if client is not None:

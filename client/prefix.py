@@ -122,6 +122,8 @@ class PrefixCacheManager:
         # attaching (connect, register the KV cache) runs in the background: no engine call
         # waits for a daemon that is gone, hung or not there yet
         self._reattach = Reattacher(connect, self._register, name="prefix") if connect else None
+        if self._reattach is not None:
+            self._reattach.watch(self._needed)
         self._seqs: dict[object, _Seq] = {}
         self._loads: list[_Load] = []
         self._offloads: list[_Offload] = []
@@ -141,6 +143,10 @@ class PrefixCacheManager:
     def attached(self) -> bool:
         return self.client is not None
 
+    def _needed(self) -> bool:
+        client = self.client
+        return client is None or not _alive(client)
+
     def _register(self, client) -> None:
         if self.kv_caches is not None:
             client.register_kv_cache(self.kv_caches)
@@ -155,9 +161,14 @@ class PrefixCacheManager:
         log.info("[prefix] attached to kvcached daemon (epoch %s)", getattr(client, "epoch", "?"))
 
     def _maybe_attach(self) -> None:
-        """Take a daemon the background has attached (connected and registered), if any."""
-        if self.client is not None or self._reattach is None:
+        """Take a daemon the background has attached (connected and registered), if any; it
+        replaces a client whose daemon is gone."""
+        if self._reattach is None:
             return
+        if self.client is not None:
+            if not self._reattach.has_ready() or _alive(self.client):
+                return
+            self._detach(DaemonUnavailable("the daemon is gone; a successor is attached"))
         client = self._reattach.take()
         if client is not None:
             self._attach(client, registered=True)
@@ -695,6 +706,12 @@ def _chains(nodes: list[Node]) -> list[list[Node]]:
         else:
             chains.append([n])
     return [c for c in chains if all(id(n) in chosen for n in c)]
+
+
+def _alive(client) -> bool:
+    """Client.alive(); a GroupClient reattaches its ranks itself, so it is never replaced."""
+    alive = getattr(client, "alive", None)
+    return alive() if alive is not None else True
 
 
 def _reconnector(client) -> Callable[[], object]:

@@ -6,6 +6,11 @@ background thread has made ready (connected, and prepared: e.g. the KV cache reg
 with None, and the engine goes on without the daemon (a miss, a skipped save). Attempts run
 every `every_s` while someone wants a connection; one that fails is tried again later, however
 it failed (no daemon, a hung one, a refused registration).
+
+`watch(needed)` keeps the thread for good: it checks `needed()` (the owner has no usable
+connection: none, or its daemon is gone or hung) every `every_s` and prepares a connection then,
+so a daemon that died or restarted between two engine calls is attached again before the next
+one instead of at the one after.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ class Reattacher(Generic[T]):
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
+        self._needed: Callable[[], bool] | None = None
         self.last_error = ""
         self.attempts = 0
 
@@ -43,13 +49,22 @@ class Reattacher(Generic[T]):
         once; in that case attempts go on in the background."""
         with self._lock:
             ready, self._ready = self._ready, None
-            if ready is None and not self._closed and (self._thread is None
-                                                       or not self._thread.is_alive()):
-                self._stop.clear()
-                self._thread = threading.Thread(target=self._run, daemon=True,
-                                                name=f"{self.name}-reattach")
-                self._thread.start()
+            if ready is None:
+                self._start()
         return ready
+
+    def watch(self, needed: Callable[[], bool]) -> None:
+        """Attempt whenever needed() is true (checked every every_s) until close()."""
+        with self._lock:
+            self._needed = needed
+            self._start()
+
+    def _start(self) -> None:  # under _lock
+        if not self._closed and (self._thread is None or not self._thread.is_alive()):
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name=f"{self.name}-reattach")
+            self._thread.start()
 
     def attach_now(self) -> T | None:
         """One attempt on the calling thread (at set-up, or when the caller asks explicitly);
@@ -60,6 +75,10 @@ class Reattacher(Generic[T]):
         with self._attempt:
             got = self.take_ready()  # the background may have finished while we waited
             return got if got is not None else self._try()
+
+    def has_ready(self) -> bool:
+        """A connection is ready to be taken (the owner's may be replaced by it now)."""
+        return self._ready is not None
 
     def take_ready(self) -> T | None:
         with self._lock:
@@ -93,17 +112,36 @@ class Reattacher(Generic[T]):
         while not self._stop.is_set():
             with self._attempt:
                 with self._lock:
-                    if self._ready is not None or self._closed:
+                    if self._closed:
                         return
-                conn = self._try()
-                if conn is not None:
-                    with self._lock:
-                        if not self._closed:
-                            self._ready = conn
+                    have_ready, needed = self._ready is not None, self._needed
+                if needed is None and have_ready:
+                    return  # asked by take() alone: done once a connection is ready
+                want = not have_ready
+                if needed is not None:
+                    want = self._still_needed(needed)
+                    if not want and have_ready:  # the owner's connection is fine after all
+                        _close(self.take_ready())
+                if want and not have_ready:
+                    conn = self._try()
+                    if conn is not None:
+                        with self._lock:
+                            keep = not self._closed
+                            if keep:
+                                self._ready = conn
+                        if not keep:
+                            _close(conn)
                             return
-                    _close(conn)
-                    return
+                        if needed is None:
+                            return
             self._stop.wait(self.every_s)
+
+    @staticmethod
+    def _still_needed(needed: Callable[[], bool]) -> bool:
+        try:
+            return bool(needed())
+        except Exception:  # the owner's connection is half closed: it is of no use
+            return True
 
     def close(self) -> None:
         """Stop attempting; a connection made ready and never taken is closed."""

@@ -107,6 +107,10 @@ class _DaemonLink:
         self._reattach = Reattacher(lambda: Client.connect(**self.args), on_connect,
                                     name=f"vllm-{name}")
 
+    def _needed(self) -> bool:
+        client = self.client
+        return client is None or not client.alive()
+
     def get(self) -> Client | None:
         if self.client is not None:
             try:
@@ -119,9 +123,11 @@ class _DaemonLink:
         return self.client
 
     def attach_now(self) -> Client | None:
-        """At set-up: one attempt on this thread (a daemon that is up is attached at once)."""
+        """At set-up: one attempt on this thread (a daemon that is up is attached at once);
+        from then on a thread watches the daemon and prepares a successor's connection."""
         if self.client is None:
             self._adopt(self._reattach.attach_now())
+        self._reattach.watch(self._needed)
         return self.client
 
     def _adopt(self, client: Client | None) -> None:
@@ -365,8 +371,9 @@ class KvcachedConnector(KVConnectorBase_V1):
         return keys if self.tp_size == 1 or self.mla else rank_keys(keys, self.rank, self.tp_size)
 
     def _register(self, client: Client) -> None:
-        if self._staging is not None:
-            client.register_kv_cache(self._staging)
+        if self._staging is None:
+            raise KvcachedError("vLLM has not handed over its KV cache yet")
+        client.register_kv_cache(self._staging)
 
     def _take_staging(self, n: int) -> list[int]:
         self._unpark()

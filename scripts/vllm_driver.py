@@ -58,8 +58,18 @@ def wait_attached(daemon, clients: int = 2, timeout: float = 30.0) -> float:
     DaemonHandle) and the KV cache is registered. Returns the seconds waited."""
     import time
 
+    from kvcached_client import DaemonUnavailable
+
     start = time.monotonic()
-    with daemon.connect(role="operator") as c:  # counts itself among the clients
+    while True:  # a daemon just continued (SIGCONT) beats again within its heartbeat period
+        try:
+            c = daemon.connect(role="operator")  # counts itself among the clients
+            break
+        except DaemonUnavailable:
+            if time.monotonic() - start > timeout:
+                raise
+            time.sleep(0.02)
+    with c:
         while True:
             s = c.status()
             if s["clients"] >= clients + 1 and s["kv"]["registered"]:

@@ -189,3 +189,28 @@ def test_the_prefix_manager_recomputes_a_load_a_hung_daemon_holds_and_goes_on(da
     finally:
         operator.close()
         mgr.close()
+
+
+def test_a_daemon_restarted_between_two_calls_is_attached_before_the_next(run_dir, instance):
+    """No manager call happens while the daemon is replaced: the watching thread prepares the
+    successor (connected, KV registered), and the next call runs on it, not on the dead one."""
+    kv = small_kv(num_layers=2, num_blocks=12, block_shape=(BS, 2, 8))
+    first = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05)
+    mgr = PrefixCacheManager(12, BS, client=first.connect(timeout=5.0), namespace=NS, kv_caches=kv)
+    try:
+        first.stop()
+        with launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05) as second:
+            wait_for(mgr._reattach.has_ready)
+            prompt = list(range(500, 500 + 2 * BS))
+            mgr.match("a", prompt + [1])
+            assert mgr.client.info["pid"] == second.pid and mgr.stats()["attaches"] == 2
+            mgr.allocate("a", len(prompt) + 1)
+            mgr.commit("a", len(prompt) + 1)  # write-through reaches the successor
+            mgr.release("a")
+            mgr.settle(10)
+            with second.connect() as c:
+                assert c.lookup(BlockHasher(NS).hash_blocks(prompt, BS))[0] == 2
+            mgr.close()
+    finally:
+        mgr.close()
+        sweep_crashed(instance)
