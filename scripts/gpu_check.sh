@@ -1,19 +1,30 @@
 #!/usr/bin/env bash
-# The CUDA path on a machine with a GPU: runs tests/gpu/, then
-# `kvcached bench transfer --device cuda:N --json`, and prints a short table last.
-#   ./scripts/gpu_check.sh [cuda:N]
+# The CUDA path on a machine with a GPU, in stages that each have a time limit:
+#   1. smoke     ../shared/tools/gpu_smoke.py when present (IPC mapping, one offload, one
+#                layer-wise load, byte check)                               SMOKE_S (180 s)
+#   2. tests     tests/gpu, each test under a thread-method timeout (a hung CUDA call cannot
+#                be interrupted by a signal)                  TEST_S per test (120), TESTS_S (420)
+#   3. quick     kvcached bench transfer --device cuda:N --quick         QUICK_S (300 s)
+#   4. bench     the same at full sizes (skipped with --quick)           BENCH_S (540 s)
+#   ./scripts/gpu_check.sh [--quick] [cuda:N]
 # It uses the machine's own python3 and its CUDA build of PyTorch (never pip-installs torch) with
 # this checkout on PYTHONPATH. Python packages the machine lacks (pyzmq, posix_ipc, ...) are
-# installed into a temporary folder: from ./.whl when such a folder of wheels is present
-# (machines without a package index; see README "CUDA path"), else from the index.
-# Logs and the JSON result go to $OUT when set, else to the temporary folder (printed).
+# installed into a temporary folder from ./.whl only (README "CUDA path"): when a wheel is
+# missing there it stops at once and says which; it never reaches for a package index.
+# Every stage writes its log under $OUT (else a temporary folder, printed) as it runs, so a
+# stage killed at its limit leaves what it wrote; daemons keep their logs in $OUT/daemon-logs.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+QUICK=0
+if [ "${1:-}" = "--quick" ]; then QUICK=1; shift; fi
 DEV="${1:-cuda:0}"
 PY="${PYTHON:-python3}"
 SITE="$(mktemp -d /tmp/kvcached-gpu.XXXXXX)"
 LOGS="${OUT:-$SITE}"
+mkdir -p "$LOGS/daemon-logs"
+export KVCACHED_LOG_DIR="$LOGS/daemon-logs"
 cd "$ROOT"
+say() { echo "[gpu_check] $*" | tee -a "$LOGS/gpu_check.log"; }
 
 # the three import names, as pyproject.toml maps them, without installing the project
 ln -s "$ROOT/kvcached" "$SITE/kvcached"
@@ -24,41 +35,73 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 missing=$("$PY" - <<'PYEOF'
 import importlib.util
 need = {"zmq": "pyzmq", "posix_ipc": "posix_ipc", "msgpack": "msgpack", "xxhash": "xxhash",
-        "prometheus_client": "prometheus-client", "pytest": "pytest",
-        "pytest_timeout": "pytest-timeout", "hypothesis": "hypothesis"}
+        "prometheus_client": "prometheus_client", "pytest": "pytest",
+        "pytest_timeout": "pytest_timeout", "hypothesis": "hypothesis"}
 print(" ".join(pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None))
 PYEOF
 )
 if [ -n "$missing" ]; then
-  echo "[gpu_check] installing into $SITE: $missing"
-  if [ -d "$ROOT/.whl" ]; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$ROOT"/.whl/*.whl || exit 1
-  else
-    "$PY" -m pip install -q --target "$SITE" $missing || exit 1
+  absent=""
+  for pkg in $missing; do
+    ls "$ROOT"/.whl/"$pkg"-*.whl >/dev/null 2>&1 || ls "$ROOT"/.whl/"${pkg//_/-}"-*.whl >/dev/null 2>&1 \
+      || absent="$absent $pkg"
+  done
+  if [ -n "$absent" ]; then
+    say "missing and not in $ROOT/.whl:$absent - download them on a machine with an index for this"
+    say "machine's python (README \"CUDA path\": pip download --only-binary=:all: ...) and carry .whl"
+    exit 3
   fi
+  say "installing from .whl into $SITE: $missing"
+  timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" \
+    "$ROOT"/.whl/*.whl > "$LOGS/pip.log" 2>&1 || { say "pip from .whl failed: $LOGS/pip.log"; exit 3; }
 fi
 
-"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
-  echo "[gpu_check] this python's torch sees no CUDA device"; exit 1; }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+timeout 120 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
+  say "this python's torch sees no CUDA device"; exit 1; }
+timeout 30 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
+  2>&1 | tee -a "$LOGS/gpu_check.log" || true
 
-echo "[gpu_check] tests/gpu"
-"$PY" -m pytest tests/gpu -v -p no:cacheprovider -o addopts="" --timeout 600 2>&1 | tee "$LOGS/gpu_tests.log"
-tests_rc=${PIPESTATUS[0]}
+# stage NAME LIMIT_S CMD...: runs CMD under `timeout`, its output to $LOGS/NAME.log as it comes
+stage() {
+  local name="$1" limit="$2"; shift 2
+  say "$name (limit ${limit} s): $*"
+  timeout --kill-after=15 "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  local rc=$?
+  [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && say "$name ran past its ${limit} s limit (exit $rc)"
+  say "$name exit $rc; log $LOGS/$name.log"
+  return "$rc"
+}
 
-echo "[gpu_check] kvcached bench transfer --device $DEV --json"
-"$PY" -m kvcached bench transfer --device "$DEV" --json --out "$LOGS/bench_transfer_cuda.json" \
-  > "$LOGS/bench_transfer_cuda.out" 2>&1
-bench_rc=$?
-tail -n 20 "$LOGS/bench_transfer_cuda.out"
+smoke_rc=skipped
+SMOKE="$ROOT/../shared/tools/gpu_smoke.py"
+if [ -f "$SMOKE" ]; then
+  OUT="$LOGS" SMOKE_DEV="$DEV" stage smoke "${SMOKE_S:-180}" "$PY" -u "$SMOKE"; smoke_rc=$?
+  tail -n 20 "$LOGS/smoke.log"
+fi
+
+stage tests "${TESTS_S:-420}" "$PY" -m pytest tests/gpu -v -p no:cacheprovider -o addopts="" \
+  --timeout "${TEST_S:-120}" --timeout-method thread
+tests_rc=$?
+tail -n 5 "$LOGS/tests.log"
+
+stage bench_quick "${QUICK_S:-300}" "$PY" -u -m kvcached bench transfer --device "$DEV" --quick \
+  --json --out "$LOGS/bench_transfer_cuda_quick.json"
+quick_rc=$?
+bench_rc=skipped
+if [ "$QUICK" = 0 ] && [ "$quick_rc" -eq 0 ]; then
+  stage bench "${BENCH_S:-540}" "$PY" -u -m kvcached bench transfer --device "$DEV" --json \
+    --out "$LOGS/bench_transfer_cuda.json"
+  bench_rc=$?
+fi
 
 echo
 echo "== gpu_check ($DEV) =="
-grep -E "^(=+ .*(passed|failed|error|skipped).* =+)$" "$LOGS/gpu_tests.log" | tail -n 1
-if [ "$bench_rc" -eq 0 ]; then
-  "$PY" -c "import json, sys; from kvcached.bench.transfer_cuda import format_result; print(format_result(json.load(open(sys.argv[1]))))" "$LOGS/bench_transfer_cuda.json"
-else
-  echo "bench failed (exit $bench_rc): see $LOGS/bench_transfer_cuda.out"
-fi
-echo "tests exit $tests_rc, bench exit $bench_rc; logs in $LOGS"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+grep -E "^(=+ .*(passed|failed|error|skipped).* =+)$" "$LOGS/tests.log" | tail -n 1
+for result in bench_transfer_cuda.json bench_transfer_cuda_quick.json; do
+  if [ -s "$LOGS/$result" ]; then
+    timeout 60 "$PY" -c "import json, sys; from kvcached.bench.transfer_cuda import format_result; print(format_result(json.load(open(sys.argv[1]))))" "$LOGS/$result"
+    break
+  fi
+done
+say "smoke $smoke_rc, tests $tests_rc, quick bench $quick_rc, bench $bench_rc; logs in $LOGS"
+[ "$tests_rc" = 0 ] && [ "$quick_rc" = 0 ] && { [ "$bench_rc" = 0 ] || [ "$bench_rc" = skipped ]; }

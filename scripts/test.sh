@@ -40,16 +40,16 @@ cd "$ROOT"
 NO_TESTS=5  # pytest's exit status when its selection collected nothing
 main_rc=$NO_TESTS vllm_rc=$NO_TESTS
 if [ "$RUN_MAIN" = 1 ]; then
+  main_rc=0
   "$ROOT/.venv/bin/python" -m pytest ${OPTS[@]+"${OPTS[@]}"} ${MAIN[@]+"${MAIN[@]}"} || main_rc=$?
   [ "$main_rc" != "$NO_TESTS" ] || [ "$RUN_VLLM" = 1 ] || exit "$NO_TESTS"
   [ "$main_rc" = "$NO_TESTS" ] || [ "$main_rc" = 0 ] || exit "$main_rc"
-  [ "$main_rc" = "$NO_TESTS" ] || main_rc=0
 fi
 if [ "$RUN_VLLM" = 1 ]; then
   "$ROOT/scripts/setup_vllm_env.sh"
+  vllm_rc=0
   "$ROOT/.venv-vllm/bin/python" -m pytest ${OPTS[@]+"${OPTS[@]}"} "${INTEGRATION[@]}" || vllm_rc=$?
   [ "$vllm_rc" = "$NO_TESTS" ] || [ "$vllm_rc" = 0 ] || exit "$vllm_rc"
-  [ "$vllm_rc" = "$NO_TESTS" ] || vllm_rc=0
 fi
 # a selection that one environment has nothing of is fine; one that neither has is not
 if [ "$main_rc" = "$NO_TESTS" ] && [ "$vllm_rc" = "$NO_TESTS" ]; then
