@@ -36,7 +36,7 @@ missing=$("$PY" - <<'PYEOF'
 import importlib.util
 need = {"zmq": "pyzmq", "posix_ipc": "posix_ipc", "msgpack": "msgpack", "xxhash": "xxhash",
         "prometheus_client": "prometheus_client", "pytest": "pytest",
-        "pytest_timeout": "pytest_timeout", "hypothesis": "hypothesis"}
+        "pytest_timeout": "pytest_timeout"}
 print(" ".join(pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None))
 PYEOF
 )
