@@ -17,13 +17,19 @@ import threading
 
 import torch
 
+from kvcached_proto import ErrorCode, ProtocolError
+from kvcached_proto.codec import unpack_event_handles
+
 OFFLOAD_EVENT_RING = 16
 
 
 class CudaOrder:
     def __init__(self, device: str, load_handles: list, event_groups: int, num_layers: int):
         self.device = torch.device(device)
-        self._load_handles = list(load_handles)
+        self._load_handles = unpack_event_handles(load_handles)
+        if len(self._load_handles) != event_groups * num_layers:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"load_events: {len(self._load_handles)} "
+                                f"handles for {event_groups} groups x {num_layers} layers")
         self._event_groups = event_groups
         self._num_layers = num_layers
         self._load_events: dict[int, torch.cuda.Event] = {}

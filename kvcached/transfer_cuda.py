@@ -32,13 +32,13 @@ import torch
 
 from kvcached_client.block_copy import paired_runs
 from kvcached_proto import ErrorCode
+from kvcached_proto.codec import IPC_EVENT_HANDLE_BYTES, pack_event_handles
 
 from . import copy_strategies as cs
 from .errors import OpError
 from .transfer import LOAD, OFFLOAD, CopierHooks, CopyPlan, CopyTask, CpuCopier
 
 EVENT_GROUPS = 32
-IPC_EVENT_HANDLE_BYTES = 64
 STAGING_BYTES = 64 << 20  # per direction: bounds the device memory taken from the engine
 OPENED_EVENTS_MAX = 256
 
@@ -155,7 +155,7 @@ class CudaCopier(StrategyCopier):
         return stack
 
     def registration_reply(self) -> dict:
-        return {"load_events": self.event_handles, "event_groups": EVENT_GROUPS}
+        return {"load_events": pack_event_handles(self.event_handles), "event_groups": EVENT_GROUPS}
 
     def open_event(self, handle: bytes):
         """The engine's interprocess event from its handle (the offload's `event` field);

@@ -22,6 +22,7 @@ from kvcached.transfer import LOAD, OFFLOAD
 from kvcached.transfer_cuda import CudaCopier
 from kvcached_client import BlockHasher, allocate_kv_cache, launch
 from kvcached_client.kv_alloc import describe_kv_cache
+from kvcached_proto.codec import unpack_event_handles
 from kvcached_proto.layout import parse_layout
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -99,7 +100,7 @@ def test_round_trip_through_the_daemon_is_byte_exact(cuda_daemon):
     randomize(kv, 3)
     with cuda_daemon.connect(timeout=60) as c:
         reply = c.register_kv_cache(kv)
-        assert len(reply["load_events"]) == reply["event_groups"] * 8
+        assert len(unpack_event_handles(reply["load_events"])) == reply["event_groups"] * 8
         src, dst, keys = list(range(10, 60)), list(range(70, 120)), keys_for(50)
         expected = [[t[src].clone() for t in layer] for layer in kv]
         assert c.offload(src, keys).wait(60)["stored"] == 50
