@@ -8,8 +8,9 @@ A host block holds one device block's bytes for every layer and part. Two layout
 Either way each (layer, part) is a 2-D uint8 view `[num_host_blocks, part_bytes]`, only the
 strides differ, so the copy code is the same for both.
 
-CPU mode: plain RAM. CUDA mode: the buffer is registered with cudaHostRegister in chunks of at
-most 64 GiB (pinned), with progress logged.
+CPU mode: plain RAM. CUDA mode: the buffer is registered with cudaHostRegister in one call
+(pinned and mapped), so no copy can span two registrations; a failed registration leaves
+nothing registered and no sticky CUDA error (kvcached.cudart).
 """
 from __future__ import annotations
 
@@ -22,12 +23,12 @@ import torch
 
 from kvcached_proto.layout import LayoutSpec
 
-from . import numa
+from . import cudart, numa
 
 log = logging.getLogger(__name__)
 
-PIN_CHUNK_BYTES = 64 << 30
-CUDA_HOST_REGISTER_PORTABLE_MAPPED = 1 | 2  # pinned for every context, mapped for the device
+# pinned for every context, mapped for the device
+CUDA_HOST_REGISTER_PORTABLE_MAPPED = cudart.CUDA_HOST_REGISTER_PORTABLE | cudart.CUDA_HOST_REGISTER_MAPPED
 
 
 class _CudaArray:
@@ -98,6 +99,7 @@ class HostPool:
         self._flat = self.buffer.numpy()
         self._prefault()
         self._pinned_ptr = None
+        self._rt: cudart.Runtime | None = None
         if device.startswith("cuda"):
             self._pin()
         log.info("[host] %.2f GiB host pool ready in %.2f s (%s, %s)",
@@ -124,25 +126,23 @@ class HostPool:
             raise RuntimeError(f"--device {self.device}: this torch sees no CUDA device")
         if torch.device(self.device).index is not None:
             torch.cuda.set_device(torch.device(self.device))  # the daemon's context on its GPU
-        cudart = torch.cuda.cudart()
+        torch.cuda.init()
+        self._rt = cudart.LibCudart()
         ptr = self.buffer.data_ptr()
-        done = 0
-        while done < self.capacity_bytes:
-            n = min(PIN_CHUNK_BYTES, self.capacity_bytes - done)
-            err = cudart.cudaHostRegister(ptr + done, n, CUDA_HOST_REGISTER_PORTABLE_MAPPED)
-            if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister failed at offset {done}: error {int(err)}")
-            done += n
-            log.info("[host] pinned %.1f / %.1f GiB", done / 2**30, self.capacity_bytes / 2**30)
+        started = time.monotonic()
+        cudart.register_all(self._rt, ptr, self.capacity_bytes, CUDA_HOST_REGISTER_PORTABLE_MAPPED)
+        log.info("[host] pinned %.1f GiB in %.2f s", self.capacity_bytes / 2**30,
+                 time.monotonic() - started)
         self._pinned_ptr = ptr
 
     def device_views(self, device, widen=lambda t: t) -> list[list[torch.Tensor]]:
-        """The host views as the GPU addresses them, for zero-copy kernels. With unified
-        addressing the pinned pool's host address is also its device address; torch checks
-        that the range is registered (it raises for memory that is not)."""
+        """The host views as the GPU addresses them, for zero-copy kernels: at the device
+        address cudaHostGetDevicePointer gives for the registered pool (the host address only
+        where the device can use host pointers for registered memory)."""
         if self._pinned_ptr is None:
             raise RuntimeError("the host pool is not pinned (CUDA daemons only)")
-        flat = torch.as_tensor(_CudaArray(self._pinned_ptr, self.capacity_bytes), device=device)
+        dev_ptr = cudart.device_address(self._rt, self._pinned_ptr)
+        flat = torch.as_tensor(_CudaArray(dev_ptr, self.capacity_bytes), device=device)
         return [[widen(flat.as_strided(v.shape, v.stride(), v.data_ptr() - self._pinned_ptr))
                  for v in row] for row in self.views]
 
@@ -208,11 +208,10 @@ class HostPool:
 
     def close(self) -> None:
         if self._pinned_ptr is not None:
-            cudart = torch.cuda.cudart()
-            done = 0
-            while done < self.capacity_bytes:
-                cudart.cudaHostUnregister(self._pinned_ptr + done)
-                done += min(PIN_CHUNK_BYTES, self.capacity_bytes - done)
+            err = self._rt.host_unregister(self._pinned_ptr)
+            if err:
+                self._rt.get_last_error()
+                log.warning("[host] cudaHostUnregister: %s", self._rt.error_string(err))
             self._pinned_ptr = None
         self.views = []
         self.buffer = self._flat = None  # the mmap goes with the last view that references it

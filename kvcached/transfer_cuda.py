@@ -84,10 +84,20 @@ class StrategyCopier(CopierHooks):
         plan.extra["strategy"] = strategy = self._pick(plan)
         if strategy != "runs":
             with self._stream(kind):  # small index copies, ordered before the copies that use them
-                plan.extra["dev_index"] = torch.from_numpy(dev_ids).to(self.device)
-                plan.extra["host_index"] = torch.from_numpy(host_ids).to(self.device)
+                plan.extra["dev_index"] = self._index(dev_ids)
+                plan.extra["host_index"] = self._index(host_ids)
             plan.extra["host_runs"] = cs.host_runs_for(plan.runs, self.host_contiguous)
         return plan
+
+    def _index(self, ids: np.ndarray) -> torch.Tensor:
+        """Block ids on the copier's device. On CUDA from pinned memory, non-blocking: a copy
+        from pageable memory would make the CPU wait for the stream (and so serialise an
+        offload behind the engine work its event waits for); the caching host allocator keeps
+        the pinned buffer until the copy has run."""
+        ids = torch.from_numpy(np.ascontiguousarray(ids))
+        if self.device.type != "cuda":
+            return ids
+        return ids.pin_memory().to(self.device, non_blocking=True)
 
     def staging(self, kind: str, like: torch.Tensor) -> torch.Tensor:
         """One staging buffer per direction, viewed as rows like `like`'s. Every part and

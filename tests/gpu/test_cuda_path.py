@@ -44,8 +44,12 @@ def randomize(kv, gen_seed: int = 0) -> None:
 
 
 def busy_stream(ms: float = 200.0) -> None:
-    """Queue about `ms` of matmuls on the current stream (the CPU does not wait for them)."""
+    """Queue about `ms` of matmuls on the current stream (the CPU does not wait for them). One
+    matmul is timed after a warm-up (the first one pays cuBLAS's start-up, which would make the
+    estimate far too long and the queue far too short)."""
     a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    a @ a  # warm-up
+    torch.cuda.current_stream().synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     a @ a
@@ -153,6 +157,9 @@ def test_wait_layer_orders_the_engine_stream_under_concurrent_compute(cuda_daemo
         for layer in kv:
             for t in layer:
                 t[dst] = 0
+        # indexing with a Python list copies the list to the GPU from pageable memory, which
+        # makes the CPU wait for the current stream: build the index on the device first
+        dst_idx = torch.tensor(dst, device=DEV)
         torch.cuda.synchronize()
         side = torch.cuda.Stream()
         with torch.cuda.stream(side):
@@ -161,7 +168,7 @@ def test_wait_layer_orders_the_engine_stream_under_concurrent_compute(cuda_daemo
         sums = []
         for i in range(layers):
             task.wait_layer(i, timeout=60)  # the CPU sees the counter; the stream waits on the event
-            sums += [t[dst].float().sum() for t in kv[i]]
+            sums += [t.index_select(0, dst_idx).float().sum() for t in kv[i]]  # no CPU wait
         got = [float(s) for s in sums]  # synchronizes the current stream only now
         assert task.wait(60) == 120
         assert got == pytest.approx(want, rel=1e-6), "a layer was read before its copies landed"
