@@ -120,6 +120,9 @@ class LoadTask(Task):
                         if waited and done == layer + 1:
                             self.layer_wake_ns.append(time.monotonic_ns() - view.slot_layer_ns(slot))
                         if self.client.cuda is not None:
+                            # never queue a stream wait on the event of a daemon that is gone:
+                            # its copies may never finish, and the wait would never end
+                            self.client.signals.check_alive()
                             self.client.cuda.wait_layer_loaded(slot, layer, stream)
                         return
                     if view.slot_status(slot) != SlotStatus.RUNNING:  # ended short of it

@@ -19,6 +19,8 @@ one copy: `host_runs_for` splits runs into single blocks there.
 """
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 from .config import COPY_STRATEGIES
@@ -44,6 +46,30 @@ def host_runs_for(runs: list, contiguous: bool) -> list:
     if contiguous:
         return runs
     return [(i, i + 1, h + i - a) for a, b, h in runs for i in range(a, b)]
+
+
+def split_pairs(pairs: list, cuts: list[int]) -> list:
+    """Runs `(dev, host, n)` split where the host side reaches a block in `cuts` (sorted: the
+    first block of each later host-pool registration), so that no copy spans two."""
+    if not cuts:
+        return pairs
+    out = []
+    for d, h, n in pairs:
+        i = bisect.bisect_right(cuts, h)
+        while i < len(cuts) and cuts[i] < h + n:
+            k = cuts[i] - h
+            out.append((d, h, k))
+            d, h, n = d + k, h + k, n - k
+            i += 1
+        out.append((d, h, n))
+    return out
+
+
+def split_host_runs(runs: list, cuts: list[int]) -> list:
+    """Host runs `(start, end, first_host)` split the same way."""
+    if not cuts:
+        return runs
+    return [(a, a + n, h) for a, h, n in split_pairs([(a, h, b - a) for a, b, h in runs], cuts)]
 
 
 def _clip(runs: list, c0: int, c1: int):

@@ -92,6 +92,22 @@ def register_all(rt: Runtime, ptr: int, nbytes: int, flags: int) -> None:
         "the locked-memory limit (ulimit -l / the container's memlock)")
 
 
+def register_parts(rt: Runtime, ptr: int, parts: list[tuple[int, int]], flags: int) -> str:
+    """Register each (offset, size) part; on the first failure unregister the parts already
+    registered, clear the error and return what failed ("" when every part is registered)."""
+    done: list[int] = []
+    for offset, size in parts:
+        err = rt.host_register(ptr + offset, size, flags)
+        if err:
+            rt.get_last_error()
+            for off in reversed(done):
+                rt.host_unregister(ptr + off)
+            rt.get_last_error()
+            return f"part at {offset / 2**30:.1f} GiB of {size / 2**30:.1f} GiB: {rt.error_string(err)}"
+        done.append(offset)
+    return ""
+
+
 def device_address(rt: Runtime, ptr: int) -> int:
     """The device address of registered host memory (equal to ptr only where the device can
     use host pointers for registered memory)."""

@@ -9,8 +9,10 @@ Either way each (layer, part) is a 2-D uint8 view `[num_host_blocks, part_bytes]
 strides differ, so the copy code is the same for both.
 
 CPU mode: plain RAM. CUDA mode: the buffer is registered with cudaHostRegister in one call
-(pinned and mapped), so no copy can span two registrations; a failed registration leaves
-nothing registered and no sticky CUDA error (kvcached.cudart).
+(pinned and mapped), so no copy can span two registrations. When one call cannot take it, the
+pool is registered in parts once the KV layout is known, cut only at block boundaries
+(pin_plan), and the copy plans split runs at the cuts (`block_cuts`). A failed registration
+leaves nothing registered and no sticky CUDA error (kvcached.cudart).
 """
 from __future__ import annotations
 
@@ -23,10 +25,11 @@ import torch
 
 from kvcached_proto.layout import LayoutSpec
 
-from . import cudart, numa
+from . import cudart, numa, pin_plan
 
 log = logging.getLogger(__name__)
 
+MIN_PIN_PART_BYTES = 1 << 30  # halving the part size stops here
 # pinned for every context, mapped for the device
 CUDA_HOST_REGISTER_PORTABLE_MAPPED = cudart.CUDA_HOST_REGISTER_PORTABLE | cudart.CUDA_HOST_REGISTER_MAPPED
 
@@ -100,6 +103,9 @@ class HostPool:
         self._prefault()
         self._pinned_ptr = None
         self._rt: cudart.Runtime | None = None
+        self._parts: list[tuple[int, int]] = []  # registered (offset, size)
+        self._pin_deferred = False
+        self.block_cuts: list[list[list[int]]] | None = None  # per layer, part: see pin_plan
         if device.startswith("cuda"):
             self._pin()
         log.info("[host] %.2f GiB host pool ready in %.2f s (%s, %s)",
@@ -130,10 +136,49 @@ class HostPool:
         self._rt = cudart.LibCudart()
         ptr = self.buffer.data_ptr()
         started = time.monotonic()
-        cudart.register_all(self._rt, ptr, self.capacity_bytes, CUDA_HOST_REGISTER_PORTABLE_MAPPED)
+        self._pinned_ptr = ptr
+        try:
+            cudart.register_all(self._rt, ptr, self.capacity_bytes, CUDA_HOST_REGISTER_PORTABLE_MAPPED)
+        except RuntimeError as exc:
+            log.warning("[host] %s; registering it in parts cut at block boundaries once the KV "
+                        "layout is known", exc)
+            self._pin_deferred = True
+            return
+        self._parts = [(0, self.capacity_bytes)]
         log.info("[host] pinned %.1f GiB in %.2f s", self.capacity_bytes / 2**30,
                  time.monotonic() - started)
-        self._pinned_ptr = ptr
+
+    def _pin_in_parts(self, regions: list[pin_plan.Region]) -> None:
+        """Register the pool in parts no block straddles, halving the part size from half the
+        pool down to MIN_PIN_PART_BYTES until every part registers."""
+        self._unpin()
+        ceiling = self.capacity_bytes // 2
+        failed = "no part size tried"
+        while ceiling >= MIN_PIN_PART_BYTES:
+            try:
+                parts = pin_plan.chunks(regions, self.capacity_bytes, ceiling)
+            except ValueError as exc:
+                failed = str(exc)
+            else:
+                failed = cudart.register_parts(self._rt, self._pinned_ptr, parts,
+                                               CUDA_HOST_REGISTER_PORTABLE_MAPPED)
+                if not failed:
+                    self._parts = parts
+                    log.info("[host] pinned %.1f GiB in %d parts of at most %.1f GiB",
+                             self.capacity_bytes / 2**30, len(parts), ceiling / 2**30)
+                    return
+            ceiling //= 2
+        raise RuntimeError(f"the {self.capacity_bytes / 2**30:.1f} GiB host pool could not be "
+                           f"registered with CUDA, whole or in parts ({failed}); nothing is left "
+                           "registered. Lower --host-cache-gb, or raise the locked-memory limit")
+
+    def _unpin(self) -> None:
+        for offset, _ in reversed(self._parts):
+            err = self._rt.host_unregister(self._pinned_ptr + offset)
+            if err:
+                self._rt.get_last_error()
+                log.warning("[host] cudaHostUnregister: %s", self._rt.error_string(err))
+        self._parts = []
 
     def device_views(self, device, widen=lambda t: t) -> list[list[torch.Tensor]]:
         """The host views as the GPU addresses them, for zero-copy kernels: at the device
@@ -141,7 +186,13 @@ class HostPool:
         where the device can use host pointers for registered memory)."""
         if self._pinned_ptr is None:
             raise RuntimeError("the host pool is not pinned (CUDA daemons only)")
+        if not self._parts:
+            raise RuntimeError("the host pool is not registered with CUDA")
         dev_ptr = cudart.device_address(self._rt, self._pinned_ptr)
+        for offset, _ in self._parts[1:]:  # one flat view needs one run of device addresses
+            if cudart.device_address(self._rt, self._pinned_ptr + offset) != dev_ptr + offset:
+                raise RuntimeError("zero_copy: the host pool is registered in parts whose device "
+                                   "addresses are not contiguous; use --copy-strategy gather")
         flat = torch.as_tensor(_CudaArray(dev_ptr, self.capacity_bytes), device=device)
         return [[widen(flat.as_strided(v.shape, v.stride(), v.data_ptr() - self._pinned_ptr))
                  for v in row] for row in self.views]
@@ -158,18 +209,26 @@ class HostPool:
         self.views = []
         part_bytes = [p.block_bytes for p in spec.parts]
         offset = 0
+        regions: list[list[pin_plan.Region]] = []
         for _layer in range(spec.num_layers):
             row = []
+            regions.append([])
             for pb in part_bytes:
                 if self.layout == "layer_first":
                     view = self.buffer[offset : offset + n * pb].view(n, pb)
+                    regions[-1].append(pin_plan.Region(offset, pb, n))
                     offset += n * pb
                 else:
                     base = self.buffer[offset : offset + max(n - 1, 0) * self.page_bytes + pb]
                     view = base.as_strided((n, pb), (self.page_bytes, 1))
+                    regions[-1].append(pin_plan.Region(0, self.page_bytes, n))
                     offset += pb
                 row.append(view)
             self.views.append(row)
+        if self._pin_deferred:
+            self._pin_in_parts(list(set(r for row in regions for r in row)))
+            cuts = [offset for offset, _ in self._parts[1:]]
+            self.block_cuts = [[pin_plan.block_cuts(r, cuts) for r in row] for row in regions]
         self._rows = [v.numpy() for row in self.views for v in row]  # page order, made once
         log.info("[host] %d host blocks of %d bytes (%s)", n, self.page_bytes, self.layout)
         return True
@@ -208,10 +267,7 @@ class HostPool:
 
     def close(self) -> None:
         if self._pinned_ptr is not None:
-            err = self._rt.host_unregister(self._pinned_ptr)
-            if err:
-                self._rt.get_last_error()
-                log.warning("[host] cudaHostUnregister: %s", self._rt.error_string(err))
+            self._unpin()
             self._pinned_ptr = None
         self.views = []
         self.buffer = self._flat = None  # the mmap goes with the last view that references it

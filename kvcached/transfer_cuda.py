@@ -58,8 +58,11 @@ class StrategyCopier(CopierHooks):
 
     non_blocking = False
 
-    def __init__(self, dev_views, host_views, strategy: str):
+    def __init__(self, dev_views, host_views, strategy: str, cuts=None):
+        """cuts: per layer and part, the host block ids at which a later host-pool
+        registration starts (a pool registered in several calls); runs are split there."""
         self.strategy = strategy
+        self.cuts = cuts or None
         self.dev = [[cs.widen(t) for t in row] for row in dev_views]
         self.host = [[cs.widen(t) for t in row] for row in host_views]
         self.host_view = self.host  # zero_copy's device-addressable host rows (CPU: the same)
@@ -122,12 +125,14 @@ class StrategyCopier(CopierHooks):
         x, moved = plan.extra, 0
         with self._stream(kind):
             for part, (dev, host) in enumerate(zip(self.dev[layer], self.host[layer])):
+                cuts = self.cuts[layer][part] if self.cuts else ()
                 if x["strategy"] == "runs":
                     fn = cs.offload_runs if kind == OFFLOAD else cs.load_runs
-                    fn(dev, host, x["pairs"], self.non_blocking)
+                    fn(dev, host, cs.split_pairs(x["pairs"], cuts), self.non_blocking)
                 elif x["strategy"] == "gather":
                     fn = cs.offload_gather if kind == OFFLOAD else cs.load_gather
-                    fn(dev, host, x["dev_index"], x["host_runs"], self.staging(kind, dev), self.non_blocking)
+                    fn(dev, host, x["dev_index"], cs.split_host_runs(x["host_runs"], cuts),
+                       self.staging(kind, dev), self.non_blocking)
                 else:
                     fn = cs.offload_zero_copy if kind == OFFLOAD else cs.load_zero_copy
                     fn(dev, self.host_view[layer][part], x["dev_index"], x["host_index"],
@@ -146,7 +151,7 @@ class CudaCopier(StrategyCopier):
     def __init__(self, dev_views, host_pool, strategy: str, device: str, num_layers: int):
         if not torch.cuda.is_available():
             raise OpError(ErrorCode.KV_MISMATCH, "CUDA KV registered but this daemon sees no CUDA device")
-        super().__init__(dev_views, host_pool.views, strategy)
+        super().__init__(dev_views, host_pool.views, strategy, host_pool.block_cuts)
         self.num_layers = num_layers
         with torch.cuda.device(self.device):
             self.streams = {OFFLOAD: torch.cuda.Stream(), LOAD: torch.cuda.Stream()}

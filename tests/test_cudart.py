@@ -60,3 +60,92 @@ def test_without_a_loaded_cuda_runtime_the_binding_says_so():
         pytest.skip("this process has a CUDA runtime loaded")
     with pytest.raises(RuntimeError, match="libcudart is not loaded"):
         cudart.LibCudart()
+
+
+# --- a pool registered in parts: the cuts, the rollback, and copies split at the cuts -------
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from conftest import small_kv  # noqa: E402
+from kvcached import copy_strategies as cs  # noqa: E402
+from kvcached import host_pool, pin_plan  # noqa: E402
+from kvcached.transfer import OFFLOAD  # noqa: E402
+from kvcached.transfer_cuda import StrategyCopier  # noqa: E402
+from kvcached_client.kv_alloc import describe_kv_cache  # noqa: E402
+from kvcached_proto.layout import parse_layout  # noqa: E402
+
+
+def test_cuts_fall_on_host_pages_at_block_boundaries():
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        stride = int(rng.choice([4096, 6144, 12288, 32768, 1000 * 8]))
+        count, ceiling = int(rng.integers(50, 400)), int(rng.integers(16, 64)) * 4096
+        regions = [pin_plan.Region(i * stride * count, stride, count) for i in range(3)]
+        capacity = 3 * stride * count + int(rng.integers(0, 4)) * 4096
+        try:
+            parts = pin_plan.chunks(regions, capacity, ceiling)
+        except ValueError:
+            continue  # no allowed cut within the ceiling: the pool halves on to a larger error
+        assert parts[0][0] == 0 and sum(size for _, size in parts) == capacity
+        for (off, size), (nxt, _) in zip(parts, parts[1:]):
+            assert off + size == nxt and size <= ceiling and nxt % 4096 == 0
+            for r in regions:
+                assert not r.start < nxt < r.end or (nxt - r.start) % r.stride == 0
+
+
+def _deferred_pool(layout, fake, monkeypatch):
+    monkeypatch.setattr(host_pool, "MIN_PIN_PART_BYTES", 64 << 10)
+    kv = small_kv(num_layers=3, num_blocks=16, block_shape=(16, 2, 8))  # 512-byte parts
+    spec = parse_layout(describe_kv_cache(kv))
+    pool = host_pool.HostPool(8 << 20, "cpu", layout=layout)
+    pool._rt, pool._pinned_ptr, pool._pin_deferred = fake, pool.buffer.data_ptr(), True
+    return kv, spec, pool
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_a_pool_one_call_cannot_take_is_registered_in_parts_no_copy_spans(layout, monkeypatch):
+    fake = FakeRuntime(ceiling=1_500_000)
+    kv, spec, pool = _deferred_pool(layout, fake, monkeypatch)
+    pool.configure(spec)
+    parts = pool._parts
+    assert len(parts) > 1 and all(size <= fake.ceiling for _, size in parts)
+    assert sorted(fake.registered) == [pool._pinned_ptr + off for off, _ in parts] and fake.sticky == 0
+    assert any(any(c for c in row) for row in pool.block_cuts)
+    # the runs a copy takes never cross a registration: record them
+    seen = []
+    monkeypatch.setattr(cs, "offload_runs", lambda dev, host, pairs, nb: seen.append(pairs))
+    dev_views = [[t.view(t.shape[0], -1).view(torch.uint8) for t in layer] for layer in kv]
+    copier = StrategyCopier(dev_views, pool.views, "runs", pool.block_cuts)
+    n = pool.num_blocks
+    plan = copier.plan(OFFLOAD, np.zeros(n, dtype=np.int64) + np.arange(n) % 16, np.arange(n))
+    for layer in range(spec.num_layers):
+        copier.offload_layer(layer, plan)
+    flat_cuts = {layer * 10 + p: set(c) for layer, row in enumerate(pool.block_cuts) for p, c in enumerate(row)}
+    for i, pairs in enumerate(seen):
+        cuts = flat_cuts[(i // len(spec.parts)) * 10 + i % len(spec.parts)]
+        for _, h, k in pairs:
+            assert not any(h < c < h + k for c in cuts), (h, k, sorted(cuts))
+    pool.close()
+    assert fake.registered == {}
+
+
+def test_registering_in_parts_rolls_back_and_says_so_when_nothing_fits(monkeypatch):
+    fake = FakeRuntime(ceiling=10_000)  # below the smallest part size tried
+    kv, spec, pool = _deferred_pool("layer_first", fake, monkeypatch)
+    with pytest.raises(RuntimeError, match="could not be registered with CUDA, whole or in parts"):
+        pool.configure(spec)
+    assert fake.registered == {} and fake.sticky == 0
+
+
+def test_split_runs_cover_the_same_blocks_and_cross_no_cut():
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        cuts = sorted(set(int(c) for c in rng.integers(1, 100, int(rng.integers(0, 6)))))
+        pairs = [(int(d), int(h), int(n)) for d, h, n in rng.integers(0, 60, (5, 3)) if n > 0]
+        split = cs.split_pairs(pairs, cuts)
+        assert [(d + i, h + i) for d, h, n in split for i in range(n)] == \
+            [(d + i, h + i) for d, h, n in pairs for i in range(n)]
+        assert not any(h < c < h + n for _, h, n in split for c in cuts)
+        runs = [(a, a + n, h) for a, h, n in pairs]
+        assert sum(b - a for a, b, _ in cs.split_host_runs(runs, cuts)) == sum(n for *_, n in pairs)

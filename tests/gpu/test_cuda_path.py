@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import unique_instance
+from conftest import sweep_crashed, unique_instance
 from kvcached.host_pool import HostPool
 from kvcached.transfer import LOAD, OFFLOAD
 from kvcached.transfer_cuda import CudaCopier
@@ -245,3 +245,45 @@ def test_a_bad_offload_event_handle_is_refused_and_changes_nothing(cuda_daemon):
             assert err.value.code == ErrorCode.BAD_FIELD
         assert c.lookup(keys) == (0, 0)
         assert c.check() == "ok"
+
+
+def test_a_daemon_killed_under_the_engines_stream_wait_does_not_hang_the_engine(run_dir):
+    """The engine's stream waits on the daemon's layer-0 event while the daemon's copies are
+    still running (8 layers of 512 MiB to load), and the daemon is killed then. The engine's stream must
+    still drain (bounded: the engine runs in a child with a timeout), and the load must be
+    reported failed, never as loaded."""
+    instance = unique_instance("gkill")
+    code = textwrap.dedent(f"""
+        import os, signal, sys, time, torch
+        from kvcached_client import BlockHasher, DaemonUnavailable, TaskFailed, allocate_kv_cache, launch
+        d = launch(instance={instance!r}, run_dir={str(run_dir)!r}, host_cache_gb=5.0,
+                   device="{DEV}")
+        kv = allocate_kv_cache(8, 16384, (16, 8, 128), torch.bfloat16, device="{DEV}")  # 8 GiB
+        c = d.connect(timeout=120)
+        c.register_kv_cache(kv)
+        keys = BlockHasher("gkill").hash_blocks(list(range(16 * 8192)), 16)
+        c.offload(range(8192), keys).wait(120)
+        task = c.load(keys, range(8192, 16384))
+        task.wait_layer(0)              # the stream wait is queued; the copies may still run
+        os.kill(d.pid, signal.SIGKILL)
+        print("KILLED", flush=True)
+        start = time.monotonic()
+        torch.cuda.current_stream().synchronize()
+        print("DRAINED %.2f" % (time.monotonic() - start), flush=True)
+        try:
+            print("LOADED", task.wait(30), flush=True)
+        except (DaemonUnavailable, TaskFailed) as exc:
+            print("FAILED", type(exc).__name__, flush=True)
+    """)
+    engine = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = engine.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        engine.kill()
+        out, _ = engine.communicate()
+        pytest.fail("the engine hung after its daemon died under a stream wait:\n" + out[-3000:])
+    finally:
+        sweep_crashed(instance)
+    assert "KILLED" in out and "DRAINED" in out, out[-3000:]
+    assert "FAILED" in out, "a load whose daemon died mid-copy was reported loaded:\n" + out[-3000:]
