@@ -92,6 +92,9 @@ class Reattacher(Generic[T]):
         except KvcachedError as exc:
             self._failed(exc)
             return None
+        except Exception as exc:  # an OS or socket error: still no daemon, and the thread lives
+            self._failed(RuntimeError(f"{type(exc).__name__}: {exc}"))
+            return None
         try:
             if self._prepare is not None:
                 self._prepare(conn)

@@ -63,7 +63,7 @@ def test_take_never_waits_for_an_attempt_in_progress():
 
 
 def test_failed_attempts_and_preparations_are_tried_again_and_closed():
-    outcomes = [DaemonUnavailable("not yet"), "prepare fails", "ok"]
+    outcomes = [DaemonUnavailable("not yet"), OSError("socket trouble"), "prepare fails", "ok"]
     made = []
 
     def connect():
@@ -82,7 +82,7 @@ def test_failed_attempts_and_preparations_are_tried_again_and_closed():
     got = []
     wait_for(lambda: got.append(r.take()) or got[-1] is not None)
     assert got[-1].what == "ok" and made[0].closed and not got[-1].closed
-    assert r.attempts == 3
+    assert r.attempts == 4 and r.last_error == ""
     r.close()
 
 
