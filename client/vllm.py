@@ -73,14 +73,14 @@ log = logging.getLogger(__name__)
 def _log_to_stderr() -> None:
     """vLLM configures its own loggers only: without a handler, what the connector says about
     its daemon (gone, hung, attached again) would be lost. Say it on stderr, beside vLLM's."""
-    root = logging.getLogger("kvcached_client")
-    if not root.handlers:
+    ours = logging.getLogger("kvcached_client")
+    if not ours.hasHandlers():  # the process configured no logging of its own (root included)
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [kvcached] %(message)s",
                                                "%m-%d %H:%M:%S"))
-        root.addHandler(handler)
-        root.setLevel(logging.INFO)
-        root.propagate = False
+        ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+
 
 @dataclass
 class BlockTransfer:
