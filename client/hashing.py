@@ -11,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-KEY_BYTES = 16
+from kvcached_proto.codec import KEY_BYTES  # one definition: the wire's
 _ROOT = bytes(KEY_BYTES)
 
 

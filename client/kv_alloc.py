@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # imported lazily at run time: the CLI uses this package with
 
 from kvcached_proto.errors import KvcachedError
 from kvcached_proto.layout import DTYPE_BYTES
+from kvcached_proto.paths import kv_segment_name
 
 _seq = itertools.count()
 _lock = threading.Lock()
@@ -68,7 +69,7 @@ def _dtype_name(dtype) -> str:
 
 
 def _shared_cpu_buffer(nbytes: int) -> tuple[mmap.mmap, str]:
-    name = f"/kvcached.{os.getuid()}.kv.{os.getpid()}.{next(_seq)}"
+    name = kv_segment_name(os.getuid(), os.getpid(), next(_seq))
     shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o600, size=nbytes)
     try:
         mm = mmap.mmap(shm.fd, nbytes)

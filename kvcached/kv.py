@@ -16,7 +16,6 @@ import gc
 import logging
 import mmap
 import os
-import re
 import stat
 
 import numpy as np
@@ -25,13 +24,14 @@ import torch
 
 from kvcached_proto import ErrorCode
 from kvcached_proto.layout import LayoutSpec
+from kvcached_proto.paths import KV_SEGMENT_RE
 
 from . import sigbus
 from .errors import OpError
 
 log = logging.getLogger(__name__)
 
-_SHM_NAME_RE = re.compile(r"^/kvcached\.(\d+)\.kv\.(\d+)\.(\d+)$")
+_SHM_NAME_RE = KV_SEGMENT_RE
 
 
 def _int_field(handle: dict, name: str) -> int:

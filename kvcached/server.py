@@ -30,7 +30,13 @@ from kvcached_proto import (
     parse_request,
 )
 from kvcached_proto.liveness import pid_alive
-from kvcached_proto.paths import lock_path, request_endpoint, socket_paths, status_endpoint
+from kvcached_proto.paths import (
+    kv_segment_prefix,
+    lock_path,
+    request_endpoint,
+    socket_paths,
+    status_endpoint,
+)
 from kvcached_proto.shm_layout import Flag, State
 from kvcached_proto.version import PROTOCOL_VERSION
 
@@ -551,7 +557,7 @@ def stats_line(s: dict) -> str:
 
 def sweep_kv_segments(pid: int) -> None:
     """Unlink the POSIX KV segments a dead engine left (its allocate_kv_cache would have)."""
-    prefix = f"kvcached.{os.getuid()}.kv.{pid}."
+    prefix = kv_segment_prefix(os.getuid(), pid)
     try:
         names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
     except OSError as exc:

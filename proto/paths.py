@@ -39,5 +39,18 @@ def lock_path(run_dir: str, instance: str) -> str:
     return os.path.join(run_dir, f"{instance}.lock")
 
 
+KV_SEGMENT_RE = re.compile(r"^/kvcached\.(\d+)\.kv\.(\d+)\.(\d+)$")  # uid, pid, n
+
+
+def kv_segment_name(uid: int, pid: int, n: int) -> str:
+    """The POSIX shared-memory name of an engine's n-th CPU KV allocation."""
+    return f"/kvcached.{uid}.kv.{pid}.{n}"
+
+
+def kv_segment_prefix(uid: int, pid: int) -> str:
+    """What every KV segment of that engine starts with, as listed in /dev/shm."""
+    return kv_segment_name(uid, pid, 0)[1:-1]
+
+
 def socket_paths(run_dir: str, instance: str) -> list[str]:
     return [os.path.join(run_dir, f"{instance}.sock"), os.path.join(run_dir, f"{instance}.status.sock")]

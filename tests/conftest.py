@@ -98,6 +98,48 @@ def client(daemon):
     c.close()
 
 
+def keys_for(n: int, seed: int = 0, namespace: str = "kvcached-tests") -> list[bytes]:
+    """Keys of n 16-token blocks: equal seeds give equal (chained) keys, other seeds others."""
+    from kvcached_client import BlockHasher
+
+    return BlockHasher(namespace).hash_blocks([seed * 100_000 + i for i in range(16 * n)], 16)
+
+
+def kv_parts(layer) -> tuple:
+    """A layer's tensors: its (K, V) pair, or the one tensor."""
+    return tuple(layer) if isinstance(layer, (tuple, list)) else (layer,)
+
+
+def snapshot(kv, blocks) -> list[tuple]:
+    """Copies of `blocks` of every layer and part, to compare with after a round trip."""
+    return [tuple(t[blocks].clone() for t in kv_parts(layer)) for layer in kv]
+
+
+def blocks_equal(kv, blocks, expected, upto=None) -> bool:
+    """`blocks` (the first `upto` of them) hold what `expected` (a snapshot) holds."""
+    upto = len(blocks) if upto is None else upto
+    blocks = list(blocks)[:upto]
+    return all(torch.equal(t[blocks], e[:upto])
+               for layer, exp in zip(kv, expected) for t, e in zip(kv_parts(layer), exp))
+
+
+def scramble(kv, value: int = 7) -> None:
+    """Overwrite every block, so that what a load brings back cannot be left over."""
+    for layer in kv:
+        for t in kv_parts(layer):
+            t.fill_(value)
+
+
+def wait_until(predicate, timeout: float = 20.0, what: str = "the condition") -> None:
+    """Poll predicate() until it is true; fail the test after `timeout` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} did not hold within {timeout:g} s"
+        time.sleep(0.02)
+
+
 def small_kv(num_layers=4, num_blocks=64, block_shape=(16, 2, 8), dtype=torch.bfloat16,
              kv_pair=True, seed=0):
     """A KV cache in shared memory filled with random data."""

@@ -265,8 +265,10 @@ def test_a_client_that_reconnects_at_once_is_not_taken_for_the_one_that_left(dae
     for _ in range(60):
         with daemon.connect() as c:
             c.register_kv_cache(kv)
+            assert c.status()["kv"]["owner"] == c.client_id
         with daemon.connect() as c2:
-            c2.register_kv_cache(kv)
+            c2.register_kv_cache(kv)  # raised NOT_HELLO when taken for the one that left
+            assert c2.status()["kv"]["owner"] == c2.client_id and c2.ping() < 5
 
 
 def test_a_stop_says_the_instance_stopped(run_dir, instance):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import disk_uri, small_kv, sweep_crashed, unique_instance
+from conftest import disk_uri, keys_for, small_kv, sweep_crashed, unique_instance, wait_until
 
 from kvcached_client import BlockHasher, GroupClient, PrefixCacheManager, launch
 from kvcached_client.group import rank_keys
@@ -40,10 +40,6 @@ def shards(n, seed=0):
 def same(kv, a, b) -> bool:
     tensors = [t for layer in kv for t in (layer if isinstance(layer, (tuple, list)) else (layer,))]
     return all(torch.equal(t[a], t[b]) for t in tensors)
-
-
-def keys_for(n, seed=0):
-    return BlockHasher(f"group-test-{seed}").hash_blocks(list(range(n * BS)), BS)
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -135,10 +131,9 @@ def test_a_missing_rank_at_start_is_reconnected_when_its_daemon_comes(run_dir):
             assert list(g.missing) == [1] and g.lookup(keys_for(2)) == (0, 0)
             g.register_kv_cache(shards(2))
             with launch(instance=names[1], run_dir=run_dir, host_cache_gb=0.05):
-                deadline = time.monotonic() + 10  # the rank is reattached in the background
-                while g.lookup(keys_for(2)) == (0, 0) and g.missing and time.monotonic() < deadline:
-                    time.sleep(0.02)
-                assert not g.missing, g.missing
+                # the rank is reattached in the background; a lookup takes it once it is ready
+                wait_until(lambda: g.lookup(keys_for(2)) is not None and not g.missing, 10,
+                           "the missing rank attached")
                 g.offload([0, 1], keys_for(2)).wait(10)
                 assert not g.missing and g.lookup(keys_for(2)) == (2, 0)
         finally:

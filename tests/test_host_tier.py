@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from conftest import small_kv, unique_instance
+from conftest import keys_for, kv_parts, scramble, small_kv, snapshot, unique_instance, wait_until
 from kvcached_client import (
     BlockHasher,
     KvcachedError,
@@ -21,29 +21,12 @@ from kvcached_client import (
 from kvcached_proto import ErrorCode
 from kvcached_proto.shm_layout import State
 
-HASHER = BlockHasher("test-model|bfloat16")
-
-
-def keys_for(n: int, seed: int = 0) -> list[bytes]:
-    return HASHER.hash_blocks([seed * 100_000 + i for i in range(16 * n)], 16)
-
-
-def snapshot(kv, blocks):
-    return [tuple(t[blocks].clone() for t in (layer if isinstance(layer, tuple) else (layer,)))
-            for layer in kv]
 
 
 def assert_blocks_equal(kv, blocks, expected):
     for i, layer in enumerate(kv):
-        parts = layer if isinstance(layer, tuple) else (layer,)
-        for j, t in enumerate(parts):
+        for j, t in enumerate(kv_parts(layer)):
             assert torch.equal(t[blocks], expected[i][j]), f"layer {i} part {j} differs"
-
-
-def scramble(kv):
-    for layer in kv:
-        for t in (layer if isinstance(layer, tuple) else (layer,)):
-            t.fill_(7)
 
 
 @pytest.fixture(params=["layer_first", "page_first"])
@@ -202,7 +185,7 @@ def test_pause_holds_new_work_until_resume(daemon):
         c.pause()
         assert c.status()["state"] == "paused"
         task = c.offload([1, 2], keys_for(2, 20))
-        time.sleep(0.3)
+        assert c.status()["tasks"]["queued"] == 1  # the daemon holds it, and runs none of it
         assert not task.done()
         c.resume()
         assert task.wait(10)["stored"] == 2
@@ -341,7 +324,8 @@ def test_a_load_that_times_out_is_cancelled_and_never_writes_after_the_ack(daemo
         for k, v in kv:  # the engine reuses the blocks: nothing may overwrite them now
             k[dst] = 5
             v[dst] = 5
-        time.sleep(0.3)
+        tasks = c.status()["tasks"]  # the daemon runs nothing more that could write them
+        assert tasks["queued"] == 0 and tasks["inflight"] == 0
         assert all(bool((k[dst] == 5).all()) and bool((v[dst] == 5).all()) for k, v in kv)
 
 
@@ -364,10 +348,8 @@ def test_blocks_stay_fenced_until_a_hung_daemon_confirms_the_cancel(daemon):
             assert c.fenced_blocks == {20, 21, 22, 23}
         finally:
             os.kill(daemon.pid, _signal.SIGCONT)
-        deadline = time.monotonic() + 10
-        while c.fenced_blocks:  # the cancel reaches the daemon, its ack lifts the fence
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        # the cancel reaches the daemon, its ack lifts the fence
+        wait_until(lambda: not c.fenced_blocks, 10, "the fence lifting")
         c.resume()
 
 
@@ -378,7 +360,5 @@ def test_a_client_that_closes_takes_its_kv_mapping_with_it(daemon):
         with daemon.connect() as other:
             assert other.status()["kv"]["registered"] is True
     with daemon.connect() as later:
-        deadline = time.monotonic() + 2
-        while later.status()["kv"]["registered"] and time.monotonic() < deadline:
-            time.sleep(0.02)  # the bye is sent without waiting for its reply
-        assert later.status()["kv"]["registered"] is False
+        # the bye is sent without waiting for its reply
+        wait_until(lambda: later.status()["kv"]["registered"] is False, 2, "the mapping dropped")

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import free_port, small_kv, unique_instance
+from conftest import free_port, small_kv, unique_instance, wait_until
 from kvcached_client import BlockHasher, launch
 
 
@@ -108,8 +108,12 @@ def test_metrics_parse_and_carry_the_expected_names(busy_daemon):
 
 
 def test_json_logs_with_task_lines_and_periodic_stats(busy_daemon):
-    time.sleep(0.5)
-    lines = [json.loads(line) for line in open(busy_daemon.log_path) if line.startswith("{")]
+    def lines():
+        return [json.loads(line) for line in open(busy_daemon.log_path) if line.startswith("{")]
+
+    wait_until(lambda: any(line["msg"].startswith("[stats]") for line in lines()), 10,
+               "a [stats] line in the log")
+    lines = lines()
     assert lines and all({"ts", "level", "logger", "msg"} <= line.keys() for line in lines)
     assert any(line["msg"].startswith("[stats]") for line in lines)
     assert any(line["msg"].startswith("[task]") for line in lines)
@@ -119,11 +123,14 @@ def test_status_watch_refreshes_until_interrupted(busy_daemon):
     proc = subprocess.Popen([sys.executable, "-m", "kvcached", "status", "--instance",
                              busy_daemon.instance, "--run-dir", busy_daemon.run_dir, "--watch", "0.2"],
                             stdout=subprocess.PIPE, text=True)
-    time.sleep(1.5)
+    seen = []
+    while sum("instance" in line for line in seen) < 2:  # two refreshes (one every 0.2 s)
+        line = proc.stdout.readline()
+        assert line, "the watch ended by itself:\n" + "".join(seen)
+        seen.append(line)
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=10)
+    proc.communicate(timeout=10)
     assert proc.returncode == 0
-    assert out.count("instance") >= 2
 
 
 def test_a_metrics_port_in_use_fails_the_start_clearly(run_dir):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import small_kv, sweep_crashed
+from conftest import small_kv, sweep_crashed, wait_until
 from kvcached_client import (
     BlockHasher,
     Client,
@@ -21,13 +21,6 @@ from kvcached_client import (
 
 BS = 16
 NS = "reattach"
-
-
-def wait_for(predicate, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
 
 
 class _Conn:
@@ -55,7 +48,7 @@ def test_take_never_waits_for_an_attempt_in_progress():
         assert r.take() is None  # the attempt is still blocked: no waiting on it
         gate.set()
         got = []
-        wait_for(lambda: got.append(r.take()) or got[-1] is not None)
+        wait_until(lambda: got.append(r.take()) or got[-1] is not None)
         assert isinstance(got[-1], _Conn) and not got[-1].closed
     finally:
         gate.set()
@@ -80,7 +73,7 @@ def test_failed_attempts_and_preparations_are_tried_again_and_closed():
 
     r = Reattacher(connect, prepare, every_s=0.01)
     got = []
-    wait_for(lambda: got.append(r.take()) or got[-1] is not None)
+    wait_until(lambda: got.append(r.take()) or got[-1] is not None)
     assert got[-1].what == "ok" and made[0].closed and not got[-1].closed
     assert r.attempts == 4 and r.last_error == ""
     r.close()
@@ -90,7 +83,7 @@ def test_close_closes_a_connection_made_ready_and_never_taken():
     conn = _Conn()
     r = Reattacher(lambda: conn, every_s=0.01)
     assert r.take() is None
-    wait_for(lambda: r._ready is not None)
+    wait_until(lambda: r._ready is not None)
     r.close()
     assert conn.closed and r.take() is None
 
@@ -102,7 +95,7 @@ def test_a_client_reattacher_follows_the_daemon_across_a_kill_and_a_restart(run_
         assert r.take() is None  # no daemon: None at once, attempts go on
         first = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05)
         got = []
-        wait_for(lambda: got.append(r.take()) or got[-1] is not None)
+        wait_until(lambda: got.append(r.take()) or got[-1] is not None)
         c = got[-1]
         assert c.status()["kv"]["registered"] and c.info["pid"] == first.pid
         first.kill()
@@ -113,7 +106,7 @@ def test_a_client_reattacher_follows_the_daemon_across_a_kill_and_a_restart(run_
         second = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05)
         try:
             got = []
-            wait_for(lambda: got.append(r.take()) or got[-1] is not None)
+            wait_until(lambda: got.append(r.take()) or got[-1] is not None)
             assert got[-1].info["pid"] == second.pid and got[-1].status()["kv"]["registered"]
             got[-1].close()
         finally:
@@ -143,7 +136,7 @@ def test_a_load_in_flight_on_a_hung_daemon_fails_after_the_hang_threshold(daemon
                 c.lookup(keys)  # every later call says so too, until the daemon beats again
         finally:
             os.kill(daemon.pid, signal.SIGCONT)
-        wait_for(lambda: _beating(c))
+        wait_until(lambda: _beating(c))
         c.resume()
         assert task.wait(10) == 4  # resumed, the daemon finishes it: nothing was lost
     finally:
@@ -200,7 +193,7 @@ def test_a_daemon_restarted_between_two_calls_is_attached_before_the_next(run_di
     try:
         first.stop()
         with launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05) as second:
-            wait_for(mgr._reattach.has_ready)
+            wait_until(mgr._reattach.has_ready)
             prompt = list(range(500, 500 + 2 * BS))
             mgr.match("a", prompt + [1])
             assert mgr.client.info["pid"] == second.pid and mgr.stats()["attaches"] == 2

@@ -12,35 +12,14 @@ import time
 import pytest
 import torch
 
-from conftest import RedisServer, disk_uri, small_kv, unique_instance
+from conftest import RedisServer, blocks_equal, disk_uri, keys_for, wait_until, scramble, small_kv, snapshot, unique_instance
 from kvcached_client import BlockHasher, KvcachedTimeout, launch
 
-HASHER = BlockHasher("storage-test")
 PAGE_SHAPE = (16, 2, 64)  # 4 layers x (K, V) x 4 KiB = 32 KiB per block
-
-
-def keys_for(n, seed=0):
-    return HASHER.hash_blocks([seed * 100_000 + i for i in range(16 * n)], 16)
 
 
 def files(root):
     return sorted(glob.glob(os.path.join(root, "??", "*.kvb")))
-
-
-def snapshot(kv, blocks):
-    return [(k[blocks].clone(), v[blocks].clone()) for k, v in kv]
-
-
-def equal(kv, blocks, expected, upto=None):
-    upto = len(blocks) if upto is None else upto
-    return all(torch.equal(k[blocks[:upto]], e[0][:upto]) and torch.equal(v[blocks[:upto]], e[1][:upto])
-               for (k, v), e in zip(kv, expected))
-
-
-def scramble(kv):
-    for k, v in kv:
-        k.fill_(3)
-        v.fill_(3)
 
 
 @pytest.fixture
@@ -78,7 +57,7 @@ def on_disk_only(run_dir, instance, disk_dir, seed):
             c.register_kv_cache(kv)
             offload_and_flush(c, kv, keys, src)
             c.clear(tier="host")
-            scramble(kv)
+            scramble(kv, 3)
             yield c, kv, keys, expected
     finally:
         h.stop()
@@ -98,17 +77,15 @@ def test_blocks_survive_a_daemon_restart_on_disk(run_dir, instance, disk_dir):
     try:
         with h.connect() as c:
             c.register_kv_cache(kv)
-            deadline = time.monotonic() + 10
-            while c.lookup(keys) != (0, 12):  # the index is rebuilt in the background
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-            scramble(kv)
+            wait_until(lambda: c.lookup(keys) == (0, 12), 10,  # the index is rebuilt in the background
+                       "the rebuilt index answering")
+            scramble(kv, 3)
             task = c.load(keys, dst)
             assert (task.reply["host_blocks"], task.reply["storage_blocks"]) == (0, 12)
             task.wait_layer(0, timeout=10)
             assert task.valid_blocks == 12
             assert task.wait(10) == 12
-            assert equal(kv, dst, expected)
+            assert blocks_equal(kv, dst, expected)
             assert c.lookup(keys) == (12, 0)  # pulled through the host tier
             s = c.status()  # the fetch is storage I/O; h2d counts the device copies once
             assert s["bytes"]["h2d"] == 12 * s["kv"]["page_bytes"]
@@ -135,7 +112,7 @@ def test_a_damaged_block_file_is_a_miss_never_wrong_bytes(run_dir, instance, dis
         assert c.lookup(keys) == (0, 8)  # the index does not know yet
         task = c.load(keys, dst)
         assert task.wait(10) == 5  # the leading blocks before the damaged one
-        assert equal(kv, dst, expected, upto=5)
+        assert blocks_equal(kv, dst, expected, upto=5)
         assert not os.path.exists(bad)  # removed, never served
         assert c.lookup(keys) == (5, 0)
 
@@ -153,10 +130,7 @@ def test_stray_and_temp_files_are_removed_at_start(run_dir, instance, disk_dir):
     h = start(run_dir, instance, disk_uri(disk_dir))
     try:
         with h.connect() as c:
-            deadline = time.monotonic() + 10
-            while any(os.path.exists(p) for p in stray):
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            wait_until(lambda: not any(os.path.exists(p) for p in stray), 10, "stray files removed")
             assert c.status()["storage"][0]["healthy"]
     finally:
         h.stop()
@@ -176,9 +150,9 @@ def test_a_fifo_in_place_of_a_record_is_damage_not_a_hang(run_dir, instance, dis
             fifo = record_path(disk_dir, keys[3])
             os.unlink(fifo)
             os.mkfifo(fifo, 0o600)
-            scramble(kv)
+            scramble(kv, 3)
             assert c.load(keys, list(range(20, 28))).wait(5) == 3
-            assert equal(kv, list(range(20, 28)), expected, upto=3)
+            assert blocks_equal(kv, list(range(20, 28)), expected, upto=3)
             assert not os.path.exists(fifo)  # damage: removed
             assert c.status()["storage"][0]["healthy"]
         assert h.stop(timeout=10) == 0
@@ -234,10 +208,10 @@ def test_a_record_on_a_hung_filesystem_costs_its_load_a_deadline_not_the_daemon(
         with h.connect(timeout=5) as c, h.connect(timeout=5) as other:
             c.register_kv_cache(kv)
             assert c.lookup(keys) == (0, 8)
-            scramble(kv)
+            scramble(kv, 3)
             assert c.load(keys, list(range(20, 28))).wait(5) == 3  # after the 1 s deadline
             assert fs.held, "the read did not reach the hung filesystem"
-            assert equal(kv, list(range(20, 28)), expected, upto=3)
+            assert blocks_equal(kv, list(range(20, 28)), expected, upto=3)
             tier = c.status()["storage"][0]
             assert (tier["healthy"], tier["stuck"], tier["late_io"]) == (False, True, 1)
             assert c.lookup(keys) == (3, 0)  # a stuck tier gives no hits
@@ -245,10 +219,8 @@ def test_a_record_on_a_hung_filesystem_costs_its_load_a_deadline_not_the_daemon(
             assert c.check() == "ok"
         h.proc.send_signal(signal.SIGTERM)
         released = [os.path.join(run_dir, f"{instance}.sock"), f"/dev/shm/kvcached.{os.getuid()}.{instance}"]
-        deadline = time.monotonic() + 15
-        while any(os.path.exists(p) for p in released) or "stopped" not in open(h.log_path).read():
-            assert time.monotonic() < deadline, "the stop did not run to its end"
-            time.sleep(0.05)
+        wait_until(lambda: not any(os.path.exists(p) for p in released)
+                   and "stopped" in open(h.log_path).read(), 15, "the stop running to its end")
     finally:
         fs.close()  # the blocked read ends (EIO): the process can exit now
         if h is not None:
@@ -266,17 +238,14 @@ def test_a_hung_read_that_returns_gives_its_block_back_and_the_tier_recovers(
             blocks_before = c.status()["host"]["capacity_blocks"]
             assert c.load(keys, list(range(20, 28))).wait(5) == 5
             fs.release_reads()  # the read ends (EIO): its host block comes back, the tier serves
-            deadline = time.monotonic() + 5
-            while not c.status()["storage"][0]["healthy"]:
-                assert time.monotonic() < deadline, c.status()["storage"][0]
-                time.sleep(0.05)
+            wait_until(lambda: c.status()["storage"][0]["healthy"], 5, "the tier healthy again")
             assert c.check() == "ok"
             c.clear(tier="host")
             assert c.status()["host"]["used_bytes"] == 0  # the lent block went back to the pool
             assert c.status()["host"]["capacity_blocks"] == blocks_before
-            scramble(kv)
+            scramble(kv, 3)
             assert c.load(keys, list(range(20, 28))).wait(5) == 5  # the damaged record is gone
-            assert equal(kv, list(range(20, 28)), expected, upto=5)
+            assert blocks_equal(kv, list(range(20, 28)), expected, upto=5)
     finally:
         h.stop()
         fs.close()
@@ -321,10 +290,7 @@ def test_storage_readiness_is_shown_and_waited_for_and_what_changed_meanwhile_wi
             assert c.lookup(new) == (0, 4)
             assert c.lookup(old) == (0, 7)  # the deleted block stays deleted
             gone = record_path(disk_dir, old[7])
-            deadline = time.monotonic() + 5
-            while os.path.exists(gone):  # its file goes on an I/O thread
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            wait_until(lambda: not os.path.exists(gone), 5, "the deleted record's file gone")  # I/O thread
             on_disk = sum(os.path.getsize(f) for f in files(disk_dir))  # the FUSE shard's file too
             assert c.status()["storage"][0]["used_bytes"] == on_disk
     finally:
@@ -364,9 +330,9 @@ def test_a_full_disk_evicts_its_oldest_blocks_and_keeps_storing_new_ones(run_dir
             offload_and_flush(c, kv, new, list(range(48, 64)))
             c.clear(tier="host")
             assert c.lookup(new) == (0, 16)  # the newest blocks made it to disk
-            scramble(kv)
+            scramble(kv, 3)
             assert c.load(new, list(range(64, 80))).wait(10) == 16
-            assert equal(kv, list(range(64, 80)), expected)
+            assert blocks_equal(kv, list(range(64, 80)), expected)
             assert all(os.path.getsize(f) > 0 for f in files(tiny_fs))  # no torn files left
             assert not glob.glob(os.path.join(tiny_fs, "??", "*.tmp"))
         with open(h.log_path) as f:
@@ -425,10 +391,10 @@ def test_write_back_writes_only_what_the_host_tier_evicts(run_dir, instance, dis
             assert files(disk_dir) == []
             offload_and_flush(c, kv, second, list(range(10, 20)))  # evicts 4 of `first`
             assert len(files(disk_dir)) == 4
-            scramble(kv)
+            scramble(kv, 3)
             assert c.lookup(first) == (6, 4)
             assert c.load(first, list(range(50, 60))).wait(10) == 10
-            assert equal(kv, list(range(50, 60)), expected)
+            assert blocks_equal(kv, list(range(50, 60)), expected)
     finally:
         h.stop()
 
@@ -450,10 +416,7 @@ def test_a_non_writer_rank_reads_but_never_writes(run_dir, disk_dir):
             more = keys_for(4, 9)
             offload_and_flush(c, kv, more, [4, 5, 6, 7])
             assert len(files(disk_dir)) == 4  # nothing new written
-            deadline = time.monotonic() + 10
-            while c.lookup(keys) != (0, 4):
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            wait_until(lambda: c.lookup(keys) == (0, 4), 10, "the stored blocks found")
             assert c.load(keys, [10, 11, 12, 13]).wait(10) == 4
     finally:
         other.stop()
@@ -492,9 +455,9 @@ def test_prefetch_warms_the_host_tier(run_dir, instance, disk_dir):
             assert task.reply["blocks"] == 20
             assert task.wait(10)["prefetched"] == 20
             assert c.lookup(keys) == (20, 0)
-            scramble(kv)
+            scramble(kv, 3)
             assert c.load(keys, list(range(30, 50))).wait(10) == 20
-            assert equal(kv, list(range(30, 50)), expected)
+            assert blocks_equal(kv, list(range(30, 50)), expected)
     finally:
         h.stop()
 
@@ -549,9 +512,9 @@ def test_redis_tier_round_trip(run_dir, instance, redis_server):
             offload_and_flush(c, kv, keys, src)
             c.clear(tier="host")
             assert c.lookup(keys) == (0, 10)
-            scramble(kv)
+            scramble(kv, 3)
             assert c.load(keys, dst).wait(10) == 10
-            assert equal(kv, dst, expected)
+            assert blocks_equal(kv, dst, expected)
             assert c.status()["storage"][0]["healthy"]
     finally:
         h.stop()
@@ -596,10 +559,7 @@ def test_redis_outage_makes_the_tier_unhealthy_not_the_daemon(run_dir, instance,
             assert tier["healthy"] is False and tier["dropped_puts"] >= 4
             assert c.lookup(more) == (4, 0)  # the host tier still works
             redis_server.start()  # empty again: persistence is off
-            deadline = time.monotonic() + 5
-            while not c.status()["storage"][0]["healthy"]:
-                assert time.monotonic() < deadline
-                time.sleep(0.2)
+            wait_until(lambda: c.status()["storage"][0]["healthy"], 5, "the redis tier healthy again")
             offload_and_flush(c, kv, keys, [0, 1, 2, 3])
             c.clear(tier="host")
             assert c.lookup(keys) == (0, 4)
@@ -750,9 +710,9 @@ def test_redis_cluster_tier(run_dir, instance):
                 offload_and_flush(c, kv, keys, list(range(12)))
                 c.clear(tier="host")
                 assert c.lookup(keys) == (0, 12)
-                scramble(kv)
+                scramble(kv, 3)
                 assert c.load(keys, list(range(20, 32))).wait(10) == 12
-                assert equal(kv, list(range(20, 32)), expected)
+                assert blocks_equal(kv, list(range(20, 32)), expected)
         finally:
             h.stop()
     finally:
@@ -775,9 +735,9 @@ def test_two_loads_of_a_prefix_being_fetched_share_the_fetch(run_dir, instance, 
         assert first.reply["storage_blocks"] == 8 and second.reply["blocks"] == 8
         c.resume()
         assert (first.wait(10), second.wait(10), third.wait(10)) == (8, 8, 5)
-        assert equal(kv, list(range(20, 28)), expected)
-        assert equal(kv, list(range(40, 48)), expected)
-        assert equal(kv, list(range(50, 55)), expected, upto=5)
+        assert blocks_equal(kv, list(range(20, 28)), expected)
+        assert blocks_equal(kv, list(range(40, 48)), expected)
+        assert blocks_equal(kv, list(range(50, 55)), expected, upto=5)
         assert c.status()["storage_io"]["fetched"] == 8  # one fetch, not three
         assert _load_state(c) == (0, 0, 0, 0, "ok")
 
@@ -790,7 +750,7 @@ def test_a_load_sharing_a_fetch_that_fails_gets_the_leading_blocks_that_arrived(
         first, second = c.load(keys, list(range(20, 28))), c.load(keys, list(range(40, 48)))
         c.resume()
         assert (first.wait(10), second.wait(10)) == (3, 3)
-        assert equal(kv, list(range(40, 48)), expected, upto=3)
+        assert blocks_equal(kv, list(range(40, 48)), expected, upto=3)
         assert _load_state(c) == (0, 0, 0, 0, "ok")
 
 
@@ -801,5 +761,5 @@ def test_cancelling_the_load_that_owns_a_fetch_leaves_the_sharer_whole(run_dir, 
         assert owner.cancel() == "cancelled" and owner.wait(10) == 0
         c.resume()
         assert sharer.wait(10) == 8  # the owner's entries went unfetched: it fetched them itself
-        assert equal(kv, list(range(40, 48)), expected)
+        assert blocks_equal(kv, list(range(40, 48)), expected)
         assert _load_state(c) == (0, 0, 0, 0, "ok")
