@@ -189,7 +189,7 @@ class GroupClient:
         self._reattach = [Reattacher(lambda r=r: self._connect_rank(r), lambda c, r=r: self._prepare(r, c),
                                      name=f"{name or 'group'}-tp{r}") for r in range(self.tp_size)]
         for r, reattach in enumerate(self._reattach):  # a rank that dies between two calls is
-            reattach.watch(lambda r=r: self._rank_needed(r))  # attached again before the next
+            reattach.watch(lambda r=r: self.clients[r])  # attached again before the next
         self._task_ids = itertools.count(1)
         # tasks by id, for fence(task_id); weak, so a task its caller dropped unwaited goes
         self._live: weakref.WeakValueDictionary[int, GroupTask] = weakref.WeakValueDictionary()
@@ -227,10 +227,6 @@ class GroupClient:
         kv = self._kv
         if kv is not None:
             client.register_kv_cache(kv[rank])
-
-    def _rank_needed(self, rank: int) -> bool:
-        client = self.clients[rank]
-        return client is None or not client.alive()
 
     def _adopt(self, rank: int, client: Client) -> None:
         kv = self._kv

@@ -28,7 +28,7 @@ from kvcached_proto.errors import DaemonUnavailable, KvcachedError, KvcachedTime
 
 from .hashing import BlockHasher
 from .prefix_tree import INVALID, LOADING, READY, BlockPool, NoFreeBlocks, Node, PrefixTree
-from .reattach import Reattacher
+from .reattach import Reattacher, usable
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class PrefixCacheManager:
         # waits for a daemon that is gone, hung or not there yet
         self._reattach = Reattacher(connect, self._register, name="prefix") if connect else None
         if self._reattach is not None:
-            self._reattach.watch(self._needed)
+            self._reattach.watch(lambda: self.client)
         self._seqs: dict[object, _Seq] = {}
         self._loads: list[_Load] = []
         self._offloads: list[_Offload] = []
@@ -142,10 +142,6 @@ class PrefixCacheManager:
     @property
     def attached(self) -> bool:
         return self.client is not None
-
-    def _needed(self) -> bool:
-        client = self.client
-        return client is None or not _alive(client)
 
     def _register(self, client) -> None:
         if self.kv_caches is not None:
@@ -166,7 +162,7 @@ class PrefixCacheManager:
         if self._reattach is None:
             return
         if self.client is not None:
-            if not self._reattach.has_ready() or _alive(self.client):
+            if not self._reattach.has_ready() or usable(self.client):
                 return
             self._detach(DaemonUnavailable("the daemon is gone; a successor is attached"))
         client = self._reattach.take()
@@ -706,12 +702,6 @@ def _chains(nodes: list[Node]) -> list[list[Node]]:
         else:
             chains.append([n])
     return [c for c in chains if all(id(n) in chosen for n in c)]
-
-
-def _alive(client) -> bool:
-    """Client.alive(); a GroupClient reattaches its ranks itself, so it is never replaced."""
-    alive = getattr(client, "alive", None)
-    return alive() if alive is not None else True
 
 
 def _reconnector(client) -> Callable[[], object]:

@@ -7,8 +7,8 @@ with None, and the engine goes on without the daemon (a miss, a skipped save). A
 every `every_s` while someone wants a connection; one that fails is tried again later, however
 it failed (no daemon, a hung one, a refused registration).
 
-`watch(needed)` keeps the thread for good: it checks `needed()` (the owner has no usable
-connection: none, or its daemon is gone or hung) every `every_s` and prepares a connection then,
+`watch(current)` keeps the thread for good: every `every_s` it looks at the owner's connection
+(`current()`) and, when there is none or its daemon is gone or hung, prepares one,
 so a daemon that died or restarted between two engine calls is attached again before the next
 one instead of at the one after.
 """
@@ -23,6 +23,7 @@ from kvcached_proto.errors import KvcachedError
 log = logging.getLogger(__name__)
 
 REATTACH_EVERY_S = 0.25
+REFUSED_BACKOFF_MAX_S = 2.0  # a daemon that is up but refuses the preparation is asked less often
 
 T = TypeVar("T")
 
@@ -40,7 +41,8 @@ class Reattacher(Generic[T]):
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
-        self._needed: Callable[[], bool] | None = None
+        self._current: Callable[[], T | None] | None = None
+        self._refusals = 0  # preparations refused in a row (the daemon answered: do not hammer it)
         self.last_error = ""
         self.attempts = 0
 
@@ -53,10 +55,11 @@ class Reattacher(Generic[T]):
                 self._start()
         return ready
 
-    def watch(self, needed: Callable[[], bool]) -> None:
-        """Attempt whenever needed() is true (checked every every_s) until close()."""
+    def watch(self, current: Callable[[], T | None]) -> None:
+        """Until close(), attempt whenever current() (the owner's connection) is None or not
+        usable (checked every every_s)."""
         with self._lock:
-            self._needed = needed
+            self._current = current
             self._start()
 
     def _start(self) -> None:  # under _lock
@@ -101,8 +104,10 @@ class Reattacher(Generic[T]):
         except Exception as exc:  # a refused registration, a daemon that died meanwhile, ...
             _close(conn)
             self._failed(exc)
+            self._refusals += 1
             return None
         self.last_error = ""
+        self._refusals = 0
         return conn
 
     def _failed(self, exc: Exception) -> None:
@@ -117,12 +122,12 @@ class Reattacher(Generic[T]):
                 with self._lock:
                     if self._closed:
                         return
-                    have_ready, needed = self._ready is not None, self._needed
-                if needed is None and have_ready:
+                    have_ready, current = self._ready is not None, self._current
+                if current is None and have_ready:
                     return  # asked by take() alone: done once a connection is ready
                 want = not have_ready
-                if needed is not None:
-                    want = self._still_needed(needed)
+                if current is not None:
+                    want = self._still_needed(current)
                     if not want and have_ready:  # the owner's connection is fine after all
                         _close(self.take_ready())
                 if want and not have_ready:
@@ -135,14 +140,16 @@ class Reattacher(Generic[T]):
                         if not keep:
                             _close(conn)
                             return
-                        if needed is None:
+                        if current is None:
                             return
-            self._stop.wait(self.every_s)
+            self._stop.wait(min(self.every_s * 2 ** self._refusals,
+                                max(self.every_s, REFUSED_BACKOFF_MAX_S)))
 
     @staticmethod
-    def _still_needed(needed: Callable[[], bool]) -> bool:
+    def _still_needed(current: Callable[[], T | None]) -> bool:
         try:
-            return bool(needed())
+            conn = current()
+            return conn is None or not usable(conn)
         except Exception:  # the owner's connection is half closed: it is of no use
             return True
 
@@ -157,6 +164,13 @@ class Reattacher(Generic[T]):
             _close(ready)
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=10.0)
+
+
+def usable(conn) -> bool:
+    """conn.alive() (its daemon up and beating); a connection without alive() - a GroupClient,
+    which reattaches its ranks itself - counts as usable."""
+    alive = getattr(conn, "alive", None)
+    return alive() if alive is not None else True
 
 
 def _close(conn) -> None:

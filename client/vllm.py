@@ -107,10 +107,6 @@ class _DaemonLink:
         self._reattach = Reattacher(lambda: Client.connect(**self.args), on_connect,
                                     name=f"vllm-{name}")
 
-    def _needed(self) -> bool:
-        client = self.client
-        return client is None or not client.alive()
-
     def get(self) -> Client | None:
         if self.client is not None:
             try:
@@ -127,7 +123,7 @@ class _DaemonLink:
         from then on a thread watches the daemon and prepares a successor's connection."""
         if self.client is None:
             self._adopt(self._reattach.attach_now())
-        self._reattach.watch(self._needed)
+        self._reattach.watch(lambda: self.client)
         return self.client
 
     def _adopt(self, client: Client | None) -> None:

@@ -79,6 +79,49 @@ def test_failed_attempts_and_preparations_are_tried_again_and_closed():
     r.close()
 
 
+def test_a_daemon_that_refuses_the_preparation_is_asked_less_and_less_often():
+    """The daemon answers but refuses (e.g. KV_IN_USE while the old registration lingers):
+    the waits between attempts double up to REFUSED_BACKOFF_MAX_S; no daemon at all keeps the
+    short period (a restarting daemon is attached soon after it is up)."""
+    import kvcached_client.reattach as ra
+
+    waits, refused = [], threading.Event()
+
+    class Recorder:  # stands in for the thread's stop event: records each wait, waits not
+        def wait(self, timeout):
+            waits.append(timeout)
+            if len(waits) >= 8:
+                refused.set()  # enough: the thread's loop ends
+            return False
+
+        def is_set(self):
+            return refused.is_set()
+
+        def set(self):
+            refused.set()
+
+        def clear(self):
+            pass
+
+    def prepare(conn):
+        raise KvcachedError("KV_IN_USE")
+
+    r = Reattacher(_Conn, prepare, every_s=0.25)
+    r._stop = Recorder()
+    assert r.take() is None
+    wait_until(refused.is_set)
+    r.close()
+    assert waits[:5] == [0.5, 1.0, 2.0, 2.0, 2.0] and max(waits) == ra.REFUSED_BACKOFF_MAX_S
+    gone = Reattacher(lambda: (_ for _ in ()).throw(DaemonUnavailable("no daemon")), every_s=0.25)
+    waits.clear()
+    refused.clear()
+    gone._stop = Recorder()
+    assert gone.take() is None
+    wait_until(refused.is_set)
+    gone.close()
+    assert set(waits) == {0.25}
+
+
 def test_close_closes_a_connection_made_ready_and_never_taken():
     conn = _Conn()
     r = Reattacher(lambda: conn, every_s=0.01)
