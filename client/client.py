@@ -73,7 +73,7 @@ class Client:
         self.signals: SignalReader | None = None
         self.info: dict = {}
         self._kv_tensors = None
-        self.cuda = None  # CudaOrder once CUDA KV is registered (cuda_order.py)
+        self.order = None  # EngineOrder while KV is registered (cuda_order.py)
         self._fences: dict[int, list[int]] = {}  # task id -> device blocks it may still write
         self._closed = False
 
@@ -161,6 +161,9 @@ class Client:
                     self._bye_error = exc  # the daemon is gone or unreachable: nothing to tell it
             self._sock.close(linger=BYE_LINGER_MS)
             self._sock = None
+        if self.order is not None:
+            self.order.close(self.signals.identity_check() if self.signals is not None else None)
+            self.order = None
         if self.signals is not None:
             self.signals.close()
             self.signals = None
@@ -341,23 +344,43 @@ class Client:
 
     # KV and data ops ------------------------------------------------------
     def register_kv_cache(self, tensors, timeout: float | None = None) -> dict:
-        """Register the engine's KV cache: a list per layer of a (K, V) pair or one tensor."""
+        """Register the engine's KV cache: a list per layer of a (K, V) pair or one tensor.
+        With it goes a new order-words segment (cuda_order.py) that this connection's copies
+        are ordered by."""
         layout = describe_kv_cache(tensors)
-        reply = self._request(Op.REGISTER_KV, timeout, layout=layout)
+        from .cuda_order import EngineOrder
+
+        order = EngineOrder(layout["device"], layout["num_layers"], self._daemon_lost)
+        layout["order_segment"] = order.name
+        try:
+            reply = self._request(Op.REGISTER_KV, timeout, layout=layout)
+        except BaseException:
+            order.close()
+            raise
+        if self.order is not None:
+            self.order.close(self.signals.identity_check() if self.signals else None)
         self._kv_tensors = tensors
         self.num_layers = layout["num_layers"]
-        self.cuda = None
-        if layout["device"].startswith("cuda") and reply.get("load_events"):
-            from .cuda_order import CudaOrder
-
-            self.cuda = CudaOrder(layout["device"], reply["load_events"], reply["event_groups"],
-                                  layout["num_layers"])
+        self.order = order
         return reply
+
+    def _daemon_lost(self) -> bool:
+        signals = self.signals
+        return signals is None or signals.lost()
 
     def unregister_kv_cache(self, timeout: float | None = None) -> None:
         self._request(Op.UNREGISTER_KV, timeout)
         self._kv_tensors = None
-        self.cuda = None
+        if self.order is not None:
+            self.order.close(self.signals.identity_check() if self.signals else None)
+            self.order = None
+
+    def _fence(self, stream) -> dict:
+        """The fence fields of an offload or a load: ordered after the work queued so far on
+        `stream` (CUDA; default: the current stream)."""
+        if self.order is None:
+            return {}
+        return self.order.fence(stream, self.timeout)
 
     def offload(self, device_blocks: Sequence[int] | np.ndarray, keys: Sequence[bytes],
                 priority: int = 0, timeout: float | None = None, stream=None) -> Task:
@@ -366,9 +389,7 @@ class Client:
         stream), so the engine calls this right after queuing its KV writes, with no
         synchronize. Either way the blocks stay the daemon's to read until the task ends."""
         fields = {"keys": pack_keys(keys), "blocks": pack_block_ids(device_blocks),
-                  "priority": priority}
-        if self.cuda is not None:
-            fields["event"] = self.cuda.record_kv_written(stream)
+                  "priority": priority, **self._fence(stream)}
         reply = self._request(Op.OFFLOAD, timeout, **fields)
         return Task(self, reply["task"], "offload", reply)
 
@@ -377,9 +398,13 @@ class Client:
         return reply["host"], reply["storage"]
 
     def load(self, keys: Sequence[bytes], device_blocks: Sequence[int] | np.ndarray,
-             priority: int = 0, timeout: float | None = None) -> LoadTask:
+             priority: int = 0, timeout: float | None = None, stream=None) -> LoadTask:
+        """Copy the host blocks of the leading keys found into `device_blocks`. CUDA KV: the
+        daemon's copies wait (on the GPU) for the work queued so far on `stream` (default: the
+        current stream; e.g. the engine zeroing newly allocated blocks)."""
         reply = self._request(Op.LOAD, timeout, keys=pack_keys(keys),
-                              blocks=pack_block_ids(device_blocks), priority=priority)
+                              blocks=pack_block_ids(device_blocks), priority=priority,
+                              **self._fence(stream))
         reply["device_blocks"] = [int(b) for b in list(device_blocks)[: reply["blocks"]]]
         return LoadTask(self, reply["task"], reply)
 

@@ -1,65 +1,170 @@
-"""The engine's half of the ordering between its CUDA streams and the daemon's copy streams.
+"""The engine's half of the ordering between its streams and the daemon's copy streams, through
+the order words (kvcached_proto.order_words, which says why words and not IPC events).
 
-- Before an offload: an interprocess event is recorded on the engine's stream after its KV
-  writes; its handle goes with the request and the daemon's offload stream waits on it. The
-  engine's CPU does not synchronize. Events come from a small ring: when the daemon waits on an
-  event that was recorded again since, it waits on a later point of the same stream, so it
-  can only wait longer, never read unwritten bytes.
-- Loads: the daemon records event (slot % event_groups, layer) on its load stream after the
-  layer's copies, then bumps the slot's counter; `LoadTask.wait_layer` sees the counter and
-  makes the engine's stream wait on that event (no CPU block on the copies themselves).
+- Before an offload or a load, `fence(stream)` writes the next sequence number into a free
+  fence word on the engine's stream, after the work queued so far (its KV writes; for a load,
+  whatever last used the target blocks); the request carries (fence_word, fence) and the
+  daemon's copy stream waits for it. The engine's CPU does not synchronize. A fence word is
+  reused only once its last value was reached, so a later write never stands in for an
+  earlier one still queued on another stream.
+- Loads: the daemon writes the load's task id into the slot's word for layer i on its load
+  stream after the layer's copies, then bumps the slot's counter; `LoadTask.wait_layer` sees
+  the counter and queues a wait for that word on the engine's stream.
+- A guard thread watches the waits queued and not yet reached: if the daemon died (or stopped
+  beating past the hang threshold: a daemon that is only stopped has its copies queued, and
+  they end on the GPU without it), it writes RELEASED into the progress words so the engine's
+  streams go on; those loads are reported failed by their tasks, and their blocks recomputed.
 
-Not yet run on a GPU in this project: see README ("CUDA path").
+On CPU the words are written and checked by the CPU (the same layout and bookkeeping).
 """
 from __future__ import annotations
 
+import logging
 import threading
+import time
+from typing import Callable
 
-import torch
+import numpy as np
 
-from kvcached_proto import ErrorCode, ProtocolError
-from kvcached_proto.codec import unpack_event_handles
+from kvcached_proto.errors import KvcachedTimeout, TaskFailed
+from kvcached_proto.order_words import FENCE_WORDS, RELEASED, load_word, reached, segment_bytes
+from kvcached_proto.shm_layout import NUM_SLOTS
 
-OFFLOAD_EVENT_RING = 16
+from .kv_alloc import _shared_cpu_buffer
+
+log = logging.getLogger("kvcached.client")
+GUARD_PERIOD_S = 0.02
+CLOSED_RELEASE_S = 10.0  # after close, pending waits are released this late at most
 
 
-class CudaOrder:
-    def __init__(self, device: str, load_handles: list, event_groups: int, num_layers: int):
-        self.device = torch.device(device)
-        self._load_handles = unpack_event_handles(load_handles)
-        if len(self._load_handles) != event_groups * num_layers:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"load_events: {len(self._load_handles)} "
-                                f"handles for {event_groups} groups x {num_layers} layers")
-        self._event_groups = event_groups
-        self._num_layers = num_layers
-        self._load_events: dict[int, torch.cuda.Event] = {}
-        self._ring: list[tuple[torch.cuda.Event, bytes]] = []
+def _cuda_ops(device: str):
+    def make(addr: int, nbytes: int):
+        import torch
+
+        from kvcached_proto.stream_ops import StreamOps
+
+        with torch.cuda.device(torch.device(device)):
+            return StreamOps(addr, nbytes)
+    return make
+
+
+class EngineOrder:
+    def __init__(self, device: str, num_layers: int, lost: Callable[[], bool], ops_factory=None):
+        self.num_layers = num_layers
+        self.nbytes = segment_bytes(NUM_SLOTS, num_layers)
+        self._mm, self.name = _shared_cpu_buffer(self.nbytes)
+        self.words = np.frombuffer(self._mm, dtype=np.uint64)
+        self.ops = None
+        self.device = device
+        if device.startswith("cuda"):
+            self.ops = (ops_factory or _cuda_ops(device))(self.words.ctypes.data, self.nbytes)
+        self._lost = lost
+        self._last = [0] * FENCE_WORDS  # the value last written to each fence word
+        self._seq = 0
         self._next = 0
-        self._lock = threading.Lock()
+        self._pending: dict[int, int] = {}  # progress word -> highest value a stream waits for
+        self._cv = threading.Condition()
+        self._guard: threading.Thread | None = None
+        self._closed_at: float | None = None
+        self.released = False
 
-    def record_kv_written(self, stream: torch.cuda.Stream | None = None) -> bytes:
-        """Record an interprocess event after the work queued so far on `stream` (the current
-        stream by default); returns its handle for the offload request."""
-        stream = stream or torch.cuda.current_stream(self.device)
-        with self._lock:
-            if len(self._ring) < OFFLOAD_EVENT_RING:
-                with torch.cuda.device(self.device):
-                    ev = torch.cuda.Event(interprocess=True)
-                    ev.record(stream)
-                    self._ring.append((ev, bytes(ev.ipc_handle())))
-                return self._ring[-1][1]
-            ev, handle = self._ring[self._next]
-            self._next = (self._next + 1) % OFFLOAD_EVENT_RING
-            ev.record(stream)
-            return handle
+    def _stream(self, stream):
+        import torch
 
-    def wait_layer_loaded(self, slot: int, layer: int, stream: torch.cuda.Stream | None = None) -> None:
-        """Make `stream` (the current stream by default) wait for the daemon's copies of
-        `layer` of the load in `slot`."""
-        idx = (slot % self._event_groups) * self._num_layers + layer
-        with self._lock:
-            ev = self._load_events.get(idx)
-            if ev is None:
-                ev = torch.cuda.Event.from_ipc_handle(self.device, self._load_handles[idx])
-                self._load_events[idx] = ev
-        (stream or torch.cuda.current_stream(self.device)).wait_event(ev)
+        return stream or torch.cuda.current_stream(torch.device(self.device))
+
+    def fence(self, stream=None, timeout: float = 5.0) -> dict:
+        """Write the next fence after the work queued so far on `stream` (the current stream by
+        default); returns the request fields that carry it."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                for _ in range(FENCE_WORDS):
+                    k, self._next = self._next, (self._next + 1) % FENCE_WORDS
+                    if reached(self.words[k], self._last[k]):
+                        break
+                else:  # every fence word still waits for its own engine stream
+                    if time.monotonic() > deadline:
+                        raise KvcachedTimeout(f"no free fence word in {timeout:g} s: the engine's "
+                                              f"streams hold {FENCE_WORDS} fences not yet reached")
+                    self._cv.wait(0.001)
+                    continue
+                break
+            self._seq += 1
+            seq = self._last[k] = self._seq
+            if self.ops is None:
+                self.words[k] = seq  # CPU: the engine's writes are done when it calls
+            else:
+                self.ops.write(self._stream(stream).cuda_stream, k, seq)
+        return {"fence_word": k, "fence": seq}
+
+    def wait_loaded(self, slot: int, layer: int, task_id: int, stream=None) -> None:
+        """Make `stream` wait for the daemon's copies of `layer` of load `task_id` (CPU: check
+        that the daemon wrote the word before it bumped the counter)."""
+        idx = load_word(slot, layer, self.num_layers)
+        if self.ops is None:
+            if not reached(self.words[idx], task_id):
+                raise TaskFailed(f"load {task_id}: layer {layer} counted done but its order word "
+                                 f"holds {int(self.words[idx])}", {"loaded": 0})
+            return
+        self.ops.wait_geq(self._stream(stream).cuda_stream, idx, task_id)
+        with self._cv:
+            self._pending[idx] = max(self._pending.get(idx, 0), task_id)
+            if self._guard is None:
+                self._guard = threading.Thread(target=self._watch, name="kvcached-order-guard",
+                                               daemon=True)
+                self._guard.start()
+            self._cv.notify_all()
+
+    def pending(self) -> int:
+        """Queued waits whose word was not reached yet."""
+        with self._cv:
+            self._pending = {i: v for i, v in self._pending.items() if not reached(self.words[i], v)}
+            return len(self._pending)
+
+    def release(self, why: str) -> None:
+        """Let every stream wait on a progress word go on (the daemon will not write them)."""
+        with self._cv:
+            if self._pending:
+                log.warning("[order] releasing %d engine stream wait(s): %s", len(self._pending), why)
+            self.words[FENCE_WORDS:] = RELEASED
+            self._pending.clear()
+            self.released = True
+            self._cv.notify_all()
+
+    def _watch(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and self._closed_at is None:
+                    self._cv.wait()
+            if not self.pending():
+                if self._closed_at is not None:
+                    self._free()
+                    return
+                continue
+            closed_long = self._closed_at is not None and \
+                time.monotonic() - self._closed_at > CLOSED_RELEASE_S
+            if self._lost() or closed_long:
+                self.release("the daemon died or stopped beating with its copies unfinished"
+                             if not closed_long else "the client closed and the daemon did not "
+                             f"finish its copies in {CLOSED_RELEASE_S:g} s")
+            time.sleep(GUARD_PERIOD_S)
+
+    def close(self, lost: Callable[[], bool] | None = None) -> None:
+        """Unlink the segment; the mapping and its CUDA registration go once no stream waits on
+        it (the guard keeps watching them, with `lost` as the liveness test)."""
+        from .kv_alloc import _unlink
+
+        _unlink(self.name)
+        with self._cv:
+            if lost is not None:
+                self._lost = lost
+            self._closed_at = time.monotonic()
+            self._cv.notify_all()
+            guarded = self._guard is not None
+        if not guarded:
+            self._free()
+
+    def _free(self) -> None:
+        if self.ops is not None:
+            self.ops.unregister()

@@ -134,7 +134,7 @@ def launch(instance: str = DEFAULT_INSTANCE, device: str = "cpu", host_cache_gb:
         time.sleep(0.02)
 
 
-def _ready(instance: str, pid: int, storage: bool) -> bool:
+def _ready(instance: str, pid: int, storage: bool = False) -> bool:
     try:
         reader = SignalReader(instance)
     except DaemonUnavailable:

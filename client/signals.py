@@ -98,6 +98,20 @@ class SignalReader:
             return not process_alive(self.pid, self.pid_start)
         return not pid_alive(self.pid)
 
+    def lost(self) -> bool:
+        """Gone, or silent past the hang threshold (what releases the engine's stream waits)."""
+        return self.gone() or not self._beating()
+
+    def identity_check(self):
+        """A `lost` test that outlives this reader (it reads no shared memory): the recorded
+        process is gone. Across pid namespaces it cannot tell, and says False."""
+        pid, start, identity, visible = self.pid, self.pid_start, self._identity, self.pid_visible
+        if not visible:
+            return lambda: False
+        if identity:
+            return lambda: not process_alive(pid, start)
+        return lambda: not pid_alive(pid)
+
     def check_alive(self) -> None:
         """Raise DaemonUnavailable if the daemon exited, stopped, or has missed its heartbeat
         for longer than the hang threshold."""

@@ -119,11 +119,11 @@ class LoadTask(Task):
                     if done > layer:
                         if waited and done == layer + 1:
                             self.layer_wake_ns.append(time.monotonic_ns() - view.slot_layer_ns(slot))
-                        if self.client.cuda is not None:
-                            # never queue a stream wait on the event of a daemon that is gone:
-                            # its copies may never finish, and the wait would never end
-                            self.client.signals.check_alive()
-                            self.client.cuda.wait_layer_loaded(slot, layer, stream)
+                        order = self.client.order
+                        if order is not None:
+                            if order.ops is not None:  # a wait for a daemon already gone would
+                                self.client.signals.check_alive()  # only end by release
+                            order.wait_loaded(slot, layer, self.id, stream)
                         return
                     if view.slot_status(slot) != SlotStatus.RUNNING:  # ended short of it
                         self._raise_incomplete(layer)

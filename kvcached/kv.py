@@ -24,10 +24,13 @@ import torch
 
 from kvcached_proto import ErrorCode
 from kvcached_proto.layout import LayoutSpec
+from kvcached_proto.order_words import segment_bytes
 from kvcached_proto.paths import KV_SEGMENT_RE
+from kvcached_proto.shm_layout import NUM_SLOTS
 
 from . import sigbus
 from .errors import OpError
+from .order import DaemonOrder
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,7 @@ class KVRegistration:
         self._maps: dict[str, mmap.mmap] = {}
         self._guards: dict[str, sigbus.GuardedMap] = {}
         self.views: list[list[torch.Tensor]] = []
+        self.order: DaemonOrder | None = None
         try:
             for layer in range(spec.num_layers):
                 row = []
@@ -55,6 +59,9 @@ class KVRegistration:
                     t = spec.tensors[layer * len(spec.parts) + part_idx]
                     row.append(self._map(t.handle, part.block_bytes))
                 self.views.append(row)
+            if spec.order_segment is not None:
+                self.order = DaemonOrder(self._map_order(spec.order_segment), spec.num_layers,
+                                         spec.device)
         except BaseException:
             self.close()
             raise
@@ -94,10 +101,26 @@ class KVRegistration:
             )
         return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset)
 
+    def _map_order(self, name: str) -> np.ndarray:
+        """The engine's order words (kvcached_proto.order_words): a segment of its own, checked
+        like its KV segments."""
+        m = _SHM_NAME_RE.match(name)
+        if m is None or int(m.group(1)) != os.getuid():
+            raise OpError(ErrorCode.KV_MISMATCH, f"order_segment {name!r} is not a kvcached segment of this user")
+        if name in self._maps:
+            raise OpError(ErrorCode.KV_MISMATCH, f"order_segment {name!r} is also a KV segment")
+        mm = self._open_segment(name)
+        need = segment_bytes(NUM_SLOTS, self.spec.num_layers)
+        if len(mm) < need:
+            raise OpError(ErrorCode.KV_MISMATCH, f"order_segment {name} holds {len(mm)} bytes, "
+                          f"{need} needed for {self.spec.num_layers} layers")
+        return np.frombuffer(mm, dtype=np.uint64, count=need // 8)
+
     def _open_segment(self, name: str) -> mmap.mmap:
         if not sigbus.available():
-            raise OpError(ErrorCode.KV_MISMATCH, "CPU KV cannot be mapped safely: kvcached._sigbus "
-                          "is not built (reinstall kvcached with a C compiler present)")
+            raise OpError(ErrorCode.KV_MISMATCH, "the engine's shared memory (CPU KV, order words) "
+                          "cannot be mapped safely: kvcached._sigbus is not built (reinstall kvcached "
+                          "with a C compiler present)")
         try:
             shm = posix_ipc.SharedMemory(name, flags=0)
         except posix_ipc.ExistentialError:
@@ -127,6 +150,9 @@ class KVRegistration:
 
     def close(self) -> None:
         self.views = []
+        if self.order is not None:
+            self.order.close()
+            self.order = None
         for name, mm in list(self._maps.items()):
             _close_guarded(mm, self._guards.pop(name, None))
         self._maps.clear()

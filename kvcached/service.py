@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from kvcached_proto import OP_SPECS, ErrorCode, Op, task_event
-from kvcached_proto.layout import parse_layout
+from kvcached_proto.layout import parse_layout, require_order_segment
 from kvcached_proto.shm_layout import NUM_SLOTS, Flag, SlotStatus, State
 
 from .config import DaemonConfig
@@ -106,6 +106,7 @@ class CacheService(StorageFlow):
                           "one engine per instance (start another with `kvcached serve "
                           "--instance NAME`), or that engine unregisters or exits first")
         spec = parse_layout(req.body["layout"])
+        require_order_segment(spec)
         if spec.device.split(":")[0] != self.cfg.device.split(":")[0]:
             raise OpError(ErrorCode.KV_MISMATCH,
                           f"KV on {spec.device} but the daemon serves {self.cfg.device}")
@@ -125,7 +126,7 @@ class CacheService(StorageFlow):
                     kept = len(self.index)
                 try:
                     copier = make_copier(spec.device, self.cfg.copy_strategy, reg.views,
-                                         self.pool, spec.num_layers)
+                                         self.pool, spec.num_layers, reg.order)
                 except BaseException:  # a CUDA error: no registration is left half made
                     self.kv = self.copier = None
                     self.signals.set_flag(Flag.KV_REGISTERED, False)
@@ -195,7 +196,7 @@ class CacheService(StorageFlow):
         keys, blocks = req.body["keys"], req.body["blocks"]
         self._check_blocks(blocks)
         self._check_queue()
-        engine_event = self.copier.open_event(req.body.get("event", b""))  # CUDA: KV writes done
+        fence = self._fence(req)  # the engine's KV writes are done once the fence is reached
         with self._lock:
             new_pos, host_ids, entries, held = [], [], [], []
             accepted = len(keys)
@@ -216,7 +217,7 @@ class CacheService(StorageFlow):
                 host_ids.append(got[0])
             self.pool.allocator.free(self.index.unpin(held))
             task = self._new_task(OFFLOAD, client, req, blocks[new_pos], host_ids, entries)
-            task.extra["engine_event"] = engine_event
+            task.fence = fence
         if entries:
             self.offloader.submit(task)
         else:
@@ -224,10 +225,19 @@ class CacheService(StorageFlow):
         return {"task": task.task_id, "stored": len(entries), "skipped": len(held),
                 "accepted": accepted}
 
+    def _fence(self, req) -> tuple[int, int] | None:
+        word, fence = req.body.get("fence_word", 0), req.body.get("fence", 0)
+        if self.kv.order is None:
+            if fence:
+                raise OpError(ErrorCode.BAD_FIELD, "fence: this registration has no order_segment")
+            return None
+        return self.kv.order.check_fence(word, fence)
+
     def _load(self, client, req) -> dict:
         keys, blocks = req.body["keys"], req.body["blocks"]
         self._check_blocks(blocks)
         self._check_queue()
+        fence = self._fence(req)  # the engine's work on the target blocks, before they are written
         with self._lock:
             slot = self._take_slot()
             entries: list = []
@@ -246,6 +256,7 @@ class CacheService(StorageFlow):
             task = self._new_task(LOAD, client, req, blocks[: n + len(tail)],
                                   [e.block for e in entries], entries)
             task.slot, task.keys, task.dev_request = slot, list(keys), blocks
+            task.fence = fence
             task.tail, task.fetch, task.tail_pins = tail, own, shared
         self.signals.slot_begin(slot, task.task_id, self.kv.spec.num_layers)
         self._route_load(task)
@@ -434,7 +445,7 @@ class CacheService(StorageFlow):
         for task in batch:
             task.started_ns = time.monotonic_ns()
             dev_all = task.dev_blocks
-            self.copier.begin_offload(task)  # CUDA: the copies wait for the engine's KV writes
+            self.copier.begin_offload(task)  # the copies wait for the engine's fence
             for start in range(0, task.num_blocks, SPLIT_BLOCKS):
                 if task.cancelled:
                     break
@@ -453,12 +464,13 @@ class CacheService(StorageFlow):
             task.started_ns = time.monotonic_ns()
             self.signals.slot_set_valid(task.slot, task.num_blocks)
             plans.append((task, self.copier.plan(LOAD, task.dev_blocks, task.host_blocks)))
+            self.copier.begin_load(task)  # the copies wait for the engine's fence
         for layer in range(num_layers):
             for task, plan in plans:
                 if task.cancelled:
                     continue
                 task.bytes_moved += self.copier.load_layer(layer, plan)
-                self.copier.layer_loaded(task.slot, layer)  # CUDA: the slot's event for the layer
+                self.copier.layer_loaded(task, layer)  # the slot's order word for the layer
                 self.signals.slot_layer_done(task.slot, layer + 1)
         self.copier.sync(LOAD)  # every copy landed before the host blocks are unpinned
         self._check_kv_intact()
@@ -589,6 +601,8 @@ class CacheService(StorageFlow):
             self._finish_cancelled(worker.remove_queued(mine))
         self._finish_cancelled(self._take_parked(mine))
         if dead and self.kv is not None and self.kv.owner == client.client_id:
+            if self.kv.order is not None:  # copies waiting for fences it will never write go on
+                self.kv.order.release_fences()  # (its tasks are cancelled: nothing is kept)
             self._drop_kv("client gone")
             log.info("[clients] dropped the KV mapping of client %s (gone)", client.client_id)
 

@@ -34,8 +34,9 @@ def install() -> None:
     if _sigbus is not None:
         _sigbus.install()
     else:
-        log.warning("[startup] kvcached._sigbus is not built: CPU KV registration is refused "
-                    "(reinstall with a C compiler present)")
+        log.warning("[startup] kvcached._sigbus is not built: KV registration is refused (CPU KV "
+                    "and CUDA KV's order words are engine shared memory); reinstall with a C "
+                    "compiler present")
 
 
 class GuardedMap:

@@ -49,6 +49,7 @@ class CopyTask:
     bytes_moved: int = 0
     created_ns: int = field(default_factory=time.monotonic_ns)
     extra: dict = field(default_factory=dict)
+    fence: tuple[int, int] | None = None  # the engine's (fence_word, fence) to wait for first
     # loads and prefetches past the host prefix (service_storage.py)
     keys: list = field(default_factory=list)       # the request's keys (a load re-plans from them)
     fetch: list = field(default_factory=list)      # WRITING entries this task fetches itself
@@ -82,6 +83,7 @@ class CopyPlan:
     host_ids: np.ndarray
     runs: list
     extra: dict = field(default_factory=dict)
+    fence: tuple[int, int] | None = None  # the engine's (fence_word, fence) to wait for first
 
     @classmethod
     def make(cls, dev_ids: np.ndarray, host_ids: np.ndarray) -> "CopyPlan":
@@ -99,20 +101,25 @@ class TaskAbort(Exception):
 
 
 class CopierHooks:
-    """What a GPU copier does with streams and events, as no-ops: on CPU a copy is done when
-    it returns. transfer_cuda.CudaCopier overrides them."""
+    """What a copier does around its copies besides moving bytes: the order words (order.py;
+    on CPU the fences were checked at request time and progress words are plain stores) and
+    the stream hooks, no-ops here (on CPU a copy is done when it returns).
+    transfer_cuda.CudaCopier overrides them."""
+
+    order = None  # the registration's DaemonOrder, when the engine sent an order_segment
 
     def registration_reply(self) -> dict:
         return {}
 
-    def open_event(self, handle: bytes):
-        return None  # a CPU daemon has no events to wait on; the field is ignored
-
     def begin_offload(self, task: CopyTask) -> None:
         pass
 
-    def layer_loaded(self, slot: int, layer: int) -> None:
+    def begin_load(self, task: CopyTask) -> None:
         pass
+
+    def layer_loaded(self, task: CopyTask, layer: int) -> None:
+        if self.order is not None:
+            self.order.loaded(None, task.slot, layer, task.task_id)
 
     def sync(self, kind: str) -> None:
         pass

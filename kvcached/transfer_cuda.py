@@ -1,56 +1,49 @@
 """Copiers that run the torch copy strategies (copy_strategies.py), and the CUDA one with its
-streams and cross-process events.
+streams and the order words it shares with the engine.
 
 `StrategyCopier` moves blocks with the strategy named by `--copy-strategy` (runs, gather,
 zero_copy, or auto: runs when the ids come in long runs, else gather) on any device; on CPU
 it is how CI drives the CUDA copier's code through a real daemon. `CudaCopier` adds:
 - one offload and one load stream on the KV's device (the engine's streams never wait for
   the daemon's copies unless the engine asks);
-- offload: the engine records an interprocess event after its KV writes and sends its handle
-  with the request; the offload stream waits on it, so no host synchronize stands between a
-  kernel's writes and the copy that reads them;
-- load: after layer i's copies of a task are issued, event (group, i) is recorded on the load
-  stream, then the slot's layer counter is bumped. The engine waits for the counter, then makes
-  its compute stream wait on the event. Events come from a pool made at registration, one per
-  (group, layer) with group = slot % EVENT_GROUPS, their handles in the registration reply.
-  Sharing an event between slots stays correct: every record is on the one load stream, and
-  the engine calls the wait after the record it needs (it saw the counter, bumped after the
-  record), so the record it waits on is that one or a later one of the same stream;
+- the order words (kvcached_proto.order_words, kvcached/order.py): each task's copies wait on
+  its stream for the engine's fence (the engine's writes to those blocks are done) with no
+  host synchronize; after layer i of a load, the task id is written into the slot's progress
+  word on the load stream, then the slot's counter is bumped, and the engine's stream waits
+  for that word before it reads the layer;
 - the end of a batch synchronizes its stream before host blocks are marked ready (offload)
   or unpinned (load), and before the task's end event is sent.
 
-Not yet run on a GPU in this project: see README ("CUDA path").
+Ran on an H100 (README "CUDA path": figures, and what is not met yet).
 """
 from __future__ import annotations
 
-import collections
 import contextlib
-import threading
 
 import numpy as np
 import torch
 
 from kvcached_client.block_copy import paired_runs
 from kvcached_proto import ErrorCode
-from kvcached_proto.codec import IPC_EVENT_HANDLE_BYTES, pack_event_handles
 
 from . import copy_strategies as cs
 from .errors import OpError
 from .transfer import LOAD, OFFLOAD, CopierHooks, CopyPlan, CopyTask, CpuCopier
 
-EVENT_GROUPS = 32
 STAGING_BYTES = 64 << 20  # per direction: bounds the device memory taken from the engine
-OPENED_EVENTS_MAX = 256
 
 
-def make_copier(device: str, strategy: str, dev_views, host_pool, num_layers: int):
+def make_copier(device: str, strategy: str, dev_views, host_pool, num_layers: int, order=None):
     if device == "cpu" and strategy in ("auto", "numpy"):
-        return CpuCopier(dev_views, host_pool.views)
-    if strategy == "numpy":
+        copier = CpuCopier(dev_views, host_pool.views)
+    elif strategy == "numpy":
         raise OpError(ErrorCode.KV_MISMATCH, "--copy-strategy numpy is for CPU KV only")
-    if device == "cpu":
-        return StrategyCopier(dev_views, host_pool.views, strategy)
-    return CudaCopier(dev_views, host_pool, strategy, device, num_layers)
+    elif device == "cpu":
+        copier = StrategyCopier(dev_views, host_pool.views, strategy)
+    else:
+        copier = CudaCopier(dev_views, host_pool, strategy, device, num_layers)
+    copier.order = order
+    return copier
 
 
 class StrategyCopier(CopierHooks):
@@ -155,13 +148,8 @@ class CudaCopier(StrategyCopier):
         self.num_layers = num_layers
         with torch.cuda.device(self.device):
             self.streams = {OFFLOAD: torch.cuda.Stream(), LOAD: torch.cuda.Stream()}
-            self.load_events = [torch.cuda.Event(interprocess=True)
-                                for _ in range(EVENT_GROUPS * num_layers)]
-            self.event_handles = [bytes(e.ipc_handle()) for e in self.load_events]
         if strategy == "zero_copy":
             self.host_view = host_pool.device_views(self.device, widen=cs.widen)
-        self._opened: collections.OrderedDict[bytes, torch.cuda.Event] = collections.OrderedDict()
-        self._opened_lock = threading.Lock()
 
     def _stream(self, kind: str):
         stack = contextlib.ExitStack()
@@ -169,39 +157,20 @@ class CudaCopier(StrategyCopier):
         stack.enter_context(torch.cuda.stream(self.streams[kind]))
         return stack
 
-    def registration_reply(self) -> dict:
-        return {"load_events": pack_event_handles(self.event_handles), "event_groups": EVENT_GROUPS}
-
-    def open_event(self, handle: bytes):
-        """The engine's interprocess event from its handle (the offload's `event` field);
-        opened once per handle (the client reuses a small ring of events)."""
-        if not handle:
-            return None
-        if len(handle) != IPC_EVENT_HANDLE_BYTES:
-            raise OpError(ErrorCode.BAD_FIELD, f"event: expected a {IPC_EVENT_HANDLE_BYTES}-byte "
-                          f"CUDA IPC event handle, got {len(handle)} bytes")
-        with self._opened_lock:
-            ev = self._opened.get(handle)
-            if ev is None:
-                try:
-                    ev = torch.cuda.Event.from_ipc_handle(self.device, handle)
-                except RuntimeError as exc:
-                    raise OpError(ErrorCode.BAD_FIELD, f"event: the CUDA IPC event handle could "
-                                  f"not be opened ({exc})") from None
-                self._opened[handle] = ev
-                while len(self._opened) > OPENED_EVENTS_MAX:
-                    self._opened.popitem(last=False)
-            else:
-                self._opened.move_to_end(handle)
-            return ev
-
     def begin_offload(self, task: CopyTask) -> None:
-        ev = task.extra.get("engine_event")
-        if ev is not None:
-            self.streams[OFFLOAD].wait_event(ev)
+        self._wait_fence(OFFLOAD, task)
 
-    def layer_loaded(self, slot: int, layer: int) -> None:
-        self.load_events[(slot % EVENT_GROUPS) * self.num_layers + layer].record(self.streams[LOAD])
+    def begin_load(self, task: CopyTask) -> None:
+        self._wait_fence(LOAD, task)
+
+    def _wait_fence(self, kind: str, task: CopyTask) -> None:
+        if self.order is not None:
+            with torch.cuda.device(self.device):
+                self.order.wait(self.streams[kind], task.fence)
+
+    def layer_loaded(self, task: CopyTask, layer: int) -> None:
+        with torch.cuda.device(self.device):
+            self.order.loaded(self.streams[LOAD], task.slot, layer, task.task_id)
 
     def sync(self, kind: str) -> None:
         self.streams[kind].synchronize()
@@ -210,4 +179,3 @@ class CudaCopier(StrategyCopier):
         for stream in self.streams.values():
             stream.synchronize()
         super().close()
-        self._opened.clear()

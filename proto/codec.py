@@ -53,29 +53,6 @@ def decode(frame: bytes) -> dict:
     return obj
 
 
-IPC_EVENT_HANDLE_BYTES = 64  # cudaIpcEventHandle_t
-
-
-def pack_event_handles(handles: Iterable[bytes]) -> bytes:
-    """CUDA IPC event handles as one bytes field (a list of them would meet the decoder's
-    container cap: 32 event groups x 128 layers is 4,096 items)."""
-    handles = list(handles)
-    if any(len(h) != IPC_EVENT_HANDLE_BYTES for h in handles):
-        raise ValueError(f"a CUDA IPC event handle is {IPC_EVENT_HANDLE_BYTES} bytes")
-    return b"".join(handles)
-
-
-def unpack_event_handles(blob) -> list[bytes]:
-    """The handles of pack_event_handles (a list, as 1.1 daemons sent it, passes through)."""
-    if isinstance(blob, (list, tuple)):
-        return [bytes(h) for h in blob]
-    if not isinstance(blob, (bytes, bytearray)) or len(blob) % IPC_EVENT_HANDLE_BYTES:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"load_events: expected n x {IPC_EVENT_HANDLE_BYTES} "
-                            "bytes of CUDA IPC event handles")
-    n = IPC_EVENT_HANDLE_BYTES
-    return [bytes(blob[i:i + n]) for i in range(0, len(blob), n)]
-
-
 def pack_keys(keys: Iterable[bytes]) -> bytes:
     keys = keys if isinstance(keys, (list, tuple)) else list(keys)
     try:

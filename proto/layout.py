@@ -4,6 +4,7 @@
       "device": "cpu" | "cuda:N",
       "num_layers": L,          # layers, each with the same parts
       "num_blocks": N,          # device blocks; block axis is 0 of every tensor
+      "order_segment": name,    # the engine's order words (order_words.py); required on CUDA
       "tensors": [              # L * P entries, layer-major
         {"layer": i, "part": j, "name": "k" | "v" | "latent" | "scale" | ...,
          "dtype": "bfloat16", "shape": [N, ...], "handle": {...}},
@@ -59,6 +60,7 @@ class LayoutSpec:
     num_blocks: int
     parts: tuple[PartSpec, ...]
     tensors: tuple[TensorSpec, ...]  # layer-major, len = num_layers * len(parts)
+    order_segment: str | None = None  # the engine's order words (order_words.py); CUDA needs it
 
     @property
     def page_bytes(self) -> int:
@@ -130,4 +132,15 @@ def parse_layout(layout: dict) -> LayoutSpec:
         if not isinstance(handle, dict) or handle.get("kind") not in ("shm", "cuda_ipc"):
             raise _bad(f"{where}handle: expected a map with kind 'shm' or 'cuda_ipc'")
         specs.append(TensorSpec(layer, part, handle))
-    return LayoutSpec(device, num_layers, num_blocks, tuple(parts), tuple(specs))
+    order = layout.get("order_segment")
+    if order is not None and (not isinstance(order, str) or not 1 < len(order) <= 255):
+        raise _bad(f"order_segment: expected a shared-memory name, got {order!r}")
+    return LayoutSpec(device, num_layers, num_blocks, tuple(parts), tuple(specs), order)
+
+
+def require_order_segment(spec: LayoutSpec) -> None:
+    """A registration of CUDA KV must bring the engine's order words (order_words.py): without
+    them nothing orders the daemon's copies against the engine's kernels."""
+    if spec.order_segment is None and spec.device != "cpu":
+        raise _bad("order_segment: CUDA KV needs the engine's order-words segment (protocol 1.3: "
+                   "a client older than the daemon; upgrade kvcached on the engine's side)")

@@ -50,6 +50,8 @@ class OpSpec:
 KEYS = Field("keys", "keys")
 BLOCKS = Field("blocks", "blocks")
 PRIORITY = Field("priority", "int", required=False, default=0, lo=-1000, hi=1000)
+# the engine's fence (kvcached_proto.order_words): the copies wait for word >= fence; 0 = none
+FENCE = (Field("fence_word", "uint", False, 0, hi=2**31 - 1), Field("fence", "uint", False, 0, hi=2**62))
 
 OP_SPECS: dict[Op, OpSpec] = {
     s.op: s
@@ -64,11 +66,11 @@ OP_SPECS: dict[Op, OpSpec] = {
         OpSpec(Op.UNREGISTER_KV, admin=True),
         OpSpec(
             Op.OFFLOAD,
-            (KEYS, BLOCKS, PRIORITY, Field("event", "bytes", False, b"", 1024)),
+            (KEYS, BLOCKS, PRIORITY, *FENCE),
             needs_kv=True,
         ),
         OpSpec(Op.LOOKUP, (KEYS,)),
-        OpSpec(Op.LOAD, (KEYS, BLOCKS, PRIORITY), needs_kv=True),
+        OpSpec(Op.LOAD, (KEYS, BLOCKS, PRIORITY, *FENCE), needs_kv=True),
         OpSpec(
             Op.PREFETCH,
             (KEYS, PRIORITY,

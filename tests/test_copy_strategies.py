@@ -138,17 +138,21 @@ def test_numpy_strategy_is_refused_for_cuda_daemons(run_dir):
         DaemonConfig(copy_strategy="fast", run_dir=run_dir).validate()
 
 
-def test_a_cpu_daemon_ignores_an_offload_event(daemon):
+def test_a_protocol_1_2_offload_event_is_refused_and_changes_nothing(daemon):
+    """1.3 replaced CUDA IPC events by the order words: an offload with 1.2's `event` field is
+    BAD_FIELD (silently ignoring it would drop the ordering it asked for)."""
     import os
 
-    from kvcached_proto import Op, pack_block_ids, pack_keys
+    from kvcached_client import RequestError
+    from kvcached_proto import ErrorCode, Op, pack_block_ids, pack_keys
 
     kv = small_kv(num_layers=2, num_blocks=16)
     with daemon.connect() as c:
         assert c.register_kv_cache(kv)["copy_strategy"] == "numpy"
-        assert c.cuda is None
+        assert c.order is not None and c.order.ops is None  # CPU: the words, no CUDA
         keys = HASHER.hash_blocks(list(range(16 * 3)), 16)
-        reply = c._request(Op.OFFLOAD, None, keys=pack_keys(keys), blocks=pack_block_ids([0, 1, 2]),
-                           event=os.urandom(64))
-        assert c.wait_event(reply["task"], 10)["status"] == "done"
-        assert c.lookup(keys) == (3, 0)
+        with pytest.raises(RequestError) as err:
+            c._request(Op.OFFLOAD, None, keys=pack_keys(keys), blocks=pack_block_ids([0, 1, 2]),
+                       event=os.urandom(64))
+        assert err.value.code == ErrorCode.BAD_FIELD and "event" in err.value.message
+        assert c.lookup(keys) == (0, 0)

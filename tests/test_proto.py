@@ -106,30 +106,3 @@ def test_parse_request_fills_defaults_and_unpacks():
     req = parse_request(decode(encode(_req(Op.LOAD, keys=b"a" * 16, blocks=pack_block_ids([3])))))
     assert req.op == Op.LOAD and req.body["priority"] == 0
     assert list(req.body["keys"]) == [b"a" * 16] and req.body["blocks"].tolist() == [3]
-
-
-def test_load_event_handles_travel_as_one_bytes_field_past_128_layers():
-    """A registration reply of a 200-layer CUDA model: 32 x 200 event handles. As a list they
-    meet the decoder's 4,096-item cap; as one bytes field they pass, and come back in order."""
-    from kvcached_proto.codec import pack_event_handles, unpack_event_handles
-
-    handles = [i.to_bytes(4, "little") * 16 for i in range(32 * 200)]
-    with pytest.raises(ProtocolError):
-        decode(encode({"ok": True, "load_events": handles}))
-    reply = decode(encode({"ok": True, "load_events": pack_event_handles(handles), "event_groups": 32}))
-    assert unpack_event_handles(reply["load_events"]) == handles
-    assert unpack_event_handles(handles[:3]) == handles[:3]  # a 1.1 daemon's list
-    with pytest.raises(ProtocolError, match="64"):
-        unpack_event_handles(b"x" * 65)
-    with pytest.raises(ValueError):
-        pack_event_handles([b"short"])
-
-
-def test_the_client_checks_the_event_count_against_the_layers():
-    from kvcached_client.cuda_order import CudaOrder
-    from kvcached_proto.codec import pack_event_handles
-
-    blob = pack_event_handles([bytes(64)] * (4 * 3))
-    assert len(CudaOrder("cuda:0", blob, 4, 3)._load_handles) == 12  # no CUDA call is made
-    with pytest.raises(ProtocolError, match="12 handles for 4 groups x 4 layers"):
-        CudaOrder("cuda:0", blob, 4, 4)

@@ -1,9 +1,11 @@
 """The CUDA path on a real GPU (skipped without one; run by scripts/gpu_check.sh).
 
 CUDA IPC registration of the engine's tensors by the daemon (another process), byte-exact
-round trips through every copy strategy, event ordering (a kernel's writes are what the
-offload reads, with no host synchronize), wait_layer's stream wait under concurrent compute,
-the refusal of expandable-segment memory, and a dead engine's mappings released.
+round trips through every copy strategy, ordering through the order words (a kernel's writes
+are what the offload reads, a load lands after the engine's queued writes to its blocks, with
+no host synchronize), wait_layer's stream wait under concurrent compute, the refusal of
+expandable-segment memory, a dead engine's mappings released, and neither side's death
+leaving the other's stream waiting forever.
 """
 import os
 import signal
@@ -22,7 +24,6 @@ from kvcached.transfer import LOAD, OFFLOAD
 from kvcached.transfer_cuda import CudaCopier
 from kvcached_client import BlockHasher, allocate_kv_cache, launch
 from kvcached_client.kv_alloc import describe_kv_cache
-from kvcached_proto.codec import unpack_event_handles
 from kvcached_proto.layout import parse_layout
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -104,7 +105,7 @@ def test_round_trip_through_the_daemon_is_byte_exact(cuda_daemon):
     randomize(kv, 3)
     with cuda_daemon.connect(timeout=60) as c:
         reply = c.register_kv_cache(kv)
-        assert len(unpack_event_handles(reply["load_events"])) == reply["event_groups"] * 8
+        assert reply["copy_strategy"] and c.order is not None and c.order.ops is not None
         src, dst, keys = list(range(10, 60)), list(range(70, 120)), keys_for(50)
         expected = [[t[src].clone() for t in layer] for layer in kv]
         assert c.offload(src, keys).wait(60)["stored"] == 50
@@ -230,28 +231,106 @@ def test_a_dead_engines_mappings_are_released(cuda_daemon):
                 engine.wait(30)
 
 
-def test_a_bad_offload_event_handle_is_refused_and_changes_nothing(cuda_daemon):
+def test_a_bad_fence_is_refused_and_changes_nothing(cuda_daemon):
     from kvcached_client import RequestError
     from kvcached_proto import ErrorCode, Op, pack_block_ids, pack_keys
+    from kvcached_proto.order_words import FENCE_WORDS
 
     kv = allocate_kv_cache(2, 32, SHAPE, torch.bfloat16, device=DEV)
     with cuda_daemon.connect(timeout=60) as c:
         c.register_kv_cache(kv)
         keys = keys_for(4, 11)
-        for bad in (b"\x01" * 10, b"\x00" * 64):  # wrong size; the right size but no such event
+        for op in (Op.OFFLOAD, Op.LOAD):
             with pytest.raises(RequestError) as err:
-                c._request(Op.OFFLOAD, None, keys=pack_keys(keys), blocks=pack_block_ids([0, 1, 2, 3]),
-                           event=bad)
+                c._request(op, None, keys=pack_keys(keys), blocks=pack_block_ids([0, 1, 2, 3]),
+                           fence_word=FENCE_WORDS, fence=1)
             assert err.value.code == ErrorCode.BAD_FIELD
         assert c.lookup(keys) == (0, 0)
         assert c.check() == "ok"
 
 
+def test_a_load_lands_after_the_engines_queued_writes_to_its_blocks(cuda_daemon):
+    """The engine zeroes the target blocks on its stream behind 300 ms of matmuls and calls
+    load() with no synchronize: the daemon's copies wait for the fence, so the zeroing cannot
+    land after (and wipe) the loaded bytes."""
+    kv = allocate_kv_cache(4, 64, SHAPE, torch.bfloat16, device=DEV)
+    randomize(kv, 5)
+    with cuda_daemon.connect(timeout=60) as c:
+        c.register_kv_cache(kv)
+        src, dst, keys = list(range(0, 16)), list(range(32, 48)), keys_for(16, 13)
+        want = [[t[src].clone() for t in layer] for layer in kv]
+        assert c.offload(src, keys).wait(60)["stored"] == 16
+        torch.cuda.synchronize()
+        idx = torch.tensor(dst, device=DEV)
+        busy_stream(300)
+        for layer in kv:
+            for t in layer:
+                t.index_fill_(0, idx, 0)  # queued behind the matmuls
+        task = c.load(keys, dst)  # no synchronize before it
+        for i in range(4):
+            task.wait_layer(i, timeout=60)
+        assert task.wait(60) == 16
+        torch.cuda.synchronize()
+        for layer, exp in zip(kv, want):
+            for t, e in zip(layer, exp):
+                assert torch.equal(t[dst], e), "the engine's earlier zeroing landed after the load"
+
+
+def test_an_engine_killed_before_its_fence_does_not_stall_the_daemon(cuda_daemon):
+    """The engine queues a long kernel, then an offload whose fence comes after it, and is
+    killed: its fence is never written. The daemon's offload stream waits for it until the
+    daemon sees the engine gone and releases the fence words; the offload is cancelled
+    (nothing of it is kept) and the next engine's offloads and loads run."""
+    code = textwrap.dedent(f"""
+        import sys, time, torch
+        from kvcached_client import BlockHasher, Client, allocate_kv_cache
+        kv = allocate_kv_cache(2, 64, (16, 8, 128), torch.bfloat16, device="{DEV}")
+        c = Client.connect(instance={cuda_daemon.instance!r}, run_dir={cuda_daemon.run_dir!r}, timeout=60)
+        c.register_kv_cache(kv)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(60e9))  # about half a minute of GPU time before the fence
+        keys = BlockHasher("gdead").hash_blocks(list(range(16 * 8)), 16)
+        c.offload(range(8), keys)
+        print("OFFLOADED", flush=True)
+        time.sleep(600)
+    """)
+    engine = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert engine.stdout.readline().strip() == "OFFLOADED"
+        time.sleep(0.5)
+        engine.send_signal(signal.SIGKILL)
+        engine.wait(30)
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait(30)
+    kv = allocate_kv_cache(2, 64, SHAPE, torch.bfloat16, device=DEV)
+    randomize(kv, 6)
+    with cuda_daemon.connect(timeout=60) as c:
+        deadline = time.monotonic() + 30
+        while c.status()["kv"]["registered"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not c.status()["kv"]["registered"], "the dead engine's registration was kept"
+        dead_keys = BlockHasher("gdead").hash_blocks(list(range(16 * 8)), 16)
+        assert c.lookup(dead_keys) == (0, 0), "a cancelled offload of a dead engine was kept"
+        c.register_kv_cache(kv)
+        keys = keys_for(8, 17)
+        want = [[t[:8].clone() for t in layer] for layer in kv]
+        assert c.offload(list(range(8)), keys).wait(30)["stored"] == 8
+        assert c.load(keys, list(range(16, 24))).wait(30) == 8
+        torch.cuda.synchronize()
+        for layer, exp in zip(kv, want):
+            for t, e in zip(layer, exp):
+                assert torch.equal(t[16:24], e)
+        assert c.check() == "ok"
+
+
 def test_a_daemon_killed_under_the_engines_stream_wait_does_not_hang_the_engine(run_dir):
-    """The engine's stream waits on the daemon's layer-0 event while the daemon's copies are
-    still running (8 layers of 512 MiB to load), and the daemon is killed then. The engine's stream must
-    still drain (bounded: the engine runs in a child with a timeout), and the load must be
-    reported failed, never as loaded."""
+    """The engine's stream waits on the daemon's layer-0 progress word while the daemon's copies
+    are still running (8 layers of 512 MiB to load), and the daemon is killed then. Seen on an
+    H100 with IPC events (protocol 1.2): the stream never drained. With the order words the
+    client's guard sees the daemon gone and releases the wait: the stream drains, and the load
+    is reported failed, never as loaded (bounded: the engine runs in a child with a timeout)."""
     instance = unique_instance("gkill")
     code = textwrap.dedent(f"""
         import os, signal, sys, time, torch
@@ -278,7 +357,7 @@ def test_a_daemon_killed_under_the_engines_stream_wait_does_not_hang_the_engine(
     engine = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
     try:
-        out, _ = engine.communicate(timeout=240)
+        out, _ = engine.communicate(timeout=100)
     except subprocess.TimeoutExpired:
         engine.kill()
         out, _ = engine.communicate()
@@ -287,3 +366,43 @@ def test_a_daemon_killed_under_the_engines_stream_wait_does_not_hang_the_engine(
         sweep_crashed(instance)
     assert "KILLED" in out and "DRAINED" in out, out[-3000:]
     assert "FAILED" in out, "a load whose daemon died mid-copy was reported loaded:\n" + out[-3000:]
+
+
+@pytest.mark.parametrize("blocked_in", ["synchronize", "tolist", "item"])
+def test_the_guard_releases_a_wait_while_the_engine_thread_blocks_in_a_sync(blocked_in):
+    """The engine's thread blocks in a CUDA sync (what vLLM does at the end of a step) on a
+    stream that waits for a progress word the daemon will never write; the client's guard,
+    told the daemon is lost, releases the wait from its own thread. The kernels are loaded
+    first: one launched for the first time behind a blocked wait (CUDA lazy loading) blocks
+    its thread with the GIL held, and then no Python thread can run (seen on an H100)."""
+    code = textwrap.dedent(f"""
+        import time, torch
+        from kvcached_client.cuda_order import EngineOrder
+        x = torch.ones(1000, device="{DEV}")
+        (x * 2).tolist(); (x * 2).sum().item()  # load the kernels used below
+        at = [float("inf")]
+        order = EngineOrder("{DEV}", 1, lambda: time.monotonic() > at[0])
+        order.wait_loaded(0, 0, 5)
+        y = x * 2
+        at[0] = time.monotonic() + 0.5
+        start = time.monotonic()
+        if "{blocked_in}" == "synchronize":
+            torch.cuda.current_stream().synchronize()
+        elif "{blocked_in}" == "tolist":
+            y.tolist()
+        else:
+            y.sum().item()
+        print("RETURNED %.2f %s" % (time.monotonic() - start, order.released), flush=True)
+        order.close()
+    """)
+    engine = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = engine.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        engine.kill()
+        out, _ = engine.communicate()
+        pytest.fail("the engine thread stayed blocked: the guard did not release its wait\n" + out[-2000:])
+    line = [ln for ln in out.splitlines() if ln.startswith("RETURNED")]
+    assert line and line[0].endswith("True"), out[-2000:]
+    assert 0.4 < float(line[0].split()[1]) < 10, line[0]

@@ -1,0 +1,237 @@
+"""The order words (kvcached_proto.order_words) on CPU: the GEQ rule, the engine's fence-word
+bookkeeping and its guard (pure logic, with a recording stand-in for the CUDA stream
+operations), and a real daemon reading and writing a real engine segment: fences checked,
+progress words written before the counter, a bad or forged segment refused, a dead engine's
+fence words released."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import keys_for, wait_until
+from kvcached_client import RequestError
+from kvcached_client import cuda_order
+from kvcached_client.cuda_order import EngineOrder
+from kvcached_client.kv_alloc import describe_kv_cache
+from kvcached_proto import ErrorCode, KvcachedTimeout, Op, pack_block_ids, pack_keys
+from kvcached_proto.order_words import FENCE_WORDS, RELEASED, load_word, reached, segment_bytes
+from kvcached_proto.shm_layout import NUM_SLOTS
+
+
+def small_kv(layers=2, blocks=16):
+    from kvcached_client import allocate_kv_cache
+
+    kv = allocate_kv_cache(layers, blocks, (4, 2, 8), torch.float16)
+    for i, layer in enumerate(kv):
+        for j, t in enumerate(layer):
+            t.copy_(torch.arange(t.numel(), dtype=torch.float32).view(t.shape) + 1000 * i + 7 * j)
+    return kv
+
+
+# the rule --------------------------------------------------------------------------------------
+
+def test_reached_is_the_drivers_signed_geq():
+    assert reached(5, 5) and reached(6, 5) and not reached(4, 5)
+    assert reached(RELEASED, 2**40) and reached(RELEASED, 1)  # a release passes every wait
+    assert not reached(2**64 - 1, 3)  # all ones is -1 to the driver: it would not pass
+    assert reached(3, 2**64 - 2)  # past a wrap, by the signed difference
+    assert segment_bytes(NUM_SLOTS, 1) % 4096 == 0
+    assert segment_bytes(NUM_SLOTS, 80) >= 8 * load_word(NUM_SLOTS - 1, 79, 80) + 8
+
+
+# the engine's half, with a stand-in for the stream operations ------------------------------------
+
+class QueuedOps:
+    """Records what would be queued on streams; `run()` plays the queued writes like a GPU."""
+
+    def __init__(self, addr, nbytes):
+        self.words = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint64 * (nbytes // 8))
+                                           .from_address(addr))
+        self.writes, self.waits, self.unregistered = [], [], False
+
+    def write(self, stream, word, value):
+        self.writes.append((word, value))
+
+    def wait_geq(self, stream, word, value):
+        self.waits.append((word, value))
+
+    def run(self):
+        for word, value in self.writes:
+            self.words[word] = value
+        self.writes.clear()
+
+    def unregister(self):
+        self.unregistered = True
+
+
+class FakeStream:
+    cuda_stream = 1234
+
+
+def engine_order(lost=lambda: False, layers=2):
+    made = []
+
+    def factory(addr, nbytes):
+        made.append(QueuedOps(addr, nbytes))
+        return made[-1]
+    order = EngineOrder("cuda:0", layers, lost, ops_factory=factory)
+    return order, made[0]
+
+
+def test_a_fence_word_is_reused_only_once_its_last_fence_was_reached():
+    order, ops = engine_order()
+    try:
+        fences = [order.fence(FakeStream()) for _ in range(FENCE_WORDS)]
+        assert sorted(f["fence_word"] for f in fences) == list(range(FENCE_WORDS))
+        assert [f["fence"] for f in fences] == list(range(1, FENCE_WORDS + 1))
+        with pytest.raises(KvcachedTimeout, match="fence"):  # every word still waits for its stream
+            order.fence(FakeStream(), timeout=0.05)
+        ops.run()  # the engine's streams reached their fences
+        again = order.fence(FakeStream())
+        assert again["fence"] == FENCE_WORDS + 1 and ops.writes == [(again["fence_word"], again["fence"])]
+    finally:
+        order.close()
+    assert ops.unregistered
+
+
+def test_the_guard_releases_waits_only_when_the_daemon_is_lost(monkeypatch):
+    monkeypatch.setattr(cuda_order, "GUARD_PERIOD_S", 0.005)
+    lost = {"now": False}
+    order, ops = engine_order(lambda: lost["now"])
+    try:
+        order.wait_loaded(slot=3, layer=1, task_id=41, stream=FakeStream())
+        assert ops.waits == [(load_word(3, 1, 2), 41)]
+        time.sleep(0.1)
+        assert order.pending() == 1 and not order.released  # the daemon lives: its write will come
+        order.words[load_word(3, 1, 2)] = 41  # the daemon's stream wrote it
+        wait_until(lambda: order.pending() == 0, 2)
+        order.wait_loaded(slot=4, layer=0, task_id=42, stream=FakeStream())
+        lost["now"] = True
+        wait_until(lambda: order.released, 2)
+        assert order.pending() == 0 and (order.words[FENCE_WORDS:] == RELEASED).all()
+    finally:
+        order.close()
+
+
+def test_closing_with_waits_in_flight_keeps_the_mapping_until_they_end(monkeypatch):
+    monkeypatch.setattr(cuda_order, "GUARD_PERIOD_S", 0.005)
+    monkeypatch.setattr(cuda_order, "CLOSED_RELEASE_S", 0.3)
+    order, ops = engine_order()
+    order.wait_loaded(slot=0, layer=0, task_id=7, stream=FakeStream())
+    order.close()
+    assert not os.path.exists(f"/dev/shm{order.name}")  # the name goes at once
+    assert not ops.unregistered  # a stream still waits on the mapping
+    wait_until(lambda: ops.unregistered, 3)  # released past CLOSED_RELEASE_S, then freed
+    assert order.released
+
+
+# a real daemon with a real engine segment --------------------------------------------------------
+
+def test_progress_words_hold_the_load_before_its_counter_and_fences_are_checked(daemon):
+    kv = small_kv()
+    with daemon.connect() as c:
+        c.register_kv_cache(kv)
+        keys = keys_for(4, 31)
+        assert c.offload([0, 1, 2, 3], keys).wait(10)["stored"] == 4
+        task = c.load(keys, [8, 9, 10, 11])
+        for layer in range(2):
+            task.wait_layer(layer, timeout=10)  # checks the word against the task id
+            assert int(c.order.words[load_word(task.slot, layer, 2)]) == task.id
+        assert task.wait(10) == 4
+        word = c.order.fence(None)["fence_word"]  # written by the CPU: the next is unwritten
+        for op in (Op.OFFLOAD, Op.LOAD):
+            for bad in ({"fence_word": word, "fence": 10**6}, {"fence_word": FENCE_WORDS, "fence": 1}):
+                with pytest.raises(RequestError) as err:
+                    c._request(op, None, keys=pack_keys(keys_for(2, 32)), blocks=pack_block_ids([12, 13]),
+                               **bad)
+                assert err.value.code == ErrorCode.BAD_FIELD
+        assert c.lookup(keys_for(2, 32)) == (0, 0)
+        assert c.check() == "ok"
+
+
+@pytest.mark.parametrize("case", ["kv_segment", "missing", "too_small", "not_ours"])
+def test_a_bad_order_segment_is_refused_and_registers_nothing(daemon, case):
+    import posix_ipc
+
+    kv = small_kv()
+    layout = describe_kv_cache(kv)
+    made = None
+    if case == "kv_segment":
+        layout["order_segment"] = layout["tensors"][0]["handle"]["name"]
+    elif case == "missing":
+        layout["order_segment"] = f"/kvcached.{os.getuid()}.kv.{os.getpid()}.99999"
+    elif case == "too_small":
+        made = f"/kvcached.{os.getuid()}.kv.{os.getpid()}.99998"
+        posix_ipc.SharedMemory(made, flags=posix_ipc.O_CREX, mode=0o600, size=4096).close_fd()
+        layout["order_segment"] = made
+    else:
+        layout["order_segment"] = "/kvcached.0.kv.1.1" if os.getuid() else "/kvcached.1.kv.1.1"
+    try:
+        with daemon.connect() as c:
+            with pytest.raises(RequestError) as err:
+                c._request(Op.REGISTER_KV, layout=layout)
+            assert err.value.code in (ErrorCode.KV_MISMATCH, ErrorCode.BAD_FIELD)
+            assert "order_segment" in err.value.message or "segment" in err.value.message
+            assert c.status()["kv"]["registered"] is False
+    finally:
+        if made:
+            posix_ipc.unlink_shared_memory(made)
+
+
+def test_cuda_kv_without_an_order_segment_is_refused_at_registration():
+    from kvcached_proto import ProtocolError
+    from kvcached_proto.layout import parse_layout, require_order_segment
+
+    layout = {"device": "cuda:0", "num_layers": 1, "num_blocks": 4, "tensors": [
+        {"layer": 0, "part": 0, "dtype": "float16", "shape": [4, 8], "handle": {"kind": "cuda_ipc"}}]}
+    with pytest.raises(ProtocolError, match="order_segment"):
+        require_order_segment(parse_layout(layout))  # what register_kv checks first
+    require_order_segment(parse_layout({**layout, "order_segment": "/kvcached.0.kv.1.1"}))
+    cpu = {**layout, "device": "cpu"}
+    cpu["tensors"] = [{**layout["tensors"][0], "handle": {"kind": "shm"}}]
+    require_order_segment(parse_layout(cpu))  # optional on CPU
+
+
+def test_a_dead_engines_fence_words_are_released(daemon):
+    """An engine registers and is SIGKILLed; the daemon, seeing it gone, writes RELEASED into
+    its fence words (on CUDA that is what lets a copy stream waiting for a fence go on)."""
+    import mmap
+
+    import posix_ipc
+
+    code = textwrap.dedent(f"""
+        import sys, time, torch
+        from kvcached_client import Client, allocate_kv_cache
+        kv = allocate_kv_cache(2, 16, (4, 2, 8), torch.float16)
+        c = Client.connect(instance={daemon.instance!r}, run_dir={daemon.run_dir!r})
+        c.register_kv_cache(kv)
+        print(c.order.name, flush=True)
+        time.sleep(60)
+    """)
+    engine = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    name = engine.stdout.readline().strip()
+    shm = posix_ipc.SharedMemory(name, flags=0)
+    mm = mmap.mmap(shm.fd, shm.size)
+    shm.close_fd()
+    try:
+        words = np.frombuffer(mm, dtype=np.uint64)
+        assert not (words[:FENCE_WORDS] == RELEASED).any()
+        engine.send_signal(signal.SIGKILL)
+        engine.wait(10)
+        wait_until(lambda: bool((words[:FENCE_WORDS] == RELEASED).all()), 15)
+        del words
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait(10)
+        mm.close()
+        try:
+            posix_ipc.unlink_shared_memory(name)
+        except posix_ipc.ExistentialError:
+            pass  # swept by the daemon
