@@ -35,7 +35,7 @@ from kvcached_proto.paths import DEFAULT_INSTANCE, check_instance, request_endpo
 from kvcached_proto.version import PROTOCOL_VERSION
 
 from .kv_alloc import describe_kv_cache
-from .signals import SignalReader, hang_threshold
+from .status_block import SignalReader, hang_threshold
 from .tasks import LoadTask, Task
 
 if TYPE_CHECKING:

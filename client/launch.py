@@ -16,7 +16,7 @@ import weakref
 from kvcached_proto.errors import DaemonUnavailable, KvcachedError, KvcachedTimeout
 from kvcached_proto.paths import DEFAULT_INSTANCE, check_instance, resolve_run_dir
 
-from .signals import SignalReader
+from .status_block import SignalReader
 
 STDERR_TAIL_LINES = 20
 

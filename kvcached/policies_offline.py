@@ -24,6 +24,7 @@ import collections
 import math
 
 from .policies import EvictionPolicy
+from .trace_keys import block_key
 
 REUSE_HORIZON = 400  # requests
 FEATURE_TURNOVERS = 30
@@ -38,8 +39,6 @@ class FutureKnowledge(EvictionPolicy):
         self.now_req = -1
 
     def prepare(self, trace) -> None:
-        from .replay import block_key
-
         uses = collections.defaultdict(list)
         for n, req in enumerate(trace):
             for h in req.hash_ids:

@@ -19,6 +19,7 @@ from typing import Callable, Iterable
 from .index import BlockIndex
 from .policies import POLICIES, make_policy
 from .policies_offline import OFFLINE_POLICIES
+from .trace_keys import block_key
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +45,6 @@ def load_trace(path: str) -> list[Request]:
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{n}: not a Mooncake trace record ({exc})") from None
     return out
-
-
-def block_key(hash_id: int) -> bytes:
-    return hash_id.to_bytes(16, "little", signed=False)
 
 
 @dataclass

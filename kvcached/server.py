@@ -43,10 +43,10 @@ from kvcached_proto.version import PROTOCOL_VERSION
 from . import __version__, machine, sigbus
 from .config import DaemonConfig, prepare_run_dir
 from .errors import OpError, StartupError
-from .events import EventSink
+from .task_events import EventSink
 from .service import CacheService
 from .metrics import Metrics
-from .signals import SignalSegment
+from .status_block import SignalSegment
 from .status import StatusThread
 
 log = logging.getLogger(__name__)

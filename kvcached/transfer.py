@@ -24,6 +24,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from kvcached_proto.block_runs import fragmented, host_runs
+
 from .copy_strategies import widen
 
 log = logging.getLogger(__name__)
@@ -61,17 +63,6 @@ class CopyTask:
     @property
     def num_blocks(self) -> int:
         return len(self.dev_blocks)
-
-
-def host_runs(host_blocks: np.ndarray) -> list[tuple[int, int, int]]:
-    """Split positions into runs of consecutive host ids: (start, end, first_host_block)."""
-    n = len(host_blocks)
-    if n == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(host_blocks) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [n]))
-    return [(int(a), int(b), int(host_blocks[a])) for a, b in zip(starts, ends)]
 
 
 @dataclass(eq=False)
@@ -153,7 +144,7 @@ class CpuCopier(CopierHooks):
         dev_ids, host_ids, runs = plan.dev_ids, plan.host_ids, plan.runs
         moved = 0
         for dev, host in zip(self.dev[layer], self.host[layer]):
-            if len(runs) * 4 > len(host_ids):  # fragmented: one gather + one scatter
+            if fragmented(len(runs), len(host_ids)):  # fragmented: one gather + one scatter
                 host[host_ids] = np.take(dev, dev_ids, axis=0, mode="clip")
             else:
                 for a, b, h in runs:
@@ -165,7 +156,7 @@ class CpuCopier(CopierHooks):
         dev_ids, host_ids, runs = plan.dev_ids, plan.host_ids, plan.runs
         moved = 0
         for dev, host in zip(self.dev[layer], self.host[layer]):
-            if len(runs) * 4 > len(host_ids):
+            if fragmented(len(runs), len(host_ids)):
                 dev[dev_ids] = np.take(host, host_ids, axis=0, mode="clip")
             else:
                 for a, b, h in runs:

@@ -101,7 +101,7 @@ def main() -> int:
 def faults(args, model: str, size: list[str], tmp: str) -> int:
     import vllm_faults
 
-    from kvcached_client.signals import hang_threshold
+    from kvcached_client.status_block import hang_threshold
 
     hang = args.hang_s or hang_threshold()
     try:

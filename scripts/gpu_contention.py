@@ -30,7 +30,7 @@ if sys.argv[1:2] == ["child"]:
             s.synchronize()
     sys.exit(0)
 
-from kvcached.bench.transfer import LAYERS  # noqa: E402
+from kvcached.bench.transfer_blocks import LAYERS  # noqa: E402
 from kvcached.bench.transfer_cuda import Forward, _timed  # noqa: E402
 
 dev = torch.device("cuda:0")

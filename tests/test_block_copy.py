@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from kvcached_client.block_copy import copy_blocks, paired_runs
+from kvcached_client.block_copy import copy_blocks
+from kvcached_proto.block_runs import fragmented, host_runs, paired_runs
 
 
 def test_runs_break_where_either_side_jumps():
@@ -10,6 +11,14 @@ def test_runs_break_where_either_side_jumps():
     assert paired_runs([], []) == []
     with pytest.raises(ValueError, match="2 source blocks for 1"):
         paired_runs([1, 2], [3])
+
+
+def test_host_runs_and_the_fragmentation_threshold_are_the_ones_both_sides_use():
+    import numpy as np
+
+    assert host_runs(np.array([7, 8, 9, 3, 4, 10])) == [(0, 3, 7), (3, 5, 3), (5, 6, 10)]
+    assert host_runs(np.array([], dtype=np.int64)) == []
+    assert not fragmented(2, 8) and fragmented(3, 8)  # at most one run per four blocks
 
 
 @pytest.mark.parametrize("src_ids, dst_ids", [

@@ -7,7 +7,7 @@ import torch
 from conftest import small_kv, unique_instance
 from kvcached import copy_strategies as cs
 from kvcached.transfer import LOAD, OFFLOAD
-from kvcached.transfer_cuda import STAGING_BYTES, StrategyCopier
+from kvcached.strategy_copier import STAGING_BYTES, StrategyCopier
 from kvcached_client import BlockHasher, launch
 
 HASHER = BlockHasher("strategy-test|bfloat16")

@@ -71,7 +71,7 @@ from conftest import small_kv  # noqa: E402
 from kvcached import copy_strategies as cs  # noqa: E402
 from kvcached import host_pool, pin_plan  # noqa: E402
 from kvcached.transfer import OFFLOAD  # noqa: E402
-from kvcached.transfer_cuda import StrategyCopier  # noqa: E402
+from kvcached.strategy_copier import StrategyCopier  # noqa: E402
 from kvcached_client.kv_alloc import describe_kv_cache  # noqa: E402
 from kvcached_proto.layout import parse_layout  # noqa: E402
 

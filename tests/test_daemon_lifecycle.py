@@ -11,7 +11,7 @@ import pytest
 
 from conftest import unique_instance
 from kvcached_client import Client, DaemonUnavailable, KvcachedError, launch
-from kvcached_client.signals import DEFAULT_HANG_S, hang_threshold
+from kvcached_client.status_block import DEFAULT_HANG_S, hang_threshold
 from kvcached_proto.liveness import pid_namespace, start_ticks
 from kvcached_proto.shm_layout import SEGMENT_BYTES, Flag, SignalView, segment_name
 from kvcached_proto.paths import socket_paths

@@ -23,7 +23,7 @@ from kvcached_client import allocate_kv_cache, launch
 
 from .stats import percentiles_us, ratio
 
-LAYERS, BLOCK_SHAPE, DTYPE = 32, (16, 8, 128), torch.bfloat16
+from .transfer_blocks import BLOCK_SHAPE, DTYPE, LAYERS, _check, _fill  # noqa: F401 (re-exported)
 
 
 class MemcpyBaseline:
@@ -48,25 +48,6 @@ class MemcpyBaseline:
             t0 = time.perf_counter()
             ctypes.memmove(dst, src, self.nbytes)
             out.append(self.nbytes / (time.perf_counter() - t0) / 1e9)
-
-
-def _fill(kv, blocks: np.ndarray, salt: int = 0) -> None:
-    """Give each block, layer and part a recognisable value (checked by _check); any device."""
-    for layer, (k, v) in enumerate(kv):
-        for part, t in enumerate((k, v)):
-            marks = torch.from_numpy((blocks * 7 + layer * 3 + part + salt) % 251).to(t.device, DTYPE)
-            t[torch.from_numpy(blocks).to(t.device)] = marks.view(-1, 1, 1, 1).expand(-1, *BLOCK_SHAPE)
-
-
-def _check(kv, blocks: np.ndarray, source_blocks: np.ndarray) -> bool:
-    pick = np.linspace(0, len(blocks) - 1, num=min(16, len(blocks))).astype(int)
-    for layer, (k, v) in enumerate(kv):
-        for part, t in enumerate((k, v)):
-            want = torch.from_numpy((source_blocks[pick] * 7 + layer * 3 + part) % 251).to(t.device, DTYPE)
-            got = t[torch.from_numpy(blocks[pick]).to(t.device)][:, 0, 0, 0]
-            if not torch.equal(got, want):
-                return False
-    return True
 
 
 def run(quick: bool = False, device: str = "cpu", copy_strategy: str = "auto", **kwargs) -> dict:

@@ -35,7 +35,7 @@ from ..host_pool import HostPool
 from ..transfer import LOAD, OFFLOAD
 from ..transfer_cuda import CudaCopier
 from .stats import ratio
-from .transfer import BLOCK_SHAPE, DTYPE, LAYERS, _check, _fill
+from .transfer_blocks import BLOCK_SHAPE, DTYPE, LAYERS, _check, _fill
 
 CROSS_LAYER_BYTES = LAYERS * 2 * 32 * 1024
 HIDDEN, QKV, FFN = 4096, 3 * 4096, 11008

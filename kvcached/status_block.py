@@ -1,4 +1,5 @@
-"""The daemon's side of the shared-memory signal segment (layout: kvcached_proto.shm_layout).
+"""The daemon's side of the shared-memory status block, the signal segment (layout:
+kvcached_proto.shm_layout).
 
 The daemon is the only writer and the only one that unlinks. A segment left by a daemon that
 died is swept at start, after checking that its recorded pid is gone.

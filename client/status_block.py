@@ -1,0 +1,134 @@
+"""The shared-memory status block, read-only (layout: kvcached_proto.shm_layout): readiness,
+heartbeat, the daemon's identity and the load-progress slots."""
+from __future__ import annotations
+
+import mmap
+import os
+import time
+
+import posix_ipc
+
+from kvcached_proto.errors import DaemonUnavailable, KvcachedTimeout
+from kvcached_proto.liveness import pid_alive, pid_namespace, process_alive
+from kvcached_proto.shm_layout import LAYOUT_VERSION, MAGIC, SEGMENT_BYTES, Flag, SignalView, segment_name
+
+# A dead daemon is seen at once through its recorded identity (pid and start time); the
+# heartbeat catches a hung one (or one in another pid namespace). The hang threshold is how
+# long a heartbeat may be missed before the daemon counts as hung: its loads in flight are then
+# load errors and the engine goes on without it until it beats again. The largest heartbeat gap
+# of 148 healthy daemons over a whole test-suite run on a 2-core VM was 0.24 s (stalls of
+# 0.5-0.9 s were seen there earlier under heavier load; README, "A daemon fault"), so 2 s leaves
+# room for them; a false "hung" costs cache hits only, never correctness.
+DEFAULT_HANG_S = 2.0
+HANG_ENV = "KVCACHED_HANG_S"
+HEARTBEAT_STALE_S = DEFAULT_HANG_S  # the name before the threshold became a setting
+
+
+def hang_threshold(hang_s: float | None = None) -> float:
+    """hang_s if given, else $KVCACHED_HANG_S, else DEFAULT_HANG_S."""
+    if hang_s is None:
+        raw = os.environ.get(HANG_ENV, "")
+        if not raw:
+            return DEFAULT_HANG_S
+        try:
+            hang_s = float(raw)
+        except ValueError:
+            raise ValueError(f"{HANG_ENV}={raw!r}: expected seconds, e.g. 2") from None
+    if not 0 < hang_s < 3600:
+        raise ValueError(f"hang threshold {hang_s!r} s: expected seconds in (0, 3600)")
+    return float(hang_s)
+
+
+class SignalReader:
+    def __init__(self, instance: str, hang_s: float | None = None):
+        self.hang_s = hang_threshold(hang_s)
+        self.name = segment_name(os.getuid(), instance)
+        try:
+            shm = posix_ipc.SharedMemory(self.name, flags=0)
+        except posix_ipc.ExistentialError:
+            raise DaemonUnavailable(
+                f"no kvcached daemon named {instance!r} (segment {self.name} missing); "
+                f"start one with `kvcached serve --instance {instance}`"
+            ) from None
+        try:
+            if shm.size < SEGMENT_BYTES:
+                raise DaemonUnavailable(f"segment {self.name} is too small: not a kvcached daemon")
+            self._mm = mmap.mmap(shm.fd, SEGMENT_BYTES, prot=mmap.PROT_READ)
+        finally:
+            shm.close_fd()
+        self.view = SignalView(self._mm)
+        if self.view.magic != MAGIC or self.view.layout_version != LAYOUT_VERSION:
+            self.close()
+            raise DaemonUnavailable(f"segment {self.name} has no valid kvcached header (yet)")
+        self.pid = self.view.pid
+        self.epoch = self.view.epoch
+        self.pid_start = self.view.pid_start
+        # In another pid namespace (a sidecar container without a shared process namespace)
+        # the daemon's pid means nothing here: then only the heartbeat tells it is alive.
+        self._identity = bool(self.pid_start and self.view.pid_ns)
+        if self._identity:
+            self.pid_visible = self.view.pid_ns == pid_namespace()
+        else:  # a daemon that records no identity: guess the namespace from the pid
+            self.pid_visible = pid_alive(self.pid) or not self._beating()
+
+    def ready(self) -> bool:
+        return bool(self.view.flags & Flag.UP)
+
+    def storage_ready(self) -> bool:
+        """Every storage tier is ready (the disk tier's index rebuilt): lookups see it all."""
+        return bool(self.view.flags & Flag.STORAGE_READY)
+
+    def wait_storage_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.storage_ready():
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise KvcachedTimeout(f"the daemon's storage tiers were not ready within "
+                                      f"{timeout:g} s (the disk index is still being rebuilt?); "
+                                      "set the wait's timeout")
+            time.sleep(0.01)
+
+    def _beating(self) -> bool:
+        return (time.monotonic_ns() - self.view.heartbeat_ns) / 1e9 <= self.hang_s
+
+    def gone(self) -> bool:
+        """The daemon's process is known to be gone (never true across pid namespaces)."""
+        if not self.pid_visible:
+            return False
+        if self._identity:
+            return not process_alive(self.pid, self.pid_start)
+        return not pid_alive(self.pid)
+
+    def lost(self) -> bool:
+        """Gone, or silent past the hang threshold (what releases the engine's stream waits)."""
+        return self.gone() or not self._beating()
+
+    def identity_check(self):
+        """A `lost` test that outlives this reader (it reads no shared memory): the recorded
+        process is gone. Across pid namespaces it cannot tell, and says False."""
+        pid, start, identity, visible = self.pid, self.pid_start, self._identity, self.pid_visible
+        if not visible:
+            return lambda: False
+        if identity:
+            return lambda: not process_alive(pid, start)
+        return lambda: not pid_alive(pid)
+
+    def check_alive(self) -> None:
+        """Raise DaemonUnavailable if the daemon exited, stopped, or has missed its heartbeat
+        for longer than the hang threshold."""
+        if self.gone():
+            raise DaemonUnavailable(f"kvcached daemon pid {self.pid} has exited")
+        if not self.view.flags & Flag.UP:
+            raise DaemonUnavailable(f"kvcached daemon pid {self.pid} is stopping or stopped")
+        age = (time.monotonic_ns() - self.view.heartbeat_ns) / 1e9
+        if age > self.hang_s:
+            raise DaemonUnavailable(
+                f"kvcached daemon pid {self.pid} missed its heartbeat for {age:.2f} s "
+                f"(hung: the hang threshold is {self.hang_s:g} s)"
+            )
+
+    def close(self) -> None:
+        if self._mm is not None:
+            self.view.release()
+            self._mm.close()
+            self._mm = None

@@ -1,0 +1,109 @@
+"""The torch copy strategies (copy_strategies.py) as a copier, on any device: `--copy-strategy`
+runs, gather, zero_copy, or auto (runs when the ids come in long runs, else gather). On CPU it
+is how CI drives the CUDA copier's code through a real daemon; transfer_cuda.CudaCopier adds
+the streams and the order words."""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+from kvcached_proto.block_runs import fragmented, paired_runs
+
+from . import copy_strategies as cs
+from .transfer import LOAD, OFFLOAD, CopierHooks, CopyPlan
+
+STAGING_BYTES = 64 << 20  # per direction: bounds the device memory taken from the engine
+
+
+class StrategyCopier(CopierHooks):
+    """The torch strategies over [blocks, bytes] views; see copy_strategies.py."""
+
+    non_blocking = False
+
+    def __init__(self, dev_views, host_views, strategy: str, cuts=None):
+        """cuts: per layer and part, the host block ids at which a later host-pool
+        registration starts (a pool registered in several calls); runs are split there."""
+        self.strategy = strategy
+        self.cuts = cuts or None
+        self.dev = [[cs.widen(t) for t in row] for row in dev_views]
+        self.host = [[cs.widen(t) for t in row] for row in host_views]
+        self.host_view = self.host  # zero_copy's device-addressable host rows (CPU: the same)
+        self.device = self.dev[0][0].device
+        self.host_contiguous = all(cs.rows_contiguous(t) for t in host_views[0])
+        self._staging: dict[str, torch.Tensor] = {}
+
+    def _stream(self, kind: str):
+        return contextlib.nullcontext()
+
+    def _pick(self, plan: CopyPlan) -> str:
+        if self.strategy != "auto":
+            return self.strategy
+        return "gather" if fragmented(len(plan.extra["pairs"]), len(plan.dev_ids)) else "runs"
+
+    def plan(self, kind: str, dev_ids: np.ndarray, host_ids: np.ndarray) -> CopyPlan:
+        plan = CopyPlan.make(dev_ids, host_ids)
+        if self.host_contiguous:
+            plan.extra["pairs"] = paired_runs(dev_ids, host_ids)
+        else:
+            plan.extra["pairs"] = [(int(d), int(h), 1) for d, h in zip(dev_ids, host_ids)]
+        plan.extra["strategy"] = strategy = self._pick(plan)
+        if strategy != "runs":
+            with self._stream(kind):  # small index copies, ordered before the copies that use them
+                plan.extra["dev_index"] = self._index(dev_ids)
+                plan.extra["host_index"] = self._index(host_ids)
+            plan.extra["host_runs"] = cs.host_runs_for(plan.runs, self.host_contiguous)
+        return plan
+
+    def _index(self, ids: np.ndarray) -> torch.Tensor:
+        """Block ids on the copier's device. On CUDA from pinned memory, non-blocking: a copy
+        from pageable memory would make the CPU wait for the stream (and so serialise an
+        offload behind the engine work its event waits for); the caching host allocator keeps
+        the pinned buffer until the copy has run."""
+        ids = torch.from_numpy(np.ascontiguousarray(ids))
+        if self.device.type != "cuda":
+            return ids
+        return ids.pin_memory().to(self.device, non_blocking=True)
+
+    def staging(self, kind: str, like: torch.Tensor) -> torch.Tensor:
+        """One staging buffer per direction, viewed as rows like `like`'s. Every part and
+        layer of a direction reuses it: its copies are ordered on the direction's stream."""
+        flat = self._staging.get(kind)
+        if flat is None:
+            flat = torch.empty(STAGING_BYTES, dtype=torch.uint8, device=self.device)
+            self._staging[kind] = flat
+        row_bytes = like.shape[1] * like.element_size()
+        rows = max(1, STAGING_BYTES // row_bytes)
+        if rows * row_bytes > flat.numel():  # one row larger than the buffer
+            flat = self._staging[kind] = torch.empty(row_bytes, dtype=torch.uint8, device=self.device)
+        return flat[: rows * row_bytes].view(like.dtype).view(rows, like.shape[1])
+
+    def offload_layer(self, layer: int, plan: CopyPlan) -> int:
+        return self._layer(OFFLOAD, layer, plan)
+
+    def load_layer(self, layer: int, plan: CopyPlan) -> int:
+        return self._layer(LOAD, layer, plan)
+
+    def _layer(self, kind: str, layer: int, plan: CopyPlan) -> int:
+        x, moved = plan.extra, 0
+        with self._stream(kind):
+            for part, (dev, host) in enumerate(zip(self.dev[layer], self.host[layer])):
+                cuts = self.cuts[layer][part] if self.cuts else ()
+                if x["strategy"] == "runs":
+                    fn = cs.offload_runs if kind == OFFLOAD else cs.load_runs
+                    fn(dev, host, cs.split_pairs(x["pairs"], cuts), self.non_blocking)
+                elif x["strategy"] == "gather":
+                    fn = cs.offload_gather if kind == OFFLOAD else cs.load_gather
+                    fn(dev, host, x["dev_index"], cs.split_host_runs(x["host_runs"], cuts),
+                       self.staging(kind, dev), self.non_blocking)
+                else:
+                    fn = cs.offload_zero_copy if kind == OFFLOAD else cs.load_zero_copy
+                    fn(dev, self.host_view[layer][part], x["dev_index"], x["host_index"],
+                       self.staging(kind, dev))
+                moved += len(plan.dev_ids) * dev.shape[1] * dev.element_size()
+        return moved
+
+    def close(self) -> None:
+        self._staging.clear()
+        self.dev = self.host = self.host_view = []  # the registration can be unmapped now
