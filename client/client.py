@@ -30,7 +30,7 @@ from kvcached_proto import (
     pack_keys,
     request_error,
 )
-from kvcached_proto.messages import ROLES
+from kvcached_proto.messages import ROLES, TaskStatus
 from kvcached_proto.paths import DEFAULT_INSTANCE, check_instance, request_endpoint, resolve_run_dir
 from kvcached_proto.version import PROTOCOL_VERSION
 
@@ -418,7 +418,7 @@ class Client:
                               timeout_ms=timeout_ms, block_tokens=block_tokens, priority=priority)
         task = Task(self, reply["task"], "prefetch", reply)
         if reply["task"] == 0:
-            task.status, task.result = "skipped", {"prefetched": 0, "reason": reply.get("skipped")}
+            task.status, task.result = TaskStatus.SKIPPED, {"prefetched": 0, "reason": reply.get("skipped")}
         return task
 
     def flush(self, timeout: float | None = None) -> Task:

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from kvcached_proto.errors import DaemonUnavailable, KvcachedError, KvcachedTimeout, TaskFailed
+from kvcached_proto.messages import TaskStatus
 from kvcached_proto.paths import resolve_run_dir
 
 from .client import DEFAULT_TIMEOUT_S, Client
@@ -77,10 +78,10 @@ class GroupTask:
                 except TaskFailed as exc:
                     per_rank[rank] = exc.result
                     failed.append(rank)
-            self.status = "failed" if failed else "done"
+            self.status = TaskStatus.FAILED if failed else TaskStatus.DONE
             self.result = {"ranks": per_rank, "failed_ranks": failed}
             self.group._forget(self)
-        if self.status == "failed":
+        if self.status == TaskStatus.FAILED:
             raise TaskFailed(f"group {self.kind} task {self.id} failed on ranks "
                              f"{self.result['failed_ranks']}", self.result)
         return self.result
@@ -140,7 +141,7 @@ class GroupLoadTask(GroupTask):
                     self.group._fence_rank(rank, task, task.reply.get("device_blocks", ()))
                     loaded[rank] = 0
             self.result = {"loaded": min(loaded.values(), default=0), "ranks": loaded}
-            self.status = "done"
+            self.status = TaskStatus.DONE
             self.group._forget(self)
         return min(int(self.result["loaded"]), self.num_blocks)
 

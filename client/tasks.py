@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import time
 
-from kvcached_proto import KvcachedTimeout, TaskFailed
+from kvcached_proto import KvcachedTimeout, TaskFailed, TaskStatus
 from kvcached_proto.shm_layout import SlotStatus
 
 SPIN_S = 0.02  # poll (yielding the CPU) this long before sleeping between reads
@@ -19,11 +19,12 @@ class Task:
         self.id = task_id
         self.kind = kind
         self.reply = reply
-        self.status: str | None = None
+        self.status: TaskStatus | None = None
         self.result: dict | None = None
 
     def _absorb(self, event: dict) -> None:
-        self.status = event.get("status")
+        status = event.get("status")
+        self.status = TaskStatus(status) if status in TaskStatus._value2member_map_ else status
         self.result = event.get("result") or {}
 
     def done(self) -> bool:
@@ -38,7 +39,7 @@ class Task:
         """Wait for completion; returns the daemon's result. Raises TaskFailed on failure."""
         if self.result is None:
             self._absorb(self.client.wait_event(self.id, timeout))
-        if self.status == "failed":
+        if self.status == TaskStatus.FAILED:
             raise TaskFailed(f"{self.kind} task {self.id} failed: {self.result.get('error')}",
                              self.result)
         return self.result
@@ -128,7 +129,7 @@ class LoadTask(Task):
                     if view.slot_status(slot) != SlotStatus.RUNNING:  # ended short of it
                         self._raise_incomplete(layer)
             elif self.done():  # slot reused: the task ended; its event says how
-                if self.status == "done" and self.result.get("loaded", 0) > 0:
+                if self.status == TaskStatus.DONE and self.result.get("loaded", 0) > 0:
                     return
                 self._raise_incomplete(layer)
             waited = True

@@ -25,11 +25,12 @@ from kvcached_proto import (
     ProtocolError,
     decode,
     encode,
-    error_reply,
     ok_reply,
     parse_request,
 )
+from kvcached_proto.errors import CodedError
 from kvcached_proto.liveness import pid_alive
+from kvcached_proto.messages import reply_for
 from kvcached_proto.paths import (
     kv_segment_prefix,
     lock_path,
@@ -374,13 +375,11 @@ class Daemon:
                 rid = msg["rid"] if 0 <= msg["rid"] < 2**64 else 0
             req = parse_request(msg)
             reply = ok_reply(rid, **self._dispatch(routing_id, req))
-        except ProtocolError as exc:
-            reply = error_reply(rid, exc.code, exc.message)
-        except OpError as exc:
-            reply = error_reply(rid, exc.code, exc.message)
+        except CodedError as exc:
+            reply = reply_for(rid, exc)
         except Exception as exc:  # a bug: report it to the caller and keep serving others
             log.exception("[dispatch] internal error")
-            reply = error_reply(rid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            reply = reply_for(rid, exc)
         if routing_id[:1] == CURVE_TAG:
             self._send_to(routing_id, encode(reply))
             return

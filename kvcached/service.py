@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from kvcached_proto import OP_SPECS, ErrorCode, Op, task_event
+from kvcached_proto import OP_SPECS, ErrorCode, Op, TaskStatus, task_event
 from kvcached_proto.layout import parse_layout, require_order_segment
 from kvcached_proto.shm_layout import NUM_SLOTS, Flag, SlotStatus, State
 
@@ -221,7 +221,7 @@ class CacheService(StorageFlow):
         if entries:
             self.offloader.submit(task)
         else:
-            self._finish(task, "done", {"stored": 0})
+            self._finish(task, TaskStatus.DONE, {"stored": 0})
         return {"task": task.task_id, "stored": len(entries), "skipped": len(held),
                 "accepted": accepted}
 
@@ -500,12 +500,12 @@ class CacheService(StorageFlow):
                 self.pool.allocator.free(freed)
                 self.counters.bytes["d2h"] += task.bytes_moved
         if task.cancelled:
-            self._finish(task, "cancelled", {"stored": 0})
+            self._finish(task, TaskStatus.CANCELLED, {"stored": 0})
         else:
             if self.tiers and self.tiers.write_policy == "write_through":
                 with self._lock:
                     self._queue_backup([e for e in task.entries if e.live and not e.doomed])
-            self._finish(task, "done", {"stored": task.num_blocks})
+            self._finish(task, TaskStatus.DONE, {"stored": task.num_blocks})
         self._wake_parked()  # loads that shared its entries
 
     def _complete_load(self, task: CopyTask) -> None:
@@ -514,7 +514,7 @@ class CacheService(StorageFlow):
             self.pool.allocator.free(self.index.unpin(task.entries))
             task.entries = []
             self.counters.bytes["h2d"] += task.bytes_moved
-        self._finish(task, "cancelled" if task.cancelled else "done", {"loaded": loaded})
+        self._finish(task, TaskStatus.CANCELLED if task.cancelled else TaskStatus.DONE, {"loaded": loaded})
 
     def _batch_failed(self, batch: list[CopyTask], exc: BaseException) -> None:
         for task in batch:
@@ -526,7 +526,7 @@ class CacheService(StorageFlow):
                 continue  # an internal task (backup)
             result = {"loaded": 0} if task.kind == LOAD else {"stored": 0}
             result["error"] = f"{type(exc).__name__}: {exc}"
-            self._finish(task, "failed", result)
+            self._finish(task, TaskStatus.FAILED, result)
         self._wake_parked()
 
     def _release_failed(self, task: CopyTask) -> None:
@@ -560,22 +560,22 @@ class CacheService(StorageFlow):
             elif task.kind == PREFETCH:
                 with self._lock:
                     self._release_failed(task)
-                self._finish(task, "cancelled", {"prefetched": 0})
+                self._finish(task, TaskStatus.CANCELLED, {"prefetched": 0})
         if tasks:
             self._wake_parked()
 
-    def _finish(self, task: CopyTask, status: str, result: dict) -> None:
+    def _finish(self, task: CopyTask, status: TaskStatus, result: dict) -> None:
         with self._lock:
             if self.tasks.pop(task.task_id, None) is None:
                 return
-            if status == "done":
+            if status == TaskStatus.DONE:
                 self.counters.completed += 1
-            elif status == "failed":
+            elif status == TaskStatus.FAILED:
                 self.counters.failed += 1
             else:
                 self.counters.cancelled += 1
             if task.slot >= 0:
-                slot_status = {"done": SlotStatus.DONE, "failed": SlotStatus.FAILED}.get(
+                slot_status = {TaskStatus.DONE: SlotStatus.DONE, TaskStatus.FAILED: SlotStatus.FAILED}.get(
                     status, SlotStatus.CANCELLED)
                 self.signals.slot_finish(task.slot, slot_status, result.get("loaded", 0))
                 self._slots_busy.discard(task.slot)

@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from kvcached_proto.messages import TaskStatus
 from kvcached_proto.shm_layout import Flag
 
 from .errors import StartupError
@@ -213,7 +214,7 @@ class StorageFlow:
         if entries:
             self.fetcher.submit(task)
         else:
-            self._finish(task, "done", {"prefetched": 0})
+            self._finish(task, TaskStatus.DONE, {"prefetched": 0})
         return {"task": task.task_id, "blocks": len(entries), "host": host}
 
     def _flush(self, client, req) -> dict:
@@ -258,7 +259,7 @@ class StorageFlow:
             self._route_load(task)
         else:
             self.storage_counters["prefetched"] += n_ok
-            status = "cancelled" if task.cancelled else "done"
+            status = TaskStatus.CANCELLED if task.cancelled else TaskStatus.DONE
             self._finish(task, status, {"prefetched": n_ok})
 
     def _fetch_pages(self, task: CopyTask, entries) -> int:
@@ -312,7 +313,7 @@ class StorageFlow:
     def _run_backups(self, batch: list[CopyTask]) -> None:
         for task in batch:
             if task.extra.get("flush"):
-                self._finish(task, "done", {})
+                self._finish(task, TaskStatus.DONE, {})
                 continue
             if "payloads" in task.extra:  # private copies: a late write may keep them
                 keys, pages = task.extra.pop("payloads")

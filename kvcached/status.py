@@ -7,8 +7,8 @@ from typing import Callable
 
 import zmq
 
-from kvcached_proto import ErrorCode, Op, ProtocolError, decode, encode, error_reply, ok_reply
-from kvcached_proto.messages import parse_request
+from kvcached_proto import Op, ProtocolError, decode, encode, ok_reply
+from kvcached_proto.messages import parse_request, reply_for
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +45,10 @@ class StatusThread(threading.Thread):
                 raise ProtocolError(ErrorCode.UNKNOWN_OP, "the status socket answers status only")
             return ok_reply(rid, status=self._snapshot())
         except ProtocolError as exc:
-            return error_reply(rid, exc.code, exc.message)
+            return reply_for(rid, exc)
         except Exception as exc:
             log.exception("[status] building the status failed")
-            return error_reply(rid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            return reply_for(rid, exc)
 
     def stop(self) -> None:
         self._stopping.set()

@@ -13,6 +13,7 @@ from .codec import (
 )
 from .errors import (
     Busy,
+    CodedError,
     DaemonUnavailable,
     KvcachedError,
     KvcachedTimeout,
@@ -27,7 +28,9 @@ from .messages import (
     error_reply,
     make_request,
     ok_reply,
+    TaskStatus,
     parse_request,
+    reply_for,
     task_event,
 )
 from .ops import ErrorCode, Op
@@ -36,8 +39,9 @@ from .version import PROTOCOL_VERSION
 __all__ = [
     "KEY_BYTES", "MAX_BLOCKS_PER_REQUEST", "MAX_FRAME_BYTES", "MAX_KEYS_PER_REQUEST",
     "decode", "encode", "pack_block_ids", "pack_keys", "unpack_block_ids", "unpack_keys",
-    "Busy", "DaemonUnavailable", "KvcachedError", "KvcachedTimeout", "ProtocolError",
+    "Busy", "CodedError", "DaemonUnavailable", "KvcachedError", "KvcachedTimeout", "ProtocolError",
     "RequestError", "TaskFailed", "request_error", "OP_SPECS", "Request", "error_reply",
+    "TaskStatus", "reply_for",
     "make_request", "ok_reply", "parse_request", "task_event", "ErrorCode", "Op",
     "PROTOCOL_VERSION",
 ]

@@ -8,13 +8,17 @@ class KvcachedError(Exception):
     """Base class of every error this project raises on purpose."""
 
 
-class ProtocolError(KvcachedError):
-    """A frame or field that breaks the wire protocol. Carries the error code to reply with."""
+class CodedError(KvcachedError):
+    """An error that carries the code of the error reply it becomes (`messages.reply_for`)."""
 
     def __init__(self, code: ErrorCode, message: str):
-        super().__init__(f"{code.name}: {message}")
+        super().__init__(f"{ErrorCode(code).name}: {message}")
         self.code = ErrorCode(code)
         self.message = message
+
+
+class ProtocolError(CodedError):
+    """A frame or field that breaks the wire protocol."""
 
 
 class RequestError(KvcachedError):

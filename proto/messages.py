@@ -9,13 +9,14 @@ A reply is `{"rid", "ok": True, ...fields}` or `{"rid", "ok": False, "error": {"
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .codec import MAX_STR_BYTES, unpack_block_ids, unpack_keys
-from .errors import ProtocolError
+from .errors import CodedError, ProtocolError
 from .ops import ErrorCode, Op
 from .version import PROTOCOL_VERSION
 
@@ -226,6 +227,27 @@ def error_reply(rid: int, code: ErrorCode, message: str) -> dict:
     }
 
 
-def task_event(task_id: int, status: str, result: dict) -> dict:
-    return {"event": "task", "task": task_id, "status": status, "result": result}
+def reply_for(rid: int, exc: BaseException) -> dict:
+    """The error reply for an exception: its own code for a CodedError, INTERNAL (with the
+    exception's type) for anything else. Both daemon sockets answer through this."""
+    if isinstance(exc, CodedError):
+        return error_reply(rid, exc.code, exc.message)
+    return error_reply(rid, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+class TaskStatus(str, enum.Enum):
+    """How a task ended (a task event's `status`); SKIPPED is the client's own, for a prefetch
+    the daemon did not start (task id 0). Members compare equal to their strings."""
+
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    SKIPPED = "skipped"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def task_event(task_id: int, status: TaskStatus, result: dict) -> dict:
+    return {"event": "task", "task": task_id, "status": TaskStatus(status).value, "result": result}
 

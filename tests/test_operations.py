@@ -143,3 +143,64 @@ def test_a_metrics_port_in_use_fails_the_start_clearly(run_dir):
         with pytest.raises(Exception, match="metrics-port"):
             launch(instance=unique_instance("m"), run_dir=run_dir, host_cache_gb=0.05,
                    extra_args=["--metrics-port", str(port)])
+
+
+def test_every_reply_and_task_event_carries_the_fields_its_type_names(daemon):
+    """The replies of a real daemon against kvcached_proto.replies (which the PROTOCOL.md
+    test holds to the document): no required field missing, none the type does not name."""
+    from kvcached_proto import Op, pack_block_ids, pack_keys
+    from kvcached_proto.replies import EVENT_RESULTS, REPLIES, TaskEvent, missing_fields, reply_fields
+
+    kv = small_kv(num_layers=2, num_blocks=16)
+    keys = BlockHasher("typed-replies").hash_blocks(list(range(16 * 4)), 16)
+    seen = set()
+
+    def check(op, reply):
+        body = {k: v for k, v in reply.items() if k not in ("rid", "ok")}
+        assert not missing_fields(op, body), (op, body)
+        assert set(body) <= reply_fields(op), (op, set(body) - reply_fields(op))
+        seen.add(op)
+        return body
+
+    def check_event(c, op, task):
+        event = c.wait_event(task, 10)
+        assert set(event) == set(TaskEvent.__annotations__), event
+        assert set(EVENT_RESULTS[op]) <= set(event["result"]), (op, event)
+
+    with daemon.connect() as c:
+        check(Op.HELLO, c.info)
+        check(Op.PING, c._request(Op.PING))
+        check(Op.STATUS, c._request(Op.STATUS, check=True))
+        check(Op.REGISTER_KV, c._request(Op.REGISTER_KV, layout=_layout_with_order(c, kv)))
+        blocks = pack_block_ids([0, 1, 2, 3])
+        off = check(Op.OFFLOAD, c._request(Op.OFFLOAD, keys=pack_keys(keys), blocks=blocks,
+                                           **c.order.fence(None)))
+        check_event(c, Op.OFFLOAD, off["task"])
+        check(Op.LOOKUP, c._request(Op.LOOKUP, keys=pack_keys(keys)))
+        load = check(Op.LOAD, c._request(Op.LOAD, keys=pack_keys(keys), blocks=pack_block_ids([8, 9, 10, 11])))
+        check_event(c, Op.LOAD, load["task"])
+        check(Op.PREFETCH, c._request(Op.PREFETCH, keys=pack_keys(keys)))
+        flush = check(Op.FLUSH, c._request(Op.FLUSH))
+        c.wait_event(flush["task"], 10)
+        check(Op.DELETE, c._request(Op.DELETE, keys=pack_keys(keys[:1])))
+        check(Op.PAUSE, c._request(Op.PAUSE))  # new tasks are held queued: one to cancel
+        more = BlockHasher("typed-replies-2").hash_blocks(list(range(16 * 2)), 16)
+        held = c._request(Op.OFFLOAD, keys=pack_keys(more), blocks=pack_block_ids([4, 5]),
+                          **c.order.fence(None))
+        assert check(Op.CANCEL, c._request(Op.CANCEL, task=held["task"]))["state"] == "cancelled"
+        check(Op.RESUME, c._request(Op.RESUME))
+        c.wait_event(held["task"], 10)
+        check(Op.CLEAR, c._request(Op.CLEAR))
+        check(Op.UNREGISTER_KV, c._request(Op.UNREGISTER_KV))
+    assert seen == set(REPLIES) - {Op.SHUTDOWN, Op.BYE}  # those two end the connection
+
+
+def _layout_with_order(c, kv):
+    """What register_kv_cache sends, with the client's own order words set up."""
+    from kvcached_client.cuda_order import EngineOrder
+    from kvcached_client.kv_alloc import describe_kv_cache
+
+    layout = describe_kv_cache(kv)
+    c.order = EngineOrder(layout["device"], layout["num_layers"], c._daemon_lost)
+    layout["order_segment"] = c.order.name
+    return layout

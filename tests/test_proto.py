@@ -8,6 +8,7 @@ import pytest
 
 from kvcached_proto import (
     MAX_FRAME_BYTES,
+    OP_SPECS,
     ErrorCode,
     Op,
     ProtocolError,
@@ -32,6 +33,33 @@ def _doc_table(heading: str) -> dict[str, int]:
 
 def test_doc_lists_exactly_the_ops_of_the_code():
     assert _doc_table("## Ops") == {op.name.lower(): op.value for op in Op}
+
+
+def _doc_rows() -> dict[str, list[str]]:
+    section = DOC.read_text().split("## Ops", 1)[1].split("\n## ", 1)[0]
+    return {m.group(1): [c.strip() for c in m.group(0).strip("|").split("|")]
+            for m in re.finditer(r"^\| (\w+) \| \d+ \|.*$", section, re.M)}
+
+
+def _field_names(cell: str) -> set[str]:
+    """The field names a cell of the ops table lists: backticked lower_case names outside
+    parentheses (which hold types, values and remarks)."""
+    previous = None
+    while previous != cell:
+        previous, cell = cell, re.sub(r"\([^()]*\)", "", cell)
+    return {t for t in re.findall(r"`([^`]+)`", cell) if re.fullmatch(r"[a-z_]+", t)}
+
+
+def test_doc_lists_each_ops_body_reply_and_event_fields_as_the_code_types_them():
+    from kvcached_proto.replies import EVENT_RESULTS, reply_fields
+
+    rows = _doc_rows()
+    for op in Op:
+        _, _, body, reply = rows[op.name.lower()]
+        assert _field_names(body) == {f.name for f in OP_SPECS[op].fields}, op
+        reply_part, _, event_part = reply.partition("; event result")
+        assert _field_names(reply_part) == reply_fields(op), op
+        assert _field_names(event_part) == set(EVENT_RESULTS.get(op, ())), op
 
 
 def test_doc_lists_exactly_the_error_codes_of_the_code():
