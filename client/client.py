@@ -271,10 +271,10 @@ class Client:
         if task_id not in self._events:  # an end already read needs no fence
             self._fences[task_id] = list(blocks)
 
-    @property
     def fenced_blocks(self) -> set[int]:
         """Device blocks of loads that timed out and whose end the daemon has not confirmed
-        yet: the engine must not reuse them (reading this also reads pending events)."""
+        yet: the engine must not reuse them. A method: it reads pending events off the socket
+        (and forgets the fences of a daemon that is gone)."""
         if self._fences:
             try:
                 self.poll_events()

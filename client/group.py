@@ -378,11 +378,12 @@ class GroupClient:
         for rank, t in task.tasks.items():
             t.client.fence(t.id, blocks)
 
-    @property
     def fenced_blocks(self) -> set[int]:
+        """Every rank's fenced blocks (see Client.fenced_blocks); lost clients whose fences
+        lifted are closed here."""
         out: set[int] = set()
         for client in self._all_clients():
-            out |= client.fenced_blocks
+            out |= client.fenced_blocks()
         for client in [c for c in self._retired if not c.has_fences]:
             self._retired.remove(client)
             client.close()

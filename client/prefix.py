@@ -21,85 +21,21 @@ the manager is a GPU-only prefix cache and reattaches when a daemon is back.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from kvcached_proto.errors import DaemonUnavailable, KvcachedError, KvcachedTimeout, TaskFailed
 
+from .fence_keeper import FenceKeeper
 from .hashing import BlockHasher
-from .prefix_tree import INVALID, LOADING, READY, BlockPool, NoFreeBlocks, Node, PrefixTree
-from .reattach import Reattacher, usable
+from .mm_keys import MMItem, block_extra_keys  # noqa: F401 (re-exported: kvcached_client.prefix)
+from .prefix_records import Match, _Load, _Offload, _Seq
+from .prefix_tree import (INVALID, LOADING, READY, BlockPool, NoFreeBlocks, Node, PrefixTree,
+                          parent_first_chains)
+from .reattach import Reattacher, reconnector, usable
 
 log = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-
-
-@dataclass(frozen=True)
-class MMItem:
-    """A multimodal item's span in the token sequence and its content hash."""
-    offset: int
-    length: int
-    content_hash: bytes | str
-
-
-def block_extra_keys(num_blocks: int, block_size: int, items: Sequence[MMItem] | None) -> list | None:
-    """Per block, the content hashes of the items whose token span overlaps it. Spans are
-    half-open: an item ending exactly at a block's first token does not belong to it."""
-    if not items:
-        return None
-    out: list = [None] * num_blocks
-    for item in items:
-        if item.length <= 0 or item.offset < 0:
-            raise ValueError(f"multimodal item span ({item.offset}, {item.length}) is empty or negative")
-        first = item.offset // block_size
-        last = (item.offset + item.length - 1) // block_size
-        for b in range(first, min(last, num_blocks - 1) + 1):
-            out[b] = (out[b] or ()) + (item.content_hash,)
-    return out
-
-
-@dataclass
-class Match:
-    """What `match` found: tokens per tier (loads of host/storage hits are in flight)."""
-    gpu_tokens: int
-    host_tokens: int
-    storage_tokens: int
-    block_ids: list[int]
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.gpu_tokens + self.host_tokens + self.storage_tokens
-
-
-@dataclass(eq=False)
-class _Load:
-    """A daemon load filling `nodes` (a chain); settled once, by whoever needs it first."""
-    task: object
-    client: object
-    nodes: list[Node]
-    loaded: int | None = None
-
-
-@dataclass(eq=False)
-class _Offload:
-    task: object
-    client: object
-    nodes: list[Node]      # the nodes it backs up (a chain, parent first)
-    offset: int            # keys before them in the request (an already cached parent)
-
-
-@dataclass(eq=False)
-class _Seq:
-    rid: object
-    tokens: list[int]
-    mm_items: list[MMItem] | None
-    keys: list[bytes] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
-    nodes: list[Node | None] = field(default_factory=list)  # tree node per block, or private
-    num_computed: int = 0
-    cached_blocks: int = 0   # leading blocks already in the tree (or known there)
-    stale: bool = False      # running across a reset: none of its KV may be cached
 
 
 class PrefixCacheManager:
@@ -118,7 +54,7 @@ class PrefixCacheManager:
         self.selective_hits = selective_hits
         self.kv_caches = kv_caches
         self.client = None
-        connect = connect or (_reconnector(client) if client is not None else None)
+        connect = connect or (reconnector(client) if client is not None else None)
         # attaching (connect, register the KV cache) runs in the background: no engine call
         # waits for a daemon that is gone, hung or not there yet
         self._reattach = Reattacher(connect, self._register, name="prefix") if connect else None
@@ -127,8 +63,8 @@ class PrefixCacheManager:
         self._seqs: dict[object, _Seq] = {}
         self._loads: list[_Load] = []
         self._offloads: list[_Offload] = []
-        self._retired: list = []            # clients whose fenced blocks we still wait on
-        self._parked: set[int] = set()      # freed blocks held back by a fence
+        # freed blocks held back while a client (this one or one replaced) fences them
+        self._fences = FenceKeeper(self.pool.give, lambda: self.client)
         self.counters = {
             "requests": 0, "gpu_hit_tokens": 0, "host_hit_tokens": 0, "storage_hit_tokens": 0,
             "computed_tokens": 0, "evictions": 0, "offload_tasks": 0, "offloaded_blocks": 0,
@@ -183,7 +119,7 @@ class PrefixCacheManager:
         for off in [o for o in self._offloads if o.client is client]:
             client.fence(off.task.id, [n.block for n in off.nodes])
             self._settle_offload(off, ok=False)
-        self._retired.append(client)
+        self._fences.retire(client)
 
     def _daemon(self, fn, *args, **kwargs):
         """Call the daemon; on any failure count it and return None (the engine carries on)."""
@@ -445,25 +381,7 @@ class PrefixCacheManager:
             node.block = -1
 
     def _free(self, blocks) -> None:
-        fenced = self._fenced() if (self._retired or self._has_fences()) else set()
-        for b in blocks:
-            if b in fenced:
-                self._parked.add(b)
-            else:
-                self.pool.give([b])
-
-    def _has_fences(self) -> bool:
-        return self.client is not None and self.client.has_fences
-
-    def _fenced(self) -> set[int]:
-        out: set[int] = set()
-        for client in self._retired + ([self.client] if self.client is not None else []):
-            try:
-                out |= client.fenced_blocks
-            except KvcachedError as exc:  # a hung daemon's fences hold
-                log.debug("[prefix] fence check: %s", str(exc))
-                out |= client.fenced_without_check
-        return out
+        self._fences.free(blocks)  # fenced ones (a daemon may still write them) wait
 
     def _invalidate(self, node: Node) -> None:
         """Drop node and its descendants from the tree (their KV must not be matched)."""
@@ -501,7 +419,7 @@ class PrefixCacheManager:
             return
         if self.write_policy == "write_back" and self.client is not None:
             pending = [v for v in victims if not v.backed_up]
-            for chain in _chains(pending):
+            for chain in parent_first_chains(pending):
                 off = self._offload_chain(chain)
                 if off is not None:
                     self._finish_offload(off, None)
@@ -616,99 +534,29 @@ class PrefixCacheManager:
                     self._resolve(load, 0)
             except DaemonUnavailable as exc:
                 self._detach(exc)
-        if self._parked or self._retired:
-            fenced = self._fenced()
-            free = self._parked - fenced
-            self._parked -= free
-            self.pool.give(sorted(free))
-            for client in [c for c in self._retired if not c.has_fences]:
-                self._retired.remove(client)
-                client.close()
+        self._fences.release()
 
     # introspection ----------------------------------------------------------
     def stats(self) -> dict:
         return {**self.counters, "attached": self.attached, "cached_blocks": len(self.tree),
-                "free_blocks": self.pool.num_free, "fenced_blocks": len(self._parked),
+                "free_blocks": self.pool.num_free, "fenced_blocks": len(self._fences.parked),
                 "running": len(self._seqs), "offloads_in_flight": len(self._offloads),
                 "loads_in_flight": len(self._loads)}
 
     def check(self) -> None:
         """Invariant walk (tests): every GPU block is in exactly one place - free, fenced,
         a cached node, or a request's private block - and reference counts add up."""
-        owner: dict[int, str] = {}
+        from .prefix_check import check_manager
 
-        def own(block: int, where: str) -> None:
-            if block in owner:
-                raise AssertionError(f"GPU block {block} is both {owner[block]} and {where}")
-            owner[block] = where
-
-        for b in self.pool._free:
-            own(b, "free")
-        for b in self._parked:
-            own(b, "fenced")
-        refs: dict[int, int] = {}
-        held: dict[int, Node] = {}
-        for seq in self._seqs.values():
-            if len(seq.blocks) != len(seq.nodes):
-                raise AssertionError(f"request {seq.rid!r}: block table and nodes differ in length")
-            for block, node in zip(seq.blocks, seq.nodes):
-                if node is None:
-                    own(block, f"private to {seq.rid!r}")
-                else:
-                    if node.block != block:
-                        raise AssertionError("a request's block differs from its node's")
-                    refs[id(node)] = refs.get(id(node), 0) + 1
-                    held[id(node)] = node
-        nodes = {id(n): n for n in self.tree.nodes.values()}
-        nodes.update(held)
-        for off in self._offloads:
-            nodes.update({id(n): n for n in off.nodes})
-        for load in self._loads:
-            nodes.update({id(n): n for n in load.nodes})
-        for node in nodes.values():
-            if node.refs != refs.get(id(node), 0):
-                raise AssertionError(f"node of block {node.block}: refs {node.refs}, "
-                                     f"held by {refs.get(id(node), 0)} requests")
-            if node.block >= 0:
-                own(node.block, "cached" if self.tree.holds(node) else "detached node")
-            for key, child in node.children.items():
-                if child.parent is not node or not self.tree.holds(child):
-                    raise AssertionError("a child node is not linked to its parent")
-        if len(owner) != self.pool.num_blocks:
-            missing = sorted(set(range(self.pool.num_blocks)) - set(owner))
-            raise AssertionError(f"GPU blocks lost: {missing[:10]}")
+        check_manager(self)
 
     def close(self) -> None:
         """Wait for daemon work in flight (bounded by the client's timeout), then close."""
         self.settle()
-        for client in self._retired + ([self.client] if self.client is not None else []):
+        for client in self._fences.retired + ([self.client] if self.client is not None else []):
             client.close()
-        self._retired.clear()
+        self._fences.retired.clear()
         self.client = None
         if self._reattach is not None:
             self._reattach.close()
             self._reattach = None
-
-
-def _chains(nodes: list[Node]) -> list[list[Node]]:
-    """Split nodes into parent-first chains (eviction victims come leaf first)."""
-    chosen = {id(n) for n in nodes}
-    chains = []
-    for n in sorted(nodes, key=lambda n: n.depth):
-        for chain in chains:
-            if n.parent is chain[-1]:
-                chain.append(n)
-                break
-        else:
-            chains.append([n])
-    return [c for c in chains if all(id(n) in chosen for n in c)]
-
-
-def _reconnector(client) -> Callable[[], object]:
-    """Connect again the way `client` was connected (after the daemon comes back)."""
-    kind = type(client)
-    if hasattr(client, "reconnect_args"):
-        return lambda: kind.connect(**client.reconnect_args())
-    return lambda: kind.connect(instance=client.instance, run_dir=client.run_dir,
-                                timeout=client.timeout, name=client.name,
-                                hang_s=getattr(client, "hang_s", None))

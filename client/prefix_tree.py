@@ -173,3 +173,17 @@ class PrefixTree:
             out.append(n)
             stack.extend(n.children.values())
         return out[::-1]
+
+
+def parent_first_chains(nodes: list[Node]) -> list[list[Node]]:
+    """Split nodes into parent-first chains (eviction victims come leaf first)."""
+    chosen = {id(n) for n in nodes}
+    chains = []
+    for n in sorted(nodes, key=lambda n: n.depth):
+        for chain in chains:
+            if n.parent is chain[-1]:
+                chain.append(n)
+                break
+        else:
+            chains.append([n])
+    return [c for c in chains if all(id(n) in chosen for n in c)]

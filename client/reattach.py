@@ -178,3 +178,13 @@ def _close(conn) -> None:
         conn.close()
     except Exception as exc:  # closing a half-made connection must not raise over the cause
         log.debug("closing a connection that was not taken: %s", exc)
+
+
+def reconnector(client) -> Callable[[], object]:
+    """Connect again the way `client` was connected (after the daemon comes back)."""
+    kind = type(client)
+    if hasattr(client, "reconnect_args"):
+        return lambda: kind.connect(**client.reconnect_args())
+    return lambda: kind.connect(instance=client.instance, run_dir=client.run_dir,
+                                timeout=client.timeout, name=client.name,
+                                hang_s=getattr(client, "hang_s", None))

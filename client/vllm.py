@@ -54,6 +54,7 @@ from kvcached_proto.errors import DaemonUnavailable, KvcachedError
 
 from .block_copy import copy_blocks
 from .client import Client
+from .fence_keeper import FenceKeeper
 from .group import GroupClient, rank_keys
 from .hashing import BlockHasher, make_namespace
 from .kv_alloc import allocate_kv_cache
@@ -100,10 +101,13 @@ class _DaemonLink:
     client or None (no daemon: a miss, a skipped save), and never waits for a daemon."""
 
     def __init__(self, instance: str, run_dir: str | None, timeout: float, name: str,
-                 on_connect=None, hang_s: float | None = None):
+                 on_connect=None, hang_s: float | None = None, retire=None):
+        """retire(client): what becomes of a dropped client (default: closed); the worker's
+        FenceKeeper keeps one whose fences hold until they lift."""
         self.args = dict(instance=instance, run_dir=run_dir, timeout=timeout, name=name,
                          hang_s=hang_s)
         self.client: Client | None = None
+        self._retire = retire
         self._reattach = Reattacher(lambda: Client.connect(**self.args), on_connect,
                                     name=f"vllm-{name}")
 
@@ -134,7 +138,7 @@ class _DaemonLink:
     def _drop(self) -> None:
         client, self.client = self.client, None
         if client is not None:
-            client.close()
+            (self._retire or Client.close)(client)
 
     def failed(self, exc: Exception) -> None:
         log.warning("[vllm] kvcached call failed, going on without it: %s", str(exc))
@@ -236,13 +240,16 @@ class KvcachedConnector(KVConnectorBase_V1):
 
                 self.rank = get_tensor_model_parallel_rank()
             self.staging_blocks = int(extra.get("staging_blocks", 512))
+            # staging blocks a timed-out task may still touch are held back until it ends
+            self._fences = FenceKeeper(lambda blocks: self._free_staging.extend(blocks),
+                                       lambda: self.link.client)
             self.link = _DaemonLink(instances[self.rank], run_dir, timeout,
-                                    f"vllm-worker-tp{self.rank}", self._register, hang_s)
+                                    f"vllm-worker-tp{self.rank}", self._register, hang_s,
+                                    retire=self._fences.retire)
             self._layers: list[str] = []
             self._vllm_kv: list = []      # per layer: a tensor, or a (K, V) pair
             self._staging: list | None = None
             self._free_staging: deque[int] = deque()
-            self._parked: set[int] = set()  # staging blocks a timed-out task may still touch
             self._pending_loads: list[dict] = []
             self._inflight_saves: list[tuple[Any, list[int]]] = []
             self._load_errors: set[int] = set()
@@ -372,22 +379,11 @@ class KvcachedConnector(KVConnectorBase_V1):
         client.register_kv_cache(self._staging)
 
     def _take_staging(self, n: int) -> list[int]:
-        self._unpark()
+        self._fences.release()
         return [self._free_staging.popleft() for _ in range(min(n, len(self._free_staging)))]
 
-    def _give_staging(self, blocks, client: Client | None) -> None:
-        fenced = client.fenced_blocks if client is not None and client.has_fences else set()
-        for b in blocks:
-            (self._parked.add if b in fenced else self._free_staging.append)(b)
-
-    def _unpark(self) -> None:
-        if not self._parked:
-            return
-        client = self.link.client
-        fenced = client.fenced_blocks if client is not None else set()
-        back = self._parked - fenced
-        self._parked -= back
-        self._free_staging.extend(sorted(back))
+    def _give_staging(self, blocks) -> None:
+        self._fences.free(blocks)
 
     def _copy(self, layer: int, src_blocks, dst_blocks, to_staging: bool) -> None:
         vllm, staging = self._vllm_kv[layer], self._staging[layer]
@@ -412,7 +408,7 @@ class KvcachedConnector(KVConnectorBase_V1):
                     self.counters["daemon_errors"] += 1
                     self.link.failed(exc)
             planned = task.num_blocks if task is not None else 0
-            self._give_staging(staging[planned:], None)
+            self._give_staging(staging[planned:])
             self._fail_blocks(load.block_ids[planned:])
             if planned:
                 self._pending_loads.append({"task": task, "client": client, "staging": staging[:planned],
@@ -466,7 +462,7 @@ class KvcachedConnector(KVConnectorBase_V1):
                 p["task"].wait()
             except KvcachedError as exc:  # timed out: the client fences the staging blocks
                 self.link.failed(exc)
-            self._give_staging(p["staging"], p["client"])
+            self._give_staging(p["staging"])
         self._pending_loads.clear()
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
@@ -492,7 +488,7 @@ class KvcachedConnector(KVConnectorBase_V1):
             except KvcachedError as exc:
                 self.counters["daemon_errors"] += 1
                 self.link.failed(exc)
-                self._give_staging(staging, None)
+                self._give_staging(staging)
                 continue
             self.counters["saved_blocks"] += n
             self._inflight_saves.append((task, staging, client))
@@ -510,7 +506,7 @@ class KvcachedConnector(KVConnectorBase_V1):
                     finished = True  # a gone daemon reads nothing more (a hung one: fenced)
                     client.fence(task.id, staging)
             if finished:
-                self._give_staging(staging, client)
+                self._give_staging(staging)
             else:
                 keep.append((task, staging, client))
         self._inflight_saves = keep
@@ -529,3 +525,6 @@ class KvcachedConnector(KVConnectorBase_V1):
             self._reap_saves(wait=True)
         log.info("[vllm] %s side counters: %s", self.role.name.lower(), self.counters)
         self.link.close()
+        if self.role == KVConnectorRole.WORKER:
+            for client in self._fences.retired:  # shutting down: their fences no longer matter
+                client.close()

@@ -7,7 +7,7 @@ from typing import Callable
 
 import zmq
 
-from kvcached_proto import Op, ProtocolError, decode, encode, ok_reply
+from kvcached_proto import ErrorCode, Op, ProtocolError, decode, encode, ok_reply
 from kvcached_proto.messages import parse_request, reply_for
 
 log = logging.getLogger(__name__)

@@ -136,3 +136,30 @@ def test_ten_thousand_random_frames_leave_the_daemon_serving_and_its_index_consi
         raw.close()
         d.stop()
         sweep_crashed(name)
+
+
+def test_the_status_socket_answers_status_and_refuses_any_other_op_with_a_code(daemon):
+    """The status socket (REP, its own thread) speaks the same frames: status gets the status
+    map, another op gets UNKNOWN_OP, garbage gets BAD_FRAME; it keeps answering after each."""
+    import zmq
+
+    from kvcached_proto import ErrorCode, Op, decode, encode, make_request
+    from kvcached_proto.paths import status_endpoint
+
+    ctx = zmq.Context.instance()
+    for frame, want in ((encode(make_request(Op.PING, 7, "probe")), ErrorCode.UNKNOWN_OP),
+                        (b"\xc1 not msgpack", ErrorCode.BAD_FRAME),
+                        (encode(make_request(Op.STATUS, 8, "probe", check=False)), None)):
+        sock = ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 5000)
+        sock.connect(status_endpoint(daemon.run_dir, daemon.instance))
+        try:
+            sock.send(frame)
+            reply = decode(sock.recv())
+        finally:
+            sock.close()
+        if want is None:
+            assert reply["ok"] and reply["status"]["instance"] == daemon.instance, reply
+        else:
+            assert not reply["ok"] and reply["error"]["code"] == want, reply

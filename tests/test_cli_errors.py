@@ -7,7 +7,6 @@ import sys
 import pytest
 import torch
 
-from conftest import free_port
 from kvcached_client import launch
 
 

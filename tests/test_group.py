@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import disk_uri, keys_for, small_kv, sweep_crashed, unique_instance, wait_until
 
-from kvcached_client import BlockHasher, GroupClient, PrefixCacheManager, launch
+from kvcached_client import GroupClient, PrefixCacheManager, launch
 from kvcached_client.group import rank_keys
 
 BS = 16

@@ -225,7 +225,7 @@ def test_a_dead_engines_fence_words_are_released(daemon):
         engine.send_signal(signal.SIGKILL)
         engine.wait(10)
         wait_until(lambda: bool((words[:FENCE_WORDS] == RELEASED).all()), 15)
-        del words
+        words = None  # lets the mapping close
     finally:
         if engine.poll() is None:
             engine.kill()

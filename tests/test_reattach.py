@@ -4,7 +4,6 @@ the hang threshold passes."""
 import os
 import signal
 import threading
-import time
 
 import pytest
 
@@ -216,7 +215,7 @@ def test_the_prefix_manager_recomputes_a_load_a_hung_daemon_holds_and_goes_on(da
             assert not mgr.attached and mgr.stats()["detaches"] == 1
             assert mgr.match("c", list(range(900, 900 + 2 * BS)) + [3]).host_tokens == 0
             # the hung daemon may still write the load's blocks: they are not handed out
-            assert set(hit.block_ids) <= mgr._fenced()
+            assert set(hit.block_ids) <= mgr._fences.fenced()
         finally:
             os.kill(daemon.pid, signal.SIGCONT)
         operator.resume()

@@ -10,10 +10,9 @@ import tempfile
 import time
 
 import pytest
-import torch
 
 from conftest import RedisServer, blocks_equal, disk_uri, keys_for, wait_until, scramble, small_kv, snapshot, unique_instance
-from kvcached_client import BlockHasher, KvcachedTimeout, launch
+from kvcached_client import KvcachedTimeout, launch
 
 PAGE_SHAPE = (16, 2, 64)  # 4 layers x (K, V) x 4 KiB = 32 KiB per block
 
