@@ -174,14 +174,14 @@ def _stopped_daemon(d, c, kv, keys, counts, out) -> None:
                 task.wait(timeout=0.05)
             except (KvcachedTimeout, DaemonUnavailable):
                 pass  # expected: the engine gives up on the load, its blocks stay fenced
-            out["fenced_while_stopped"] = len(c.fenced_blocks)
+            out["fenced_while_stopped"] = len(c.fenced_blocks())
         finally:
             os.kill(d.pid, signal.SIGCONT)
         start = time.monotonic()
-        while c.fenced_blocks and time.monotonic() - start < 10:
+        while c.fenced_blocks() and time.monotonic() - start < 10:
             time.sleep(0.005)
         out["fence_lifted_ms"] = round((time.monotonic() - start) * 1e3, 1)
-        if c.fenced_blocks or out["fenced_while_stopped"] != HALF:
+        if c.fenced_blocks() or out["fenced_while_stopped"] != HALF:
             counts["lost"] += 1
     finally:
         c.timeout = long_timeout

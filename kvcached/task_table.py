@@ -1,0 +1,106 @@
+"""The daemon's table of client tasks: ids, the load-progress slots, counters, and the one way
+a task ends (counted, its slot finished, its event sent).
+
+It shares the service's lock (the host tier's), since a task's entries and pins live there.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Callable
+
+import numpy as np
+
+from kvcached_proto import ErrorCode, TaskStatus, task_event
+from kvcached_proto.shm_layout import NUM_SLOTS, SlotStatus
+
+from .errors import OpError
+from .transfer import CopyTask
+
+log = logging.getLogger("kvcached.service")
+
+_SLOT_STATUS = {TaskStatus.DONE: SlotStatus.DONE, TaskStatus.FAILED: SlotStatus.FAILED}
+
+
+class TaskCounters:
+    def __init__(self):
+        self.completed = 0
+        self.failed = 0
+        self.cancelled = 0
+        self.bytes = {"d2h": 0, "h2d": 0}
+
+
+class TaskTable:
+    def __init__(self, lock, signals, events):
+        self.lock = lock
+        self.signals = signals
+        self.events = events
+        self.tasks: dict[int, CopyTask] = {}
+        self.slots_busy: set[int] = set()
+        self.counters = TaskCounters()
+        self.on_task_end: Callable[[str, float], None] = lambda kind, seconds: None  # metrics
+        self._ids = itertools.count(1)
+        self._slot_cursor = 0
+
+    def new(self, kind, client, req, dev_blocks, host_ids, entries) -> CopyTask:
+        """(Lock held.) A task of `client` for request `req`, in the table."""
+        task = CopyTask(next(self._ids), kind, client.client_id, client.routing_id,
+                        req.body.get("priority", 0), np.asarray(dev_blocks, dtype=np.int64),
+                        np.asarray(host_ids, dtype=np.int64), entries)
+        self.tasks[task.task_id] = task
+        return task
+
+    def take_slot(self) -> int:
+        """(Lock held.) A free load-progress slot, round robin; BUSY when none is."""
+        for _ in range(NUM_SLOTS):
+            slot = self._slot_cursor
+            self._slot_cursor = (self._slot_cursor + 1) % NUM_SLOTS
+            if slot not in self.slots_busy:
+                self.slots_busy.add(slot)
+                return slot
+        raise OpError(ErrorCode.BUSY, f"all {NUM_SLOTS} load-progress slots are in use; retry later")
+
+    def finish(self, task: CopyTask, status: TaskStatus, result: dict) -> None:
+        """End a task once: count it, finish its slot, send its event (a second end is a no-op)."""
+        with self.lock:
+            if self.tasks.pop(task.task_id, None) is None:
+                return
+            if status == TaskStatus.DONE:
+                self.counters.completed += 1
+            elif status == TaskStatus.FAILED:
+                self.counters.failed += 1
+            else:
+                self.counters.cancelled += 1
+            if task.slot >= 0:
+                self.signals.slot_finish(task.slot, _SLOT_STATUS.get(status, SlotStatus.CANCELLED),
+                                         result.get("loaded", 0))
+                self.slots_busy.discard(task.slot)
+        result["blocks"] = task.num_blocks
+        result["bytes"] = task.bytes_moved
+        seconds = (time.monotonic_ns() - task.created_ns) / 1e9
+        self.on_task_end(task.kind, seconds)
+        log.debug("[task] %d %s %s: %d blocks, %d bytes, %.2f ms", task.task_id, task.kind,
+                  status, task.num_blocks, task.bytes_moved, seconds * 1e3)
+        self.events.emit(task.routing_id, task_event(task.task_id, status, result))
+
+    def cancel_client(self, client_id: str) -> None:
+        """Mark every task of a client cancelled (in-flight ones stop at the next layer)."""
+        with self.lock:
+            for task in self.tasks.values():
+                if task.client_id == client_id:
+                    task.cancelled = True
+
+    def check_slots(self) -> str | None:
+        """(Lock held.) What is wrong with the slots, or None: every busy slot a live load's."""
+        slots = {t.slot for t in self.tasks.values() if t.slot >= 0}
+        if slots != self.slots_busy:
+            return (f"progress slots {sorted(self.slots_busy - slots)[:8]} busy without a live "
+                    f"load, {sorted(slots - self.slots_busy)[:8]} of live loads not busy")
+        return None
+
+    def status(self, queued: int) -> dict:
+        """(Lock held.) The `tasks` part of the daemon's status."""
+        return {"queued": queued, "inflight": len(self.tasks) - queued,
+                "completed": self.counters.completed, "failed": self.counters.failed,
+                "cancelled": self.counters.cancelled, "slots_busy": len(self.slots_busy)}
