@@ -152,7 +152,7 @@ class Daemon:
         except OSError as exc:
             raise StartupError(f"--metrics-port {cfg.metrics_port}: cannot listen on "
                                f"{cfg.metrics_addr}: {exc.strerror}") from None
-        self.service.on_task_end = self.metrics.observe
+        self.service.table.on_task_end = self.metrics.observe
         self._status_thread = StatusThread(
             self._ctx, status_endpoint(cfg.run_dir, cfg.instance), self.status
         )

@@ -5,7 +5,6 @@ guards the index, the allocator and the task table, and is never held during a c
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -13,9 +12,9 @@ import time
 import numpy as np
 import torch
 
-from kvcached_proto import OP_SPECS, ErrorCode, Op, TaskStatus, task_event
+from kvcached_proto import OP_SPECS, ErrorCode, Op, TaskStatus
 from kvcached_proto.layout import parse_layout, require_order_segment
-from kvcached_proto.shm_layout import NUM_SLOTS, Flag, SlotStatus, State
+from kvcached_proto.shm_layout import NUM_SLOTS, Flag, State
 
 from .config import DaemonConfig
 from .errors import OpError
@@ -24,6 +23,8 @@ from .host_pool import HostPool
 from .index import READY, WRITING, BlockIndex
 from .kv import KVRegistration
 from .service_storage import BACKUP, PREFETCH, StorageFlow
+from .service_report import check_service, status_of
+from .task_table import TaskTable
 from .transfer import LOAD, OFFLOAD, SPLIT_BLOCKS, CopyTask, TaskAbort, TransferWorker
 from .transfer_cuda import make_copier
 
@@ -34,14 +35,6 @@ DRAIN_TIMEOUT_S = 30.0
 
 class KVLost(TaskAbort):
     """The registered KV memory went away under a copy (a CPU segment truncated by its owner)."""
-
-
-class TaskCounters:
-    def __init__(self):
-        self.completed = 0
-        self.failed = 0
-        self.cancelled = 0
-        self.bytes = {"d2h": 0, "h2d": 0}
 
 
 class CacheService(StorageFlow):
@@ -57,13 +50,8 @@ class CacheService(StorageFlow):
         self.index = BlockIndex(cfg.eviction)
         self.kv: KVRegistration | None = None
         self.copier = None  # CpuCopier, StrategyCopier or CudaCopier (transfer_cuda.make_copier)
-        self.tasks: dict[int, CopyTask] = {}
+        self.table = TaskTable(self._lock, signals, events)  # ids, slots, counters, the end
         self._parked: list[CopyTask] = []  # loads waiting for another task's fetch of their tail
-        self._task_ids = itertools.count(1)
-        self._slot_cursor = 0
-        self._slots_busy: set[int] = set()
-        self.counters = TaskCounters()
-        self.on_task_end = lambda op, seconds: None  # metrics hook, set by the server
         self.hits = {"lookups": 0, "keys": 0, "host_hits": 0, "storage_hits": 0}
         self.loader = TransferWorker(LOAD, self._run_loads, self._batch_failed)
         self.offloader = TransferWorker(OFFLOAD, self._run_offloads, self._batch_failed)
@@ -216,12 +204,12 @@ class CacheService(StorageFlow):
                 new_pos.append(i)
                 host_ids.append(got[0])
             self.pool.allocator.free(self.index.unpin(held))
-            task = self._new_task(OFFLOAD, client, req, blocks[new_pos], host_ids, entries)
+            task = self.table.new(OFFLOAD, client, req, blocks[new_pos], host_ids, entries)
             task.fence = fence
         if entries:
             self.offloader.submit(task)
         else:
-            self._finish(task, TaskStatus.DONE, {"stored": 0})
+            self.table.finish(task, TaskStatus.DONE, {"stored": 0})
         return {"task": task.task_id, "stored": len(entries), "skipped": len(held),
                 "accepted": accepted}
 
@@ -239,7 +227,7 @@ class CacheService(StorageFlow):
         self._check_queue()
         fence = self._fence(req)  # the engine's work on the target blocks, before they are written
         with self._lock:
-            slot = self._take_slot()
+            slot = self.table.take_slot()
             entries: list = []
             try:
                 entries = self.index.prefix(keys)
@@ -249,11 +237,11 @@ class CacheService(StorageFlow):
                 if n < len(keys) and self.tiers:  # the part past the host prefix: from storage
                     tail, own, shared = self._plan_tail(keys, n, self._storage_prefix(keys[n:]))
             except BaseException:  # nothing of the request stays: slot, pins
-                self._slots_busy.discard(slot)
+                self.table.slots_busy.discard(slot)
                 self.pool.allocator.free(self.index.unpin(entries))
                 raise
             self._after_hits(entries)
-            task = self._new_task(LOAD, client, req, blocks[: n + len(tail)],
+            task = self.table.new(LOAD, client, req, blocks[: n + len(tail)],
                                   [e.block for e in entries], entries)
             task.slot, task.keys, task.dev_request = slot, list(keys), blocks
             task.fence = fence
@@ -336,22 +324,6 @@ class CacheService(StorageFlow):
             self._parked = [t for t in self._parked if id(t) not in gone]
         return taken
 
-    def _new_task(self, kind, client, req, dev_blocks, host_ids, entries) -> CopyTask:
-        task = CopyTask(next(self._task_ids), kind, client.client_id, client.routing_id,
-                        req.body.get("priority", 0), np.asarray(dev_blocks, dtype=np.int64),
-                        np.asarray(host_ids, dtype=np.int64), entries)
-        self.tasks[task.task_id] = task
-        return task
-
-    def _take_slot(self) -> int:
-        for _ in range(NUM_SLOTS):
-            slot = self._slot_cursor
-            self._slot_cursor = (self._slot_cursor + 1) % NUM_SLOTS
-            if slot not in self._slots_busy:
-                self._slots_busy.add(slot)
-                return slot
-        raise OpError(ErrorCode.BUSY, f"all {NUM_SLOTS} load-progress slots are in use; retry later")
-
     def _alloc_host(self, n: int) -> list[int]:
         got = self.pool.allocator.alloc(n)
         if len(got) < n:
@@ -364,7 +336,7 @@ class CacheService(StorageFlow):
     def _cancel(self, client, req) -> dict:
         task_id = req.body["task"]
         with self._lock:
-            task = self.tasks.get(task_id)
+            task = self.table.tasks.get(task_id)
             if task is None or task.client_id != client.client_id:
                 raise OpError(ErrorCode.UNKNOWN_TASK, f"task {task_id} is not a live task of this client")
             task.cancelled = True
@@ -498,14 +470,14 @@ class CacheService(StorageFlow):
                     else:
                         self.index.mark_ready(e)
                 self.pool.allocator.free(freed)
-                self.counters.bytes["d2h"] += task.bytes_moved
+                self.table.counters.bytes["d2h"] += task.bytes_moved
         if task.cancelled:
-            self._finish(task, TaskStatus.CANCELLED, {"stored": 0})
+            self.table.finish(task, TaskStatus.CANCELLED, {"stored": 0})
         else:
             if self.tiers and self.tiers.write_policy == "write_through":
                 with self._lock:
                     self._queue_backup([e for e in task.entries if e.live and not e.doomed])
-            self._finish(task, TaskStatus.DONE, {"stored": task.num_blocks})
+            self.table.finish(task, TaskStatus.DONE, {"stored": task.num_blocks})
         self._wake_parked()  # loads that shared its entries
 
     def _complete_load(self, task: CopyTask) -> None:
@@ -513,20 +485,20 @@ class CacheService(StorageFlow):
         with self._lock:
             self.pool.allocator.free(self.index.unpin(task.entries))
             task.entries = []
-            self.counters.bytes["h2d"] += task.bytes_moved
-        self._finish(task, TaskStatus.CANCELLED if task.cancelled else TaskStatus.DONE, {"loaded": loaded})
+            self.table.counters.bytes["h2d"] += task.bytes_moved
+        self.table.finish(task, TaskStatus.CANCELLED if task.cancelled else TaskStatus.DONE, {"loaded": loaded})
 
     def _batch_failed(self, batch: list[CopyTask], exc: BaseException) -> None:
         for task in batch:
             with self._lock:
-                if task.kind != BACKUP and task.task_id not in self.tasks:
+                if task.kind != BACKUP and task.task_id not in self.table.tasks:
                     continue  # it ended before the failure: nothing of it is held any more
                 self._release_failed(task)
-            if task.task_id not in self.tasks:
+            if task.task_id not in self.table.tasks:
                 continue  # an internal task (backup)
             result = {"loaded": 0} if task.kind == LOAD else {"stored": 0}
             result["error"] = f"{type(exc).__name__}: {exc}"
-            self._finish(task, TaskStatus.FAILED, result)
+            self.table.finish(task, TaskStatus.FAILED, result)
         self._wake_parked()
 
     def _release_failed(self, task: CopyTask) -> None:
@@ -560,32 +532,9 @@ class CacheService(StorageFlow):
             elif task.kind == PREFETCH:
                 with self._lock:
                     self._release_failed(task)
-                self._finish(task, TaskStatus.CANCELLED, {"prefetched": 0})
+                self.table.finish(task, TaskStatus.CANCELLED, {"prefetched": 0})
         if tasks:
             self._wake_parked()
-
-    def _finish(self, task: CopyTask, status: TaskStatus, result: dict) -> None:
-        with self._lock:
-            if self.tasks.pop(task.task_id, None) is None:
-                return
-            if status == TaskStatus.DONE:
-                self.counters.completed += 1
-            elif status == TaskStatus.FAILED:
-                self.counters.failed += 1
-            else:
-                self.counters.cancelled += 1
-            if task.slot >= 0:
-                slot_status = {TaskStatus.DONE: SlotStatus.DONE, TaskStatus.FAILED: SlotStatus.FAILED}.get(
-                    status, SlotStatus.CANCELLED)
-                self.signals.slot_finish(task.slot, slot_status, result.get("loaded", 0))
-                self._slots_busy.discard(task.slot)
-        result["blocks"] = task.num_blocks
-        result["bytes"] = task.bytes_moved
-        seconds = (time.monotonic_ns() - task.created_ns) / 1e9
-        self.on_task_end(task.kind, seconds)
-        log.debug("[task] %d %s %s: %d blocks, %d bytes, %.2f ms", task.task_id, task.kind,
-                  status, task.num_blocks, task.bytes_moved, seconds * 1e3)
-        self.events.emit(task.routing_id, task_event(task.task_id, status, result))
 
     # clients and lifecycle -------------------------------------------------
     def drop_client(self, client, dead: bool = False) -> None:
@@ -593,10 +542,7 @@ class CacheService(StorageFlow):
         With dead (it died, or said bye) the KV mapping it registered is dropped too (the host
         tier's content stays for the engine that restarts)."""
         mine = lambda t: t.client_id == client.client_id  # noqa: E731
-        with self._lock:
-            for task in self.tasks.values():
-                if mine(task):
-                    task.cancelled = True
+        self.table.cancel_client(client.client_id)
         for worker in (self.fetcher, self.loader, self.offloader):
             self._finish_cancelled(worker.remove_queued(mine))
         self._finish_cancelled(self._take_parked(mine))
@@ -607,93 +553,16 @@ class CacheService(StorageFlow):
             log.info("[clients] dropped the KV mapping of client %s (gone)", client.client_id)
 
     def check(self) -> str:
-        """Walk the invariants: the index's own; every indexed host block allocated and not
-        free; every pin held by a live task and every live task's pins held; every busy
-        progress slot a live load's. Returns "ok" or what is wrong."""
-        with self._lock:
-            try:
-                self.index.check()
-                alloc = self.pool.allocator
-                free = set(alloc._free)
-                if len(free) != len(alloc._free):
-                    return "failed: a host block is in the free list twice"
-                for block in free:
-                    if alloc.is_used(block):
-                        return f"failed: host block {block} is free and in use"
-                for block in self.index.blocks():
-                    if not alloc.is_used(block) or block in free:
-                        return f"failed: indexed host block {block} is not allocated"
-                return self._check_pins_and_slots()
-            except AssertionError as exc:
-                return f"failed: {exc}"
-
-    def _check_pins_and_slots(self) -> str:
-        held: dict[int, int] = {}
-        pinned: dict[int, object] = {}
-        for task in self._live_tasks():
-            for e in (task.entries + task.tail_pins if task.kind in (LOAD, BACKUP) else ()):
-                held[id(e)] = held.get(id(e), 0) + 1
-                pinned[id(e)] = e
-        for e in self._lent_pins.values():  # backups whose write is late: pinned until it returns
-            held[id(e)] = held.get(id(e), 0) + 1
-            pinned[id(e)] = e
-        for e in pinned.values():
-            if e.refs != held[id(e)]:
-                return f"failed: entry {e.key.hex()} has {e.refs} pins, live tasks hold {held[id(e)]}"
-        for e in self.index.pinned_entries():
-            if id(e) not in pinned:
-                return f"failed: entry {e.key.hex()} is pinned by no live task"
-        if self.index.pinned != len(pinned):
-            return f"failed: {self.index.pinned} pinned entries counted, live tasks pin {len(pinned)}"
-        slots = {t.slot for t in self.tasks.values() if t.slot >= 0}
-        if slots != self._slots_busy:
-            return (f"failed: progress slots {sorted(self._slots_busy - slots)[:8]} busy without a "
-                    f"live load, {sorted(slots - self._slots_busy)[:8]} of live loads not busy")
-        return "ok"
+        """Walk the invariants (service_report.py); "ok" or what is wrong."""
+        return check_service(self)
 
     def _live_tasks(self) -> list[CopyTask]:
         """Every task that may hold pins: the client tasks, and backups queued or in flight."""
-        tasks = list(self.tasks.values()) + self.backer.queued_tasks() + list(self.backer.inflight)
+        tasks = list(self.table.tasks.values()) + self.backer.queued_tasks() + list(self.backer.inflight)
         return list({id(t): t for t in tasks}.values())  # a flush is in both
 
     def status(self) -> dict:
-        with self._lock:
-            kv = self.kv
-            queued = self.loader.queued + self.offloader.queued + self.fetcher.queued
-            return {
-                "host": {
-                    "capacity_bytes": self.pool.capacity_bytes,
-                    "used_bytes": self.pool.used_bytes,
-                    "blocks": len(self.index),
-                    "capacity_blocks": self.pool.num_blocks,
-                    "layout": self.cfg.host_layout,
-                    "evictions": self.index.evictions,
-                    "pinned_blocks": self.index.pinned,
-                    "writing_blocks": sum(len(t.entries) for t in self.tasks.values()
-                                          if t.kind == OFFLOAD),
-                },
-                "kv": {
-                    "registered": kv is not None,
-                    "owner": kv.owner if kv else None,
-                    "lost": kv.lost if kv else None,
-                    "num_layers": kv.spec.num_layers if kv else 0,
-                    "num_blocks": kv.spec.num_blocks if kv else 0,
-                    "page_bytes": kv.spec.page_bytes if kv else 0,
-                },
-                "storage": self._storage_status(),
-                "storage_ready": self.tiers.ready(),
-                "tasks": {
-                    "queued": queued,
-                    "inflight": len(self.tasks) - queued,
-                    "completed": self.counters.completed,
-                    "failed": self.counters.failed,
-                    "cancelled": self.counters.cancelled,
-                    "slots_busy": len(self._slots_busy),
-                },
-                "bytes": dict(self.counters.bytes),
-                "lookups": dict(self.hits),
-                "storage_io": dict(self.storage_counters),
-            }
+        return status_of(self)
 
     def close(self) -> None:
         # graceful: copies first, then the backups they queued (write_through's promise that

@@ -29,7 +29,7 @@ from .transfer import LOAD, CopyTask, TransferWorker
 
 log = logging.getLogger(__name__)
 
-FETCH, BACKUP, PREFETCH = "fetch", "backup", "prefetch"
+FETCH, BACKUP, PREFETCH, FLUSH = "fetch", "backup", "prefetch", "flush"
 IO_CHUNK_BLOCKS = 16  # pages staged per storage call: bounds staging memory
 MAX_PENDING_BACKUPS = 4096  # blocks queued for backup before new ones are dropped (and counted)
 
@@ -153,7 +153,7 @@ class StorageFlow:
             e.stored = BACKUP_QUEUED
         self.index.pin(todo)
         self._pending_backups += len(todo)
-        task = CopyTask(next(self._task_ids), BACKUP, "", client_routing, -10,
+        task = CopyTask(self.table.next_id(), BACKUP, "", client_routing, -10,
                         np.zeros(len(todo), np.int64), np.array([e.block for e in todo]), todo)
         self.backer.submit(task)
 
@@ -163,9 +163,9 @@ class StorageFlow:
             self.storage_counters["backup_dropped"] += len(keys)
             return
         self._pending_backups += len(keys)
-        task = CopyTask(next(self._task_ids), BACKUP, "", b"", -10, np.zeros(len(keys), np.int64),
+        task = CopyTask(self.table.next_id(), BACKUP, "", b"", -10, np.zeros(len(keys), np.int64),
                         np.zeros(len(keys), np.int64), [])
-        task.extra["payloads"] = (keys, pages)
+        task.payloads = (keys, pages)
         self.backer.submit(task)
 
     def _on_evicted(self, evicted) -> None:
@@ -206,23 +206,22 @@ class StorageFlow:
             entries = self._insert_for_fetch(keys, host, max(0, min(stored, room)))
             for e in entries:
                 self.index.set_prefetched(e, True)
-            task = self._new_task(PREFETCH, client, req, np.zeros(len(entries), np.int64),
+            task = self.table.new(PREFETCH, client, req, np.zeros(len(entries), np.int64),
                                   [e.block for e in entries], [])
             task.fetch = entries
             if req.body["policy"] == "timeout" and req.body["timeout_ms"]:
-                task.extra["deadline"] = time.monotonic() + req.body["timeout_ms"] / 1000
+                task.deadline = time.monotonic() + req.body["timeout_ms"] / 1000
         if entries:
             self.fetcher.submit(task)
         else:
-            self._finish(task, TaskStatus.DONE, {"prefetched": 0})
+            self.table.finish(task, TaskStatus.DONE, {"prefetched": 0})
         return {"task": task.task_id, "blocks": len(entries), "host": host}
 
     def _flush(self, client, req) -> dict:
-        task = CopyTask(next(self._task_ids), BACKUP, client.client_id, client.routing_id, -1000,
+        task = CopyTask(self.table.next_id(), FLUSH, client.client_id, client.routing_id, -1000,
                         np.zeros(0, np.int64), np.zeros(0, np.int64), [])
-        task.extra["flush"] = True
         with self._lock:
-            self.tasks[task.task_id] = task
+            self.table.tasks[task.task_id] = task
         self.backer.submit(task)
         return {"task": task.task_id}
 
@@ -260,13 +259,13 @@ class StorageFlow:
         else:
             self.storage_counters["prefetched"] += n_ok
             status = TaskStatus.CANCELLED if task.cancelled else TaskStatus.DONE
-            self._finish(task, status, {"prefetched": n_ok})
+            self.table.finish(task, status, {"prefetched": n_ok})
 
     def _fetch_pages(self, task: CopyTask, entries) -> int:
         """Read pages into their host blocks, in chunks; returns the leading count intact."""
         page_bytes = self.pool.page_bytes
         done = 0
-        deadline = task.extra.get("deadline")
+        deadline = task.deadline
         while done < len(entries):
             if task.cancelled or (deadline is not None and time.monotonic() > deadline):
                 break
@@ -312,11 +311,11 @@ class StorageFlow:
 
     def _run_backups(self, batch: list[CopyTask]) -> None:
         for task in batch:
-            if task.extra.get("flush"):
-                self._finish(task, TaskStatus.DONE, {})
+            if task.kind == FLUSH:
+                self.table.finish(task, TaskStatus.DONE, {})
                 continue
-            if "payloads" in task.extra:  # private copies: a late write may keep them
-                keys, pages = task.extra.pop("payloads")
+            if task.payloads is not None:  # private copies: a late write may keep them
+                (keys, pages), task.payloads = task.payloads, None
                 stored, _late = self.tiers.put(keys, pages)
                 with self._lock:
                     self._pending_backups -= len(keys)

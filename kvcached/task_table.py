@@ -43,6 +43,10 @@ class TaskTable:
         self._ids = itertools.count(1)
         self._slot_cursor = 0
 
+    def next_id(self) -> int:
+        """A task id (backups, which are not in the table, draw from the same count)."""
+        return next(self._ids)
+
     def new(self, kind, client, req, dev_blocks, host_ids, entries) -> CopyTask:
         """(Lock held.) A task of `client` for request `req`, in the table."""
         task = CopyTask(next(self._ids), kind, client.client_id, client.routing_id,

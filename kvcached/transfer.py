@@ -50,8 +50,9 @@ class CopyTask:
     started_ns: int = 0
     bytes_moved: int = 0
     created_ns: int = field(default_factory=time.monotonic_ns)
-    extra: dict = field(default_factory=dict)
     fence: tuple[int, int] | None = None  # the engine's (fence_word, fence) to wait for first
+    deadline: float | None = None  # prefetch with the timeout policy: stop then (monotonic s)
+    payloads: tuple | None = None  # write_back backup: (keys, pages) copied out at eviction
     # loads and prefetches past the host prefix (service_storage.py)
     keys: list = field(default_factory=list)       # the request's keys (a load re-plans from them)
     fetch: list = field(default_factory=list)      # WRITING entries this task fetches itself
@@ -73,8 +74,9 @@ class CopyPlan:
     dev_ids: np.ndarray
     host_ids: np.ndarray
     runs: list
-    extra: dict = field(default_factory=dict)
     fence: tuple[int, int] | None = None  # the engine's (fence_word, fence) to wait for first
+    deadline: float | None = None  # prefetch with the timeout policy: stop then (monotonic s)
+    payloads: tuple | None = None  # write_back backup: (keys, pages) copied out at eviction
 
     @classmethod
     def make(cls, dev_ids: np.ndarray, host_ids: np.ndarray) -> "CopyPlan":

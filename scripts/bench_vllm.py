@@ -45,46 +45,8 @@ def main() -> int:
             "--prefix-blocks", str(args.prefix_blocks)]
     if args.faults:
         return faults(args, model, size, tmp)
-    times: dict[str, list[float]] = {}
     try:
-        eng = vllm_driver.EngineProcess(model, "--connector", "none", *size)
-        try:
-            eng.ttft("A")  # warm-up
-            times["recompute"] = [eng.ttft("A") for _ in range(args.repeats)]
-        finally:
-            eng.close()
-
-        run_dir, storage = os.path.join(tmp, "run"), f"disk://{tmp}/disk?capacity_gb=2"
-
-        def daemon():
-            return launch(instance="bv", run_dir=run_dir, host_cache_gb=1.0,
-                          extra_args=["--storage", storage], wait_storage=True)
-
-        d = daemon()
-        eng = vllm_driver.EngineProcess(model, "--connector", "kvcached", "--instance", "bv",
-                                        "--run-dir", run_dir, *size)
-        try:
-            eng.ttft("A")  # seen once: saved to the host tier and written through to disk
-            times["kvcached host hit"] = [eng.ttft("A") for _ in range(args.repeats)]
-            with d.connect() as c:
-                c.flush().wait(120)
-            times["kvcached disk hit"] = []
-            for _ in range(args.repeats):
-                d.stop()
-                d = daemon()  # an empty host tier; the disk tier is found
-                vllm_driver.wait_attached(d)  # the connector attaches within 0.25 s of the start
-                times["kvcached disk hit"].append(eng.ttft("A"))
-        finally:
-            eng.close()
-            d.stop()
-
-        eng = vllm_driver.EngineProcess(model, "--connector", "example", "--example-path",
-                                        os.path.join(tmp, "example"), *size)
-        try:
-            eng.ttft("A")
-            times["ExampleConnector"] = [eng.ttft("A") for _ in range(args.repeats)]
-        finally:
-            eng.close()
+        times = _ttfts(args, model, size, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     base = statistics.median(times["recompute"])
@@ -96,6 +58,51 @@ def main() -> int:
         m = statistics.median(t)
         print(f"{name:<20} {m * 1e3:>9.1f} {m / base:>12.2f}x")
     return 0
+
+
+def _ttfts(args, model: str, size: list[str], tmp: str) -> dict[str, list[float]]:
+    """TTFT of the prompt seen before: recompute, kvcached host hit, kvcached disk hit (a new
+    daemon over the same disk tier each time), vLLM's ExampleConnector."""
+    times: dict[str, list[float]] = {}
+    eng = vllm_driver.EngineProcess(model, "--connector", "none", *size)
+    try:
+        eng.ttft("A")  # warm-up
+        times["recompute"] = [eng.ttft("A") for _ in range(args.repeats)]
+    finally:
+        eng.close()
+
+    run_dir, storage = os.path.join(tmp, "run"), f"disk://{tmp}/disk?capacity_gb=2"
+
+    def daemon():
+        return launch(instance="bv", run_dir=run_dir, host_cache_gb=1.0,
+                      extra_args=["--storage", storage], wait_storage=True)
+
+    d = daemon()
+    eng = vllm_driver.EngineProcess(model, "--connector", "kvcached", "--instance", "bv",
+                                    "--run-dir", run_dir, *size)
+    try:
+        eng.ttft("A")  # seen once: saved to the host tier and written through to disk
+        times["kvcached host hit"] = [eng.ttft("A") for _ in range(args.repeats)]
+        with d.connect() as c:
+            c.flush().wait(120)
+        times["kvcached disk hit"] = []
+        for _ in range(args.repeats):
+            d.stop()
+            d = daemon()  # an empty host tier; the disk tier is found
+            vllm_driver.wait_attached(d)  # the connector attaches within 0.25 s of the start
+            times["kvcached disk hit"].append(eng.ttft("A"))
+    finally:
+        eng.close()
+        d.stop()
+
+    eng = vllm_driver.EngineProcess(model, "--connector", "example", "--example-path",
+                                    os.path.join(tmp, "example"), *size)
+    try:
+        eng.ttft("A")
+        times["ExampleConnector"] = [eng.ttft("A") for _ in range(args.repeats)]
+    finally:
+        eng.close()
+    return times
 
 
 def faults(args, model: str, size: list[str], tmp: str) -> int:

@@ -141,7 +141,7 @@ def say(obj: dict) -> None:
     print(MARK + json.dumps(obj), flush=True)
 
 
-def main() -> int:
+def _args():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--instance", default="")
@@ -154,24 +154,22 @@ def main() -> int:
     ap.add_argument("--prefix-blocks", type=int, default=PREFIX_BLOCKS)
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (one worker per rank)")
     ap.add_argument("--hang-s", type=float, default=0.0, help="the connector's hang_s (0: default)")
-    args = ap.parse_args()
-    os.makedirs(args.model_dir, exist_ok=True)
-    config = dict(CONFIG, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
-                  num_hidden_layers=args.layers)
-    with open(os.path.join(args.model_dir, "config.json"), "w") as f:
-        json.dump(config, f)
-    prompt_ids = prompts(args.prefix_blocks)
-    if args.tp > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
-        # vLLM's CPU workers bind to one NUMA node each; on one node, split its CPUs by rank
+    return ap.parse_args()
+
+
+def _bind_cpus(tp: int) -> None:
+    """vLLM's CPU workers bind to one NUMA node each; on one node, split its CPUs by rank."""
+    if tp > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
         cpus = sorted(os.sched_getaffinity(0))
-        per = max(1, len(cpus) // args.tp)
+        per = max(1, len(cpus) // tp)
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
             f"{cpus[min(r * per, len(cpus) - 1)]}-{cpus[min((r + 1) * per, len(cpus)) - 1]}"
-            for r in range(args.tp))
+            for r in range(tp))
 
-    from vllm import LLM, SamplingParams
+
+def _engine(args):
+    from vllm import LLM
     from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
 
     kv = None
     if args.connector == "kvcached":
@@ -184,11 +182,28 @@ def main() -> int:
     elif args.connector == "example":
         kv = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                               kv_connector_extra_config={"shared_storage_path": args.example_path})
-    llm = LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True,
-              enforce_eager=True, block_size=BLOCK, seed=0,
-              max_model_len=max(1024, (args.prefix_blocks + 4) * BLOCK),
-              dtype="bfloat16", kv_transfer_config=kv, gpu_memory_utilization=0.2,
-              tensor_parallel_size=args.tp)
+    return LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True,
+               enforce_eager=True, block_size=BLOCK, seed=0,
+               max_model_len=max(1024, (args.prefix_blocks + 4) * BLOCK),
+               dtype="bfloat16", kv_transfer_config=kv, gpu_memory_utilization=0.2,
+               tensor_parallel_size=args.tp)
+
+
+def main() -> int:
+    import time
+
+    args = _args()
+    os.makedirs(args.model_dir, exist_ok=True)
+    config = dict(CONFIG, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+                  num_hidden_layers=args.layers)
+    with open(os.path.join(args.model_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    prompt_ids = prompts(args.prefix_blocks)
+    _bind_cpus(args.tp)
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = _engine(args)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False)
     first_token = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     say({"ready": True})
@@ -199,29 +214,20 @@ def main() -> int:
             continue
         if cmd[0] == "quit":
             break
+        llm.reset_prefix_cache()
+        start = time.perf_counter()
         if cmd[0] == "batch":
-            import time
-
-            llm.reset_prefix_cache()
-            start = time.perf_counter()
             outs = llm.generate(batch, params, use_tqdm=False)
-            seconds = time.perf_counter() - start
             say({"tokens": [list(o.outputs[0].token_ids) for o in outs],
-                 "num_cached_tokens": [o.num_cached_tokens or 0 for o in outs], "seconds": seconds})
-            continue
-        if cmd[0] in ("gen", "ttft"):
-            import time
-
-            llm.reset_prefix_cache()
-            step = params if cmd[0] == "gen" else first_token
-            start = time.perf_counter()
-            out = llm.generate([TokensPrompt(prompt_token_ids=prompt_ids[cmd[1]])], step,
-                               use_tqdm=False)[0]
-            seconds = time.perf_counter() - start
+                 "num_cached_tokens": [o.num_cached_tokens or 0 for o in outs],
+                 "seconds": time.perf_counter() - start})
+        elif cmd[0] in ("gen", "ttft"):
+            out = llm.generate([TokensPrompt(prompt_token_ids=prompt_ids[cmd[1]])],
+                               params if cmd[0] == "gen" else first_token, use_tqdm=False)[0]
             say({"name": cmd[1], "tokens": list(out.outputs[0].token_ids),
-                 "num_cached_tokens": out.num_cached_tokens or 0, "seconds": seconds})
+                 "num_cached_tokens": out.num_cached_tokens or 0,
+                 "seconds": time.perf_counter() - start})
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

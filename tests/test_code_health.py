@@ -105,3 +105,32 @@ def test_the_client_never_imports_the_daemon_nor_the_daemon_core_the_client(grap
             assert not any(t.split(".")[0] == "kvcached" for t in targets), (m, targets)
         if m.startswith("kvcached.") and not m.startswith(DAEMON_TOOLS):
             assert not any(t.split(".")[0] == "kvcached_client" for t in targets), (m, targets)
+
+
+SOURCE_FOLDERS = ("kvcached", "client", "proto", "scripts")
+FLAG_TABLES = {("kvcached/cli.py", "build_parser")}  # argparse tables: long, and flat
+
+
+def _sources():
+    for folder in SOURCE_FOLDERS:
+        for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
+            for f in files:
+                if f.endswith(".py"):
+                    yield os.path.join(dirpath, f)
+
+
+def test_no_source_file_over_600_lines():
+    long = {os.path.relpath(p, ROOT): n for p in _sources()
+            if (n := len(open(p, encoding="utf-8").read().splitlines())) > 600}
+    assert long == {}
+
+
+def test_no_function_over_60_lines_outside_flag_tables():
+    long = []
+    for path in _sources():
+        rel = os.path.relpath(path, ROOT)
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                    and node.end_lineno - node.lineno + 1 > 60 and (rel, node.name) not in FLAG_TABLES:
+                long.append(f"{rel}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert long == []

@@ -1,0 +1,85 @@
+"""What the service reports: its status map, and its invariant walk (`status --check`,
+tests, fuzzing: the index's own; every indexed host block allocated and not free; every pin
+held by a live task and every live task's pins held; every busy progress slot a live load's)."""
+from __future__ import annotations
+
+from .service_storage import BACKUP
+from .transfer import LOAD, OFFLOAD
+
+
+def check_service(svc) -> str:
+    """Walk the invariants: the index's own; every indexed host block allocated and not
+    free; every pin held by a live task and every live task's pins held; every busy
+    progress slot a live load's. Returns "ok" or what is wrong."""
+    with svc._lock:
+        try:
+            svc.index.check()
+            alloc = svc.pool.allocator
+            free = set(alloc._free)
+            if len(free) != len(alloc._free):
+                return "failed: a host block is in the free list twice"
+            for block in free:
+                if alloc.is_used(block):
+                    return f"failed: host block {block} is free and in use"
+            for block in svc.index.blocks():
+                if not alloc.is_used(block) or block in free:
+                    return f"failed: indexed host block {block} is not allocated"
+            return _check_pins_and_slots(svc)
+        except AssertionError as exc:
+            return f"failed: {exc}"
+
+
+def _check_pins_and_slots(svc) -> str:
+    held: dict[int, int] = {}
+    pinned: dict[int, object] = {}
+    for task in svc._live_tasks():
+        for e in (task.entries + task.tail_pins if task.kind in (LOAD, BACKUP) else ()):
+            held[id(e)] = held.get(id(e), 0) + 1
+            pinned[id(e)] = e
+    for e in svc._lent_pins.values():  # backups whose write is late: pinned until it returns
+        held[id(e)] = held.get(id(e), 0) + 1
+        pinned[id(e)] = e
+    for e in pinned.values():
+        if e.refs != held[id(e)]:
+            return f"failed: entry {e.key.hex()} has {e.refs} pins, live tasks hold {held[id(e)]}"
+    for e in svc.index.pinned_entries():
+        if id(e) not in pinned:
+            return f"failed: entry {e.key.hex()} is pinned by no live task"
+    if svc.index.pinned != len(pinned):
+        return f"failed: {svc.index.pinned} pinned entries counted, live tasks pin {len(pinned)}"
+    wrong = svc.table.check_slots()
+    return f"failed: {wrong}" if wrong else "ok"
+
+
+def status_of(svc) -> dict:
+    """The service's part of `kvcached status --json`."""
+    with svc._lock:
+        kv = svc.kv
+        queued = svc.loader.queued + svc.offloader.queued + svc.fetcher.queued
+        return {
+            "host": {
+                "capacity_bytes": svc.pool.capacity_bytes,
+                "used_bytes": svc.pool.used_bytes,
+                "blocks": len(svc.index),
+                "capacity_blocks": svc.pool.num_blocks,
+                "layout": svc.cfg.host_layout,
+                "evictions": svc.index.evictions,
+                "pinned_blocks": svc.index.pinned,
+                "writing_blocks": sum(len(t.entries) for t in svc.table.tasks.values()
+                                      if t.kind == OFFLOAD),
+            },
+            "kv": {
+                "registered": kv is not None,
+                "owner": kv.owner if kv else None,
+                "lost": kv.lost if kv else None,
+                "num_layers": kv.spec.num_layers if kv else 0,
+                "num_blocks": kv.spec.num_blocks if kv else 0,
+                "page_bytes": kv.spec.page_bytes if kv else 0,
+            },
+            "storage": svc._storage_status(),
+            "storage_ready": svc.tiers.ready(),
+            "tasks": svc.table.status(queued),
+            "bytes": dict(svc.table.counters.bytes),
+            "lookups": dict(svc.hits),
+            "storage_io": dict(svc.storage_counters),
+        }
