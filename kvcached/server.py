@@ -44,8 +44,9 @@ from kvcached_proto.version import PROTOCOL_VERSION
 from . import __version__, machine, sigbus
 from .config import DaemonConfig, prepare_run_dir
 from .errors import OpError, StartupError
+from .control import ControlWorker
 from .task_events import EventSink
-from .service import CacheService
+from .service import DRAIN_TIMEOUT_S, CacheService
 from .metrics import Metrics
 from .status_block import SignalSegment
 from .status import StatusThread
@@ -58,6 +59,7 @@ ZMTP_HEARTBEAT_MS, ZMTP_HEARTBEAT_TIMEOUT_MS = 1000, 5000
 CURVE_TAG = b"C"  # ROUTER-made ids start with 0x00: this prefix cannot collide
 CLIENT_REAP_PERIOD_S = 0.25
 MAX_BATCH = 256  # requests handled per wake before events get their turn
+DEFERRED = object()  # _dispatch's answer for an op the control worker replies to
 RECV_MAX_BYTES = 64 << 20  # zmq drops a peer that sends more; 8..64 MiB get FRAME_TOO_LARGE
 
 
@@ -97,6 +99,7 @@ class Daemon:
         self._gone_pids: set[int] = set()  # disconnected clients whose segments await sweeping
         self._auth = None
         self.events: EventSink | None = None
+        self.control: ControlWorker | None = None
         self.signals: SignalSegment | None = None
         self.service: CacheService | None = None
         self._status_thread: StatusThread | None = None
@@ -147,6 +150,8 @@ class Daemon:
             if sock is not None:
                 self._monitors.append(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
         self.service = CacheService(cfg, self.signals, self.events)
+        self.control = ControlWorker(self.events)  # ops that may block, off the request thread
+        self.control.start()
         try:
             self.metrics = Metrics(cfg.instance, self.status, cfg.metrics_port, cfg.metrics_addr)
         except OSError as exc:
@@ -248,6 +253,8 @@ class Daemon:
     def _close_service(self) -> None:
         if self.signals is not None:
             self.signals.set_state(State.STOPPING)
+        if self.control is not None:
+            self.control.stop(timeout=DRAIN_TIMEOUT_S + 5)
         if self.service is not None:
             service, self.service = self.service, None
             service.close()
@@ -374,7 +381,10 @@ class Daemon:
             if isinstance(msg.get("rid"), int) and not isinstance(msg.get("rid"), bool):
                 rid = msg["rid"] if 0 <= msg["rid"] < 2**64 else 0
             req = parse_request(msg)
-            reply = ok_reply(rid, **self._dispatch(routing_id, req))
+            result = self._dispatch(routing_id, req)
+            if result is DEFERRED:
+                return
+            reply = ok_reply(rid, **result)
         except CodedError as exc:
             reply = reply_for(rid, exc)
         except Exception as exc:  # a bug: report it to the caller and keep serving others
@@ -412,6 +422,9 @@ class Daemon:
             raise OpError(ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
         if req.op == Op.REGISTER_KV:
             self._reap_dead_clients()  # an engine that died a moment ago holds no registration
+        if spec.blocking:  # a drain or storage I/O: the control worker replies when done
+            self.control.submit(routing_id, req.rid, lambda: self.service.handle(client, req))
+            return DEFERRED
         return self.service.handle(client, req)
 
     def _check_kv_owner(self, client: ClientInfo, op: Op) -> None:

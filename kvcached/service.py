@@ -168,12 +168,13 @@ class CacheService(StorageFlow):
 
     def _lookup(self, client, req) -> dict:
         keys = req.body["keys"]
+        seen, past = self._storage_past_host(keys)
         with self._lock:
             self.index.note_request(keys)  # the eviction policy's history (lookups only: a load
             entries = self.index.prefix(keys)  # follows the lookup of the same request)
             hit = len(entries)
             self._after_hits(entries)
-            stored = self._storage_prefix(keys[hit:]) if self.tiers and hit < len(keys) else 0
+            stored = past if hit == seen else 0  # the host prefix moved meanwhile: no guess
             self.hits["lookups"] += 1
             self.hits["keys"] += len(keys)
             self.hits["host_hits"] += hit
@@ -226,6 +227,7 @@ class CacheService(StorageFlow):
         self._check_blocks(blocks)
         self._check_queue()
         fence = self._fence(req)  # the engine's work on the target blocks, before they are written
+        seen, past = self._storage_past_host(keys)
         with self._lock:
             slot = self.table.take_slot()
             entries: list = []
@@ -235,7 +237,7 @@ class CacheService(StorageFlow):
                 n = len(entries)
                 tail, own, shared = [], [], []
                 if n < len(keys) and self.tiers:  # the part past the host prefix: from storage
-                    tail, own, shared = self._plan_tail(keys, n, self._storage_prefix(keys[n:]))
+                    tail, own, shared = self._plan_tail(keys, n, past if n == seen else 0)
             except BaseException:  # nothing of the request stays: slot, pins
                 self.table.slots_busy.discard(slot)
                 self.pool.allocator.free(self.index.unpin(entries))

@@ -95,9 +95,22 @@ class StorageFlow:
         self.signals.set_flag(Flag.STORAGE_READY)
         log.info("[storage] ready")
 
-    # request-thread helpers (called with self._lock held) ------------------
     def _storage_prefix(self, keys) -> int:
+        """How many leading keys the storage tiers hold. Never with the lock held: a store may
+        be remote (a Redis round trip), and every worker completion needs the lock."""
         return self.tiers.exists_prefix(keys) if self.tiers else 0
+
+    def _storage_past_host(self, keys) -> tuple[int, int]:
+        """(host prefix seen, storage run past it), the storage part looked up outside the
+        lock. A caller that finds another host prefix under the lock uses no storage run (a
+        miss, never a wrong hit)."""
+        if not self.tiers:
+            return -1, 0
+        with self._lock:
+            seen = len(self.index.prefix(keys, touch=False))
+        return seen, (self._storage_prefix(keys[seen:]) if seen < len(keys) else 0)
+
+    # request-thread helpers (called with self._lock held) ------------------
 
     def _plan_tail(self, keys, start: int, stored: int) -> tuple[list, list, list]:
         """Entries for keys[start:start+stored] (the part a load takes from storage), in key
@@ -194,9 +207,10 @@ class StorageFlow:
             return {"task": 0, "blocks": 0, "skipped": "no storage tier"}
         keys = req.body["keys"]
         self._check_queue()
+        seen, past = self._storage_past_host(keys)
         with self._lock:
             host = len(self.index.prefix(keys, touch=False))
-            stored = self._storage_prefix(keys[host:])
+            stored = past if host == seen else 0
             tokens = stored * req.body["block_tokens"]
             if tokens < self.cfg.prefetch_threshold_tokens:
                 return {"task": 0, "blocks": 0, "host": host,

@@ -46,6 +46,8 @@ class OpSpec:
     needs_kv: bool = False  # refused with NOT_REGISTERED before register_kv
     admin: bool = False  # changes the daemon for every client: the registered engine or an
     #                      operator only (FORBIDDEN otherwise)
+    blocking: bool = False  # may wait on a drain or storage I/O: the daemon runs it off its
+    #                         request thread and its reply comes when done (by rid, as always)
 
 
 KEYS = Field("keys", "keys")
@@ -63,8 +65,8 @@ OP_SPECS: dict[Op, OpSpec] = {
         OpSpec(Op.STATUS, (Field("check", "bool", False, False),)),
         OpSpec(Op.SHUTDOWN, admin=True),
         OpSpec(Op.BYE),
-        OpSpec(Op.REGISTER_KV, (Field("layout", "map"),)),
-        OpSpec(Op.UNREGISTER_KV, admin=True),
+        OpSpec(Op.REGISTER_KV, (Field("layout", "map"),), blocking=True),
+        OpSpec(Op.UNREGISTER_KV, admin=True, blocking=True),
         OpSpec(
             Op.OFFLOAD,
             (KEYS, BLOCKS, PRIORITY, *FENCE),
@@ -81,14 +83,14 @@ OP_SPECS: dict[Op, OpSpec] = {
         ),
         OpSpec(Op.CANCEL, (Field("task", "uint", hi=UINT64_MAX),)),
         OpSpec(Op.FLUSH),
-        OpSpec(Op.DELETE, (KEYS,)),
+        OpSpec(Op.DELETE, (KEYS,), blocking=True),
         OpSpec(
             Op.CLEAR,
             (Field("tier", "choice", False, "all", choices=TIERS),
              Field("weights_update", "bool", False, False)),
-            admin=True,
+            admin=True, blocking=True,
         ),
-        OpSpec(Op.PAUSE, admin=True),
+        OpSpec(Op.PAUSE, admin=True, blocking=True),
         OpSpec(Op.RESUME, admin=True),
     )
 }

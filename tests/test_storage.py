@@ -168,7 +168,7 @@ def _keys_alone_in_a_shard(n, index):
     raise AssertionError("no such keys")
 
 
-def _stored_with_one_record_hung(run_dir, instance, disk_dir, index):
+def _stored_with_one_record_hung(run_dir, instance, disk_dir, index, io_timeout_s=1):
     """8 blocks stored on disk by a daemon since stopped, keys[index]'s record on a FUSE shard
     whose reads hang (skips where FUSE cannot be mounted). The tier's I/O deadline is 1 s."""
     import hangfs
@@ -179,7 +179,7 @@ def _stored_with_one_record_hung(run_dir, instance, disk_dir, index):
     kv = small_kv(block_shape=PAGE_SHAPE)
     keys, src = _keys_alone_in_a_shard(8, index), list(range(8))
     expected = snapshot(kv, src)
-    uri = f"disk://{disk_dir}?capacity_gb=1&io_timeout_s=1"
+    uri = f"disk://{disk_dir}?capacity_gb=1&io_timeout_s={io_timeout_s}"
     h = start(run_dir, instance, uri)
     with h.connect() as c:
         c.register_kv_cache(kv)
@@ -225,6 +225,37 @@ def test_a_record_on_a_hung_filesystem_costs_its_load_a_deadline_not_the_daemon(
         if h is not None:
             h.proc.wait(20)
             assert h.stop() == 0
+
+
+def test_a_drain_waiting_on_a_hung_read_does_not_hold_the_request_thread(run_dir, instance, disk_dir):
+    """pause drains the copies in flight: here a fetch held by a hung read until the tier's
+    3 s I/O deadline. The drain runs on the control worker, so another client's ping, lookup
+    and status are answered while the pause is still waiting (before: after it)."""
+    import threading
+
+    kv, keys, expected, uri, fs = _stored_with_one_record_hung(run_dir, instance, disk_dir, 2, 3)
+    h = None
+    try:
+        h = start(run_dir, instance, uri)
+        with h.connect(timeout=10) as c, h.connect(timeout=10) as other:
+            c.register_kv_cache(kv)
+            load = c.load(keys, list(range(20, 28)))
+            wait_until(lambda: fs.held, 5, "the fetch reaching the hung read")
+            paused = threading.Thread(target=c.pause)
+            paused.start()
+            time.sleep(0.2)  # the pause is at the daemon, waiting for the fetch to drain
+            assert other.ping() >= 0 and other.lookup(keys[:1]) is not None
+            assert other.status()["instance"] == instance
+            assert paused.is_alive(), "the pause ended before the other client was answered"
+            paused.join(15)
+            assert not paused.is_alive()
+            c.resume()
+            assert load.wait(10) == 2
+            assert c.check() == "ok"
+    finally:
+        fs.close()  # the late read ends (EIO): the daemon's process can exit
+        if h is not None:
+            h.stop()
 
 
 def test_a_hung_read_that_returns_gives_its_block_back_and_the_tier_recovers(

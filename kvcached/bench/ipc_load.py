@@ -1,0 +1,117 @@
+"""`kvcached bench ipc`'s loaded case: 64-key lookups (host misses, so each asks the storage
+tiers) timed on an idle daemon with a disk and a redis tier, then while an engine in another
+process offloads without pause (write_through: every block is backed up to both tiers).
+
+Run as a module, it is that engine: `python -m kvcached.bench.ipc_load INSTANCE RUN_DIR SECONDS`.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from kvcached_client import launch
+
+from .stats import percentiles_us, ratio
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _redis(tmp: str):
+    exe = shutil.which("redis-server")
+    if exe is None:
+        return None, None
+    port = _free_port()
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return proc, f"redis://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    return None, None
+
+
+def _lookups(client, n: int) -> dict:
+    samples = []
+    for _ in range(n):
+        keys = [os.urandom(16) for _ in range(64)]
+        t0 = time.perf_counter()
+        client.lookup(keys)
+        samples.append(time.perf_counter() - t0)
+    return percentiles_us(samples)
+
+
+def run_loaded(quick: bool) -> dict:
+    n = 300 if quick else 3000
+    tmp = tempfile.mkdtemp(prefix="kvbl-", dir="/tmp")
+    redis, redis_uri = _redis(tmp)
+    tiers = [f"disk://{tmp}/disk?capacity_gb=1"] + ([redis_uri] if redis_uri else [])
+    args = [x for uri in tiers for x in ("--storage", uri)]
+    instance = f"bench-ipcl-{os.getpid()}"
+    daemon = launch(instance=instance, run_dir=tmp, host_cache_gb=0.25, extra_args=args,
+                    wait_storage=True)
+    engine = None
+    try:
+        with daemon.connect(name="bench-ipc-lookups") as client:
+            idle = _lookups(client, n)
+            engine = subprocess.Popen([sys.executable, "-m", "kvcached.bench.ipc_load", instance,
+                                       tmp, "600"], stdout=subprocess.PIPE, text=True)
+            if engine.stdout.readline().strip() != "offloading":
+                raise RuntimeError("the loading engine did not start")
+            time.sleep(0.5)
+            loaded = _lookups(client, n)
+            status = client.status()
+    finally:
+        if engine is not None:
+            engine.kill()
+            engine.wait(10)
+        daemon.stop()
+        if redis is not None:
+            redis.terminate()
+            redis.wait(10)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"tiers": [t.split(":")[0] for t in tiers], "idle": idle, "loaded": loaded,
+            "p99_ratio": ratio(loaded["p99_us"], idle["p99_us"]),
+            "backups": status.get("storage_io", {}).get("backups", 0),
+            "target": {"p99_ratio_max": 2.0}}
+
+
+def format_loaded(r: dict) -> str:
+    i, lo = r["idle"], r["loaded"]
+    return (f"lookup64 with storage ({'+'.join(r['tiers'])}): idle p50 {i['p50_us']:.1f}us "
+            f"p99 {i['p99_us']:.1f}us; under backups ({r['backups']} blocks written) p50 "
+            f"{lo['p50_us']:.1f}us p99 {lo['p99_us']:.1f}us; p99 ratio {r['p99_ratio']:.2f} "
+            f"(target <= {r['target']['p99_ratio_max']})")
+
+
+def _engine(instance: str, run_dir: str, seconds: float) -> None:
+    """Offload 16 fresh blocks at a time, as fast as the daemon takes them."""
+    import torch
+
+    from kvcached_client import Client, allocate_kv_cache
+
+    kv = allocate_kv_cache(4, 64, (16, 2, 64), torch.float16)
+    with Client.connect(instance=instance, run_dir=run_dir, name="bench-ipc-loader") as c:
+        c.register_kv_cache(kv)
+        print("offloading", flush=True)
+        end, base = time.monotonic() + seconds, 0
+        while time.monotonic() < end:
+            keys = [os.urandom(16) for _ in range(16)]
+            c.offload(range(base, base + 16), keys).wait(30)
+            base = (base + 16) % 48
+
+
+if __name__ == "__main__":
+    _engine(sys.argv[1], sys.argv[2], float(sys.argv[3]))
