@@ -74,9 +74,8 @@ class CopyPlan:
     dev_ids: np.ndarray
     host_ids: np.ndarray
     runs: list
+    extra: dict = field(default_factory=dict)  # what a copier derives once for this chunk
     fence: tuple[int, int] | None = None  # the engine's (fence_word, fence) to wait for first
-    deadline: float | None = None  # prefetch with the timeout policy: stop then (monotonic s)
-    payloads: tuple | None = None  # write_back backup: (keys, pages) copied out at eviction
 
     @classmethod
     def make(cls, dev_ids: np.ndarray, host_ids: np.ndarray) -> "CopyPlan":
