@@ -11,7 +11,7 @@ from kvcached_proto.errors import (
 
 from .client import Client
 from .hashing import BlockHasher, make_namespace
-from .kv_alloc import allocate_kv_cache
+from .kv_alloc import allocate_kv_buffer, allocate_kv_cache
 from .group import GroupClient, rank_keys
 from .launch import DaemonHandle, launch
 from .prefix import MMItem, PrefixCacheManager
@@ -20,7 +20,7 @@ from .reattach import Reattacher
 from .tasks import LoadTask, Task
 
 __all__ = [
-    "Client", "BlockHasher", "make_namespace", "allocate_kv_cache", "launch", "DaemonHandle",
+    "Client", "BlockHasher", "make_namespace", "allocate_kv_cache", "allocate_kv_buffer", "launch", "DaemonHandle",
     "Task", "LoadTask", "GroupClient", "rank_keys", "PrefixCacheManager", "MMItem", "NoFreeBlocks", "Reattacher", "Busy", "DaemonUnavailable", "KvcachedError", "KvcachedTimeout",
     "ProtocolError", "RequestError", "TaskFailed",
 ]

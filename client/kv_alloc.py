@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # imported lazily at run time: the CLI uses this package with
     import torch
 
 from kvcached_proto.errors import KvcachedError
+from kvcached_proto.geometry import gpu_uuid
 from kvcached_proto.layout import DTYPE_BYTES
 from kvcached_proto.paths import kv_segment_name
 
@@ -82,6 +83,25 @@ def _shared_cpu_buffer(nbytes: int) -> tuple[mmap.mmap, str]:
     return mm, name
 
 
+def allocate_kv_buffer(nbytes: int, device: str = "cpu"):
+    """One flat uint8 allocation the daemon can map, for engines that lay their KV cache out
+    themselves (as strided views of one allocation, the way vLLM 0.32 does): on CPU a kvcached
+    shared-memory segment, on CUDA ordinary device memory. Zero-filled."""
+    import torch
+
+    if str(device).startswith("cuda"):
+        _check_cuda_allocator()
+        return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    if device != "cpu":
+        raise KvcachedError(f"device {device!r}: expected 'cpu' or 'cuda:N'")
+    mm, name = _shared_cpu_buffer(nbytes)
+    flat = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
+    with _lock:
+        _live_segments()  # prune: a dead segment's address range may be this one's now
+        _segments[name] = _Segment(name, flat.data_ptr(), nbytes, weakref.ref(mm))
+    return flat
+
+
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_shape, dtype=None,
                       device: str = "cpu", kv_pair: bool = True) -> list:
     """One entry per layer: a (K, V) tuple of `[num_blocks, *block_shape]` tensors, or one
@@ -99,16 +119,9 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_shape, dtype=None,
             for _ in range(num_layers)
         ]
         return [t if kv_pair else t[0] for t in tensors]
-    if device != "cpu":
-        raise KvcachedError(f"device {device!r}: expected 'cpu' or 'cuda:N'")
     itemsize = torch.empty(0, dtype=dtype).element_size()
     tensor_bytes = math.prod(shape) * itemsize
-    total = tensor_bytes * per_layer * num_layers
-    mm, name = _shared_cpu_buffer(total)
-    flat = torch.frombuffer(mm, dtype=torch.uint8, count=total)
-    with _lock:
-        _live_segments()  # prune: a dead segment's address range may be this one's now
-        _segments[name] = _Segment(name, flat.data_ptr(), total, weakref.ref(mm))
+    flat = allocate_kv_buffer(tensor_bytes * per_layer * num_layers, device)
     out = []
     for layer in range(num_layers):
         views = []
@@ -127,15 +140,15 @@ def _check_cuda_allocator() -> None:
             "exported over CUDA IPC; allocate the KV cache with expandable_segments:False")
 
 
-def _shm_handle(t: torch.Tensor) -> dict:
-    ptr = t.data_ptr()
+def _shm_allocation(t: torch.Tensor, span: tuple[int, int]) -> tuple[tuple, dict, int]:
+    lo, hi = span
     with _lock:
         for seg in _live_segments():
-            if seg.base <= ptr and ptr + t.numel() * t.element_size() <= seg.base + seg.size:
-                return {"kind": "shm", "name": seg.name, "offset": ptr - seg.base, "size": seg.size}
+            if seg.base <= lo and hi <= seg.base + seg.size:
+                return ("shm", seg.name), {"kind": "shm", "name": seg.name, "size": seg.size}, seg.base
     raise KvcachedError(
-        "CPU KV tensors must come from kvcached_client.allocate_kv_cache (POSIX shared memory "
-        "the daemon can map)")
+        "CPU KV tensors must come from kvcached_client.allocate_kv_cache or allocate_kv_buffer "
+        "(POSIX shared memory the daemon can map)")
 
 
 def _expandable_ranges() -> list[tuple[int, int]]:
@@ -150,7 +163,7 @@ def _expandable_ranges() -> list[tuple[int, int]]:
         return []
 
 
-def _cuda_handle(t: torch.Tensor, expandable: list[tuple[int, int]]) -> dict:
+def _cuda_allocation(t: torch.Tensor, expandable: list[tuple[int, int]]) -> tuple[tuple, dict, int]:
     storage = t.untyped_storage()
     ptr = storage.data_ptr()
     if any(lo <= ptr < hi for lo, hi in expandable):
@@ -165,43 +178,95 @@ def _cuda_handle(t: torch.Tensor, expandable: list[tuple[int, int]]) -> dict:
         raise KvcachedError(
             f"this CUDA tensor cannot be exported over CUDA IPC ({exc}); memory from PyTorch "
             "expandable segments cannot be shared: set expandable_segments:False") from None
-    return {
+    return ("cuda", ptr), {
         "kind": "cuda_ipc", "device": device, "handle": handle, "storage_size": storage_size,
         "storage_offset": storage_offset, "ref_counter_handle": ref_handle,
         "ref_counter_offset": ref_offset, "event_handle": event_handle or b"",
         "event_sync_required": bool(event_sync),
-        "offset": (t.data_ptr() - storage.data_ptr()),
-    }
+    }, ptr
+
+
+def block_order(t: torch.Tensor, where: str) -> tuple[int, ...]:
+    """The axes of one block (all but axis 0) from outermost to innermost in memory, checking
+    that a block's elements are one contiguous run: what a region needs."""
+    dims = sorted(((t.stride(i), i) for i in range(1, t.dim()) if t.shape[i] > 1), reverse=True)
+    expect = 1
+    for stride, i in reversed(dims):
+        if stride != expect:
+            raise KvcachedError(
+                f"{where}: a block's bytes are not one contiguous run (shape {tuple(t.shape)}, "
+                f"strides {t.stride()}): this layout cannot be registered (vLLM's LHBNC and "
+                "BHLNC interleave blocks within a head)")
+        expect *= t.shape[i]
+    if t.shape[0] > 1 and t.stride(0) < expect:
+        raise KvcachedError(f"{where}: block stride {t.stride(0)} < {expect} elements of a "
+                            "block: blocks overlap")
+    return tuple(i for _, i in dims)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _region(t: torch.Tensor, where: str, allocation) -> tuple[tuple, dict, dict]:
+    """(allocation key, its handle, the entry's region fields) of one (layer, part) tensor."""
+    if t.dim() < 2 or t.shape[0] < 1:
+        raise KvcachedError(f"{where}: expected [num_blocks, ...] with at least one block")
+    block_order(t, where)
+    key, handle, base = allocation(t)
+    block_bytes = math.prod(t.shape[1:]) * t.element_size()
+    stride = t.stride(0) * t.element_size() if t.shape[0] > 1 else block_bytes
+    return key, handle, {"offset": t.data_ptr() - base, "block_stride": stride}
 
 
 def describe_kv_cache(tensors) -> dict:
-    """The `register_kv` layout for a list per layer of (K, V) pairs or single tensors."""
+    """The `register_kv` layout (kvcached_proto.layout) of a list per layer of (K, V) pairs or
+    single tensors, each `[num_blocks, ...]` and any view whose blocks are a constant stride
+    apart with each block's bytes contiguous (vLLM's strided per-layer views included)."""
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise KvcachedError("KV cache: expected a non-empty list with one entry per layer")
     import torch
 
-    entries, device, num_blocks, expandable = [], None, None, None
+    entries, allocs, index, orders = [], [], {}, []
+    device = num_blocks = expandable = None
     for layer, item in enumerate(tensors):
         parts = list(item) if isinstance(item, (list, tuple)) else [item]
         for part, t in enumerate(parts):
+            where = f"layer {layer} part {part}"
             if not isinstance(t, torch.Tensor):
-                raise KvcachedError(f"layer {layer} part {part}: not a tensor")
-            if not t.is_contiguous():
-                raise KvcachedError(f"layer {layer} part {part}: tensor is not contiguous")
+                raise KvcachedError(f"{where}: not a tensor")
             dev = "cpu" if t.device.type == "cpu" else f"cuda:{t.device.index}"
             if device is None:
                 device, num_blocks = dev, t.shape[0]
             if dev != device:
-                raise KvcachedError(f"layer {layer} part {part}: on {dev}, layer 0 is on {device}")
+                raise KvcachedError(f"{where}: on {dev}, layer 0 is on {device}")
             if dev != "cpu" and expandable is None:
                 expandable = _expandable_ranges()
-            handle = _shm_handle(t) if dev == "cpu" else _cuda_handle(t, expandable)
-            entries.append({
-                "layer": layer, "part": part, "name": _part_name(len(parts), part),
-                "dtype": _dtype_name(t.dtype), "shape": list(t.shape), "handle": handle,
-            })
-    return {"device": device, "num_layers": len(tensors), "num_blocks": num_blocks,
-            "tensors": entries}
+            allocation = ((lambda x: _shm_allocation(x, _span(x))) if dev == "cpu"
+                          else (lambda x: _cuda_allocation(x, expandable)))
+            key, handle, region = _region(t, where, allocation)
+            if key not in index:
+                index[key] = len(allocs)
+                allocs.append(handle)
+            order = block_order(t, where)
+            if layer == 0:
+                orders.append(order)
+            elif order != orders[part]:
+                raise KvcachedError(f"{where}: its block's axes are ordered {order} in memory, "
+                                    f"layer 0's {orders[part]}")
+            entry = {"layer": layer, "part": part, "name": _part_name(len(parts), part),
+                     "dtype": _dtype_name(t.dtype), "shape": list(t.shape),
+                     "alloc": index[key], **region}
+            if region["block_stride"] * t.shape[0] == math.prod(t.shape) * t.element_size():
+                entry["handle"] = {**handle, "offset": region["offset"]}  # for 1.3 daemons
+            entries.append(entry)
+    layout = {"device": device, "num_layers": len(tensors), "num_blocks": num_blocks,
+              "kv_layout": "|".join(",".join(map(str, o)) for o in orders),
+              "allocations": allocs, "tensors": entries}
+    if device != "cpu":
+        layout["gpu_uuid"] = gpu_uuid(int(device.partition(":")[2]))
+    return layout
 
 
 def _part_name(num_parts: int, part: int) -> str:

@@ -209,7 +209,8 @@ class KvcachedConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         model = vllm_config.model_config
         namespace = make_namespace(str(model.model), str(model.dtype).removeprefix("torch."),
-                                   f"vllm-bs{self.block_size}", 0,
+                                   # the KV dtype (fp8 e4m3 and e5m2 blocks are the same size)
+                                   f"vllm-bs{self.block_size}-kv:{vllm_config.cache_config.cache_dtype}", 0,
                                    vllm_config.parallel_config.tensor_parallel_size,
                                    tenant=str(extra.get("namespace", "")),
                                    weights_version=str(extra.get("weights_version", "")))

@@ -11,6 +11,7 @@ import time
 import zmq
 
 from kvcached_proto import DaemonUnavailable, KvcachedError, Op, decode, encode, make_request
+from kvcached_client.kv_views import BLOCK_CONTIGUOUS
 from kvcached_proto.liveness import pid_alive
 from kvcached_proto.paths import DEFAULT_INSTANCE, resolve_run_dir, status_endpoint
 
@@ -154,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--copy-strategy", default="auto",
                        choices=["auto", "numpy", "runs", "gather", "zero_copy"],
                        help="transfer on CPU: the daemon's --copy-strategy (default: auto)")
+    bench.add_argument("--kv-layout", default="kvcached", choices=["kvcached", *BLOCK_CONTIGUOUS],
+                       help="transfer on CPU: the engine's KV layout: kvcached's allocate_kv_cache "
+                            "or a vLLM 0.32 one-allocation layout (strided per-layer views)")
     bench.add_argument("--pin-gb", type=float, default=None,
                        help="transfer on CUDA: pin this much host memory and report the time "
                             "(default: 32, 2 with --quick)")
@@ -370,6 +374,7 @@ def cmd_bench(args) -> int:
     kwargs = {"pin_gb": args.pin_gb} if args.pin_gb is not None else {}
     if args.what == "transfer" and args.device == "cpu":
         kwargs["copy_strategy"] = args.copy_strategy
+        kwargs["kv_layout"] = args.kv_layout
     result = bench.run(args.what.replace("-", "_"), quick=args.quick, device=args.device,
                        files=args.files, trace=args.trace, **kwargs)
     if args.out:

@@ -1,8 +1,10 @@
 """The engine's registered KV cache, mapped into the daemon.
 
-Every registered tensor is seen here as a uint8 view `[num_blocks, block_bytes]`, so copies
-are layout-agnostic byte moves. CPU tensors are mapped from the engine's POSIX shared-memory
-segment; CUDA tensors are rebuilt from their CUDA IPC handles.
+Each backing allocation is mapped once - CPU KV from the engine's POSIX shared-memory
+segment, CUDA KV from its CUDA IPC handle - and every (layer, part) region of it
+(kvcached_proto.geometry) is seen here as a uint8 view `[num_blocks, block_bytes]` whose row
+stride is the region's block stride, so copies are layout-agnostic byte moves. A CUDA
+allocation names its GPU by UUID: the engine and the daemon may number GPUs differently.
 
 A CPU segment is the client's: it must belong to the daemon's uid (checked on the open file,
 not its name), and it may shrink under the mapping. Every mapping is SIGBUS-guarded
@@ -23,6 +25,7 @@ import posix_ipc
 import torch
 
 from kvcached_proto import ErrorCode
+from kvcached_proto.geometry import Region, gpu_uuid
 from kvcached_proto.layout import LayoutSpec
 from kvcached_proto.order_words import segment_bytes
 from kvcached_proto.paths import KV_SEGMENT_RE
@@ -44,8 +47,19 @@ def _int_field(handle: dict, name: str) -> int:
     return v
 
 
+def _bytes_field(handle: dict, name: str, required: bool = True) -> bytes:
+    """A short bytes field (an IPC handle). Never `bytes(x)` of what a client sent: an int
+    there would allocate that many zero bytes."""
+    v = handle.get(name)
+    if v is None and not required:
+        return b""
+    if not isinstance(v, (bytes, bytearray)) or len(v) > 4096:
+        raise OpError(ErrorCode.KV_MISMATCH, f"handle.{name}: expected bytes (an IPC handle)")
+    return bytes(v)
+
+
 class KVRegistration:
-    def __init__(self, spec: LayoutSpec, owner: str):
+    def __init__(self, spec: LayoutSpec, owner: str, daemon_device: str = "cpu"):
         self.spec = spec
         self.owner = owner
         self._maps: dict[str, mmap.mmap] = {}
@@ -53,11 +67,13 @@ class KVRegistration:
         self.views: list[list[torch.Tensor]] = []
         self.order: DaemonOrder | None = None
         try:
+            flats = self._map_allocations(spec, daemon_device)
             for layer in range(spec.num_layers):
                 row = []
-                for part_idx, part in enumerate(spec.parts):
+                for part_idx in range(len(spec.parts)):
                     t = spec.tensors[layer * len(spec.parts) + part_idx]
-                    row.append(self._map(t.handle, part.block_bytes))
+                    row.append(_region_view(flats[t.region.alloc], t.region, spec.num_blocks,
+                                            f"layer {layer} part {part_idx}"))
                 self.views.append(row)
             if spec.order_segment is not None:
                 self.order = DaemonOrder(self._map_order(spec.order_segment), spec.num_layers,
@@ -65,6 +81,30 @@ class KVRegistration:
         except BaseException:
             self.close()
             raise
+
+    def _map_allocations(self, spec: LayoutSpec, daemon_device: str) -> list[torch.Tensor]:
+        """One flat uint8 tensor per allocation (a segment or an IPC handle named twice is
+        mapped once)."""
+        device = None
+        if spec.device != "cpu":
+            device = cuda_ordinal(spec)
+            served = int(daemon_device.partition(":")[2] or 0)
+            if device != served:
+                raise OpError(ErrorCode.KV_MISMATCH,
+                              f"the engine's KV is on this daemon's cuda:{device} "
+                              f"({spec.gpu_uuid or spec.device}) but the daemon serves "
+                              f"{daemon_device}: run one daemon per GPU, on the engine's GPU")
+        flats, seen = [], {}
+        for handle in spec.allocations:
+            if handle["kind"] == "shm":
+                key = ("shm", handle.get("name"))
+            else:
+                key = ("cuda", _bytes_field(handle, "handle"), _int_field(handle, "storage_offset"))
+            if key not in seen:
+                seen[key] = (self._map_shm(handle) if handle["kind"] == "shm"
+                             else _map_cuda(handle, device))
+            flats.append(seen[key])
+        return flats
 
     @property
     def device(self) -> str:
@@ -79,27 +119,15 @@ class KVRegistration:
                     "its owner); register the KV cache again")
         return None
 
-    def _map(self, handle: dict, block_bytes: int) -> torch.Tensor:
-        nbytes = self.spec.num_blocks * block_bytes
-        if handle["kind"] == "shm":
-            return self._map_shm(handle, nbytes).view(self.spec.num_blocks, block_bytes)
-        return _map_cuda(handle, nbytes).view(self.spec.num_blocks, block_bytes)
-
-    def _map_shm(self, handle: dict, nbytes: int) -> torch.Tensor:
+    def _map_shm(self, handle: dict) -> torch.Tensor:
         name = handle.get("name")
         m = _SHM_NAME_RE.match(name) if isinstance(name, str) else None
         if m is None or int(m.group(1)) != os.getuid():
             raise OpError(ErrorCode.KV_MISMATCH, f"handle.name {name!r} is not a kvcached KV segment of this user")
-        offset = _int_field(handle, "offset")
         mm = self._maps.get(name)
         if mm is None:
             mm = self._open_segment(name)
-        if offset + nbytes > len(mm):
-            raise OpError(
-                ErrorCode.KV_MISMATCH,
-                f"KV segment {name} holds {len(mm)} bytes; tensor needs [{offset}, {offset + nbytes})",
-            )
-        return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset)
+        return torch.frombuffer(mm, dtype=torch.uint8)
 
     def _map_order(self, name: str) -> np.ndarray:
         """The engine's order words (kvcached_proto.order_words): a segment of its own, checked
@@ -184,26 +212,48 @@ def _prefault(mm: mmap.mmap) -> None:
     np.frombuffer(mm, dtype=np.uint8)[::4096].copy()
 
 
-def _map_cuda(handle: dict, nbytes: int) -> torch.Tensor:
-    """Rebuild a CUDA tensor from the fields of `storage._share_cuda_()` (the engine's export)."""
+def _region_view(flat: torch.Tensor, region: Region, num_blocks: int, what: str) -> torch.Tensor:
+    """Blocks `[num_blocks, block_bytes]` of one region, rows `block_stride` bytes apart."""
+    end = region.end(num_blocks)
+    if end > flat.numel():
+        raise OpError(ErrorCode.KV_MISMATCH,
+                      f"{what}: its blocks span [{region.offset}, {end}) but the allocation holds "
+                      f"{flat.numel()} bytes")
+    return flat.as_strided((num_blocks, region.block_bytes), (region.block_stride, 1),
+                           flat.storage_offset() + region.offset)
+
+
+def cuda_ordinal(spec: LayoutSpec) -> int:
+    """This process's ordinal of the GPU the KV is on: found by UUID when the engine sent one
+    (its `cuda:N` is its own numbering), else the engine's ordinal."""
     if not torch.cuda.is_available():
         raise OpError(ErrorCode.KV_MISMATCH, "CUDA KV registered but this daemon sees no CUDA device")
+    if spec.gpu_uuid is None:
+        return int(spec.device.partition(":")[2] or 0)
+    for i in range(torch.cuda.device_count()):
+        if gpu_uuid(i) == spec.gpu_uuid:
+            return i
+    raise OpError(ErrorCode.KV_MISMATCH,
+                  f"the engine's KV is on GPU {spec.gpu_uuid}, which this daemon does not see "
+                  "(CUDA_VISIBLE_DEVICES differs: the daemon must see the engine's GPU)")
+
+
+def _map_cuda(handle: dict, device: int) -> torch.Tensor:
+    """Rebuild the engine's CUDA storage from the fields of `storage._share_cuda_()`, as a flat
+    uint8 tensor on this process's ordinal of its GPU."""
     try:
         storage = torch.UntypedStorage._new_shared_cuda(
-            _int_field(handle, "device"),
-            bytes(handle["handle"]),
+            device,
+            _bytes_field(handle, "handle"),
             _int_field(handle, "storage_size"),
             _int_field(handle, "storage_offset"),
-            bytes(handle["ref_counter_handle"]),
+            _bytes_field(handle, "ref_counter_handle"),
             _int_field(handle, "ref_counter_offset"),
-            bytes(handle["event_handle"]) if handle.get("event_handle") else b"",
+            _bytes_field(handle, "event_handle", required=False),
             bool(handle.get("event_sync_required", False)),
         )
     except (KeyError, TypeError, RuntimeError) as exc:
         raise OpError(ErrorCode.KV_MISMATCH, f"CUDA IPC handle could not be opened: {exc}") from None
-    offset = _int_field(handle, "offset")
     flat = torch.empty(0, dtype=torch.uint8, device=storage.device)
     flat.set_(storage, 0, (storage.nbytes(),), (1,))
-    if offset + nbytes > flat.numel():
-        raise OpError(ErrorCode.KV_MISMATCH, "CUDA tensor extends past its storage")
-    return flat[offset : offset + nbytes]
+    return flat

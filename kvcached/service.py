@@ -102,7 +102,7 @@ class CacheService(StorageFlow):
             raise OpError(ErrorCode.KV_MISMATCH,
                           f"one block across layers is {spec.page_bytes} bytes, more than the "
                           f"host pool ({self.pool.capacity_bytes}); raise --host-cache-gb")
-        reg = KVRegistration(spec, client.client_id)  # maps or raises, changing nothing
+        reg = KVRegistration(spec, client.client_id, self.cfg.device)  # maps or raises, changing nothing
         self._drain("register_kv")
         try:
             with self._lock:

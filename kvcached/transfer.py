@@ -134,9 +134,14 @@ class CpuCopier(CopierHooks):
     def __init__(self, dev_views, host_views):
         self.dev = [[widest_view(t) for t in row] for row in dev_views]
         self.host = [[widest_view(t) for t in row] for row in host_views]
+        # device rows a stride apart (vLLM's block-outermost layouts): np.take would copy the
+        # whole view to make it contiguous first; torch's index_select reads the rows in place
+        self._strided = [[(torch.from_numpy(d), torch.from_numpy(h))
+                          if d.strides[0] != d.shape[1] * d.itemsize else None
+                          for d, h in zip(dr, hr)] for dr, hr in zip(self.dev, self.host)]
 
     def close(self) -> None:
-        self.dev = self.host = []  # the registration's mapping can be unmapped now
+        self.dev = self.host = self._strided = []  # the registration can be unmapped now
 
     def plan(self, kind: str, dev_ids: np.ndarray, host_ids: np.ndarray) -> CopyPlan:
         return CopyPlan.make(dev_ids, host_ids)
@@ -144,8 +149,13 @@ class CpuCopier(CopierHooks):
     def offload_layer(self, layer: int, plan: CopyPlan) -> int:
         dev_ids, host_ids, runs = plan.dev_ids, plan.host_ids, plan.runs
         moved = 0
-        for dev, host in zip(self.dev[layer], self.host[layer]):
-            if fragmented(len(runs), len(host_ids)):  # fragmented: one gather + one scatter
+        for dev, host, strided in zip(self.dev[layer], self.host[layer], self._strided[layer]):
+            if strided is not None:
+                dev_t, host_t = strided
+                ids = torch.from_numpy(dev_ids)
+                for a, b, h in runs:
+                    torch.index_select(dev_t, 0, ids[a:b], out=host_t[h : h + (b - a)])
+            elif fragmented(len(runs), len(host_ids)):  # fragmented: one gather + one scatter
                 host[host_ids] = np.take(dev, dev_ids, axis=0, mode="clip")
             else:
                 for a, b, h in runs:

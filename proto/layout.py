@@ -2,19 +2,29 @@
 
     layout = {
       "device": "cpu" | "cuda:N",
+      "gpu_uuid": "GPU-...",    # CUDA: the device by UUID (ordinals differ between processes)
       "num_layers": L,          # layers, each with the same parts
-      "num_blocks": N,          # device blocks; block axis is 0 of every tensor
+      "num_blocks": N,          # device blocks
+      "kv_layout": str,         # how a block's bytes are ordered (e.g. "1,2,3|1,2,3"); part
+                                # of the geometry: a different one voids the host tier's blocks
       "order_segment": name,    # the engine's order words (order_words.py); required on CUDA
+      "allocations": [handle],  # the backing allocations (1.4)
       "tensors": [              # L * P entries, layer-major
-        {"layer": i, "part": j, "name": "k" | "v" | "latent" | "scale" | ...,
-         "dtype": "bfloat16", "shape": [N, ...], "handle": {...}},
+        {"layer": i, "part": j, "name": "k" | "v" | "kv" | "latent" | "scale" | ...,
+         "dtype": "bfloat16", "shape": [N, ...],
+         "alloc": a, "offset": bytes, "block_stride": bytes},   # the region (geometry.py)
       ],
     }
 
-A handle is {"kind": "shm", "name": "/kvcached.{uid}.kv.{pid}.{n}", "offset": bytes,
-"size": segment bytes} for CPU tensors in POSIX shared memory, or {"kind": "cuda_ipc", ...}
-(the fields of `storage._share_cuda_()`) for CUDA tensors. Part j has the same shape and
-dtype on every layer; parts may differ from each other (e.g. FP8 scale tensors).
+A handle is {"kind": "shm", "name": "/kvcached.{uid}.kv.{pid}.{n}", "size": segment bytes}
+for CPU KV in POSIX shared memory, or {"kind": "cuda_ipc", ...} (the fields of
+`storage._share_cuda_()`) for CUDA KV. Block b of a tensor is `prod(shape[1:]) * dtype bytes`
+contiguous bytes at `offset + b * block_stride` in allocation `alloc`; regions never share a
+byte. Part j has the same block shape and dtype on every layer; parts may differ from each
+other (e.g. FP8 scale tensors).
+
+Protocol 1.3 entries carry {"handle": {..., "offset": bytes}} instead of alloc/offset/
+block_stride: a contiguous tensor in an allocation of its own. Both forms are accepted.
 """
 from __future__ import annotations
 
@@ -22,6 +32,7 @@ import math
 from dataclasses import dataclass
 
 from .errors import ProtocolError
+from .geometry import Region, check_disjoint
 from .ops import ErrorCode
 
 DTYPE_BYTES = {
@@ -31,6 +42,8 @@ DTYPE_BYTES = {
 MAX_LAYERS = 1024
 MAX_PARTS = 8
 MAX_DEVICE_BLOCKS = 2**31 - 1
+MAX_ALLOCATIONS = 64
+MAX_ALLOCATION_BYTES = 2**50
 
 
 @dataclass(frozen=True)
@@ -50,7 +63,7 @@ class PartSpec:
 class TensorSpec:
     layer: int
     part: int
-    handle: dict
+    region: Region
 
 
 @dataclass(frozen=True)
@@ -60,7 +73,10 @@ class LayoutSpec:
     num_blocks: int
     parts: tuple[PartSpec, ...]
     tensors: tuple[TensorSpec, ...]  # layer-major, len = num_layers * len(parts)
+    allocations: tuple[dict, ...] = ()  # one handle per backing allocation
     order_segment: str | None = None  # the engine's order words (order_words.py); CUDA needs it
+    kv_layout: str = ""  # how a block's bytes are ordered (the engine's word for it)
+    gpu_uuid: str | None = None
 
     @property
     def page_bytes(self) -> int:
@@ -69,7 +85,7 @@ class LayoutSpec:
 
     def geometry(self) -> tuple:
         """What host blocks depend on; equal geometry means host content stays usable."""
-        return (self.num_layers, self.parts)
+        return (self.num_layers, self.parts, self.kv_layout)
 
 
 def _bad(message: str) -> ProtocolError:
@@ -95,47 +111,98 @@ def parse_layout(layout: dict) -> LayoutSpec:
     num_parts = len(tensors) // num_layers
     if num_parts > MAX_PARTS:
         raise _bad(f"tensors: {num_parts} parts per layer > {MAX_PARTS}")
+    allocations = _allocations(layout)
     parts: list[PartSpec] = []
     specs: list[TensorSpec] = []
     for i, t in enumerate(tensors):
-        where = f"tensors[{i}]."
         if not isinstance(t, dict):
             raise _bad(f"tensors[{i}]: expected a map")
         layer, part = divmod(i, num_parts)
-        if t.get("layer") != layer or t.get("part") != part:
-            raise _bad(f"{where}layer/part: expected layer {layer} part {part} (layer-major order)")
-        dtype = t.get("dtype")
-        if dtype not in DTYPE_BYTES:
-            raise _bad(f"{where}dtype: {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
-        shape = t.get("shape")
-        if (
-            not isinstance(shape, list)
-            or not 2 <= len(shape) <= 8
-            or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape)
-        ):
-            raise _bad(f"{where}shape: expected 2..8 positive ints, got {shape!r}")
-        if shape[0] != num_blocks:
-            raise _bad(f"{where}shape: block axis 0 has {shape[0]} blocks, layout says {num_blocks}")
-        name = t.get("name", f"part{part}")
-        if not isinstance(name, str) or len(name) > 64:
-            raise _bad(f"{where}name: expected a short str")
-        spec = PartSpec(name, dtype, tuple(shape[1:]))
+        spec = _part(t, i, layer, part, num_blocks)
         if layer == 0:
             parts.append(spec)
         elif spec != parts[part]:
             raise _bad(
-                f"{where}: layer {layer} part {part} is {spec.dtype}{list(spec.block_shape)}, "
+                f"tensors[{i}]: layer {layer} part {part} is {spec.dtype}{list(spec.block_shape)}, "
                 f"layer 0 has {parts[part].dtype}{list(parts[part].block_shape)}; every layer "
                 "must have the same shapes and dtypes"
             )
-        handle = t.get("handle")
-        if not isinstance(handle, dict) or handle.get("kind") not in ("shm", "cuda_ipc"):
-            raise _bad(f"{where}handle: expected a map with kind 'shm' or 'cuda_ipc'")
-        specs.append(TensorSpec(layer, part, handle))
-    order = layout.get("order_segment")
-    if order is not None and (not isinstance(order, str) or not 1 < len(order) <= 255):
-        raise _bad(f"order_segment: expected a shared-memory name, got {order!r}")
-    return LayoutSpec(device, num_layers, num_blocks, tuple(parts), tuple(specs), order)
+        region = _region(t, f"tensors[{i}].", spec.block_bytes, num_blocks, allocations)
+        specs.append(TensorSpec(layer, part, region))
+    clash = check_disjoint([s.region for s in specs], num_blocks)
+    if clash is not None:
+        raise _bad(f"tensors[{clash[0]}] and tensors[{clash[1]}] share bytes: a load into one "
+                   "would overwrite the other (KV shared between layers cannot be registered)")
+    return LayoutSpec(device, num_layers, num_blocks, tuple(parts), tuple(specs),
+                      tuple(allocations), _short_str(layout, "order_segment", 2, 255),
+                      _short_str(layout, "kv_layout", 0, 256) or "",
+                      _short_str(layout, "gpu_uuid", 1, 64))
+
+
+def _short_str(layout: dict, name: str, lo: int, hi: int) -> str | None:
+    v = layout.get(name)
+    if v is not None and (not isinstance(v, str) or not lo <= len(v) <= hi):
+        raise _bad(f"{name}: expected a str of {lo}..{hi} characters, got {v!r}")
+    return v
+
+
+def _part(t: dict, i: int, layer: int, part: int, num_blocks: int) -> PartSpec:
+    where = f"tensors[{i}]."
+    if t.get("layer") != layer or t.get("part") != part:
+        raise _bad(f"{where}layer/part: expected layer {layer} part {part} (layer-major order)")
+    dtype = t.get("dtype")
+    if dtype not in DTYPE_BYTES:
+        raise _bad(f"{where}dtype: {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+    shape = t.get("shape")
+    if (
+        not isinstance(shape, list)
+        or not 2 <= len(shape) <= 8
+        or not all(isinstance(s, int) and not isinstance(s, bool) and 0 < s < 2**40 for s in shape)
+    ):
+        raise _bad(f"{where}shape: expected 2..8 positive ints, got {shape!r}")
+    if shape[0] != num_blocks:
+        raise _bad(f"{where}shape: block axis 0 has {shape[0]} blocks, layout says {num_blocks}")
+    name = t.get("name", f"part{part}")
+    if not isinstance(name, str) or len(name) > 64:
+        raise _bad(f"{where}name: expected a short str")
+    spec = PartSpec(name, dtype, tuple(shape[1:]))
+    if spec.block_bytes > MAX_ALLOCATION_BYTES:
+        raise _bad(f"{where}shape: a block of {spec.block_bytes} bytes")
+    return spec
+
+
+def _handle(h, where: str) -> dict:
+    if not isinstance(h, dict) or h.get("kind") not in ("shm", "cuda_ipc"):
+        raise _bad(f"{where}: expected a map with kind 'shm' or 'cuda_ipc'")
+    return h
+
+
+def _allocations(layout: dict) -> list[dict]:
+    allocs = layout.get("allocations", [])
+    if not isinstance(allocs, list) or len(allocs) > MAX_ALLOCATIONS:
+        raise _bad(f"allocations: expected a list of at most {MAX_ALLOCATIONS} handles")
+    return [_handle(h, f"allocations[{k}]") for k, h in enumerate(allocs)]
+
+
+def _region(t: dict, where: str, block_bytes: int, num_blocks: int,
+            allocations: list[dict]) -> Region:
+    """The tensor's region; a 1.3 entry (a handle of its own) appends its allocation."""
+    if "alloc" in t:
+        alloc = _int(t, "alloc", 0, len(allocations) - 1, where)
+        offset = _int(t, "offset", 0, MAX_ALLOCATION_BYTES, where)
+        stride = _int(t, "block_stride", 0, MAX_ALLOCATION_BYTES, where)
+    else:
+        handle = _handle(t.get("handle"), f"{where}handle")
+        offset = _int(handle, "offset", 0, MAX_ALLOCATION_BYTES, f"{where}handle.")
+        alloc, stride = len(allocations), block_bytes
+        allocations.append(handle)
+    if num_blocks > 1 and stride < block_bytes:
+        raise _bad(f"{where}block_stride: {stride} bytes is less than a block's {block_bytes} "
+                   "bytes (blocks would overlap)")
+    region = Region(alloc, offset, stride if num_blocks > 1 else block_bytes, block_bytes)
+    if region.end(num_blocks) > MAX_ALLOCATION_BYTES:
+        raise _bad(f"{where}: the region ends past {MAX_ALLOCATION_BYTES} bytes")
+    return region
 
 
 def require_order_segment(spec: LayoutSpec) -> None:

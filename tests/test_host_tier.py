@@ -265,8 +265,8 @@ def test_registration_is_validated(daemon):
         with pytest.raises(RequestError) as e:
             c.register_kv_cache([a[0], b[0]])  # layer shapes differ
         assert _error_code(e) == ErrorCode.KV_MISMATCH
-        with pytest.raises(KvcachedError, match="contiguous"):
-            c.register_kv_cache([(a[0][0].transpose(1, 2), a[0][1])])
+        with pytest.raises(KvcachedError, match="not one contiguous run"):
+            c.register_kv_cache([(a[0][0].transpose(0, 1), a[0][1])])  # blocks interleaved
         with pytest.raises(KvcachedError, match="allocate_kv_cache"):
             c.register_kv_cache([(torch.zeros(16, 16, 2, 8), torch.zeros(16, 16, 2, 8))])
         assert c.status()["kv"]["registered"] is False

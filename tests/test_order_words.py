@@ -163,7 +163,7 @@ def test_a_bad_order_segment_is_refused_and_registers_nothing(daemon, case):
     layout = describe_kv_cache(kv)
     made = None
     if case == "kv_segment":
-        layout["order_segment"] = layout["tensors"][0]["handle"]["name"]
+        layout["order_segment"] = layout["allocations"][0]["name"]
     elif case == "missing":
         layout["order_segment"] = f"/kvcached.{os.getuid()}.kv.{os.getpid()}.99999"
     elif case == "too_small":
@@ -189,12 +189,12 @@ def test_cuda_kv_without_an_order_segment_is_refused_at_registration():
     from kvcached_proto.layout import parse_layout, require_order_segment
 
     layout = {"device": "cuda:0", "num_layers": 1, "num_blocks": 4, "tensors": [
-        {"layer": 0, "part": 0, "dtype": "float16", "shape": [4, 8], "handle": {"kind": "cuda_ipc"}}]}
+        {"layer": 0, "part": 0, "dtype": "float16", "shape": [4, 8], "handle": {"kind": "cuda_ipc", "offset": 0}}]}
     with pytest.raises(ProtocolError, match="order_segment"):
         require_order_segment(parse_layout(layout))  # what register_kv checks first
     require_order_segment(parse_layout({**layout, "order_segment": "/kvcached.0.kv.1.1"}))
     cpu = {**layout, "device": "cpu"}
-    cpu["tensors"] = [{**layout["tensors"][0], "handle": {"kind": "shm"}}]
+    cpu["tensors"] = [{**layout["tensors"][0], "handle": {"kind": "shm", "offset": 0}}]
     require_order_segment(parse_layout(cpu))  # optional on CPU
 
 

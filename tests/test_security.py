@@ -167,12 +167,11 @@ def test_another_uid_gets_no_answer_on_tcp_or_the_ipc_socket(curve_daemon):
 def test_a_segment_created_by_another_uid_is_refused(daemon):
     kv = small_kv(num_layers=1, num_blocks=4, block_shape=(16, 2, 8))
     layout = describe_kv_cache(kv)
-    size = layout["tensors"][0]["handle"]["size"]
+    size = layout["allocations"][0]["size"]
     forged = f"/kvcached.{os.getuid()}.kv.{os.getpid()}.999"  # our uid's name, their file
     assert run_as_other_uid(_create_segment, forged, size) == "created"
     try:
-        for t in layout["tensors"]:
-            t["handle"]["name"] = forged
+        layout["allocations"][0]["name"] = forged
         with daemon.connect() as c:
             with pytest.raises(RequestError) as e:
                 c._request(Op.REGISTER_KV, layout=layout)
@@ -184,7 +183,7 @@ def test_a_segment_created_by_another_uid_is_refused(daemon):
 
 def test_a_segment_writable_by_others_is_refused(daemon):
     kv = small_kv(num_layers=1, num_blocks=4, block_shape=(16, 2, 8))
-    name = describe_kv_cache(kv)["tensors"][0]["handle"]["name"]
+    name = describe_kv_cache(kv)["allocations"][0]["name"]
     os.chmod(f"/dev/shm{name}", 0o666)
     with daemon.connect() as c:
         with pytest.raises(RequestError, match="writable by group or others"):
@@ -316,7 +315,7 @@ import time; time.sleep(60)
 def test_a_truncated_segment_fails_its_clients_tasks_and_the_daemon_lives(daemon):
     a, kv = _registered_engine(daemon)
     with a:
-        name = describe_kv_cache(kv)["tensors"][0]["handle"]["name"]
+        name = describe_kv_cache(kv)["allocations"][0]["name"]
         shm = posix_ipc.SharedMemory(name, flags=0)
         os.ftruncate(shm.fd, 0)
         shm.close_fd()
@@ -343,7 +342,7 @@ def test_a_segment_truncated_during_an_offload_stores_nothing(daemon):
     keys = BlockHasher("trunc").hash_blocks(list(range(512 * 16)), 16)
     with daemon.connect(timeout=30) as c:
         c.register_kv_cache(kv)
-        name = describe_kv_cache(kv)["tensors"][0]["handle"]["name"]
+        name = describe_kv_cache(kv)["allocations"][0]["name"]
         c.pause()
         task = c.offload(range(512), keys)
         shm = posix_ipc.SharedMemory(name, flags=0)

@@ -23,7 +23,14 @@ from kvcached_client import allocate_kv_cache, launch
 
 from .stats import percentiles_us, ratio
 
-from .transfer_blocks import BLOCK_SHAPE, DTYPE, LAYERS, _check, _fill  # noqa: F401 (re-exported)
+from .transfer_blocks import (  # noqa: F401 (re-exported)
+    BLOCK_SHAPE,
+    DTYPE,
+    LAYERS,
+    _check,
+    _fill,
+    bench_kv,
+)
 
 
 class MemcpyBaseline:
@@ -50,7 +57,8 @@ class MemcpyBaseline:
             out.append(self.nbytes / (time.perf_counter() - t0) / 1e9)
 
 
-def run(quick: bool = False, device: str = "cpu", copy_strategy: str = "auto", **kwargs) -> dict:
+def run(quick: bool = False, device: str = "cpu", copy_strategy: str = "auto",
+        kv_layout: str = "kvcached", **kwargs) -> dict:
     if device != "cpu":
         from .transfer_cuda import run as run_cuda
 
@@ -67,7 +75,7 @@ def run(quick: bool = False, device: str = "cpu", copy_strategy: str = "auto", *
                     extra_args=["--copy-strategy", copy_strategy])
     try:
         with daemon.connect(name="bench-transfer", timeout=120) as client:
-            kv = allocate_kv_cache(LAYERS, num_blocks, BLOCK_SHAPE, DTYPE)
+            kv = bench_kv(kv_layout, num_blocks)
             strategy = client.register_kv_cache(kv)["copy_strategy"]
             offload_s, load_s, wakes, exact = [], [], [], True
             baseline = MemcpyBaseline(nbytes)
@@ -99,7 +107,8 @@ def run(quick: bool = False, device: str = "cpu", copy_strategy: str = "auto", *
     load_gbps = nbytes / min(load_s) / 1e9
     return {
         "bench": "transfer", "device": device, "copy_strategy": strategy, "blocks": n, "bytes": nbytes,
-        "layout": f"{LAYERS} layers x (K, V) {list(BLOCK_SHAPE)} bf16", "repeats": repeats,
+        "layout": f"{LAYERS} layers x (K, V) {list(BLOCK_SHAPE)} bf16", "kv_layout": kv_layout,
+        "repeats": repeats,
         "memcpy_d2h_gbps": round(memcpy_d2h, 2), "memcpy_h2d_gbps": round(memcpy_h2d, 2),
         "offload_gbps": round(off_gbps, 2), "offload_ratio": ratio(off_gbps, memcpy_d2h),
         "load_gbps": round(load_gbps, 2), "load_ratio": ratio(load_gbps, memcpy_h2d),
@@ -112,8 +121,8 @@ def run(quick: bool = False, device: str = "cpu", copy_strategy: str = "auto", *
 def format_result(r: dict) -> str:
     sig = r["layer_signal"] or {"p50_us": float("nan"), "p99_us": float("nan"), "n": 0}
     return "\n".join([
-        f"{r['blocks']} random blocks, {r['layout']}, {r['bytes'] / 2**30:.2f} GiB per direction, "
-        f"copy strategy {r.get('copy_strategy', 'numpy')}",
+        f"{r['blocks']} random blocks, {r['layout']} (KV layout {r.get('kv_layout', 'kvcached')}), "
+        f"{r['bytes'] / 2**30:.2f} GiB per direction, copy strategy {r.get('copy_strategy', 'numpy')}",
         f"{'':<10} {'GB/s':>8} {'memcpy GB/s':>12} {'ratio':>6}",
         f"{'offload':<10} {r['offload_gbps']:>8.2f} {r['memcpy_d2h_gbps']:>12.2f} "
         f"{r['offload_ratio']:>6.2f}   (device -> host)",

@@ -92,11 +92,11 @@ def test_prefixes_come_back_from_kvcached_and_faults_only_cost_recomputation(
 
 
 def _prefix_keys(tmp_path, tp_size=1):
-    """The keys the connector gives the prompt blocks (its namespace: model, dtype, block size,
+    """The keys the connector gives the prompt blocks (its namespace: model, dtype, block size, KV dtype,
     tensor-parallel size; each rank's daemon holds them under rank_keys of these)."""
     from kvcached_client import make_namespace
 
-    ns = make_namespace(str(tmp_path / "model"), "bfloat16", f"vllm-bs{vllm_driver.BLOCK}", 0, tp_size)
+    ns = make_namespace(str(tmp_path / "model"), "bfloat16", f"vllm-bs{vllm_driver.BLOCK}-kv:auto", 0, tp_size)
     return BlockHasher(ns).hash_blocks(vllm_driver.PREFIX, vllm_driver.BLOCK)
 
 
