@@ -163,9 +163,14 @@ def _expandable_ranges() -> list[tuple[int, int]]:
         return []
 
 
-def _cuda_allocation(t: torch.Tensor, expandable: list[tuple[int, int]]) -> tuple[tuple, dict, int]:
+def _cuda_allocation(t: torch.Tensor, expandable: list[tuple[int, int]],
+                     exported: dict) -> tuple[tuple, dict, int]:
+    """(key, IPC handle, base address) of the storage behind `t`, exported once per storage
+    (`exported` keeps them: vLLM's views of one allocation share one)."""
     storage = t.untyped_storage()
     ptr = storage.data_ptr()
+    if ptr in exported:
+        return ("cuda", ptr), exported[ptr], ptr
     if any(lo <= ptr < hi for lo, hi in expandable):
         raise KvcachedError(
             "this CUDA tensor lives in a PyTorch expandable segment, which the daemon cannot map "
@@ -178,12 +183,13 @@ def _cuda_allocation(t: torch.Tensor, expandable: list[tuple[int, int]]) -> tupl
         raise KvcachedError(
             f"this CUDA tensor cannot be exported over CUDA IPC ({exc}); memory from PyTorch "
             "expandable segments cannot be shared: set expandable_segments:False") from None
-    return ("cuda", ptr), {
+    exported[ptr] = {
         "kind": "cuda_ipc", "device": device, "handle": handle, "storage_size": storage_size,
         "storage_offset": storage_offset, "ref_counter_handle": ref_handle,
         "ref_counter_offset": ref_offset, "event_handle": event_handle or b"",
         "event_sync_required": bool(event_sync),
-    }, ptr
+    }
+    return ("cuda", ptr), exported[ptr], ptr
 
 
 def block_order(t: torch.Tensor, where: str) -> tuple[int, ...]:
@@ -209,15 +215,16 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
-def _region(t: torch.Tensor, where: str, allocation) -> tuple[tuple, dict, dict]:
-    """(allocation key, its handle, the entry's region fields) of one (layer, part) tensor."""
+def _region(t: torch.Tensor, where: str, allocation) -> tuple[tuple, dict, dict, tuple]:
+    """(allocation key, its handle, the entry's region fields, the block's axis order) of one
+    (layer, part) tensor."""
     if t.dim() < 2 or t.shape[0] < 1:
         raise KvcachedError(f"{where}: expected [num_blocks, ...] with at least one block")
-    block_order(t, where)
+    order = block_order(t, where)
     key, handle, base = allocation(t)
     block_bytes = math.prod(t.shape[1:]) * t.element_size()
     stride = t.stride(0) * t.element_size() if t.shape[0] > 1 else block_bytes
-    return key, handle, {"offset": t.data_ptr() - base, "block_stride": stride}
+    return key, handle, {"offset": t.data_ptr() - base, "block_stride": stride}, order
 
 
 def describe_kv_cache(tensors) -> dict:
@@ -228,7 +235,7 @@ def describe_kv_cache(tensors) -> dict:
         raise KvcachedError("KV cache: expected a non-empty list with one entry per layer")
     import torch
 
-    entries, allocs, index, orders = [], [], {}, []
+    entries, allocs, index, orders, exported = [], [], {}, [], {}
     device = num_blocks = expandable = None
     for layer, item in enumerate(tensors):
         parts = list(item) if isinstance(item, (list, tuple)) else [item]
@@ -244,12 +251,11 @@ def describe_kv_cache(tensors) -> dict:
             if dev != "cpu" and expandable is None:
                 expandable = _expandable_ranges()
             allocation = ((lambda x: _shm_allocation(x, _span(x))) if dev == "cpu"
-                          else (lambda x: _cuda_allocation(x, expandable)))
-            key, handle, region = _region(t, where, allocation)
+                          else (lambda x: _cuda_allocation(x, expandable, exported)))
+            key, handle, region, order = _region(t, where, allocation)
             if key not in index:
                 index[key] = len(allocs)
                 allocs.append(handle)
-            order = block_order(t, where)
             if layer == 0:
                 orders.append(order)
             elif order != orders[part]:
