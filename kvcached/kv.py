@@ -25,7 +25,7 @@ import posix_ipc
 import torch
 
 from kvcached_proto import ErrorCode
-from kvcached_proto.geometry import Region, gpu_uuid
+from kvcached_proto.geometry import Region, check_disjoint, gpu_uuid
 from kvcached_proto.layout import LayoutSpec
 from kvcached_proto.order_words import segment_bytes
 from kvcached_proto.paths import KV_SEGMENT_RE
@@ -75,6 +75,7 @@ class KVRegistration:
                     row.append(_region_view(flats[t.region.alloc], t.region, spec.num_blocks,
                                             f"layer {layer} part {part_idx}"))
                 self.views.append(row)
+            _check_no_alias(self.views, spec.num_blocks)
             if spec.order_segment is not None:
                 self.order = DaemonOrder(self._map_order(spec.order_segment), spec.num_layers,
                                          spec.device)
@@ -221,6 +222,16 @@ def _region_view(flat: torch.Tensor, region: Region, num_blocks: int, what: str)
                       f"{flat.numel()} bytes")
     return flat.as_strided((num_blocks, region.block_bytes), (region.block_stride, 1),
                            flat.storage_offset() + region.offset)
+
+
+def _check_no_alias(views: list[list[torch.Tensor]], num_blocks: int) -> None:
+    """No two regions share a byte, by address: parse_layout checks within each allocation as
+    sent, this also catches one segment or storage named as two allocations."""
+    regions = [Region(0, v.data_ptr(), v.stride(0), v.shape[1]) for row in views for v in row]
+    clash = check_disjoint(regions, num_blocks)
+    if clash is not None:
+        raise OpError(ErrorCode.KV_MISMATCH, f"tensors[{clash[0]}] and tensors[{clash[1]}] "
+                      "share bytes (one memory named as two allocations)")
 
 
 def cuda_ordinal(spec: LayoutSpec) -> int:

@@ -198,3 +198,23 @@ def test_an_ipc_handle_that_is_not_bytes_is_refused_without_allocating_it():
         _bytes_field({"handle": 10**12}, "handle")
     assert _bytes_field({"handle": b"\x01" * 64}, "handle") == b"\x01" * 64
     assert _bytes_field({}, "event_handle", required=False) == b""
+
+
+def test_one_segment_named_twice_cannot_hide_shared_bytes(shared_daemon):
+    """Two allocations (or two 1.3 handles) naming one segment, regions overlapping in it."""
+    raw = allocate_kv_buffer(8192)
+    kv = [raw[:2048].view(4, 512), raw[4096:6144].view(4, 512)]
+    layout = describe_kv_cache(kv)
+    layout["allocations"].append(dict(layout["allocations"][0]))
+    layout["tensors"][1].update(alloc=1, offset=1024)  # inside layer 0's blocks 2 and 3
+    legacy = describe_kv_cache(kv)
+    del legacy["allocations"]
+    for entry in legacy["tensors"]:
+        del entry["alloc"], entry["offset"], entry["block_stride"]
+    legacy["tensors"][1]["handle"]["offset"] = 1024
+    with shared_daemon.connect(timeout=10) as c:
+        for bad in (layout, legacy):
+            with pytest.raises(RequestError, match="share bytes") as e:
+                c._request(Op.REGISTER_KV, layout=bad)
+            assert e.value.code == ErrorCode.KV_MISMATCH
+        assert c.status()["kv"]["registered"] is False
