@@ -32,6 +32,7 @@ from kvcached_proto import (
 )
 from kvcached_proto.messages import ROLES, TaskStatus
 from kvcached_proto.paths import DEFAULT_INSTANCE, check_instance, request_endpoint, resolve_run_dir
+from kvcached_proto.order_words import REVOKE_WORD
 from kvcached_proto.version import PROTOCOL_VERSION
 
 from .kv_alloc import describe_kv_cache
@@ -75,6 +76,7 @@ class Client:
         self._kv_tensors = None
         self.order = None  # EngineOrder while KV is registered (cuda_order.py)
         self._fences: dict[int, list[int]] = {}  # task id -> device blocks it may still write
+        self._gone_after_close = lambda: False  # closed: is the daemon it talked to gone?
         self._closed = False
 
     @classmethod
@@ -165,6 +167,7 @@ class Client:
             self.order.close(self.signals.identity_check() if self.signals is not None else None)
             self.order = None
         if self.signals is not None:
+            self._gone_after_close = self.signals.identity_check()  # fences still need it
             self.signals.close()
             self.signals = None
 
@@ -275,15 +278,24 @@ class Client:
         """Device blocks of loads that timed out and whose end the daemon has not confirmed
         yet: the engine must not reuse them. A method: it reads pending events off the socket
         (and forgets the fences of a daemon that is gone)."""
+        self._refresh_fences()
+        return {b for blocks in self._fences.values() for b in blocks}
+
+    def fenced_tasks(self) -> set[int]:
+        """The ids of the tasks whose fences hold (read like fenced_blocks)."""
+        self._refresh_fences()
+        return set(self._fences)
+
+    def _refresh_fences(self) -> None:
         if self._fences:
             try:
                 self.poll_events()
             except DaemonUnavailable:
                 sig = self.signals
-                if sig is not None and sig.gone():
+                gone = sig.gone() if sig is not None else self._gone_after_close()
+                if gone:
                     self._fences.clear()  # a daemon that is gone writes nothing more
                 # else it may be hung and come back: its writes could still land
-        return {b for blocks in self._fences.values() for b in blocks}
 
     @property
     def has_fences(self) -> bool:
@@ -352,6 +364,7 @@ class Client:
 
         order = EngineOrder(layout["device"], layout["num_layers"], self._daemon_lost)
         layout["order_segment"] = order.name
+        layout["revoke_word"] = REVOKE_WORD
         try:
             reply = self._request(Op.REGISTER_KV, timeout, layout=layout)
         except BaseException:
@@ -381,6 +394,13 @@ class Client:
         if self.order is None:
             return {}
         return self.order.fence(stream, self.timeout)
+
+    def revoke(self, task_id: int) -> None:
+        """The engine reuses an offload's blocks before the task ended (e.g. a preempted
+        request): the daemon discards offloads of this registration up to `task_id` that have
+        not completed rather than store what it read. Shared memory: works with a hung daemon."""
+        if self.order is not None:
+            self.order.revoke(task_id)
 
     def offload(self, device_blocks: Sequence[int] | np.ndarray, keys: Sequence[bytes],
                 priority: int = 0, timeout: float | None = None, stream=None) -> Task:

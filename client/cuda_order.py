@@ -27,7 +27,16 @@ from typing import Callable
 import numpy as np
 
 from kvcached_proto.errors import KvcachedTimeout, TaskFailed
-from kvcached_proto.order_words import FENCE_WORDS, RELEASED, load_word, reached, segment_bytes
+from kvcached_proto.order_words import (
+    FENCE_WORDS,
+    RELEASED,
+    REVOKE_WORD,
+    load_word,
+    reached,
+    segment_bytes,
+)
+
+FENCE_SLOTS = REVOKE_WORD  # the fence words this engine uses: every word below the revoke word
 from kvcached_proto.shm_layout import NUM_SLOTS
 
 from .kv_alloc import _shared_cpu_buffer
@@ -79,14 +88,14 @@ class EngineOrder:
         deadline = time.monotonic() + timeout
         with self._cv:
             while True:
-                for _ in range(FENCE_WORDS):
-                    k, self._next = self._next, (self._next + 1) % FENCE_WORDS
+                for _ in range(FENCE_SLOTS):
+                    k, self._next = self._next, (self._next + 1) % FENCE_SLOTS
                     if reached(self.words[k], self._last[k]):
                         break
                 else:  # every fence word still waits for its own engine stream
                     if time.monotonic() > deadline:
                         raise KvcachedTimeout(f"no free fence word in {timeout:g} s: the engine's "
-                                              f"streams hold {FENCE_WORDS} fences not yet reached")
+                                              f"streams hold {FENCE_SLOTS} fences not yet reached")
                     self._cv.wait(0.001)
                     continue
                 break
@@ -97,6 +106,13 @@ class EngineOrder:
             else:
                 self.ops.write(self._stream(stream).cuda_stream, k, seq)
         return {"fence_word": k, "fence": seq}
+
+    def revoke(self, task_id: int) -> None:
+        """Offloads up to `task_id` that have not completed are discarded by the daemon: the
+        engine is about to reuse their blocks (the word only grows)."""
+        with self._cv:
+            if not reached(self.words[REVOKE_WORD], task_id):
+                self.words[REVOKE_WORD] = task_id
 
     def wait_loaded(self, slot: int, layer: int, task_id: int, stream=None) -> None:
         """Make `stream` wait for the daemon's copies of `layer` of load `task_id` (CPU: check

@@ -10,14 +10,16 @@ vLLM's own prefix hit (host + storage hits); `update_state_after_alloc` notes th
 into; `build_connector_meta` hands the worker this step's loads and the newly computed full
 blocks (prompt and outputs) to save.
 
-Worker side: vLLM's KV tensors are its own memory, which the daemon cannot map on CPU, so the
-worker keeps a staging KV cache in shared memory with the same per-block layout (read from the
-tensors vLLM hands over), registered with the daemon. A load goes daemon -> staging, and each
-layer is copied into vLLM's blocks in `wait_for_layer_load` as soon as the daemon signals it;
-a save copies vLLM's blocks into staging in `wait_for_save` and offloads from there, so vLLM's
-blocks are free again when the step ends (`request_finished` returns False: nothing of the
-request's is in flight). Blocks a load did not fill are reported by
-`get_block_ids_with_load_errors` and vLLM recomputes them; a missing or failing daemon only
+Worker side: a thin adapter over the vLLM-free worker core (kv_worker.py). Where the daemon can
+map vLLM's KV (CUDA: one allocation, strided per-layer views) it copies straight into and out of
+vLLM's blocks ("direct"): a layer's load is waited for on vLLM's stream, a save is sent after the
+step's KV writes and returns, and a finished request whose save is still running is held
+(`request_finished` returns True) until `get_finished` reports it in finished_sending. On CPU
+the daemon cannot map vLLM's private memory, so the worker stages through a shared-memory copy
+of the cache with the same bytes per block ("staging"): loads are copied into vLLM's blocks
+layer by layer in `wait_for_layer_load`, saves into staging in `wait_for_save`. Either way
+blocks a load did not fill are reported by `get_block_ids_with_load_errors` and vLLM recomputes
+them (the connector sets kv_load_failure_policy="recompute"); a missing or failing daemon only
 ever costs the cache, never the generation.
 
 Tensor parallelism: one daemon per rank. `instances` lists them by rank (or `instance` holds
@@ -28,8 +30,9 @@ but one daemon with --no-storage-writer). A rank whose load falls short reports 
 load errors; vLLM gathers them from every worker and all ranks recompute them.
 
 kv_connector_extra_config: instance (default "default") or instances, run_dir, timeout_s (5),
-hang_s (the hang threshold, default $KVCACHED_HANG_S or 2), staging_blocks (512), namespace (a
-salt, e.g. a tenant), weights_version.
+hang_s (the hang threshold, default $KVCACHED_HANG_S or 2), staging_blocks (512), mode (auto:
+direct where the daemon can map the KV, else staging; or staging, or direct), namespace (a salt,
+e.g. a tenant), weights_version.
 
 A daemon fault costs at most one step: no step waits to (re)connect (a background thread
 reattaches, and re-registers the staging cache, once a daemon is there; until then lookups miss
@@ -39,7 +42,6 @@ and saves are skipped), a killed daemon is seen at once, and a hung one after th
 from __future__ import annotations
 
 import logging
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -50,16 +52,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvcached_proto.errors import DaemonUnavailable, KvcachedError
+from kvcached_proto.errors import KvcachedError
 
-from .block_copy import copy_blocks
-from .client import Client
-from .fence_keeper import FenceKeeper
-from .group import GroupClient, rank_keys
+from .daemon_link import DaemonLink, GroupLink
+from .group import rank_keys
 from .hashing import BlockHasher, make_namespace
-from .kv_alloc import allocate_kv_cache
+from .kv_worker import BlockTransfer, KVWorker
 from .prefix import MMItem, block_extra_keys
-from .reattach import Reattacher
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -84,93 +83,10 @@ def _log_to_stderr() -> None:
 
 
 @dataclass
-class BlockTransfer:
-    req_id: str
-    keys: list[bytes]
-    block_ids: list[int]
-
-
-@dataclass
 class KvcachedConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
-
-
-class _DaemonLink:
-    """A Client attached in the background (Reattacher): get() answers at once, with the
-    client or None (no daemon: a miss, a skipped save), and never waits for a daemon."""
-
-    def __init__(self, instance: str, run_dir: str | None, timeout: float, name: str,
-                 on_connect=None, hang_s: float | None = None, retire=None):
-        """retire(client): what becomes of a dropped client (default: closed); the worker's
-        FenceKeeper keeps one whose fences hold until they lift."""
-        self.args = dict(instance=instance, run_dir=run_dir, timeout=timeout, name=name,
-                         hang_s=hang_s)
-        self.client: Client | None = None
-        self._retire = retire
-        self._reattach = Reattacher(lambda: Client.connect(**self.args), on_connect,
-                                    name=f"vllm-{name}")
-
-    def get(self) -> Client | None:
-        if self.client is not None:
-            try:
-                self.client.signals.check_alive()  # shared memory: cheap, and sees a restart
-            except (DaemonUnavailable, AttributeError) as exc:
-                log.info("[vllm] daemon %s went away: %s", self.args["instance"], str(exc))
-                self._drop()
-        if self.client is None:
-            self._adopt(self._reattach.take())
-        return self.client
-
-    def attach_now(self) -> Client | None:
-        """At set-up: one attempt on this thread (a daemon that is up is attached at once);
-        from then on a thread watches the daemon and prepares a successor's connection."""
-        if self.client is None:
-            self._adopt(self._reattach.attach_now())
-        self._reattach.watch(lambda: self.client)
-        return self.client
-
-    def _adopt(self, client: Client | None) -> None:
-        if client is not None:
-            self.client = client
-            log.info("[vllm] connected to kvcached %s", self.args["instance"])
-
-    def _drop(self) -> None:
-        client, self.client = self.client, None
-        if client is not None:
-            (self._retire or Client.close)(client)
-
-    def failed(self, exc: Exception) -> None:
-        log.warning("[vllm] kvcached call failed, going on without it: %s", str(exc))
-        if isinstance(exc, DaemonUnavailable):
-            self._drop()
-
-    def close(self) -> None:
-        self._reattach.close()
-        self._drop()
-
-
-class _GroupLink:
-    """The scheduler's view of every rank's daemon: a GroupClient, which reattaches missing
-    ranks in the background and answers 0 hits while one is missing."""
-
-    def __init__(self, instances: list[str], run_dir: str | None, timeout: float, name: str,
-                 mla: bool, hang_s: float | None = None):
-        self.client = GroupClient(instances, run_dir=run_dir, timeout=timeout, name=name, mla=mla,
-                                  hang_s=hang_s)
-
-    def attach_now(self) -> GroupClient:
-        self.client.reconnect()
-        return self.client
-
-    def get(self) -> GroupClient:
-        return self.client
-
-    def failed(self, exc: Exception) -> None:
-        log.warning("[vllm] kvcached group call failed, going on without it: %s", str(exc))
-
-    def close(self) -> None:
-        self.client.close()
+    preempted: list[str] = field(default_factory=list)  # requests whose transfers end first
 
 
 def rank_instances(extra: dict, tp_size: int) -> list[str]:
@@ -208,10 +124,12 @@ class KvcachedConnector(KVConnectorBase_V1):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.block_size = vllm_config.cache_config.block_size
         model = vllm_config.model_config
+        # the KV dtype (fp8 e4m3 and e5m2 blocks are the same size) and the layout vLLM resolved
+        # (a block's bytes are in its memory order, in both worker modes) are in the namespace
+        layout = getattr(kv_cache_config, "kv_cache_layout", None) or "default"
+        engine = f"vllm-bs{self.block_size}-kv:{vllm_config.cache_config.cache_dtype}-layout:{layout}"
         namespace = make_namespace(str(model.model), str(model.dtype).removeprefix("torch."),
-                                   # the KV dtype (fp8 e4m3 and e5m2 blocks are the same size)
-                                   f"vllm-bs{self.block_size}-kv:{vllm_config.cache_config.cache_dtype}", 0,
-                                   vllm_config.parallel_config.tensor_parallel_size,
+                                   engine, 0, vllm_config.parallel_config.tensor_parallel_size,
                                    tenant=str(extra.get("namespace", "")),
                                    weights_version=str(extra.get("weights_version", "")))
         self.hasher = BlockHasher(namespace)
@@ -221,39 +139,44 @@ class KvcachedConnector(KVConnectorBase_V1):
         self.tp_size = parallel.tensor_parallel_size
         self.mla = bool(getattr(model, "use_mla", False))
         instances = rank_instances(extra, self.tp_size)
-        timeout = float(extra.get("timeout_s", 5.0))
-        hang_s = float(extra["hang_s"]) if "hang_s" in extra else None
-        run_dir = extra.get("run_dir")
-        self.counters = {"lookups": 0, "hit_tokens": 0, "loaded_blocks": 0, "load_errors": 0,
-                         "saved_blocks": 0, "save_skipped_blocks": 0, "daemon_errors": 0}
+        link_args = dict(run_dir=extra.get("run_dir"), timeout=float(extra.get("timeout_s", 5.0)),
+                         hang_s=float(extra["hang_s"]) if "hang_s" in extra else None)
+        self.counters = {"lookups": 0, "hit_tokens": 0, "daemon_errors": 0}
         if role == KVConnectorRole.SCHEDULER:
-            self._reqs: dict[str, _ReqState] = {}
-            self._loads: dict[str, BlockTransfer] = {}
-            self.link = (_GroupLink(instances, run_dir, timeout, "vllm-scheduler", self.mla, hang_s)
-                         if self.tp_size > 1 else
-                         _DaemonLink(instances[0], run_dir, timeout, "vllm-scheduler",
-                                     hang_s=hang_s))
-            self.link.attach_now()
+            self._init_scheduler(instances, link_args)
         else:
-            self.rank = 0
-            if self.tp_size > 1:
-                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            self._init_worker(instances, link_args, extra)
 
-                self.rank = get_tensor_model_parallel_rank()
-            self.staging_blocks = int(extra.get("staging_blocks", 512))
-            # staging blocks a timed-out task may still touch are held back until it ends
-            self._fences = FenceKeeper(lambda blocks: self._free_staging.extend(blocks),
-                                       lambda: self.link.client)
-            self.link = _DaemonLink(instances[self.rank], run_dir, timeout,
-                                    f"vllm-worker-tp{self.rank}", self._register, hang_s,
-                                    retire=self._fences.retire)
-            self._layers: list[str] = []
-            self._vllm_kv: list = []      # per layer: a tensor, or a (K, V) pair
-            self._staging: list | None = None
-            self._free_staging: deque[int] = deque()
-            self._pending_loads: list[dict] = []
-            self._inflight_saves: list[tuple[Any, list[int]]] = []
-            self._load_errors: set[int] = set()
+    def _init_scheduler(self, instances: list[str], link_args: dict) -> None:
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            # a load the daemon could not finish must cost a recompute, never the request
+            log.warning("[vllm] kvcached sets kv_load_failure_policy='recompute' (was %r)",
+                        self._kv_transfer_config.kv_load_failure_policy)
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+        self._reqs: dict[str, _ReqState] = {}
+        self._loads: dict[str, BlockTransfer] = {}
+        self._transfer_reqs: set[str] = set()  # sent a load or a save; held at finish until reported
+        self.link = (GroupLink(instances, name="vllm-scheduler", mla=self.mla, **link_args)
+                     if self.tp_size > 1 else
+                     DaemonLink(instances[0], name="vllm-scheduler", **link_args))
+        self.link.attach_now()
+
+    def _init_worker(self, instances: list[str], link_args: dict, extra: dict) -> None:
+        self.rank = 0
+        if self.tp_size > 1:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.rank = get_tensor_model_parallel_rank()
+        mode = str(extra.get("mode", "auto"))
+        if mode not in ("auto", "staging", "direct"):
+            raise ValueError(f"kv_connector_extra_config mode {mode!r}: expected auto, staging or direct")
+        self.worker = KVWorker(None, int(extra.get("staging_blocks", 512)), self._rank_keys,
+                               direct={"auto": None, "staging": False, "direct": True}[mode],
+                               counters=self.counters)
+        self.worker.link = DaemonLink(instances[self.rank], name=f"vllm-worker-tp{self.rank}",
+                                      on_connect=self.worker.on_connect,
+                                      retire=self.worker.retire, **link_args)
+        self._layers: list[str] = []
 
     # ------------------------------------------------------------------ keys
     def _keys(self, state: _ReqState, num_blocks: int) -> list[bytes]:
@@ -312,6 +235,8 @@ class KvcachedConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = KvcachedConnectorMetadata(loads=list(self._loads.values()))
         self._loads.clear()
+        meta.preempted = sorted(set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+                                & self._transfer_reqs)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
@@ -329,6 +254,8 @@ class KvcachedConnector(KVConnectorBase_V1):
             elif new_ids is not None:
                 state.block_ids.extend(new_ids[0])
             self._add_save(meta, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        self._transfer_reqs.update(t.req_id for t in meta.loads)
+        self._transfer_reqs.update(t.req_id for t in meta.saves)
         return meta
 
     def _add_save(self, meta: KvcachedConnectorMetadata, state: _ReqState, computed: int) -> None:
@@ -343,189 +270,70 @@ class KvcachedConnector(KVConnectorBase_V1):
             state.saved_blocks = full
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
-        """Saves copy vLLM's blocks into staging before the step ends: nothing of the
-        request's is in flight here, so its blocks may be freed now."""
+        """A request that had a load or a save sent holds its blocks until the workers report
+        it in finished_sending (direct mode: the daemon may still read or write them; staging:
+        reported at the next step)."""
         self._reqs.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
-        return False, None
+        return request.request_id in self._transfer_reqs, None
+
+    def update_connector_output(self, connector_output) -> None:
+        self._transfer_reqs.difference_update(connector_output.finished_sending or ())
 
     # ---------------------------------------------------------------- worker
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Read the layout vLLM hands over: per layer one tensor whose dim 0 is the block (the
-        CPU backend: [blocks, kv_heads, block_size, 2 * head_size]) or a [2, blocks, ...] K/V
-        pair; build a staging cache with the same per-block shape in shared memory."""
+        """vLLM's per-layer KV: one tensor per layer with the block first (0.32: strided views of
+        one allocation), or a [2, blocks, ...] K/V pair. Direct where the daemon can map it."""
         num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config is not None else None
-        self._layers, self._vllm_kv = list(kv_caches), []
-        pair = None
-        for name, t in kv_caches.items():
-            is_pair = t.dim() >= 2 and t.shape[0] == 2 and (num_blocks is None or t.shape[1] == num_blocks)
-            if num_blocks is not None and not is_pair and t.shape[0] != num_blocks:
-                raise KvcachedError(f"layer {name}: KV shape {tuple(t.shape)} has no block dimension "
-                                    f"of {num_blocks} first; kvcached cannot page it")
-            pair = is_pair if pair is None else pair
-            self._vllm_kv.append((t[0], t[1]) if is_pair else t)
-        first = self._vllm_kv[0][0] if pair else self._vllm_kv[0]
-        self._staging = allocate_kv_cache(len(self._layers), self.staging_blocks, tuple(first.shape[1:]),
-                                          first.dtype, device="cpu", kv_pair=bool(pair))
-        self._free_staging = deque(range(self.staging_blocks))
-        self.link.attach_now()
+        self._layers = list(kv_caches)
+        mode = self.worker.register(kv_caches, num_blocks)
+        log.info("[vllm] worker %d: %d layers, %s mode", self.rank, len(self._layers), mode)
 
     def _rank_keys(self, keys: list[bytes]) -> list[bytes]:
         """The keys this rank's daemon holds a block under (what GroupClient looks up)."""
         return keys if self.tp_size == 1 or self.mla else rank_keys(keys, self.rank, self.tp_size)
 
-    def _register(self, client: Client) -> None:
-        if self._staging is None:
-            raise KvcachedError("vLLM has not handed over its KV cache yet")
-        client.register_kv_cache(self._staging)
+    def _meta(self) -> KvcachedConnectorMetadata | None:
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        return meta if isinstance(meta, KvcachedConnectorMetadata) else None
 
-    def _take_staging(self, n: int) -> list[int]:
-        self._fences.release()
-        return [self._free_staging.popleft() for _ in range(min(n, len(self._free_staging)))]
-
-    def _give_staging(self, blocks) -> None:
-        self._fences.free(blocks)
-
-    def _copy(self, layer: int, src_blocks, dst_blocks, to_staging: bool) -> None:
-        vllm, staging = self._vllm_kv[layer], self._staging[layer]
-        for v, s in (zip(vllm, staging) if isinstance(vllm, tuple) else [(vllm, staging)]):
-            if to_staging:
-                copy_blocks(s, dst_blocks, v, src_blocks)
-            else:
-                copy_blocks(v, dst_blocks, s, src_blocks)
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, KvcachedConnectorMetadata) and kv_connector_metadata.preempted:
+            self.worker.preempt(kv_connector_metadata.preempted)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        if not isinstance(meta, KvcachedConnectorMetadata) or not meta.loads:
+        meta = self._meta()
+        if meta is None or not meta.loads:
             return
-        for load in meta.loads:
-            client = self.link.get()
-            staging = self._take_staging(len(load.keys)) if client is not None else []
-            task = None
-            if staging:
-                try:
-                    task = client.load(self._rank_keys(load.keys[: len(staging)]), staging)
-                except KvcachedError as exc:
-                    self.counters["daemon_errors"] += 1
-                    self.link.failed(exc)
-            planned = task.num_blocks if task is not None else 0
-            self._give_staging(staging[planned:])
-            self._fail_blocks(load.block_ids[planned:])
-            if planned:
-                self._pending_loads.append({"task": task, "client": client, "staging": staging[:planned],
-                                            "blocks": load.block_ids[:planned], "valid": planned,
-                                            "next_layer": 0, "failed": False})
-
-    def _fail_blocks(self, block_ids) -> None:
-        self._load_errors.update(block_ids)
-        self.counters["load_errors"] += len(block_ids)
+        self.worker.start_loads(meta.loads)
+        mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+        if getattr(mode, "name", "NONE").startswith("FULL"):
+            self.worker.all_layers_ready()  # a full CUDA graph runs no per-layer hook
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if not self._pending_loads:
-            return
         try:
             layer = self._layers.index(layer_name)
         except ValueError:
             return
-        for p in self._pending_loads:
-            while not p["failed"] and p["next_layer"] <= layer:
-                self._copy_loaded_layer(p, p["next_layer"])
-
-    def _copy_loaded_layer(self, p: dict, layer: int) -> None:
-        task = p["task"]
-        try:
-            task.wait_layer(layer)
-            if layer == 0:
-                valid = min(task.valid_blocks, p["valid"])
-                if valid < p["valid"]:
-                    self._fail_blocks(p["blocks"][valid:])
-                    p["valid"] = valid
-        except KvcachedError as exc:  # short, failed, timed out or the daemon went away
-            self.counters["daemon_errors"] += 1
-            self._fail_blocks(p["blocks"][: p["valid"]])
-            p["failed"] = True
-            if isinstance(exc, DaemonUnavailable):
-                self.link.failed(exc)
-            return
-        if p["valid"]:
-            self._copy(layer, p["staging"][: p["valid"]], p["blocks"][: p["valid"]], to_staging=False)
-        p["next_layer"] = layer + 1
-
-    def _finish_loads(self) -> None:
-        """After the forward: a load whose layers were not all copied in time was not used as
-        loaded (vLLM recomputes it); every load's task ends before its staging is reused."""
-        for p in self._pending_loads:
-            if not p["failed"] and p["next_layer"] < len(self._layers):
-                self._fail_blocks(p["blocks"][: p["valid"]])
-            else:
-                self.counters["loaded_blocks"] += p["valid"] if not p["failed"] else 0
-            try:
-                p["task"].wait()
-            except KvcachedError as exc:  # timed out: the client fences the staging blocks
-                self.link.failed(exc)
-            self._give_staging(p["staging"])
-        self._pending_loads.clear()
+        self.worker.layer_ready(layer)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        return  # saves run in wait_for_save, once every layer of the step is written
+        return  # saves are sent in wait_for_save, once every layer of the step is written
 
     def wait_for_save(self) -> None:
-        self._finish_loads()
-        self._reap_saves()
-        meta = self._get_connector_metadata()
-        if not isinstance(meta, KvcachedConnectorMetadata):
-            return
-        for save in meta.saves:
-            client = self.link.get()
-            staging = self._take_staging(len(save.keys)) if client is not None else []
-            self.counters["save_skipped_blocks"] += len(save.keys) - len(staging)
-            if not staging:
-                continue
-            n = len(staging)
-            for layer in range(len(self._layers)):
-                self._copy(layer, save.block_ids[:n], staging, to_staging=True)
-            try:
-                task = client.offload(staging, self._rank_keys(save.keys[:n]))
-            except KvcachedError as exc:
-                self.counters["daemon_errors"] += 1
-                self.link.failed(exc)
-                self._give_staging(staging)
-                continue
-            self.counters["saved_blocks"] += n
-            self._inflight_saves.append((task, staging, client))
-
-    def _reap_saves(self, wait: bool = False) -> None:
-        keep = []
-        for task, staging, client in self._inflight_saves:
-            try:
-                finished = wait or task.done()
-                if finished:
-                    task.wait()
-            except KvcachedError as exc:
-                self.link.failed(exc)
-                if isinstance(exc, DaemonUnavailable):
-                    finished = True  # a gone daemon reads nothing more (a hung one: fenced)
-                    client.fence(task.id, staging)
-            if finished:
-                self._give_staging(staging)
-            else:
-                keep.append((task, staging, client))
-        self._inflight_saves = keep
+        self.worker.end_forward()
+        meta = self._meta()
+        self.worker.start_saves(meta.saves if meta is not None else [])
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self.worker.load_errors()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        self._reap_saves()
-        return None, None
+        return self.worker.finished(finished_req_ids) or None, None
 
     def shutdown(self) -> None:
         if self.role == KVConnectorRole.WORKER:
-            self._finish_loads()
-            self._reap_saves(wait=True)
+            self.worker.close()
+        else:
+            self.link.close()
         log.info("[vllm] %s side counters: %s", self.role.name.lower(), self.counters)
-        self.link.close()
-        if self.role == KVConnectorRole.WORKER:
-            for client in self._fences.retired:  # shutting down: their fences no longer matter
-                client.close()

@@ -78,7 +78,7 @@ class KVRegistration:
             _check_no_alias(self.views, spec.num_blocks)
             if spec.order_segment is not None:
                 self.order = DaemonOrder(self._map_order(spec.order_segment), spec.num_layers,
-                                         spec.device)
+                                         spec.device, spec.revoke_word)
         except BaseException:
             self.close()
             raise

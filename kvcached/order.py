@@ -21,9 +21,11 @@ from .errors import OpError
 
 
 class DaemonOrder:
-    def __init__(self, words: np.ndarray, num_layers: int, device: str):
+    def __init__(self, words: np.ndarray, num_layers: int, device: str,
+                 revoke_word: int | None = None):
         self.words = words
         self.num_layers = num_layers
+        self.revoke_word = revoke_word
         self.ops = None
         if device.startswith("cuda"):
             import torch
@@ -43,6 +45,9 @@ class DaemonOrder:
             return None
         if not 0 <= fence_word < FENCE_WORDS:
             raise OpError(ErrorCode.BAD_FIELD, f"fence_word: {fence_word} outside [0, {FENCE_WORDS})")
+        if fence_word == self.revoke_word:
+            raise OpError(ErrorCode.BAD_FIELD, f"fence_word: {fence_word} is this registration's "
+                          "revoke word, not a fence word")
         if self.ops is None and not reached(self.words[fence_word], fence):
             raise OpError(ErrorCode.BAD_FIELD, f"fence: word {fence_word} holds "
                           f"{int(self.words[fence_word])}, not {fence}: the engine did not write it")
@@ -58,6 +63,11 @@ class DaemonOrder:
             self.words[idx] = task_id
         else:
             self.ops.write(stream.cuda_stream, idx, task_id)
+
+    def revoked(self, task_id: int) -> bool:
+        """The engine revoked this offload (it reused the blocks before the task ended): what
+        was copied may be another request's KV. Read after the copies landed (copier.sync)."""
+        return self.revoke_word is not None and reached(self.words[self.revoke_word], task_id)
 
     def release_fences(self) -> None:
         self.words[:FENCE_WORDS] = RELEASED

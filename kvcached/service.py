@@ -460,6 +460,9 @@ class CacheService(StorageFlow):
             raise KVLost(lost)
 
     def _complete_offload(self, task: CopyTask) -> None:
+        order = self.kv.order if self.kv is not None else None
+        if order is not None and order.revoked(task.task_id):
+            task.cancelled = True  # the engine reused the blocks before the copy was confirmed
         with self._lock:
             if task.cancelled:
                 freed = [self.index.discard(e) for e in task.entries]

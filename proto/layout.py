@@ -8,6 +8,7 @@
       "kv_layout": str,         # how a block's bytes are ordered (e.g. "1,2,3|1,2,3"); part
                                 # of the geometry: a different one voids the host tier's blocks
       "order_segment": name,    # the engine's order words (order_words.py); required on CUDA
+      "revoke_word": 255,       # optional (1.5): the order word of revoked offloads
       "allocations": [handle],  # the backing allocations (1.4)
       "tensors": [              # L * P entries, layer-major
         {"layer": i, "part": j, "name": "k" | "v" | "kv" | "latent" | "scale" | ...,
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from .errors import ProtocolError
 from .geometry import Region, check_disjoint
 from .ops import ErrorCode
+from .order_words import REVOKE_WORD
 
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
@@ -77,6 +79,7 @@ class LayoutSpec:
     order_segment: str | None = None  # the engine's order words (order_words.py); CUDA needs it
     kv_layout: str = ""  # how a block's bytes are ordered (the engine's word for it)
     gpu_uuid: str | None = None
+    revoke_word: int | None = None  # order word of revoked offloads (1.5; order_words.py)
 
     @property
     def page_bytes(self) -> int:
@@ -136,7 +139,13 @@ def parse_layout(layout: dict) -> LayoutSpec:
     return LayoutSpec(device, num_layers, num_blocks, tuple(parts), tuple(specs),
                       tuple(allocations), _short_str(layout, "order_segment", 2, 255),
                       _short_str(layout, "kv_layout", 0, 256) or "",
-                      _short_str(layout, "gpu_uuid", 1, 64))
+                      _short_str(layout, "gpu_uuid", 1, 64), _revoke_word(layout))
+
+
+def _revoke_word(layout: dict) -> int | None:
+    if layout.get("revoke_word") is None:
+        return None
+    return _int(layout, "revoke_word", REVOKE_WORD, REVOKE_WORD, "")
 
 
 def _short_str(layout: dict, name: str, lo: int, hi: int) -> str | None:

@@ -5,10 +5,15 @@ The engine creates one shared-memory segment per KV registration (named like its
 processes map it and register it with CUDA, so a stream of either can write or wait on its
 64-bit words with the driver's stream memory operations (stream_ops.py):
 
-    words [0, FENCE_WORDS)                        fences: the engine writes `seq` on its stream
+    words [0, FENCE_WORDS - 1)                    fences: the engine writes `seq` on its stream
                                                   after its KV work, sends (fence_word, fence)
                                                   with an offload or a load; the daemon's copy
                                                   stream waits for word >= seq before copying
+    word REVOKE_WORD (FENCE_WORDS - 1)            revoked offloads (protocol 1.5, when the layout
+                                                  names it): the engine's CPU writes the highest
+                                                  task id it revoked; an offload of its with an
+                                                  id <= the word that has not completed is
+                                                  discarded, not stored (its blocks were reused)
     word FENCE_WORDS + slot * num_layers + layer  load progress: the daemon writes the load's
                                                   task id on its load stream after the layer's
                                                   copies; the engine's stream waits for >= id
@@ -26,6 +31,7 @@ task ids grow (a slot is taken at request time, after its previous task ended).
 from __future__ import annotations
 
 FENCE_WORDS = 256
+REVOKE_WORD = FENCE_WORDS - 1  # not a fence word for an engine that names it in its layout
 WORD_BYTES = 8
 RELEASED = 1 << 62  # >= every value either side waits for, under the GEQ rule
 PAGE = 4096

@@ -2,12 +2,14 @@
 and scripts/bench_vllm.py (run it with .venv-vllm's python).
 
 Writes a Llama config (tiny by default: hidden 256, 4 layers, 4 heads, 2 KV heads, vocab 1024;
-dummy weights), starts LLM(...) with the KvcachedConnector, vLLM's ExampleConnector or none,
-then runs the steps given on stdin, answering one marked JSON line per step on stdout:
+dummy weights; --heads, --kv-heads and --block change the shape), starts LLM(...) with the
+KvcachedConnector, vLLM's ExampleConnector or none, then runs the steps given on stdin, answering one marked JSON line per step on stdout:
 --tp N runs N tensor-parallel CPU workers (their CPUs split between them) and, with the
 kvcached connector, an --instance holding "{rank}" names one daemon per rank.
-  gen NAME   greedy-generate prompt NAME (A, B, C: a shared prefix, different suffixes) after
-             reset_prefix_cache(); answers tokens, num_cached_tokens and seconds.
+  gen NAME   greedy-generate prompt NAME (A, B, C: a shared prefix, different suffixes; D: the
+             prefix's first half only) after
+             reset_prefix_cache(); answers tokens, num_cached_tokens, seconds and reset (whether
+             the reset took: it fails while a finished request's blocks are still held).
   ttft NAME  the same with one output token: the time to first token.
   batch      greedy-generate the batch of batch_prompts() (12 prompts over 4 shared prefixes) in
              one generate call after reset_prefix_cache(); answers every prompt's tokens,
@@ -32,11 +34,15 @@ BLOCK = 32
 PREFIX_BLOCKS = 14
 
 
-def prompts(prefix_blocks: int = PREFIX_BLOCKS) -> dict[str, list[int]]:
-    prefix = [(i * 37 + 11) % 1000 + 3 for i in range(prefix_blocks * BLOCK)]
+def prompts(prefix_blocks: int = PREFIX_BLOCKS, block: int = BLOCK) -> dict[str, list[int]]:
+    """A, B, C: one shared prefix of `prefix_blocks` blocks, different suffixes. D shares only
+    the prefix's first half (its later blocks differ): a partial-prefix hit."""
+    prefix = [(i * 37 + 11) % 1000 + 3 for i in range(prefix_blocks * block)]
+    half = prefix_blocks // 2 * block
     return {"A": prefix + [(i * 13 + 5) % 1000 + 3 for i in range(40)],
             "B": prefix + [(i * 7 + 9) % 1000 + 3 for i in range(23)],
-            "C": prefix + [(i * 3 + 1) % 1000 + 3 for i in range(31)]}
+            "C": prefix + [(i * 3 + 1) % 1000 + 3 for i in range(31)],
+            "D": prefix[:half] + [(i * 11 + 2) % 1000 + 3 for i in range(len(prefix) - half + 19)]}
 
 
 PREFIX = prompts()["A"][: PREFIX_BLOCKS * BLOCK]
@@ -152,6 +158,9 @@ def _args():
     ap.add_argument("--hidden", type=int, default=CONFIG["hidden_size"])
     ap.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"])
     ap.add_argument("--prefix-blocks", type=int, default=PREFIX_BLOCKS)
+    ap.add_argument("--block", type=int, default=BLOCK, help="vLLM's block_size")
+    ap.add_argument("--heads", type=int, default=CONFIG["num_attention_heads"])
+    ap.add_argument("--kv-heads", type=int, default=CONFIG["num_key_value_heads"])
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (one worker per rank)")
     ap.add_argument("--hang-s", type=float, default=0.0, help="the connector's hang_s (0: default)")
     return ap.parse_args()
@@ -183,8 +192,8 @@ def _engine(args):
         kv = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                               kv_connector_extra_config={"shared_storage_path": args.example_path})
     return LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True,
-               enforce_eager=True, block_size=BLOCK, seed=0,
-               max_model_len=max(1024, (args.prefix_blocks + 4) * BLOCK),
+               enforce_eager=True, block_size=args.block, seed=0,
+               max_model_len=max(1024, (args.prefix_blocks + 4) * args.block),
                dtype="bfloat16", kv_transfer_config=kv, gpu_memory_utilization=0.2,
                tensor_parallel_size=args.tp)
 
@@ -195,10 +204,11 @@ def main() -> int:
     args = _args()
     os.makedirs(args.model_dir, exist_ok=True)
     config = dict(CONFIG, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
-                  num_hidden_layers=args.layers)
+                  num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                  num_key_value_heads=args.kv_heads)
     with open(os.path.join(args.model_dir, "config.json"), "w") as f:
         json.dump(config, f)
-    prompt_ids = prompts(args.prefix_blocks)
+    prompt_ids = prompts(args.prefix_blocks, args.block)
     _bind_cpus(args.tp)
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -214,19 +224,19 @@ def main() -> int:
             continue
         if cmd[0] == "quit":
             break
-        llm.reset_prefix_cache()
+        reset = bool(llm.reset_prefix_cache())  # False while a finished request holds blocks
         start = time.perf_counter()
         if cmd[0] == "batch":
             outs = llm.generate(batch, params, use_tqdm=False)
             say({"tokens": [list(o.outputs[0].token_ids) for o in outs],
                  "num_cached_tokens": [o.num_cached_tokens or 0 for o in outs],
-                 "seconds": time.perf_counter() - start})
+                 "seconds": time.perf_counter() - start, "reset": reset})
         elif cmd[0] in ("gen", "ttft"):
             out = llm.generate([TokensPrompt(prompt_token_ids=prompt_ids[cmd[1]])],
                                params if cmd[0] == "gen" else first_token, use_tqdm=False)[0]
             say({"name": cmd[1], "tokens": list(out.outputs[0].token_ids),
                  "num_cached_tokens": out.num_cached_tokens or 0,
-                 "seconds": time.perf_counter() - start})
+                 "seconds": time.perf_counter() - start, "reset": reset})
     return 0
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from kvcached_client import cuda_order
 from kvcached_client.cuda_order import EngineOrder
 from kvcached_client.kv_alloc import describe_kv_cache
 from kvcached_proto import ErrorCode, KvcachedTimeout, Op, pack_block_ids, pack_keys
-from kvcached_proto.order_words import FENCE_WORDS, RELEASED, load_word, reached, segment_bytes
+from kvcached_proto.order_words import FENCE_WORDS, RELEASED, REVOKE_WORD, load_word, reached, segment_bytes
 from kvcached_proto.shm_layout import NUM_SLOTS
 
 
@@ -87,14 +87,15 @@ def engine_order(lost=lambda: False, layers=2):
 def test_a_fence_word_is_reused_only_once_its_last_fence_was_reached():
     order, ops = engine_order()
     try:
-        fences = [order.fence(FakeStream()) for _ in range(FENCE_WORDS)]
-        assert sorted(f["fence_word"] for f in fences) == list(range(FENCE_WORDS))
-        assert [f["fence"] for f in fences] == list(range(1, FENCE_WORDS + 1))
+        slots = cuda_order.FENCE_SLOTS
+        fences = [order.fence(FakeStream()) for _ in range(slots)]
+        assert sorted(f["fence_word"] for f in fences) == list(range(slots))  # never REVOKE_WORD
+        assert [f["fence"] for f in fences] == list(range(1, slots + 1))
         with pytest.raises(KvcachedTimeout, match="fence"):  # every word still waits for its stream
             order.fence(FakeStream(), timeout=0.05)
         ops.run()  # the engine's streams reached their fences
         again = order.fence(FakeStream())
-        assert again["fence"] == FENCE_WORDS + 1 and ops.writes == [(again["fence_word"], again["fence"])]
+        assert again["fence"] == slots + 1 and ops.writes == [(again["fence_word"], again["fence"])]
     finally:
         order.close()
     assert ops.unregistered
@@ -146,7 +147,9 @@ def test_progress_words_hold_the_load_before_its_counter_and_fences_are_checked(
         assert task.wait(10) == 4
         word = c.order.fence(None)["fence_word"]  # written by the CPU: the next is unwritten
         for op in (Op.OFFLOAD, Op.LOAD):
-            for bad in ({"fence_word": word, "fence": 10**6}, {"fence_word": FENCE_WORDS, "fence": 1}):
+            c.order.words[REVOKE_WORD] = 1  # a fence of 1 there would pass the CPU check
+            for bad in ({"fence_word": word, "fence": 10**6}, {"fence_word": FENCE_WORDS, "fence": 1},
+                        {"fence_word": REVOKE_WORD, "fence": 1}):
                 with pytest.raises(RequestError) as err:
                     c._request(op, None, keys=pack_keys(keys_for(2, 32)), blocks=pack_block_ids([12, 13]),
                                **bad)
@@ -235,3 +238,15 @@ def test_a_dead_engines_fence_words_are_released(daemon):
             posix_ipc.unlink_shared_memory(name)
         except posix_ipc.ExistentialError:
             pass  # swept by the daemon
+
+
+def test_the_revoke_word_only_grows():
+    order, _ = engine_order()
+    try:
+        order.revoke(40)
+        order.revoke(12)  # an older task: already covered
+        assert order.words[REVOKE_WORD] == 40
+        order.revoke(41)
+        assert order.words[REVOKE_WORD] == 41
+    finally:
+        order.close()

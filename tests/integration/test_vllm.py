@@ -58,6 +58,7 @@ def test_prefixes_come_back_from_kvcached_and_faults_only_cost_recomputation(
         b = eng.gen("B")  # vLLM's own cache was reset: the shared prefix comes from kvcached
         assert b["num_cached_tokens"] >= len(vllm_driver.PREFIX), b
         assert b["tokens"] == reference["B"]
+        assert b["reset"], "A's blocks are still held: its save was never reported finished"
         with daemon.connect() as c:
             s = c.status()
             assert s["lookups"]["host_hits"] >= len(vllm_driver.PREFIX) // vllm_driver.BLOCK, s["hits"]
@@ -67,6 +68,7 @@ def test_prefixes_come_back_from_kvcached_and_faults_only_cost_recomputation(
         sweep_crashed(instance)
         c_out = eng.gen("C")  # no daemon: vLLM recomputes, generation goes on
         assert c_out["tokens"] == reference["C"] and c_out["num_cached_tokens"] == 0
+        assert c_out["reset"]
         # damage the disk record of prefix block 5, then a new daemon (empty host tier)
         connector_keys = _prefix_keys(tmp_path)
         records = _records(storage_dir, connector_keys)
@@ -93,10 +95,11 @@ def test_prefixes_come_back_from_kvcached_and_faults_only_cost_recomputation(
 
 def _prefix_keys(tmp_path, tp_size=1):
     """The keys the connector gives the prompt blocks (its namespace: model, dtype, block size, KV dtype,
-    tensor-parallel size; each rank's daemon holds them under rank_keys of these)."""
+    the KV cache layout vLLM resolved (LBHNC, the CPU backend's only one), tensor-parallel size;
+    each rank's daemon holds them under rank_keys of these)."""
     from kvcached_client import make_namespace
 
-    ns = make_namespace(str(tmp_path / "model"), "bfloat16", f"vllm-bs{vllm_driver.BLOCK}-kv:auto", 0, tp_size)
+    ns = make_namespace(str(tmp_path / "model"), "bfloat16", f"vllm-bs{vllm_driver.BLOCK}-kv:auto-layout:LBHNC", 0, tp_size)
     return BlockHasher(ns).hash_blocks(vllm_driver.PREFIX, vllm_driver.BLOCK)
 
 
@@ -146,3 +149,32 @@ def test_one_daemon_per_rank_is_named_or_refused_clearly():
         rank_instances({"instances": ["a"]}, 2)
     with pytest.raises(ValueError, match="needs one kvcached daemon per rank"):
         rank_instances({"instance": "gpu0"}, 2)
+
+
+def test_one_kv_head_per_eight_query_heads_with_64_token_blocks_and_a_partial_hit(
+        tmp_path, run_dir, instance):
+    """A model shape the other tests do not use (grouped-query attention 8:1, block_size 64):
+    greedy outputs with the connector after reset_prefix_cache() equal a run without it, for a
+    full-prefix hit (B after A) and a partial one (D shares A's first half)."""
+    shape = ["--heads", "8", "--kv-heads", "1", "--block", "64", "--prefix-blocks", "6"]
+    ref = Engine(tmp_path / "ref", "--connector", "none", *shape)
+    try:
+        reference = {name: ref.gen(name)["tokens"] for name in ("B", "D")}
+    finally:
+        ref.close()
+    daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2)
+    eng = Engine(tmp_path, "--connector", "kvcached", "--instance", instance, "--run-dir", run_dir,
+                 *shape)
+    try:
+        vllm_driver.wait_attached(daemon)
+        assert eng.gen("A")["num_cached_tokens"] == 0
+        b = eng.gen("B")
+        assert b["reset"] and b["num_cached_tokens"] == 6 * 64, b
+        assert b["tokens"] == reference["B"]
+        d = eng.gen("D")
+        assert d["reset"] and d["num_cached_tokens"] == 3 * 64, d
+        assert d["tokens"] == reference["D"]
+    finally:
+        eng.close()
+        daemon.stop()
+        sweep_crashed(instance)

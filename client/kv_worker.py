@@ -1,0 +1,381 @@
+"""The engine worker's half of a kvcached connector, free of any engine: geometry, the per-step
+logic and CPU staging. The vLLM connector (vllm.py) is a thin adapter over it; a test drives it
+the same way with tensors laid out as an engine lays them out.
+
+A step: `preempt(req_ids)` (before the step's blocks are reused), `start_loads(loads)`,
+`layer_ready(i)` per layer (or `all_layers_ready()` where per-layer hooks do not run, e.g. CUDA
+graphs), `end_forward()`, `start_saves(saves)`, then `finished(finished_req_ids)` and
+`load_errors()`.
+
+Two modes, chosen at `register`:
+- direct: the daemon maps the engine's own KV (CUDA memory, or kvcached shared memory on CPU)
+  and copies into and out of the engine's blocks. A load's layer wait is ordered on the engine's
+  stream (no CPU wait for the copy on CUDA); a save is one OFFLOAD sent after the step's KV
+  writes, and returns: the request's blocks stay the daemon's to read until its copy ended,
+  so a finished request is reported by `finished` only then (its blocks are held until).
+- staging: the engine's KV is memory the daemon cannot map (vLLM on CPU). A staging cache in
+  shared memory with the same bytes per block (each block's axes in the engine's memory
+  order, so the bytes stored are the same in both modes) is registered instead; a load lands
+  in staging and is copied into the engine's blocks layer by layer; a save copies the blocks
+  into staging before the step ends, so nothing of the engine's is in flight after it.
+
+Every transfer of a request whose blocks the daemon may touch after the step is tracked until
+it ended: done, failed, cancelled and acknowledged, or the daemon is gone. A daemon that is
+only hung keeps its transfers held (it could come back and write or read them). A failed or
+short load reports its blocks in `load_errors` for the engine to recompute.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from kvcached_proto.errors import DaemonUnavailable, KvcachedError
+
+from .block_copy import copy_blocks
+from .client import Client
+from .fence_keeper import FenceKeeper
+from .kv_alloc import allocate_kv_cache, describe_kv_cache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BlockTransfer:
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass(eq=False)
+class _Load:
+    req_id: str
+    task: object
+    client: Client
+    blocks: list[int]         # the engine's blocks, in key order
+    staging: list[int]        # staging blocks (staging mode), else []
+    valid: int
+    next_layer: int = 0
+    failed: bool = False
+
+
+@dataclass(eq=False)
+class _Held:
+    """A direct-mode transfer that may touch the engine's blocks until its task ended."""
+    req_id: str
+    task_id: int
+    client: Client
+    kind: str  # "save" (revocable) or "load"
+
+
+def block_axes_order(t: torch.Tensor) -> tuple[int, ...]:
+    """The axes of one block of `t` (dims 1..) in memory order, outermost first."""
+    dims = list(range(1, t.dim()))
+    return tuple(sorted(dims, key=lambda d: (-t.stride(d), d)))
+
+
+def staging_like(parts: list[torch.Tensor], num_layers: int, num_blocks: int, pair: bool) -> list:
+    """A shared-memory staging cache whose blocks hold the same bytes as the engine's: the
+    logical shape of `parts[0]`'s block, laid out in its memory order."""
+    first = parts[0]
+    order = block_axes_order(first)
+    dense = tuple(first.shape[d] for d in order)
+    staging = allocate_kv_cache(num_layers, num_blocks, dense, first.dtype, device="cpu",
+                                kv_pair=pair)
+    back = [0] + [1 + order.index(d) for d in range(1, first.dim())]  # dense -> logical axes
+    if pair:
+        return [tuple(p.permute(*back) for p in layer) for layer in staging]
+    return [layer.permute(*back) for layer in staging]
+
+
+class KVWorker:
+    def __init__(self, link, staging_blocks: int = 512, rank_keys=None, direct: bool | None = None,
+                 counters: dict | None = None):
+        """link: a DaemonLink built with on_connect=self.on_connect and retire=self.retire.
+        direct: None chooses (direct where the daemon can map the KV), False always stages,
+        True refuses to stage."""
+        self.link = link
+        self.staging_blocks = staging_blocks
+        self._rank_keys = rank_keys or (lambda keys: keys)
+        self._want_direct = direct
+        self.mode: str | None = None
+        self.counters = counters if counters is not None else {}
+        for name in ("loaded_blocks", "load_errors", "saved_blocks", "save_skipped_blocks",
+                     "daemon_errors"):
+            self.counters.setdefault(name, 0)
+        self._layers: list[str] = []
+        self._engine_kv: list = []   # per layer: a tensor or a (K, V) pair
+        self._staging: list | None = None
+        self._free_staging: deque[int] = deque()
+        # staging blocks (staging mode) a timed-out task may still touch wait here; in direct
+        # mode the keeper only keeps dropped clients while their transfers are unconfirmed
+        self._fences = FenceKeeper(self._free_staging.extend, lambda: self.link.client)
+        self._loads: list[_Load] = []
+        self._staged_saves: list[tuple] = []   # (task, staging blocks, client)
+        self._held: list[_Held] = []
+        self._transfer_reqs: set[str] = set()  # requests with a transfer, until reported
+        self._finishing: set[str] = set()
+        self._load_errors: set[int] = set()
+
+    @property
+    def retire(self):
+        return self._fences.retire
+
+    # ------------------------------------------------------------- set-up
+    def register(self, kv_caches: dict, num_blocks: int | None = None) -> str:
+        """kv_caches: per layer name, one tensor whose dim 0 is the block, or a (K, V) pair (a
+        [2, num_blocks, ...] tensor is split into one). Returns the mode chosen."""
+        self._layers, self._engine_kv = list(kv_caches), []
+        for name, t in kv_caches.items():
+            if isinstance(t, (tuple, list)):
+                self._engine_kv.append(tuple(t))
+                continue
+            pair = t.dim() >= 2 and t.shape[0] == 2 and (num_blocks is None or t.shape[1] == num_blocks)
+            if num_blocks is not None and not pair and t.shape[0] != num_blocks:
+                raise KvcachedError(f"layer {name}: KV shape {tuple(t.shape)} has no block dimension "
+                                    f"of {num_blocks} first; kvcached cannot page it")
+            self._engine_kv.append((t[0], t[1]) if pair else t)
+        self.mode = self._choose_mode()
+        if self.mode == "staging":
+            parts = [p for layer in self._engine_kv
+                     for p in (layer if isinstance(layer, tuple) else (layer,))]
+            self._staging = staging_like(parts, len(self._layers), self.staging_blocks,
+                                         isinstance(self._engine_kv[0], tuple))
+            self._free_staging.clear()
+            self._free_staging.extend(range(self.staging_blocks))
+        self.link.attach_now()
+        return self.mode
+
+    def _choose_mode(self) -> str:
+        if self._want_direct is False:
+            return "staging"
+        try:
+            describe_kv_cache(self._engine_kv)
+            return "direct"
+        except KvcachedError as exc:
+            if self._want_direct:
+                raise
+            log.warning("[kv] the daemon cannot map this KV cache (%s): staging it through "
+                        "shared memory", exc)
+            return "staging"
+
+    def on_connect(self, client: Client) -> None:
+        """What a (re)attached daemon gets: the KV it copies into and out of."""
+        if self.mode is None:
+            raise KvcachedError("the engine has not handed over its KV cache yet")
+        client.register_kv_cache(self._staging if self.mode == "staging" else self._engine_kv)
+
+    def _copy(self, layer: int, src_blocks, dst_blocks, to_staging: bool) -> None:
+        engine, staging = self._engine_kv[layer], self._staging[layer]
+        pairs = zip(engine, staging) if isinstance(engine, tuple) else [(engine, staging)]
+        for e, s in pairs:
+            if to_staging:
+                copy_blocks(s, dst_blocks, e, src_blocks)
+            else:
+                copy_blocks(e, dst_blocks, s, src_blocks)
+
+    def _take_staging(self, n: int) -> list[int]:
+        self._fences.release()
+        return [self._free_staging.popleft() for _ in range(min(n, len(self._free_staging)))]
+
+    def _daemon_failed(self, exc: Exception) -> None:
+        self.counters["daemon_errors"] += 1
+        self.link.failed(exc)
+
+    def _fail_blocks(self, block_ids) -> None:
+        self._load_errors.update(block_ids)
+        self.counters["load_errors"] += len(block_ids)
+
+    # -------------------------------------------------------------- loads
+    def start_loads(self, loads: list[BlockTransfer]) -> None:
+        for load in loads:
+            self._transfer_reqs.add(load.req_id)
+            client = self.link.get()
+            n = len(load.keys)
+            staging = []
+            if client is not None and self.mode == "staging":
+                staging = self._take_staging(n)
+                n = len(staging)
+            task = None
+            if client is not None and n:
+                try:
+                    task = client.load(self._rank_keys(load.keys[:n]),
+                                       staging or load.block_ids[:n])
+                except KvcachedError as exc:
+                    self._daemon_failed(exc)
+            planned = task.num_blocks if task is not None else 0
+            self._fences.free(staging[planned:])
+            self._fail_blocks(load.block_ids[planned:])
+            if planned:
+                self._loads.append(_Load(load.req_id, task, client, load.block_ids[:planned],
+                                         staging[:planned], planned))
+
+    def layer_ready(self, layer: int) -> None:
+        """Layer `layer` of every load of the step is in the engine's blocks (CUDA: ordered on
+        the engine's current stream); a load that failed reports its blocks instead."""
+        for p in self._loads:
+            while not p.failed and p.next_layer <= layer:
+                self._land_layer(p, p.next_layer)
+
+    def all_layers_ready(self) -> None:
+        if self._layers:
+            self.layer_ready(len(self._layers) - 1)
+
+    def _land_layer(self, p: _Load, layer: int) -> None:
+        try:
+            p.task.wait_layer(layer)
+            if layer == 0:
+                valid = min(p.task.valid_blocks, p.valid)
+                if valid < p.valid:
+                    self._fail_blocks(p.blocks[valid:])
+                    p.valid = valid
+        except KvcachedError as exc:  # short, failed, timed out or the daemon went away
+            self._fail_blocks(p.blocks[: p.valid])
+            p.failed = True
+            if self.mode == "direct":  # held before the link may drop the client: a hung
+                self._hold(p.req_id, p.task.id, p.client, p.blocks, "load")  # end still lifts it
+            self._daemon_failed(exc)
+            return
+        if p.valid and self.mode == "staging":
+            self._copy(layer, p.staging[: p.valid], p.blocks[: p.valid], to_staging=False)
+        p.next_layer = layer + 1
+
+    def end_forward(self) -> None:
+        """After the forward: a load not landed in every layer was not used as loaded (the
+        engine recomputes it). Staging: every load ends before its staging is reused. Direct:
+        a load whose end is not confirmed keeps its request held."""
+        for p in self._loads:
+            if not p.failed and p.next_layer < len(self._layers):
+                self._fail_blocks(p.blocks[: p.valid])
+            elif not p.failed:
+                self.counters["loaded_blocks"] += p.valid
+            if self.mode == "direct" and p.failed:
+                continue  # held until its end is confirmed (or the daemon is gone)
+            try:
+                p.task.wait()
+            except KvcachedError as exc:  # timed out: the client fences the blocks
+                if self.mode == "direct":
+                    self._hold(p.req_id, p.task.id, p.client, p.blocks, "load")
+                self.link.failed(exc)
+            if self.mode == "staging":
+                self._fences.free(p.staging)
+        self._loads.clear()
+
+    # -------------------------------------------------------------- saves
+    def start_saves(self, saves: list[BlockTransfer]) -> None:
+        """Called once the step's KV writes are queued. Direct: one OFFLOAD per save, ordered
+        after them on the engine's stream; nothing waits. Staging: the blocks are copied into
+        staging first."""
+        self._reap_staged()
+        for save in saves:
+            self._transfer_reqs.add(save.req_id)
+            client = self.link.get()
+            n = len(save.keys) if client is not None else 0
+            staging = self._take_staging(n) if self.mode == "staging" else []
+            if self.mode == "staging":
+                n = len(staging)
+                for layer in range(len(self._layers)):
+                    self._copy(layer, save.block_ids[:n], staging, to_staging=True)
+            self.counters["save_skipped_blocks"] += len(save.keys) - n
+            if not n:
+                continue
+            try:
+                task = client.offload(staging or save.block_ids[:n], self._rank_keys(save.keys[:n]))
+            except KvcachedError as exc:
+                self._daemon_failed(exc)
+                self._fences.free(staging)
+                continue
+            self.counters["saved_blocks"] += n
+            if self.mode == "staging":
+                self._staged_saves.append((task, staging, client))
+            else:
+                self._hold(save.req_id, task.id, client, save.block_ids[:n], "save")
+
+    def _hold(self, req_id: str, task_id: int, client: Client, blocks, kind: str) -> None:
+        client.fence(task_id, blocks)  # lifts with the task's end event, or the daemon's death
+        self._held.append(_Held(req_id, task_id, client, kind))
+
+    def _reap_staged(self, wait: bool = False) -> None:
+        keep = []
+        for task, staging, client in self._staged_saves:
+            try:
+                finished = wait or task.done()
+                if finished:
+                    task.wait()
+            except KvcachedError as exc:
+                self.link.failed(exc)
+                if isinstance(exc, DaemonUnavailable):
+                    finished = True  # a gone daemon reads nothing more (a hung one: fenced)
+                    client.fence(task.id, staging)
+            if finished:
+                self._fences.free(staging)
+            else:
+                keep.append((task, staging, client))
+        self._staged_saves = keep
+
+    def _reap_held(self) -> set[str]:
+        """Drop the held transfers that ended; returns the requests still holding."""
+        if not self._held:
+            return set()
+        live: dict[int, set[int]] = {}
+        for h in self._held:
+            if id(h.client) not in live:
+                try:
+                    live[id(h.client)] = h.client.fenced_tasks()
+                except KvcachedError:  # unreadable: everything of that client still holds
+                    live[id(h.client)] = {x.task_id for x in self._held if x.client is h.client}
+        keep = []
+        for h in self._held:
+            if h.task_id in live[id(h.client)]:
+                keep.append(h)
+            else:
+                h.client.take_event(h.task_id)  # its end, if it came as an event
+        self._held = keep
+        self._fences.release()  # a retired client whose transfers all ended is closed
+        return {h.req_id for h in keep}
+
+    # ---------------------------------------------------- request lifecycle
+    def preempt(self, req_ids) -> None:
+        """The engine is about to reuse these requests' blocks: each transfer on them ends first,
+        waited for up to the client's timeout (a dead daemon's at once). A save still running
+        then is revoked (the daemon discards it rather than store what it would read after the
+        reuse). A load cannot be: a daemon hung mid-load could still write those blocks."""
+        wanted = set(req_ids)
+        for h in [h for h in self._held if h.req_id in wanted]:
+            try:
+                h.client.wait_event(h.task_id, None)
+                continue
+            except KvcachedError as exc:  # timed out, or the daemon is gone or hung
+                self.link.failed(exc)
+            if h.kind == "save":
+                h.client.revoke(h.task_id)
+                log.warning("[kv] save task %d of preempted request %s did not end in time: "
+                            "revoked", h.task_id, h.req_id)
+            else:
+                log.error("[kv] load task %d of preempted request %s is not confirmed ended; its "
+                          "blocks are reused now", h.task_id, h.req_id)
+        self._reap_held()
+
+    def finished(self, finished_req_ids) -> set[str]:
+        """Requests the engine finished whose transfers have all ended, each reported once
+        (only requests that had a transfer: the scheduler holds exactly those)."""
+        self._reap_staged()
+        self._finishing |= set(finished_req_ids) & self._transfer_reqs
+        holding = self._reap_held()
+        done = {r for r in self._finishing if r not in holding}
+        self._finishing -= done
+        self._transfer_reqs -= done
+        return done
+
+    def load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        self.end_forward()
+        self._reap_staged(wait=True)
+        self.link.close()
+        for client in self._fences.retired:  # shutting down: their fences no longer matter
+            client.close()

@@ -1,0 +1,267 @@
+"""The vLLM-free worker core (kvcached_client.kv_worker) against real daemons, with KV laid out
+the way engines lay it out in kvcached shared memory (so the daemon can map it: direct mode)
+and in private memory (staging mode): byte-exact round trips in every layout, the finished
+protocol of asynchronous saves, preemption, and daemons killed mid-load and mid-save."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+import pytest
+import torch
+
+from conftest import disk_uri, keys_for, sweep_crashed, wait_until
+from kv_layouts import REGISTERABLE, fill, make_kv, parts_of
+from kvcached_client import KvcachedError, launch
+from kvcached_client.daemon_link import DaemonLink
+from kvcached_client.kv_views import vllm_layer_views
+from kvcached_client.kv_worker import BlockTransfer, KVWorker
+
+SRC, DST = [3, 4, 5, 9, 17, 0], [20, 2, 11, 12, 13, 7]
+
+
+def make_worker(daemon, kv, direct=None, timeout=10.0, staging_blocks=32, num_blocks=24):
+    worker = KVWorker(None, staging_blocks=staging_blocks, direct=direct)
+    worker.link = DaemonLink(daemon.instance, daemon.run_dir, timeout, "test-worker",
+                             on_connect=worker.on_connect, retire=worker.retire)
+    mode = worker.register({f"layer.{i}": e for i, e in enumerate(kv)}, num_blocks)
+    assert worker.link.client is not None, "the daemon is up: the worker attaches at once"
+    return worker, mode
+
+
+def step(worker, loads=(), saves=(), finished=()):
+    """One engine step in the order vLLM runs it; returns (finished_sending, load errors)."""
+    worker.start_loads(list(loads))
+    for layer in range(len(worker._layers)):
+        worker.layer_ready(layer)
+    worker.end_forward()
+    worker.start_saves(list(saves))
+    return worker.finished(set(finished)), worker.load_errors()
+
+
+def finish(worker, req_id: str, timeout: float = 20.0) -> None:
+    """Report req_id finished and step until the worker reports it done (exactly once)."""
+    got = worker.finished({req_id})
+    if req_id not in got:
+        wait_until(lambda: req_id in worker.finished(set()), timeout, f"{req_id} reported")
+    assert req_id not in worker.finished({req_id}), "reported once only"
+
+
+def blocks_of(kv, ids) -> list[torch.Tensor]:
+    return [t[ids].clone() for row in parts_of(kv) for t in row]
+
+
+@pytest.mark.parametrize("layout", REGISTERABLE)
+@pytest.mark.parametrize("mode", ["direct", "staging"])
+def test_round_trip_in_every_layout_and_mode(daemon, layout, mode):
+    raw, kv = make_kv(layout)
+    fill(kv, seed=3)
+    worker, chosen = make_worker(daemon, kv, direct=(mode == "direct"))
+    assert chosen == mode
+    keys = keys_for(len(SRC), seed=hash(layout) & 0xFFFF)
+    try:
+        done, errors = step(worker, saves=[BlockTransfer("save", keys, SRC)])
+        assert errors == set() and done == set()
+        finish(worker, "save")
+        want = blocks_of(kv, SRC)
+        for row in parts_of(kv):
+            for t in row:
+                t[DST] = 0
+        untouched = blocks_of(kv, [1, 6, 8])
+        done, errors = step(worker, loads=[BlockTransfer("load", keys, DST)], finished={"load"})
+        assert errors == set()
+        assert done == {"load"}
+        for got, exp in zip(blocks_of(kv, DST), want):
+            assert torch.equal(got, exp)
+        for got, exp in zip(blocks_of(kv, [1, 6, 8]), untouched):
+            assert torch.equal(got, exp)
+        assert worker.counters["saved_blocks"] == len(SRC)
+        assert worker.counters["loaded_blocks"] == len(SRC)
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
+def test_staging_stores_the_same_bytes_as_direct(daemon, layout):
+    """A block's bytes are kept in the engine's memory order in both modes (its axes are
+    permuted in LBNHC), so an engine that stages loads what one that maps its KV saved."""
+    raw, kv = make_kv(layout)
+    fill(kv, seed=5)
+    keys = keys_for(len(SRC), seed=77)
+    direct, _ = make_worker(daemon, kv, direct=True)
+    try:
+        step(direct, saves=[BlockTransfer("a", keys, SRC)])
+        finish(direct, "a")
+        want = blocks_of(kv, SRC)
+    finally:
+        direct.close()
+    # the same logical views over private memory: the daemon cannot map it
+    flat = torch.zeros(raw.numel() // 2, dtype=torch.bfloat16)
+    private = vllm_layer_views(flat, layout, (len(kv), *kv[0].shape))
+    staged, mode = make_worker(daemon, private)
+    assert mode == "staging"
+    try:
+        _, errors = step(staged, loads=[BlockTransfer("b", keys, DST)])
+        assert errors == set()
+        for got, exp in zip(blocks_of(private, DST), want):
+            assert torch.equal(got, exp)
+    finally:
+        staged.close()
+
+
+def test_unmappable_kv_stages_with_one_warning_and_direct_is_refused(daemon, caplog):
+    kv = [torch.zeros(24, 2, 16, 16, dtype=torch.bfloat16) for _ in range(2)]  # private memory
+    with caplog.at_level(logging.WARNING, logger="kvcached_client.kv_worker"):
+        worker, mode = make_worker(daemon, kv)
+    worker.close()
+    assert mode == "staging"
+    assert sum("cannot map" in r.getMessage() for r in caplog.records) == 1
+    with pytest.raises(KvcachedError, match="kvcached"):
+        make_worker(daemon, kv, direct=True)
+    raw, lhbnc = make_kv("LHBNC")  # shared memory, but a block is not one contiguous run
+    worker, mode = make_worker(daemon, lhbnc)
+    worker.close()
+    assert mode == "staging"
+    with pytest.raises(KvcachedError, match="block dimension"):
+        make_worker(daemon, [torch.zeros(48, 2, 16, 16)], num_blocks=24)  # kernel blocks
+
+
+def test_a_finished_request_is_held_while_its_save_runs(daemon):
+    raw, kv = make_kv("LBNHC")
+    fill(kv, seed=9)
+    worker, _ = make_worker(daemon, kv)
+    keys = keys_for(len(SRC), seed=11)
+    control = daemon.connect(timeout=10, role="operator")
+    try:
+        control.pause()  # new tasks are held: the save cannot run yet
+        step(worker, saves=[BlockTransfer("r", keys, SRC)])
+        for _ in range(3):
+            assert worker.finished({"r", "no-transfer"}) == set(), \
+                "reported while the daemon may still read its blocks (or one that had none)"
+        control.resume()
+        finish(worker, "r")
+        assert control.lookup(keys) == (len(keys), 0)
+    finally:
+        control.close()
+        worker.close()
+
+
+def test_preemption_waits_for_the_save_then_revokes_it(daemon):
+    """The engine reuses a preempted request's blocks right after preempt(): a save the daemon
+    has not run by then is revoked, so what it reads after the reuse is never stored."""
+    raw, kv = make_kv("LBHNC")
+    fill(kv, seed=13)
+    worker, _ = make_worker(daemon, kv, timeout=1.0)
+    keys = keys_for(len(SRC), seed=15)
+    control = daemon.connect(timeout=10, role="operator")
+    try:
+        control.pause()
+        step(worker, saves=[BlockTransfer("p", keys, SRC)])
+        worker.preempt(["p"])  # waits 1 s (the client's timeout), then revokes
+        for row in parts_of(kv):  # the engine writes another request's KV there
+            for t in row:
+                t[SRC] = 1
+        assert worker.finished({"p"}) == set(), "the daemon has not ended the save yet"
+        control.resume()  # the save runs now, over the reused blocks
+        finish(worker, "p")
+        assert control.lookup(keys) == (0, 0), "a revoked save was stored"
+        step(worker, saves=[BlockTransfer("q", keys, SRC)])  # later saves are not revoked
+        finish(worker, "q")
+        assert control.lookup(keys) == (len(keys), 0)
+    finally:
+        control.close()
+        worker.close()
+
+
+def _kill(handle) -> None:
+    os.kill(handle.pid, signal.SIGKILL)
+    handle.proc.wait(10)
+
+
+def test_daemon_killed_mid_load_reports_errors_and_serves_nothing_after_restart(run_dir, instance):
+    h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)
+    raw, kv = make_kv("BLHNC")
+    fill(kv, seed=17)
+    worker, _ = make_worker(h, kv, timeout=2.0)
+    keys = keys_for(len(SRC), seed=19)
+    try:
+        step(worker, saves=[BlockTransfer("s", keys, SRC)])
+        finish(worker, "s")
+        with h.connect(timeout=10, role="operator") as control:
+            control.pause()
+            worker.start_loads([BlockTransfer("l", keys, DST)])  # held by the pause
+            _kill(h)
+        for layer in range(len(kv)):
+            worker.layer_ready(layer)
+        worker.end_forward()
+        assert worker.load_errors() == set(DST)
+        assert worker.finished({"l"}) == {"l"}, "a dead daemon touches nothing: released"
+        sweep_crashed(instance)
+        h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)
+        wait_until(lambda: worker.link.get() is not None, 20, "the worker reattached")
+        marker = blocks_of(kv, DST)
+        done, errors = step(worker, loads=[BlockTransfer("l2", keys, DST)])
+        assert errors == set(DST), "the restarted daemon has none of it: all recomputed"
+        for got, exp in zip(blocks_of(kv, DST), marker):
+            assert torch.equal(got, exp)
+    finally:
+        worker.close()
+        h.stop()
+        sweep_crashed(instance)
+
+
+def test_daemon_killed_mid_save_releases_the_request(run_dir, instance, tmp_path):
+    uri = disk_uri(str(tmp_path / "disk"))
+    h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25,
+               extra_args=["--storage", uri], wait_storage=True)
+    raw, kv = make_kv("LBNHC")
+    fill(kv, seed=21)
+    worker, _ = make_worker(h, kv, timeout=2.0)
+    keys = keys_for(len(SRC), seed=23)
+    try:
+        with h.connect(timeout=10, role="operator") as control:
+            control.pause()
+            step(worker, saves=[BlockTransfer("s", keys, SRC)])
+            assert worker.finished({"s"}) == set()
+            _kill(h)
+        wait_until(lambda: "s" in worker.finished(set()), 20, "released once the daemon died")
+        sweep_crashed(instance)
+        h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25,
+                   extra_args=["--storage", uri], wait_storage=True)
+        with h.connect(timeout=10) as c:
+            assert c.lookup(keys) == (0, 0), "nothing of the killed save is served"
+    finally:
+        worker.close()
+        h.stop()
+        sweep_crashed(instance)
+
+
+def test_without_a_daemon_loads_fail_saves_are_skipped_and_requests_still_finish(daemon):
+    raw, kv = make_kv("LBNHC")
+    worker, _ = make_worker(daemon, kv)
+    daemon.stop()
+    keys = keys_for(len(SRC), seed=25)
+    try:
+        done, errors = step(worker, loads=[BlockTransfer("l", keys, DST)],
+                            saves=[BlockTransfer("s", keys, SRC)])
+        assert errors == set(DST)
+        assert worker.finished({"l", "s"}) == {"l", "s"}
+        assert worker.counters["save_skipped_blocks"] == len(SRC)
+    finally:
+        worker.close()
+
+
+def test_a_revoke_word_other_than_the_last_fence_word_is_refused():
+    from kvcached_client.kv_alloc import describe_kv_cache
+    from kvcached_proto.errors import ProtocolError
+    from kvcached_proto.layout import parse_layout
+    from kvcached_proto.order_words import REVOKE_WORD
+
+    raw, kv = make_kv("LBNHC")
+    layout = describe_kv_cache(kv)
+    assert parse_layout(dict(layout, revoke_word=REVOKE_WORD)).revoke_word == REVOKE_WORD
+    assert parse_layout(layout).revoke_word is None  # a 1.4 engine: every fence word is a fence
+    for bad in (0, REVOKE_WORD + 1, "255", True):
+        with pytest.raises(ProtocolError, match="revoke_word"):
+            parse_layout(dict(layout, revoke_word=bad))
