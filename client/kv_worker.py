@@ -245,22 +245,22 @@ class KVWorker:
     def end_forward(self) -> None:
         """After the forward: a load not landed in every layer was not used as loaded (the
         engine recomputes it). Staging: every load ends before its staging is reused. Direct:
-        a load whose end is not confirmed keeps its request held."""
+        nothing waits here (the CPU does not wait for the GPU's copies); a load is held, and
+        keeps its request held, until its end event (or its daemon is gone)."""
         for p in self._loads:
             if not p.failed and p.next_layer < len(self._layers):
                 self._fail_blocks(p.blocks[: p.valid])
             elif not p.failed:
                 self.counters["loaded_blocks"] += p.valid
-            if self.mode == "direct" and p.failed:
-                continue  # held until its end is confirmed (or the daemon is gone)
+            if self.mode == "direct":
+                if not p.failed:  # (a failed one was held when it failed)
+                    self._hold(p.req_id, p.task.id, p.client, p.blocks, "load")
+                continue
             try:
                 p.task.wait()
-            except KvcachedError as exc:  # timed out: the client fences the blocks
-                if self.mode == "direct":
-                    self._hold(p.req_id, p.task.id, p.client, p.blocks, "load")
+            except KvcachedError as exc:  # timed out: the client fences the staging blocks
                 self.link.failed(exc)
-            if self.mode == "staging":
-                self._fences.free(p.staging)
+            self._fences.free(p.staging)
         self._loads.clear()
 
     # -------------------------------------------------------------- saves

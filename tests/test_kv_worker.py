@@ -71,7 +71,9 @@ def test_round_trip_in_every_layout_and_mode(daemon, layout, mode):
         untouched = blocks_of(kv, [1, 6, 8])
         done, errors = step(worker, loads=[BlockTransfer("load", keys, DST)], finished={"load"})
         assert errors == set()
-        assert done == {"load"}
+        if done != {"load"}:  # direct: held until the load's end event, which may come later
+            assert mode == "direct" and done == set()
+            wait_until(lambda: "load" in worker.finished(set()), 20, "the load reported")
         for got, exp in zip(blocks_of(kv, DST), want):
             assert torch.equal(got, exp)
         for got, exp in zip(blocks_of(kv, [1, 6, 8]), untouched):
