@@ -395,22 +395,34 @@ class Client:
             return {}
         return self.order.fence(stream, self.timeout)
 
-    def revoke(self, task_id: int) -> None:
+    def revoke(self, task: Task) -> None:
         """The engine reuses an offload's blocks before the task ended (e.g. a preempted
-        request): the daemon discards offloads of this registration up to `task_id` that have
-        not completed rather than store what it read. Shared memory: works with a hung daemon."""
-        if self.order is not None:
-            self.order.revoke(task_id)
+        request): the daemon discards it, and this registration's earlier offloads that have
+        not completed, rather than store what it read. Shared memory: works with a hung daemon."""
+        self._revoke(task.reply.get("fence", 0))
+
+    def _revoke(self, fence: int) -> None:
+        if self.order is not None and fence:
+            self.order.revoke(fence)
 
     def offload(self, device_blocks: Sequence[int] | np.ndarray, keys: Sequence[bytes],
                 priority: int = 0, timeout: float | None = None, stream=None) -> Task:
         """Copy `device_blocks` to the host tier under `keys`. CUDA KV: the daemon's copies
         wait (on the GPU) for the work queued so far on `stream` (default: the current
         stream), so the engine calls this right after queuing its KV writes, with no
-        synchronize. Either way the blocks stay the daemon's to read until the task ends."""
+        synchronize. Either way the blocks stay the daemon's to read until the task ends. An
+        offload whose reply does not come (KvcachedTimeout, DaemonUnavailable) is revoked
+        before the error is raised: the blocks are the caller's again."""
         fields = {"keys": pack_keys(keys), "blocks": pack_block_ids(device_blocks),
                   "priority": priority, **self._fence(stream)}
-        reply = self._request(Op.OFFLOAD, timeout, **fields)
+        try:
+            reply = self._request(Op.OFFLOAD, timeout, **fields)
+        except (KvcachedTimeout, DaemonUnavailable):
+            # no reply: a daemon that is slow or hung may still take it and read the blocks
+            # after the caller reused them; revoked, it stores nothing of it
+            self._revoke(fields.get("fence", 0))
+            raise
+        reply["fence"] = fields.get("fence", 0)
         return Task(self, reply["task"], "offload", reply)
 
     def lookup(self, keys: Sequence[bytes], timeout: float | None = None) -> tuple[int, int]:

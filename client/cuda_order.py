@@ -107,12 +107,12 @@ class EngineOrder:
                 self.ops.write(self._stream(stream).cuda_stream, k, seq)
         return {"fence_word": k, "fence": seq}
 
-    def revoke(self, task_id: int) -> None:
-        """Offloads up to `task_id` that have not completed are discarded by the daemon: the
-        engine is about to reuse their blocks (the word only grows)."""
+    def revoke(self, fence: int) -> None:
+        """Offloads sent with a fence up to `fence` that have not completed are discarded by
+        the daemon: the engine is about to reuse their blocks (the word only grows)."""
         with self._cv:
-            if not reached(self.words[REVOKE_WORD], task_id):
-                self.words[REVOKE_WORD] = task_id
+            if not reached(self.words[REVOKE_WORD], fence):
+                self.words[REVOKE_WORD] = fence
 
     def wait_loaded(self, slot: int, layer: int, task_id: int, stream=None) -> None:
         """Make `stream` wait for the daemon's copies of `layer` of load `task_id` (CPU: check

@@ -27,6 +27,7 @@ short load reports its blocks in `load_errors` for the engine to recompute.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -65,9 +66,13 @@ class _Load:
 class _Held:
     """A direct-mode transfer that may touch the engine's blocks until its task ended."""
     req_id: str
-    task_id: int
+    task: object
     client: Client
     kind: str  # "save" (revocable) or "load"
+
+    @property
+    def task_id(self) -> int:
+        return self.task.id
 
 
 def block_axes_order(t: torch.Tensor) -> tuple[int, ...]:
@@ -76,10 +81,9 @@ def block_axes_order(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(sorted(dims, key=lambda d: (-t.stride(d), d)))
 
 
-def staging_like(parts: list[torch.Tensor], num_layers: int, num_blocks: int, pair: bool) -> list:
+def staging_like(first: torch.Tensor, num_layers: int, num_blocks: int, pair: bool) -> list:
     """A shared-memory staging cache whose blocks hold the same bytes as the engine's: the
-    logical shape of `parts[0]`'s block, laid out in its memory order."""
-    first = parts[0]
+    logical shape of `first`'s block (layer 0's first part), laid out in its memory order."""
     order = block_axes_order(first)
     dense = tuple(first.shape[d] for d in order)
     staging = allocate_kv_cache(num_layers, num_blocks, dense, first.dtype, device="cpu",
@@ -139,10 +143,9 @@ class KVWorker:
             self._engine_kv.append((t[0], t[1]) if pair else t)
         self.mode = self._choose_mode()
         if self.mode == "staging":
-            parts = [p for layer in self._engine_kv
-                     for p in (layer if isinstance(layer, tuple) else (layer,))]
-            self._staging = staging_like(parts, len(self._layers), self.staging_blocks,
-                                         isinstance(self._engine_kv[0], tuple))
+            pair = isinstance(self._engine_kv[0], tuple)
+            first = self._engine_kv[0][0] if pair else self._engine_kv[0]
+            self._staging = staging_like(first, len(self._layers), self.staging_blocks, pair)
             self._free_staging.clear()
             self._free_staging.extend(range(self.staging_blocks))
         self.link.attach_now()
@@ -235,7 +238,7 @@ class KVWorker:
             self._fail_blocks(p.blocks[: p.valid])
             p.failed = True
             if self.mode == "direct":  # held before the link may drop the client: a hung
-                self._hold(p.req_id, p.task.id, p.client, p.blocks, "load")  # end still lifts it
+                self._hold(p.req_id, p.task, p.client, p.blocks, "load")  # end still lifts it
             self._daemon_failed(exc)
             return
         if p.valid and self.mode == "staging":
@@ -254,7 +257,7 @@ class KVWorker:
                 self.counters["loaded_blocks"] += p.valid
             if self.mode == "direct":
                 if not p.failed:  # (a failed one was held when it failed)
-                    self._hold(p.req_id, p.task.id, p.client, p.blocks, "load")
+                    self._hold(p.req_id, p.task, p.client, p.blocks, "load")
                 continue
             try:
                 p.task.wait()
@@ -291,11 +294,11 @@ class KVWorker:
             if self.mode == "staging":
                 self._staged_saves.append((task, staging, client))
             else:
-                self._hold(save.req_id, task.id, client, save.block_ids[:n], "save")
+                self._hold(save.req_id, task, client, save.block_ids[:n], "save")
 
-    def _hold(self, req_id: str, task_id: int, client: Client, blocks, kind: str) -> None:
-        client.fence(task_id, blocks)  # lifts with the task's end event, or the daemon's death
-        self._held.append(_Held(req_id, task_id, client, kind))
+    def _hold(self, req_id: str, task, client: Client, blocks, kind: str) -> None:
+        client.fence(task.id, blocks)  # lifts with the task's end event, or the daemon's death
+        self._held.append(_Held(req_id, task, client, kind))
 
     def _reap_staged(self, wait: bool = False) -> None:
         keep = []
@@ -343,14 +346,16 @@ class KVWorker:
         then is revoked (the daemon discards it rather than store what it would read after the
         reuse). A load cannot be: a daemon hung mid-load could still write those blocks."""
         wanted = set(req_ids)
-        for h in [h for h in self._held if h.req_id in wanted]:
+        held = [h for h in self._held if h.req_id in wanted]
+        deadline = time.monotonic() + (held[0].client.timeout if held else 0)
+        for h in held:  # one deadline for all of them: the step waits one timeout at most
             try:
-                h.client.wait_event(h.task_id, None)
+                h.client.wait_event(h.task_id, max(0.01, deadline - time.monotonic()))
                 continue
             except KvcachedError as exc:  # timed out, or the daemon is gone or hung
                 self.link.failed(exc)
             if h.kind == "save":
-                h.client.revoke(h.task_id)
+                h.client.revoke(h.task)
                 log.warning("[kv] save task %d of preempted request %s did not end in time: "
                             "revoked", h.task_id, h.req_id)
             else:

@@ -64,10 +64,12 @@ class DaemonOrder:
         else:
             self.ops.write(stream.cuda_stream, idx, task_id)
 
-    def revoked(self, task_id: int) -> bool:
-        """The engine revoked this offload (it reused the blocks before the task ended): what
-        was copied may be another request's KV. Read after the copies landed (copier.sync)."""
-        return self.revoke_word is not None and reached(self.words[self.revoke_word], task_id)
+    def revoked(self, fence: tuple[int, int] | None) -> bool:
+        """The engine revoked the offload sent with this fence (it reused the blocks before the
+        task ended): what was copied may be another request's KV. Read after the copies landed
+        (copier.sync). An offload sent without a fence cannot be revoked."""
+        return (self.revoke_word is not None and fence is not None
+                and reached(self.words[self.revoke_word], fence[1]))
 
     def release_fences(self) -> None:
         self.words[:FENCE_WORDS] = RELEASED

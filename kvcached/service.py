@@ -461,7 +461,7 @@ class CacheService(StorageFlow):
 
     def _complete_offload(self, task: CopyTask) -> None:
         order = self.kv.order if self.kv is not None else None
-        if order is not None and order.revoked(task.task_id):
+        if order is not None and order.revoked(task.fence):
             task.cancelled = True  # the engine reused the blocks before the copy was confirmed
         with self._lock:
             if task.cancelled:

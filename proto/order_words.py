@@ -11,9 +11,10 @@ processes map it and register it with CUDA, so a stream of either can write or w
                                                   stream waits for word >= seq before copying
     word REVOKE_WORD (FENCE_WORDS - 1)            revoked offloads (protocol 1.5, when the layout
                                                   names it): the engine's CPU writes the highest
-                                                  task id it revoked; an offload of its with an
-                                                  id <= the word that has not completed is
-                                                  discarded, not stored (its blocks were reused)
+                                                  offload fence it revoked; an offload of its
+                                                  sent with a fence <= the word that has not
+                                                  completed is discarded, not stored (its blocks
+                                                  were reused)
     word FENCE_WORDS + slot * num_layers + layer  load progress: the daemon writes the load's
                                                   task id on its load stream after the layer's
                                                   copies; the engine's stream waits for >= id

@@ -267,3 +267,36 @@ def test_a_revoke_word_other_than_the_last_fence_word_is_refused():
     for bad in (0, REVOKE_WORD + 1, "255", True):
         with pytest.raises(ProtocolError, match="revoke_word"):
             parse_layout(dict(layout, revoke_word=bad))
+
+
+def test_an_offload_whose_reply_never_came_is_revoked(daemon):
+    """A hung daemon: the offload request gets no reply and the engine takes its blocks back.
+    When the daemon resumes it still reads the request and copies the (reused) blocks: the
+    revoke sent with the error makes it discard them instead of storing them."""
+    from kvcached_proto.errors import DaemonUnavailable
+
+    raw, kv = make_kv("LBNHC")
+    fill(kv, seed=27)
+    keys = keys_for(len(SRC), seed=29)
+    with daemon.connect(timeout=10, hang_s=0.5) as c, daemon.connect(timeout=10) as probe:
+        c.register_kv_cache(kv)
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(DaemonUnavailable):
+                c.offload(SRC, keys)
+            for row in parts_of(kv):  # the engine reuses the blocks
+                for t in row:
+                    t[SRC] = 1
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+
+        def ended() -> list:
+            try:
+                c.poll_events()
+            except DaemonUnavailable:  # its heartbeat is stale until it beats again
+                return []
+            return [e for e in c._events.values() if e.get("status") is not None]
+
+        wait_until(lambda: ended(), 20, "the daemon ran the offload it took late")
+        assert [e["status"] for e in ended()] == ["cancelled"]
+        assert probe.lookup(keys) == (0, 0)
