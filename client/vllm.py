@@ -6,9 +6,11 @@
                            "kv_connector_extra_config": {"instance": "gpu0", "run_dir": "..."}}'
 
 Scheduler side: `get_num_new_matched_tokens` looks the request's full prompt blocks up past
-vLLM's own prefix hit (host + storage hits); `update_state_after_alloc` notes the blocks to load
-into; `build_connector_meta` hands the worker this step's loads and the newly computed full
-blocks (prompt and outputs) to save.
+vLLM's own prefix hit. A hit held only in storage (disk, redis) is prefetched into the host tier
+between steps while the request waits (it answers None: vLLM asks again at the next step), so a
+load never reads storage inside a forward step (lookup_gate.py); `update_state_after_alloc`
+notes the blocks to load into; `build_connector_meta` hands the worker this step's loads and the
+newly computed full blocks (prompt and outputs) to save.
 
 Worker side: a thin adapter over the vLLM-free worker core (kv_worker.py). Where the daemon can
 map vLLM's KV (CUDA: one allocation, strided per-layer views) it copies straight into and out of
@@ -31,8 +33,11 @@ load errors; vLLM gathers them from every worker and all ranks recompute them.
 
 kv_connector_extra_config: instance (default "default") or instances, run_dir, timeout_s (5),
 hang_s (the hang threshold, default $KVCACHED_HANG_S or 2), staging_blocks (512), mode (auto:
-direct where the daemon can map the KV, else staging; or staging, or direct), namespace (a salt,
-e.g. a tenant), weights_version.
+direct where the daemon can map the KV, else staging; or staging, or direct), storage_hits
+(prefetch: brought into the host tier between steps, what the daemon will not prefetch, e.g.
+under its --prefetch-threshold-tokens, is recomputed; or inline: the load reads storage within
+the step), prefetch_timeout_s (5: a prefetch not ended by then, plus timeout_s, gives no hit),
+namespace (a salt, e.g. a tenant), weights_version.
 
 A daemon fault costs at most one step: no step waits to (re)connect (a background thread
 reattaches, and re-registers the staging cache, once a daemon is there; until then lookups miss
@@ -58,6 +63,7 @@ from .daemon_link import DaemonLink, GroupLink
 from .group import rank_keys
 from .hashing import BlockHasher, make_namespace
 from .kv_worker import BlockTransfer, KVWorker
+from .lookup_gate import LookupGate
 from .prefix import MMItem, block_extra_keys
 
 if TYPE_CHECKING:
@@ -143,11 +149,11 @@ class KvcachedConnector(KVConnectorBase_V1):
                          hang_s=float(extra["hang_s"]) if "hang_s" in extra else None)
         self.counters = {"lookups": 0, "hit_tokens": 0, "daemon_errors": 0}
         if role == KVConnectorRole.SCHEDULER:
-            self._init_scheduler(instances, link_args)
+            self._init_scheduler(instances, link_args, extra)
         else:
             self._init_worker(instances, link_args, extra)
 
-    def _init_scheduler(self, instances: list[str], link_args: dict) -> None:
+    def _init_scheduler(self, instances: list[str], link_args: dict, extra: dict) -> None:
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             # a load the daemon could not finish must cost a recompute, never the request
             log.warning("[vllm] kvcached sets kv_load_failure_policy='recompute' (was %r)",
@@ -156,6 +162,9 @@ class KvcachedConnector(KVConnectorBase_V1):
         self._reqs: dict[str, _ReqState] = {}
         self._loads: dict[str, BlockTransfer] = {}
         self._transfer_reqs: set[str] = set()  # sent a load or a save; held at finish until reported
+        self.gate = LookupGate(self.block_size, str(extra.get("storage_hits", "prefetch")),
+                               float(extra.get("prefetch_timeout_s", 5.0)),
+                               grace_s=link_args["timeout"], counters=self.counters)
         self.link = (GroupLink(instances, name="vllm-scheduler", mla=self.mla, **link_args)
                      if self.tp_size > 1 else
                      DaemonLink(instances[0], name="vllm-scheduler", **link_args))
@@ -194,7 +203,7 @@ class KvcachedConnector(KVConnectorBase_V1):
         return state.keys[:num_blocks]
 
     # ------------------------------------------------------------- scheduler
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         bs = self.block_size
         state = self._reqs.get(request.request_id)
         if state is None or state.request is not request:
@@ -209,13 +218,15 @@ class KvcachedConnector(KVConnectorBase_V1):
         if client is None:
             return 0, False
         try:
-            host, storage = client.lookup(self._keys(state, limit)[start:])
+            hit = self.gate.match(request.request_id, client, self._keys(state, limit)[start:])
         except KvcachedError as exc:
             self.counters["daemon_errors"] += 1
             self.link.failed(exc)
             return 0, False
+        if hit is None:  # its storage hit is being brought into the host tier: ask again later
+            return None, False
         self.counters["lookups"] += 1
-        state.ext_tokens = (host + storage) * bs
+        state.ext_tokens = hit * bs
         self.counters["hit_tokens"] += state.ext_tokens
         return state.ext_tokens, False
 
@@ -275,6 +286,7 @@ class KvcachedConnector(KVConnectorBase_V1):
         reported at the next step)."""
         self._reqs.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
+        self.gate.forget(request.request_id)
         return request.request_id in self._transfer_reqs, None
 
     def update_connector_output(self, connector_output) -> None:

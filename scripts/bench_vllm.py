@@ -1,7 +1,9 @@
-"""TTFT of a prompt whose long prefix was seen before, on a real vLLM engine (CPU), four ways:
-recompute (no connector), kvcached host hit, kvcached disk hit (daemon restarted), and vLLM's
-ExampleConnector (its safetensors files on disk). Same model, prompt and settings throughout;
-vLLM's own prefix cache is reset before every request. Prints ratios to the recompute.
+"""TTFT of a prompt whose long prefix was seen before, on a real vLLM engine (CPU), five ways:
+recompute (no connector), kvcached host hit, kvcached disk hit (daemon restarted; prefetched
+into the host tier while the request waits), the same disk hit read by the load within the step
+(storage_hits inline), and vLLM's ExampleConnector (its safetensors files on disk). Same model,
+prompt and settings throughout; vLLM's own prefix cache is reset before every request. Prints
+ratios to the recompute.
 
     .venv-vllm/bin/python scripts/bench_vllm.py [--hidden 1024 --layers 8 --prefix-blocks 64]
 
@@ -85,12 +87,15 @@ def _ttfts(args, model: str, size: list[str], tmp: str) -> dict[str, list[float]
         times["kvcached host hit"] = [eng.ttft("A") for _ in range(args.repeats)]
         with d.connect() as c:
             c.flush().wait(120)
-        times["kvcached disk hit"] = []
-        for _ in range(args.repeats):
-            d.stop()
-            d = daemon()  # an empty host tier; the disk tier is found
-            vllm_driver.wait_attached(d)  # the connector attaches within 0.25 s of the start
-            times["kvcached disk hit"].append(eng.ttft("A"))
+        d = _disk_hits(args, eng, d, daemon, times, "kvcached disk hit")
+    finally:
+        eng.close()
+        d.stop()
+    d = daemon()  # the disk hit read by the load within the step (storage_hits inline)
+    eng = vllm_driver.EngineProcess(model, "--connector", "kvcached", "--instance", "bv",
+                                    "--run-dir", run_dir, "--storage-hits", "inline", *size)
+    try:
+        d = _disk_hits(args, eng, d, daemon, times, "disk hit, inline")
     finally:
         eng.close()
         d.stop()
@@ -103,6 +108,18 @@ def _ttfts(args, model: str, size: list[str], tmp: str) -> dict[str, list[float]
     finally:
         eng.close()
     return times
+
+
+def _disk_hits(args, eng, d, daemon, times: dict, case: str):
+    """TTFT of the prompt with a new daemon over the same disk tier before each request;
+    returns the daemon still running."""
+    times[case] = []
+    for _ in range(args.repeats):
+        d.stop()
+        d = daemon()  # an empty host tier; the disk tier is found
+        vllm_driver.wait_attached(d)  # the connector attaches within 0.25 s of the start
+        times[case].append(eng.ttft("A"))
+    return d
 
 
 def faults(args, model: str, size: list[str], tmp: str) -> int:

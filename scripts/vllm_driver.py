@@ -163,6 +163,8 @@ def _args():
     ap.add_argument("--kv-heads", type=int, default=CONFIG["num_key_value_heads"])
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (one worker per rank)")
     ap.add_argument("--hang-s", type=float, default=0.0, help="the connector's hang_s (0: default)")
+    ap.add_argument("--storage-hits", choices=["prefetch", "inline"], default="prefetch",
+                    help="the connector's storage_hits")
     return ap.parse_args()
 
 
@@ -182,7 +184,8 @@ def _engine(args):
 
     kv = None
     if args.connector == "kvcached":
-        extra = {"instance": args.instance, "run_dir": args.run_dir, "timeout_s": 5}
+        extra = {"instance": args.instance, "run_dir": args.run_dir, "timeout_s": 5,
+                 "storage_hits": args.storage_hits}
         if args.hang_s:
             extra["hang_s"] = args.hang_s
         kv = KVTransferConfig(kv_connector="KvcachedConnector",

@@ -238,5 +238,13 @@ def redis_server():
     server.close()
 
 
+@pytest.fixture
+def disk_dir():
+    """A directory for a disk tier, removed after the test."""
+    path = tempfile.mkdtemp(prefix="kvdisk-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def disk_uri(path: str, capacity_gb: float = 1.0) -> str:
     return f"disk://{path}?capacity_gb={capacity_gb}"

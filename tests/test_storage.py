@@ -21,13 +21,6 @@ def files(root):
     return sorted(glob.glob(os.path.join(root, "??", "*.kvb")))
 
 
-@pytest.fixture
-def disk_dir():
-    path = tempfile.mkdtemp(prefix="kvdisk-", dir="/tmp")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def start(run_dir, instance, *storage, host_gb=0.05, extra=(), wait_storage=True):
     args = [a for uri in storage for a in ("--storage", uri)] + list(extra)
     return launch(instance=instance, run_dir=run_dir, host_cache_gb=host_gb, extra_args=args,

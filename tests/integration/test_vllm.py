@@ -81,12 +81,14 @@ def test_prefixes_come_back_from_kvcached_and_faults_only_cost_recomputation(
         daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2,
                         extra_args=["--storage", storage], wait_storage=True)
         vllm_driver.wait_attached(daemon)
-        b2 = eng.gen("B")  # blocks 0-4 load from disk, the damaged one and what follows are recomputed
+        b2 = eng.gen("B")  # blocks 0-4 come from disk, the damaged one and what follows are recomputed
         assert b2["tokens"] == reference["B"]
         with daemon.connect() as c:
             s = c.status()
         assert sum(t.get("corrupt", 0) for t in s["storage"]) == 1
         assert s["lookups"]["storage_hits"] >= 10
+        # the disk hit came into the host tier by a prefetch while B waited, not in its step
+        assert s["storage_io"]["prefetched"] == 5 and s["storage_io"]["fetched"] == 5, s["storage_io"]
     finally:
         eng.close()
         daemon.stop()

@@ -1,0 +1,125 @@
+"""Scheduler-side lookups whose storage hits reach the host tier between steps, not in one.
+
+A block the daemon holds only in a storage tier (disk, redis) would otherwise be read by the
+load itself, inside the forward step that waits for its first layer. The gate asks the daemon
+to prefetch such a hit into the host tier and defers the request: `match` answers None (vLLM:
+get_num_new_matched_tokens' "ask again at a later step") until the prefetch ended, then the
+hit is what the host tier holds, and the load that follows reads host memory only. What the
+daemon does not bring in (a storage hit under its --prefetch-threshold-tokens, past its
+--prefetch-max-share, a record that came back short) is recomputed by the engine.
+
+Every call answers at once: a prefetch is polled, never waited for. One that has not ended by
+its deadline (the daemon's own `timeout_ms`, plus a grace for its event: a hung daemon) gives
+the request no hit. Requests whose storage hits overlap wait for each other's prefetches, so
+one fetch serves them all (the daemon skips keys already on their way).
+
+storage_hits: "prefetch" (the above) or "inline" (the load reads storage in the step).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from kvcached_proto.errors import KvcachedError
+
+
+@dataclass(eq=False)
+class _Prefetch:
+    task: object
+    keys: list[bytes]   # the storage keys it brings (those not on their way already)
+    deadline: float     # the daemon's timeout_ms plus a grace for its event
+
+
+@dataclass(eq=False)
+class _Pending:
+    waits: list[_Prefetch]  # its own prefetch and those of requests it overlaps
+    deadline: float
+
+
+def _ended(task) -> bool:
+    try:
+        return task.done()
+    except KvcachedError:  # failed, or the daemon is gone: nothing more comes of it
+        return True
+
+
+class LookupGate:
+    def __init__(self, block_tokens: int, storage_hits: str = "prefetch", timeout_s: float = 5.0,
+                 grace_s: float = 2.0, counters: dict | None = None):
+        if storage_hits not in ("prefetch", "inline"):
+            raise ValueError(f"storage_hits {storage_hits!r}: expected prefetch or inline")
+        if timeout_s <= 0:
+            raise ValueError(f"prefetch timeout {timeout_s}: expected > 0 seconds")
+        self.block_tokens = block_tokens
+        self.storage_hits = storage_hits
+        self.timeout_s, self.grace_s = timeout_s, grace_s
+        self.counters = counters if counters is not None else {}
+        for name in ("prefetches", "prefetch_deferrals", "prefetch_timeouts",
+                     "storage_blocks_recomputed"):
+            self.counters.setdefault(name, 0)
+        self._pending: dict[str, _Pending] = {}
+        self._running: list[_Prefetch] = []  # until it ended or its deadline passed
+        self._inflight: dict[bytes, _Prefetch] = {}  # storage key -> the prefetch bringing it
+
+    def match(self, req_id: str, client, keys: list[bytes]) -> int | None:
+        """The number of leading `keys` the request may load from the host tier now, or None
+        while a prefetch of its storage hit runs (ask again at the next step). client: a
+        Client or GroupClient; its errors (KvcachedError) are the caller's to handle."""
+        self._reap()
+        pending = self._pending.get(req_id)
+        if pending is not None:
+            if not all(_ended(p.task) for p in pending.waits):
+                if time.monotonic() < pending.deadline:
+                    self.counters["prefetch_deferrals"] += 1
+                    return None
+                self.counters["prefetch_timeouts"] += 1  # the daemon is hung or far behind
+                del self._pending[req_id]
+                return 0
+            del self._pending[req_id]
+            host, storage = client.lookup(keys)
+            self.counters["storage_blocks_recomputed"] += storage
+            return host
+        host, storage = client.lookup(keys)
+        if storage == 0 or self.storage_hits == "inline":
+            return host + storage
+        return self._start(req_id, client, keys, host, storage)
+
+    def _start(self, req_id: str, client, keys, host: int, storage: int) -> int | None:
+        wanted = keys[host:host + storage]
+        waits = list({id(p): p for k in wanted if (p := self._inflight.get(k)) is not None}.values())
+        task = client.prefetch(keys, policy="timeout", timeout_ms=int(self.timeout_s * 1000),
+                               block_tokens=self.block_tokens)
+        deadline = time.monotonic() + self.timeout_s + self.grace_s
+        if task.result is None:  # started (else: under the daemon's threshold, not started)
+            own = _Prefetch(task, [k for k in wanted if k not in self._inflight], deadline)
+            self._running.append(own)
+            self._inflight.update((k, own) for k in own.keys)
+            waits.append(own)
+        if not waits:
+            self.counters["storage_blocks_recomputed"] += storage
+            return host
+        self._pending[req_id] = _Pending(waits, deadline)
+        self.counters["prefetches"] += 1
+        return None
+
+    def _reap(self) -> None:
+        """Prefetches that ended (their events taken) or are past their deadline stop being
+        waited for by later requests."""
+        now, running = time.monotonic(), []
+        for p in self._running:
+            if _ended(p.task) or now >= p.deadline:
+                for k in p.keys:
+                    if self._inflight.get(k) is p:
+                        del self._inflight[k]
+            else:
+                running.append(p)
+        self._running = running
+
+    def forget(self, req_id: str) -> None:
+        """The request is gone (finished, aborted): its prefetch goes on without a waiter (the
+        blocks it brings serve later requests)."""
+        self._pending.pop(req_id, None)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)

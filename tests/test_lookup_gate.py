@@ -1,0 +1,147 @@
+"""The scheduler's lookup gate against real daemons with a disk tier: a storage hit is brought
+into the host tier by a prefetch while the request waits, so the load that follows reads host
+memory only; every call answers at once, whatever the tier or the daemon does."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from conftest import blocks_equal, disk_uri, keys_for, scramble, small_kv, snapshot, wait_until
+from test_storage import PAGE_SHAPE, _stored_with_one_record_hung, offload_and_flush, start
+
+from kvcached_client import Client
+from kvcached_client.lookup_gate import LookupGate
+
+BLOCK_TOKENS = 16
+NO_THRESHOLD = ["--prefetch-threshold-tokens", "0"]
+
+
+def _stored(run_dir, instance, disk_dir, n=8, seed=0, extra=NO_THRESHOLD):
+    """A daemon whose disk tier alone holds n blocks; (daemon, kv, keys, the stored bytes)."""
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys, src = keys_for(n, seed), list(range(n))
+    expected = snapshot(kv, src)
+    h = start(run_dir, instance, disk_uri(disk_dir), extra=extra)
+    with h.connect() as c:
+        c.register_kv_cache(kv)
+        offload_and_flush(c, kv, keys, src)
+        c.clear(tier="host")
+    scramble(kv, 3)
+    return h, kv, keys, expected
+
+
+def _poll(gate, req_id, client, keys, timeout=10.0, budget_s=0.2):
+    """Ask as a scheduler does, once per step, until the gate answers a number; every call
+    must answer within budget_s (no step waits on storage or the daemon)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        t0 = time.monotonic()
+        hit = gate.match(req_id, client, keys)
+        assert time.monotonic() - t0 < budget_s, "a lookup waited on the prefetch"
+        if hit is not None:
+            return hit
+        time.sleep(0.005)
+    raise AssertionError(f"no answer for {req_id} within {timeout} s")
+
+
+def test_a_storage_hit_is_prefetched_between_steps_and_the_load_reads_host_memory_only(
+        run_dir, instance, disk_dir):
+    h, kv, keys, expected = _stored(run_dir, instance, disk_dir)
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            gate = LookupGate(BLOCK_TOKENS)
+            assert gate.match("r1", c, keys) is None  # deferred: its prefetch runs
+            assert _poll(gate, "r1", c, keys) == 8
+            load = c.load(keys, list(range(20, 28)))
+            assert load.reply["storage_blocks"] == 0 and load.wait(10) == 8
+            assert blocks_equal(kv, list(range(20, 28)), expected)
+            io = c.status()["storage_io"]
+            assert io["prefetched"] == 8 and io["fetched"] == 8  # every storage read a prefetch
+            assert gate.counters["prefetches"] == 1 and gate.pending == 0
+            # the same again is a host hit at once: no second prefetch
+            assert gate.match("r2", c, keys) == 8 and gate.counters["prefetches"] == 1
+    finally:
+        h.stop()
+
+
+def test_a_storage_hit_the_daemon_will_not_prefetch_is_recomputed_not_read_in_the_step(
+        run_dir, instance, disk_dir):
+    """8 blocks x 16 tokens is under the daemon's default --prefetch-threshold-tokens (256):
+    no prefetch, the hit is the host part (none); inline mode counts the storage part."""
+    h, kv, keys, _ = _stored(run_dir, instance, disk_dir, extra=())
+    try:
+        with h.connect() as c:
+            gate = LookupGate(BLOCK_TOKENS)
+            assert gate.match("r1", c, keys) == 0
+            assert gate.counters["storage_blocks_recomputed"] == 8 and gate.pending == 0
+            assert LookupGate(BLOCK_TOKENS, "inline").match("r1", c, keys) == 8
+            assert c.status()["storage_io"]["fetched"] == 0
+    finally:
+        h.stop()
+    with pytest.raises(ValueError, match="storage_hits"):
+        LookupGate(BLOCK_TOKENS, "eager")
+
+
+def test_a_daemon_that_stops_answering_mid_prefetch_costs_the_request_its_hit_not_a_step(
+        run_dir, instance, disk_dir):
+    """The prefetch is queued behind a pause, then the daemon is stopped (SIGSTOP): every call
+    answers at once (None) until the gate's deadline (prefetch timeout plus grace), then the
+    request goes on with no hit. Once the daemon runs again, a later request is served through
+    a prefetch of its own."""
+    h, kv, keys, _ = _stored(run_dir, instance, disk_dir)
+    owner = h.connect()
+    c = Client.connect(instance=instance, run_dir=run_dir, hang_s=60)  # the gate's deadline, not hang detection
+    stopped = False
+    try:
+        owner.register_kv_cache(kv)
+        owner.pause()
+        gate = LookupGate(BLOCK_TOKENS, timeout_s=0.5, grace_s=0.5)
+        t0 = time.monotonic()
+        assert gate.match("r1", c, keys) is None
+        os.kill(h.pid, signal.SIGSTOP)
+        stopped = True
+        assert _poll(gate, "r1", c, keys, timeout=5) == 0
+        assert time.monotonic() - t0 >= 1.0 and gate.counters["prefetch_timeouts"] == 1
+        os.kill(h.pid, signal.SIGCONT)
+        stopped = False
+        owner.resume()
+        # the held prefetch ran past its own timeout_ms: the daemon ends it with nothing fetched
+        assert _poll(gate, "r2", c, keys) == 8 and gate.counters["prefetches"] == 2
+        assert c.status()["storage_io"]["prefetched"] == 8
+    finally:
+        if stopped:
+            os.kill(h.pid, signal.SIGCONT)
+        c.close()
+        owner.close()
+        h.stop()
+
+
+def test_requests_sharing_a_storage_hit_on_a_hung_filesystem_wait_for_one_prefetch(
+        run_dir, instance, disk_dir):
+    """Record 3 lies on a filesystem whose reads hang (the tier's I/O deadline is 1 s). Two
+    requests with the same prefix: the second's own prefetch finds every key on its way and
+    ends at once; it waits for the first's instead, and both get the 3 leading blocks that
+    arrived, without a call ever waiting on the hung read."""
+    kv, keys, expected, uri, fs = _stored_with_one_record_hung(run_dir, instance, disk_dir, 3)
+    h = None
+    try:
+        h = start(run_dir, instance, uri, extra=NO_THRESHOLD)
+        with h.connect(timeout=5) as c:
+            c.register_kv_cache(kv)
+            gate = LookupGate(BLOCK_TOKENS, timeout_s=5)
+            assert gate.match("r1", c, keys) is None
+            wait_until(lambda: fs.held, 5, "the prefetch reaching the hung read")
+            assert gate.match("r2", c, keys) is None
+            assert _poll(gate, "r2", c, keys) == 3
+            assert _poll(gate, "r1", c, keys) == 3
+            assert c.lookup(keys) == (3, 0)  # the stuck tier gives no hits until it recovers
+            load = c.load(keys[:3], [20, 21, 22])
+            assert load.reply["storage_blocks"] == 0 and load.wait(10) == 3
+            assert blocks_equal(kv, [20, 21, 22], expected, upto=3)
+    finally:
+        fs.close()
+        if h is not None:
+            h.stop()
