@@ -2,7 +2,8 @@
 storage clear or delete, mapping a KV registration) off the request thread, which keeps
 answering every other client meanwhile. Their replies go out through the task-event path
 (EventSink), as the socket thread sends them; the client matches a reply by its `rid`
-whichever path it came by. Ops run one at a time, in the order they came."""
+whichever path it came by. Ops run one at a time, in the order they came, and so does the
+daemon's own work that may block (`run_later`: the KV mapping of a client that went away)."""
 from __future__ import annotations
 
 import logging
@@ -33,12 +34,20 @@ class ControlWorker(threading.Thread):
             raise OpError(ErrorCode.BUSY, f"{MAX_QUEUED} control ops queued; retry later")
         self._queue.put((routing_id, rid, op))
 
+    def run_later(self, op: Callable[[], object]) -> None:
+        """The daemon's own work that may block (a gone client's KV mapping dropped after a
+        drain): in order with the clients' ops, never refused, no reply; skipped at a stop."""
+        self._queue.put((None, 0, op))
+
     def run(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
             routing_id, rid, op = item
+            if routing_id is None:
+                self._run_own(op)
+                continue
             if self._stopping:
                 reply = reply_for(rid, OpError(ErrorCode.SHUTTING_DOWN, "the daemon is stopping"))
             else:
@@ -49,6 +58,14 @@ class ControlWorker(threading.Thread):
                         log.exception("[control] internal error")
                     reply = reply_for(rid, exc)
             self._events.emit(routing_id, reply)
+
+    def _run_own(self, op: Callable[[], object]) -> None:
+        if self._stopping:
+            return
+        try:
+            op()
+        except Exception:  # noqa: BLE001 - the daemon's own work: logged, the worker goes on
+            log.exception("[control] internal work failed")
 
     @property
     def queued(self) -> int:

@@ -152,6 +152,7 @@ class Daemon:
         self.service = CacheService(cfg, self.signals, self.events)
         self.control = ControlWorker(self.events)  # ops that may block, off the request thread
         self.control.start()
+        self.service.defer = self.control.run_later  # a gone client's KV mapping: after a drain
         try:
             self.metrics = Metrics(cfg.instance, self.status, cfg.metrics_port, cfg.metrics_addr)
         except OSError as exc:

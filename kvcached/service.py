@@ -1,13 +1,15 @@
-"""The cache service: the data-path ops on top of KV registration, host pool, index and copies.
+"""The cache service: the data-path ops on top of KV registration, the host tier (index, pool),
+the task table, the storage flow and the copy workers.
 
-Called from the server thread (ops) and from the transfer workers (completions); one lock
-guards the index, the allocator and the task table, and is never held during a copy.
+Called from the server thread (ops) and from the transfer workers (completions); one lock (the
+host tier's) guards the index, the allocator and the task table, and is never held during a
+copy.
 """
 from __future__ import annotations
 
 import logging
-import threading
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -18,12 +20,11 @@ from kvcached_proto.shm_layout import NUM_SLOTS, Flag, State
 
 from .config import DaemonConfig
 from .errors import OpError
-from . import numa
-from .host_pool import HostPool
-from .index import READY, WRITING, BlockIndex
+from .host_tier import HostTier
+from .index import READY, WRITING
 from .kv import KVRegistration
-from .service_storage import BACKUP, PREFETCH, StorageFlow
 from .service_report import check_service, status_of
+from .storage_flow import BACKUP, PREFETCH, StorageFlow
 from .task_table import TaskTable
 from .transfer import LOAD, OFFLOAD, SPLIT_BLOCKS, CopyTask, TaskAbort, TransferWorker
 from .transfer_cuda import make_copier
@@ -37,27 +38,33 @@ class KVLost(TaskAbort):
     """The registered KV memory went away under a copy (a CPU segment truncated by its owner)."""
 
 
-class CacheService(StorageFlow):
+class CacheService:
+    """The ops and the copy workers' work, over the host tier (index, pool, lock), the task
+    table and the storage flow."""
+
     def __init__(self, cfg: DaemonConfig, signals, events):
         self.cfg = cfg
         self.signals = signals
         self.events = events
-        self._lock = threading.RLock()
         torch.set_num_threads(cfg.copy_threads)
-        self.pool = HostPool(cfg.host_cache_bytes, cfg.device, cfg.host_layout,
-                             numa.resolve_node(cfg.numa, cfg.device))
+        self.host = HostTier(cfg)
         signals.set_flag(Flag.HOST_POOL_READY)
-        self.index = BlockIndex(cfg.eviction)
         self.kv: KVRegistration | None = None
         self.copier = None  # CpuCopier, StrategyCopier or CudaCopier (transfer_cuda.make_copier)
-        self.table = TaskTable(self._lock, signals, events)  # ids, slots, counters, the end
+        self.table = TaskTable(self.host.lock, signals, events)  # ids, slots, counters, the end
         self._parked: list[CopyTask] = []  # loads waiting for another task's fetch of their tail
         self.hits = {"lookups": 0, "keys": 0, "host_hits": 0, "storage_hits": 0}
         self.loader = TransferWorker(LOAD, self._run_loads, self._batch_failed)
         self.offloader = TransferWorker(OFFLOAD, self._run_offloads, self._batch_failed)
         self.loader.start()
         self.offloader.start()
-        self._init_storage()  # STORAGE_READY once every tier is (the disk index rebuilt)
+        # STORAGE_READY once every tier is (the disk index rebuilt)
+        self.storage = StorageFlow(cfg, self.host, self.table, signals, self._route_load,
+                                   self._wake_parked, self._batch_failed)
+        self.host.on_evicted = self.storage.on_evicted  # write_back saves what is evicted
+        # runs work that may block (a drain) off the request thread; the server sets its
+        # control worker's run_later here
+        self.defer: Callable[[Callable[[], None]], None] = lambda work: work()
         self._handlers = {
             Op.REGISTER_KV: self._register_kv,
             Op.UNREGISTER_KV: self._unregister_kv,
@@ -65,7 +72,7 @@ class CacheService(StorageFlow):
             Op.LOOKUP: self._lookup,
             Op.LOAD: self._load,
             Op.PREFETCH: self._prefetch,
-            Op.FLUSH: self._flush,
+            Op.FLUSH: self.storage.flush,
             Op.CANCEL: self._cancel,
             Op.DELETE: self._delete,
             Op.CLEAR: self._clear,
@@ -98,23 +105,23 @@ class CacheService(StorageFlow):
         if spec.device.split(":")[0] != self.cfg.device.split(":")[0]:
             raise OpError(ErrorCode.KV_MISMATCH,
                           f"KV on {spec.device} but the daemon serves {self.cfg.device}")
-        if spec.page_bytes > self.pool.capacity_bytes:
+        if spec.page_bytes > self.host.pool.capacity_bytes:
             raise OpError(ErrorCode.KV_MISMATCH,
                           f"one block across layers is {spec.page_bytes} bytes, more than the "
-                          f"host pool ({self.pool.capacity_bytes}); raise --host-cache-gb")
+                          f"host pool ({self.host.pool.capacity_bytes}); raise --host-cache-gb")
         reg = KVRegistration(spec, client.client_id, self.cfg.device)  # maps or raises, changing nothing
         self._drain("register_kv")
         try:
-            with self._lock:
+            with self.host.lock:
                 old, old_copier = self.kv, self.copier
-                if self.pool.configure(spec):
-                    self.index = BlockIndex(self.cfg.eviction)  # new geometry: old blocks are void
+                if self.host.pool.configure(spec):
+                    self.host.reset_index()  # new geometry: old blocks are void
                     kept = 0
                 else:
-                    kept = len(self.index)
+                    kept = len(self.host.index)
                 try:
                     copier = make_copier(spec.device, self.cfg.copy_strategy, reg.views,
-                                         self.pool, spec.num_layers, reg.order)
+                                         self.host.pool, spec.num_layers, reg.order)
                 except BaseException:  # a CUDA error: no registration is left half made
                     self.kv = self.copier = None
                     self.signals.set_flag(Flag.KV_REGISTERED, False)
@@ -132,7 +139,7 @@ class CacheService(StorageFlow):
         log.info("[kv] %s registered %d layers x %d parts, %d device blocks; %d host blocks kept "
                  "(copy strategy %s)", client.client_id, spec.num_layers, len(spec.parts),
                  spec.num_blocks, kept, copier.strategy)
-        return {"host_blocks": self.pool.num_blocks, "kept_blocks": kept,
+        return {"host_blocks": self.host.pool.num_blocks, "kept_blocks": kept,
                 "page_bytes": spec.page_bytes, "num_slots": NUM_SLOTS,
                 "copy_strategy": copier.strategy, **copier.registration_reply()}
 
@@ -146,7 +153,7 @@ class CacheService(StorageFlow):
         """Unmap the engine's KV once the copies in flight have drained."""
         self._drain(why)
         try:
-            with self._lock:
+            with self.host.lock:
                 old, self.kv, copier, self.copier = self.kv, None, self.copier, None
             if copier is not None:
                 copier.close()
@@ -162,18 +169,19 @@ class CacheService(StorageFlow):
                           f"blocks: id {int(blocks.max())} >= {self.kv.spec.num_blocks} device blocks")
 
     def _check_queue(self) -> None:
-        if self.loader.queued + self.offloader.queued + self.fetcher.queued >= self.cfg.max_queued_tasks:
+        queued = self.loader.queued + self.offloader.queued + self.storage.fetcher.queued
+        if queued >= self.cfg.max_queued_tasks:
             raise OpError(ErrorCode.BUSY, f"{self.cfg.max_queued_tasks} tasks queued "
                           "(--max-queued-tasks); retry later")
 
     def _lookup(self, client, req) -> dict:
         keys = req.body["keys"]
-        seen, past = self._storage_past_host(keys)
-        with self._lock:
-            self.index.note_request(keys)  # the eviction policy's history (lookups only: a load
-            entries = self.index.prefix(keys)  # follows the lookup of the same request)
+        seen, past = self.storage.past_host(keys)
+        with self.host.lock:
+            self.host.index.note_request(keys)  # the eviction policy's history (lookups only: a load
+            entries = self.host.index.prefix(keys)  # follows the lookup of the same request)
             hit = len(entries)
-            self._after_hits(entries)
+            self.storage.after_hits(entries)
             stored = past if hit == seen else 0  # the host prefix moved meanwhile: no guess
             self.hits["lookups"] += 1
             self.hits["keys"] += len(keys)
@@ -181,30 +189,34 @@ class CacheService(StorageFlow):
             self.hits["storage_hits"] += stored
         return {"host": hit, "storage": stored}
 
+    def _prefetch(self, client, req) -> dict:
+        self._check_queue()
+        return self.storage.prefetch(client, req)
+
     def _offload(self, client, req) -> dict:
         keys, blocks = req.body["keys"], req.body["blocks"]
         self._check_blocks(blocks)
         self._check_queue()
         fence = self._fence(req)  # the engine's KV writes are done once the fence is reached
-        with self._lock:
+        with self.host.lock:
             new_pos, host_ids, entries, held = [], [], [], []
             accepted = len(keys)
             for i, key in enumerate(keys):
-                present = self.index.get(key)
+                present = self.host.index.get(key)
                 if present is not None:
                     # hold it while we allocate, so eviction cannot cut the chain we extend
-                    self.index.touch(present)
-                    self.index.pin([present])
+                    self.host.index.touch(present)
+                    self.host.index.pin([present])
                     held.append(present)
                     continue
-                got = self._alloc_host(1)
+                got = self.host.alloc(1)
                 if not got:
                     accepted = i  # pool full of blocks in use: keep the leading ones only
                     break
-                entries.append(self.index.insert(key, got[0], keys[i - 1] if i else None))
+                entries.append(self.host.index.insert(key, got[0], keys[i - 1] if i else None))
                 new_pos.append(i)
                 host_ids.append(got[0])
-            self.pool.allocator.free(self.index.unpin(held))
+            self.host.unpin(held)
             task = self.table.new(OFFLOAD, client, req, blocks[new_pos], host_ids, entries)
             task.fence = fence
         if entries:
@@ -227,22 +239,22 @@ class CacheService(StorageFlow):
         self._check_blocks(blocks)
         self._check_queue()
         fence = self._fence(req)  # the engine's work on the target blocks, before they are written
-        seen, past = self._storage_past_host(keys)
-        with self._lock:
+        seen, past = self.storage.past_host(keys)
+        with self.host.lock:
             slot = self.table.take_slot()
             entries: list = []
             try:
-                entries = self.index.prefix(keys)
-                self.index.pin(entries)
+                entries = self.host.index.prefix(keys)
+                self.host.index.pin(entries)
                 n = len(entries)
                 tail, own, shared = [], [], []
-                if n < len(keys) and self.tiers:  # the part past the host prefix: from storage
-                    tail, own, shared = self._plan_tail(keys, n, past if n == seen else 0)
+                if n < len(keys) and self.storage.tiers:  # the part past the host prefix: from storage
+                    tail, own, shared = self.storage.plan_tail(keys, n, past if n == seen else 0)
             except BaseException:  # nothing of the request stays: slot, pins
                 self.table.slots_busy.discard(slot)
-                self.pool.allocator.free(self.index.unpin(entries))
+                self.host.unpin(entries)
                 raise
-            self._after_hits(entries)
+            self.storage.after_hits(entries)
             task = self.table.new(LOAD, client, req, blocks[: n + len(tail)],
                                   [e.block for e in entries], entries)
             task.slot, task.keys, task.dev_request = slot, list(keys), blocks
@@ -258,7 +270,7 @@ class CacheService(StorageFlow):
         while another task still writes entries of its tail (their fetch is shared); else to
         the loader with the leading entries that are in place."""
         while True:
-            with self._lock:
+            with self.host.lock:
                 if task.cancelled:
                     step = "cancelled"
                 elif task.fetch:
@@ -272,15 +284,15 @@ class CacheService(StorageFlow):
                 break
             # an entry it waited on went before it arrived (its owner was cancelled, say):
             # plan the rest once more from storage (outside the lock: a store may be remote)
-            stored = self._storage_prefix(task.keys[len(task.entries):])
-            with self._lock:
+            stored = self.storage.prefix(task.keys[len(task.entries):])
+            with self.host.lock:
                 task.replanned = True
                 start = len(task.entries)
-                task.tail, task.fetch, task.tail_pins = self._plan_tail(task.keys, start, stored)
+                task.tail, task.fetch, task.tail_pins = self.storage.plan_tail(task.keys, start, stored)
         if step == "cancelled":
             self._finish_cancelled([task])
         elif step == "fetch":
-            self.fetcher.submit(task)
+            self.storage.fetcher.submit(task)
         elif task.entries:
             self.loader.submit(task)
         else:
@@ -296,10 +308,10 @@ class CacheService(StorageFlow):
             valid.append(e)
         short = len(valid) < len(task.tail)
         keep = {id(e) for e in valid}
-        self.pool.allocator.free(self.index.unpin([e for e in task.tail_pins if id(e) not in keep]))
+        self.host.unpin([e for e in task.tail_pins if id(e) not in keep])
         task.entries = task.entries + valid
         task.tail, task.tail_pins = [], []
-        if short and not task.replanned and self.tiers:
+        if short and not task.replanned and self.storage.tiers:
             return False
         task.host_blocks = np.array([e.block for e in task.entries], dtype=np.int64)
         task.dev_blocks = np.asarray(task.dev_request[: len(task.entries)], dtype=np.int64)
@@ -309,7 +321,7 @@ class CacheService(StorageFlow):
         """Loads whose shared entries all arrived (or went) continue."""
         if not self._parked:
             return
-        with self._lock:
+        with self.host.lock:
             woken = [t for t in self._parked
                      if t.cancelled or not any(e.live and e.state == WRITING for e in t.tail_pins)]
             if not woken:
@@ -320,30 +332,21 @@ class CacheService(StorageFlow):
             self._route_load(task)
 
     def _take_parked(self, pred) -> list[CopyTask]:
-        with self._lock:
+        with self.host.lock:
             taken = [t for t in self._parked if pred(t)]
             gone = {id(t) for t in taken}
             self._parked = [t for t in self._parked if id(t) not in gone]
         return taken
 
-    def _alloc_host(self, n: int) -> list[int]:
-        got = self.pool.allocator.alloc(n)
-        if len(got) < n:
-            evicted = self.index.evict(n - len(got))
-            self._on_evicted(evicted)  # write_back saves them before their blocks are reused
-            self.pool.allocator.free([e.block for e in evicted])
-            got += self.pool.allocator.alloc(n - len(got))
-        return got
-
     def _cancel(self, client, req) -> dict:
         task_id = req.body["task"]
-        with self._lock:
+        with self.host.lock:
             task = self.table.tasks.get(task_id)
             if task is None or task.client_id != client.client_id:
                 raise OpError(ErrorCode.UNKNOWN_TASK, f"task {task_id} is not a live task of this client")
             task.cancelled = True
-        workers = {LOAD: (self.fetcher, self.loader), OFFLOAD: (self.offloader,),
-                   PREFETCH: (self.fetcher,)}.get(task.kind, ())
+        workers = {LOAD: (self.storage.fetcher, self.loader), OFFLOAD: (self.offloader,),
+                   PREFETCH: (self.storage.fetcher,)}.get(task.kind, ())
         if (any(w.remove_queued(lambda t: t is task) for w in workers)
                 or self._take_parked(lambda t: t is task)):
             self._finish_cancelled([task])
@@ -353,13 +356,13 @@ class CacheService(StorageFlow):
     def _delete(self, client, req) -> dict:
         deleted = 0
         keys = list(req.body["keys"])
-        with self._lock:
+        with self.host.lock:
             for key in keys:
-                block = self.index.delete(key)
+                block = self.host.index.delete(key)
                 if block is not None:
-                    self.pool.allocator.free([block])
+                    self.host.free([block])
                     deleted += 1
-        stored = self.tiers.delete(keys) if self.tiers else 0
+        stored = self.storage.tiers.delete(keys) if self.storage.tiers else 0
         return {"deleted": deleted, "storage_deleted": stored}
 
     def _clear(self, client, req) -> dict:
@@ -372,11 +375,11 @@ class CacheService(StorageFlow):
         try:
             freed, stored = [], 0
             if tier in ("host", "all"):
-                with self._lock:
-                    freed = self.index.clear()
-                    self.pool.allocator.free(freed)
-            if tier in ("storage", "all") and self.tiers:
-                stored = self.tiers.clear()
+                with self.host.lock:
+                    freed = self.host.index.clear()
+                    self.host.free(freed)
+            if tier in ("storage", "all") and self.storage.tiers:
+                stored = self.storage.tiers.clear()
         finally:
             self._undrain()
         self.signals.set_state(State.CLEARED if weights else prior)
@@ -397,7 +400,7 @@ class CacheService(StorageFlow):
 
     @property
     def _workers(self) -> tuple[TransferWorker, ...]:
-        return (self.fetcher, self.loader, self.offloader, self.backer)
+        return (self.storage.fetcher, self.loader, self.offloader, self.storage.backer)
 
     def _drain(self, why: str, cancel_queued: bool = False, undrain_on_timeout: bool = True) -> None:
         ok = all(w.pause(DRAIN_TIMEOUT_S) for w in self._workers)
@@ -406,7 +409,7 @@ class CacheService(StorageFlow):
                 self._undrain()
             raise OpError(ErrorCode.BUSY, f"{why}: in-flight copies did not drain in {DRAIN_TIMEOUT_S} s")
         if cancel_queued:
-            for worker in (self.fetcher, self.loader, self.offloader):
+            for worker in (self.storage.fetcher, self.loader, self.offloader):
                 self._finish_cancelled(worker.remove_queued(lambda t: True))
             self._finish_cancelled(self._take_parked(lambda t: True))
 
@@ -463,39 +466,39 @@ class CacheService(StorageFlow):
         order = self.kv.order if self.kv is not None else None
         if order is not None and order.revoked(task.fence):
             task.cancelled = True  # the engine reused the blocks before the copy was confirmed
-        with self._lock:
+        with self.host.lock:
             if task.cancelled:
-                freed = [self.index.discard(e) for e in task.entries]
-                self.pool.allocator.free(freed)
+                freed = [self.host.index.discard(e) for e in task.entries]
+                self.host.free(freed)
             else:
                 freed = []
                 for e in task.entries:
                     if e.doomed:
-                        freed.append(self.index.discard(e))
+                        freed.append(self.host.index.discard(e))
                     else:
-                        self.index.mark_ready(e)
-                self.pool.allocator.free(freed)
+                        self.host.index.mark_ready(e)
+                self.host.free(freed)
                 self.table.counters.bytes["d2h"] += task.bytes_moved
         if task.cancelled:
             self.table.finish(task, TaskStatus.CANCELLED, {"stored": 0})
         else:
-            if self.tiers and self.tiers.write_policy == "write_through":
-                with self._lock:
-                    self._queue_backup([e for e in task.entries if e.live and not e.doomed])
+            if self.storage.tiers and self.storage.tiers.write_policy == "write_through":
+                with self.host.lock:
+                    self.storage.queue_backup([e for e in task.entries if e.live and not e.doomed])
             self.table.finish(task, TaskStatus.DONE, {"stored": task.num_blocks})
         self._wake_parked()  # loads that shared its entries
 
     def _complete_load(self, task: CopyTask) -> None:
         loaded = 0 if task.cancelled else task.num_blocks
-        with self._lock:
-            self.pool.allocator.free(self.index.unpin(task.entries))
+        with self.host.lock:
+            self.host.unpin(task.entries)
             task.entries = []
             self.table.counters.bytes["h2d"] += task.bytes_moved
         self.table.finish(task, TaskStatus.CANCELLED if task.cancelled else TaskStatus.DONE, {"loaded": loaded})
 
     def _batch_failed(self, batch: list[CopyTask], exc: BaseException) -> None:
         for task in batch:
-            with self._lock:
+            with self.host.lock:
                 if task.kind != BACKUP and task.task_id not in self.table.tasks:
                     continue  # it ended before the failure: nothing of it is held any more
                 self._release_failed(task)
@@ -510,32 +513,30 @@ class CacheService(StorageFlow):
         """Give back every host block and pin a failed task holds (called with the lock)."""
         self._release_fetch(task)
         if task.kind == LOAD:
-            self.pool.allocator.free(self.index.unpin(task.entries))
+            self.host.unpin(task.entries)
             task.entries = []
         elif task.kind == OFFLOAD:
-            self.pool.allocator.free([self.index.discard(e) for e in task.entries if e.live])
-        elif task.kind == BACKUP and task.entries:
-            self._pending_backups -= len(task.entries)
-            self.pool.allocator.free(self.index.unpin(task.entries))
-            task.entries = []
+            self.host.free([self.host.index.discard(e) for e in task.entries if e.live])
+        elif task.kind == BACKUP:
+            self.storage.release_backup(task)
 
     def _release_fetch(self, task: CopyTask) -> None:
         """(Lock held.) The entries a load or prefetch was to fetch, and its tail's pins."""
-        self._discard_fetched(task.fetch)
-        self.pool.allocator.free(self.index.unpin(task.tail_pins))
+        self.storage.discard_fetched(task.fetch)
+        self.host.unpin(task.tail_pins)
         task.fetch, task.tail, task.tail_pins = [], [], []
 
     def _finish_cancelled(self, tasks: list[CopyTask]) -> None:
         for task in tasks:
             task.cancelled = True
             if task.kind == LOAD:
-                with self._lock:
+                with self.host.lock:
                     self._release_fetch(task)
                 self._complete_load(task)
             elif task.kind == OFFLOAD:
                 self._complete_offload(task)
             elif task.kind == PREFETCH:
-                with self._lock:
+                with self.host.lock:
                     self._release_failed(task)
                 self.table.finish(task, TaskStatus.CANCELLED, {"prefetched": 0})
         if tasks:
@@ -548,14 +549,19 @@ class CacheService(StorageFlow):
         tier's content stays for the engine that restarts)."""
         mine = lambda t: t.client_id == client.client_id  # noqa: E731
         self.table.cancel_client(client.client_id)
-        for worker in (self.fetcher, self.loader, self.offloader):
+        for worker in (self.storage.fetcher, self.loader, self.offloader):
             self._finish_cancelled(worker.remove_queued(mine))
         self._finish_cancelled(self._take_parked(mine))
         if dead and self.kv is not None and self.kv.owner == client.client_id:
             if self.kv.order is not None:  # copies waiting for fences it will never write go on
                 self.kv.order.release_fences()  # (its tasks are cancelled: nothing is kept)
+            self.defer(lambda: self._drop_kv_of(client.client_id))  # a drain: not on this thread
+
+    def _drop_kv_of(self, client_id: str) -> None:
+        """The KV mapping of a client that went away, once the copies in flight drained."""
+        if self.kv is not None and self.kv.owner == client_id:
             self._drop_kv("client gone")
-            log.info("[clients] dropped the KV mapping of client %s (gone)", client.client_id)
+            log.info("[clients] dropped the KV mapping of client %s (gone)", client_id)
 
     def check(self) -> str:
         """Walk the invariants (service_report.py); "ok" or what is wrong."""
@@ -563,7 +569,8 @@ class CacheService(StorageFlow):
 
     def _live_tasks(self) -> list[CopyTask]:
         """Every task that may hold pins: the client tasks, and backups queued or in flight."""
-        tasks = list(self.table.tasks.values()) + self.backer.queued_tasks() + list(self.backer.inflight)
+        backer = self.storage.backer
+        tasks = list(self.table.tasks.values()) + backer.queued_tasks() + list(backer.inflight)
         return list({id(t): t for t in tasks}.values())  # a flush is in both
 
     def status(self) -> dict:
@@ -573,13 +580,13 @@ class CacheService(StorageFlow):
         # graceful: copies first, then the backups they queued (write_through's promise that
         # what reached the host tier is in storage after a stop)
         self._finish_cancelled(self._take_parked(lambda t: True))
-        self.fetcher.stop()
+        self.storage.fetcher.stop()
         self.loader.stop()
         self.offloader.stop()
-        self.backer.stop(timeout=DRAIN_TIMEOUT_S)
-        self.tiers.close()
-        with self._lock:
+        self.storage.backer.stop(timeout=DRAIN_TIMEOUT_S)
+        self.storage.tiers.close()
+        with self.host.lock:
             if self.kv is not None:
                 self.kv.close()
                 self.kv = None
-        self.pool.close()
+        self.host.pool.close()

@@ -3,7 +3,7 @@ tests, fuzzing: the index's own; every indexed host block allocated and not free
 held by a live task and every live task's pins held; every busy progress slot a live load's)."""
 from __future__ import annotations
 
-from .service_storage import BACKUP
+from .storage_flow import BACKUP
 from .transfer import LOAD, OFFLOAD
 
 
@@ -11,17 +11,17 @@ def check_service(svc) -> str:
     """Walk the invariants: the index's own; every indexed host block allocated and not
     free; every pin held by a live task and every live task's pins held; every busy
     progress slot a live load's. Returns "ok" or what is wrong."""
-    with svc._lock:
+    with svc.host.lock:
         try:
-            svc.index.check()
-            alloc = svc.pool.allocator
+            svc.host.index.check()
+            alloc = svc.host.pool.allocator
             free = set(alloc._free)
             if len(free) != len(alloc._free):
                 return "failed: a host block is in the free list twice"
             for block in free:
                 if alloc.is_used(block):
                     return f"failed: host block {block} is free and in use"
-            for block in svc.index.blocks():
+            for block in svc.host.index.blocks():
                 if not alloc.is_used(block) or block in free:
                     return f"failed: indexed host block {block} is not allocated"
             return _check_pins_and_slots(svc)
@@ -36,35 +36,35 @@ def _check_pins_and_slots(svc) -> str:
         for e in (task.entries + task.tail_pins if task.kind in (LOAD, BACKUP) else ()):
             held[id(e)] = held.get(id(e), 0) + 1
             pinned[id(e)] = e
-    for e in svc._lent_pins.values():  # backups whose write is late: pinned until it returns
+    for e in svc.storage.lent_pins.values():  # backups whose write is late: pinned until it returns
         held[id(e)] = held.get(id(e), 0) + 1
         pinned[id(e)] = e
     for e in pinned.values():
         if e.refs != held[id(e)]:
             return f"failed: entry {e.key.hex()} has {e.refs} pins, live tasks hold {held[id(e)]}"
-    for e in svc.index.pinned_entries():
+    for e in svc.host.index.pinned_entries():
         if id(e) not in pinned:
             return f"failed: entry {e.key.hex()} is pinned by no live task"
-    if svc.index.pinned != len(pinned):
-        return f"failed: {svc.index.pinned} pinned entries counted, live tasks pin {len(pinned)}"
+    if svc.host.index.pinned != len(pinned):
+        return f"failed: {svc.host.index.pinned} pinned entries counted, live tasks pin {len(pinned)}"
     wrong = svc.table.check_slots()
     return f"failed: {wrong}" if wrong else "ok"
 
 
 def status_of(svc) -> dict:
     """The service's part of `kvcached status --json`."""
-    with svc._lock:
+    with svc.host.lock:
         kv = svc.kv
-        queued = svc.loader.queued + svc.offloader.queued + svc.fetcher.queued
+        queued = svc.loader.queued + svc.offloader.queued + svc.storage.fetcher.queued
         return {
             "host": {
-                "capacity_bytes": svc.pool.capacity_bytes,
-                "used_bytes": svc.pool.used_bytes,
-                "blocks": len(svc.index),
-                "capacity_blocks": svc.pool.num_blocks,
+                "capacity_bytes": svc.host.pool.capacity_bytes,
+                "used_bytes": svc.host.pool.used_bytes,
+                "blocks": len(svc.host.index),
+                "capacity_blocks": svc.host.pool.num_blocks,
                 "layout": svc.cfg.host_layout,
-                "evictions": svc.index.evictions,
-                "pinned_blocks": svc.index.pinned,
+                "evictions": svc.host.index.evictions,
+                "pinned_blocks": svc.host.index.pinned,
                 "writing_blocks": sum(len(t.entries) for t in svc.table.tasks.values()
                                       if t.kind == OFFLOAD),
             },
@@ -76,10 +76,10 @@ def status_of(svc) -> dict:
                 "num_blocks": kv.spec.num_blocks if kv else 0,
                 "page_bytes": kv.spec.page_bytes if kv else 0,
             },
-            "storage": svc._storage_status(),
-            "storage_ready": svc.tiers.ready(),
+            "storage": svc.storage.status(),
+            "storage_ready": svc.storage.tiers.ready(),
             "tasks": svc.table.status(queued),
             "bytes": dict(svc.table.counters.bytes),
             "lookups": dict(svc.hits),
-            "storage_io": dict(svc.storage_counters),
+            "storage_io": dict(svc.storage.counters),
         }

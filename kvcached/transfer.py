@@ -53,7 +53,7 @@ class CopyTask:
     fence: tuple[int, int] | None = None  # the engine's (fence_word, fence) to wait for first
     deadline: float | None = None  # prefetch with the timeout policy: stop then (monotonic s)
     payloads: tuple | None = None  # write_back backup: (keys, pages) copied out at eviction
-    # loads and prefetches past the host prefix (service_storage.py)
+    # loads and prefetches past the host prefix (storage_flow.py)
     keys: list = field(default_factory=list)       # the request's keys (a load re-plans from them)
     fetch: list = field(default_factory=list)      # WRITING entries this task fetches itself
     tail: list = field(default_factory=list)       # load: the entries past `entries`, in key order

@@ -220,6 +220,32 @@ def test_a_record_on_a_hung_filesystem_costs_its_load_a_deadline_not_the_daemon(
             assert h.stop() == 0
 
 
+def test_a_gone_engines_mapping_is_dropped_off_the_request_thread(run_dir, instance, disk_dir):
+    """An engine says bye while its load's fetch waits on a hung read (the tier's I/O deadline
+    is 3 s): its KV mapping goes only after the copies in flight drained, on the control worker,
+    so another client's ping and status are answered while the mapping is still there (before:
+    the request thread drained, and they were answered after it was gone)."""
+    kv, keys, expected, uri, fs = _stored_with_one_record_hung(run_dir, instance, disk_dir, 2, 3)
+    h = None
+    try:
+        h = start(run_dir, instance, uri)
+        with h.connect(timeout=10) as other:
+            c = h.connect(timeout=10)
+            c.register_kv_cache(kv)
+            c.load(keys, list(range(20, 28)))
+            wait_until(lambda: fs.held, 5, "the fetch reaching the hung read")
+            c.close()  # bye: its tasks are cancelled, its mapping is to go
+            wait_until(lambda: other.status()["clients"] == 1, 5, "the bye")
+            assert other.ping() >= 0
+            assert other.status()["kv"]["registered"] is True  # answered while the drain waits
+            wait_until(lambda: other.status()["kv"]["registered"] is False, 15, "the mapping dropped")
+            assert other.check() == "ok"
+    finally:
+        fs.close()
+        if h is not None:
+            h.stop()
+
+
 def test_a_drain_waiting_on_a_hung_read_does_not_hold_the_request_thread(run_dir, instance, disk_dir):
     """pause drains the copies in flight: here a fetch held by a hung read until the tier's
     3 s I/O deadline. The drain runs on the control worker, so another client's ping, lookup

@@ -1,5 +1,6 @@
-"""The storage half of the cache service: backups (host -> storage), fetches (storage -> host)
-for loads and prefetches, and flush. Mixed into CacheService; shares its lock and index.
+"""The storage flow of the cache service: backups (host -> storage), fetches (storage -> host)
+for loads and prefetches, and flush. Built from the host tier (its index, pool and lock) and the
+task table; the service hands it what it plans and is called back when a load's fetch is done.
 
 A fetch inserts WRITING host entries for the storage part of a request, reads their pages
 straight into those host blocks on the fetch worker, and keeps the leading ones that arrived
@@ -24,7 +25,9 @@ from kvcached_proto.shm_layout import Flag
 
 from .errors import StartupError
 from .index import BACKUP_QUEUED, NOT_STORED, STORED
+from .host_tier import HostTier
 from .storage.tiers import StorageTiers
+from .task_table import TaskTable
 from .transfer import LOAD, CopyTask, TransferWorker
 
 log = logging.getLogger(__name__)
@@ -72,47 +75,52 @@ class IOLoans:
 
 
 class StorageFlow:
-    def _init_storage(self) -> None:
-        cfg = self.cfg
+    def __init__(self, cfg, host: HostTier, table: TaskTable, signals, route_load, wake_parked,
+                 batch_failed):
+        """route_load(task): a load whose fetch is done goes on (the service's); wake_parked():
+        loads waiting for another task's fetch look again; batch_failed(batch, exc): the
+        workers' failure path (the service's)."""
+        self.cfg, self.host, self.table, self.signals = cfg, host, table, signals
+        self._route_load, self._wake_parked, self._batch_failed = route_load, wake_parked, batch_failed
         self.loans = IOLoans()
-        self._lent_blocks: set[int] = set()  # host blocks a late read still writes into
-        self._lent_pins: dict[int, object] = {}  # entries a late write still reads (pinned)
+        self.lent_blocks: set[int] = set()  # host blocks a late read still writes into
+        self.lent_pins: dict[int, object] = {}  # entries a late write still reads (pinned)
         try:
             self.tiers = StorageTiers(cfg.storage, cfg.storage_write_policy, cfg.storage_writer,
-                                      cfg.selective_hits, self._storage_ready)
+                                      cfg.selective_hits, self._ready)
         except ValueError as exc:  # a store that cannot be opened (a disk root not creatable)
             raise StartupError(f"--storage {exc}") from None
-        self.storage_counters = {"backups": 0, "backup_dropped": 0, "fetched": 0,
-                                 "fetched_bytes": 0, "fetch_failed": 0, "prefetched": 0}
-        self._pending_backups = 0
-        self.fetcher = TransferWorker(FETCH, self._run_fetches, self._batch_failed)
-        self.backer = TransferWorker(BACKUP, self._run_backups, self._batch_failed)
+        self.counters = {"backups": 0, "backup_dropped": 0, "fetched": 0,
+                         "fetched_bytes": 0, "fetch_failed": 0, "prefetched": 0}
+        self.pending_backups = 0
+        self.fetcher = TransferWorker(FETCH, self._run_fetches, batch_failed)
+        self.backer = TransferWorker(BACKUP, self._run_backups, batch_failed)
         self.fetcher.start()
         self.backer.start()
 
-    def _storage_ready(self) -> None:
+    def _ready(self) -> None:
         """Every tier is ready (the disk index rebuilt): lookups see what storage holds."""
         self.signals.set_flag(Flag.STORAGE_READY)
         log.info("[storage] ready")
 
-    def _storage_prefix(self, keys) -> int:
+    def prefix(self, keys) -> int:
         """How many leading keys the storage tiers hold. Never with the lock held: a store may
         be remote (a Redis round trip), and every worker completion needs the lock."""
         return self.tiers.exists_prefix(keys) if self.tiers else 0
 
-    def _storage_past_host(self, keys) -> tuple[int, int]:
+    def past_host(self, keys) -> tuple[int, int]:
         """(host prefix seen, storage run past it), the storage part looked up outside the
         lock. A caller that finds another host prefix under the lock uses no storage run (a
         miss, never a wrong hit)."""
         if not self.tiers:
             return -1, 0
-        with self._lock:
-            seen = len(self.index.prefix(keys, touch=False))
-        return seen, (self._storage_prefix(keys[seen:]) if seen < len(keys) else 0)
+        with self.host.lock:
+            seen = len(self.host.index.prefix(keys, touch=False))
+        return seen, (self.prefix(keys[seen:]) if seen < len(keys) else 0)
 
-    # request-thread helpers (called with self._lock held) ------------------
+    # request-thread helpers (called with self.host.lock held) ------------------
 
-    def _plan_tail(self, keys, start: int, stored: int) -> tuple[list, list, list]:
+    def plan_tail(self, keys, start: int, stored: int) -> tuple[list, list, list]:
         """Entries for keys[start:start+stored] (the part a load takes from storage), in key
         order: (tail, own, shared). `own` are new WRITING entries this load fetches; `shared`
         were already in the index - being written by another task's fetch or offload (the
@@ -121,22 +129,22 @@ class StorageFlow:
         tail, own, shared = [], [], []
         try:
             for i in range(start, start + stored):
-                e = self.index.get(keys[i])
+                e = self.host.index.get(keys[i])
                 if e is None:
-                    got = self._alloc_host(1)  # may evict: what is in `shared` is pinned by now
+                    got = self.host.alloc(1)  # may evict: what is in `shared` is pinned by now
                     if not got:
                         break
-                    e = self.index.insert(keys[i], got[0], keys[i - 1] if i else None)
+                    e = self.host.index.insert(keys[i], got[0], keys[i - 1] if i else None)
                     own.append(e)
                 elif e.doomed:
                     break
                 else:
-                    self.index.pin([e])
+                    self.host.index.pin([e])
                     shared.append(e)
                 tail.append(e)
         except BaseException:
-            self.pool.allocator.free(self.index.unpin(shared))
-            self.pool.allocator.free([self.index.discard(e) for e in own if e.live])
+            self.host.unpin(shared)
+            self.host.free([self.host.index.discard(e) for e in own if e.live])
             raise
         return tail, own, shared
 
@@ -145,81 +153,81 @@ class StorageFlow:
         index yet (a key present is already there or on its way); fewer if the pool is full."""
         entries = []
         for i in range(start, start + count):
-            if keys[i] in self.index:
+            if keys[i] in self.host.index:
                 continue
-            got = self._alloc_host(1)
+            got = self.host.alloc(1)
             if not got:
                 break
-            entries.append(self.index.insert(keys[i], got[0], keys[i - 1] if i else None))
+            entries.append(self.host.index.insert(keys[i], got[0], keys[i - 1] if i else None))
         return entries
 
-    def _queue_backup(self, entries, client_routing=b"") -> None:
+    def queue_backup(self, entries, client_routing=b"") -> None:
         if not (self.tiers and self.tiers.writer):
             return
         todo = [e for e in entries if e.stored == NOT_STORED and e.live]
         if not todo:
             return
-        if self._pending_backups + len(todo) > MAX_PENDING_BACKUPS:
-            self.storage_counters["backup_dropped"] += len(todo)
+        if self.pending_backups + len(todo) > MAX_PENDING_BACKUPS:
+            self.counters["backup_dropped"] += len(todo)
             return
         for e in todo:
             e.stored = BACKUP_QUEUED
-        self.index.pin(todo)
-        self._pending_backups += len(todo)
+        self.host.index.pin(todo)
+        self.pending_backups += len(todo)
         task = CopyTask(self.table.next_id(), BACKUP, "", client_routing, -10,
                         np.zeros(len(todo), np.int64), np.array([e.block for e in todo]), todo)
         self.backer.submit(task)
 
     def _queue_backup_payloads(self, keys, pages) -> None:
         """write_back: pages already copied out of evicted blocks."""
-        if self._pending_backups + len(keys) > MAX_PENDING_BACKUPS:
-            self.storage_counters["backup_dropped"] += len(keys)
+        if self.pending_backups + len(keys) > MAX_PENDING_BACKUPS:
+            self.counters["backup_dropped"] += len(keys)
             return
-        self._pending_backups += len(keys)
+        self.pending_backups += len(keys)
         task = CopyTask(self.table.next_id(), BACKUP, "", b"", -10, np.zeros(len(keys), np.int64),
                         np.zeros(len(keys), np.int64), [])
         task.payloads = (keys, pages)
         self.backer.submit(task)
 
-    def _on_evicted(self, evicted) -> None:
+    def on_evicted(self, evicted) -> None:
         if not (self.tiers and self.tiers.writer and self.tiers.write_policy == "write_back"):
             return
         keys, pages = [], []
         for e in evicted:
             if e.stored == NOT_STORED:  # its block is reused right after: copy the page out
-                page = np.empty(self.pool.page_bytes, dtype=np.uint8)
-                self.pool.read_page(e.block, page)
+                page = np.empty(self.host.pool.page_bytes, dtype=np.uint8)
+                self.host.pool.read_page(e.block, page)
                 keys.append(e.key)
                 pages.append([memoryview(page)])
         if keys:
             self._queue_backup_payloads(keys, pages)
 
-    def _after_hits(self, entries) -> None:
+    def after_hits(self, entries) -> None:
         """write_through_selective: a block earns its backup by being hit often enough."""
         if self.tiers and self.tiers.write_policy == "write_through_selective":
-            self._queue_backup([e for e in entries if e.hits >= self.tiers.selective_hits])
+            self.queue_backup([e for e in entries if e.hits >= self.tiers.selective_hits])
         for e in entries:
-            self.index.set_prefetched(e, False)
+            self.host.index.set_prefetched(e, False)
 
     # ops ------------------------------------------------------------------
-    def _prefetch(self, client, req) -> dict:
+    def prefetch(self, client, req) -> dict:
         if not self.tiers:
             return {"task": 0, "blocks": 0, "skipped": "no storage tier"}
         keys = req.body["keys"]
-        self._check_queue()
-        seen, past = self._storage_past_host(keys)
-        with self._lock:
-            host = len(self.index.prefix(keys, touch=False))
+        seen, past = self.past_host(keys)
+        with self.host.lock:
+            host = len(self.host.index.prefix(keys, touch=False))
             stored = past if host == seen else 0
             tokens = stored * req.body["block_tokens"]
             if tokens < self.cfg.prefetch_threshold_tokens:
                 return {"task": 0, "blocks": 0, "host": host,
                         "skipped": f"storage hit {tokens} tokens < threshold "
                                    f"{self.cfg.prefetch_threshold_tokens}"}
-            room = int(self.pool.num_blocks * self.cfg.prefetch_max_share) - self.index.prefetched
+            share = int(self.host.pool.num_blocks * self.cfg.prefetch_max_share)
+            room = share - self.host.index.prefetched
             entries = self._insert_for_fetch(keys, host, max(0, min(stored, room)))
             for e in entries:
-                self.index.set_prefetched(e, True)
+                self.host.index.set_prefetched(e, True)
             task = self.table.new(PREFETCH, client, req, np.zeros(len(entries), np.int64),
                                   [e.block for e in entries], [])
             task.fetch = entries
@@ -231,10 +239,10 @@ class StorageFlow:
             self.table.finish(task, TaskStatus.DONE, {"prefetched": 0})
         return {"task": task.task_id, "blocks": len(entries), "host": host}
 
-    def _flush(self, client, req) -> dict:
+    def flush(self, client, req) -> dict:
         task = CopyTask(self.table.next_id(), FLUSH, client.client_id, client.routing_id, -1000,
                         np.zeros(0, np.int64), np.zeros(0, np.int64), [])
-        with self._lock:
+        with self.host.lock:
             self.table.tasks[task.task_id] = task
         self.backer.submit(task)
         return {"task": task.task_id}
@@ -252,32 +260,32 @@ class StorageFlow:
     def _fetch_task(self, task: CopyTask) -> None:
         entries = task.fetch
         n_ok = self._fetch_pages(task, entries)  # on an exception `fetch` stays for cleanup
-        with self._lock:
+        with self.host.lock:
             task.fetch = []
             good, bad = entries[:n_ok], entries[n_ok:]
-            self._discard_fetched(bad)
+            self.discard_fetched(bad)
             for e in good:
                 e.stored = STORED
                 if e.doomed:
-                    self.pool.allocator.free([self.index.discard(e)])
+                    self.host.free([self.host.index.discard(e)])
                 else:
-                    self.index.mark_ready(e)
+                    self.host.index.mark_ready(e)
             if task.kind == LOAD:  # held for the device copy, from the moment they are READY
                 arrived = [e for e in good if e.live]
-                self.index.pin(arrived)
+                self.host.index.pin(arrived)
                 task.tail_pins = task.tail_pins + arrived
-            self.storage_counters["fetched"] += n_ok
-            self.storage_counters["fetch_failed"] += len(bad)
+            self.counters["fetched"] += n_ok
+            self.counters["fetch_failed"] += len(bad)
         if task.kind == LOAD:
             self._route_load(task)
         else:
-            self.storage_counters["prefetched"] += n_ok
+            self.counters["prefetched"] += n_ok
             status = TaskStatus.CANCELLED if task.cancelled else TaskStatus.DONE
             self.table.finish(task, status, {"prefetched": n_ok})
 
     def _fetch_pages(self, task: CopyTask, entries) -> int:
         """Read pages into their host blocks, in chunks; returns the leading count intact."""
-        page_bytes = self.pool.page_bytes
+        page_bytes = self.host.pool.page_bytes
         done = 0
         deadline = task.deadline
         while done < len(entries):
@@ -287,12 +295,12 @@ class StorageFlow:
             release, token = self.loans.tokens()
             # straight into the (still WRITING, invisible) host blocks: no staging copy
             got, late = self.tiers.fetch([e.key for e in chunk],
-                                         [self.pool.page_pieces(e.block) for e in chunk], release)
+                                         [self.host.pool.page_pieces(e.block) for e in chunk], release)
             if late:
-                with self._lock:
+                with self.host.lock:
                     for i in late:
                         self._lend_block(token(i), chunk[i])
-            self.storage_counters["fetched_bytes"] += got * page_bytes
+            self.counters["fetched_bytes"] += got * page_bytes
             if task.kind != LOAD:  # a load's bytes are its device copies (h2d), counted once
                 task.bytes_moved += got * page_bytes
             done += got
@@ -306,22 +314,22 @@ class StorageFlow:
         block = e.block
 
         def back() -> None:
-            with self._lock:
-                self._lent_blocks.discard(block)
+            with self.host.lock:
+                self.lent_blocks.discard(block)
                 if not e.live:
-                    self.pool.allocator.free([block])
+                    self.host.free([block])
 
         if self.loans.lend(token, back):
-            self._lent_blocks.add(block)
+            self.lent_blocks.add(block)
 
-    def _discard_fetched(self, entries) -> None:
+    def discard_fetched(self, entries) -> None:
         """(Lock held.) Drop fetch entries whose page did not arrive; a block lent to a late
         read is freed when that read returns instead."""
         for e in entries:
             if e.live:
-                block = self.index.discard(e)
-                if block not in self._lent_blocks:
-                    self.pool.allocator.free([block])
+                block = self.host.index.discard(e)
+                if block not in self.lent_blocks:
+                    self.host.free([block])
 
     def _run_backups(self, batch: list[CopyTask]) -> None:
         for task in batch:
@@ -331,48 +339,46 @@ class StorageFlow:
             if task.payloads is not None:  # private copies: a late write may keep them
                 (keys, pages), task.payloads = task.payloads, None
                 stored, _late = self.tiers.put(keys, pages)
-                with self._lock:
-                    self._pending_backups -= len(keys)
-                self.storage_counters["backups"] += sum(stored)
+                with self.host.lock:
+                    self.pending_backups -= len(keys)
+                self.counters["backups"] += sum(stored)
                 continue
             while task.entries:  # task.entries: the blocks still pinned for it
                 chunk = task.entries[:IO_CHUNK_BLOCKS]
                 release, token = self.loans.tokens()
                 # written straight from the host blocks, which stay pinned until it is done
                 ok, late = self.tiers.put([e.key for e in chunk],
-                                          [self.pool.page_pieces(e.block) for e in chunk], release)
-                with self._lock:
+                                          [self.host.pool.page_pieces(e.block) for e in chunk], release)
+                with self.host.lock:
                     task.entries = task.entries[len(chunk):]
                     for e, stored in zip(chunk, ok):
                         e.stored = STORED if stored else NOT_STORED
                     done = [e for i, e in enumerate(chunk)
                             if i not in late or not self._lend_pin(token(i), e)]
-                    self.pool.allocator.free(self.index.unpin(done))
-                    self._pending_backups -= len(done)
-                self.storage_counters["backups"] += sum(ok)
+                    self.host.unpin(done)
+                    self.pending_backups -= len(done)
+                self.counters["backups"] += sum(ok)
+
+    def release_backup(self, task: CopyTask) -> None:
+        """(Lock held.) A failed backup gives its pins back."""
+        if task.entries:
+            self.pending_backups -= len(task.entries)
+            self.host.unpin(task.entries)
+            task.entries = []
 
     def _lend_pin(self, token, e) -> bool:
         """(Lock held.) A late write still reads e's host block: e stays pinned until it
         returned. False when it has already (the caller unpins now)."""
         def back() -> None:
-            with self._lock:
-                if self._lent_pins.pop(id(e), None) is not None:
-                    self.pool.allocator.free(self.index.unpin([e]))
-                    self._pending_backups -= 1
+            with self.host.lock:
+                if self.lent_pins.pop(id(e), None) is not None:
+                    self.host.unpin([e])
+                    self.pending_backups -= 1
 
         if not self.loans.lend(token, back):
             return False
-        self._lent_pins[id(e)] = e
+        self.lent_pins[id(e)] = e
         return True
 
-    def _drain_backups(self, timeout: float) -> bool:
-        """Wait until the backups queued so far are written (graceful stop, flush)."""
-        deadline = time.monotonic() + timeout
-        while self.backer.queued or self.backer.inflight:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
-        return True
-
-    def _storage_status(self) -> list[dict]:
+    def status(self) -> list[dict]:
         return self.tiers.status() if self.tiers else []
