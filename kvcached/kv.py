@@ -62,6 +62,7 @@ class KVRegistration:
     def __init__(self, spec: LayoutSpec, owner: str, daemon_device: str = "cpu"):
         self.spec = spec
         self.owner = owner
+        self.retired: str | None = None  # why no copy may use it any more (its engine is gone)
         self._maps: dict[str, mmap.mmap] = {}
         self._guards: dict[str, sigbus.GuardedMap] = {}
         self.views: list[list[torch.Tensor]] = []
@@ -114,6 +115,8 @@ class KVRegistration:
     @property
     def lost(self) -> str | None:
         """Why this registration can no longer be copied from or to (None while it can)."""
+        if self.retired:
+            return self.retired
         shrunk = [name for name, g in self._guards.items() if g.faulted]
         if shrunk:
             return (f"KV segment {shrunk[0]} shrank under the daemon's mapping (truncated by "

@@ -443,7 +443,7 @@ class Daemon:
         if client.role == "operator":
             return
         kv = self.service.kv if self.service is not None else None
-        if kv is not None and kv.owner == client.client_id:
+        if kv is not None and kv.owner == client.client_id and not kv.retired:
             return
         owner = f"the registered engine (client {kv.owner})" if kv is not None else \
             "the registered engine (none is registered)"

@@ -95,7 +95,7 @@ class CacheService:
 
     # registration ---------------------------------------------------------
     def _register_kv(self, client, req) -> dict:
-        if self.kv is not None and self.kv.owner != client.client_id:
+        if self.kv is not None and self.kv.owner != client.client_id and not self.kv.retired:
             raise OpError(ErrorCode.KV_IN_USE,
                           f"this instance already serves the KV cache of client {self.kv.owner}: "
                           "one engine per instance (start another with `kvcached serve "
@@ -555,10 +555,15 @@ class CacheService:
         if dead and self.kv is not None and self.kv.owner == client.client_id:
             if self.kv.order is not None:  # copies waiting for fences it will never write go on
                 self.kv.order.release_fences()  # (its tasks are cancelled: nothing is kept)
-            self.defer(lambda: self._drop_kv_of(client.client_id))  # a drain: not on this thread
+            # no op may use the mapping from now on (a hello reusing the client id included),
+            # though it is unmapped only after the drain, off this thread
+            self.kv.retired = f"the engine that registered this KV cache ({client.client_id}) is gone"
+            self.defer(lambda: self._drop_kv_of(client.client_id))
 
     def _drop_kv_of(self, client_id: str) -> None:
-        """The KV mapping of a client that went away, once the copies in flight drained."""
+        """The KV mapping of a client that went away, once the copies in flight drained (if
+        they do not within the drain timeout, the mapping stays retired: the next engine's
+        register_kv replaces it)."""
         if self.kv is not None and self.kv.owner == client_id:
             self._drop_kv("client gone")
             log.info("[clients] dropped the KV mapping of client %s (gone)", client_id)

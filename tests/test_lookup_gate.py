@@ -8,8 +8,8 @@ import signal
 import time
 
 import pytest
-from conftest import blocks_equal, disk_uri, keys_for, scramble, small_kv, snapshot, wait_until
-from test_storage import PAGE_SHAPE, _stored_with_one_record_hung, offload_and_flush, start
+from conftest import blocks_equal, wait_until
+from test_storage import _stored_with_one_record_hung, start, stored_on_disk_only
 
 from kvcached_client import Client
 from kvcached_client.lookup_gate import LookupGate
@@ -18,18 +18,9 @@ BLOCK_TOKENS = 16
 NO_THRESHOLD = ["--prefetch-threshold-tokens", "0"]
 
 
-def _stored(run_dir, instance, disk_dir, n=8, seed=0, extra=NO_THRESHOLD):
-    """A daemon whose disk tier alone holds n blocks; (daemon, kv, keys, the stored bytes)."""
-    kv = small_kv(block_shape=PAGE_SHAPE)
-    keys, src = keys_for(n, seed), list(range(n))
-    expected = snapshot(kv, src)
-    h = start(run_dir, instance, disk_uri(disk_dir), extra=extra)
-    with h.connect() as c:
-        c.register_kv_cache(kv)
-        offload_and_flush(c, kv, keys, src)
-        c.clear(tier="host")
-    scramble(kv, 3)
-    return h, kv, keys, expected
+def _stored(run_dir, instance, disk_dir, extra=NO_THRESHOLD):
+    """A daemon whose disk tier alone holds 8 blocks; (daemon, kv, keys, the stored bytes)."""
+    return stored_on_disk_only(run_dir, instance, disk_dir, extra=extra)
 
 
 def _poll(gate, req_id, client, keys, timeout=10.0, budget_s=0.2):

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from conftest import RedisServer, blocks_equal, disk_uri, keys_for, wait_until, scramble, small_kv, snapshot, unique_instance
-from kvcached_client import KvcachedTimeout, launch
+from kvcached_client import Client, KvcachedTimeout, launch
+from kvcached_proto import ErrorCode, RequestError
 
 PAGE_SHAPE = (16, 2, 64)  # 4 layers x (K, V) x 4 KiB = 32 KiB per block
 
@@ -36,20 +37,32 @@ def record_path(disk_dir, key):
     return os.path.join(disk_dir, key.hex()[:2], key.hex() + ".kvb")
 
 
-@contextlib.contextmanager
-def on_disk_only(run_dir, instance, disk_dir, seed):
-    """A daemon whose disk tier holds 8 blocks its host tier does not, and a client whose KV
-    holds other bytes: (client, kv, keys, the stored bytes)."""
+def stored_on_disk_only(run_dir, instance, disk_dir, seed=0, n=8, extra=()):
+    """A daemon whose disk tier holds n blocks its host tier does not, and a KV cache that
+    holds other bytes (no client registered): (daemon, kv, keys, the stored bytes)."""
     kv = small_kv(block_shape=PAGE_SHAPE)
-    keys, src = keys_for(8, seed), list(range(8))
+    keys, src = keys_for(n, seed), list(range(n))
     expected = snapshot(kv, src)
-    h = start(run_dir, instance, disk_uri(disk_dir))
+    h = start(run_dir, instance, disk_uri(disk_dir), extra=extra)
     try:
         with h.connect() as c:
             c.register_kv_cache(kv)
             offload_and_flush(c, kv, keys, src)
             c.clear(tier="host")
-            scramble(kv, 3)
+    except BaseException:
+        h.stop()
+        raise
+    scramble(kv, 3)
+    return h, kv, keys, expected
+
+
+@contextlib.contextmanager
+def on_disk_only(run_dir, instance, disk_dir, seed):
+    """stored_on_disk_only with a client that registered the KV: (client, kv, keys, bytes)."""
+    h, kv, keys, expected = stored_on_disk_only(run_dir, instance, disk_dir, seed)
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
             yield c, kv, keys, expected
     finally:
         h.stop()
@@ -224,7 +237,8 @@ def test_a_gone_engines_mapping_is_dropped_off_the_request_thread(run_dir, insta
     """An engine says bye while its load's fetch waits on a hung read (the tier's I/O deadline
     is 3 s): its KV mapping goes only after the copies in flight drained, on the control worker,
     so another client's ping and status are answered while the mapping is still there (before:
-    the request thread drained, and they were answered after it was gone)."""
+    the request thread drained, and they were answered after it was gone). Meanwhile the
+    mapping serves no op, not even one from a hello that reuses the gone client's id."""
     kv, keys, expected, uri, fs = _stored_with_one_record_hung(run_dir, instance, disk_dir, 2, 3)
     h = None
     try:
@@ -237,7 +251,20 @@ def test_a_gone_engines_mapping_is_dropped_off_the_request_thread(run_dir, insta
             c.close()  # bye: its tasks are cancelled, its mapping is to go
             wait_until(lambda: other.status()["clients"] == 1, 5, "the bye")
             assert other.ping() >= 0
-            assert other.status()["kv"]["registered"] is True  # answered while the drain waits
+            s = other.status()
+            assert s["kv"]["registered"] is True  # answered while the drain waits
+            assert "is gone" in s["kv"]["lost"]
+            # meanwhile no one copies through the mapping: not even a hello reusing its id
+            impostor = Client(instance, run_dir, timeout=5)
+            impostor.client_id = c.client_id
+            impostor._open()
+            with pytest.raises(RequestError) as e:
+                impostor.load(keys, list(range(20, 28)))
+            assert e.value.code == ErrorCode.KV_MISMATCH
+            with pytest.raises(RequestError) as e:
+                impostor.pause()  # nor act as the engine that registered it
+            assert e.value.code == ErrorCode.FORBIDDEN
+            impostor.close()
             wait_until(lambda: other.status()["kv"]["registered"] is False, 15, "the mapping dropped")
             assert other.check() == "ok"
     finally:
