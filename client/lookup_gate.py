@@ -87,14 +87,16 @@ class LookupGate:
     def _start(self, req_id: str, client, keys, host: int, storage: int) -> int | None:
         wanted = keys[host:host + storage]
         waits = list({id(p): p for k in wanted if (p := self._inflight.get(k)) is not None}.values())
-        task = client.prefetch(keys, policy="timeout", timeout_ms=int(self.timeout_s * 1000),
-                               block_tokens=self.block_tokens)
+        new = [k for k in wanted if k not in self._inflight]
         deadline = time.monotonic() + self.timeout_s + self.grace_s
-        if task.result is None:  # started (else: under the daemon's threshold, not started)
-            own = _Prefetch(task, [k for k in wanted if k not in self._inflight], deadline)
-            self._running.append(own)
-            self._inflight.update((k, own) for k in own.keys)
-            waits.append(own)
+        if new:  # (every key on its way already: the others' prefetches are all it waits for)
+            task = client.prefetch(keys, policy="timeout", timeout_ms=int(self.timeout_s * 1000),
+                                   block_tokens=self.block_tokens)
+            if task.result is None:  # started (else: under the daemon's threshold, not started)
+                own = _Prefetch(task, new, deadline)
+                self._running.append(own)
+                self._inflight.update((k, own) for k in new)
+                waits.append(own)
         if not waits:
             self.counters["storage_blocks_recomputed"] += storage
             return host

@@ -113,9 +113,9 @@ def test_a_daemon_that_stops_answering_mid_prefetch_costs_the_request_its_hit_no
 def test_requests_sharing_a_storage_hit_on_a_hung_filesystem_wait_for_one_prefetch(
         run_dir, instance, disk_dir):
     """Record 3 lies on a filesystem whose reads hang (the tier's I/O deadline is 1 s). Two
-    requests with the same prefix: the second's own prefetch finds every key on its way and
-    ends at once; it waits for the first's instead, and both get the 3 leading blocks that
-    arrived, without a call ever waiting on the hung read."""
+    requests with the same prefix: every key of the second's storage hit is on its way already,
+    so it sends no prefetch of its own and waits for the first's; both get the 3 leading
+    blocks that arrived, without a call ever waiting on the hung read."""
     kv, keys, expected, uri, fs = _stored_with_one_record_hung(run_dir, instance, disk_dir, 3)
     h = None
     try:
