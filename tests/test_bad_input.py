@@ -111,7 +111,9 @@ def test_ten_thousand_random_frames_leave_the_daemon_serving_and_its_index_consi
         owner.register_kv_cache(small_kv(num_layers=2, num_blocks=64))
         assert raw.ask(encode(make_request(Op.HELLO, 1, "fuzz", pid=os.getpid())))["ok"]
 
-        @settings(max_examples=1000, deadline=None, database=None,
+        # derandomize: the same 10,000 frames every run, so the valid-frame floor below is a
+        # property of this test, not of the draw (unseeded, one run counted 998 valid of 10,000)
+        @settings(max_examples=1000, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck))
         @given(frames=st.lists(st.one_of(_frames, _data_ops), min_size=FRAMES_PER_EXAMPLE,
                                max_size=FRAMES_PER_EXAMPLE))
@@ -126,7 +128,7 @@ def test_ten_thousand_random_frames_leave_the_daemon_serving_and_its_index_consi
         rss_before = _rss_kb(d.pid)
         fuzz()
         assert len(sent) >= 10_000
-        assert sum(sent) > 1000, "too few frames were valid requests to exercise the index"
+        assert sum(sent) > 1000, f"{sum(sent)} of {len(sent)}: too few frames were valid requests to exercise the index"
         assert owner.ping() < 1.0
         assert owner.status()["state"] == "normal"
         assert owner.check() == "ok"
