@@ -9,6 +9,7 @@ import itertools
 import os
 import re
 import shutil
+import subprocess
 import tempfile
 
 import proc_children as children
@@ -20,14 +21,29 @@ from kvcached_client import allocate_kv_cache, launch
 from kvcached_proto.liveness import pid_alive
 
 _names = itertools.count()
+_child_pids: set[int] = set()
+
+
+class _RecordedPopen(subprocess.Popen):
+    """subprocess.Popen that notes each child's pid (subprocess.run uses it too): an engine the
+    tests start in a child and kill leaves KV segments named by the child's pid, which the leak
+    check must count as this session's."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _child_pids.add(self.pid)
+
+
+subprocess.Popen = _RecordedPopen
 
 
 def _our_segments() -> set[str]:
-    """Segments of this test session: KV segments this process made, and the signal segments
-    of its daemons (instance names carry this pid: unique_instance). Others' are not ours to
-    count (a benchmark or a second test run on the same machine)."""
+    """Segments of this test session: KV segments this process and its children made, and the
+    signal segments of its daemons (instance names carry this pid: unique_instance). Others'
+    are not ours to count (a benchmark or a second test run on the same machine)."""
     uid, pid = os.getuid(), os.getpid()
-    mine = re.compile(rf"^kvcached\.{uid}\.(kv\.{pid}\.\d+|([\w-]*[^\d])?{pid}-\d+)$")
+    pids = "|".join(str(p) for p in (pid, *_child_pids))
+    mine = re.compile(rf"^kvcached\.{uid}\.(kv\.({pids})\.\d+|([\w-]*[^\d])?{pid}-\d+)$")
     return {n for n in os.listdir("/dev/shm") if mine.match(n)}
 
 
@@ -39,6 +55,11 @@ def no_leftovers():
 
     gc.collect()  # KV segments are unlinked when their tensors are collected
     leaked = _our_segments() - before
+    for name in leaked:  # reported below; removed so that one failing run leaves none behind
+        try:
+            posix_ipc.unlink_shared_memory("/" + name)
+        except posix_ipc.ExistentialError:
+            pass
     alive = children.live_children()
     assert not leaked, f"tests leaked shared-memory segments: {sorted(leaked)}"
     assert not alive, f"tests leaked child processes: {alive}"
