@@ -6,7 +6,8 @@ to prefetch such a hit into the host tier and defers the request: `match` answer
 get_num_new_matched_tokens' "ask again at a later step") until the prefetch ended, then the
 hit is what the host tier holds, and the load that follows reads host memory only. What the
 daemon does not bring in (a storage hit under its --prefetch-threshold-tokens, past its
---prefetch-max-share, a record that came back short) is recomputed by the engine.
+--prefetch-max-share, a record that came back short, a prefetch it refuses because its queues
+are full) is recomputed by the engine; the host part of the hit is loaded all the same.
 
 Every call answers at once: a prefetch is polled, never waited for. One that has not ended by
 its deadline (the daemon's own `timeout_ms`, plus a grace for its event: a hung daemon) gives
@@ -20,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from kvcached_proto.errors import KvcachedError
+from kvcached_proto.errors import KvcachedError, RequestError
 
 
 @dataclass(eq=False)
@@ -55,7 +56,7 @@ class LookupGate:
         self.timeout_s, self.grace_s = timeout_s, grace_s
         self.counters = counters if counters is not None else {}
         for name in ("prefetches", "prefetch_deferrals", "prefetch_timeouts",
-                     "storage_blocks_recomputed"):
+                     "prefetch_refusals", "storage_blocks_recomputed"):
             self.counters.setdefault(name, 0)
         self._pending: dict[str, _Pending] = {}
         self._running: list[_Prefetch] = []  # until it ended or its deadline passed
@@ -90,9 +91,14 @@ class LookupGate:
         new = [k for k in wanted if k not in self._inflight]
         deadline = time.monotonic() + self.timeout_s + self.grace_s
         if new:  # (every key on its way already: the others' prefetches are all it waits for)
-            task = client.prefetch(keys, policy="timeout", timeout_ms=int(self.timeout_s * 1000),
-                                   block_tokens=self.block_tokens)
-            if task.result is None:  # started (else: under the daemon's threshold, not started)
+            try:
+                task = client.prefetch(keys, policy="timeout",
+                                       timeout_ms=int(self.timeout_s * 1000),
+                                       block_tokens=self.block_tokens)
+            except RequestError:  # refused (BUSY: queues full): the host hit stands, the
+                self.counters["prefetch_refusals"] += 1  # storage part is recomputed
+                task = None
+            if task is not None and task.result is None:  # started (else: skipped, refused)
                 own = _Prefetch(task, new, deadline)
                 self._running.append(own)
                 self._inflight.update((k, own) for k in new)

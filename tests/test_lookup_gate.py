@@ -11,7 +11,7 @@ import pytest
 from conftest import blocks_equal, wait_until
 from test_storage import _stored_with_one_record_hung, start, stored_on_disk_only
 
-from kvcached_client import Client
+from kvcached_client import BlockHasher, Client
 from kvcached_client.lookup_gate import LookupGate
 
 BLOCK_TOKENS = 16
@@ -136,3 +136,32 @@ def test_requests_sharing_a_storage_hit_on_a_hung_filesystem_wait_for_one_prefet
         fs.close()
         if h is not None:
             h.stop()
+
+
+def test_a_prefetch_refused_with_busy_keeps_the_host_part_of_the_hit(run_dir, instance, disk_dir):
+    """Blocks 0-3 of the prefix are in the host tier, 4-7 on disk only; the daemon's queues are
+    full (paused, --max-queued-tasks 2 offloads queued), so the prefetch of 4-7 is refused
+    (BUSY). The request is not deferred and not sent away empty: it gets the 4 host blocks at
+    once, byte-exact once the daemon runs again, and recomputes the rest."""
+    h, kv, keys, expected = _stored(run_dir, instance, disk_dir,
+                                    extra=[*NO_THRESHOLD, "--max-queued-tasks", "2"])
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            assert c.prefetch(keys[:4], policy="wait_complete").wait(10)["prefetched"] == 4
+            assert c.lookup(keys) == (4, 4)
+            c.pause()
+            other = BlockHasher("busy").hash_blocks(list(range(32)), 16)
+            queued = [c.offload([40 + i], [k]) for i, k in enumerate(other)]
+            gate = LookupGate(BLOCK_TOKENS)
+            assert gate.match("r1", c, keys) == 4
+            assert gate.counters["prefetch_refusals"] == 1 and gate.pending == 0
+            assert gate.counters["storage_blocks_recomputed"] == 4
+            c.resume()
+            assert [t.wait(10)["stored"] for t in queued] == [1, 1]
+            load = c.load(keys[:4], list(range(20, 24)))
+            assert load.reply["storage_blocks"] == 0 and load.wait(10) == 4
+            assert blocks_equal(kv, list(range(20, 24)), expected, upto=4)
+            assert c.status()["storage_io"]["fetched"] == 4  # the test's own prefetch alone
+    finally:
+        h.stop()
