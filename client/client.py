@@ -354,6 +354,10 @@ class Client:
     def protocol_version(self) -> tuple[int, int]:
         return PROTOCOL_VERSION
 
+    def _daemon_speaks(self, major: int, minor: int) -> bool:
+        theirs = tuple(self.info.get("protocol_version", (0, 0)))
+        return theirs[0] == major and theirs[1] >= minor
+
     # KV and data ops ------------------------------------------------------
     def register_kv_cache(self, tensors, timeout: float | None = None) -> dict:
         """Register the engine's KV cache: a list per layer of a (K, V) pair or one tensor.
@@ -430,13 +434,17 @@ class Client:
         return reply["host"], reply["storage"]
 
     def load(self, keys: Sequence[bytes], device_blocks: Sequence[int] | np.ndarray,
-             priority: int = 0, timeout: float | None = None, stream=None) -> LoadTask:
+             priority: int = 0, timeout: float | None = None, stream=None,
+             host_only: bool = False) -> LoadTask:
         """Copy the host blocks of the leading keys found into `device_blocks`. CUDA KV: the
         daemon's copies wait (on the GPU) for the work queued so far on `stream` (default: the
-        current stream; e.g. the engine zeroing newly allocated blocks)."""
+        current stream; e.g. the engine zeroing newly allocated blocks). host_only: plan the
+        host tier's leading blocks only, never a storage read (a daemon older than protocol
+        1.6 does not know it and is not sent it)."""
+        extra = {"host_only": True} if host_only and self._daemon_speaks(1, 6) else {}
         reply = self._request(Op.LOAD, timeout, keys=pack_keys(keys),
                               blocks=pack_block_ids(device_blocks), priority=priority,
-                              **self._fence(stream))
+                              **self._fence(stream), **extra)
         reply["device_blocks"] = [int(b) for b in list(device_blocks)[: reply["blocks"]]]
         return LoadTask(self, reply["task"], reply)
 

@@ -314,9 +314,10 @@ class GroupClient:
         return host, total - host
 
     def load(self, keys: Sequence[bytes], device_blocks, priority: int = 0,
-             timeout: float | None = None) -> GroupLoadTask:
+             timeout: float | None = None, host_only: bool = False) -> GroupLoadTask:
         blocks = [int(b) for b in device_blocks]
-        tasks = self._fan(lambda r, c: c.load(self._keys(keys, r), blocks, priority, timeout)) \
+        tasks = self._fan(lambda r, c: c.load(self._keys(keys, r), blocks, priority, timeout,
+                                              host_only=host_only)) \
             if self._ready() else {}
         planned = min((t.num_blocks for t in tasks.values()), default=0) if not self.missing else 0
         for rank, task in tasks.items():

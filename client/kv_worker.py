@@ -22,7 +22,9 @@ Two modes, chosen at `register`:
 Every transfer of a request whose blocks the daemon may touch after the step is tracked until
 it ended: done, failed, cancelled and acknowledged, or the daemon is gone. A daemon that is
 only hung keeps its transfers held (it could come back and write or read them). A failed or
-short load reports its blocks in `load_errors` for the engine to recompute.
+short load reports its blocks in `load_errors` for the engine to recompute; so does, with
+host_only_loads, a block that left the host tier after the scheduler's lookup (the load would
+otherwise read it from storage inside the step).
 """
 from __future__ import annotations
 
@@ -96,11 +98,13 @@ def staging_like(first: torch.Tensor, num_layers: int, num_blocks: int, pair: bo
 
 class KVWorker:
     def __init__(self, link, staging_blocks: int = 512, rank_keys=None, direct: bool | None = None,
-                 counters: dict | None = None):
+                 counters: dict | None = None, host_only_loads: bool = False):
         """link: a DaemonLink built with on_connect=self.on_connect and retire=self.retire.
         direct: None chooses (direct where the daemon can map the KV), False always stages,
-        True refuses to stage."""
+        True refuses to stage. host_only_loads: a load never reads a storage tier inside the
+        step; what left the host tier since the scheduler's lookup is a load error (recomputed)."""
         self.link = link
+        self.host_only_loads = host_only_loads
         self.staging_blocks = staging_blocks
         self._rank_keys = rank_keys or (lambda keys: keys)
         self._want_direct = direct
@@ -205,7 +209,8 @@ class KVWorker:
             if client is not None and n:
                 try:
                     task = client.load(self._rank_keys(load.keys[:n]),
-                                       staging or load.block_ids[:n])
+                                       staging or load.block_ids[:n],
+                                       host_only=self.host_only_loads)
                 except KvcachedError as exc:
                     self._daemon_failed(exc)
             planned = task.num_blocks if task is not None else 0

@@ -179,9 +179,14 @@ class KvcachedConnector(KVConnectorBase_V1):
         mode = str(extra.get("mode", "auto"))
         if mode not in ("auto", "staging", "direct"):
             raise ValueError(f"kv_connector_extra_config mode {mode!r}: expected auto, staging or direct")
+        storage_hits = str(extra.get("storage_hits", "prefetch"))
+        if storage_hits not in ("prefetch", "inline"):
+            raise ValueError(f"kv_connector_extra_config storage_hits {storage_hits!r}: "
+                             "expected prefetch or inline")
         self.worker = KVWorker(None, int(extra.get("staging_blocks", 512)), self._rank_keys,
                                direct={"auto": None, "staging": False, "direct": True}[mode],
-                               counters=self.counters)
+                               counters=self.counters,
+                               host_only_loads=storage_hits == "prefetch")
         self.worker.link = DaemonLink(instances[self.rank], name=f"vllm-worker-tp{self.rank}",
                                       on_connect=self.worker.on_connect,
                                       retire=self.worker.retire, **link_args)

@@ -239,7 +239,8 @@ class CacheService:
         self._check_blocks(blocks)
         self._check_queue()
         fence = self._fence(req)  # the engine's work on the target blocks, before they are written
-        seen, past = self.storage.past_host(keys)
+        host_only = req.body["host_only"]  # (no storage lookup either)
+        seen, past = (-1, 0) if host_only else self.storage.past_host(keys)
         with self.host.lock:
             slot = self.table.take_slot()
             entries: list = []
@@ -248,7 +249,7 @@ class CacheService:
                 self.host.index.pin(entries)
                 n = len(entries)
                 tail, own, shared = [], [], []
-                if n < len(keys) and self.storage.tiers:  # the part past the host prefix: from storage
+                if n < len(keys) and self.storage.tiers and not host_only:  # the rest: from storage
                     tail, own, shared = self.storage.plan_tail(keys, n, past if n == seen else 0)
             except BaseException:  # nothing of the request stays: slot, pins
                 self.table.slots_busy.discard(slot)

@@ -73,7 +73,8 @@ OP_SPECS: dict[Op, OpSpec] = {
             needs_kv=True,
         ),
         OpSpec(Op.LOOKUP, (KEYS,)),
-        OpSpec(Op.LOAD, (KEYS, BLOCKS, PRIORITY, *FENCE), needs_kv=True),
+        OpSpec(Op.LOAD, (KEYS, BLOCKS, PRIORITY, *FENCE, Field("host_only", "bool", False, False)),
+               needs_kv=True),
         OpSpec(
             Op.PREFETCH,
             (KEYS, PRIORITY,

@@ -3,4 +3,4 @@
 Major changes break compatibility (a daemon refuses a different major); minor changes add
 optional fields or ops only.
 """
-PROTOCOL_VERSION = (1, 5)
+PROTOCOL_VERSION = (1, 6)

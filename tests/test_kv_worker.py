@@ -21,8 +21,10 @@ from kvcached_client.kv_worker import BlockTransfer, KVWorker
 SRC, DST = [3, 4, 5, 9, 17, 0], [20, 2, 11, 12, 13, 7]
 
 
-def make_worker(daemon, kv, direct=None, timeout=10.0, staging_blocks=32, num_blocks=24):
-    worker = KVWorker(None, staging_blocks=staging_blocks, direct=direct)
+def make_worker(daemon, kv, direct=None, timeout=10.0, staging_blocks=32, num_blocks=24,
+                host_only_loads=False):
+    worker = KVWorker(None, staging_blocks=staging_blocks, direct=direct,
+                      host_only_loads=host_only_loads)
     worker.link = DaemonLink(daemon.instance, daemon.run_dir, timeout, "test-worker",
                              on_connect=worker.on_connect, retire=worker.retire)
     mode = worker.register({f"layer.{i}": e for i, e in enumerate(kv)}, num_blocks)
@@ -237,6 +239,39 @@ def test_daemon_killed_mid_save_releases_the_request(run_dir, instance, tmp_path
         worker.close()
         h.stop()
         sweep_crashed(instance)
+
+
+@pytest.mark.parametrize("mode", ["direct", "staging"])
+def test_host_only_loads_recompute_what_left_the_host_tier_instead_of_reading_storage(
+        run_dir, instance, tmp_path, mode):
+    """The scheduler saw 6 blocks in the host tier (its gate prefetched them); 3 were evicted
+    before the step (here: the host tier cleared, 3 brought back). The load takes the 3 in host
+    memory, byte-exact, and reports the rest as load errors: no storage read in the step."""
+    h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25, wait_storage=True,
+               extra_args=["--storage", disk_uri(str(tmp_path / "disk")),
+                           "--prefetch-threshold-tokens", "0"])
+    raw, kv = make_kv("LBNHC")
+    fill(kv, seed=27)
+    worker, _ = make_worker(h, kv, direct=(mode == "direct"), host_only_loads=True)
+    keys = keys_for(len(SRC), seed=29)
+    try:
+        step(worker, saves=[BlockTransfer("s", keys, SRC)])
+        finish(worker, "s")
+        want = blocks_of(kv, SRC[:3])
+        with h.connect(timeout=10, role="operator") as control:
+            control.flush().wait(30)
+            control.clear(tier="host")
+            assert control.prefetch(keys[:3], policy="wait_complete").wait(10)["prefetched"] == 3
+            assert control.lookup(keys) == (3, 3)
+            _, errors = step(worker, loads=[BlockTransfer("l", keys, DST)])
+            assert errors == set(DST[3:])
+            for got, exp in zip(blocks_of(kv, DST[:3]), want):
+                assert torch.equal(got, exp)
+            assert control.status()["storage_io"]["fetched"] == 3, "the load read storage"
+        finish(worker, "l")
+    finally:
+        worker.close()
+        h.stop()
 
 
 def test_without_a_daemon_loads_fail_saves_are_skipped_and_requests_still_finish(daemon):
