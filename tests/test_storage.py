@@ -596,6 +596,39 @@ def test_redis_tier_round_trip(run_dir, instance, redis_server):
         h.stop()
 
 
+@pytest.mark.parametrize("scripts", ["allowed", "refused"])
+def test_a_redis_lookup_counts_the_leading_keys_present_with_or_without_scripts(
+        run_dir, instance, scripts):
+    """A lookup asks redis in one script call for the leading keys present; where the server
+    refuses scripts (here EVAL/EVALSHA renamed away, as an ACL or a managed service may), the
+    tier says so once and pipelines one EXISTS per key: the same counts either way, and a
+    refused script is not an outage."""
+    import redis
+
+    off = ["--rename-command", "EVAL", "evaloff", "--rename-command", "EVALSHA", "evalshaoff"]
+    server = RedisServer(extra=off if scripts == "refused" else ())
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys, src = keys_for(10, 34), list(range(10))
+    h = start(run_dir, instance, server.uri)
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, src)
+            c.clear(tier="host")
+            assert c.lookup(keys) == (0, 10)
+            redis.Redis(port=server.port).delete(b"kvcached:" + keys[4].hex().encode())
+            assert c.lookup(keys) == (0, 4)  # the prefix ends at the first key missing
+            assert c.lookup(keys[5:]) == (0, 5)
+            assert c.lookup(keys_for(3, 35)) == (0, 0)
+            assert c.status()["storage"][0]["healthy"]
+        with open(h.log_path) as log:
+            warned = log.read().count("lookup script is refused")
+        assert warned == (1 if scripts == "refused" else 0)
+    finally:
+        h.stop()
+        server.close()
+
+
 def test_a_corrupt_redis_value_is_a_miss(run_dir, instance, redis_server):
     import redis
 
