@@ -1,0 +1,110 @@
+"""The vLLM-free worker core (kvcached_client.kv_worker) in direct mode on a real GPU (skipped
+without one): KV laid out the vLLM 0.32 way (one allocation, strided per-layer views, at a
+non-zero offset inside it) and the older per-layer ways, saved and loaded through the daemon
+with no host synchronize anywhere in the step: a save reads what the engine's kernels queued
+before it wrote (behind torch.cuda._sleep), a load lands after the engine's queued writes to
+its blocks, and the reads after layer_ready are ordered on the engine's stream by the worker
+alone."""
+import pytest
+import torch
+from conftest import sweep_crashed, unique_instance
+from kv_layouts import fill, make_kv, parts_of
+from test_kv_worker import DST, SRC, blocks_of, finish, make_worker, step
+
+from kvcached_client import BlockHasher, launch
+from kvcached_client.kv_worker import BlockTransfer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+DEV = "cuda:0"
+SLEEP_CYCLES = int(2e9)  # about a second of one SM spinning on the current stream
+
+
+def keys_for(name: str) -> list[bytes]:
+    return BlockHasher("gpu-worker").hash_blocks([sum(map(ord, name)) * 1000 + i
+                                                  for i in range(len(SRC) * 16)], 16)
+
+
+@pytest.fixture(scope="module")
+def cuda_daemon(module_run_dir):
+    name = unique_instance("gw")
+    h = launch(instance=name, run_dir=module_run_dir, host_cache_gb=0.25, device=DEV)
+    yield h
+    h.stop()
+    sweep_crashed(name)
+
+
+def _set(kv, blocks, value) -> None:
+    """Queued on the current stream: every part of every layer of `blocks` := value."""
+    for row in parts_of(kv):
+        for t in row:
+            t[blocks] = value
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "flash_attn", "mla"])
+def test_the_worker_core_round_trips_on_cuda_in_direct_mode(cuda_daemon, layout):
+    raw, kv = make_kv(layout, device=DEV, offset=40)
+    fill(kv, seed=3)
+    worker, mode = make_worker(cuda_daemon, kv, timeout=30.0)
+    assert mode == "direct", "the daemon maps CUDA KV: no staging"
+    keys = keys_for(layout)
+    try:
+        step(worker, saves=[BlockTransfer("s", keys, SRC)])
+        finish(worker, "s")
+        want = blocks_of(kv, SRC)
+        _set(kv, DST, 0)
+        _, errors = step(worker, loads=[BlockTransfer("l", keys, DST)])
+        assert errors == set()
+        # no synchronize: the reads below are queued after the worker's per-layer waits
+        for got, exp in zip(blocks_of(kv, DST), want):
+            assert torch.equal(got, exp)
+        finish(worker, "l")
+    finally:
+        worker.close()
+
+
+def test_a_save_reads_what_the_engine_queued_before_it_behind_a_sleep(cuda_daemon):
+    """The engine's write of the saved blocks is queued behind ~1 s of _sleep and the save is
+    sent at once (no synchronize): what the daemon stores is the write's bytes, not what the
+    blocks held before."""
+    raw, kv = make_kv("LBNHC", device=DEV)
+    fill(kv, seed=5)
+    worker, _ = make_worker(cuda_daemon, kv, timeout=30.0)
+    keys = keys_for("delayed-save")
+    try:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        _set(kv, SRC, 7)  # lands a second from now
+        step(worker, saves=[BlockTransfer("s", keys, SRC)])
+        finish(worker, "s", timeout=60)
+        _set(kv, DST, 0)
+        _, errors = step(worker, loads=[BlockTransfer("l", keys, DST)])
+        assert errors == set()
+        for got in blocks_of(kv, DST):
+            assert bool((got == 7).all()), "the save read the blocks before the engine wrote them"
+        finish(worker, "l")
+    finally:
+        worker.close()
+
+
+def test_a_load_lands_after_the_engines_queued_zeroing_of_its_blocks(cuda_daemon):
+    """vLLM zeroes newly allocated blocks on its stream; here that zeroing is queued behind
+    ~1 s of _sleep and the load starts at once: the loaded bytes are what stays."""
+    raw, kv = make_kv("BLHNC", device=DEV)
+    fill(kv, seed=7)
+    worker, _ = make_worker(cuda_daemon, kv, timeout=30.0)
+    keys = keys_for("delayed-zero")
+    try:
+        step(worker, saves=[BlockTransfer("s", keys, SRC)])
+        finish(worker, "s")
+        want = blocks_of(kv, SRC)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        _set(kv, DST, 0)  # queued behind the sleep
+        _, errors = step(worker, loads=[BlockTransfer("l", keys, DST)])
+        assert errors == set()
+        for got, exp in zip(blocks_of(kv, DST), want):
+            assert torch.equal(got, exp), "the engine's zeroing landed after the load"
+        finish(worker, "l", timeout=60)
+    finally:
+        worker.close()
