@@ -72,8 +72,8 @@ class HangFS:
             try:
                 req = os.read(self._fd, (1 << 20) + 4096)
             except OSError as exc:
-                if exc.errno in (errno.ENODEV, errno.EBADF):
-                    return  # unmounted or closed
+                if exc.errno in (errno.ENODEV, errno.EBADF, errno.ECONNABORTED):
+                    return  # unmounted, closed, or the connection aborted
                 if exc.errno in (errno.EINTR, errno.ENOENT, errno.EAGAIN):
                     continue  # a request interrupted before we read it
                 raise
