@@ -73,7 +73,7 @@ _field_values = st.one_of(
 )
 _maps = st.dictionaries(
     st.sampled_from(["proto", "op", "rid", "client", "keys", "blocks", "pid", "task", "tier",
-                     "layout", "priority", "x"]),
+                     "layout", "priority", "host_only", "x"]),
     _field_values, max_size=8,
 )
 _frames = st.one_of(
@@ -85,14 +85,23 @@ _frames = st.one_of(
 
 
 _key = st.binary(min_size=16, max_size=16)
+def _data_op(op, keys, blocks, rid, host_only):
+    if op == Op.LOAD:
+        return encode(make_request(op, rid, "fuzz", keys=pack_keys(keys), host_only=host_only,
+                                   blocks=pack_block_ids(blocks[: len(keys)])))
+    if op == Op.OFFLOAD:
+        return encode(make_request(op, rid, "fuzz", keys=pack_keys(keys),
+                                   blocks=pack_block_ids(blocks[: len(keys)])))
+    return encode(make_request(op, rid, "fuzz", keys=pack_keys(keys)))
+
+
 _data_ops = st.builds(  # well-formed data ops with random content: they change the index
-    lambda op, keys, blocks, rid: encode(make_request(op, rid, "fuzz", keys=pack_keys(keys),
-                                                      blocks=pack_block_ids(blocks[: len(keys)])))
-    if op in (Op.OFFLOAD, Op.LOAD) else encode(make_request(op, rid, "fuzz", keys=pack_keys(keys))),
+    _data_op,
     st.sampled_from([Op.OFFLOAD, Op.LOAD, Op.LOOKUP, Op.DELETE]),
     st.lists(st.sampled_from([bytes([i]) * 16 for i in range(24)]) | _key, min_size=1, max_size=8),
-    st.lists(st.integers(0, 63), min_size=8, max_size=8),
+    st.lists(st.integers(0, 63), min_size=8, max_size=8, unique=True),  # (repeats: refused)
     st.integers(1, 2**32),
+    st.booleans(),
 )
 FRAMES_PER_EXAMPLE = 10
 
