@@ -75,8 +75,7 @@ def run_loaded(quick: bool) -> dict:
             status = client.status()
     finally:
         if engine is not None:
-            engine.kill()
-            engine.wait(10)
+            _stop_engine(engine)
         daemon.stop()
         if redis is not None:
             redis.terminate()
@@ -88,6 +87,21 @@ def run_loaded(quick: bool) -> dict:
             "target": {"p99_ratio_max": 2.0}}
 
 
+def _stop_engine(engine: subprocess.Popen) -> None:
+    """SIGTERM: the engine ends its loop and exits, unlinking its KV segments. One that does
+    not is killed, and its segments are swept here (the daemon stops too soon to)."""
+    engine.terminate()
+    try:
+        engine.wait(30)
+    except subprocess.TimeoutExpired:
+        engine.kill()
+        engine.wait(10)
+    if engine.returncode != 0:
+        from kvcached.server import sweep_kv_segments
+
+        sweep_kv_segments(engine.pid)
+
+
 def format_loaded(r: dict) -> str:
     i, lo = r["idle"], r["loaded"]
     return (f"lookup64 with storage ({'+'.join(r['tiers'])}): idle p50 {i['p50_us']:.1f}us "
@@ -97,17 +111,22 @@ def format_loaded(r: dict) -> str:
 
 
 def _engine(instance: str, run_dir: str, seconds: float) -> None:
-    """Offload 16 fresh blocks at a time, as fast as the daemon takes them."""
+    """Offload 16 fresh blocks at a time, as fast as the daemon takes them, until SIGTERM (or
+    `seconds`); then exit cleanly, which unlinks the KV segments."""
+    import signal
+
     import torch
 
     from kvcached_client import Client, allocate_kv_cache
 
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
     kv = allocate_kv_cache(4, 64, (16, 2, 64), torch.float16)
     with Client.connect(instance=instance, run_dir=run_dir, name="bench-ipc-loader") as c:
         c.register_kv_cache(kv)
         print("offloading", flush=True)
         end, base = time.monotonic() + seconds, 0
-        while time.monotonic() < end:
+        while time.monotonic() < end and not stop:
             keys = [os.urandom(16) for _ in range(16)]
             c.offload(range(base, base + 16), keys).wait(30)
             base = (base + 16) % 48
