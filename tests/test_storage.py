@@ -577,23 +577,32 @@ def test_cancel_stops_a_prefetch(run_dir, instance, disk_dir):
         h.stop()
 
 
-def test_redis_tier_round_trip(run_dir, instance, redis_server):
+@contextlib.contextmanager
+def in_redis_only(run_dir, instance, uri, keys):
+    """A client of a daemon whose redis tier holds the blocks of `keys` (from blocks 0..n-1)
+    and whose host tier does not: (client, kv, the stored bytes, the daemon)."""
     kv = small_kv(block_shape=PAGE_SHAPE)
-    keys, src, dst = keys_for(10, 14), list(range(10)), list(range(20, 30))
+    src = list(range(len(keys)))
     expected = snapshot(kv, src)
-    h = start(run_dir, instance, redis_server.uri)
+    h = start(run_dir, instance, uri)
     try:
         with h.connect() as c:
             c.register_kv_cache(kv)
             offload_and_flush(c, kv, keys, src)
             c.clear(tier="host")
-            assert c.lookup(keys) == (0, 10)
-            scramble(kv, 3)
-            assert c.load(keys, dst).wait(10) == 10
-            assert blocks_equal(kv, dst, expected)
-            assert c.status()["storage"][0]["healthy"]
+            yield c, kv, expected, h
     finally:
         h.stop()
+
+
+def test_redis_tier_round_trip(run_dir, instance, redis_server):
+    keys, dst = keys_for(10, 14), list(range(20, 30))
+    with in_redis_only(run_dir, instance, redis_server.uri, keys) as (c, kv, expected, _):
+        assert c.lookup(keys) == (0, 10)
+        scramble(kv, 3)
+        assert c.load(keys, dst).wait(10) == 10
+        assert blocks_equal(kv, dst, expected)
+        assert c.status()["storage"][0]["healthy"]
 
 
 @pytest.mark.parametrize("scripts", ["allowed", "refused"])
@@ -607,25 +616,19 @@ def test_a_redis_lookup_counts_the_leading_keys_present_with_or_without_scripts(
 
     off = ["--rename-command", "EVAL", "evaloff", "--rename-command", "EVALSHA", "evalshaoff"]
     server = RedisServer(extra=off if scripts == "refused" else ())
-    kv = small_kv(block_shape=PAGE_SHAPE)
-    keys, src = keys_for(10, 34), list(range(10))
-    h = start(run_dir, instance, server.uri)
+    keys = keys_for(10, 34)
     try:
-        with h.connect() as c:
-            c.register_kv_cache(kv)
-            offload_and_flush(c, kv, keys, src)
-            c.clear(tier="host")
+        with in_redis_only(run_dir, instance, server.uri, keys) as (c, _, _, h):
             assert c.lookup(keys) == (0, 10)
             redis.Redis(port=server.port).delete(b"kvcached:" + keys[4].hex().encode())
             assert c.lookup(keys) == (0, 4)  # the prefix ends at the first key missing
             assert c.lookup(keys[5:]) == (0, 5)
             assert c.lookup(keys_for(3, 35)) == (0, 0)
             assert c.status()["storage"][0]["healthy"]
-        with open(h.log_path) as log:
-            warned = log.read().count("lookup script is refused")
-        assert warned == (1 if scripts == "refused" else 0)
+            with open(h.log_path) as log:
+                warned = log.read().count("lookup script is refused")
+            assert warned == (1 if scripts == "refused" else 0)
     finally:
-        h.stop()
         server.close()
 
 
