@@ -346,6 +346,8 @@ class GroupClient:
         tasks = self._fan(lambda r, c: c.prefetch(self._keys(keys, r), **kwargs)) if self._ready() else {}
         task = GroupPrefetchTask(self, tasks, {})
         self._live[task.id] = task
+        if tasks and all(t.result is not None for t in tasks.values()):
+            task.done()  # every rank skipped it: ended now, as Client.prefetch's skip is
         return task
 
     def delete(self, keys: Sequence[bytes], timeout: float | None = None) -> int:

@@ -12,6 +12,7 @@ from conftest import disk_uri, keys_for, small_kv, sweep_crashed, unique_instanc
 
 from kvcached_client import GroupClient, PrefixCacheManager, launch
 from kvcached_client.group import rank_keys
+from kvcached_client.lookup_gate import LookupGate
 
 BS = 16
 NBLK = 8
@@ -96,6 +97,11 @@ def test_mla_only_the_writer_rank_puts_to_shared_storage_and_every_rank_reads(ru
             GroupClient.connect(names, run_dir=run_dir, mla=True) as g:  # host tiers empty
         g.register_kv_cache(kv)
         assert g.lookup(keys) == (0, NBLK)
+        # 8 blocks x 1 token is under every rank's threshold: each skips, so the group's
+        # prefetch has ended at once and the scheduler's gate recomputes without a deferral
+        gate = LookupGate(1)
+        assert gate.match("r", g, keys) == 0 and gate.pending == 0
+        assert gate.counters["storage_blocks_recomputed"] == NBLK
         warm = g.prefetch(keys, block_tokens=64, policy="wait_complete")  # 512 tokens >= 256
         assert warm.wait(10)["prefetched"] == NBLK
         assert g.lookup(keys) == (NBLK, 0)  # every rank's host tier has them now
