@@ -42,7 +42,8 @@ def _our_segments() -> set[str]:
     signal segments of its daemons (instance names carry this pid: unique_instance). Others'
     are not ours to count (a benchmark or a second test run on the same machine)."""
     uid, pid = os.getuid(), os.getpid()
-    pids = "|".join(str(p) for p in (pid, *_child_pids))
+    gone = [p for p in _child_pids if not pid_alive(p)]  # a live one is not our child any more:
+    pids = "|".join(str(p) for p in (pid, *gone))        # its pid was reused by another process
     mine = re.compile(rf"^kvcached\.{uid}\.(kv\.({pids})\.\d+|([\w-]*[^\d])?{pid}-\d+)$")
     return {n for n in os.listdir("/dev/shm") if mine.match(n)}
 

@@ -624,6 +624,15 @@ def test_a_redis_lookup_counts_the_leading_keys_present_with_or_without_scripts(
             assert c.lookup(keys) == (0, 4)  # the prefix ends at the first key missing
             assert c.lookup(keys[5:]) == (0, 5)
             assert c.lookup(keys_for(3, 35)) == (0, 0)
+            # past one script call's keys (SCRIPT_KEYS): 2,500 present, a hole at 1,100
+            r, many = redis.Redis(port=server.port), keys_for(2500, 36)
+            r.mset({b"kvcached:" + k.hex().encode(): b"x" for k in many})
+            calls = r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+            assert c.lookup(many) == (0, 2500)
+            if scripts == "allowed":  # 1,024 + 1,024 + 452 keys: no call holds redis for all
+                assert r.info("commandstats")["cmdstat_evalsha"]["calls"] - calls == 3
+            r.delete(b"kvcached:" + many[1100].hex().encode())
+            assert c.lookup(many) == (0, 1100)
             assert c.status()["storage"][0]["healthy"]
             with open(h.log_path) as log:
                 warned = log.read().count("lookup script is refused")

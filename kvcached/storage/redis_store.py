@@ -42,6 +42,7 @@ for _, key in ipairs(KEYS) do
 end
 return n
 """
+SCRIPT_KEYS = 1024  # keys per script call: a script holds the server for its whole run
 
 
 class RedisBackend(StorageBackend):
@@ -134,7 +135,7 @@ class RedisBackend(StorageBackend):
         script = self._prefix_script
         if script is not None and keys and self._usable():
             try:
-                return int(script(keys=[self._name(k) for k in keys]))
+                return self._script_prefix(script, keys)
             except self._redis.exceptions.ResponseError as exc:  # scripts refused (ACL, a
                 log.warning("[redis] %s: the lookup script is refused (%s); lookups pipeline "
                             "one EXISTS per key from now on", self.uri, exc)  # managed service)
@@ -150,6 +151,18 @@ class RedisBackend(StorageBackend):
             if not hit:
                 break
             n += 1
+        return n
+
+    def _script_prefix(self, script, keys: Sequence[bytes]) -> int:
+        """The leading keys present, SCRIPT_KEYS per call (a 65,536-key lookup in one call
+        would keep every other client of the server waiting while it runs)."""
+        n = 0
+        for start in range(0, len(keys), SCRIPT_KEYS):
+            part = keys[start:start + SCRIPT_KEYS]
+            found = int(script(keys=[self._name(k) for k in part]))
+            n += found
+            if found < len(part):
+                break
         return n
 
     def get_into(self, keys, buffers, release=None) -> list[bool]:
