@@ -33,6 +33,18 @@ def _encode_extra(extra) -> bytes:
     return b"".join(out)
 
 
+def kernel_block_keys(keys: Sequence[bytes], factor: int) -> list[bytes]:
+    """The keys of blocks an engine splits into `factor` kernel blocks each (vLLM's virtual block
+    splitting): such a block's bytes are its kernel blocks one after another, which in a
+    heads-outer layout (HNC) are not the bytes of the same block unsplit, so they live under
+    keys of their own. A factor of 1 leaves the keys as they are."""
+    if factor == 1:
+        return list(keys)
+    salt = f"kb{factor}".encode()[:16]
+    return [hashlib.blake2b(bytes(k), digest_size=KEY_BYTES, person=b"kvcached-kb", salt=salt).digest()
+            for k in keys]
+
+
 class BlockHasher:
     def __init__(self, namespace: str | bytes):
         raw = namespace.encode() if isinstance(namespace, str) else bytes(namespace)

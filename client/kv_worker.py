@@ -39,6 +39,7 @@ from kvcached_proto.errors import DaemonUnavailable, KvcachedError
 
 from .block_copy import copy_blocks
 from .client import Client
+from .hashing import kernel_block_keys
 from .fence_keeper import FenceKeeper
 from .kv_alloc import allocate_kv_cache, describe_kv_cache
 
@@ -96,6 +97,30 @@ def staging_like(first: torch.Tensor, num_layers: int, num_blocks: int, pair: bo
     return [layer.permute(*back) for layer in staging]
 
 
+def engine_blocks(name: str, t, num_blocks: int | None):
+    """One layer's KV as the worker pages it: (a tensor, or a (K, V) pair, each [num_blocks,
+    ...]; kernel blocks per block). A [2, num_blocks, ...] tensor is a K/V pair; a dim of
+    num_blocks * r is r kernel blocks per block, folded into one [num_blocks, r, ...] view."""
+    if isinstance(t, (tuple, list)):
+        folded = [engine_blocks(name, part, num_blocks) for part in t]
+        if len({f for _, f in folded}) > 1:
+            raise KvcachedError(f"layer {name}: its K and V split blocks differently")
+        return tuple(part for part, _ in folded), folded[0][1]
+    if num_blocks is None:
+        pair = t.dim() >= 2 and t.shape[0] == 2
+        return ((t[0], t[1]) if pair else t), 1
+    if t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks:
+        return (t[0], t[1]), 1
+    if t.shape[0] == num_blocks:
+        return t, 1
+    if t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] % num_blocks == 0:
+        return engine_blocks(name, (t[0], t[1]), num_blocks)
+    if t.dim() >= 2 and t.shape[0] % num_blocks == 0:
+        return t.unflatten(0, (num_blocks, t.shape[0] // num_blocks)), t.shape[0] // num_blocks
+    raise KvcachedError(f"layer {name}: KV shape {tuple(t.shape)} has no block dimension of "
+                        f"{num_blocks} (or a multiple: kernel blocks) first; kvcached cannot page it")
+
+
 class KVWorker:
     def __init__(self, link, staging_blocks: int = 512, rank_keys=None, direct: bool | None = None,
                  counters: dict | None = None, host_only_loads: bool = False):
@@ -109,6 +134,7 @@ class KVWorker:
         self._rank_keys = rank_keys or (lambda keys: keys)
         self._want_direct = direct
         self.mode: str | None = None
+        self.kernel_factor = 1
         self.counters = counters if counters is not None else {}
         for name in ("loaded_blocks", "load_errors", "saved_blocks", "save_skipped_blocks",
                      "daemon_errors"):
@@ -134,17 +160,19 @@ class KVWorker:
     # ------------------------------------------------------------- set-up
     def register(self, kv_caches: dict, num_blocks: int | None = None) -> str:
         """kv_caches: per layer name, one tensor whose dim 0 is the block, or a (K, V) pair (a
-        [2, num_blocks, ...] tensor is split into one). Returns the mode chosen."""
-        self._layers, self._engine_kv = list(kv_caches), []
+        [2, num_blocks, ...] tensor is split into one). A dim 0 of num_blocks * r holds r kernel
+        blocks per block (vLLM's virtual block splitting; block b is kernel blocks b*r ..
+        b*r+r-1): each block is then its r kernel blocks, under keys of their own
+        (`kernel_block_keys`). Returns the mode chosen."""
+        self._layers, self._engine_kv, factors = list(kv_caches), [], set()
         for name, t in kv_caches.items():
-            if isinstance(t, (tuple, list)):
-                self._engine_kv.append(tuple(t))
-                continue
-            pair = t.dim() >= 2 and t.shape[0] == 2 and (num_blocks is None or t.shape[1] == num_blocks)
-            if num_blocks is not None and not pair and t.shape[0] != num_blocks:
-                raise KvcachedError(f"layer {name}: KV shape {tuple(t.shape)} has no block dimension "
-                                    f"of {num_blocks} first; kvcached cannot page it")
-            self._engine_kv.append((t[0], t[1]) if pair else t)
+            entry, factor = engine_blocks(name, t, num_blocks)
+            self._engine_kv.append(entry)
+            factors.add(factor)
+        if len(factors) > 1:
+            raise KvcachedError(f"the layers split their blocks into different numbers of kernel "
+                                f"blocks ({sorted(factors)}); kvcached needs one for every layer")
+        self.kernel_factor = factors.pop() if factors else 1
         self.mode = self._choose_mode()
         if self.mode == "staging":
             pair = isinstance(self._engine_kv[0], tuple)
@@ -154,6 +182,10 @@ class KVWorker:
             self._free_staging.extend(range(self.staging_blocks))
         self.link.attach_now()
         return self.mode
+
+    def keys_for_daemon(self, keys: list[bytes]) -> list[bytes]:
+        """The keys this worker's daemon holds these blocks under."""
+        return self._rank_keys(kernel_block_keys(keys, self.kernel_factor))
 
     def _choose_mode(self) -> str:
         if self._want_direct is False:
@@ -208,7 +240,7 @@ class KVWorker:
             task = None
             if client is not None and n:
                 try:
-                    task = client.load(self._rank_keys(load.keys[:n]),
+                    task = client.load(self.keys_for_daemon(load.keys[:n]),
                                        staging or load.block_ids[:n],
                                        host_only=self.host_only_loads)
                 except KvcachedError as exc:
@@ -290,7 +322,7 @@ class KVWorker:
             if not n:
                 continue
             try:
-                task = client.offload(staging or save.block_ids[:n], self._rank_keys(save.keys[:n]))
+                task = client.offload(staging or save.block_ids[:n], self.keys_for_daemon(save.keys[:n]))
             except KvcachedError as exc:
                 self._daemon_failed(exc)
                 self._fences.free(staging)

@@ -19,7 +19,9 @@ step's KV writes and returns, and a finished request whose save is still running
 (`request_finished` returns True) until `get_finished` reports it in finished_sending. On CPU
 the daemon cannot map vLLM's private memory, so the worker stages through a shared-memory copy
 of the cache with the same bytes per block ("staging"): loads are copied into vLLM's blocks
-layer by layer in `wait_for_layer_load`, saves into staging in `wait_for_save`. Either way
+layer by layer in `wait_for_layer_load`, saves into staging in `wait_for_save`. Blocks vLLM
+splits into r kernel blocks are paged whole under keys of their own; each worker tells the
+scheduler its r in vLLM's start-up handshake, and lookups use the same keys. Either way
 blocks a load did not fill are reported by `get_block_ids_with_load_errors` and vLLM recomputes
 them (the connector sets kv_load_failure_policy="recompute"); a missing or failing daemon only
 ever costs the cache, never the generation.
@@ -53,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
 )
@@ -61,7 +64,7 @@ from kvcached_proto.errors import KvcachedError
 
 from .daemon_link import DaemonLink, GroupLink
 from .group import rank_keys
-from .hashing import BlockHasher, make_namespace
+from .hashing import BlockHasher, kernel_block_keys, make_namespace
 from .kv_worker import BlockTransfer, KVWorker
 from .lookup_gate import LookupGate
 from .prefix import MMItem, block_extra_keys
@@ -93,6 +96,21 @@ class KvcachedConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)  # requests whose transfers end first
+
+
+@dataclass
+class KvcachedHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells the scheduler once its KV is registered (vLLM hands it over before the
+    first request): the keys of its blocks depend on how it splits them into kernel blocks."""
+    kernel_factor: int
+    mode: str
+
+
+def agreed_kernel_factor(metadata: dict) -> int | None:
+    """The workers' kernel blocks per block, from their handshakes (1 where none came: a worker
+    splitting its blocks then only misses); None where ranks differ (nothing can hit)."""
+    factors = {m.kernel_factor for m in metadata.values() if isinstance(m, KvcachedHandshake)}
+    return factors.pop() if len(factors) == 1 else (None if factors else 1)
 
 
 def rank_instances(extra: dict, tp_size: int) -> list[str]:
@@ -168,6 +186,7 @@ class KvcachedConnector(KVConnectorBase_V1):
         self.link = (GroupLink(instances, name="vllm-scheduler", mla=self.mla, **link_args)
                      if self.tp_size > 1 else
                      DaemonLink(instances[0], name="vllm-scheduler", **link_args))
+        self.kernel_factor: int | None = 1  # the workers' (set_xfer_handshake_metadata)
         self.link.attach_now()
 
     def _init_worker(self, instances: list[str], link_args: dict, extra: dict) -> None:
@@ -222,8 +241,11 @@ class KvcachedConnector(KVConnectorBase_V1):
         client = self.link.get()
         if client is None:
             return 0, False
+        if self.kernel_factor is None:
+            return 0, False
+        keys = kernel_block_keys(self._keys(state, limit)[start:], self.kernel_factor)
         try:
-            hit = self.gate.match(request.request_id, client, self._keys(state, limit)[start:])
+            hit = self.gate.match(request.request_id, client, keys)
         except KvcachedError as exc:
             self.counters["daemon_errors"] += 1
             self.link.failed(exc)
@@ -294,6 +316,18 @@ class KvcachedConnector(KVConnectorBase_V1):
         self.gate.forget(request.request_id)
         return request.request_id in self._transfer_reqs, None
 
+    def set_xfer_handshake_metadata(self, metadata: dict) -> None:
+        """Scheduler: the workers' handshakes, once their KV is registered. Lookups then use the
+        keys the workers store under; ranks that disagree get no hits (logged)."""
+        self.kernel_factor = agreed_kernel_factor(metadata)
+        modes = {rank: getattr(m, "mode", "?") for rank, m in sorted(metadata.items())}
+        if self.kernel_factor is None:
+            log.error("[vllm] the workers split their KV blocks differently (%s): kvcached gives "
+                      "no hits", {r: getattr(m, "kernel_factor", "?") for r, m in metadata.items()})
+        else:
+            log.info("[vllm] workers registered their KV: %s, %d kernel block(s) per block",
+                     modes, self.kernel_factor)
+
     def update_connector_output(self, connector_output) -> None:
         self._transfer_reqs.difference_update(connector_output.finished_sending or ())
 
@@ -305,6 +339,12 @@ class KvcachedConnector(KVConnectorBase_V1):
         self._layers = list(kv_caches)
         mode = self.worker.register(kv_caches, num_blocks)
         log.info("[vllm] worker %d: %d layers, %s mode", self.rank, len(self._layers), mode)
+
+    def get_handshake_metadata(self) -> KvcachedHandshake | None:
+        """Worker: told to the scheduler once the KV is registered (set_xfer_handshake_metadata)."""
+        if self.role != KVConnectorRole.WORKER or self.worker.mode is None:
+            return None
+        return KvcachedHandshake(self.worker.kernel_factor, self.worker.mode)
 
     def _rank_keys(self, keys: list[bytes]) -> list[bytes]:
         """The keys this rank's daemon holds a block under (what GroupClient looks up)."""

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from conftest import disk_uri, keys_for, sweep_crashed, wait_until
-from kv_layouts import REGISTERABLE, fill, make_kv, parts_of
+from kv_layouts import REGISTERABLE, fill, make_kv, parts_of, vllm_kv
 from kvcached_client import KvcachedError, launch
 from kvcached_client.daemon_link import DaemonLink
+from kvcached_client.hashing import kernel_block_keys
 from kvcached_client.kv_views import vllm_layer_views
 from kvcached_client.kv_worker import BlockTransfer, KVWorker
 
@@ -128,7 +129,56 @@ def test_unmappable_kv_stages_with_one_warning_and_direct_is_refused(daemon, cap
     worker.close()
     assert mode == "staging"
     with pytest.raises(KvcachedError, match="block dimension"):
-        make_worker(daemon, [torch.zeros(48, 2, 16, 16)], num_blocks=24)  # kernel blocks
+        make_worker(daemon, [torch.zeros(50, 2, 16, 16)], num_blocks=24)  # neither nor kernel blocks
+    with pytest.raises(KvcachedError, match="different numbers of kernel blocks"):
+        make_worker(daemon, [torch.zeros(48, 2, 8, 16), torch.zeros(72, 2, 8, 16)], num_blocks=24)
+
+
+def _kernel(ids, factor=2) -> list[int]:
+    """The kernel blocks of blocks `ids`: block b is kernel blocks b*factor .. b*factor+factor-1."""
+    return [b * factor + j for b in ids for j in range(factor)]
+
+
+@pytest.mark.parametrize("mode", ["direct", "staging"])
+def test_kernel_blocks_round_trip_under_keys_of_their_own(daemon, mode):
+    """vLLM 0.32 splitting each 16-token block into two 8-token kernel blocks (LBHNC: a block's
+    bytes are [2, H, 8, C], not the [H, 16, C] of the same block unsplit): the worker pages whole
+    blocks, byte-exact, under kernel_block_keys(keys, 2); an unsplit engine of the same layout,
+    handed the same keys, loads none of those bytes."""
+    raw, kv = vllm_kv("LBHNC", blocks=48, tokens=8)  # per layer [48 kernel blocks, H, 8, C]
+    fill(kv, seed=13)
+    worker, chosen = make_worker(daemon, kv, direct=(mode == "direct"))
+    assert chosen == mode and worker.kernel_factor == 2
+    keys = keys_for(len(SRC), seed=31)
+    try:
+        step(worker, saves=[BlockTransfer("s", keys, SRC)])
+        finish(worker, "s")
+        with daemon.connect(timeout=10) as c:
+            assert c.lookup(kernel_block_keys(keys, 2))[0] == len(SRC)
+            assert c.lookup(keys) == (0, 0), "stored under the unsplit keys"
+        want = blocks_of(kv, _kernel(SRC))
+        untouched = blocks_of(kv, _kernel([1, 6, 8]))
+        for t in kv:
+            t[_kernel(DST)] = 0
+        _, errors = step(worker, loads=[BlockTransfer("l", keys, DST)])
+        assert errors == set()
+        finish(worker, "l")
+        for got, exp in zip(blocks_of(kv, _kernel(DST)), want):
+            assert torch.equal(got, exp)
+        for got, exp in zip(blocks_of(kv, _kernel([1, 6, 8])), untouched):
+            assert torch.equal(got, exp)
+    finally:
+        worker.close()
+    raw1, unsplit = vllm_kv("LBHNC")  # the same bytes per block, 16-token blocks
+    other, _ = make_worker(daemon, unsplit, direct=(mode == "direct"))
+    try:
+        before = blocks_of(unsplit, DST)
+        _, errors = step(other, loads=[BlockTransfer("u", keys, DST)])
+        assert errors == set(DST), "a split engine's bytes were loaded into an unsplit one"
+        for got, exp in zip(blocks_of(unsplit, DST), before):
+            assert torch.equal(got, exp)
+    finally:
+        other.close()
 
 
 def test_a_finished_request_is_held_while_its_save_runs(daemon):

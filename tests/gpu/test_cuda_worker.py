@@ -8,8 +8,8 @@ alone."""
 import pytest
 import torch
 from conftest import sweep_crashed, unique_instance
-from kv_layouts import fill, make_kv, parts_of
-from test_kv_worker import DST, SRC, blocks_of, finish, make_worker, step
+from kv_layouts import fill, make_kv, parts_of, vllm_kv
+from test_kv_worker import DST, SRC, _kernel, blocks_of, finish, make_worker, step
 
 from kvcached_client import BlockHasher, launch
 from kvcached_client.kv_worker import BlockTransfer
@@ -57,6 +57,28 @@ def test_the_worker_core_round_trips_on_cuda_in_direct_mode(cuda_daemon, layout)
         assert errors == set()
         # no synchronize: the reads below are queued after the worker's per-layer waits
         for got, exp in zip(blocks_of(kv, DST), want):
+            assert torch.equal(got, exp)
+        finish(worker, "l")
+    finally:
+        worker.close()
+
+
+def test_kernel_blocks_round_trip_on_cuda_in_direct_mode(cuda_daemon):
+    """vLLM 0.32 splitting each block into two kernel blocks (LBHNC, at an offset inside one
+    allocation): whole blocks round trip byte-exact in direct mode."""
+    raw, kv = vllm_kv("LBHNC", blocks=48, tokens=8, device=DEV, offset=40)
+    fill(kv, seed=4)
+    worker, mode = make_worker(cuda_daemon, kv, timeout=30.0)
+    assert mode == "direct" and worker.kernel_factor == 2
+    keys = keys_for("kernel-blocks")
+    try:
+        step(worker, saves=[BlockTransfer("s", keys, SRC)])
+        finish(worker, "s")
+        want = blocks_of(kv, _kernel(SRC))
+        _set(kv, _kernel(DST), 0)
+        _, errors = step(worker, loads=[BlockTransfer("l", keys, DST)])
+        assert errors == set()
+        for got, exp in zip(blocks_of(kv, _kernel(DST)), want):
             assert torch.equal(got, exp)
         finish(worker, "l")
     finally:

@@ -55,6 +55,8 @@ def test_prefixes_come_back_from_kvcached_and_faults_only_cost_recomputation(
     try:
         a = eng.gen("A")
         assert a["tokens"] == reference["A"] and a["num_cached_tokens"] == 0
+        # the worker's handshake reached the scheduler (it keys lookups by the workers' split)
+        assert _said(eng, "workers registered their KV: {0: 'staging'}, 1 kernel block(s)")
         b = eng.gen("B")  # vLLM's own cache was reset: the shared prefix comes from kvcached
         assert b["num_cached_tokens"] >= len(vllm_driver.PREFIX), b
         assert b["tokens"] == reference["B"]
@@ -95,6 +97,10 @@ def test_prefixes_come_back_from_kvcached_and_faults_only_cost_recomputation(
         sweep_crashed(instance)
 
 
+def _said(eng, text: str) -> bool:
+    return any(text in line for line in eng.log)
+
+
 def _prefix_keys(tmp_path, tp_size=1):
     """The keys the connector gives the prompt blocks (its namespace: model, dtype, block size, KV dtype,
     the KV cache layout vLLM resolved (LBHNC, the CPU backend's only one), tensor-parallel size;
@@ -115,6 +121,7 @@ def test_tensor_parallel_ranks_agree_on_the_shortest_hit(tmp_path, run_dir, inst
     try:
         cold = eng.gen("B")  # nothing cached anywhere yet: the reference for B at TP 2
         assert cold["num_cached_tokens"] == 0
+        assert _said(eng, "workers registered their KV: {0: 'staging', 1: 'staging'}, 1 kernel")
         a = eng.gen("A")
         assert a["num_cached_tokens"] >= len(vllm_driver.PREFIX), a
         warm = eng.gen("B")
