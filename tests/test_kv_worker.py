@@ -55,6 +55,16 @@ def blocks_of(kv, ids) -> list[torch.Tensor]:
     return [t[ids].clone() for row in parts_of(kv) for t in row]
 
 
+def load_misses(worker, kv, keys, why: str) -> None:
+    """A load of `keys` into DST that must find nothing: every DST block is a load error and
+    none of them changed."""
+    before = blocks_of(kv, DST)
+    _, errors = step(worker, loads=[BlockTransfer("miss", keys, DST)])
+    assert errors == set(DST), why
+    for got, exp in zip(blocks_of(kv, DST), before):
+        assert torch.equal(got, exp), why
+
+
 @pytest.mark.parametrize("layout", REGISTERABLE)
 @pytest.mark.parametrize("mode", ["direct", "staging"])
 def test_round_trip_in_every_layout_and_mode(daemon, layout, mode):
@@ -172,11 +182,7 @@ def test_kernel_blocks_round_trip_under_keys_of_their_own(daemon, mode):
     raw1, unsplit = vllm_kv("LBHNC")  # the same bytes per block, 16-token blocks
     other, _ = make_worker(daemon, unsplit, direct=(mode == "direct"))
     try:
-        before = blocks_of(unsplit, DST)
-        _, errors = step(other, loads=[BlockTransfer("u", keys, DST)])
-        assert errors == set(DST), "a split engine's bytes were loaded into an unsplit one"
-        for got, exp in zip(blocks_of(unsplit, DST), before):
-            assert torch.equal(got, exp)
+        load_misses(other, unsplit, keys, "a split engine's bytes were loaded into an unsplit one")
     finally:
         other.close()
 
@@ -254,11 +260,7 @@ def test_daemon_killed_mid_load_reports_errors_and_serves_nothing_after_restart(
         sweep_crashed(instance)
         h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)
         wait_until(lambda: worker.link.get() is not None, 20, "the worker reattached")
-        marker = blocks_of(kv, DST)
-        done, errors = step(worker, loads=[BlockTransfer("l2", keys, DST)])
-        assert errors == set(DST), "the restarted daemon has none of it: all recomputed"
-        for got, exp in zip(blocks_of(kv, DST), marker):
-            assert torch.equal(got, exp)
+        load_misses(worker, kv, keys, "the restarted daemon has none of it: all recomputed")
     finally:
         worker.close()
         h.stop()
