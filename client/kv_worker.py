@@ -39,8 +39,8 @@ from kvcached_proto.errors import DaemonUnavailable, KvcachedError
 
 from .block_copy import copy_blocks
 from .client import Client
-from .hashing import kernel_block_keys
 from .fence_keeper import FenceKeeper
+from .hashing import kernel_block_keys
 from .kv_alloc import allocate_kv_cache, describe_kv_cache
 
 log = logging.getLogger(__name__)
