@@ -10,9 +10,11 @@ graphs), `end_forward()`, `start_saves(saves)`, then `finished(finished_req_ids)
 Two modes, chosen at `register`:
 - direct: the daemon maps the engine's own KV (CUDA memory, or kvcached shared memory on CPU)
   and copies into and out of the engine's blocks. A load's layer wait is ordered on the engine's
-  stream (no CPU wait for the copy on CUDA); a save is one OFFLOAD sent after the step's KV
-  writes, and returns: the request's blocks stay the daemon's to read until its copy ended,
-  so a finished request is reported by `finished` only then (its blocks are held until).
+  stream (no CPU wait for the copy on CUDA); the step's last call (`load_errors`) waits for the
+  step's loads to end, so a copy its daemon did not complete is a load error of that step; a
+  save is one OFFLOAD sent after the step's KV writes, and returns: the request's blocks stay
+  the daemon's to read until its copy ended, so a finished request is reported by `finished`
+  only then (its blocks are held until).
 - staging: the engine's KV is memory the daemon cannot map (vLLM on CPU). A staging cache in
   shared memory with the same bytes per block (each block's axes in the engine's memory
   order, so the bytes stored are the same in both modes) is registered instead; a load lands
@@ -147,6 +149,7 @@ class KVWorker:
         # mode the keeper only keeps dropped clients while their transfers are unconfirmed
         self._fences = FenceKeeper(self._free_staging.extend, lambda: self.link.client)
         self._loads: list[_Load] = []
+        self._landed: list[_Load] = []  # direct: landed in every layer, copies not yet confirmed
         self._staged_saves: list[tuple] = []   # (task, staging blocks, client)
         self._held: list[_Held] = []
         self._transfer_reqs: set[str] = set()  # requests with a transfer, until reported
@@ -285,23 +288,48 @@ class KVWorker:
     def end_forward(self) -> None:
         """After the forward: a load not landed in every layer was not used as loaded (the
         engine recomputes it). Staging: every load ends before its staging is reused. Direct:
-        nothing waits here (the CPU does not wait for the GPU's copies); a load is held, and
-        keeps its request held, until its end event (or its daemon is gone)."""
+        nothing waits here; a load is held, and keeps its request held, until its end event (or
+        its daemon is gone), and whether its copies completed is settled by `load_errors`."""
         for p in self._loads:
-            if not p.failed and p.next_layer < len(self._layers):
+            landed = not p.failed and p.next_layer >= len(self._layers)
+            if not p.failed and not landed:
                 self._fail_blocks(p.blocks[: p.valid])
-            elif not p.failed:
-                self.counters["loaded_blocks"] += p.valid
             if self.mode == "direct":
                 if not p.failed:  # (a failed one was held when it failed)
                     self._hold(p.req_id, p.task, p.client, p.blocks, "load")
+                if landed:
+                    self._landed.append(p)
                 continue
+            if landed:
+                self.counters["loaded_blocks"] += p.valid
             try:
                 p.task.wait()
             except KvcachedError as exc:  # timed out: the client fences the staging blocks
                 self.link.failed(exc)
             self._fences.free(p.staging)
         self._loads.clear()
+
+    def _confirm_landed(self) -> None:
+        """Direct mode, at the step's end: on CUDA a layer's wait is queued on the engine's
+        stream and the CPU learns only from the load's end whether every copy completed (a
+        daemon that died mid-copy had those waits released by the client's guard, and the
+        forward read partial blocks). Each landed load of the step is waited for here, one
+        client timeout for all of them (a dead daemon ends it at once, a hung one at the hang
+        threshold); what it did not complete is a load error of this step, which the engine
+        recomputes (vLLM drops the step's output for those requests)."""
+        if not self._landed:
+            return
+        deadline = time.monotonic() + self._landed[0].client.timeout
+        for p in self._landed:
+            try:
+                p.task.wait_end(max(0.01, deadline - time.monotonic()))
+                valid = min(p.valid, int(p.task.result.get("loaded", 0)))
+            except KvcachedError as exc:  # gone, hung or late: it stays held (fenced)
+                valid = 0
+                self.link.failed(exc)
+            self._fail_blocks(p.blocks[valid: p.valid])
+            self.counters["loaded_blocks"] += valid
+        self._landed.clear()
 
     # -------------------------------------------------------------- saves
     def start_saves(self, saves: list[BlockTransfer]) -> None:
@@ -371,7 +399,7 @@ class KVWorker:
             if h.task_id in live[id(h.client)]:
                 keep.append(h)
             else:
-                h.client.take_event(h.task_id)  # its end, if it came as an event
+                h.task.collect()  # its end, if it came as an event
         self._held = keep
         self._fences.release()  # a retired client whose transfers all ended is closed
         return {h.req_id for h in keep}
@@ -387,7 +415,7 @@ class KVWorker:
         deadline = time.monotonic() + (held[0].client.timeout if held else 0)
         for h in held:  # one deadline for all of them: the step waits one timeout at most
             try:
-                h.client.wait_event(h.task_id, max(0.01, deadline - time.monotonic()))
+                h.task.wait_end(max(0.01, deadline - time.monotonic()))
                 continue
             except KvcachedError as exc:  # timed out, or the daemon is gone or hung
                 self.link.failed(exc)
@@ -412,6 +440,9 @@ class KVWorker:
         return done
 
     def load_errors(self) -> set[int]:
+        """The step's last call: the engine blocks its loads did not fill (direct mode: once
+        the step's loads ended, `_confirm_landed`)."""
+        self._confirm_landed()
         errors, self._load_errors = self._load_errors, set()
         return errors
 

@@ -30,15 +30,25 @@ class Task:
     def done(self) -> bool:
         if self.result is None:
             self.client.poll_events()
+        return self.collect()
+
+    def collect(self) -> bool:
+        """Take the end event if the client has read it already (no I/O); True once ended."""
+        if self.result is None:
             event = self.client.take_event(self.id)
             if event is not None:
                 self._absorb(event)
         return self.result is not None
 
-    def wait(self, timeout: float | None = None) -> dict:
-        """Wait for completion; returns the daemon's result. Raises TaskFailed on failure."""
+    def wait_end(self, timeout: float | None = None) -> None:
+        """Wait for the end event only: no cancel on a timeout (KvcachedTimeout), no error for a
+        task that failed (`status` and `result` say how it ended)."""
         if self.result is None:
             self._absorb(self.client.wait_event(self.id, timeout))
+
+    def wait(self, timeout: float | None = None) -> dict:
+        """Wait for completion; returns the daemon's result. Raises TaskFailed on failure."""
+        self.wait_end(timeout)
         if self.status == TaskStatus.FAILED:
             raise TaskFailed(f"{self.kind} task {self.id} failed: {self.result.get('error')}",
                              self.result)
@@ -70,11 +80,10 @@ class LoadTask(Task):
         still be writing them, so the engine must not reuse them until the daemon confirms the
         task ended (cancel + ack). Raises KvcachedTimeout with `.fenced_blocks`; the fence lifts
         by itself when the ack arrives (see Client.fenced_blocks)."""
-        if self.result is None:
-            try:
-                self._absorb(self.client.wait_event(self.id, timeout))
-            except KvcachedTimeout as exc:
-                raise self._fence(exc) from None
+        try:
+            self.wait_end(timeout)
+        except KvcachedTimeout as exc:
+            raise self._fence(exc) from None
         return int(self.result.get("loaded", 0))
 
     def _fence(self, exc: KvcachedTimeout) -> KvcachedTimeout:

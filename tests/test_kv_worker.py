@@ -13,11 +13,11 @@ import torch
 
 from conftest import disk_uri, keys_for, sweep_crashed, wait_until
 from kv_layouts import REGISTERABLE, fill, make_kv, parts_of, vllm_kv
-from kvcached_client import KvcachedError, launch
+from kvcached_client import DaemonUnavailable, KvcachedError, launch
 from kvcached_client.daemon_link import DaemonLink
 from kvcached_client.hashing import kernel_block_keys
 from kvcached_client.kv_views import vllm_layer_views
-from kvcached_client.kv_worker import BlockTransfer, KVWorker
+from kvcached_client.kv_worker import BlockTransfer, KVWorker, _Load
 
 SRC, DST = [3, 4, 5, 9, 17, 0], [20, 2, 11, 12, 13, 7]
 
@@ -387,3 +387,62 @@ def test_an_offload_whose_reply_never_came_is_revoked(daemon):
         wait_until(lambda: ended(), 20, "the daemon ran the offload it took late")
         assert [e["status"] for e in ended()] == ["cancelled"]
         assert probe.lookup(keys) == (0, 0)
+
+
+class _FakeLink:
+    def __init__(self):
+        self.failures = []
+
+    def failed(self, exc):
+        self.failures.append(exc)
+
+
+class _FakeClient:
+    timeout = 0.5
+
+    def __init__(self):
+        self.fences = {}
+
+    def fence(self, task_id, blocks):
+        self.fences[task_id] = list(blocks)
+
+    def fenced_tasks(self):
+        return set(self.fences)
+
+
+class _QueuedLoad:
+    """A CUDA load as the worker core sees it: each layer wait returns once the copies are
+    queued (the engine's stream waits, not the CPU); `end` is how it ends (None: its daemon
+    is gone and the end never comes)."""
+    id, num_blocks, valid_blocks, status = 7, len(DST), len(DST), None
+
+    def __init__(self, end):
+        self.end, self.result = end, None
+
+    def wait_layer(self, layer):
+        pass
+
+    def wait_end(self, timeout):
+        if self.end is None:
+            raise DaemonUnavailable("the daemon is gone")
+        self.result = self.end
+
+
+@pytest.mark.parametrize("end, loaded", [(None, 0), ({"loaded": 4}, 4),
+                                         ({"loaded": len(DST)}, len(DST))])
+def test_a_direct_load_counts_as_loaded_only_once_its_copies_ended(end, loaded):
+    """Pure logic (fakes): every layer wait of a direct-mode load returned, yet its daemon died
+    mid-copy (or ended it short): the step's load_errors report what it did not complete, so
+    the engine recomputes them instead of keeping what its forward read."""
+    worker = KVWorker(_FakeLink())
+    worker.mode, worker._layers = "direct", ["layer.0", "layer.1"]
+    client = _FakeClient()
+    worker._loads.append(_Load("r", _QueuedLoad(end), client, list(DST), [], len(DST)))
+    worker.layer_ready(1)
+    worker.end_forward()
+    worker.start_saves([])
+    assert worker.finished(set()) == set()
+    assert worker.load_errors() == set(DST[loaded:])
+    assert worker.counters["loaded_blocks"] == loaded
+    assert len(worker.link.failures) == (end is None)
+    assert worker.load_errors() == set(), "reported once"
