@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import sweep_crashed, unique_instance
+from conftest import unique_instance
+from engine_child import run_engine
 from kvcached.host_pool import HostPool
 from kvcached.transfer import LOAD, OFFLOAD
 from kvcached.transfer_cuda import CudaCopier
@@ -354,16 +355,7 @@ def test_a_daemon_killed_under_the_engines_stream_wait_does_not_hang_the_engine(
         except (DaemonUnavailable, TaskFailed) as exc:
             print("FAILED", type(exc).__name__, flush=True)
     """)
-    engine = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = engine.communicate(timeout=100)
-    except subprocess.TimeoutExpired:
-        engine.kill()
-        out, _ = engine.communicate()
-        pytest.fail("the engine hung after its daemon died under a stream wait:\n" + out[-3000:])
-    finally:
-        sweep_crashed(instance)
+    out = run_engine(code, instance, 100, "the engine hung after its daemon died under a stream wait")
     assert "KILLED" in out and "DRAINED" in out, out[-3000:]
     assert "FAILED" in out, "a load whose daemon died mid-copy was reported loaded:\n" + out[-3000:]
 

@@ -6,13 +6,12 @@ before it wrote (behind torch.cuda._sleep), a load lands after the engine's queu
 its blocks, and the reads after layer_ready are ordered on the engine's stream by the worker
 alone."""
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 from conftest import sweep_crashed, unique_instance
+from engine_child import run_engine
 from kv_layouts import fill, make_kv, parts_of, vllm_kv
 from test_kv_worker import DST, SRC, _kernel, blocks_of, finish, make_worker, step
 
@@ -179,16 +178,7 @@ def test_a_daemon_killed_mid_copy_is_a_load_error_of_that_step(run_dir):
         print("EXACT", exact, flush=True)
         worker.close()
     """)
-    engine = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = engine.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        engine.kill()
-        out, _ = engine.communicate()
-        pytest.fail("the engine hung after its daemon died mid-copy:\n" + out[-3000:])
-    finally:
-        sweep_crashed(instance)
+    out = run_engine(code, instance, 150, "the engine hung after its daemon died mid-copy")
     assert "KILLED" in out and "DRAINED" in out, out[-3000:]
     errors = int(out.split("ERRORS ")[1].split()[0])
     exact = "EXACT True" in out
