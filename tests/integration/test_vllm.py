@@ -160,6 +160,17 @@ def test_one_daemon_per_rank_is_named_or_refused_clearly():
         rank_instances({"instance": "gpu0"}, 2)
 
 
+def test_the_scheduler_takes_the_workers_kernel_factor_only_when_they_agree():
+    from kvcached_client.vllm import KvcachedHandshake, agreed_kernel_factor
+
+    assert agreed_kernel_factor({}) == 1, "no handshake: unsplit keys (a splitting worker misses)"
+    assert agreed_kernel_factor({0: KvcachedHandshake(2, "direct"),
+                                 1: KvcachedHandshake(2, "direct")}) == 2
+    assert agreed_kernel_factor({0: KvcachedHandshake(2, "direct"),
+                                 1: KvcachedHandshake(4, "direct")}) is None, "ranks disagree"
+    assert agreed_kernel_factor({0: object(), 1: KvcachedHandshake(2, "staging")}) == 2
+
+
 def test_one_kv_head_per_eight_query_heads_with_64_token_blocks_and_a_partial_hit(
         tmp_path, run_dir, instance):
     """A model shape the other tests do not use (grouped-query attention 8:1, block_size 64):
