@@ -15,7 +15,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import posix_ipc
 import zmq
 
 from kvcached_proto import (
@@ -32,7 +31,6 @@ from kvcached_proto.errors import CodedError
 from kvcached_proto.liveness import pid_alive
 from kvcached_proto.messages import reply_for
 from kvcached_proto.paths import (
-    kv_segment_prefix,
     lock_path,
     request_endpoint,
     socket_paths,
@@ -45,6 +43,7 @@ from . import __version__, machine, sigbus
 from .config import DaemonConfig, prepare_run_dir
 from .errors import OpError, StartupError
 from .control import ControlWorker
+from .kv_sweep import sweep_kv_segments, sweep_when_gone
 from .task_events import EventSink
 from .service import DRAIN_TIMEOUT_S, CacheService
 from .metrics import Metrics
@@ -58,6 +57,7 @@ LOOP_STALL_S = 5.0  # the request loop not turning for this long makes status `d
 ZMTP_HEARTBEAT_MS, ZMTP_HEARTBEAT_TIMEOUT_MS = 1000, 5000
 CURVE_TAG = b"C"  # ROUTER-made ids start with 0x00: this prefix cannot collide
 CLIENT_REAP_PERIOD_S = 0.25
+DYING_GRACE_S = 1.0  # at shutdown, for engines whose connection closed to finish dying
 MAX_BATCH = 256  # requests handled per wake before events get their turn
 DEFERRED = object()  # _dispatch's answer for an op the control worker replies to
 RECV_MAX_BYTES = 64 << 20  # zmq drops a peer that sends more; 8..64 MiB get FRAME_TOO_LARGE
@@ -240,7 +240,8 @@ class Daemon:
         """
         errors: list[BaseException] = []
         owned = self._lock_fd is not None  # a start refused for a running instance stops nothing
-        for step in (self._close_service, self._close_sockets, self._close_files):
+        for step in (self._close_service, self._sweep_dead_engines, self._close_sockets,
+                     self._close_files):
             try:
                 step()
             except BaseException as exc:
@@ -259,6 +260,13 @@ class Daemon:
         if self.service is not None:
             service, self.service = self.service, None
             service.close()
+
+    def _sweep_dead_engines(self) -> None:
+        """The reaper sweeps a dead engine's segments on its next turn; a stop that comes
+        first (an operator stopping the daemon right after an engine was killed) sweeps here."""
+        connected = [c.pid for c in self.clients.values() if c.pid_visible]
+        sweep_when_gone(self._gone_pids, connected, DYING_GRACE_S)
+        self._gone_pids.clear()
 
     def _close_sockets(self) -> None:
         if self.metrics is not None:
@@ -566,19 +574,3 @@ def stats_line(s: dict) -> str:
             f"tasks completed={tasks['completed']} failed={tasks['failed']} queued={tasks['queued']} "
             f"lookup_host_hit={hit:.1f}% d2h={s['bytes']['d2h']} h2d={s['bytes']['h2d']} "
             f"storage_healthy={all(t.get('healthy') for t in s['storage'])}")
-
-
-def sweep_kv_segments(pid: int) -> None:
-    """Unlink the POSIX KV segments a dead engine left (its allocate_kv_cache would have)."""
-    prefix = kv_segment_prefix(os.getuid(), pid)
-    try:
-        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
-    except OSError as exc:
-        log.warning("[clients] cannot list /dev/shm to sweep pid %d's segments: %s", pid, exc)
-        return
-    for name in names:
-        try:
-            posix_ipc.unlink_shared_memory("/" + name)
-            log.info("[clients] swept KV segment /%s of dead pid %d", name, pid)
-        except posix_ipc.ExistentialError:
-            log.debug("[clients] segment /%s already gone", name)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import small_kv
+from conftest import small_kv, wait_until
 from kvcached_client import BlockHasher, Busy, launch
 from kvcached_proto import Op
 
@@ -168,3 +168,61 @@ def test_a_client_whose_pid_the_daemon_cannot_see_is_released_when_its_connectio
             time.sleep(0.02)
         operator.resume()
         assert operator.check() == "ok"
+
+
+_DROPPING_ENGINE = textwrap.dedent("""
+    import sys, torch
+    from kvcached_client import Client, allocate_kv_cache
+    kv = allocate_kv_cache(2, 16, (16, 2, 8), torch.bfloat16)
+    c = Client.connect(sys.argv[1], sys.argv[2], timeout=10)
+    if sys.argv[3] == "register":
+        c.register_kv_cache(kv)
+    c._sock.close(linger=0)  # gone without a bye, the process still running
+    print("dropped", flush=True)
+    sys.stdin.read()
+""")
+
+
+def _segments_of(pid: int) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"kvcached.{os.getuid()}.kv.{pid}.")]
+
+
+def test_a_daemon_stopped_as_an_engine_dies_still_sweeps_its_kv_segments(run_dir, instance):
+    """An engine's connection closes a moment before its process is reaped; the daemon sweeps
+    its segments on the reaper's next turn. A stop that comes first - here the engine is killed
+    only once the daemon is stopping - must not leave the dead engine's memory in /dev/shm. An
+    engine that closed its connection but lives on keeps its segments (still in use)."""
+    from kvcached_client.status_block import SignalReader
+    from kvcached_proto.shm_layout import State
+
+    h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)
+    engines = []
+    reader = None
+    try:
+        with h.connect(role="operator") as operator:
+            for mode in ("register", "connect"):
+                engines.append(subprocess.Popen(
+                    [sys.executable, "-c", _DROPPING_ENGINE, instance, run_dir, mode],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+                assert engines[-1].stdout.readline().strip() == "dropped"
+                wait_until(lambda: operator.status()["clients"] == 1, 10, "the disconnect seen")
+        dying, living = engines
+        assert _segments_of(dying.pid) and _segments_of(living.pid)
+        reader = SignalReader(instance)
+        h.proc.terminate()
+        wait_until(lambda: reader.view.state == State.STOPPING, 10, "the daemon stopping")
+        dying.kill()
+        dying.wait(10)
+        assert h.proc.wait(15) == 0
+        assert not _segments_of(dying.pid), "the dead engine's KV segment outlived the daemon"
+        assert _segments_of(living.pid), "a running engine's segment was swept"
+    finally:
+        if reader is not None:
+            reader.close()
+        h.stop()
+        for engine in engines:
+            if engine.poll() is None:
+                engine.stdin.close()  # it exits, unlinking its own segments
+                engine.wait(10)
+    for engine in engines:
+        assert not _segments_of(engine.pid)
