@@ -48,6 +48,18 @@ def _our_segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if mine.match(n)}
 
 
+_born_in: dict[str, str] = {}  # segment -> the test during which it was first seen
+
+
+@pytest.fixture(autouse=True)
+def _note_segment_births(request):
+    """Names, for the leak check's message, the test that made each segment (a leak seen only
+    at the session's end otherwise points at whichever test ran last)."""
+    yield
+    for name in _our_segments():
+        _born_in.setdefault(name, request.node.nodeid)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_leftovers():
     before = _our_segments()
@@ -62,7 +74,8 @@ def no_leftovers():
         except posix_ipc.ExistentialError:
             pass
     alive = children.live_children()
-    assert not leaked, f"tests leaked shared-memory segments: {sorted(leaked)}"
+    assert not leaked, "tests leaked shared-memory segments: " + ", ".join(
+        f"{n} (first seen after {_born_in.get(n, 'the last test')})" for n in sorted(leaked))
     assert not alive, f"tests leaked child processes: {alive}"
 
 
