@@ -11,6 +11,7 @@ import pytest
 from conftest import small_kv, wait_until
 from kvcached_client import BlockHasher, Busy, launch
 from kvcached_proto import Op
+from kvcached_proto.paths import kv_segment_prefix
 
 HASHER = BlockHasher("faults")
 
@@ -28,6 +29,11 @@ ENGINE = textwrap.dedent("""
     print("ready", flush=True)
     sys.stdin.read()
 """)
+
+
+def _segments_of(pid: int) -> list[str]:
+    """The engine's KV segments still in /dev/shm."""
+    return [n for n in os.listdir("/dev/shm") if n.startswith(kv_segment_prefix(os.getuid(), pid))]
 
 
 def _status(c):
@@ -61,8 +67,7 @@ def test_a_killed_engine_has_its_tasks_cancelled_and_pins_released(run_dir, inst
             other.offload([0, 1, 2, 3], keys).wait(10)
             assert other.lookup(keys) == (4, 0)
             # the dead engine's KV mapping is dropped and its shm segment swept (within 2 s)
-            while [n for n in os.listdir("/dev/shm")
-                   if n.startswith(f"kvcached.{os.getuid()}.kv.{engine.pid}.")]:
+            while _segments_of(engine.pid):
                 assert time.monotonic() - start < 2.0, "the dead engine's KV segment is still there"
                 time.sleep(0.02)
     finally:
@@ -181,10 +186,6 @@ _DROPPING_ENGINE = textwrap.dedent("""
     print("dropped", flush=True)
     sys.stdin.read()
 """)
-
-
-def _segments_of(pid: int) -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if n.startswith(f"kvcached.{os.getuid()}.kv.{pid}.")]
 
 
 def test_a_daemon_stopped_as_an_engine_dies_still_sweeps_its_kv_segments(run_dir, instance):
