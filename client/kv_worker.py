@@ -86,9 +86,18 @@ def block_axes_order(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(sorted(dims, key=lambda d: (-t.stride(d), d)))
 
 
-def staging_like(first: torch.Tensor, num_layers: int, num_blocks: int, pair: bool) -> list:
+def staging_like(entry, num_layers: int, num_blocks: int) -> list:
     """A shared-memory staging cache whose blocks hold the same bytes as the engine's: the
-    logical shape of `first`'s block (layer 0's first part), laid out in its memory order."""
+    logical shape of a block of `entry` (layer 0's tensor or (K, V) pair), laid out in its memory
+    order. Staging has one such tensor, or two alike, per layer; anything else is refused."""
+    pair = isinstance(entry, tuple)
+    parts = entry if pair else (entry,)
+    first = parts[0]
+    if len(parts) > 2 or any((p.dtype, p.shape, block_axes_order(p))
+                             != (first.dtype, first.shape, block_axes_order(first)) for p in parts):
+        raise KvcachedError(f"KV parts {_blocks_spec(entry)} (dtype, shape) per layer: staging "
+                            "holds one tensor, or a K/V pair of the same shape, dtype and memory "
+                            "order, per layer")
     order = block_axes_order(first)
     dense = tuple(first.shape[d] for d in order)
     staging = allocate_kv_cache(num_layers, num_blocks, dense, first.dtype, device="cpu",
@@ -97,6 +106,28 @@ def staging_like(first: torch.Tensor, num_layers: int, num_blocks: int, pair: bo
     if pair:
         return [tuple(p.permute(*back) for p in layer) for layer in staging]
     return [layer.permute(*back) for layer in staging]
+
+
+def _blocks_spec(entry) -> list[tuple]:
+    parts = entry if isinstance(entry, tuple) else (entry,)
+    return [(str(p.dtype).removeprefix("torch."), tuple(p.shape)) for p in parts]
+
+
+def check_same_blocks(names: list[str], entries: list) -> None:
+    """What a daemon pages: every layer with layer 0's parts, each of the same dtype and shape
+    (block count, kernel blocks, block shape). A model whose layers differ (KV heads or head
+    size per layer) is refused here, before a mode is chosen: the daemon would refuse its
+    registration, and staging, which has one shape, would fail at the first copy."""
+    if not entries:
+        raise KvcachedError("no KV layers to register: the engine has no KV cache for kvcached")
+    first = _blocks_spec(entries[0])
+    for name, entry in zip(names, entries):
+        spec = _blocks_spec(entry)
+        if spec != first:
+            raise KvcachedError(
+                f"layer {name}: KV {spec} (dtype, shape per part), layer {names[0]} has {first}: "
+                "kvcached pages one block shape and dtype on every layer, so a model whose layers "
+                "differ in KV heads or head size cannot use it")
 
 
 def engine_blocks(name: str, t, num_blocks: int | None):
@@ -175,12 +206,12 @@ class KVWorker:
         if len(factors) > 1:
             raise KvcachedError(f"the layers split their blocks into different numbers of kernel "
                                 f"blocks ({sorted(factors)}); kvcached needs one for every layer")
+        check_same_blocks(self._layers, self._engine_kv)
         self.kernel_factor = factors.pop() if factors else 1
         self.mode = self._choose_mode()
         if self.mode == "staging":
-            pair = isinstance(self._engine_kv[0], tuple)
-            first = self._engine_kv[0][0] if pair else self._engine_kv[0]
-            self._staging = staging_like(first, len(self._layers), self.staging_blocks, pair)
+            self._staging = staging_like(self._engine_kv[0], len(self._layers),
+                                         self.staging_blocks)
             self._free_staging.clear()
             self._free_staging.extend(range(self.staging_blocks))
         self.link.attach_now()

@@ -33,6 +33,9 @@ daemon under rank-derived keys (rank-free for MLA, whose KV is the same on every
 but one daemon with --no-storage-writer). A rank whose load falls short reports those blocks as
 load errors; vLLM gathers them from every worker and all ranks recompute them.
 
+Refused at start-up, by name: pipeline parallelism, a model with several KV cache groups (or
+none), and layers whose KV blocks differ in shape or dtype (the worker core's register).
+
 kv_connector_extra_config: instance (default "default") or instances, run_dir, timeout_s (5),
 hang_s (the hang threshold, default $KVCACHED_HANG_S or 2), staging_blocks (512), mode (auto:
 direct where the daemon can map the KV, else staging; or staging, or direct), storage_hits
@@ -113,6 +116,23 @@ def agreed_kernel_factor(metadata: dict) -> int | None:
     return factors.pop() if len(factors) == 1 else (None if factors else 1)
 
 
+def check_one_kv_cache_group(kv_cache_config) -> None:
+    """The connector pages the block ids of one KV cache group (`get_block_ids()[0]`) in every
+    layer. A model with several (cross-attention, Mamba state or layers of another spec in
+    groups of their own, each numbering its blocks apart) is refused by name: group 0's ids
+    in another group's layers would be wrong KV, saved and served."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if groups is None or len(groups) == 1:
+        return
+    if not groups:
+        raise ValueError("KvcachedConnector: this model has no KV cache (attention-free); "
+                         "there is nothing for kvcached to keep: run it without the connector")
+    kinds = "; ".join(f"{type(g.kv_cache_spec).__name__} ({len(g.layer_names)} layers)"
+                      for g in groups)
+    raise ValueError(f"KvcachedConnector pages one KV cache group; this model has {len(groups)} "
+                     f"({kinds}), each with block ids of its own: run it without the connector")
+
+
 def rank_instances(extra: dict, tp_size: int) -> list[str]:
     """The daemon of every tensor-parallel rank, from kv_connector_extra_config."""
     if "instances" in extra:
@@ -144,6 +164,7 @@ class _ReqState:
 class KvcachedConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_one_kv_cache_group(kv_cache_config)
         _log_to_stderr()
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.block_size = vllm_config.cache_config.block_size

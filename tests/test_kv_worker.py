@@ -16,6 +16,7 @@ from kv_layouts import REGISTERABLE, fill, make_kv, parts_of, vllm_kv
 from kvcached_client import DaemonUnavailable, KvcachedError, launch
 from kvcached_client.daemon_link import DaemonLink
 from kvcached_client.hashing import kernel_block_keys
+from kvcached_client.kv_alloc import allocate_kv_cache
 from kvcached_client.kv_views import vllm_layer_views
 from kvcached_client.kv_worker import BlockTransfer, KVWorker, _Load
 
@@ -147,6 +148,40 @@ def test_unmappable_kv_stages_with_one_warning_and_direct_is_refused(daemon, cap
 def _kernel(ids, factor=2) -> list[int]:
     """The kernel blocks of blocks `ids`: block b is kernel blocks b*factor .. b*factor+factor-1."""
     return [b * factor + j for b in ids for j in range(factor)]
+
+
+@pytest.mark.parametrize("mode", ["auto", "direct", "staging"])
+def test_layers_whose_blocks_differ_are_refused_before_anything_is_registered(daemon, mode):
+    """A model whose layers differ in KV heads (what vLLM keeps in one KV cache group when every
+    layer has the same tokens per block): a daemon pages one block shape per part, and staging
+    has one, so register refuses it by name in every mode (staging used to fail at the first
+    save's copy, inside the engine's step); the daemon has registered nothing and serves the
+    next engine. K/V parts that staging cannot hold alike are refused too."""
+    direct = {"auto": None, "direct": True, "staging": False}[mode]
+    if mode == "staging":
+        kv = [torch.zeros(24, 16, heads, 32, dtype=torch.float16) for heads in (2, 4)]
+    else:
+        kv = [allocate_kv_cache(1, 24, (16, heads, 32), torch.float16)[0] for heads in (2, 4)]
+    with pytest.raises(KvcachedError, match="one block shape and dtype on every layer"):
+        make_worker(daemon, kv, direct=direct)
+    if mode != "direct":  # private memory: staging (K and V of different head sizes; 3 parts)
+        for parts in [(16, 32), (32, 32, 32)]:
+            odd = [tuple(torch.zeros(24, 16, 2, d) for d in parts) for _ in range(2)]
+            with pytest.raises(KvcachedError, match="staging holds one tensor, or a K/V pair"):
+                make_worker(daemon, odd, direct=direct)
+    raw, good = make_kv(REGISTERABLE[0])
+    worker, chosen = make_worker(daemon, good, direct=direct)
+    try:
+        assert chosen == ("staging" if mode == "staging" else "direct")
+        keys = keys_for(len(SRC), seed=77)
+        fill(good, seed=5)
+        step(worker, saves=[BlockTransfer("save", keys, SRC)])
+        finish(worker, "save")
+        _, errors = step(worker, loads=[BlockTransfer("load", keys, DST)])
+        assert errors == set() and all(torch.equal(a, b) for a, b in
+                                       zip(blocks_of(good, DST), blocks_of(good, SRC)))
+    finally:
+        worker.close()
 
 
 @pytest.mark.parametrize("mode", ["direct", "staging"])

@@ -198,3 +198,29 @@ def test_one_kv_head_per_eight_query_heads_with_64_token_blocks_and_a_partial_hi
         eng.close()
         daemon.stop()
         sweep_crashed(instance)
+
+
+def test_a_model_with_several_kv_cache_groups_or_none_is_refused_by_name():
+    """The connector pages one group's block ids in every layer: vLLM's own KVCacheConfig with
+    a second group (cross-attention, numbering its blocks apart) or none is refused; one passes."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        CrossAttentionSpec,
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
+
+    from kvcached_client.vllm import check_one_kv_cache_group
+
+    full = KVCacheGroupSpec(["layers.0", "layers.1"], FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16))
+    cross = KVCacheGroupSpec(["cross.0"], CrossAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16))
+    check_one_kv_cache_group(KVCacheConfig(64, [], [full]))
+    check_one_kv_cache_group(None)  # an older vLLM that hands the connector no config
+    with pytest.raises(ValueError, match=r"one KV cache group; this model has 2 \(FullAttentionSpec "
+                                         r"\(2 layers\); CrossAttentionSpec \(1 layers\)\)"):
+        check_one_kv_cache_group(KVCacheConfig(64, [], [full, cross]))
+    with pytest.raises(ValueError, match="no KV cache"):
+        check_one_kv_cache_group(KVCacheConfig(64, [], []))
