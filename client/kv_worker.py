@@ -108,6 +108,13 @@ def staging_like(entry, num_layers: int, num_blocks: int) -> list:
     return [layer.permute(*back) for layer in staging]
 
 
+def _identity(t) -> tuple:
+    """What makes two layers' KV the same memory viewed the same way."""
+    if isinstance(t, (tuple, list)):
+        return tuple(_identity(part) for part in t)
+    return (str(t.device), t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
 def _blocks_spec(entry) -> list[tuple]:
     parts = entry if isinstance(entry, tuple) else (entry,)
     return [(str(p.dtype).removeprefix("torch."), tuple(p.shape)) for p in parts]
@@ -172,8 +179,9 @@ class KVWorker:
         for name in ("loaded_blocks", "load_errors", "saved_blocks", "save_skipped_blocks",
                      "daemon_errors"):
             self.counters.setdefault(name, 0)
-        self._layers: list[str] = []
-        self._engine_kv: list = []   # per layer: a tensor or a (K, V) pair
+        self._layers: list[str] = []  # registered layers (a layer sharing another's KV is not)
+        self._slot: dict[str, int] = {}  # every layer name -> its registered layer
+        self._engine_kv: list = []   # per registered layer: a tensor or a (K, V) pair
         self._staging: list | None = None
         self._free_staging: deque[int] = deque()
         # staging blocks (staging mode) a timed-out task may still touch wait here; in direct
@@ -194,13 +202,21 @@ class KVWorker:
     # ------------------------------------------------------------- set-up
     def register(self, kv_caches: dict, num_blocks: int | None = None) -> str:
         """kv_caches: per layer name, one tensor whose dim 0 is the block, or a (K, V) pair (a
-        [2, num_blocks, ...] tensor is split into one). A dim 0 of num_blocks * r holds r kernel
+        [2, num_blocks, ...] tensor is split into one). A layer handed the very KV of an earlier one
+        (vLLM's cross-layer KV sharing) is that layer, paged once (`layer_index`). A dim 0 of num_blocks * r holds r kernel
         blocks per block (vLLM's virtual block splitting; block b is kernel blocks b*r ..
         b*r+r-1): each block is then its r kernel blocks, under keys of their own
         (`kernel_block_keys`). Returns the mode chosen."""
-        self._layers, self._engine_kv, factors = list(kv_caches), [], set()
+        self._layers, self._engine_kv, self._slot, factors = [], [], {}, set()
+        seen: dict[tuple, int] = {}
         for name, t in kv_caches.items():
+            same = seen.get(_identity(t))
+            if same is not None:  # vLLM's cross-layer KV sharing: the target layer's KV
+                self._slot[name] = same
+                continue
             entry, factor = engine_blocks(name, t, num_blocks)
+            seen[_identity(t)] = self._slot[name] = len(self._layers)
+            self._layers.append(name)
             self._engine_kv.append(entry)
             factors.add(factor)
         if len(factors) > 1:
@@ -216,6 +232,15 @@ class KVWorker:
             self._free_staging.extend(range(self.staging_blocks))
         self.link.attach_now()
         return self.mode
+
+    @property
+    def num_layers(self) -> int:
+        """The registered layers (a layer sharing another's KV is not one of them)."""
+        return len(self._layers)
+
+    def layer_index(self, name: str) -> int | None:
+        """The registered layer (what `layer_ready` takes) holding layer `name`'s KV."""
+        return self._slot.get(name)
 
     def keys_for_daemon(self, keys: list[bytes]) -> list[bytes]:
         """The keys this worker's daemon holds these blocks under."""

@@ -18,7 +18,7 @@ import logging
 import threading
 from typing import Callable, Generic, TypeVar
 
-from kvcached_proto.errors import KvcachedError
+from kvcached_proto.errors import Busy, KvcachedError, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -103,16 +103,21 @@ class Reattacher(Generic[T]):
                 self._prepare(conn)
         except Exception as exc:  # a refused registration, a daemon that died meanwhile, ...
             _close(conn)
-            self._failed(exc)
+            self._failed(exc, refused=isinstance(exc, RequestError) and not isinstance(exc, Busy))
             self._refusals += 1
             return None
         self.last_error = ""
         self._refusals = 0
         return conn
 
-    def _failed(self, exc: Exception) -> None:
+    def _failed(self, exc: Exception, refused: bool = False) -> None:
+        """refused: the daemon answered the preparation with an error (e.g. a KV layout it will
+        not register): no cache until that changes, which an operator must hear of."""
         msg = str(exc)
-        if msg != self.last_error:  # say each new reason once, not every attempt
+        if msg != self.last_error and refused:  # say each new reason once, not every attempt
+            log.warning("[%s] the daemon is up but refused this engine, which goes on without "
+                        "it (asked again every %.0f s): %s", self.name, REFUSED_BACKOFF_MAX_S, msg)
+        elif msg != self.last_error:
             log.info("[%s] no daemon to attach to yet: %s", self.name, msg)
         self.last_error = msg
 

@@ -230,7 +230,6 @@ class KvcachedConnector(KVConnectorBase_V1):
         self.worker.link = DaemonLink(instances[self.rank], name=f"vllm-worker-tp{self.rank}",
                                       on_connect=self.worker.on_connect,
                                       retire=self.worker.retire, **link_args)
-        self._layers: list[str] = []
 
     # ------------------------------------------------------------------ keys
     def _keys(self, state: _ReqState, num_blocks: int) -> list[bytes]:
@@ -357,9 +356,10 @@ class KvcachedConnector(KVConnectorBase_V1):
         """vLLM's per-layer KV: one tensor per layer with the block first (0.32: strided views of
         one allocation), or a [2, blocks, ...] K/V pair. Direct where the daemon can map it."""
         num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config is not None else None
-        self._layers = list(kv_caches)
         mode = self.worker.register(kv_caches, num_blocks)
-        log.info("[vllm] worker %d: %d layers, %s mode", self.rank, len(self._layers), mode)
+        shared = len(kv_caches) - self.worker.num_layers
+        log.info("[vllm] worker %d: %d layers%s, %s mode", self.rank, len(kv_caches),
+                 f" ({shared} sharing another's KV)" if shared else "", mode)
 
     def get_handshake_metadata(self) -> KvcachedHandshake | None:
         """Worker: told to the scheduler once the KV is registered (set_xfer_handshake_metadata)."""
@@ -389,11 +389,9 @@ class KvcachedConnector(KVConnectorBase_V1):
             self.worker.all_layers_ready()  # a full CUDA graph runs no per-layer hook
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        try:
-            layer = self._layers.index(layer_name)
-        except ValueError:
-            return
-        self.worker.layer_ready(layer)
+        layer = self.worker.layer_index(layer_name)
+        if layer is not None:
+            self.worker.layer_ready(layer)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         return  # saves are sent in wait_for_save, once every layer of the step is written

@@ -185,6 +185,64 @@ def test_layers_whose_blocks_differ_are_refused_before_anything_is_registered(da
 
 
 @pytest.mark.parametrize("mode", ["direct", "staging"])
+def test_a_layer_sharing_another_layers_kv_is_paged_once(daemon, mode):
+    """vLLM's cross-layer KV sharing hands a later layer the very tensor of its target. Direct
+    mode used to register it as a layer of its own, which a daemon refuses (two layers sharing
+    bytes), so the worker stayed detached; staging paged its bytes twice. It is its target's
+    layer now: registered once, its layer wait is its target's, and blocks round-trip."""
+    raw, kv = make_kv("LBNHC")  # 3 layers in one allocation
+    fill(kv, seed=21)
+    named = {"layers.0": kv[0], "layers.1": kv[1], "layers.2": kv[2], "layers.3": kv[0]}
+    worker = KVWorker(None, staging_blocks=32, direct=(mode == "direct"))
+    worker.link = DaemonLink(daemon.instance, daemon.run_dir, 10, "test-worker",
+                             on_connect=worker.on_connect, retire=worker.retire)
+    try:
+        assert worker.register(named, 24) == mode
+        assert worker.link.client is not None, "registered: attached at once"
+        assert worker.num_layers == 3 and worker.layer_index("layers.3") == 0
+        assert worker.layer_index("layers.2") == 2 and worker.layer_index("other") is None
+        keys = keys_for(len(SRC), seed=23)
+        step(worker, saves=[BlockTransfer("save", keys, SRC)])
+        finish(worker, "save")
+        want = blocks_of(kv, SRC)
+        worker.start_loads([BlockTransfer("load", keys, DST)])
+        for name in named:  # the engine's per-layer waits, by name, the shared layer last
+            worker.layer_ready(worker.layer_index(name))
+        worker.end_forward()
+        worker.start_saves([])
+        assert worker.load_errors() == set()
+        for got, exp in zip(blocks_of(kv, DST), want):
+            assert torch.equal(got, exp)
+    finally:
+        worker.close()
+
+
+def test_a_registration_the_daemon_refuses_is_a_warning_and_costs_only_the_cache(daemon, caplog):
+    """Layers whose KV overlaps without being the same view (here K and V swapped between two
+    layers) pass the worker's own checks; the daemon refuses to register them (a load into one
+    would overwrite the other). The engine hears it once as a warning naming the reason, goes
+    on without the daemon (saves skipped, loads recomputed) and never raises in a step."""
+    raw, kv = make_kv("kvcached")
+    swapped = {"layers.0": kv[0], "layers.1": (kv[0][1], kv[0][0])}
+    worker = KVWorker(None, staging_blocks=32, direct=True)
+    worker.link = DaemonLink(daemon.instance, daemon.run_dir, 10, "test-worker",
+                             on_connect=worker.on_connect, retire=worker.retire)
+    try:
+        with caplog.at_level(logging.INFO, logger="kvcached_client.reattach"):
+            assert worker.register(swapped, 24) == "direct"
+            assert worker.link.client is None
+            keys = keys_for(len(SRC), seed=29)
+            _, errors = step(worker, loads=[BlockTransfer("load", keys, DST)],
+                             saves=[BlockTransfer("save", keys, SRC)])
+        assert errors == set(DST) and worker.counters["save_skipped_blocks"] == len(SRC)
+        refusals = [r for r in caplog.records if "refused this engine" in r.getMessage()]
+        assert len(refusals) == 1 and refusals[0].levelno == logging.WARNING
+        assert "share bytes" in refusals[0].getMessage()
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("mode", ["direct", "staging"])
 def test_kernel_blocks_round_trip_under_keys_of_their_own(daemon, mode):
     """vLLM 0.32 splitting each 16-token block into two 8-token kernel blocks (LBHNC: a block's
     bytes are [2, H, 8, C], not the [H, 16, C] of the same block unsplit): the worker pages whole
