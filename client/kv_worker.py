@@ -202,27 +202,28 @@ class KVWorker:
     # ------------------------------------------------------------- set-up
     def register(self, kv_caches: dict, num_blocks: int | None = None) -> str:
         """kv_caches: per layer name, one tensor whose dim 0 is the block, or a (K, V) pair (a
-        [2, num_blocks, ...] tensor is split into one). A layer handed the very KV of an earlier one
-        (vLLM's cross-layer KV sharing) is that layer, paged once (`layer_index`). A dim 0 of num_blocks * r holds r kernel
-        blocks per block (vLLM's virtual block splitting; block b is kernel blocks b*r ..
-        b*r+r-1): each block is then its r kernel blocks, under keys of their own
-        (`kernel_block_keys`). Returns the mode chosen."""
-        self._layers, self._engine_kv, self._slot, factors = [], [], {}, set()
-        seen: dict[tuple, int] = {}
+        [2, num_blocks, ...] tensor is split into one). A layer handed the very KV of an
+        earlier one (vLLM's cross-layer KV sharing) is that layer, paged once (`layer_index`).
+        A dim 0 of num_blocks * r holds r kernel blocks per block (vLLM's virtual block
+        splitting; block b is kernel blocks b*r .. b*r+r-1): each block is then its r kernel
+        blocks, under keys of their own (`kernel_block_keys`). Returns the mode chosen; KV it
+        refuses raises KvcachedError before anything reaches the daemon."""
+        layers, engine_kv, slot, factors, seen = [], [], {}, set(), {}
         for name, t in kv_caches.items():
-            same = seen.get(_identity(t))
-            if same is not None:  # vLLM's cross-layer KV sharing: the target layer's KV
-                self._slot[name] = same
+            ident = _identity(t)
+            if ident in seen:  # vLLM's cross-layer KV sharing: the target layer's KV
+                slot[name] = seen[ident]
                 continue
             entry, factor = engine_blocks(name, t, num_blocks)
-            seen[_identity(t)] = self._slot[name] = len(self._layers)
-            self._layers.append(name)
-            self._engine_kv.append(entry)
+            seen[ident] = slot[name] = len(layers)
+            layers.append(name)
+            engine_kv.append(entry)
             factors.add(factor)
         if len(factors) > 1:
             raise KvcachedError(f"the layers split their blocks into different numbers of kernel "
                                 f"blocks ({sorted(factors)}); kvcached needs one for every layer")
-        check_same_blocks(self._layers, self._engine_kv)
+        check_same_blocks(layers, engine_kv)
+        self._layers, self._engine_kv, self._slot = layers, engine_kv, slot
         self.kernel_factor = factors.pop() if factors else 1
         self.mode = self._choose_mode()
         if self.mode == "staging":
