@@ -124,6 +124,10 @@ class LoadTask(Task):
         waited = False
         while True:
             if view.slot_task(slot) == self.id:
+                # the status before the count: the daemon counts a slot's last layer before it
+                # ends the slot, so a slot seen ended has its final count (read the other way
+                # round, a load ending between the two reads looked ended short of its layer)
+                ended = view.slot_status(slot) > SlotStatus.RUNNING
                 done = view.slot_layers_done(slot)
                 if view.slot_task(slot) == self.id:
                     if done > layer:
@@ -135,7 +139,7 @@ class LoadTask(Task):
                                 self.client.signals.check_alive()  # only end by release
                             order.wait_loaded(slot, layer, self.id, stream)
                         return
-                    if view.slot_status(slot) != SlotStatus.RUNNING:  # ended short of it
+                    if ended:  # ended short of it
                         self._raise_incomplete(layer)
             elif self.done():  # slot reused: the task ended; its event says how
                 if self.status == TaskStatus.DONE and self.result.get("loaded", 0) > 0:
