@@ -125,8 +125,8 @@ class LoadTask(Task):
         while True:
             if view.slot_task(slot) == self.id:
                 # the status before the count: the daemon counts a slot's last layer before it
-                # ends the slot, so a slot seen ended has its final count (read the other way
-                # round, a load ending between the two reads looked ended short of its layer)
+                # ends the slot, so a slot seen ended shows its final count; one seen ended short
+                # of the layer (or taken over by the next load meanwhile) defers to the event
                 ended = view.slot_status(slot) > SlotStatus.RUNNING
                 done = view.slot_layers_done(slot)
                 if view.slot_task(slot) == self.id:
@@ -139,12 +139,10 @@ class LoadTask(Task):
                                 self.client.signals.check_alive()  # only end by release
                             order.wait_loaded(slot, layer, self.id, stream)
                         return
-                    if ended:  # ended short of it
-                        self._raise_incomplete(layer)
-            elif self.done():  # slot reused: the task ended; its event says how
-                if self.status == TaskStatus.DONE and self.result.get("loaded", 0) > 0:
-                    return
-                self._raise_incomplete(layer)
+                    if ended:  # short of it, or the next load is taking the slot over
+                        return self._end_by_event(layer)
+            elif self.done():  # slot reused: the task ended
+                return self._end_by_event(layer)
             waited = True
             now = time.monotonic()
             if now < spin_until:
@@ -170,7 +168,11 @@ class LoadTask(Task):
         valid = view.slot_blocks_valid(self.slot)
         return valid if view.slot_task(self.slot) == self.id else self.wait()
 
-    def _raise_incomplete(self, layer: int) -> None:
+    def _end_by_event(self, layer: int) -> None:
+        """The load has ended: its end event says whether its layers are in place (done, with
+        blocks loaded: every layer of those is) or not (TaskFailed)."""
         loaded = self.wait(timeout=self.client.timeout)
+        if self.status == TaskStatus.DONE and loaded > 0:
+            return
         raise TaskFailed(f"load task {self.id} ended ({self.status}) before layer {layer}: "
                          f"{loaded} of {self.num_blocks} blocks valid", self.result)
