@@ -10,12 +10,12 @@ from kvcached_proto.errors import (
 )
 
 from .client import Client
+from .group import GroupClient, rank_keys
 from .hashing import BlockHasher, make_namespace
 from .kv_alloc import allocate_kv_buffer, allocate_kv_cache
-from .group import GroupClient, rank_keys
 from .launch import DaemonHandle, launch
-from .prefix import MMItem, PrefixCacheManager
-from .prefix_tree import NoFreeBlocks
+from .mm_keys import MMItem
+from .prefix import NoFreeBlocks, PrefixCacheManager
 from .reattach import Reattacher
 from .tasks import LoadTask, Task
 

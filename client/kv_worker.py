@@ -1,5 +1,5 @@
 """The engine worker's half of a kvcached connector, free of any engine: geometry, the per-step
-logic and CPU staging. The vLLM connector (vllm.py) is a thin adapter over it; a test drives it
+logic and CPU staging. The vLLM connector (vllm/connector.py) is a thin adapter over it; a test drives it
 the same way with tensors laid out as an engine lays them out.
 
 A step: `preempt(req_ids)` (before the step's blocks are reused), `start_loads(loads)`,

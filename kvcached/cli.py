@@ -3,22 +3,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import logging
+import os
 import sys
 import time
 
 import zmq
 
-from kvcached_proto import DaemonUnavailable, KvcachedError, Op, decode, encode, make_request
 from kvcached_client.kv_views import BLOCK_CONTIGUOUS
+from kvcached_proto import DaemonUnavailable, KvcachedError, Op, decode, encode, make_request
 from kvcached_proto.liveness import pid_alive
 from kvcached_proto.paths import DEFAULT_INSTANCE, resolve_run_dir, status_endpoint
 
 from .config import HOST_LAYOUTS
 from .errors import StartupError
-from .policies import POLICIES
-from .policies_offline import OFFLINE_POLICIES
+from .host.policies import POLICIES
+from .tools.offline_policies import OFFLINE_POLICIES
 
 
 def replay_policies() -> list[str]:
@@ -187,7 +187,7 @@ def cmd_serve(args) -> int:
     setup_logging(cfg.log_level, cfg.log_format)
     for warning in unknown_env_warnings(os.environ):
         log.warning("[config] %s", warning)
-    from .server import Daemon  # imports torch; keep `status`/`stop` fast
+    from .server.daemon import Daemon  # imports torch; keep `status`/`stop` fast
 
     return Daemon(cfg).serve()
 
@@ -403,7 +403,7 @@ def cmd_replay(args) -> int:
         print(f"kvcached replay: unknown policy {unknown} (known: {', '.join(known)}) "
               "or a capacity / block size that is not positive", file=sys.stderr)
         return 2
-    from . import replay
+    from .tools import replay
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

@@ -12,7 +12,7 @@ from .errors import StartupError
 from .storage.tiers import WRITE_POLICIES
 
 HOST_LAYOUTS = ("layer_first", "page_first")
-# how blocks move (copy_strategies.py, transfer_cuda.py); named here, where no torch is imported,
+# how blocks move (copy/strategies.py, copy/cuda_copier.py); named here, where no torch is imported,
 # so that checking a flag does not cost torch's import
 COPY_STRATEGIES = ("auto", "numpy", "runs", "gather", "zero_copy")
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
@@ -59,7 +59,7 @@ class DaemonConfig:
             raise StartupError(f"--host-layout {self.host_layout!r}: expected one of {HOST_LAYOUTS}")
         if self.numa not in ("auto", "off") and not self.numa.isdigit():
             raise StartupError(f"--numa {self.numa!r}: expected auto, off or a node number")
-        from .policies import POLICIES
+        from .host.policies import POLICIES
 
         if self.eviction not in POLICIES:
             raise StartupError(f"eviction {self.eviction!r}: expected one of {sorted(POLICIES)}")

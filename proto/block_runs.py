@@ -1,7 +1,7 @@
 """Runs of consecutive block ids, the one place both sides find them, and the threshold past
 which a list of blocks counts as fragmented (then one gather/scatter beats a copy per run).
 
-Shared by the client (block_copy.py) and the daemon (transfer.py, transfer_cuda.py)."""
+Shared by the client (block_copy.py) and the daemon (copy/transfer.py, copy/cuda_copier.py)."""
 from __future__ import annotations
 
 from typing import Sequence

@@ -56,15 +56,15 @@ if [ -n "$missing" ]; then
     "$ROOT"/.whl/*.whl > "$LOGS/pip.log" 2>&1 || { say "pip from .whl failed: $LOGS/pip.log"; exit 3; }
 fi
 
-# the SIGBUS guard (kvcached/_sigbus.c) is built at install; without an install, build it here
+# the SIGBUS guard (kvcached/copy/_sigbus.c) is built at install; without an install, build it here
 # for this python when a C compiler is there (the daemon maps engine shared memory - CPU KV and
 # the order words of CUDA KV - only with it)
-if ! "$PY" -c "import kvcached._sigbus" 2>/dev/null && command -v cc >/dev/null; then
+if ! "$PY" -c "import kvcached.copy._sigbus" 2>/dev/null && command -v cc >/dev/null; then
   ext=$("$PY" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
   inc=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
-  timeout 60 cc -O2 -shared -fPIC -I"$inc" kvcached/_sigbus.c -o "kvcached/_sigbus$ext" \
-    > "$LOGS/sigbus_build.log" 2>&1 && say "built kvcached/_sigbus$ext" \
-    || say "kvcached._sigbus not built ($LOGS/sigbus_build.log): the daemon will refuse every KV registration"
+  timeout 60 cc -O2 -shared -fPIC -I"$inc" kvcached/copy/_sigbus.c -o "kvcached/copy/_sigbus$ext" \
+    > "$LOGS/sigbus_build.log" 2>&1 && say "built kvcached/copy/_sigbus$ext" \
+    || say "kvcached.copy._sigbus not built ($LOGS/sigbus_build.log): the daemon will refuse every KV registration"
 fi
 
 timeout 120 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
@@ -88,6 +88,9 @@ SMOKE="$ROOT/../shared/tools/gpu_smoke.py"
 # ../shared does not travel to a lent device machine: a copy carried in ./.gpu (ignored) is used
 [ -f "$SMOKE" ] || SMOKE="$ROOT/.gpu/gpu_smoke.py"
 if [ -f "$SMOKE" ]; then
+  # the smoke predates the daemon's layer folders: it imports the host pool by its old name
+  sed 's/kvcached\.host_pool/kvcached.host.pool/' "$SMOKE" > "$SITE/gpu_smoke.py"
+  SMOKE="$SITE/gpu_smoke.py"
   OUT="$LOGS" SMOKE_DEV="$DEV" stage smoke "${SMOKE_S:-180}" "$PY" -u "$SMOKE"; smoke_rc=$?
   tail -n 20 "$LOGS/smoke.log"
 fi

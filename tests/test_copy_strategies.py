@@ -3,11 +3,11 @@ a real daemon started with --copy-strategy."""
 import numpy as np
 import pytest
 import torch
-
 from conftest import small_kv, unique_instance
-from kvcached import copy_strategies as cs
-from kvcached.transfer import LOAD, OFFLOAD
-from kvcached.strategy_copier import STAGING_BYTES, StrategyCopier
+
+from kvcached.copy import strategies as cs
+from kvcached.copy.strategy_copier import STAGING_BYTES, StrategyCopier
+from kvcached.copy.transfer import LOAD, OFFLOAD
 from kvcached_client import BlockHasher, launch
 
 HASHER = BlockHasher("strategy-test|bfloat16")
@@ -35,7 +35,7 @@ def host_views(layout: str, num_layers: int, parts: int, n: int, row: int):
 @pytest.mark.parametrize("strategy", ["runs", "gather", "zero_copy", "auto"])
 @pytest.mark.parametrize("ids", ["scattered", "runs"])
 def test_strategy_round_trip_is_byte_exact(layout, strategy, ids, monkeypatch):
-    monkeypatch.setattr("kvcached.transfer_cuda.STAGING_BYTES", 3 * 96)  # chunks of 3 rows
+    monkeypatch.setattr("kvcached.copy.cuda_copier.STAGING_BYTES", 3 * 96)  # chunks of 3 rows
     rng = np.random.default_rng(sum(map(ord, layout + strategy + ids)))
     layers, parts, num_dev, num_host, row = 3, 2, 40, 50, 96
     dev = [[torch.from_numpy(rng.integers(0, 256, (num_dev, row), dtype=np.uint8))

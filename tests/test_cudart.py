@@ -1,8 +1,8 @@
-"""The host pool's CUDA registration logic (kvcached.cudart) against a fake runtime: pure logic,
+"""The host pool's CUDA registration logic (kvcached.host.cudart) against a fake runtime: pure logic,
 the calls themselves run only on a GPU (tests/gpu)."""
 import pytest
 
-from kvcached import cudart
+from kvcached.host import cudart
 
 
 class FakeRuntime:
@@ -66,12 +66,13 @@ def test_without_a_loaded_cuda_runtime_the_binding_says_so():
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
 from conftest import small_kv  # noqa: E402
-from kvcached import copy_strategies as cs  # noqa: E402
-from kvcached import host_pool, pin_plan  # noqa: E402
-from kvcached.transfer import OFFLOAD  # noqa: E402
-from kvcached.strategy_copier import StrategyCopier  # noqa: E402
+
+from kvcached.copy import strategies as cs  # noqa: E402
+from kvcached.copy.strategy_copier import StrategyCopier  # noqa: E402
+from kvcached.copy.transfer import OFFLOAD  # noqa: E402
+from kvcached.host import pin_plan  # noqa: E402
+from kvcached.host import pool as host_pool  # noqa: E402
 from kvcached_client.kv_alloc import describe_kv_cache  # noqa: E402
 from kvcached_proto.layout import parse_layout  # noqa: E402
 

@@ -191,8 +191,8 @@ def test_a_1_3_layout_still_registers_and_round_trips(shared_daemon):
 
 def test_an_ipc_handle_that_is_not_bytes_is_refused_without_allocating_it():
     """`bytes(10**12)` would allocate a terabyte of zeros in the daemon."""
+    from kvcached.copy.kv_mapping import _bytes_field
     from kvcached.errors import OpError
-    from kvcached.kv import _bytes_field
 
     with pytest.raises(OpError, match="expected bytes"):
         _bytes_field({"handle": 10**12}, "handle")

@@ -3,8 +3,8 @@ import tracemalloc
 
 import pytest
 
-from kvcached.host_pool import BlockAllocator, DoubleFree
-from kvcached.index import READY, BlockIndex
+from kvcached.host.index import READY, BlockIndex
+from kvcached.host.pool import BlockAllocator, DoubleFree
 
 
 def k(i: int) -> bytes:

@@ -12,7 +12,7 @@ from conftest import disk_uri, small_kv, sweep_crashed
 
 from kvcached_client import BlockHasher, launch
 from kvcached_client.prefix import MMItem, PrefixCacheManager, block_extra_keys
-from kvcached_client.prefix_tree import NoFreeBlocks
+from kvcached_client.prefix.tree import NoFreeBlocks
 
 BS = 16
 NS = "test-model|bfloat16"

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from kvcached import tracegen
-from kvcached.replay import load_trace, replay_in_process, replay_through_daemon
+from kvcached.tools import tracegen
+from kvcached.tools.replay import load_trace, replay_in_process, replay_through_daemon
 
 SHARED_TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces",
                             "synthetic_trace.jsonl")

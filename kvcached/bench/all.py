@@ -32,7 +32,7 @@ def machine() -> dict:
 
 
 def run(quick: bool = False, trace: str | None = None, **_) -> dict:
-    from .. import replay
+    from ..tools import replay
 
     out = {"bench": "all", "date": datetime.date.today().isoformat(), "machine": machine()}
     out["ipc"] = ipc.run(quick=quick)

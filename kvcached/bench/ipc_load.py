@@ -97,7 +97,7 @@ def _stop_engine(engine: subprocess.Popen) -> None:
         engine.kill()
         engine.wait(10)
     if engine.returncode != 0:
-        from kvcached.kv_sweep import sweep_kv_segments
+        from kvcached.server.kv_sweep import sweep_kv_segments
 
         sweep_kv_segments(engine.pid)
 

@@ -23,7 +23,7 @@ import torch
 
 from kvcached_client import allocate_kv_cache, launch
 
-from ..storage_flow import IO_CHUNK_BLOCKS
+from ..service.storage_flow import IO_CHUNK_BLOCKS
 from ..storage.record import HEADER_BYTES
 from .stats import ratio
 

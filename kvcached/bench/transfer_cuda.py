@@ -30,10 +30,10 @@ from kvcached_client import allocate_kv_cache, launch
 from kvcached_client.kv_alloc import describe_kv_cache
 from kvcached_proto.layout import parse_layout
 
-from ..copy_strategies import STRATEGIES
-from ..host_pool import HostPool
-from ..transfer import LOAD, OFFLOAD
-from ..transfer_cuda import CudaCopier
+from ..copy.cuda_copier import CudaCopier
+from ..copy.strategies import STRATEGIES
+from ..copy.transfer import LOAD, OFFLOAD
+from ..host.pool import HostPool
 from .stats import ratio
 from .transfer_blocks import BLOCK_SHAPE, DTYPE, LAYERS, _check, _fill
 

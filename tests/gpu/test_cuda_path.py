@@ -17,12 +17,12 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from conftest import unique_instance
 from engine_child import run_engine
-from kvcached.host_pool import HostPool
-from kvcached.transfer import LOAD, OFFLOAD
-from kvcached.transfer_cuda import CudaCopier
+
+from kvcached.copy.cuda_copier import CudaCopier
+from kvcached.copy.transfer import LOAD, OFFLOAD
+from kvcached.host.pool import HostPool
 from kvcached_client import BlockHasher, allocate_kv_cache, launch
 from kvcached_client.kv_alloc import describe_kv_cache
 from kvcached_proto.layout import parse_layout

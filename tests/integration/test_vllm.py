@@ -149,7 +149,7 @@ def test_tensor_parallel_ranks_agree_on_the_shortest_hit(tmp_path, run_dir, inst
 
 
 def test_one_daemon_per_rank_is_named_or_refused_clearly():
-    from kvcached_client.vllm import rank_instances
+    from kvcached_client.vllm.connector import rank_instances
 
     assert rank_instances({"instance": "gpu0"}, 1) == ["gpu0"]
     assert rank_instances({"instance": "gpu{rank}"}, 2) == ["gpu0", "gpu1"]
@@ -161,7 +161,7 @@ def test_one_daemon_per_rank_is_named_or_refused_clearly():
 
 
 def test_the_scheduler_takes_the_workers_kernel_factor_only_when_they_agree():
-    from kvcached_client.vllm import KvcachedHandshake, agreed_kernel_factor
+    from kvcached_client.vllm.connector import KvcachedHandshake, agreed_kernel_factor
 
     assert agreed_kernel_factor({}) == 1, "no handshake: unsplit keys (a splitting worker misses)"
     assert agreed_kernel_factor({0: KvcachedHandshake(2, "direct"),
@@ -211,7 +211,7 @@ def test_a_model_with_several_kv_cache_groups_or_none_is_refused_by_name():
         KVCacheGroupSpec,
     )
 
-    from kvcached_client.vllm import check_one_kv_cache_group
+    from kvcached_client.vllm.connector import check_one_kv_cache_group
 
     full = KVCacheGroupSpec(["layers.0", "layers.1"], FullAttentionSpec(
         block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16))

@@ -18,16 +18,16 @@ from kvcached_proto import OP_SPECS, ErrorCode, Op, TaskStatus
 from kvcached_proto.layout import parse_layout, require_order_segment
 from kvcached_proto.shm_layout import NUM_SLOTS, Flag, State
 
-from .config import DaemonConfig
-from .errors import OpError
+from ..config import DaemonConfig
+from ..copy.cuda_copier import make_copier
+from ..copy.kv_mapping import KVRegistration
+from ..copy.transfer import LOAD, OFFLOAD, SPLIT_BLOCKS, CopyTask, TaskAbort, TransferWorker
+from ..errors import OpError
+from ..host.index import READY, WRITING
 from .host_tier import HostTier
-from .index import READY, WRITING
-from .kv import KVRegistration
-from .service_report import check_service, status_of
+from .report import check_service, status_of
 from .storage_flow import BACKUP, PREFETCH, StorageFlow
 from .task_table import TaskTable
-from .transfer import LOAD, OFFLOAD, SPLIT_BLOCKS, CopyTask, TaskAbort, TransferWorker
-from .transfer_cuda import make_copier
 
 log = logging.getLogger(__name__)
 
@@ -570,7 +570,7 @@ class CacheService:
             log.info("[clients] dropped the KV mapping of client %s (gone)", client_id)
 
     def check(self) -> str:
-        """Walk the invariants (service_report.py); "ok" or what is wrong."""
+        """Walk the invariants (report.py); "ok" or what is wrong."""
         return check_service(self)
 
     def _live_tasks(self) -> list[CopyTask]:

@@ -17,7 +17,7 @@ import numpy as np
 from kvcached_proto import ErrorCode
 from kvcached_proto.order_words import FENCE_WORDS, RELEASED, load_word, reached
 
-from .errors import OpError
+from ..errors import OpError
 
 
 class DaemonOrder:

@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from .index import BlockIndex
-from .policies import POLICIES, make_policy
-from .policies_offline import OFFLINE_POLICIES
+from ..host.index import BlockIndex
+from ..host.policies import POLICIES, make_policy
+from .offline_policies import OFFLINE_POLICIES
 from .trace_keys import block_key
 
 log = logging.getLogger(__name__)

@@ -25,13 +25,21 @@ from typing import Callable, Sequence
 
 from kvcached_proto.errors import DaemonUnavailable, KvcachedError, KvcachedTimeout, TaskFailed
 
-from .fence_keeper import FenceKeeper
-from .hashing import BlockHasher
-from .mm_keys import MMItem, block_extra_keys  # noqa: F401 (re-exported: kvcached_client.prefix)
-from .prefix_records import Match, _Load, _Offload, _Seq
-from .prefix_tree import (INVALID, LOADING, READY, BlockPool, NoFreeBlocks, Node, PrefixTree,
-                          parent_first_chains)
-from .reattach import Reattacher, reconnector, usable
+from ..fence_keeper import FenceKeeper
+from ..hashing import BlockHasher
+from ..mm_keys import MMItem, block_extra_keys
+from ..reattach import Reattacher, reconnector, usable
+from .records import Match, _Load, _Offload, _Seq
+from .tree import (
+    INVALID,
+    LOADING,
+    READY,
+    BlockPool,
+    Node,
+    NoFreeBlocks,
+    PrefixTree,
+    parent_first_chains,
+)
 
 log = logging.getLogger(__name__)
 
@@ -546,7 +554,7 @@ class PrefixCacheManager:
     def check(self) -> None:
         """Invariant walk (tests): every GPU block is in exactly one place - free, fenced,
         a cached node, or a request's private block - and reference counts add up."""
-        from .prefix_check import check_manager
+        from .check import check_manager
 
         check_manager(self)
 

@@ -8,7 +8,7 @@ task of the batch are in place, each task's progress slot is bumped.
 Copies (CPU mode; measured by `kvcached bench transfer`): a run of consecutive host blocks is
 one row gather into (offload) or scatter from (load) a host slice, a single pass over the
 bytes; scattered host blocks fall back to a gather into a temporary and a scatter. The CUDA
-copier (transfer_cuda.py) has the same interface: a CopyPlan per chunk, `offload_layer` /
+copier (cuda_copier.py) has the same interface: a CopyPlan per chunk, `offload_layer` /
 `load_layer` per layer, and the stream and event hooks that are no-ops here.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 from kvcached_proto.block_runs import fragmented, host_runs
 
-from .copy_strategies import widen
+from .strategies import widen
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class CopyTask:
     fence: tuple[int, int] | None = None  # the engine's (fence_word, fence) to wait for first
     deadline: float | None = None  # prefetch with the timeout policy: stop then (monotonic s)
     payloads: tuple | None = None  # write_back backup: (keys, pages) copied out at eviction
-    # loads and prefetches past the host prefix (storage_flow.py)
+    # loads and prefetches past the host prefix (service/storage_flow.py)
     keys: list = field(default_factory=list)       # the request's keys (a load re-plans from them)
     fetch: list = field(default_factory=list)      # WRITING entries this task fetches itself
     tail: list = field(default_factory=list)       # load: the entries past `entries`, in key order

@@ -3,7 +3,7 @@ one place - free, fenced, a cached node, or a request's private block - and refe
 add up. Raises AssertionError naming what is wrong."""
 from __future__ import annotations
 
-from .prefix_tree import Node
+from .tree import Node
 
 
 def check_manager(mgr) -> None:

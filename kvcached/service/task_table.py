@@ -15,8 +15,8 @@ import numpy as np
 from kvcached_proto import ErrorCode, TaskStatus, task_event
 from kvcached_proto.shm_layout import NUM_SLOTS, SlotStatus
 
-from .errors import OpError
-from .transfer import CopyTask
+from ..copy.transfer import CopyTask
+from ..errors import OpError
 
 log = logging.getLogger("kvcached.service")
 

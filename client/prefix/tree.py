@@ -1,6 +1,6 @@
 """The GPU side of the prefix cache: a block pool and a radix tree of cached blocks.
 
-Pure bookkeeping (no daemon, no tensors): `PrefixCacheManager` (prefix.py) drives it.
+Pure bookkeeping (no daemon, no tensors): `PrefixCacheManager` (manager.py) drives it.
 
 A node is one full block of tokens, keyed by its chained block key, so a node's path from the
 root is the prefix it extends. Nodes referenced by running requests are never evicted; among

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import threading
 
-from . import numa
-from .host_pool import HostPool
-from .index import BlockIndex, Entry
+from ..host import numa
+from ..host.index import BlockIndex, Entry
+from ..host.pool import HostPool
 
 
 class HostTier:

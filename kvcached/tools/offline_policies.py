@@ -23,7 +23,7 @@ import bisect
 import collections
 import math
 
-from .policies import EvictionPolicy
+from ..host.policies import EvictionPolicy
 from .trace_keys import block_key
 
 REUSE_HORIZON = 400  # requests

@@ -13,7 +13,7 @@ from typing import Callable
 
 from kvcached_proto import ErrorCode, ok_reply, reply_for
 
-from .errors import OpError
+from ..errors import OpError
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import logging
 import os
 import platform
 
-from .errors import StartupError
+from ..errors import StartupError
 
 log = logging.getLogger(__name__)
 

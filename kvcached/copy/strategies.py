@@ -2,7 +2,7 @@
 
 Each function moves the blocks of one (layer, part): `dev` and `host` are 2-D views
 `[blocks, bytes]` (widened to the widest integer type the rows allow, see `widen`). The CUDA
-copier (transfer_cuda.py) runs them on its copy streams with `non_blocking=True`; the same
+copier (cuda_copier.py) runs them on its copy streams with `non_blocking=True`; the same
 functions run on CPU tensors, which is how CI checks their indexing byte for byte.
 
 - runs: one copy per run of ids that go up by one on both sides (on CUDA one cudaMemcpyAsync
@@ -23,7 +23,7 @@ import bisect
 
 import torch
 
-from .config import COPY_STRATEGIES
+from ..config import COPY_STRATEGIES
 
 STRATEGIES = COPY_STRATEGIES[2:]  # the torch strategies: runs, gather, zero_copy
 

@@ -1,4 +1,4 @@
-"""The torch copy strategies (copy_strategies.py) as a copier, on any device: `--copy-strategy`
+"""The torch copy strategies (strategies.py) as a copier, on any device: `--copy-strategy`
 runs, gather, zero_copy, or auto (runs when the ids come in long runs, else gather). On CPU it
 is how CI drives the CUDA copier's code through a real daemon; transfer_cuda.CudaCopier adds
 the streams and the order words."""
@@ -11,14 +11,14 @@ import torch
 
 from kvcached_proto.block_runs import fragmented, paired_runs
 
-from . import copy_strategies as cs
+from . import strategies as cs
 from .transfer import LOAD, OFFLOAD, CopierHooks, CopyPlan
 
 STAGING_BYTES = 64 << 20  # per direction: bounds the device memory taken from the engine
 
 
 class StrategyCopier(CopierHooks):
-    """The torch strategies over [blocks, bytes] views; see copy_strategies.py."""
+    """The torch strategies over [blocks, bytes] views; see strategies.py."""
 
     non_blocking = False
 

@@ -39,16 +39,18 @@ from kvcached_proto.paths import (
 from kvcached_proto.shm_layout import Flag, State
 from kvcached_proto.version import PROTOCOL_VERSION
 
-from . import __version__, machine, sigbus
-from .config import DaemonConfig, prepare_run_dir
-from .errors import OpError, StartupError
+from .. import __version__
+from ..config import DaemonConfig, prepare_run_dir
+from ..copy import sigbus
+from ..errors import OpError, StartupError
+from ..host import machine
+from ..service.cache_service import DRAIN_TIMEOUT_S, CacheService
 from .control import ControlWorker
 from .kv_sweep import sweep_kv_segments, sweep_when_gone
-from .task_events import EventSink
-from .service import DRAIN_TIMEOUT_S, CacheService
 from .metrics import Metrics
-from .status_block import SignalSegment
 from .status import StatusThread
+from .status_block import SignalSegment
+from .task_events import EventSink
 
 log = logging.getLogger(__name__)
 

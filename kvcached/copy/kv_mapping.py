@@ -31,8 +31,8 @@ from kvcached_proto.order_words import segment_bytes
 from kvcached_proto.paths import KV_SEGMENT_RE
 from kvcached_proto.shm_layout import NUM_SLOTS
 
+from ..errors import OpError
 from . import sigbus
-from .errors import OpError
 from .order import DaemonOrder
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class KVRegistration:
     def _open_segment(self, name: str) -> mmap.mmap:
         if not sigbus.available():
             raise OpError(ErrorCode.KV_MISMATCH, "the engine's shared memory (CPU KV, order words) "
-                          "cannot be mapped safely: kvcached._sigbus is not built (reinstall kvcached "
+                          "cannot be mapped safely: kvcached.copy._sigbus is not built (reinstall kvcached "
                           "with a C compiler present)")
         try:
             shm = posix_ipc.SharedMemory(name, flags=0)

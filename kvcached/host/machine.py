@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import StartupError
+from ..errors import StartupError
 
 MEMORY_MARGIN = 0.9  # the pool may take this share of what is available: the rest is the daemon's
 

@@ -3,8 +3,8 @@ tests, fuzzing: the index's own; every indexed host block allocated and not free
 held by a live task and every live task's pins held; every busy progress slot a live load's)."""
 from __future__ import annotations
 
+from ..copy.transfer import LOAD, OFFLOAD
 from .storage_flow import BACKUP
-from .transfer import LOAD, OFFLOAD
 
 
 def check_service(svc) -> str:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .mm_keys import MMItem
-from .prefix_tree import Node
+from ..mm_keys import MMItem
+from .tree import Node
 
 
 @dataclass

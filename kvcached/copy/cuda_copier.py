@@ -2,7 +2,7 @@
 StrategyCopier with streams and the order words it shares with the engine. `CudaCopier` adds:
 - one offload and one load stream on the KV's device (the engine's streams never wait for
   the daemon's copies unless the engine asks);
-- the order words (kvcached_proto.order_words, kvcached/order.py): each task's copies wait on
+- the order words (kvcached_proto.order_words, kvcached/copy/order.py): each task's copies wait on
   its stream for the engine's fence (the engine's writes to those blocks are done) with no
   host synchronize; after layer i of a load, the task id is written into the slot's progress
   word on the load stream, then the slot's counter is bumped, and the engine's stream waits
@@ -20,8 +20,8 @@ import torch
 
 from kvcached_proto import ErrorCode
 
-from . import copy_strategies as cs
-from .errors import OpError
+from ..errors import OpError
+from . import strategies as cs
 from .strategy_copier import STAGING_BYTES, StrategyCopier  # noqa: F401 (STAGING_BYTES: re-exported)
 from .transfer import LOAD, OFFLOAD, CopyTask, CpuCopier
 

@@ -65,12 +65,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvcached_proto.errors import KvcachedError
 
-from .daemon_link import DaemonLink, GroupLink
-from .group import rank_keys
-from .hashing import BlockHasher, kernel_block_keys, make_namespace
-from .kv_worker import BlockTransfer, KVWorker
-from .lookup_gate import LookupGate
-from .prefix import MMItem, block_extra_keys
+from ..daemon_link import DaemonLink, GroupLink
+from ..group import rank_keys
+from ..hashing import BlockHasher, kernel_block_keys, make_namespace
+from ..kv_worker import BlockTransfer, KVWorker
+from ..lookup_gate import LookupGate
+from ..mm_keys import MMItem, block_extra_keys
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

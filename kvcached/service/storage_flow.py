@@ -23,12 +23,12 @@ import numpy as np
 from kvcached_proto.messages import TaskStatus
 from kvcached_proto.shm_layout import Flag
 
-from .errors import StartupError
-from .index import BACKUP_QUEUED, NOT_STORED, STORED
+from ..copy.transfer import LOAD, CopyTask, TransferWorker
+from ..errors import StartupError
+from ..host.index import BACKUP_QUEUED, NOT_STORED, STORED
+from ..storage.tiers import StorageTiers
 from .host_tier import HostTier
-from .storage.tiers import StorageTiers
 from .task_table import TaskTable
-from .transfer import LOAD, CopyTask, TransferWorker
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ def install() -> None:
     if _sigbus is not None:
         _sigbus.install()
     else:
-        log.warning("[startup] kvcached._sigbus is not built: KV registration is refused (CPU KV "
+        log.warning("[startup] kvcached.copy._sigbus is not built: KV registration is refused (CPU KV "
                     "and CUDA KV's order words are engine shared memory); reinstall with a C "
                     "compiler present")
 
@@ -44,7 +44,7 @@ class GuardedMap:
 
     def __init__(self, mm: mmap.mmap, length: int):
         if _sigbus is None:
-            raise RuntimeError("kvcached._sigbus is not built; reinstall with a C compiler")
+            raise RuntimeError("kvcached.copy._sigbus is not built; reinstall with a C compiler")
         import numpy as np
 
         base = np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data  # page-aligned mmap base

@@ -15,6 +15,7 @@ import time
 
 import posix_ipc
 
+from kvcached_proto.liveness import pid_alive, pid_namespace, process_alive, start_ticks
 from kvcached_proto.shm_layout import (
     MAGIC,
     SEGMENT_BYTES,
@@ -25,8 +26,7 @@ from kvcached_proto.shm_layout import (
     segment_name,
 )
 
-from .errors import StartupError
-from kvcached_proto.liveness import pid_alive, pid_namespace, process_alive, start_ticks
+from ..errors import StartupError
 
 log = logging.getLogger(__name__)
 
