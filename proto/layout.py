@@ -29,6 +29,7 @@ block_stride: a contiguous tensor in an allocation of its own. Both forms are ac
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -89,6 +90,16 @@ class LayoutSpec:
     def geometry(self) -> tuple:
         """What host blocks depend on; equal geometry means host content stays usable."""
         return (self.num_layers, self.parts, self.kv_layout)
+
+    def geometry_digest(self) -> bytes:
+        """16 bytes naming geometry(): what a stored block's bytes mean. The daemon's storage
+        tiers keep each geometry's blocks apart under it (and every record carries it), so an
+        engine never loads bytes written from another dtype, block shape, axis order or
+        layer count."""
+        parts = ";".join(f"{p.name}:{p.dtype}:{','.join(map(str, p.block_shape))}"
+                         for p in self.parts)
+        text = f"kvcached-geometry-1|{self.num_layers}|{parts}|{self.kv_layout}"
+        return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
 def _bad(message: str) -> ProtocolError:

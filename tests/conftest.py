@@ -283,3 +283,19 @@ def disk_dir():
 
 def disk_uri(path: str, capacity_gb: float = 1.0) -> str:
     return f"disk://{path}?capacity_gb={capacity_gb}"
+
+
+def geometry_of(kv) -> bytes:
+    """The geometry digest the daemon gives kv's blocks once kv is registered."""
+    from kvcached_client.kv_alloc import describe_kv_cache
+    from kvcached_proto.layout import parse_layout
+
+    return parse_layout(describe_kv_cache(kv)).geometry_digest()
+
+
+def stored(key: bytes, kv) -> bytes:
+    """The name a storage tier gives key's block of kv's geometry (a record file's name, a
+    Redis key's suffix)."""
+    from kvcached.storage.record import stored_key
+
+    return stored_key(key, geometry_of(kv))

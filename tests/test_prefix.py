@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import disk_uri, small_kv, sweep_crashed
+from conftest import disk_uri, small_kv, stored, sweep_crashed
 
 from kvcached_client import BlockHasher, launch
 from kvcached_client.prefix import MMItem, PrefixCacheManager, block_extra_keys
@@ -270,7 +270,7 @@ def test_disk_hit_after_a_daemon_restart_and_a_damaged_block_is_recomputed(run_d
     sweep_crashed(instance)
     # flip a byte in the record of block 3: blocks 0-2 come back, 3-4 are recomputed
     key3 = BlockHasher(NS).hash_blocks(prompt, BS)[3]
-    files = [p for p in (tmp_path / "disk").rglob("*") if p.is_file() and key3.hex() in p.name]
+    files = [p for p in (tmp_path / "disk").rglob("*") if p.is_file() and stored(key3, kv).hex() in p.name]
     assert len(files) == 1, "expected one record file named after the key"
     raw = bytearray(files[0].read_bytes())
     raw[-5] ^= 0xFF

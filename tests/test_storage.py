@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from conftest import RedisServer, blocks_equal, disk_uri, keys_for, wait_until, scramble, small_kv, snapshot, unique_instance
+from conftest import (RedisServer, blocks_equal, disk_uri, keys_for, scramble, small_kv, snapshot, stored,
+                      unique_instance, wait_until)
 from kvcached_client import Client, KvcachedTimeout, launch
 from kvcached_proto import ErrorCode, RequestError
 
@@ -33,8 +34,10 @@ def offload_and_flush(c, kv, keys, src):
     c.flush().wait(30)
 
 
-def record_path(disk_dir, key):
-    return os.path.join(disk_dir, key.hex()[:2], key.hex() + ".kvb")
+def record_path(disk_dir, key, kv):
+    """The disk tier's file of key's block of kv's geometry."""
+    name = stored(key, kv).hex()
+    return os.path.join(disk_dir, name[:2], name + ".kvb")
 
 
 def stored_on_disk_only(run_dir, instance, disk_dir, seed=0, n=8, extra=()):
@@ -103,14 +106,14 @@ def test_blocks_survive_a_daemon_restart_on_disk(run_dir, instance, disk_dir):
 def test_a_damaged_block_file_is_a_miss_never_wrong_bytes(run_dir, instance, disk_dir, damage):
     dst = list(range(40, 48))
     with on_disk_only(run_dir, instance, disk_dir, 1) as (c, kv, keys, expected):
-        bad = record_path(disk_dir, keys[5])
+        bad = record_path(disk_dir, keys[5], kv)
         data = bytearray(open(bad, "rb").read())
         if damage == "flip":
             data[len(data) // 2] ^= 0x01
         elif damage == "truncate":
             data = data[: len(data) - 100]
         elif damage == "foreign_key":  # a valid record of another key under this name
-            data = bytearray(open(record_path(disk_dir, keys[4]), "rb").read())
+            data = bytearray(open(record_path(disk_dir, keys[4], kv), "rb").read())
         else:
             data = bytearray()
         open(bad, "wb").write(data)
@@ -152,7 +155,7 @@ def test_a_fifo_in_place_of_a_record_is_damage_not_a_hang(run_dir, instance, dis
             c.register_kv_cache(kv)
             offload_and_flush(c, kv, keys, src)
             c.clear(tier="host")
-            fifo = record_path(disk_dir, keys[3])
+            fifo = record_path(disk_dir, keys[3], kv)
             os.unlink(fifo)
             os.mkfifo(fifo, 0o600)
             scramble(kv, 3)
@@ -191,7 +194,7 @@ def _stored_with_one_record_hung(run_dir, instance, disk_dir, index, io_timeout_
         c.register_kv_cache(kv)
         offload_and_flush(c, kv, keys, src)
     h.stop()
-    hung = record_path(disk_dir, keys[index])
+    hung = record_path(disk_dir, keys[index], kv)
     size = os.path.getsize(hung)
     os.unlink(hung)
     return kv, keys, expected, uri, hangfs.HangFS(os.path.dirname(hung), os.path.basename(hung), size)
@@ -345,7 +348,7 @@ def test_storage_readiness_is_shown_and_waited_for_and_what_changed_meanwhile_wi
         c.register_kv_cache(kv)
         offload_and_flush(c, kv, old, list(range(8)))
     h.stop()
-    shard = next(f"{b:02x}" for b in range(256) if b not in {k[0] for k in old + new})
+    shard = next(f"{b:02x}" for b in range(256) if b not in {stored(k, kv)[0] for k in old + new})
     fs = hangfs.HangFS(os.path.join(disk_dir, shard), f"{shard}{'0' * 30}.kvb", 4096, hang="readdir")
     h = start(run_dir, instance, disk_uri(disk_dir), wait_storage=False)
     try:
@@ -365,7 +368,7 @@ def test_storage_readiness_is_shown_and_waited_for_and_what_changed_meanwhile_wi
             c.clear(tier="host")
             assert c.lookup(new) == (0, 4)
             assert c.lookup(old) == (0, 7)  # the deleted block stays deleted
-            gone = record_path(disk_dir, old[7])
+            gone = record_path(disk_dir, old[7], kv)
             wait_until(lambda: not os.path.exists(gone), 5, "the deleted record's file gone")  # I/O thread
             on_disk = sum(os.path.getsize(f) for f in files(disk_dir))  # the FUSE shard's file too
             assert c.status()["storage"][0]["used_bytes"] == on_disk
@@ -618,20 +621,23 @@ def test_a_redis_lookup_counts_the_leading_keys_present_with_or_without_scripts(
     server = RedisServer(extra=off if scripts == "refused" else ())
     keys = keys_for(10, 34)
     try:
-        with in_redis_only(run_dir, instance, server.uri, keys) as (c, _, _, h):
+        with in_redis_only(run_dir, instance, server.uri, keys) as (c, kv, _, h):
+            def name(k):
+                return b"kvcached:" + stored(k, kv).hex().encode()
+
             assert c.lookup(keys) == (0, 10)
-            redis.Redis(port=server.port).delete(b"kvcached:" + keys[4].hex().encode())
+            redis.Redis(port=server.port).delete(name(keys[4]))
             assert c.lookup(keys) == (0, 4)  # the prefix ends at the first key missing
             assert c.lookup(keys[5:]) == (0, 5)
             assert c.lookup(keys_for(3, 35)) == (0, 0)
             # past one script call's keys (SCRIPT_KEYS): 2,500 present, a hole at 1,100
             r, many = redis.Redis(port=server.port), keys_for(2500, 36)
-            r.mset({b"kvcached:" + k.hex().encode(): b"x" for k in many})
+            r.mset({name(k): b"x" for k in many})
             calls = r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
             assert c.lookup(many) == (0, 2500)
             if scripts == "allowed":  # 1,024 + 1,024 + 452 keys: no call holds redis for all
                 assert r.info("commandstats")["cmdstat_evalsha"]["calls"] - calls == 3
-            r.delete(b"kvcached:" + many[1100].hex().encode())
+            r.delete(name(many[1100]))
             assert c.lookup(many) == (0, 1100)
             assert c.status()["storage"][0]["healthy"]
             with open(h.log_path) as log:
@@ -653,7 +659,7 @@ def test_a_corrupt_redis_value_is_a_miss(run_dir, instance, redis_server):
             offload_and_flush(c, kv, keys, list(range(6)))
             c.clear(tier="host")
             r = redis.Redis(port=redis_server.port)
-            name = b"kvcached:" + keys[3].hex().encode()
+            name = b"kvcached:" + stored(keys[3], kv).hex().encode()
             value = bytearray(r.get(name))
             value[-1] ^= 0xFF
             r.set(name, bytes(value))
@@ -866,7 +872,7 @@ def test_two_loads_of_a_prefix_being_fetched_share_the_fetch(run_dir, instance, 
 def test_a_load_sharing_a_fetch_that_fails_gets_the_leading_blocks_that_arrived(
         run_dir, instance, disk_dir):
     with on_disk_only(run_dir, instance, disk_dir, 8) as (c, kv, keys, expected):
-        os.unlink(record_path(disk_dir, keys[3]))
+        os.unlink(record_path(disk_dir, keys[3], kv))
         c.pause()
         first, second = c.load(keys, list(range(20, 28))), c.load(keys, list(range(40, 48)))
         c.resume()

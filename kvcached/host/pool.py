@@ -111,6 +111,7 @@ class HostPool:
         log.info("[host] %.2f GiB host pool ready in %.2f s (%s, %s)",
                  capacity_bytes / 2**30, time.monotonic() - started, device, layout)
         self.spec: LayoutSpec | None = None
+        self.geometry: bytes | None = None  # spec.geometry_digest(): what its pages' bytes mean
         self.views: list[list[torch.Tensor]] = []
         self.allocator = BlockAllocator(0)
         self.page_bytes = 0
@@ -203,6 +204,7 @@ class HostPool:
             self.spec = spec
             return False
         self.spec = spec
+        self.geometry = spec.geometry_digest()
         self.page_bytes = spec.page_bytes
         n = self.capacity_bytes // self.page_bytes
         self.allocator = BlockAllocator(n)

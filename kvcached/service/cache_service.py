@@ -110,12 +110,15 @@ class CacheService:
                           f"one block across layers is {spec.page_bytes} bytes, more than the "
                           f"host pool ({self.host.pool.capacity_bytes}); raise --host-cache-gb")
         reg = KVRegistration(spec, client.client_id, self.cfg.device)  # maps or raises, changing nothing
-        self._drain("register_kv")
+        known = self.host.pool.spec
+        # a new geometry voids the host blocks: work queued on them goes (cancelled, dropped)
+        self._drain("register_kv", cancel_queued=known is not None and known.geometry() != spec.geometry())
         try:
             with self.host.lock:
                 old, old_copier = self.kv, self.copier
                 if self.host.pool.configure(spec):
                     self.host.reset_index()  # new geometry: old blocks are void
+                    self.storage.drop_queued_backups()
                     kept = 0
                 else:
                     kept = len(self.host.index)
@@ -363,7 +366,7 @@ class CacheService:
                 if block is not None:
                     self.host.free([block])
                     deleted += 1
-        stored = self.storage.tiers.delete(keys) if self.storage.tiers else 0
+        stored = self.storage.tiers.delete(keys, self.host.pool.geometry) if self.storage.tiers else 0
         return {"deleted": deleted, "storage_deleted": stored}
 
     def _clear(self, client, req) -> dict:

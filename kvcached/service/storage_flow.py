@@ -106,7 +106,7 @@ class StorageFlow:
     def prefix(self, keys) -> int:
         """How many leading keys the storage tiers hold. Never with the lock held: a store may
         be remote (a Redis round trip), and every worker completion needs the lock."""
-        return self.tiers.exists_prefix(keys) if self.tiers else 0
+        return self.tiers.exists_prefix(keys, self.host.pool.geometry) if self.tiers else 0
 
     def past_host(self, keys) -> tuple[int, int]:
         """(host prefix seen, storage run past it), the storage part looked up outside the
@@ -295,7 +295,8 @@ class StorageFlow:
             release, token = self.loans.tokens()
             # straight into the (still WRITING, invisible) host blocks: no staging copy
             got, late = self.tiers.fetch([e.key for e in chunk],
-                                         [self.host.pool.page_pieces(e.block) for e in chunk], release)
+                                         [self.host.pool.page_pieces(e.block) for e in chunk],
+                                         self.host.pool.geometry, release)
             if late:
                 with self.host.lock:
                     for i in late:
@@ -338,7 +339,7 @@ class StorageFlow:
                 continue
             if task.payloads is not None:  # private copies: a late write may keep them
                 (keys, pages), task.payloads = task.payloads, None
-                stored, _late = self.tiers.put(keys, pages)
+                stored, _late = self.tiers.put(keys, pages, self.host.pool.geometry)
                 with self.host.lock:
                     self.pending_backups -= len(keys)
                 self.counters["backups"] += sum(stored)
@@ -348,7 +349,8 @@ class StorageFlow:
                 release, token = self.loans.tokens()
                 # written straight from the host blocks, which stay pinned until it is done
                 ok, late = self.tiers.put([e.key for e in chunk],
-                                          [self.host.pool.page_pieces(e.block) for e in chunk], release)
+                                          [self.host.pool.page_pieces(e.block) for e in chunk],
+                                          self.host.pool.geometry, release)
                 with self.host.lock:
                     task.entries = task.entries[len(chunk):]
                     for e, stored in zip(chunk, ok):
@@ -358,6 +360,16 @@ class StorageFlow:
                     self.host.unpin(done)
                     self.pending_backups -= len(done)
                 self.counters["backups"] += sum(ok)
+
+    def drop_queued_backups(self) -> None:
+        """(Lock held, workers drained.) The host blocks of a geometry that is replaced are
+        void: a backup still queued would store other bytes (or these bytes under the new
+        geometry's keys)."""
+        for task in self.backer.remove_queued(lambda t: t.kind == BACKUP):
+            n = len(task.payloads[0]) if task.payloads is not None else len(task.entries)
+            self.pending_backups -= n
+            self.counters["backup_dropped"] += n
+            task.entries, task.payloads = [], None
 
     def release_backup(self, task: CopyTask) -> None:
         """(Lock held.) A failed backup gives its pins back."""

@@ -1,6 +1,8 @@
 """The storage backend interface. Backends move whole host pages (one block, all layers).
 
-A page is passed as its list of pieces (memoryviews in page order): one piece for the page_first
+Keys reaching a backend are already the stored keys (record.stored_key: the block's key
+salted with its KV geometry), so each geometry has a key space of its own; the geometry digest
+comes along for the records' headers. A page is passed as its list of pieces (memoryviews in page order): one piece for the page_first
 host layout, one per (layer, part) for layer_first. The disk tier writes and reads them in place
 with writev/readv and checksums them in a stream, so a page is never staged just to be stored.
 
@@ -26,15 +28,19 @@ class StorageBackend(abc.ABC):
         """Number of leading keys present."""
 
     @abc.abstractmethod
-    def get_into(self, keys: Sequence[bytes], pages: Sequence[list], release=None) -> list:
-        """Fill pages[i]'s pieces with key i's verified payload; False where missing, corrupt or
-        failed (the pieces may then hold garbage: the caller drops them); None where the read
-        missed its deadline (release(i) follows once it returned)."""
+    def get_into(self, keys: Sequence[bytes], pages: Sequence[list], geometry: bytes,
+                 release=None) -> list:
+        """Fill pages[i]'s pieces with key i's verified payload, written from this geometry;
+        False where missing, corrupt, of another geometry or failed (the pieces may then hold
+        garbage: the caller drops them); None where the read missed its deadline (release(i)
+        follows once it returned)."""
 
     @abc.abstractmethod
-    def put(self, keys: Sequence[bytes], pages: Sequence[list], release=None) -> list:
-        """Store pages; a key already stored is not rewritten (and counts as True). None where
-        the write missed its deadline (release(i) follows once it returned)."""
+    def put(self, keys: Sequence[bytes], pages: Sequence[list], geometry: bytes,
+            release=None) -> list:
+        """Store pages written from this geometry (its tag goes in each record); a key already
+        stored is not rewritten (and counts as True). None where the write missed its deadline
+        (release(i) follows once it returned)."""
 
     @abc.abstractmethod
     def delete(self, keys: Sequence[bytes]) -> int:

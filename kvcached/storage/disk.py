@@ -1,6 +1,6 @@
 """The disk tier: one file per block under 256 shard directories.
 
-    {root}/{key[0] as 2 hex}/{key as 32 hex}.kvb      (record.py format)
+    {root}/{key[0] as 2 hex}/{key as 32 hex}.kvb      (record.py format; the stored key)
 
 Writes go to a temp file in the same shard, then os.replace: a crash leaves either the old
 state or the whole new file, never half a block. The file name is the key, so the index is
@@ -299,10 +299,11 @@ class DiskBackend(StorageBackend):
             if key in self._lru:
                 self._lru.move_to_end(key)
 
-    def get_into(self, keys, buffers, release=None) -> list:
+    def get_into(self, keys, buffers, geometry, release=None) -> list:
         if self._stuck():
             return [False] * len(keys)
-        got = run_bounded(self._io, self._get_one, list(zip(keys, buffers)), self.io_timeout_s,
+        items = [(k, b, geometry) for k, b in zip(keys, buffers)]
+        got = run_bounded(self._io, self._get_one, items, self.io_timeout_s,
                           self._late_op("a block read"), self._on_late_done(release))
         with self._lock:
             self._touch_chain([k for k, ok in zip(keys, got) if ok])
@@ -315,7 +316,7 @@ class DiskBackend(StorageBackend):
                 release(i)
         return done
 
-    def _get_one(self, key: bytes, pieces) -> bool:
+    def _get_one(self, key: bytes, pieces, geometry: bytes) -> bool:
         with self._lock:
             if key not in self._lru:
                 return False
@@ -325,7 +326,7 @@ class DiskBackend(StorageBackend):
             try:
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
                     raise BadRecord("not a regular file")
-                crc = check_header(os.read(fd, HEADER_BYTES), key, want)
+                crc = check_header(os.read(fd, HEADER_BYTES), key, want, geometry)
                 if os.readv(fd, pieces) != want or os.read(fd, 1):
                     raise BadRecord("short or long file")
             finally:
@@ -342,17 +343,18 @@ class DiskBackend(StorageBackend):
         self.counters["gets"] += 1
         return True
 
-    def put(self, keys, buffers, release=None) -> list:
+    def put(self, keys, buffers, geometry, release=None) -> list:
         if self._stuck():
             self.counters["dropped_puts"] += len(keys)
             return [False] * len(keys)
-        stored = run_bounded(self._io, self._put_one, list(zip(keys, buffers)), self.io_timeout_s,
+        items = [(k, b, geometry) for k, b in zip(keys, buffers)]
+        stored = run_bounded(self._io, self._put_one, items, self.io_timeout_s,
                              self._late_op("a block write"), self._on_late_done(release))
         with self._lock:
             self._touch_chain([k for k, ok in zip(keys, stored) if ok])
         return stored
 
-    def _put_one(self, key: bytes, pieces) -> bool:
+    def _put_one(self, key: bytes, pieces, geometry: bytes) -> bool:
         with self._lock:
             if key in self._lru:
                 return True
@@ -360,14 +362,14 @@ class DiskBackend(StorageBackend):
         self._block_bytes = size
         if size > self.capacity_bytes or not self._evict_over_capacity(size):
             return False
-        err = self._write(key, pieces, size)
+        err = self._write(key, pieces, size, geometry)
         if err is not None and err.errno == errno.ENOSPC:
             with self._lock:
                 self.used_bytes -= size  # the reservation, taken again under the new limit
             self._on_full(size)
             if not self._evict_over_capacity(size):
                 return False
-            err = self._write(key, pieces, size)
+            err = self._write(key, pieces, size, geometry)
         if err is not None:
             with self._lock:
                 self.used_bytes -= size  # the reservation
@@ -383,7 +385,7 @@ class DiskBackend(StorageBackend):
         self.counters["puts"] += 1
         return True
 
-    def _write(self, key: bytes, pieces, size: int) -> OSError | None:
+    def _write(self, key: bytes, pieces, size: int, geometry: bytes) -> OSError | None:
         """Temp file, then rename; None when the record is in place, else the error (nothing
         of it is left behind)."""
         path = self._path(key)
@@ -395,7 +397,7 @@ class DiskBackend(StorageBackend):
                 os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
                 fd = os.open(tmp, _OPEN_TEMP, 0o600)
             try:
-                _write_all(fd, [pack_header(key, pieces), *pieces], size)
+                _write_all(fd, [pack_header(key, pieces, geometry), *pieces], size)
                 if self.fsync:
                     os.fsync(fd)
             finally:

@@ -3,7 +3,7 @@
     redis://host:port/db[?prefix=P&ttl_s=N]        one server
     redis+cluster://host:port[?prefix=P&ttl_s=N]   a cluster (any node as the entry point)
 
-Keys are `{prefix}{key hex}`; values are record.py records (header with a checksum, then the
+Keys are `{prefix}{stored key hex}`; values are record.py records (header with a checksum, then the
 page). A server that stops answering marks the tier unhealthy: lookups see 0 hits, puts are
 dropped and counted, until it answers again.
 
@@ -165,7 +165,7 @@ class RedisBackend(StorageBackend):
                 break
         return n
 
-    def get_into(self, keys, buffers, release=None) -> list[bool]:
+    def get_into(self, keys, buffers, geometry, release=None) -> list[bool]:
         """Synchronous: bounded by the socket timeout, never late (release is not called)."""
         values = self._per_key("get", keys)
         if values is None:
@@ -176,7 +176,7 @@ class RedisBackend(StorageBackend):
                 out.append(False)
                 continue
             try:
-                verify(value, key, nbytes(pieces))
+                verify(value, key, nbytes(pieces), geometry)
             except BadRecord as exc:
                 log.warning("[redis] %s: %s; deleted", key.hex(), exc)
                 self.counters["corrupt"] += 1
@@ -188,7 +188,7 @@ class RedisBackend(StorageBackend):
             out.append(True)
         return out
 
-    def put(self, keys, buffers, release=None) -> list[bool]:
+    def put(self, keys, buffers, geometry, release=None) -> list[bool]:
         if not keys:
             return []
         if not self._usable():
@@ -197,7 +197,7 @@ class RedisBackend(StorageBackend):
         try:
             pipe = self._client.pipeline(transaction=False)
             for key, pieces in zip(keys, buffers):
-                value = b"".join([pack_header(key, pieces), *pieces])
+                value = b"".join([pack_header(key, pieces, geometry), *pieces])
                 # NX: a key already stored is not rewritten
                 pipe.set(self._name(key), value, ex=self.ttl_s, nx=True)
             pipe.execute()

@@ -8,6 +8,10 @@ Write policies (host -> storage):
 - write_through: back up a block as soon as it is READY in the host tier (default);
 - write_through_selective: back up once a block has been hit `selective_hits` times;
 - write_back: back up only when the host tier evicts it.
+
+Every call names the KV geometry (LayoutSpec.geometry_digest) of the blocks it asks about:
+backends see each block under its stored key (record.stored_key), so blocks of different
+geometries never meet. With no geometry (no KV was ever registered) storage holds nothing.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from typing import Sequence
 
 from .base import StorageBackend
 from .disk import DiskBackend
+from .record import StoredKeys
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +86,11 @@ class StorageTiers:
     def __bool__(self) -> bool:
         return bool(self.backends)
 
-    def exists_prefix(self, keys: Sequence[bytes]) -> int:
+    def exists_prefix(self, keys: Sequence[bytes], geometry: bytes | None) -> int:
         """Leading keys present in some backend (each may come from a different one)."""
+        if geometry is None:
+            return 0
+        keys = StoredKeys(keys, geometry)
         n = 0
         while n < len(keys):
             best = 0
@@ -95,18 +103,20 @@ class StorageTiers:
             n += best
         return n
 
-    def fetch(self, keys: Sequence[bytes], buffers: Sequence, release=None) -> tuple[int, set]:
+    def fetch(self, keys: Sequence[bytes], buffers: Sequence, geometry: bytes | None,
+              release=None) -> tuple[int, set]:
         """Fill buffers from the first backend holding each key. Returns the leading count
         filled (the first miss or corrupt record ends the prefix) and the positions whose read
         missed its deadline: their buffers stay in use until release(i) is called. A buffer
         on loan is never handed to another backend."""
         ok = [False] * len(keys)
         late: set[int] = set()
-        todo = list(range(len(keys)))
+        todo = list(range(len(keys))) if geometry is not None else []
+        keys = StoredKeys(keys, geometry)
         for b in self.backends:
             if not todo:
                 break
-            got = b.get_into([keys[i] for i in todo], [buffers[i] for i in todo],
+            got = b.get_into([keys[i] for i in todo], [buffers[i] for i in todo], geometry,
                              _remap(release, todo))
             rest = []
             for i, g in zip(todo, got):
@@ -122,24 +132,29 @@ class StorageTiers:
             n += 1
         return n, late
 
-    def put(self, keys: Sequence[bytes], buffers: Sequence, release=None) -> tuple[list[bool], set]:
+    def put(self, keys: Sequence[bytes], buffers: Sequence, geometry: bytes | None,
+            release=None) -> tuple[list[bool], set]:
         """Store in every backend; per key, whether it reached at least one, and the positions
         whose write missed its deadline in some backend: their buffers stay in use until
         release(i), called once every backend's late write of them returned."""
         stored = [False] * len(keys)
-        if not self.writer:
+        if not self.writer or geometry is None:
             return stored, set()
+        keys = list(StoredKeys(keys, geometry))
         late: dict[int, int] = {}
         writes = _LateWrites(release)
         for b in self.backends:
-            for i, ok in enumerate(b.put(keys, buffers, writes.returned)):
+            for i, ok in enumerate(b.put(keys, buffers, geometry, writes.returned)):
                 if ok is None:
                     late[i] = late.get(i, 0) + 1
                 stored[i] |= bool(ok)
         writes.count(late)
         return stored, set(late)
 
-    def delete(self, keys: Sequence[bytes]) -> int:
+    def delete(self, keys: Sequence[bytes], geometry: bytes | None) -> int:
+        if geometry is None:
+            return 0
+        keys = list(StoredKeys(keys, geometry))
         return max((b.delete(keys) for b in self.backends), default=0)
 
     def clear(self) -> int:
