@@ -1,12 +1,24 @@
 """What a storage tier may serve: only records written from the same KV geometry (dtype, block
 shape, axis order, layers, parts), never one another user could plant, never hits from a tier
 that is gone. Real daemons, real files, a real redis-server."""
+import glob
+import os
+import shutil
+import stat
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from conftest import blocks_equal, disk_uri, keys_for, scramble, small_kv, snapshot
+from conftest import (blocks_equal, disk_uri, geometry_of, keys_for, scramble, small_kv, snapshot,
+                      stored, wait_until)
 from kv_layouts import vllm_kv
-from test_storage import offload_and_flush, start
+from kvcached.storage.record import pack_header
+from kvcached_client.kv_alloc import describe_kv_cache
+from kvcached_proto.layout import parse_layout
+from test_security import OTHER_UID, _other_uid, run_as_other_uid
+from test_storage import PAGE_SHAPE, offload_and_flush, record_path, start
 
 
 def _random_fill(kv, seed):
@@ -67,5 +79,151 @@ def test_a_block_stored_from_another_geometry_is_never_served(run_dir, instance,
             assert c.lookup(keys) == (0, 8)
             assert c.load(keys, dst).wait(10) == 8
             assert blocks_equal(kv_a2, dst, stored_bytes)
+    finally:
+        h.stop()
+
+
+# the disk tier's directories and files ----------------------------------------------------------
+
+def _stored_and_stopped(run_dir, instance, disk_dir, n=8, seed=80):
+    """n blocks on disk from a daemon since stopped: (kv, keys, their bytes)."""
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys, src = keys_for(n, seed), list(range(n))
+    expected = snapshot(kv, src)
+    h = start(run_dir, instance, disk_uri(disk_dir))
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, src)
+    finally:
+        h.stop()
+    return kv, keys, expected
+
+
+def _forged_record(kv, key) -> bytes:
+    """A well-formed record of key's block of kv's geometry holding other bytes (xxh3 carries
+    no secret: anyone who can write the file can make one)."""
+    page = os.urandom(parse_layout(describe_kv_cache(kv)).page_bytes)
+    return pack_header(stored(key, kv), [page], geometry_of(kv)) + page
+
+
+def _plant(path, data):
+    if os.path.lexists(path):
+        os.unlink(path)
+    with open(path, "wb") as f:
+        f.write(data)
+    return "planted"
+
+
+def test_a_record_planted_by_another_uid_in_an_open_disk_dir_is_never_served(run_dir, instance, disk_dir):
+    """The disk root and its shards were left writable by everyone (0777): another uid
+    replaces block 3's record with a well-formed one of its own. At the next start the root is
+    made private, the foreign file is removed unread, and block 3 is a miss; blocks 0-2 load."""
+    kv, keys, expected = _stored_and_stopped(run_dir, instance, disk_dir)
+    for d in [disk_dir] + glob.glob(os.path.join(disk_dir, "??")):
+        os.chmod(d, 0o777)
+    path = record_path(disk_dir, keys[3], kv)
+    assert run_as_other_uid(_plant, path, _forged_record(kv, keys[3])) == "planted"
+    assert os.stat(path).st_uid == OTHER_UID
+    h = start(run_dir, instance, disk_uri(disk_dir))
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            scramble(kv, 3)
+            assert c.lookup(keys) == (0, 3)
+            assert c.load(keys, list(range(20, 28))).wait(10) == 3
+            assert blocks_equal(kv, list(range(20, 28)), expected, upto=3)
+        assert not os.path.exists(path)
+        assert stat.S_IMODE(os.stat(disk_dir).st_mode) == 0o700
+        assert all(stat.S_IMODE(os.stat(d).st_mode) == 0o700
+                   for d in glob.glob(os.path.join(disk_dir, "??")))
+        log = open(h.log_path).read()
+        assert "was mode 777" in log and "files of other users" in log
+    finally:
+        h.stop()
+
+
+def _plant_shard(shard, path, data):
+    os.mkdir(shard, 0o755)
+    return _plant(path, data)
+
+
+def test_a_shard_dir_of_another_uid_is_left_unused(run_dir, instance, disk_dir):
+    """Another uid made block 5's shard directory (the root was open) and put a record in it:
+    nothing in that shard is served or written; the other blocks are."""
+    kv, keys, expected = _stored_and_stopped(run_dir, instance, disk_dir)
+    os.chmod(disk_dir, 0o777)
+    path = record_path(disk_dir, keys[5], kv)
+    shutil.rmtree(os.path.dirname(path))
+    assert run_as_other_uid(_plant_shard, os.path.dirname(path), path,
+                            _forged_record(kv, keys[5])) == "planted"
+    h = start(run_dir, instance, disk_uri(disk_dir))
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            assert c.lookup(keys) == (0, 5)
+            assert c.load(keys, list(range(20, 28))).wait(10) == 5
+            assert blocks_equal(kv, list(range(20, 28)), expected, upto=5)
+            c.offload([5], [keys[5]]).wait(10)
+            c.flush().wait(10)
+            assert os.stat(path).st_uid == OTHER_UID  # not written through
+        assert "left unused" in open(h.log_path).read()
+    finally:
+        h.stop()
+
+
+def test_a_disk_root_of_another_uid_is_refused_at_start(run_dir, instance, disk_dir):
+    _other_uid()
+    os.chown(disk_dir, OTHER_UID, -1)
+    out = subprocess.run([sys.executable, "-m", "kvcached", "serve", "--instance", instance,
+                          "--run-dir", run_dir, "--storage", disk_uri(disk_dir)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"belongs to uid {OTHER_UID}" in out.stderr
+
+
+def test_a_shard_dir_replaced_by_a_link_is_made_a_directory_again(run_dir, instance, disk_dir, tmp_path):
+    """A shard turned into a link to elsewhere: at start the link is replaced by a directory
+    (what is behind it is not served), and blocks stored into that shard from then on are
+    indexed after a restart (written through the link, they never were)."""
+    kv, keys, _ = _stored_and_stopped(run_dir, instance, disk_dir)
+    shard = os.path.dirname(record_path(disk_dir, keys[2], kv))
+    elsewhere = str(tmp_path / "elsewhere")
+    shutil.move(shard, elsewhere)
+    os.symlink(elsewhere, shard)
+    h = start(run_dir, instance, disk_uri(disk_dir))
+    try:
+        with h.connect() as c:
+            assert not os.path.islink(shard) and os.path.isdir(shard)
+            c.register_kv_cache(kv)
+            assert c.lookup(keys)[1] == 2
+            c.offload([2], [keys[2]]).wait(10)
+            c.flush().wait(10)
+    finally:
+        h.stop()
+    assert os.path.isfile(record_path(disk_dir, keys[2], kv))
+    h = start(run_dir, instance, disk_uri(disk_dir))
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            assert c.lookup(keys[:3]) == (0, 3)
+    finally:
+        h.stop()
+
+
+def test_a_disk_tier_whose_directory_is_gone_reports_no_hits(run_dir, instance, disk_dir):
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys = keys_for(6, 90)
+    h = start(run_dir, instance, disk_uri(disk_dir))
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, list(range(6)))
+            c.clear(tier="host")
+            assert c.lookup(keys) == (0, 6)
+            shutil.rmtree(disk_dir)
+            wait_until(lambda: not c.status()["storage"][0]["healthy"], 10, "the tier unhealthy")
+            assert c.lookup(keys) == (0, 0)
+            assert c.load(keys, list(range(10, 16))).wait(10) == 0
     finally:
         h.stop()

@@ -36,6 +36,7 @@ import time
 from typing import Callable, Sequence
 from urllib.parse import parse_qs, urlparse
 
+from . import owned
 from .base import StorageBackend
 from .iothreads import IOThreads, run_bounded
 from .record import HEADER_BYTES, BadRecord, check_header, check_payload, nbytes, pack_header
@@ -78,6 +79,7 @@ class DiskBackend(StorageBackend):
         self._probe_since = 0.0  # monotonic start of the probe in progress, 0 when none
         self._probe_error = ""
         self._closed = threading.Event()
+        self._unusable: set[int] = set()  # shards of another user (owned.py): never read or written
         self._on_ready = on_ready
         self._io = IOThreads(IO_THREADS, "kvcached-disk")
         self._make_root()
@@ -98,6 +100,7 @@ class DiskBackend(StorageBackend):
         instead of hanging the daemon's start-up."""
         def make():
             os.makedirs(self.root, mode=0o700, exist_ok=True)
+            owned.secure_root(self.root)
             if not os.access(self.root, os.W_OK):
                 raise PermissionError(errno.EACCES, "not writable", self.root)
 
@@ -116,8 +119,9 @@ class DiskBackend(StorageBackend):
     def _rebuild(self) -> None:
         started, removed = time.monotonic(), 0
         try:
-            for shard in range(256):  # made once here, not stat'ed on every put
-                os.makedirs(os.path.join(self.root, f"{shard:02x}"), mode=0o700, exist_ok=True)
+            for shard in range(256):  # made (and checked) once here, not stat'ed on every put
+                if not owned.usable_shard(os.path.join(self.root, f"{shard:02x}")):
+                    self._unusable.add(shard)
             found, removed = self._list_records()
             self._merge(found)
             log.info("[disk] %s: %d blocks (%.2f GiB) indexed in %.1f s, %d stray files removed",
@@ -134,21 +138,27 @@ class DiskBackend(StorageBackend):
 
     def _list_records(self) -> tuple[list, int]:
         found, removed = [], 0
+        foreign = 0
         for shard in os.scandir(self.root):
-            if not (shard.is_dir(follow_symlinks=False) and _SHARD_RE.match(shard.name)):
+            if not (shard.is_dir(follow_symlinks=False) and _SHARD_RE.match(shard.name)) \
+                    or int(shard.name, 16) in self._unusable:
                 continue
             for entry in os.scandir(shard.path):
+                st = entry.stat(follow_symlinks=False)
                 if (_NAME_RE.match(entry.name) and entry.name.startswith(shard.name)
-                        and entry.is_file(follow_symlinks=False)):
-                    st = entry.stat(follow_symlinks=False)
+                        and stat.S_ISREG(st.st_mode) and owned.is_ours(st)):
                     found.append((st.st_mtime_ns, bytes.fromhex(entry.name[:32]), st.st_size))
                     if len(found) % PROGRESS_EVERY == 0:
                         log.info("[disk] indexing %s: %d files", self.root, len(found))
-                elif entry.is_dir(follow_symlinks=False):
+                elif stat.S_ISDIR(st.st_mode):
                     log.warning("[disk] %s: a directory where records go; left alone", entry.path)
-                else:  # temp files of a crashed write, links, FIFOs, anything foreign
+                else:  # temp files of a crashed write, links, FIFOs, another user's files
+                    foreign += not owned.is_ours(st)
                     os.unlink(entry.path)
                     removed += 1
+        if foreign:
+            log.warning("[disk] %s: %d files of other users among the records (planted?); removed, "
+                        "never served", self.root, foreign)
         return found, removed
 
     def _merge(self, found: list) -> None:
@@ -280,7 +290,7 @@ class DiskBackend(StorageBackend):
 
     # interface ------------------------------------------------------------
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
-        if not self.indexed.is_set() or self._stuck():
+        if not self.indexed.is_set() or not self.health():  # stuck, or the root is gone
             return 0
         n = 0
         with self._lock:
@@ -324,8 +334,11 @@ class DiskBackend(StorageBackend):
         try:
             fd = os.open(self._path(key), _OPEN_READ)
             try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
                     raise BadRecord("not a regular file")
+                if not owned.is_ours(st):
+                    raise BadRecord(f"a file of uid {st.st_uid}, not this daemon's")
                 crc = check_header(os.read(fd, HEADER_BYTES), key, want, geometry)
                 if os.readv(fd, pieces) != want or os.read(fd, 1):
                     raise BadRecord("short or long file")
@@ -355,6 +368,8 @@ class DiskBackend(StorageBackend):
         return stored
 
     def _put_one(self, key: bytes, pieces, geometry: bytes) -> bool:
+        if key[0] in self._unusable:
+            return False
         with self._lock:
             if key in self._lru:
                 return True
