@@ -253,7 +253,8 @@ def _check_running(instance: str, run_dir: str) -> None:
     if not os.path.exists(socket_paths(run_dir, instance)[1]):
         raise DaemonUnavailable(f"no daemon {instance!r} is running in {run_dir} (no status socket)")
     try:
-        fd = os.open(lock_path(run_dir, instance), os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(lock_path(run_dir, instance),
+                     os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise DaemonUnavailable(f"no daemon {instance!r} is running in {run_dir} (no instance "
                                 "lock; its sockets are left from a daemon that died)") from None

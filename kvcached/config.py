@@ -147,18 +147,3 @@ def check_listen(endpoint: str, curve: bool = False) -> None:
             "--curve-allow-dir; `kvcached keygen` makes them), loopback included: any local "
             "user can connect to a loopback port. Same-user clients use the ipc:// socket in "
             "the run dir, which needs no --listen")
-
-
-def prepare_run_dir(path: str) -> None:
-    """Create the run dir 0700, or check that an existing one is ours and private."""
-    try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        st = os.stat(path)
-    except OSError as exc:
-        raise StartupError(f"--run-dir {path}: cannot create it: {exc.strerror or exc}") from None
-    if not os.path.isdir(path):
-        raise StartupError(f"--run-dir {path}: not a directory")
-    if st.st_uid != os.getuid():
-        raise StartupError(f"run dir {path} belongs to uid {st.st_uid}, not to us ({os.getuid()})")
-    if st.st_mode & 0o077:
-        os.chmod(path, 0o700)

@@ -8,8 +8,10 @@ from __future__ import annotations
 import os
 import select
 import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 
 import posix_ipc
@@ -20,6 +22,7 @@ from conftest import free_port, small_kv
 from kvcached_client import BlockHasher, Client, DaemonUnavailable, launch, make_namespace
 from kvcached_client.kv_alloc import describe_kv_cache
 from kvcached_proto import ErrorCode, Op, RequestError, TaskFailed
+from kvcached_proto.paths import lock_path, socket_paths
 
 OTHER_UID = 65534  # nobody
 
@@ -188,6 +191,52 @@ def test_a_segment_writable_by_others_is_refused(daemon):
     with daemon.connect() as c:
         with pytest.raises(RequestError, match="writable by group or others"):
             c.register_kv_cache(kv)
+
+
+def _links(pairs) -> str:
+    for target, name in pairs:
+        os.symlink(target, name)
+    return "planted"
+
+
+def test_links_planted_in_an_open_run_dir_are_not_followed(run_dir, instance, tmp_path):
+    """The run dir was writable by everyone before the daemon started (a Kubernetes emptyDir
+    is 0777): another uid put links to a file of ours where the instance lock and the sockets
+    go. The daemon takes the lock as a new file of its own, removes the links, and the file they
+    named keeps its bytes (it was truncated and given the daemon's pid before)."""
+    os.chmod(run_dir, 0o777)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious\n")
+    names = [lock_path(run_dir, instance), *socket_paths(run_dir, instance)]
+    assert run_as_other_uid(_links, [(str(victim), n) for n in names]) == "planted"
+    with launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05) as d:
+        assert victim.read_bytes() == b"precious\n"
+        st = os.lstat(names[0])
+        assert stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+        assert open(names[0]).read().strip() == str(d.pid)
+        assert stat.S_IMODE(os.stat(run_dir).st_mode) == 0o700
+        with d.connect() as c:
+            assert c.ping() >= 0
+        assert "(planted?); removed" in open(d.log_path).read()
+    assert victim.read_bytes() == b"precious\n"
+
+
+def test_a_run_dir_that_is_another_users_link_is_refused(instance):
+    """/tmp is everyone's: a link another user made where the run dir goes (to a directory of
+    ours, which the daemon would make 0700) is refused, not followed."""
+    _other_uid()
+    shared = tempfile.mkdtemp(prefix="kvshared-", dir="/tmp")  # sticky and open, as /tmp is
+    try:
+        os.chmod(shared, 0o1777)
+        target, link = os.path.join(shared, "ours"), os.path.join(shared, "run")
+        os.mkdir(target, 0o755)
+        assert run_as_other_uid(_links, [(target, link)]) == "planted"
+        out = subprocess.run([sys.executable, "-m", "kvcached", "serve", "--instance", instance,
+                              "--run-dir", link], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and f"is a link of uid {OTHER_UID}" in out.stderr, out.stderr
+        assert stat.S_IMODE(os.stat(target).st_mode) == 0o755
+    finally:
+        shutil.rmtree(shared)
 
 
 # one engine per instance, admin ops -----------------------------------------------------------

@@ -7,7 +7,6 @@ Signals only set the stop flag; SIGTERM, SIGINT and the `shutdown` op take one p
 """
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import signal
@@ -30,17 +29,12 @@ from kvcached_proto import (
 from kvcached_proto.errors import CodedError
 from kvcached_proto.liveness import pid_alive
 from kvcached_proto.messages import reply_for
-from kvcached_proto.paths import (
-    lock_path,
-    request_endpoint,
-    socket_paths,
-    status_endpoint,
-)
+from kvcached_proto.paths import request_endpoint, status_endpoint
 from kvcached_proto.shm_layout import Flag, State
 from kvcached_proto.version import PROTOCOL_VERSION
 
 from .. import __version__
-from ..config import DaemonConfig, prepare_run_dir
+from ..config import DaemonConfig
 from ..copy import sigbus
 from ..errors import OpError, StartupError
 from ..host import machine
@@ -48,6 +42,7 @@ from ..service.cache_service import DRAIN_TIMEOUT_S, CacheService
 from .control import ControlWorker
 from .kv_sweep import sweep_kv_segments, sweep_when_gone
 from .metrics import Metrics
+from .run_dir import prepare_run_dir, remove_instance_files, sweep_socket_files, take_instance_lock
 from .status import StatusThread
 from .status_block import SignalSegment
 from .task_events import EventSink
@@ -134,8 +129,8 @@ class Daemon:
         machine.check_device(cfg.device)
         machine.check_host_memory(cfg.host_cache_bytes)
         prepare_run_dir(cfg.run_dir)
-        self._take_instance_lock()
-        self._sweep_socket_files()
+        self._lock_fd = take_instance_lock(cfg.run_dir, cfg.instance)
+        sweep_socket_files(cfg.run_dir, cfg.instance)
         self.signals = SignalSegment(cfg.instance)
         self._ctx = zmq.Context(io_threads=1)
         self.events = EventSink()
@@ -203,29 +198,6 @@ class Daemon:
         log.info("[startup] CURVE on %s; allowed client keys from %s", ", ".join(cfg.listen),
                  cfg.curve_allow_dir)
         return sock
-
-    def _take_instance_lock(self) -> None:
-        path = lock_path(self.cfg.run_dir, self.cfg.instance)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            os.close(fd)
-            raise StartupError(
-                f"instance {self.cfg.instance!r} is already running in {self.cfg.run_dir} "
-                f"(pid {owner or 'unknown'}); stop it first or pick another --instance"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
-
-    def _sweep_socket_files(self) -> None:
-        # We hold the instance lock, so any socket file left here belongs to a dead daemon.
-        for path in socket_paths(self.cfg.run_dir, self.cfg.instance):
-            if os.path.exists(path):
-                log.warning("[startup] removing stale socket %s", path)
-                os.unlink(path)
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -298,16 +270,11 @@ class Daemon:
     def _close_files(self) -> None:
         if self._lock_fd is None:
             return  # we never owned this instance's files: leave them to their owner
-        for path in socket_paths(self.cfg.run_dir, self.cfg.instance):
-            if os.path.exists(path):
-                os.unlink(path)
         if self.signals is not None:
             self.signals.close()
             self.signals = None
-        if self._lock_fd is not None:
-            os.unlink(lock_path(self.cfg.run_dir, self.cfg.instance))
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        remove_instance_files(self.cfg.run_dir, self.cfg.instance, self._lock_fd)
+        self._lock_fd = None
 
     # main loop ------------------------------------------------------------
     def _loop(self) -> None:
