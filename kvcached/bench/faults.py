@@ -292,8 +292,15 @@ def _killed_daemon(d, c, counts, out) -> None:
 
 
 def _damaged_disk(tmp, name, run_dir, storage, kv, keys, counts, out) -> None:
+    from kvcached_client.kv_alloc import describe_kv_cache
+    from kvcached_proto.layout import parse_layout
+
+    from ..storage.record import stored_key
+
+    geometry = parse_layout(describe_kv_cache(kv)).geometry_digest()  # records are named by it
     files = sorted(p for p in _record_files(os.path.join(tmp, "disk")))
-    by_key = {bytes.fromhex(os.path.basename(p)[:32]): p for p in files}
+    named = {bytes.fromhex(os.path.basename(p)[:32]): p for p in files}
+    by_key = {k: named[stored_key(k, geometry)] for k in keys if stored_key(k, geometry) in named}
     damaged = [i for i in (40, 50, 60) if keys[i] in by_key]
     fifo = by_key.get(keys[30])
     for i in damaged:

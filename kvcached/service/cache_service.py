@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from kvcached_proto import OP_SPECS, ErrorCode, Op, TaskStatus
-from kvcached_proto.layout import parse_layout, require_order_segment
 from kvcached_proto.shm_layout import NUM_SLOTS, Flag, State
 
 from ..config import DaemonConfig
@@ -25,6 +24,7 @@ from ..copy.transfer import LOAD, OFFLOAD, SPLIT_BLOCKS, CopyTask, TaskAbort, Tr
 from ..errors import OpError
 from ..host.index import READY, WRITING
 from .host_tier import HostTier
+from .registration import checked_layout
 from .report import check_service, status_of
 from .storage_flow import BACKUP, PREFETCH, StorageFlow
 from .task_table import TaskTable
@@ -95,20 +95,8 @@ class CacheService:
 
     # registration ---------------------------------------------------------
     def _register_kv(self, client, req) -> dict:
-        if self.kv is not None and self.kv.owner != client.client_id and not self.kv.retired:
-            raise OpError(ErrorCode.KV_IN_USE,
-                          f"this instance already serves the KV cache of client {self.kv.owner}: "
-                          "one engine per instance (start another with `kvcached serve "
-                          "--instance NAME`), or that engine unregisters or exits first")
-        spec = parse_layout(req.body["layout"])
-        require_order_segment(spec)
-        if spec.device.split(":")[0] != self.cfg.device.split(":")[0]:
-            raise OpError(ErrorCode.KV_MISMATCH,
-                          f"KV on {spec.device} but the daemon serves {self.cfg.device}")
-        if spec.page_bytes > self.host.pool.capacity_bytes:
-            raise OpError(ErrorCode.KV_MISMATCH,
-                          f"one block across layers is {spec.page_bytes} bytes, more than the "
-                          f"host pool ({self.host.pool.capacity_bytes}); raise --host-cache-gb")
+        spec = checked_layout(req.body["layout"], client.client_id, self.kv, self.cfg.device,
+                              self.host.pool.capacity_bytes)
         reg = KVRegistration(spec, client.client_id, self.cfg.device)  # maps or raises, changing nothing
         known = self.host.pool.spec
         # a new geometry voids the host blocks: work queued on them goes (cancelled, dropped)
