@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="public keys (*.key) of the clients allowed over TCP")
     serve.add_argument("--max-queued-tasks", type=int, default=S,
                        help="queued copy tasks before requests get BUSY (default: 4096)")
+    serve.add_argument("--max-connections", type=int, default=S,
+                       help="connections per request socket; more are refused, with a logged "
+                            "reason (default: 1024, at most half the open-files limit)")
+    serve.add_argument("--max-connections-per-peer", type=int, default=S,
+                       help="connections per process (ipc) or address (TCP) (default: 64)")
     serve.add_argument("--storage", action="append", default=S, metavar="URI",
                        help="storage tier, repeatable, searched in order: "
                             "disk:///abs/path?capacity_gb=F[&io_timeout_s=F][&fsync=1], "

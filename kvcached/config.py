@@ -31,6 +31,8 @@ class DaemonConfig:
     curve_secret_key_file: str = ""  # ZMQ CURVE: the daemon's key pair (zmq.auth certificate)
     curve_allow_dir: str = ""        # public keys (*.key certificates) of the allowed clients
     max_queued_tasks: int = 4096
+    max_connections: int = 1024  # per request socket; bounded by the open-files limit
+    max_connections_per_peer: int = 64  # per process (ipc) or address (TCP)
     storage: list[str] = field(default_factory=list)
     storage_write_policy: str = "write_through"
     storage_writer: bool = True
@@ -82,6 +84,8 @@ class DaemonConfig:
                                "auto, runs, gather or zero_copy")
         if self.max_queued_tasks < 1:
             raise StartupError("--max-queued-tasks must be >= 1")
+        if self.max_connections < 1 or self.max_connections_per_peer < 1:
+            raise StartupError("--max-connections and --max-connections-per-peer must be >= 1")
         if self.storage_write_policy not in WRITE_POLICIES:
             raise StartupError(f"--storage-write-policy {self.storage_write_policy!r}: "
                                f"expected one of {WRITE_POLICIES}")

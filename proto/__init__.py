@@ -34,11 +34,12 @@ from .messages import (
     task_event,
 )
 from .ops import ErrorCode, Op
+from .request_frame import decode_request
 from .version import PROTOCOL_VERSION
 
 __all__ = [
     "KEY_BYTES", "MAX_BLOCKS_PER_REQUEST", "MAX_FRAME_BYTES", "MAX_KEYS_PER_REQUEST",
-    "decode", "encode", "pack_block_ids", "pack_keys", "unpack_block_ids", "unpack_keys",
+    "decode", "decode_request", "encode", "pack_block_ids", "pack_keys", "unpack_block_ids", "unpack_keys",
     "Busy", "CodedError", "DaemonUnavailable", "KvcachedError", "KvcachedTimeout", "ProtocolError",
     "RequestError", "TaskFailed", "request_error", "OP_SPECS", "Request", "error_reply",
     "TaskStatus", "reply_for",

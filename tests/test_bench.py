@@ -60,3 +60,6 @@ def test_bench_faults_injects_every_fault_and_loses_nothing():
     assert r["corrupt_records_seen"] >= 1 and r["dead_daemon_seen_ms"] < 1000
     assert r["hostile_attempts_refused"] == 8 and r["truncated_segment_load"] == 0
     assert r["racing_loads_fetched"] == 32  # two loads of 32 blocks, one fetch
+    assert r["other_geometry_hits"] == 0 and r["faults_injected"] >= 20
+    assert r["conn_flood_refused"] >= r["conn_flood_connections_tried"] - 2 * 64
+    assert r["flood_junk_frames_sent"] > 0 and r["flood_layout_frames_sent"] > 0

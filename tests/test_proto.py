@@ -134,3 +134,72 @@ def test_parse_request_fills_defaults_and_unpacks():
     req = parse_request(decode(encode(_req(Op.LOAD, keys=b"a" * 16, blocks=pack_block_ids([3])))))
     assert req.op == Op.LOAD and req.body["priority"] == 0
     assert list(req.body["keys"]) == [b"a" * 16] and req.body["blocks"].tolist() == [3]
+
+
+# request frames: bounded cost (kvcached_proto.request_frame) ----------------------------------
+
+def _big(extra: dict) -> bytes:
+    """A request frame past WHOLE_BYTES: read field by field."""
+    from kvcached_proto.request_frame import WHOLE_BYTES
+
+    frame = encode({**make_request(Op.LOOKUP, 7, "c"), **extra})
+    assert len(frame) > WHOLE_BYTES
+    return frame
+
+
+JUNK = [[0] * 2040] * 4096  # 8 M objects: ~200 ms to decode whole
+
+
+def _refusal(frame: bytes):
+    from kvcached_proto import decode_request
+
+    seen = {}
+    with pytest.raises(ProtocolError) as e:
+        decode_request(frame, seen)
+    return e.value, seen
+
+
+def test_a_large_request_decodes_as_the_whole_frame_does():
+    from kvcached_proto import decode_request
+
+    frame = _big({"keys": pack_keys([bytes([i % 256]) * 16 for i in range(8192)])})
+    assert decode_request(frame, {}) == decode(frame)
+    assert decode_request(memoryview(frame), {}) == decode(frame)  # a zmq frame's buffer
+
+
+def test_an_unknown_field_is_refused_before_its_value_is_read():
+    """The junk is never decoded: the budget is not what refuses it, the name is; the rid
+    read before it is kept for the reply."""
+    err, seen = _refusal(_big({"junk": JUNK}))
+    assert err.code == ErrorCode.BAD_FIELD and "'junk': not a field of any op" in err.message
+    assert seen["rid"] == 7
+
+
+@pytest.mark.parametrize("field, value, code", [
+    ("rid", JUNK, ErrorCode.BAD_HEADER),          # an array where an int goes
+    ("keys", JUNK, ErrorCode.BAD_FIELD),          # an array where a bin goes
+    ("client", [JUNK], ErrorCode.BAD_HEADER),
+    ("proto", JUNK, ErrorCode.TOO_MANY_ITEMS),    # [major, minor]: 16 objects at most
+], ids=["rid", "keys", "client", "proto"])
+def test_a_value_of_the_wrong_type_or_size_is_refused_unread(field, value, code):
+    err, _ = _refusal(_big({field: value}))
+    assert err.code == code and field in err.message
+
+
+def test_a_layout_is_decoded_under_an_object_budget_and_only_for_register_kv():
+    from kvcached_proto.request_frame import LAYOUT_OBJECTS
+
+    err, _ = _refusal(_big({"layout": {"tensors": JUNK}}))  # op is lookup: refused unread
+    assert err.code == ErrorCode.BAD_FIELD and "layout: not a field of lookup" in err.message
+    frame = encode({**make_request(Op.REGISTER_KV, 8, "c"), "layout": {"tensors": JUNK}})
+    err, seen = _refusal(frame)
+    assert err.code == ErrorCode.TOO_MANY_ITEMS and f"more than {LAYOUT_OBJECTS}" in err.message
+    assert seen["rid"] == 8
+
+
+@pytest.mark.parametrize("cut", ["truncated", "extra"])
+def test_a_truncated_or_overlong_large_frame_is_a_bad_frame(cut):
+    frame = _big({"keys": pack_keys([b"k" * 16] * 8192)})
+    frame = frame[:-10] if cut == "truncated" else frame + b"\x01"
+    err, _ = _refusal(frame)
+    assert err.code == ErrorCode.BAD_FRAME

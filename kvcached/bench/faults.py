@@ -14,7 +14,11 @@ One daemon with a disk tier, in a private run dir:
    that says hello with the engine's id: every attempt refused, the engine's bytes exact;
 8. an engine that truncates its own KV segment: its load fails, the daemon lives;
 9. two loads racing for one fetch from disk: both exact, one fetch, no slot or pin left over;
-10. a FIFO in place of a record: the load stops there, nothing hangs.
+10. a FIFO in place of a record: the load stops there, nothing hangs;
+11. floods (bench/flood.py): two processes sending costly 8 MiB frames (junk; an over-budget
+    layout) while another client pings, and 1,200 silent ipc connections while a new engine
+    connects: the ping's latency, the daemon's memory growth, connections refused;
+12. another KV geometry registered over the stored blocks: none of them is a hit or loaded.
 """
 from __future__ import annotations
 
@@ -332,6 +336,38 @@ def _damaged_disk(tmp, name, run_dir, storage, kv, keys, counts, out) -> None:
             counts["lost"] += expect - loaded
         _compare(kv, range(loaded), range(HALF, HALF + loaded), counts)
         out["corrupt_records_seen"] = sum(s.get("corrupt", 0) for s in c.status()["storage"])
+        _other_geometry(c, keys, counts, out)
+
+
+def _floods(d, quick: bool, counts, out) -> None:
+    from .flood import connection_flood, frame_flood
+
+    for kind in ("junk", "layout"):
+        r = frame_flood(d, kind, flooders=2, seconds=2 if quick else 8)
+        counts["faults_injected"] += 1
+        for k in ("frames_sent", "ping_idle_p99_ms", "ping_p50_ms", "ping_p99_ms", "ping_max_ms",
+                  "rss_growth_mib"):
+            out[f"flood_{kind}_{k}"] = r[k]
+    r = connection_flood(d)
+    counts["faults_injected"] += 1
+    counts["lost"] += not r["daemon_alive"]
+    out.update({f"conn_flood_{k}": r[k] for k in ("connections_tried", "open_during", "refused",
+                                                   "newcomer_connect_ms")})
+
+
+def _other_geometry(c, keys, counts, out) -> None:
+    """The stored blocks were written from float16 KV; a bfloat16 cache of the same shape (the
+    same bytes per block) registered over them must see none."""
+    import torch
+
+    other = allocate_kv_cache(LAYERS, BLOCKS, SHAPE, torch.bfloat16)
+    c.register_kv_cache(other)
+    counts["faults_injected"] += 1
+    hits = c.lookup(keys)[1]
+    loaded = c.load(keys, range(HALF, BLOCKS)).wait(30)
+    counts["tasks_completed"] += 1
+    counts["wrong"] += hits + loaded
+    out["other_geometry_hits"] = hits + loaded
 
 
 def _record_files(root: str):
@@ -375,6 +411,7 @@ def run(quick: bool = False, **_) -> dict:
         _stopped_daemon(d, c, kv, keys, counts, out)
         c.flush().wait(60)
         _racing_loads(c, kv, keys, counts, out)
+        _floods(d, quick, counts, out)
         _killed_daemon(d, c, counts, out)
         c.close()
         _damaged_disk(tmp, name, run_dir, storage, kv, keys, counts, out)

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 import zmq
 
 from kvcached_proto import (
+    MAX_FRAME_BYTES,
     OP_SPECS,
     ErrorCode,
     Op,
     ProtocolError,
-    decode,
+    decode_request,
     encode,
     ok_reply,
     parse_request,
@@ -30,6 +31,7 @@ from kvcached_proto.errors import CodedError
 from kvcached_proto.liveness import pid_alive
 from kvcached_proto.messages import reply_for
 from kvcached_proto.paths import request_endpoint, status_endpoint
+from kvcached_proto.request_frame import WHOLE_BYTES
 from kvcached_proto.shm_layout import Flag, State
 from kvcached_proto.version import PROTOCOL_VERSION
 
@@ -41,6 +43,7 @@ from ..host import machine
 from ..service.cache_service import DRAIN_TIMEOUT_S, CacheService
 from .control import ControlWorker
 from .kv_sweep import sweep_kv_segments, sweep_when_gone
+from .connections import HANDSHAKE_MS, ConnectionGuard, connection_cap, raise_files_limit
 from .metrics import Metrics
 from .run_dir import prepare_run_dir, remove_instance_files, sweep_socket_files, take_instance_lock
 from .status import StatusThread
@@ -57,7 +60,16 @@ CLIENT_REAP_PERIOD_S = 0.25
 DYING_GRACE_S = 0.5  # at shutdown, for engines whose connection closed to finish dying
 MAX_BATCH = 256  # requests handled per wake before events get their turn
 DEFERRED = object()  # _dispatch's answer for an op the control worker replies to
-RECV_MAX_BYTES = 64 << 20  # zmq drops a peer that sends more; 8..64 MiB get FRAME_TOO_LARGE
+# a frame that is no valid request (what a flood of junk gets): counted as refused in status
+REFUSED_CODES = frozenset((ErrorCode.BAD_FRAME, ErrorCode.FRAME_TOO_LARGE, ErrorCode.BAD_HEADER,
+                           ErrorCode.UNSUPPORTED_VERSION, ErrorCode.UNKNOWN_OP,
+                           ErrorCode.BAD_FIELD, ErrorCode.TOO_MANY_ITEMS))
+# What one connection may have queued in the daemon: RECV_HWM frames of at most RECV_MAX_BYTES
+# (zmq stops reading a connection whose queue is full, so a flood waits in the flooder's own
+# memory); frames a little over MAX_FRAME_BYTES get FRAME_TOO_LARGE, zmq drops a peer that
+# sends more. Clients wait for each reply, so a few frames in flight per connection is plenty.
+RECV_MAX_BYTES = MAX_FRAME_BYTES + (1 << 20)
+RECV_HWM = 4
 
 
 def _heartbeats(sock: zmq.Socket) -> None:
@@ -90,10 +102,12 @@ class Daemon:
         self._ctx: zmq.Context | None = None
         self._router: zmq.Socket | None = None
         self._curve_router: zmq.Socket | None = None  # TCP with CURVE, when keys are given
-        self._monitors: list[zmq.Socket] = []  # DISCONNECTED events of the request sockets
+        self._monitors: list[zmq.Socket] = []  # ACCEPTED/DISCONNECTED events of the request sockets
+        self.connections: ConnectionGuard | None = None
         self._fd_clients: dict[int, bytes] = {}  # connection fd -> routing id (said hello)
         self._last_fd = -1
         self._gone_pids: set[int] = set()  # disconnected clients whose segments await sweeping
+        self.requests = {"handled": 0, "refused": 0}  # frames answered; invalid ones among them
         self._auth = None
         self.events: EventSink | None = None
         self.control: ControlWorker | None = None
@@ -128,6 +142,11 @@ class Daemon:
         sigbus.install()  # a client's shrunken KV segment must not kill the daemon
         machine.check_device(cfg.device)
         machine.check_host_memory(cfg.host_cache_bytes)
+        files = raise_files_limit()
+        self.connections = ConnectionGuard(connection_cap(cfg.max_connections, files),
+                                           cfg.max_connections_per_peer)
+        log.info("[startup] open-files limit %d: at most %d connections per socket, %d per peer",
+                 files, self.connections.max_connections, self.connections.max_per_peer)
         prepare_run_dir(cfg.run_dir)
         self._lock_fd = take_instance_lock(cfg.run_dir, cfg.instance)
         sweep_socket_files(cfg.run_dir, cfg.instance)
@@ -137,7 +156,8 @@ class Daemon:
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, RECV_MAX_BYTES)
-        self._router.setsockopt(zmq.RCVHWM, 10000)
+        self._router.setsockopt(zmq.RCVHWM, RECV_HWM)
+        self._router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
         self._router.setsockopt(zmq.SNDHWM, 100000)
         _heartbeats(self._router)
         self._router.bind(request_endpoint(cfg.run_dir, cfg.instance))
@@ -145,7 +165,8 @@ class Daemon:
             self._curve_router = self._curve_socket()
         for sock in (self._router, self._curve_router):
             if sock is not None:
-                self._monitors.append(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
+                self._monitors.append(
+                    sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED))
         self.service = CacheService(cfg, self.signals, self.events)
         self.control = ControlWorker(self.events)  # ops that may block, off the request thread
         self.control.start()
@@ -187,6 +208,8 @@ class Daemon:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, RECV_MAX_BYTES)
+        sock.setsockopt(zmq.RCVHWM, RECV_HWM)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)  # a TCP peer that never speaks goes
         sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
         _heartbeats(sock)
         for endpoint in cfg.listen:
@@ -292,7 +315,7 @@ class Daemon:
             ready = dict(poller.poll(POLL_MS))
             for mon in self._monitors:  # before requests: a closed fd may be reused meanwhile
                 if mon in ready:
-                    self._on_disconnects(mon)
+                    self._on_connection_events(mon)
             if self._router in ready:
                 for _ in range(MAX_BATCH):  # EVENTS instead of catching zmq.Again: cheaper
                     if not self._router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -312,35 +335,45 @@ class Daemon:
                 log.info("[stats] %s", stats_line(self.status()))
                 next_stats = time.monotonic() + self.cfg.stats_interval_s
 
-    def _recv(self, sock: zmq.Socket, tag: bytes) -> list[bytes]:
-        """One message: [routing id, frames...]; notes the connection's fd (for hello)."""
+    def _recv(self, sock: zmq.Socket, tag: bytes) -> list:
+        """One message: [routing id, frames as buffers...] (nothing copied: a frame is decoded
+        from zmq's own memory); notes the connection's fd (for hello)."""
         frames = [tag + sock.recv(zmq.NOBLOCK)]
         first = None
         while sock.getsockopt(zmq.RCVMORE):
             part = sock.recv(zmq.NOBLOCK, copy=False)
             first = first or part
-            frames.append(part.bytes)
+            frames.append(part.buffer)
         self._last_fd = first.get(zmq.SRCFD) if first is not None else -1
         return frames
 
-    def _on_disconnects(self, mon: zmq.Socket) -> None:
-        """A client's connection closed (it died, in any pid namespace): release its work."""
+    def _on_connection_events(self, mon: zmq.Socket) -> None:
+        """Connections accepted (counted, or refused past the caps) and closed."""
         from zmq.utils.monitor import recv_monitor_message
 
         while mon.poll(0):
-            fd = int(recv_monitor_message(mon, zmq.NOBLOCK)["value"])
-            routing_id = self._fd_clients.pop(fd, None)
-            client = self.clients.get(routing_id) if routing_id is not None else None
-            if client is None or client.fd != fd:
-                continue
-            log.warning("[clients] client %s (pid %d) closed its connection; releasing its work",
-                        client.client_id, client.pid)
-            del self.clients[routing_id]
-            self.service.drop_client(client, dead=True)
-            if client.pid_visible and not pid_alive(client.pid):
-                sweep_kv_segments(client.pid)
-            elif client.pid_visible:
-                self._gone_pids.add(client.pid)  # its KV segments go once the process has
+            event = recv_monitor_message(mon, zmq.NOBLOCK)
+            fd = int(event["value"])
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self.connections.accepted(fd, event["endpoint"].decode(errors="replace"))
+            else:
+                self.connections.closed(fd)
+                self._on_disconnect(fd)
+
+    def _on_disconnect(self, fd: int) -> None:
+        """A client's connection closed (it died, in any pid namespace): release its work."""
+        routing_id = self._fd_clients.pop(fd, None)
+        client = self.clients.get(routing_id) if routing_id is not None else None
+        if client is None or client.fd != fd:
+            return
+        log.warning("[clients] client %s (pid %d) closed its connection; releasing its work",
+                    client.client_id, client.pid)
+        del self.clients[routing_id]
+        self.service.drop_client(client, dead=True)
+        if client.pid_visible and not pid_alive(client.pid):
+            sweep_kv_segments(client.pid)
+        elif client.pid_visible:
+            self._gone_pids.add(client.pid)  # its KV segments go once the process has
 
     def _forward_events(self) -> None:
         for routing_id, payload in self.events.drain():
@@ -351,28 +384,33 @@ class Daemon:
 
     def _handle(self, frames: list[bytes]) -> None:
         routing_id, body = frames[0], frames[1:]
-        rid = 0
+        msg: dict = {}  # what was decoded, also of a frame refused part way (its rid)
+        self.requests["handled"] += 1
+        fd, costly = self._last_fd, False
         try:
             if len(body) != 1:
                 raise ProtocolError(ErrorCode.BAD_FRAME, f"expected one frame, got {len(body)}")
-            msg = decode(body[0])
-            if isinstance(msg.get("rid"), int) and not isinstance(msg.get("rid"), bool):
-                rid = msg["rid"] if 0 <= msg["rid"] < 2**64 else 0
-            req = parse_request(msg)
+            req = parse_request(decode_request(body[0], msg))
+            self.connections.valid(fd)
             result = self._dispatch(routing_id, req)
             if result is DEFERRED:
                 return
-            reply = ok_reply(rid, **result)
+            reply = ok_reply(req.rid, **result)
         except CodedError as exc:
-            reply = reply_for(rid, exc)
+            if exc.code in REFUSED_CODES:
+                self.requests["refused"] += 1
+                costly = sum(len(b) for b in body) > WHOLE_BYTES  # a large frame of no use
+            reply = reply_for(_rid_of(msg), exc)
         except Exception as exc:  # a bug: report it to the caller and keep serving others
             log.exception("[dispatch] internal error")
-            reply = reply_for(rid, exc)
+            reply = reply_for(_rid_of(msg), exc)
         if routing_id[:1] == CURVE_TAG:
             self._send_to(routing_id, encode(reply))
-            return
-        self._router.send(routing_id, zmq.SNDMORE)  # two sends: cheaper than send_multipart
-        self._router.send(encode(reply))
+        else:
+            self._router.send(routing_id, zmq.SNDMORE)  # two sends: cheaper than send_multipart
+            self._router.send(encode(reply))
+        if costly:
+            self.connections.strike(fd)
 
     def _send_to(self, routing_id: bytes, payload: bytes) -> None:
         """Send on the socket the client came in on (CURVE clients' ids carry CURVE_TAG)."""
@@ -441,7 +479,7 @@ class Daemon:
         # close's monitor event before the fd is closed, so it is readable now. Handle it
         # first, or it would be taken for this client's close.
         for mon in self._monitors:
-            self._on_disconnects(mon)
+            self._on_connection_events(mon)
         role = req.body["role"]
         if role == "operator" and routing_id[:1] == CURVE_TAG:
             raise OpError(ErrorCode.FORBIDDEN, "the operator role is for the ipc socket in the "
@@ -513,6 +551,8 @@ class Daemon:
             "device": self.cfg.device,
             "run_dir": self.cfg.run_dir,
             "clients": len(self.clients),
+            "connections": self.connections.status() if self.connections else {},
+            "requests": dict(self.requests),
             "heartbeat_max_gap_s": round(sig.max_gap_s, 3) if sig else 0.0,
         }
         if self.service is not None:
@@ -531,6 +571,12 @@ class Daemon:
             if not tier.get("healthy", True):
                 out.append(f"storage {tier['uri']} unhealthy: {tier.get('last_error') or 'down'}")
         return out
+
+
+def _rid_of(msg: dict) -> int:
+    """A refused request's rid, when it got far enough to carry a valid one; else 0."""
+    rid = msg.get("rid")
+    return rid if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < 2**64 else 0
 
 
 def stats_line(s: dict) -> str:

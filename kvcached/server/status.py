@@ -7,7 +7,7 @@ from typing import Callable
 
 import zmq
 
-from kvcached_proto import ErrorCode, Op, ProtocolError, decode, encode, ok_reply
+from kvcached_proto import ErrorCode, Op, ProtocolError, decode_request, encode, ok_reply
 from kvcached_proto.messages import parse_request, reply_for
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class StatusThread(threading.Thread):
     def _answer(self, frame: bytes) -> dict:
         rid = 0
         try:
-            req = parse_request(decode(frame))
+            req = parse_request(decode_request(frame, {}))
             rid = req.rid
             if req.op != Op.STATUS:
                 raise ProtocolError(ErrorCode.UNKNOWN_OP, "the status socket answers status only")

@@ -1,0 +1,193 @@
+"""The flood cases of `kvcached bench faults`: what one client's flood costs the others.
+
+- frames: flooding processes send costly frames as fast as the daemon takes them while this
+  process pings it; what comes out is the ping's latency under the flood against the same
+  ping idle (same run), and the daemon's memory before, at its peak and after. Kinds:
+  `junk`, 8 MiB of small nested arrays under a name that is no field (8 M objects to decode),
+  and `layout`, a register_kv whose layout holds more objects than a layout may.
+- connections (connection_flood): a process opens ipc connections far past the daemon's cap
+  and holds them while another client connects and pings.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+from kvcached_client import Client
+
+_FLOODER = """
+import sys, time, msgpack, zmq
+endpoint, kind, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+head = {"proto": [1, 7], "op": 5, "rid": 1, "client": "flood"}
+if kind == "junk":
+    frame = msgpack.packb({**head, "junk": [[0] * 2040] * 4096})
+else:
+    frame = msgpack.packb({**head, "layout": {"tensors": [[0] * 2040] * 4096}})
+ctx = zmq.Context()
+s = ctx.socket(zmq.DEALER)
+s.setsockopt(zmq.LINGER, 0)
+s.setsockopt(zmq.SNDHWM, 4)
+s.setsockopt(zmq.SNDTIMEO, 200)
+s.connect(endpoint)
+print("ready", flush=True)
+sent, end = 0, time.monotonic() + seconds
+while time.monotonic() < end:
+    try:
+        s.send(frame, copy=False)
+        sent += 1
+    except zmq.Again:
+        pass
+    while s.poll(0):
+        s.recv()
+print(sent, flush=True)
+s.close(0)
+ctx.term()
+"""
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class _RssPeak(threading.Thread):
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid, self.peak, self._done = pid, 0.0, threading.Event()
+
+    def run(self) -> None:
+        while not self._done.wait(0.05):
+            self.peak = max(self.peak, rss_mib(self.pid))
+
+    def stop(self) -> float:
+        self._done.set()
+        self.join(2)
+        return self.peak
+
+
+def _pings(c: Client, seconds: float, gap_s: float = 0.005) -> list[float]:
+    out, end = [], time.monotonic() + seconds
+    while time.monotonic() < end:
+        out.append(c.ping(timeout=10) * 1000)
+        time.sleep(gap_s)
+    return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3) if xs else 0.0
+
+
+def frame_flood(d, kind: str = "junk", flooders: int = 2, seconds: float = 10.0) -> dict:
+    """Flood daemon `d` (a DaemonHandle) from `flooders` processes; ping it meanwhile."""
+    endpoint = f"ipc://{d.run_dir}/{d.instance}.sock"
+    with Client.connect(instance=d.instance, run_dir=d.run_dir) as c:
+        idle = _pings(c, 1.0)
+        before = rss_mib(d.pid)
+        peak = _RssPeak(d.pid)
+        peak.start()
+        procs = [subprocess.Popen([sys.executable, "-c", _FLOODER, endpoint, kind, str(seconds)],
+                                  stdout=subprocess.PIPE, text=True) for _ in range(flooders)]
+        try:
+            for p in procs:
+                if p.stdout.readline().strip() != "ready":
+                    raise RuntimeError("a flooding process did not start")
+            busy = _pings(c, seconds)
+            sent = sum(int(p.stdout.readline() or 0) for p in procs)
+        finally:
+            for p in procs:
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        high = peak.stop()
+        time.sleep(1.0)
+        after = rss_mib(d.pid)
+        status = c.status()
+    return {"kind": kind, "flooders": flooders, "seconds": seconds, "frames_sent": sent,
+            "frames_refused": status.get("requests", {}).get("refused", 0),
+            "pings": len(busy), "ping_idle_p99_ms": _pct(idle, 0.99),
+            "ping_p50_ms": _pct(busy, 0.5), "ping_p99_ms": _pct(busy, 0.99),
+            "ping_max_ms": _pct(busy, 1.0), "rss_before_mib": round(before),
+            "rss_peak_mib": round(high), "rss_after_mib": round(after),
+            "rss_growth_mib": round(max(high, after) - before)}
+
+
+def format_frame_flood(r: dict) -> str:
+    return (f"flood of {r['kind']} frames from {r['flooders']} clients for {r['seconds']:g} s "
+            f"({r['frames_sent']} sent): another client's ping p50 {r['ping_p50_ms']} ms, p99 "
+            f"{r['ping_p99_ms']} ms, max {r['ping_max_ms']} ms (idle p99 {r['ping_idle_p99_ms']} "
+            f"ms); daemon RSS {r['rss_before_mib']} -> peak {r['rss_peak_mib']} -> "
+            f"{r['rss_after_mib']} MiB")
+
+
+_HOLDER = """
+import resource, socket, sys
+kind, target, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+held = []
+for _ in range(n):
+    if kind == "ipc":
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(target)
+    else:
+        s = socket.create_connection(("127.0.0.1", int(target)))
+    held.append(s)  # never a word: a half-open zmq peer
+print("holding", flush=True)
+sys.stdin.read()
+"""
+
+
+def hold_connections(kind: str, target: str, n: int) -> subprocess.Popen:
+    """A process holding n connections that never speak (kind ipc: target is the socket's
+    path; tcp: a port on 127.0.0.1) until its stdin is closed."""
+    p = subprocess.Popen([sys.executable, "-c", _HOLDER, kind, target, str(n)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    if p.stdout.readline().strip() != "holding":
+        p.kill()
+        p.wait()
+        raise RuntimeError("a process holding connections did not start")
+    return p
+
+
+def release_connections(procs) -> None:
+    for p in procs:
+        p.stdin.close()
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def connection_flood(d, processes: int = 2, each: int = 600) -> dict:
+    """`processes` processes hold `each` silent ipc connections to daemon `d`; meanwhile a new
+    engine connects and pings."""
+    sock = f"{d.run_dir}/{d.instance}.sock"
+    procs = [hold_connections("ipc", sock, each) for _ in range(processes)]
+    try:
+        t0 = time.monotonic()
+        with Client.connect(instance=d.instance, run_dir=d.run_dir, timeout=10) as c:
+            connect_ms = (time.monotonic() - t0) * 1000
+            ping_ms = c.ping() * 1000
+            during = c.status()["connections"]
+    finally:
+        release_connections(procs)
+    return {"connections_tried": processes * each, "open_during": during["open"],
+            "refused": during["refused"], "max_per_peer": during["max_per_peer"],
+            "newcomer_connect_ms": round(connect_ms, 2), "newcomer_ping_ms": round(ping_ms, 3),
+            "daemon_alive": d.alive()}
+
+
+def format_connection_flood(r: dict) -> str:
+    return (f"flood of {r['connections_tried']} silent ipc connections: {r['open_during']} open, "
+            f"{r['refused']} refused (max {r['max_per_peer']} per process); a new engine "
+            f"connected in {r['newcomer_connect_ms']} ms and pinged in {r['newcomer_ping_ms']} ms; "
+            f"daemon alive: {r['daemon_alive']}")

@@ -1,0 +1,175 @@
+"""Connections the daemon accepts, counted and capped, so that no flood of them takes its file
+descriptors (libzmq aborts the process when an ipc accept fails with EMFILE).
+
+At start the open-files limit is raised to its hard limit. Every accepted connection (a zmq
+monitor's ACCEPTED event) is counted per request socket and per peer - a process (SO_PEERCRED)
+on the ipc socket, an address on TCP; one past `max_connections` (bounded by the files limit
+less a reserve for the daemon's own files) or past `max_per_peer` is shut down at once with a
+logged reason, and zmq closes it. Connections that never finish their handshake are closed
+by zmq after HANDSHAKE_MS. A DISCONNECTED event uncounts one.
+
+An fd number is reused as soon as it is closed, so an ACCEPTED fd is acted on only while its
+socket is still the one accepted (its local address is the listener's), after every monitor
+event queued before it was handled.
+"""
+from __future__ import annotations
+
+import logging
+import resource
+import socket
+import struct
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+FD_RESERVE = 256  # files the daemon needs besides connections: storage, segments, threads
+HANDSHAKE_MS = 5000
+STRIKES = 3
+LOG_EVERY_S = 5.0  # one line per peer this often; a flood of refusals is counted, not logged
+
+
+def raise_files_limit() -> int:
+    """Lift the soft open-files limit to the hard one; returns the limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("[startup] cannot raise the open-files limit from %d to %d: %s", soft, hard, exc)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def connection_cap(wanted: int, files_limit: int) -> int:
+    """At most `wanted`, and never so many that connections could take the daemon's reserve."""
+    return max(8, min(wanted, files_limit - FD_RESERVE, files_limit // 2))
+
+
+@dataclass
+class _Conn:
+    listener: str
+    peer: str
+    strikes: int = 0  # large frames in a row that were no valid request
+    shut: bool = False  # shut by the daemon, its close not seen yet: never shut twice
+
+
+def _peer(sock: socket.socket) -> str:
+    if sock.family == socket.AF_UNIX:
+        pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                             struct.calcsize("3i")))
+        return f"pid {pid} (uid {uid})"
+    return f"address {sock.getpeername()[0]}"
+
+
+def _local(sock: socket.socket, endpoint: str) -> bool:
+    """Whether this socket is still one accepted on `endpoint` (not a reused fd)."""
+    name = sock.getsockname()
+    if sock.family == socket.AF_UNIX:
+        name = name.decode() if isinstance(name, bytes) else name
+        return endpoint == f"ipc://{name}"
+    host, port = name[:2]
+    return endpoint.endswith(f":{port}")
+
+
+class ConnectionGuard:
+    def __init__(self, max_connections: int, max_per_peer: int):
+        self.max_connections, self.max_per_peer = max_connections, max_per_peer
+        self._open: dict[int, _Conn] = {}
+        self._per_listener: Counter = Counter()
+        self._per_peer: Counter = Counter()
+        self.refused = 0
+        self._said: dict[str, tuple[float, int]] = {}  # peer -> (last line's time, refused since)
+
+    def accepted(self, fd: int, endpoint: str) -> None:
+        """A connection was accepted on `endpoint`: count it, or shut it if it is one too many."""
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            return  # closed already: its DISCONNECTED event follows
+        try:
+            if not _local(sock, endpoint):
+                return
+            peer = _peer(sock)
+            why = self._over(endpoint, peer)
+            if why:
+                self.refused += 1
+                self._say(peer, endpoint, why)
+                sock.shutdown(socket.SHUT_RDWR)  # zmq sees the end and closes it
+                return
+            self._open[fd] = _Conn(endpoint, peer)
+            self._per_listener[endpoint] += 1
+            self._per_peer[peer] += 1
+        except OSError as exc:  # gone meanwhile
+            log.debug("[clients] accepted connection %d gone before it was counted: %s", fd, exc)
+        finally:
+            sock.detach()  # the fd stays zmq's
+
+    def _say(self, peer: str, endpoint: str, why: str) -> None:
+        now = time.monotonic()
+        last, since = self._said.get(peer, (0.0, 0))
+        if now - last < LOG_EVERY_S:
+            self._said[peer] = (last, since + 1)
+            return
+        more = f" ({since} more refused since the last such line)" if since else ""
+        log.warning("[clients] refused a connection from %s on %s: %s%s", peer, endpoint, why, more)
+        self._said[peer] = (now, 0)
+        if len(self._said) > 4096:  # peers come and go: forget the quiet ones
+            self._said = {p: v for p, v in self._said.items() if now - v[0] < LOG_EVERY_S}
+
+    def _over(self, endpoint: str, peer: str) -> str:
+        if self._per_listener[endpoint] >= self.max_connections:
+            return (f"{self._per_listener[endpoint]} connections are open (--max-connections "
+                    f"{self.max_connections}, bounded by the open-files limit)")
+        if self._per_peer[peer] >= self.max_per_peer:
+            return (f"it has {self._per_peer[peer]} connections open "
+                    f"(--max-connections-per-peer {self.max_per_peer})")
+        return ""
+
+    def strike(self, fd: int) -> None:
+        """The connection at fd sent a large frame that was no valid request: after
+        STRIKES in a row (no valid request between) it is closed - its flood then costs the
+        daemon a reconnect, not a frame's bytes each time. A client with a bug gets its error
+        replies first."""
+        conn = self._open.get(fd)
+        if conn is None or conn.shut:
+            return
+        conn.strikes += 1
+        if conn.strikes >= STRIKES:
+            conn.shut = True
+            log.warning("[clients] closing the connection of %s on %s: %d large frames in a row "
+                        "were no valid request", conn.peer, conn.listener, conn.strikes)
+            self._shut(fd)
+
+    def valid(self, fd: int) -> None:
+        conn = self._open.get(fd)
+        if conn is not None:
+            conn.strikes = 0
+
+    def _shut(self, fd: int) -> None:
+        """Shut a counted connection (its fd is still the one counted: it is in _open until
+        its DISCONNECTED event); zmq sees the end and closes it."""
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError as exc:
+            log.debug("[clients] connection %d already closed: %s", fd, exc)
+            return
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError as exc:
+            log.debug("[clients] connection %d already going: %s", fd, exc)
+        finally:
+            sock.detach()
+
+    def closed(self, fd: int) -> None:
+        conn = self._open.pop(fd, None)
+        if conn is not None:
+            self._per_listener[conn.listener] -= 1
+            self._per_peer[conn.peer] -= 1
+
+    def status(self) -> dict:
+        return {"open": len(self._open), "refused": self.refused, "max": self.max_connections,
+                "max_per_peer": self.max_per_peer}

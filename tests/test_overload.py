@@ -1,0 +1,157 @@
+"""A client that floods the daemon - with costly frames or with connections - costs the other
+clients little and the daemon a bounded amount of memory and files; it never takes the daemon
+down. Real daemons, real flooding processes."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import free_port, wait_until
+from kvcached.bench.flood import frame_flood, hold_connections, release_connections
+from kvcached_client import Client, DaemonUnavailable, KvcachedTimeout, launch
+from kvcached_client.launch import _ready
+from test_security import keygen
+
+RSS_BOUND_MIB = 256
+
+
+@pytest.mark.parametrize("kind", ["junk", "layout"])
+def test_a_flood_of_costly_frames_leaves_others_served_and_memory_bounded(run_dir, instance, kind):
+    """Two processes send 8 MiB frames as fast as the daemon takes them (junk under a name
+    that is no field, or a layout past the object budget: 8 M objects each if decoded whole).
+    Before, the daemon queued 10,000 frames per connection (3.4 GiB here) and another client's
+    ping took ~1.1 s; now each frame is refused at a bounded cost, a connection may have 4
+    queued, one that sent 3 such frames in a row is closed (the flooder reconnects), and every
+    ping of the other client is answered (its latency is in bench faults)."""
+    with launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05) as d:
+        r = frame_flood(d, kind=kind, flooders=2, seconds=4)
+        assert r["frames_sent"] > 0 and r["pings"] > 0, r
+        assert r["rss_growth_mib"] <= RSS_BOUND_MIB, r
+        with d.connect() as c:
+            assert c.status()["requests"]["refused"] >= 6, r
+        assert "large frames in a row were no valid request" in open(d.log_path).read()
+
+
+def test_a_client_with_one_bad_large_frame_keeps_its_connection(daemon):
+    """A client bug (one request past a limit) gets its error reply and goes on being served."""
+    from kvcached_proto import ErrorCode, Op, RequestError, pack_keys
+
+    with daemon.connect() as c:
+        for _ in range(4):
+            with pytest.raises(RequestError) as e:
+                c._request(Op.LOOKUP, keys=pack_keys([b"k" * 16] * 70000))  # > 65,536 keys
+            assert e.value.code == ErrorCode.TOO_MANY_ITEMS
+            assert c.ping() >= 0  # a valid request between: no strikes add up
+        assert c.status()["connections"]["open"] == 1
+    assert "closing the connection" not in open(daemon.log_path).read()
+
+
+_LIMITED = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024)); "
+            "os.execv(sys.executable, [sys.executable, '-m', 'kvcached', *sys.argv[1:]])")
+
+
+class _LimitedDaemon:
+    """`kvcached serve` whose open-files limit is 1024, soft and hard (it cannot raise it)."""
+
+    def __init__(self, run_dir, instance, *extra):
+        self.run_dir, self.instance = run_dir, instance
+        self.log = open(os.path.join(run_dir, "daemon.log"), "wb")
+        self.proc = subprocess.Popen([sys.executable, "-c", _LIMITED, "serve", "--instance", instance,
+                                      "--run-dir", run_dir, "--host-cache-gb", "0.05", *extra],
+                                     stdout=self.log, stderr=self.log, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while not _ready(instance, self.proc.pid):
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.text()
+            time.sleep(0.05)
+
+    def text(self) -> str:
+        return open(self.log.name, errors="replace").read()
+
+    def connect(self, **kw) -> Client:
+        return Client.connect(instance=self.instance, run_dir=self.run_dir, **kw)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+def test_a_flood_of_ipc_connections_is_refused_past_the_caps_and_the_daemon_lives(run_dir, instance):
+    """1,200 ipc connections from two processes into a daemon that may open 1,024 files: each
+    process gets 64, the rest are refused (logged once per peer a while), and another engine
+    connects and is served. Before, libzmq's accept hit EMFILE and aborted the daemon (-6)."""
+    d = _LimitedDaemon(run_dir, instance)
+    try:
+        sock = os.path.join(run_dir, f"{instance}.sock")
+        flood = [hold_connections("ipc", sock, 600), hold_connections("ipc", sock, 600)]
+        try:
+            with d.connect(timeout=5) as c:
+                assert c.ping() >= 0
+                conns = c.status()["connections"]
+                assert conns["open"] <= 2 * 64 + 1 and conns["refused"] >= 1200 - 2 * 64, conns
+        finally:
+            release_connections(flood)
+        assert d.proc.poll() is None
+        with d.connect(timeout=5) as c:
+            wait_until(lambda: c.status()["connections"]["open"] == 1, 10, "the flood's connections gone")
+        assert d.text().count("refused a connection from pid") <= 4
+    finally:
+        assert d.stop() == 0, d.text()
+
+
+def test_past_the_connection_cap_newcomers_are_refused_and_those_in_keep_their_service(run_dir, instance):
+    d = _LimitedDaemon(run_dir, instance, "--max-connections", "40", "--max-connections-per-peer", "1000")
+    try:
+        with d.connect(timeout=5) as inside:
+            flood = [hold_connections("ipc", os.path.join(run_dir, f"{instance}.sock"), 100)]
+            try:
+                assert inside.ping() >= 0  # connected before: served
+                with pytest.raises((DaemonUnavailable, KvcachedTimeout)):
+                    d.connect(timeout=1)  # a newcomer while the cap is taken: refused
+                assert inside.status()["connections"]["open"] == 40
+            finally:
+                release_connections(flood)
+            wait_until(lambda: inside.status()["connections"]["open"] == 1, 10, "the flood gone")
+            with d.connect(timeout=5) as later:
+                assert later.ping() >= 0
+        assert "--max-connections 40" in d.text()
+    finally:
+        assert d.stop() == 0, d.text()
+
+
+def test_half_open_tcp_connections_never_exhaust_the_daemons_files(run_dir, instance, tmp_path):
+    """1,200 TCP connections that never start the CURVE handshake, into a daemon limited to
+    1,024 files: refused past 64 from the address, the rest closed by the daemon after the
+    handshake interval (5 s); an engine on the ipc socket is served throughout."""
+    port = free_port()
+    secret_dir = tmp_path / "keys"
+    secret_dir.mkdir()
+    _public, secret = keygen(str(secret_dir), "daemon")
+    allow = tmp_path / "allow"
+    allow.mkdir()
+    d = _LimitedDaemon(run_dir, instance, "--listen", f"tcp://127.0.0.1:{port}",
+                       "--curve-secret-key-file", secret, "--curve-allow-dir", str(allow))
+    try:
+        flood = [hold_connections("tcp", str(port), 600), hold_connections("tcp", str(port), 600)]
+        try:
+            with d.connect(timeout=5) as c:
+                assert c.ping() >= 0
+                wait_until(lambda: c.status()["connections"]["open"] == 1, 15,
+                           "half-open connections closed after the handshake interval")
+                assert c.status()["connections"]["refused"] >= 1200 - 64
+        finally:
+            release_connections(flood)
+        assert d.proc.poll() is None
+    finally:
+        assert d.stop() == 0, d.text()
