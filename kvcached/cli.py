@@ -184,8 +184,12 @@ def cmd_serve(args) -> int:
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "print_config")}
     cfg = resolve(flags, args.config)
-    if args.print_config:
-        print(config_as_toml(cfg.as_dict()))
+    if args.print_config:  # passwords in storage URIs are not printed
+        from .storage.uris import redact
+
+        shown = cfg.as_dict()
+        shown["storage"] = [redact(u) for u in shown["storage"]]
+        print(config_as_toml(shown))
         return 0
     from .logs import setup_logging
 

@@ -215,9 +215,11 @@ def free_port(with_bus: bool = False) -> int:
 
 
 class RedisServer:
-    """A real redis-server on a free loopback port, persistence off; stop/start at will."""
+    """A real redis-server on a free loopback port, persistence off; stop/start at will. With
+    `password`, clients must AUTH; with `tls` (make_tls_files' dict), it speaks TLS only."""
 
-    def __init__(self, port: int | None = None, extra=()):
+    def __init__(self, port: int | None = None, extra=(), password: str | None = None,
+                 tls: dict | None = None):
         import shutil as _shutil
         import subprocess
 
@@ -225,7 +227,13 @@ class RedisServer:
         if self.exe is None:
             pytest.skip("redis-server is not installed (.ci/run installs it)")
         self.port = port or free_port()
+        self.password, self.tls = password, tls
         self.extra = list(extra)
+        if password is not None:
+            self.extra += ["--requirepass", password]
+        if tls is not None:
+            self.extra += ["--tls-cert-file", tls["cert"], "--tls-key-file", tls["key"],
+                           "--tls-ca-cert-file", tls["ca"], "--tls-auth-clients", "no"]
         self.dir = tempfile.mkdtemp(prefix="kvredis-", dir="/tmp")
         self._subprocess = subprocess
         self.proc = None
@@ -233,21 +241,33 @@ class RedisServer:
 
     @property
     def uri(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password is not None else ""
+        if self.tls is not None:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ca={self.tls['ca']}"
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def client(self):
+        import redis
+
+        tls = {"ssl": True, "ssl_ca_certs": self.tls["ca"]} if self.tls is not None else {}
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
+                           socket_timeout=0.5, **tls)
 
     def start(self) -> None:
         import time
 
         import redis
 
+        ports = (["--port", "0", "--tls-port", str(self.port)] if self.tls is not None
+                 else ["--port", str(self.port)])
         self.proc = self._subprocess.Popen(
-            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            [self.exe, *ports, "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", self.dir, *self.extra],
             stdout=self._subprocess.DEVNULL, stderr=self._subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while True:
             try:
-                redis.Redis(port=self.port, socket_timeout=0.5).ping()
+                self.client().ping()
                 return
             except redis.RedisError:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
@@ -279,6 +299,25 @@ def disk_dir():
     path = tempfile.mkdtemp(prefix="kvdisk-", dir="/tmp")
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+def make_tls_files(directory: str) -> dict | None:
+    """A CA and a server certificate for 127.0.0.1 (openssl), or None without openssl."""
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        return None
+    f = {n: os.path.join(directory, n) for n in ("ca.key", "ca.crt", "srv.key", "srv.csr", "srv.crt", "ext")}
+    with open(f["ext"], "w") as out:
+        out.write("subjectAltName=IP:127.0.0.1\n")
+    for cmd in (["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f["ca.key"], "-out",
+                 f["ca.crt"], "-days", "1", "-subj", "/CN=kvcached-test-ca"],
+                ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", f["srv.key"], "-out", f["srv.csr"],
+                 "-subj", "/CN=127.0.0.1"],
+                ["x509", "-req", "-in", f["srv.csr"], "-CA", f["ca.crt"], "-CAkey", f["ca.key"],
+                 "-CAcreateserial", "-out", f["srv.crt"], "-days", "1", "-extfile", f["ext"]]):
+        subprocess.run(["openssl", *cmd], check=True, capture_output=True)
+    return {"ca": f["ca.crt"], "cert": f["srv.crt"], "key": f["srv.key"]}
 
 
 def disk_uri(path: str, capacity_gb: float = 1.0) -> str:

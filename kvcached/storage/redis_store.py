@@ -1,13 +1,20 @@
 """The Redis / Valkey tier (optional extra `kvcached-sidecar[redis]`): one value per block, pipelined.
 
-    redis://host:port/db[?prefix=P&ttl_s=N]        one server
-    redis+cluster://host:port[?prefix=P&ttl_s=N]   a cluster (any node as the entry point)
+    redis://[[user]:password@]host:port/db[?prefix=P&ttl_s=N]        one server
+    rediss://...[&ca=/path/ca.pem]                                     the same over TLS
+    redis+cluster://[[user]:password@]host:port[?prefix=P&ttl_s=N]   a cluster (any node as
+    rediss+cluster://...                                               the entry point), or over TLS
+
+The password is used to authenticate (AUTH, with the user for an ACL user) and shown nowhere:
+status, metrics and logs carry the URI with it replaced by *** (uris.redact).
 
 Keys are `{prefix}{stored key hex}`; values are record.py records (header with a checksum, then the
 page). A server that stops answering marks the tier unhealthy: lookups see 0 hits, puts are
 dropped and counted, until it answers again.
 
-A probe thread pings the server every PROBE_EVERY_S on its own connection, whether the daemon
+A command the server refuses (a full server's OOM on SET, a READONLY replica) fails the puts it
+was for, counted as `put_errors`; only a connection that fails or times out marks the tier
+down. A probe thread pings the server every PROBE_EVERY_S on its own connection, whether the daemon
 is busy or idle, so status shows a server gone (or back) within PROBE_EVERY_S +
 PROBE_TIMEOUT_S. Lookups run on the daemon's request thread: their connection has a short
 timeout (LOOKUP_TIMEOUT_S) and no retries, so a server that dies or is blackholed costs one
@@ -20,10 +27,11 @@ from __future__ import annotations
 import logging
 import threading
 from typing import Sequence
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs, unquote, urlparse
 
 from .base import StorageBackend
 from .record import HEADER_BYTES, BadRecord, nbytes, pack_header, verify
+from .uris import redact
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +65,17 @@ class RedisBackend(StorageBackend):
                              "'kvcached-sidecar[redis]'") from None
         self._redis = redis
         opts = parse_uri(uri)
-        self.uri = uri
+        self.uri = redact(uri)
         self.cluster = opts["cluster"]
         self.prefix, self.ttl_s = opts["prefix"], opts["ttl_s"]
         host, port, db = opts["host"], opts["port"], opts["db"]
+        auth = {"username": opts["username"], "password": opts["password"]}
+        if opts["tls"]:
+            auth.update(ssl=True, ssl_ca_certs=opts["ca"])
 
         def connect(timeout: float, retries: int):
             retry = Retry(ConstantBackoff(WORKER_RETRY_BACKOFF_S) if retries else NoBackoff(), retries)
-            common = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=retry)
+            common = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=retry, **auth)
             if self.cluster:
                 return redis.cluster.RedisCluster(host=host, port=port, **common)
             return redis.Redis(host=host, port=port, db=db, **common)
@@ -72,7 +83,9 @@ class RedisBackend(StorageBackend):
         self._healthy = True
         self._closed = threading.Event()
         self._lock = threading.Lock()
-        self.counters = {"puts": 0, "gets": 0, "dropped_puts": 0, "errors": 0, "corrupt": 0}
+        self.counters = {"puts": 0, "gets": 0, "dropped_puts": 0, "errors": 0, "corrupt": 0,
+                         "put_errors": 0}
+        self._refusal_said = ""  # the last refusal logged (a full server refuses every SET alike)
         self.last_error = ""
         self._client = connect(SOCKET_TIMEOUT_S, 1)
         self._lookup_client = connect(LOOKUP_TIMEOUT_S, 0)
@@ -200,13 +213,26 @@ class RedisBackend(StorageBackend):
                 value = b"".join([pack_header(key, pieces, geometry), *pieces])
                 # NX: a key already stored is not rewritten
                 pipe.set(self._name(key), value, ex=self.ttl_s, nx=True)
-            pipe.execute()
-        except self._redis.RedisError as exc:
+            results = pipe.execute(raise_on_error=False)  # a refused command is that key's
+        except self._redis.RedisError as exc:  # the connection failed: the tier is down
             self._failed(exc)
             self.counters["dropped_puts"] += len(keys)
             return [False] * len(keys)
-        self.counters["puts"] += len(keys)
-        return [True] * len(keys)
+        stored = [not isinstance(r, Exception) for r in results]
+        self.counters["puts"] += sum(stored)
+        refused = [r for r in results if isinstance(r, Exception)]
+        if refused:
+            self._refused(refused)
+        return stored
+
+    def _refused(self, errors: list) -> None:
+        """Commands the server refused (OOM when full): failed puts, not an outage."""
+        self.counters["put_errors"] += len(errors)
+        self.last_error = f"{type(errors[0]).__name__}: {errors[0]}"
+        if self.last_error != self._refusal_said:
+            self._refusal_said = self.last_error
+            log.warning("[redis] %s refused %d puts: %s (the tier stays up; lookups and reads go on)",
+                        self.uri, len(errors), self.last_error)
 
     def delete(self, keys) -> int:
         if not keys or not self._usable():
@@ -261,22 +287,37 @@ def _scatter(payload: memoryview, pieces) -> None:
         off += view.nbytes
 
 
+SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
+
+
 def parse_uri(uri: str) -> dict:
-    """The URI's parts and options, checked (no connection is made)."""
-    url = urlparse(uri)
-    if url.scheme not in ("redis", "redis+cluster") or not url.hostname:
-        raise ValueError(f"{uri!r}: expected redis://host:port/db or redis+cluster://host:port")
-    q = parse_qs(url.query)
-    unknown = set(q) - {"prefix", "ttl_s"}
-    if unknown:
-        raise ValueError(f"{uri!r}: unknown option(s) {sorted(unknown)}")
+    """The URI's parts and options, checked (no connection is made). Messages show the URI
+    without its password."""
+    shown = redact(uri)
     try:
+        url = urlparse(uri)
         port = url.port or 6379
+    except ValueError:
+        raise ValueError(f"{shown!r}: the port must be an integer in 0..65535") from None
+    if url.scheme not in SCHEMES or not url.hostname:
+        raise ValueError(f"{shown!r}: expected redis[s]://[[user]:password@]host:port/db or "
+                         "redis[s]+cluster://[[user]:password@]host:port")
+    q = parse_qs(url.query)
+    unknown = set(q) - {"prefix", "ttl_s", "ca"}
+    if unknown:
+        raise ValueError(f"{shown!r}: unknown option(s) {sorted(unknown)}; known: prefix, ttl_s, ca")
+    tls = url.scheme.startswith("rediss")
+    if "ca" in q and not tls:
+        raise ValueError(f"{shown!r}: ca= is for TLS (rediss://)")
+    try:
         db = int(url.path.strip("/") or 0)
         ttl_s = int(q.get("ttl_s", ["0"])[0])
     except ValueError:
-        raise ValueError(f"{uri!r}: the port, the db number and ttl_s must be integers") from None
+        raise ValueError(f"{shown!r}: the port, the db number and ttl_s must be integers") from None
     if ttl_s < 0 or db < 0:
-        raise ValueError(f"{uri!r}: ttl_s and the db number must not be negative")
-    return {"cluster": url.scheme == "redis+cluster", "host": url.hostname, "port": port,
-            "db": db, "prefix": q.get("prefix", ["kvcached:"])[0].encode(), "ttl_s": ttl_s or None}
+        raise ValueError(f"{shown!r}: ttl_s and the db number must not be negative")
+    return {"cluster": url.scheme.endswith("+cluster"), "host": url.hostname, "port": port,
+            "db": db, "prefix": q.get("prefix", ["kvcached:"])[0].encode(), "ttl_s": ttl_s or None,
+            "username": unquote(url.username) if url.username else None,
+            "password": unquote(url.password) if url.password is not None else None,
+            "tls": tls, "ca": q.get("ca", [None])[0]}

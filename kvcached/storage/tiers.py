@@ -22,6 +22,7 @@ from typing import Sequence
 from .base import StorageBackend
 from .disk import DiskBackend
 from .record import StoredKeys
+from .uris import redact
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +34,11 @@ def parse_uri(uri: str) -> dict:
     scheme = uri.split("://", 1)[0] if "://" in uri else ""
     if scheme == "disk":
         from .disk import parse_uri as parse
-    elif scheme in ("redis", "redis+cluster"):
+    elif scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
         from .redis_store import parse_uri as parse
     else:
-        raise ValueError(f"{uri!r}: expected disk:///path, redis://host:port/db or "
-                         "redis+cluster://host:port")
+        raise ValueError(f"{redact(uri)!r}: expected disk:///path, redis[s]://host:port/db or "
+                         "redis[s]+cluster://host:port")
     return parse(uri)
 
 
@@ -45,12 +46,12 @@ def open_backend(uri: str, on_ready=None) -> StorageBackend:
     scheme = uri.split("://", 1)[0] if "://" in uri else ""
     if scheme == "disk":
         return DiskBackend.from_uri(uri, on_ready)
-    if scheme in ("redis", "redis+cluster"):
+    if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
         from .redis_store import RedisBackend
 
         return RedisBackend(uri)
-    raise ValueError(f"storage URI {uri!r}: expected disk:///path, redis://host:port/db "
-                     "or redis+cluster://host:port")
+    raise ValueError(f"storage URI {redact(uri)!r}: expected disk:///path, redis[s]://host:port/db "
+                     "or redis[s]+cluster://host:port")
 
 
 class StorageTiers:
