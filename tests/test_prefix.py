@@ -338,3 +338,19 @@ def test_reset_after_a_weight_update_leaves_nothing_readable(daemon):
     mgr.release("running")
     mgr.check()
     mgr.close()
+
+
+def test_constructing_the_manager_never_races_its_own_reattach_watcher(daemon, caplog):
+    """Its background watcher started before the client was set: a second connection raced
+    the first to register, and every construction logged a false 'refused this engine'
+    (KV_IN_USE) - or the constructor lost the race and raised."""
+    import logging
+
+    kv = new_kv()
+    with caplog.at_level(logging.INFO, logger="kvcached_client"):
+        for _ in range(10):
+            mgr = manager(daemon, kv)
+            time.sleep(0.05)  # a watcher's first look
+            assert mgr.attached
+            mgr.close()
+    assert not [r for r in caplog.records if "refused" in r.getMessage()]

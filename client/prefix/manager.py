@@ -66,8 +66,6 @@ class PrefixCacheManager:
         # attaching (connect, register the KV cache) runs in the background: no engine call
         # waits for a daemon that is gone, hung or not there yet
         self._reattach = Reattacher(connect, self._register, name="prefix") if connect else None
-        if self._reattach is not None:
-            self._reattach.watch(lambda: self.client)
         self._seqs: dict[object, _Seq] = {}
         self._loads: list[_Load] = []
         self._offloads: list[_Offload] = []
@@ -81,6 +79,8 @@ class PrefixCacheManager:
         }
         if client is not None:
             self._attach(client)
+        if self._reattach is not None:  # only now: a watcher started before the client was set
+            self._reattach.watch(lambda: self.client)  # raced it to register (KV_IN_USE)
 
     # attachment -------------------------------------------------------------
     @property
