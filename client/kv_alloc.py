@@ -69,10 +69,26 @@ def _dtype_name(dtype) -> str:
     return name
 
 
+def _reserve(fd: int, nbytes: int) -> None:
+    """Take the segment's memory now: a sparse one on a /dev/shm without room would kill the
+    engine with SIGBUS at its first KV write (Docker's default /dev/shm is 64 MiB)."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        fs = os.statvfs("/dev/shm")
+        free = fs.f_bavail * fs.f_frsize
+        raise KvcachedError(
+            f"/dev/shm has no room for {nbytes / 2**20:.1f} MiB of KV cache ({free / 2**20:.1f} "
+            f"MiB free: {exc.strerror}); give the engine's container a larger /dev/shm "
+            "(docker run --shm-size=..., or --ipc host; Kubernetes: an emptyDir with medium "
+            "Memory mounted there)") from None
+
+
 def _shared_cpu_buffer(nbytes: int) -> tuple[mmap.mmap, str]:
     name = kv_segment_name(os.getuid(), os.getpid(), next(_seq))
     shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o600, size=nbytes)
     try:
+        _reserve(shm.fd, nbytes)
         mm = mmap.mmap(shm.fd, nbytes)
     except BaseException:
         posix_ipc.unlink_shared_memory(name)

@@ -177,7 +177,12 @@ class KVRegistration:
         self._maps[name], self._guards[name] = mm, guard
         _prefault(mm)  # guarded: a segment shrunk meanwhile shows up as `lost`, not SIGBUS
         if guard.faulted:
-            raise OpError(ErrorCode.KV_MISMATCH, f"KV segment {name} shrank while it was mapped")
+            fs = os.statvfs("/dev/shm")
+            raise OpError(ErrorCode.KV_MISMATCH, f"KV segment {name} faulted when touched: it "
+                          f"shrank while it was mapped, or it is sparse and /dev/shm has no room "
+                          f"for it ({len(mm) / 2**20:.1f} MiB; {fs.f_bavail * fs.f_frsize / 2**20:.1f} "
+                          "MiB free): give the engine's container a larger /dev/shm (docker "
+                          "--shm-size, or --ipc host)")
         return mm
 
     def close(self) -> None:
