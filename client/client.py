@@ -116,7 +116,17 @@ class Client:
                           name=connect_kwargs.get("name") or "client")
 
     def _open(self) -> None:
-        self.signals = SignalReader(self.instance, self.hang_s)
+        try:
+            self.signals = SignalReader(self.instance, self.hang_s)
+        except DaemonUnavailable as exc:
+            if self._endpoint.startswith("tcp://"):  # say why a remote daemon cannot do
+                raise DaemonUnavailable(
+                    f"{exc}. A client over TCP still needs the daemon's status segment in this "
+                    "host's /dev/shm (liveness and layer-by-layer load progress travel through it, "
+                    "and KV is shared through CUDA IPC or /dev/shm): kvcached serves engines on "
+                    "its own host; --listen is for clients in another network namespace of that "
+                    "host that share its /dev/shm") from None
+            raise
         self.signals.check_alive()
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)

@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="which benchmark (all: every one, one JSON; faults: injected failures, "
                             "lost and wrong counts)")
     bench.add_argument("--trace", default=None,
-                       help="all: trace for the replay part (default: ../shared/traces/synthetic_trace.jsonl)")
+                       help="all: trace for the replay part (default: tests/data/mooncake_synthetic_trace.jsonl of a checkout)")
     bench.add_argument("--out", default=None, help="also write the JSON result to this file")
     bench.add_argument("--files", type=int, default=0,
                        help="disk-index: block files to create (default 200000; --quick 20000)")
@@ -204,10 +204,13 @@ def cmd_serve(args) -> int:
 def cmd_keygen(args) -> int:
     import zmq.auth
 
-    os.makedirs(args.dir, mode=0o700, exist_ok=True)
     old = os.umask(0o077)
     try:
+        os.makedirs(args.dir, mode=0o700, exist_ok=True)
         public, secret = zmq.auth.create_certificates(args.dir, args.name)
+    except OSError as exc:
+        print(f"kvcached keygen: cannot write keys in {args.dir}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     finally:
         os.umask(old)
     os.chmod(secret, 0o600)

@@ -81,6 +81,8 @@ def from_file(path: str) -> dict:
         raise StartupError(f"--config {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise StartupError(f"--config {path}: not valid TOML ({exc})") from None
+    except UnicodeDecodeError:
+        raise StartupError(f"--config {path}: not a text file (TOML is UTF-8)") from None
     unknown = sorted(set(data) - set(_TYPES))
     if unknown:
         raise StartupError(f"--config {path}: unknown key(s) {', '.join(unknown)}; "

@@ -42,10 +42,30 @@ def curve_keys(tmp_path):
     (["--storage", "redis://localhost:6379/x"], ["must be integers"]),
     (["--host-cache-gb", "4000"], ["--host-cache-gb 4000", "this machine can give"]),
     (["--listen", "tcp://127.0.0.1:notaport"], ["port number"]),
-], ids=["run-dir", "disk-path", "capacity", "redis-db", "host-cache", "listen-port"])
+    (["--storage", "disk:///tmp/kv-x?capacity_gb=inf"], ["capacity_gb must be a positive, finite"]),
+    (["--storage", "redis://:pw@localhost:notaport/0"], ["port must be an integer", ":***@"]),
+], ids=["run-dir", "disk-path", "capacity", "redis-db", "host-cache", "listen-port",
+        "capacity-inf", "redis-port"])
 def test_bad_settings_get_one_clear_line(run_dir, instance, args, fragments):
     base = ["serve", "--instance", instance] + ([] if "--run-dir" in args else ["--run-dir", run_dir])
     _one_line_error(_kvcached(*base, *args), *fragments)
+
+
+def test_a_binary_config_file_gets_one_clear_line(run_dir, instance, tmp_path):
+    config = tmp_path / "kvcached.toml"
+    config.write_bytes(bytes(range(256)))
+    _one_line_error(_kvcached("serve", "--instance", instance, "--run-dir", run_dir,
+                              "--config", str(config)), "not a text file")
+
+
+def test_keygen_into_a_missing_directory_makes_it_or_says_why(tmp_path):
+    out = _kvcached("keygen", str(tmp_path / "no" / "such"))
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert (tmp_path / "no" / "such" / "kvcached.key_secret").exists()
+    blocked = tmp_path / "file"
+    blocked.write_text("x")
+    out = _kvcached("keygen", str(blocked / "sub"))
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
 
 
 def test_a_cuda_device_without_a_gpu_gets_one_clear_line(run_dir, instance):

@@ -9,9 +9,8 @@ import pytest
 from kvcached.tools import tracegen
 from kvcached.tools.replay import load_trace, replay_in_process, replay_through_daemon
 
-SHARED_TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces",
-                            "synthetic_trace.jsonl")
-needs_trace = pytest.mark.skipif(not os.path.exists(SHARED_TRACE), reason="shared trace not present")
+SHARED_TRACE = os.path.join(os.path.dirname(__file__), "data", "mooncake_synthetic_trace.jsonl")
+needs_trace = pytest.mark.skipif(not os.path.exists(SHARED_TRACE), reason="the trace is not in tests/data")
 
 
 @pytest.fixture(scope="module")

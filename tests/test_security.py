@@ -104,6 +104,15 @@ def test_a_client_with_an_allowed_key_is_served_over_curve(curve_daemon):
         assert c.status()["instance"] == d.instance
 
 
+def test_a_tcp_client_without_the_daemons_status_segment_is_told_tcp_is_same_host_only(curve_daemon):
+    """Before, the client died on the missing segment with no word of why (it reads liveness
+    and layer progress from the daemon's shared memory: a client on another host cannot)."""
+    d, endpoint, server_pub, allowed_secret, _ = curve_daemon
+    with pytest.raises(DaemonUnavailable, match="serves engines on its own host"):
+        Client.connect("elsewhere", d.run_dir, timeout=2, endpoint=endpoint,
+                       curve_server_key_file=server_pub, curve_client_key_file=allowed_secret)
+
+
 def test_clients_without_an_allowed_key_cannot_connect(curve_daemon):
     d, endpoint, server_pub, _, stranger_secret = curve_daemon
     with pytest.raises(DaemonUnavailable, match="cannot reach"):

@@ -10,7 +10,9 @@ import torch
 
 from . import disk_index, ipc, storage, transfer
 
-DEFAULT_TRACE = os.path.join("..", "shared", "traces", "synthetic_trace.jsonl")
+# the public Mooncake trace the tests carry (a checkout's; an installed wheel has none: --trace)
+DEFAULT_TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "data",
+                             "mooncake_synthetic_trace.jsonl")
 
 
 def machine() -> dict:

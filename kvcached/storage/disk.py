@@ -513,8 +513,8 @@ def _number(uri: str, q: dict, name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         raise ValueError(f"{uri!r}: {name}={raw!r} is not a number") from None
-    if not value > 0:
-        raise ValueError(f"{uri!r}: {name} must be positive")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{uri!r}: {name} must be a positive, finite number")
     return value
 
 
