@@ -36,6 +36,7 @@ from kvcached_proto.order_words import REVOKE_WORD
 from kvcached_proto.version import PROTOCOL_VERSION
 
 from .kv_alloc import describe_kv_cache
+from .run_dir_hint import check_run_dir
 from .status_block import SignalReader, hang_threshold
 from .tasks import LoadTask, Task
 
@@ -117,7 +118,7 @@ class Client:
 
     def _open(self) -> None:
         try:
-            self.signals = SignalReader(self.instance, self.hang_s)
+            self.signals = SignalReader(self.instance, self.hang_s, run_dir=self.run_dir)
         except DaemonUnavailable as exc:
             if self._endpoint.startswith("tcp://"):  # say why a remote daemon cannot do
                 raise DaemonUnavailable(
@@ -128,6 +129,8 @@ class Client:
                     "host that share its /dev/shm") from None
             raise
         self.signals.check_alive()
+        if self._endpoint == request_endpoint(self.run_dir, self.instance):
+            check_run_dir(self.instance, self.run_dir, self.signals.pid)  # at once, not a timeout
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a daemon that is not there

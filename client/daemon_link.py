@@ -31,7 +31,7 @@ class DaemonLink:
         self.client: Client | None = None
         self._retire = retire
         self._reattach = Reattacher(lambda: Client.connect(**self.args), on_connect,
-                                    name=f"vllm-{name}")
+                                    name=name)
 
     def get(self) -> Client | None:
         if self.client is not None:

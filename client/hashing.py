@@ -7,12 +7,15 @@ carries content hashes of images or videos whose tokens fall in block i.
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 from typing import Sequence
 
 import numpy as np
 
 from kvcached_proto.codec import KEY_BYTES  # one definition: the wire's
 _ROOT = bytes(KEY_BYTES)
+log = logging.getLogger(__name__)
 
 
 def make_namespace(model: str, dtype: str, layout: str = "", tp_rank: int = 0, tp_size: int = 1,
@@ -20,6 +23,34 @@ def make_namespace(model: str, dtype: str, layout: str = "", tp_rank: int = 0, t
     """The namespace string: model id, dtype, layout, tp rank/size, tenant salt, weights version.
     A weight update must change `weights_version` (or the tiers must be cleared)."""
     return "|".join([model, dtype, layout, f"tp{tp_rank}/{tp_size}", tenant, weights_version])
+
+
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", "config.json")
+
+
+def weights_identity(model: str, revision: str | None = None) -> str:
+    """What names a checkpoint beyond its path: for a local directory a digest of its weight
+    files' names, sizes and modification times (a new checkpoint written to the same directory
+    gets other keys, so it is never served KV of the old weights); for a hub id the commit of
+    the revision cached locally, else the revision asked for."""
+    if os.path.isdir(model):
+        entries = []
+        for root, _, files in os.walk(model):
+            for f in files:
+                if f.endswith(WEIGHT_FILES):
+                    st = os.stat(os.path.join(root, f))
+                    entries.append(f"{os.path.relpath(os.path.join(root, f), model)}:{st.st_size}:"
+                                   f"{st.st_mtime_ns}")
+        return "files:" + hashlib.blake2b("\n".join(sorted(entries)).encode(), digest_size=8).hexdigest()
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        path = try_to_load_from_cache(model, "config.json", revision=revision)
+        if isinstance(path, str):
+            return "commit:" + os.path.basename(os.path.dirname(path))
+    except Exception as exc:  # no hub library, or an id it cannot parse: the revision is all
+        log.debug("[keys] no cached commit for %s: %s", model, exc)  # there is to go by
+    return f"revision:{revision or 'main'}"
 
 
 def _encode_extra(extra) -> bytes:

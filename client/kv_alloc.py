@@ -51,6 +51,18 @@ def _unlink(name: str) -> None:
         pass  # already swept (e.g. by the daemon after a restart); nothing left to free
 
 
+def unlink_kv_cache(tensors) -> int:
+    """Unlink the shared-memory segments under these CPU tensors now (their mappings stay valid
+    until dropped): an engine that may be killed right after its shutdown hook leaves nothing in
+    /dev/shm. Returns how many segments it named."""
+    ptrs = [t.data_ptr() for item in tensors for t in (item if isinstance(item, (list, tuple)) else [item])]
+    with _lock:
+        names = {s.name for s in _live_segments() for p in ptrs if s.base <= p < s.base + s.size}
+    for name in names:
+        _unlink(name)
+    return len(names)
+
+
 def _live_segments() -> list[_Segment]:
     """(With _lock held.) The segments whose mapping is alive; prunes the others."""
     live = []

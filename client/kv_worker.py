@@ -43,7 +43,7 @@ from .block_copy import copy_blocks
 from .client import Client
 from .fence_keeper import FenceKeeper
 from .hashing import kernel_block_keys
-from .kv_alloc import allocate_kv_cache, describe_kv_cache
+from .kv_alloc import allocate_kv_cache, describe_kv_cache, unlink_kv_cache
 
 log = logging.getLogger(__name__)
 
@@ -507,5 +507,7 @@ class KVWorker:
         self.end_forward()
         self._reap_staged(wait=True)
         self.link.close()
+        if self._staging is not None:  # vLLM kills its workers right after shutdown(): the
+            unlink_kv_cache(self._staging)  # segment's finalizer would never run
         for client in self._fences.retired:  # shutting down: their fences no longer matter
             client.close()

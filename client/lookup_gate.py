@@ -35,6 +35,7 @@ class _Prefetch:
 class _Pending:
     waits: list[_Prefetch]  # its own prefetch and those of requests it overlaps
     deadline: float
+    host: int = 0  # the leading blocks the host tier had before the prefetch
 
 
 def _ended(task) -> bool:
@@ -61,6 +62,9 @@ class LookupGate:
         self._pending: dict[str, _Pending] = {}
         self._running: list[_Prefetch] = []  # until it ended or its deadline passed
         self._inflight: dict[bytes, _Prefetch] = {}  # storage key -> the prefetch bringing it
+        # of a request's hit, the blocks a storage tier supplied (prefetched while it waited,
+        # or read inline), for per-tier hit statistics; kept until forget()
+        self.from_storage: dict[str, int] = {}
 
     def match(self, req_id: str, client, keys: list[bytes]) -> int | None:
         """The number of leading `keys` the request may load from the host tier now, or None
@@ -79,8 +83,10 @@ class LookupGate:
             del self._pending[req_id]
             host, storage = client.lookup(keys)
             self.counters["storage_blocks_recomputed"] += storage
+            self.from_storage[req_id] = max(0, host - pending.host)
             return host
         host, storage = client.lookup(keys)
+        self.from_storage[req_id] = storage if self.storage_hits == "inline" else 0
         if storage == 0 or self.storage_hits == "inline":
             return host + storage
         return self._start(req_id, client, keys, host, storage)
@@ -106,7 +112,7 @@ class LookupGate:
         if not waits:
             self.counters["storage_blocks_recomputed"] += storage
             return host
-        self._pending[req_id] = _Pending(waits, deadline)
+        self._pending[req_id] = _Pending(waits, deadline, host)
         self.counters["prefetches"] += 1
         return None
 
@@ -127,6 +133,12 @@ class LookupGate:
         """The request is gone (finished, aborted): its prefetch goes on without a waiter (the
         blocks it brings serve later requests)."""
         self._pending.pop(req_id, None)
+        self.from_storage.pop(req_id, None)
+
+    def forget_all(self) -> None:
+        """A cache reset: what was being matched is keyed under the old salt."""
+        self._pending.clear()
+        self.from_storage.clear()
 
     @property
     def pending(self) -> int:

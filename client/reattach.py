@@ -20,6 +20,8 @@ from typing import Callable, Generic, TypeVar
 
 from kvcached_proto.errors import Busy, KvcachedError, RequestError
 
+from .run_dir_hint import WrongRunDir
+
 log = logging.getLogger(__name__)
 
 REATTACH_EVERY_S = 0.25
@@ -114,7 +116,9 @@ class Reattacher(Generic[T]):
         """refused: the daemon answered the preparation with an error (e.g. a KV layout it will
         not register): no cache until that changes, which an operator must hear of."""
         msg = str(exc)
-        if msg != self.last_error and refused:  # say each new reason once, not every attempt
+        if msg != self.last_error and isinstance(exc, WrongRunDir):  # zero hits until fixed
+            log.warning("[%s] %s", self.name, msg)
+        elif msg != self.last_error and refused:  # say each new reason once, not every attempt
             log.warning("[%s] the daemon is up but refused this engine, which goes on without "
                         "it (asked again every %.0f s): %s", self.name, REFUSED_BACKOFF_MAX_S, msg)
         elif msg != self.last_error:

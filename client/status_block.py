@@ -10,7 +10,8 @@ import posix_ipc
 
 from kvcached_proto.errors import DaemonUnavailable, KvcachedTimeout
 from kvcached_proto.liveness import pid_alive, pid_namespace, process_alive
-from kvcached_proto.shm_layout import LAYOUT_VERSION, MAGIC, SEGMENT_BYTES, Flag, SignalView, segment_name
+from kvcached_proto.shm_layout import (LAYOUT_VERSION, MAGIC, SEGMENT_BYTES, Flag, SignalView, State,
+                                      segment_name)
 
 # A dead daemon is seen at once through its recorded identity (pid and start time); the
 # heartbeat catches a hung one (or one in another pid namespace). The hang threshold is how
@@ -40,7 +41,7 @@ def hang_threshold(hang_s: float | None = None) -> float:
 
 
 class SignalReader:
-    def __init__(self, instance: str, hang_s: float | None = None):
+    def __init__(self, instance: str, hang_s: float | None = None, run_dir: str | None = None):
         self.hang_s = hang_threshold(hang_s)
         self.name = segment_name(os.getuid(), instance)
         try:
@@ -48,7 +49,8 @@ class SignalReader:
         except posix_ipc.ExistentialError:
             raise DaemonUnavailable(
                 f"no kvcached daemon named {instance!r} (segment {self.name} missing); "
-                f"start one with `kvcached serve --instance {instance}`"
+                f"start one with `kvcached serve --instance {instance}"
+                f"{f' --run-dir {run_dir}' if run_dir else ''}`"
             ) from None
         try:
             if shm.size < SEGMENT_BYTES:
@@ -119,7 +121,8 @@ class SignalReader:
         if self.gone():
             raise DaemonUnavailable(f"kvcached daemon pid {self.pid} has exited")
         if not self.view.flags & Flag.UP:
-            raise DaemonUnavailable(f"kvcached daemon pid {self.pid} is stopping or stopped")
+            state = "starting" if self.view.state == State.STARTING else "stopping or stopped"
+            raise DaemonUnavailable(f"kvcached daemon pid {self.pid} is {state}")
         age = (time.monotonic_ns() - self.view.heartbeat_ns) / 1e9
         if age > self.hang_s:
             raise DaemonUnavailable(

@@ -296,7 +296,7 @@ def unknown_env_warnings(environ) -> list[str]:
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 or n == 0 else f"{n / 2**20:.1f} MiB"
 
 
 def _pct(num: int, den: int) -> str:
@@ -308,17 +308,21 @@ def format_status(s: dict) -> str:
     moved = s.get("bytes", {})
     io = s.get("storage_io", {})
     asked = lookups.get("keys", 0)
+    served = lookups.get("loaded_from_host", 0) + lookups.get("loaded_from_storage", 0)
     rows = [
         ("instance", s["instance"]), ("pid", s["pid"]), ("epoch", f"{s['epoch']:x}"),
         ("state", s["state"]), ("protocol", ".".join(map(str, s["protocol_version"]))),
         ("device", s.get("device", "?")), ("uptime", f"{s.get('uptime_s', 0):.1f} s"),
-        ("clients", s["clients"]),
+        ("clients", f"{s['clients']}" + (f" ({', '.join(s['client_names'])})"
+                                         if s.get("client_names") else "")),
         ("kv registered", "yes" if s["kv"]["registered"] else "no"),
         ("host tier", f"{_gib(host['used_bytes'])} / {_gib(host['capacity_bytes'])} "
                       f"({host.get('blocks', 0)} blocks, {host.get('evictions', 0)} evicted)"),
         ("lookups", f"{lookups.get('lookups', 0)} asking {asked} blocks: host hit "
                     f"{_pct(lookups.get('host_hits', 0), asked)}, storage hit "
                     f"{_pct(lookups.get('storage_hits', 0), asked)}"),
+        ("loaded", f"{served} blocks: {lookups.get('loaded_from_host', 0)} from the host tier, "
+                   f"{lookups.get('loaded_from_storage', 0)} brought in from storage"),
         ("moved", f"d2h {_gib(moved.get('d2h', 0))}  h2d {_gib(moved.get('h2d', 0))}  "
                   f"to storage {io.get('backups', 0)} blocks  from storage {io.get('fetched', 0)} blocks"),
         ("tasks", f"queued {tasks['queued']}  inflight {tasks['inflight']}  "

@@ -68,7 +68,7 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="kvbv-", dir="/tmp")
     model = os.path.join(tmp, "model")
     size = [x for flag in SHAPES[args.device]
-            for x in (f"--{flag}", str(getattr(args, flag.replace("-", "_"))))]
+            for x in (f"--{flag}", str(getattr(args, flag.replace("-", "_"))))] + ["--dummy-weights"]
     if args.faults:
         return faults(args, model, size, tmp)
     try:

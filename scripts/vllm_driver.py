@@ -2,18 +2,22 @@
 reuse; used by tests/integration/test_vllm.py and scripts/bench_vllm.py (run it with
 .venv-vllm's python).
 
-Writes a Llama config (tiny by default: hidden 256, 4 layers, 4 heads, 2 KV heads, vocab 1024;
-dummy weights; --hidden, --layers, --heads, --kv-heads, --intermediate, --vocab and --block
+Writes a Llama checkpoint with real random weights (vllm_model.py; tiny by default: hidden 256,
+4 layers, 4 heads, 2 KV heads, vocab 1024: outputs depend on every prompt token); --hidden, --layers, --heads, --kv-heads, --intermediate, --vocab and --block
 change the shape), starts LLM(...) with the KvcachedConnector, vLLM's ExampleConnector, its
 OffloadingConnector (CUDA only: --offload-gb of CPU memory) or none, then runs the steps given
 on stdin, answering one marked JSON line per step on stdout:
 --tp N runs N tensor-parallel CPU workers (their CPUs split between them) and, with the
 kvcached connector, an --instance holding "{rank}" names one daemon per rank.
   gen NAME   greedy-generate prompt NAME (A, B, C: a shared prefix, different suffixes; D: the
-             prefix's first half only) after
+             prefix's first half only; X: B with one prefix token changed, the control) after
              reset_prefix_cache(); answers tokens, num_cached_tokens, seconds and reset (whether
              the reset took: it fails while a finished request's blocks are still held).
   ttft NAME  the same with one output token: the time to first token.
+  genk NAME K  gen NAME with its first K blocks in vLLM's own prefix cache (a prompt sharing
+             only those run first): the output of a K-block hit as vLLM itself computes it
+             (its split of the prefill changes bf16 results, so a K-block hit from kvcached is
+             compared with this, not with the full prefill).
   batch      greedy-generate the batch of batch_prompts() (12 prompts over 4 shared prefixes) in
              one generate call after reset_prefix_cache(); answers every prompt's tokens,
              num_cached_tokens and the batch's seconds.
@@ -26,13 +30,9 @@ import json
 import os
 import sys
 
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
-    "intermediate_size": 704, "num_hidden_layers": 4, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 1024, "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
-    "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
-}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from vllm_model import CONFIG, config_for, write_model  # noqa: E402
+
 BLOCK = 32
 PREFIX_BLOCKS = 14
 
@@ -45,7 +45,8 @@ def prompts(prefix_blocks: int = PREFIX_BLOCKS, block: int = BLOCK) -> dict[str,
     return {"A": prefix + [(i * 13 + 5) % 1000 + 3 for i in range(40)],
             "B": prefix + [(i * 7 + 9) % 1000 + 3 for i in range(23)],
             "C": prefix + [(i * 3 + 1) % 1000 + 3 for i in range(31)],
-            "D": prefix[:half] + [(i * 11 + 2) % 1000 + 3 for i in range(len(prefix) - half + 19)]}
+            "D": prefix[:half] + [(i * 11 + 2) % 1000 + 3 for i in range(len(prefix) - half + 19)],
+            "X": prefix[:100] + [prefix[100] % 1000 + 4] + prefix[101:] + [(i * 7 + 9) % 1000 + 3 for i in range(23)]}
 
 
 PREFIX = prompts()["A"][: PREFIX_BLOCKS * BLOCK]
@@ -174,6 +175,9 @@ def _args():
                     help="let vLLM capture CUDA graphs (default: enforce_eager)")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (one worker per rank)")
     ap.add_argument("--hang-s", type=float, default=0.0, help="the connector's hang_s (0: default)")
+    ap.add_argument("--dummy-weights", action="store_true",
+                    help="vLLM's load_format=dummy instead of real random weights (benchmarks of "
+                         "large shapes, where writing a checkpoint would cost more than it tells)")
     ap.add_argument("--storage-hits", choices=["prefetch", "inline"], default="prefetch",
                     help="the connector's storage_hits")
     return ap.parse_args()
@@ -208,7 +212,8 @@ def _engine(args):
     elif args.connector == "offloading":
         kv = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                               kv_connector_extra_config={"cpu_bytes_to_use": int(args.offload_gb * 2**30)})
-    return LLM(model=args.model_dir, load_format="dummy", skip_tokenizer_init=True,
+    return LLM(model=args.model_dir, skip_tokenizer_init=True,
+               load_format="dummy" if args.dummy_weights else "auto",
                enforce_eager=not args.cuda_graphs, block_size=args.block, seed=0,
                max_model_len=max(1024, (args.prefix_blocks + 4) * args.block),
                dtype="bfloat16", kv_transfer_config=kv, gpu_memory_utilization=args.gpu_mem,
@@ -219,13 +224,17 @@ def main() -> int:
     import time
 
     args = _args()
-    os.makedirs(args.model_dir, exist_ok=True)
-    config = dict(CONFIG, hidden_size=args.hidden,
-                  intermediate_size=args.intermediate or args.hidden * 11 // 4,
-                  num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                  num_key_value_heads=args.kv_heads, vocab_size=args.vocab)
-    with open(os.path.join(args.model_dir, "config.json"), "w") as f:
-        json.dump(config, f)
+    config = config_for(args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate,
+                        args.vocab)
+    if args.dummy_weights:
+        os.makedirs(args.model_dir, exist_ok=True)
+        with open(os.path.join(args.model_dir, "config.json"), "w") as f:
+            json.dump(config, f)
+    else:
+        write_model(args.model_dir, config)
+    # vLLM's CPU backend reserves one more core when any connector is configured, which changes
+    # float results on a small machine: reserve alike with and without one
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(args.tp))
     prompt_ids = prompts(args.prefix_blocks, args.block)
     _bind_cpus(args.tp)
     from vllm import SamplingParams
@@ -249,6 +258,14 @@ def main() -> int:
             say({"tokens": [list(o.outputs[0].token_ids) for o in outs],
                  "num_cached_tokens": [o.num_cached_tokens or 0 for o in outs],
                  "seconds": time.perf_counter() - start, "reset": reset})
+        elif cmd[0] == "genk":
+            k = int(cmd[2]) * args.block
+            head = prompt_ids[cmd[1]][:k] + [7] * 40
+            llm.generate([TokensPrompt(prompt_token_ids=head)], first_token, use_tqdm=False)
+            out = llm.generate([TokensPrompt(prompt_token_ids=prompt_ids[cmd[1]])], params,
+                               use_tqdm=False)[0]
+            say({"name": cmd[1], "tokens": list(out.outputs[0].token_ids),
+                 "num_cached_tokens": out.num_cached_tokens or 0, "reset": reset})
         elif cmd[0] in ("gen", "ttft"):
             out = llm.generate([TokensPrompt(prompt_token_ids=prompt_ids[cmd[1]])],
                                params if cmd[0] == "gen" else first_token, use_tqdm=False)[0]

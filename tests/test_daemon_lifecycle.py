@@ -281,3 +281,62 @@ def test_a_stop_says_the_instance_stopped(run_dir, instance):
             assert f"[shutdown] instance {instance} stopped" in f.read()
     finally:
         os.unlink(log_path)
+
+
+def test_an_engine_looking_in_another_run_dir_is_told_where_the_daemon_is(daemon, tmp_path, caplog):
+    """The daemon's status segment is named by the instance alone, so an engine whose run dir
+    differs found it but never its socket: zero hits forever, one INFO line. Now it is told at
+    once where the daemon runs, and a watching reattacher says it at WARNING."""
+    import logging
+    import time
+
+    from kvcached_client.run_dir_hint import WrongRunDir
+
+    elsewhere = str(tmp_path / "elsewhere")
+    t0 = time.monotonic()
+    with pytest.raises(WrongRunDir) as e:
+        Client.connect(daemon.instance, elsewhere, timeout=5)
+    assert time.monotonic() - t0 < 1.0  # not the send timeout
+    assert f"is running in run dir {daemon.run_dir}, not in {elsewhere}" in str(e.value)
+    with caplog.at_level(logging.INFO, logger="kvcached_client.reattach"):
+        r = Client.reattacher(instance=daemon.instance, run_dir=elsewhere, name="engine")
+        try:
+            assert r.attach_now() is None
+        finally:
+            r.close()
+    assert any(rec.levelno == logging.WARNING and "is running in run dir" in rec.getMessage()
+               for rec in caplog.records)
+
+
+_SAYS_BYE_THEN_DIES = """
+import sys, time, torch
+from kvcached_client import Client, allocate_kv_cache
+kv = allocate_kv_cache(2, 8, (16, 2, 8), torch.float16)
+c = Client.connect(sys.argv[1], sys.argv[2], timeout=10)
+c.register_kv_cache(kv)
+c.close()  # bye: as vLLM's worker says in shutdown(), right before vLLM kills it
+print("bye", flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_segments_of_an_engine_killed_after_its_bye_are_swept(daemon):
+    import subprocess
+    import sys
+
+    from conftest import wait_until
+
+    child = subprocess.Popen([sys.executable, "-c", _SAYS_BYE_THEN_DIES, daemon.instance,
+                              daemon.run_dir], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "bye"
+        prefix = f"kvcached.{os.getuid()}.kv.{child.pid}."
+        assert any(n.startswith(prefix) for n in os.listdir("/dev/shm"))
+        child.kill()
+        child.wait(10)
+        wait_until(lambda: not any(n.startswith(prefix) for n in os.listdir("/dev/shm")), 10,
+                   "the killed engine's segment swept")
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)

@@ -52,6 +52,7 @@ and saves are skipped), a killed daemon is seen at once, and a hung one after th
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -62,12 +63,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvcached_proto.errors import KvcachedError
 
 from ..daemon_link import DaemonLink, GroupLink
 from ..group import rank_keys
-from ..hashing import BlockHasher, kernel_block_keys, make_namespace
+from ..hashing import BlockHasher, kernel_block_keys, make_namespace, weights_identity
 from ..kv_worker import BlockTransfer, KVWorker
 from ..lookup_gate import LookupGate
 from ..mm_keys import MMItem, block_extra_keys
@@ -158,6 +160,7 @@ class _ReqState:
     block_ids: list[int] = field(default_factory=list)
     local_tokens: int = 0
     ext_tokens: int = 0
+    storage_tokens: int = 0  # of ext_tokens, those a storage tier supplied
     saved_blocks: int = 0
 
 
@@ -173,11 +176,16 @@ class KvcachedConnector(KVConnectorBase_V1):
         # (a block's bytes are in its memory order, in both worker modes) are in the namespace
         layout = getattr(kv_cache_config, "kv_cache_layout", None) or "default"
         engine = f"vllm-bs{self.block_size}-kv:{vllm_config.cache_config.cache_dtype}-layout:{layout}"
-        namespace = make_namespace(str(model.model), str(model.dtype).removeprefix("torch."),
-                                   engine, 0, vllm_config.parallel_config.tensor_parallel_size,
-                                   tenant=str(extra.get("namespace", "")),
-                                   weights_version=str(extra.get("weights_version", "")))
-        self.hasher = BlockHasher(namespace)
+        # the checkpoint's identity, not only its path: a new checkpoint written where the old
+        # one was gets other keys (extra config weights_version pins it instead)
+        weights = str(extra.get("weights_version", "")) or weights_identity(
+            str(model.model), getattr(model, "revision", None))
+        self.namespace = make_namespace(str(model.model), str(model.dtype).removeprefix("torch."),
+                                        engine, 0, vllm_config.parallel_config.tensor_parallel_size,
+                                        tenant=str(extra.get("namespace", "")),
+                                        weights_version=weights)
+        self.hasher = BlockHasher(self.namespace)
+        self.resets = 0
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:
             raise ValueError("KvcachedConnector does not run with pipeline parallelism")
@@ -274,6 +282,7 @@ class KvcachedConnector(KVConnectorBase_V1):
             return None, False
         self.counters["lookups"] += 1
         state.ext_tokens = hit * bs
+        state.storage_tokens = min(hit, self.gate.from_storage.get(request.request_id, 0)) * bs
         self.counters["hit_tokens"] += state.ext_tokens
         return state.ext_tokens, False
 
@@ -347,6 +356,28 @@ class KvcachedConnector(KVConnectorBase_V1):
         else:
             log.info("[vllm] workers registered their KV: %s, %d kernel block(s) per block",
                      modes, self.kernel_factor)
+
+    def reset_cache(self) -> bool:
+        """vLLM drops its prefix cache (POST /reset_prefix_cache?reset_external=true; a pause
+        with clear_cache, the step before a weight update): keys are salted anew from here on,
+        so no block stored before is ever matched again (the daemon's tiers age them out)."""
+        self.resets += 1
+        self.hasher = BlockHasher(f"{self.namespace}|reset:{os.urandom(8).hex()}")
+        for state in self._reqs.values():
+            state.keys = []  # computed again under the new salt
+        self.gate.forget_all()
+        log.info("[vllm] cache reset %d: blocks stored before are never matched again", self.resets)
+        return True
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
+        """The hit split by where the daemon had it: its host tier, or a storage tier (disk,
+        redis) it was prefetched from while the request waited."""
+        if num_external_tokens <= 0:
+            return {}
+        state = self._reqs.get(request.request_id)
+        stored = min(num_external_tokens, state.storage_tokens if state is not None else 0)
+        out = {CacheHitSource.HOST: num_external_tokens - stored, CacheHitSource.DISK: stored}
+        return {k: v for k, v in out.items() if v}
 
     def update_connector_output(self, connector_output) -> None:
         self._transfer_reqs.difference_update(connector_output.finished_sending or ())

@@ -24,7 +24,7 @@ NOT_STORED, BACKUP_QUEUED, STORED = 0, 1, 2
 
 class Entry:
     __slots__ = ("key", "block", "state", "refs", "parent", "children", "live", "doomed",
-                 "seq", "last", "hits", "score", "stored", "prefetched")
+                 "seq", "last", "hits", "score", "stored", "prefetched", "fetched")
 
     def __init__(self, key: bytes, block: int, parent: "Entry | None"):
         self.key = key
@@ -41,6 +41,7 @@ class Entry:
         self.score = 0.0
         self.stored = NOT_STORED  # backup state in the storage tiers
         self.prefetched = False  # brought in by a prefetch and not loaded since
+        self.fetched = False  # brought in from storage and not loaded since (hit statistics)
 
 
 class BlockIndex:

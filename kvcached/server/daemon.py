@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import zmq
 
 from kvcached_proto import (
-    MAX_FRAME_BYTES,
     OP_SPECS,
     ErrorCode,
     Op,
@@ -43,10 +42,12 @@ from ..host import machine
 from ..service.cache_service import DRAIN_TIMEOUT_S, CacheService
 from .control import ControlWorker
 from .kv_sweep import sweep_kv_segments, sweep_when_gone
-from .connections import HANDSHAKE_MS, ConnectionGuard, connection_cap, raise_files_limit
+from .connections import ConnectionGuard, connection_cap, raise_files_limit
 from .metrics import Metrics
 from .run_dir import prepare_run_dir, remove_instance_files, sweep_socket_files, take_instance_lock
+from .sockets import curve_router, ipc_router
 from .status import StatusThread
+from .status_report import degraded, stats_line
 from .status_block import SignalSegment
 from .task_events import EventSink
 
@@ -54,7 +55,6 @@ log = logging.getLogger(__name__)
 
 POLL_MS = 50
 LOOP_STALL_S = 5.0  # the request loop not turning for this long makes status `degraded`
-ZMTP_HEARTBEAT_MS, ZMTP_HEARTBEAT_TIMEOUT_MS = 1000, 5000
 CURVE_TAG = b"C"  # ROUTER-made ids start with 0x00: this prefix cannot collide
 CLIENT_REAP_PERIOD_S = 0.25
 DYING_GRACE_S = 0.5  # at shutdown, for engines whose connection closed to finish dying
@@ -64,21 +64,6 @@ DEFERRED = object()  # _dispatch's answer for an op the control worker replies t
 REFUSED_CODES = frozenset((ErrorCode.BAD_FRAME, ErrorCode.FRAME_TOO_LARGE, ErrorCode.BAD_HEADER,
                            ErrorCode.UNSUPPORTED_VERSION, ErrorCode.UNKNOWN_OP,
                            ErrorCode.BAD_FIELD, ErrorCode.TOO_MANY_ITEMS))
-# What one connection may have queued in the daemon: RECV_HWM frames of at most RECV_MAX_BYTES
-# (zmq stops reading a connection whose queue is full, so a flood waits in the flooder's own
-# memory); frames a little over MAX_FRAME_BYTES get FRAME_TOO_LARGE, zmq drops a peer that
-# sends more. Clients wait for each reply, so a few frames in flight per connection is plenty.
-RECV_MAX_BYTES = MAX_FRAME_BYTES + (1 << 20)
-RECV_HWM = 4
-
-
-def _heartbeats(sock: zmq.Socket) -> None:
-    """ZMTP heartbeats: a peer that stops answering (a hung host, a cut network: no FIN ever
-    comes) has its connection closed, which the disconnect monitor turns into a dead client."""
-    sock.setsockopt(zmq.HEARTBEAT_IVL, ZMTP_HEARTBEAT_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMTP_HEARTBEAT_TIMEOUT_MS)
-
-
 @dataclass
 class ClientInfo:
     client_id: str
@@ -107,6 +92,7 @@ class Daemon:
         self._fd_clients: dict[int, bytes] = {}  # connection fd -> routing id (said hello)
         self._last_fd = -1
         self._gone_pids: set[int] = set()  # disconnected clients whose segments await sweeping
+        self._said_bye: set[int] = set()  # pids that said bye: swept once dead, never waited for
         self.requests = {"handled": 0, "refused": 0}  # frames answered; invalid ones among them
         self._auth = None
         self.events: EventSink | None = None
@@ -153,16 +139,9 @@ class Daemon:
         self.signals = SignalSegment(cfg.instance)
         self._ctx = zmq.Context(io_threads=1)
         self.events = EventSink()
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.MAXMSGSIZE, RECV_MAX_BYTES)
-        self._router.setsockopt(zmq.RCVHWM, RECV_HWM)
-        self._router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
-        self._router.setsockopt(zmq.SNDHWM, 100000)
-        _heartbeats(self._router)
-        self._router.bind(request_endpoint(cfg.run_dir, cfg.instance))
+        self._router = ipc_router(self._ctx, request_endpoint(cfg.run_dir, cfg.instance))
         if cfg.curve_secret_key_file:  # config validation refuses --listen without it
-            self._curve_router = self._curve_socket()
+            self._curve_router, self._auth = curve_router(self._ctx, cfg)
         for sock in (self._router, self._curve_router):
             if sock is not None:
                 self._monitors.append(
@@ -188,39 +167,6 @@ class Daemon:
             "[startup] instance %s ready: pid %d epoch %x run dir %s device %s",
             cfg.instance, os.getpid(), self.signals.epoch, cfg.run_dir, cfg.device,
         )
-
-    def _curve_socket(self) -> zmq.Socket:
-        """A second ROUTER for --listen endpoints: CURVE-encrypted, and only clients whose
-        public key is in --curve-allow-dir get through the ZAP handshake."""
-        import zmq.auth
-        from zmq.auth.thread import ThreadAuthenticator
-
-        cfg = self.cfg
-        try:
-            public, secret = zmq.auth.load_certificate(cfg.curve_secret_key_file)
-        except (OSError, ValueError) as exc:
-            raise StartupError(f"--curve-secret-key-file {cfg.curve_secret_key_file}: {exc}") from None
-        if not secret:
-            raise StartupError(f"--curve-secret-key-file {cfg.curve_secret_key_file}: no secret key in it")
-        self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("kvcached.auth"))
-        self._auth.start()
-        self._auth.configure_curve(domain="*", location=cfg.curve_allow_dir)
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, RECV_MAX_BYTES)
-        sock.setsockopt(zmq.RCVHWM, RECV_HWM)
-        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)  # a TCP peer that never speaks goes
-        sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
-        _heartbeats(sock)
-        for endpoint in cfg.listen:
-            try:
-                sock.bind(endpoint)
-            except zmq.ZMQError as exc:
-                sock.close(linger=0)  # else the context's term() waits for it forever
-                raise StartupError(f"--listen {endpoint}: cannot listen there: {exc}") from None
-        log.info("[startup] CURVE on %s; allowed client keys from %s", ", ".join(cfg.listen),
-                 cfg.curve_allow_dir)
-        return sock
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -264,6 +210,9 @@ class Daemon:
         connected = [c.pid for c in self.clients.values() if c.pid_visible]
         sweep_when_gone(self._gone_pids, connected, DYING_GRACE_S)
         self._gone_pids.clear()
+        for pid in self._said_bye - set(connected):
+            if not pid_alive(pid):
+                sweep_kv_segments(pid)
 
     def _close_sockets(self) -> None:
         if self.metrics is not None:
@@ -523,6 +472,8 @@ class Daemon:
             # its KV mapping goes with it: an engine that closes its client is done with the
             # memory, and a mapping nobody owns would pin it in the daemon
             self.service.drop_client(client, dead=True)
+            if client.pid_visible:  # its KV segments go once its process has (vLLM kills its
+                self._said_bye.add(client.pid)  # workers right after they said bye)
         return {}
 
     def _reap_dead_clients(self) -> None:
@@ -533,6 +484,9 @@ class Daemon:
                 del self.clients[routing_id]
                 self.service.drop_client(client, dead=True)
                 sweep_kv_segments(client.pid)
+        for pid in [p for p in self._said_bye if not pid_alive(p)]:
+            self._said_bye.discard(pid)
+            sweep_kv_segments(pid)
         for pid in [p for p in self._gone_pids if not pid_alive(p)]:
             self._gone_pids.discard(pid)
             sweep_kv_segments(pid)
@@ -551,6 +505,7 @@ class Daemon:
             "device": self.cfg.device,
             "run_dir": self.cfg.run_dir,
             "clients": len(self.clients),
+            "client_names": sorted(c.name or c.client_id for c in self.clients.values()),
             "connections": self.connections.status() if self.connections else {},
             "requests": dict(self.requests),
             "heartbeat_max_gap_s": round(sig.max_gap_s, 3) if sig else 0.0,
@@ -559,33 +514,11 @@ class Daemon:
             status.update(self.service.status())
         lag = time.monotonic() - self._loop_turned
         status["stalled"] = lag > LOOP_STALL_S and not self.stop_requested.is_set()
-        status["degraded"] = self._degraded(status, lag)
+        status["degraded"] = degraded(status, lag)
         return status
-
-    def _degraded(self, status: dict, lag: float) -> list[str]:
-        """What keeps the daemon from serving fully, for operators. Only a stalled request
-        loop makes `kvcached status` fail (exit 4: the health check's cue to restart it); a
-        store that is down is not something a restart of the daemon mends."""
-        out = [f"the request loop has not turned for {lag:.1f} s"] if status["stalled"] else []
-        for tier in status.get("storage", []):
-            if not tier.get("healthy", True):
-                out.append(f"storage {tier['uri']} unhealthy: {tier.get('last_error') or 'down'}")
-        return out
 
 
 def _rid_of(msg: dict) -> int:
     """A refused request's rid, when it got far enough to carry a valid one; else 0."""
     rid = msg.get("rid")
     return rid if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < 2**64 else 0
-
-
-def stats_line(s: dict) -> str:
-    """One summary line for the log (every --stats-interval-s at INFO)."""
-    host, tasks, lookups = s["host"], s["tasks"], s.get("lookups", {})
-    asked = lookups.get("keys", 0)
-    hit = 100.0 * lookups.get("host_hits", 0) / asked if asked else 0.0
-    return (f"clients={s['clients']} host={host['used_bytes'] / 2**30:.2f}/"
-            f"{host['capacity_bytes'] / 2**30:.2f}GiB blocks={host.get('blocks', 0)} "
-            f"tasks completed={tasks['completed']} failed={tasks['failed']} queued={tasks['queued']} "
-            f"lookup_host_hit={hit:.1f}% d2h={s['bytes']['d2h']} h2d={s['bytes']['h2d']} "
-            f"storage_healthy={all(t.get('healthy') for t in s['storage'])}")

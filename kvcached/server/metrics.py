@@ -9,6 +9,8 @@ data path); task latencies are a histogram observed when each task ends.
     kvcached_tasks_total{status="completed"|"failed"|"cancelled"}     counter
     kvcached_hit_blocks_total{tier="host"|"storage"}                  counter (x block tokens = tokens)
     kvcached_lookup_blocks_total                                       counter
+    kvcached_loaded_blocks_total{source="host"|"storage"}             counter (what loads served:
+                                  from the host tier, or brought in from storage for them)
     kvcached_evictions_total{tier="host"|"disk"}                      counter
     kvcached_storage_errors_total{uri}                                 counter
     kvcached_storage_healthy{uri}                                      gauge
@@ -65,6 +67,11 @@ class StatusCollector:
         asked = fam(CounterMetricFamily, "kvcached_lookup_blocks", "Blocks asked for by lookups")
         asked.add_metric([i], lookups.get("keys", 0))
         yield asked
+        loaded = fam(CounterMetricFamily, "kvcached_loaded_blocks", "Blocks loads served, by where "
+                     "they were", ["source"])
+        loaded.add_metric([i, "host"], lookups.get("loaded_from_host", 0))
+        loaded.add_metric([i, "storage"], lookups.get("loaded_from_storage", 0))
+        yield loaded
         evictions = fam(CounterMetricFamily, "kvcached_evictions", "Blocks evicted", ["tier"])
         evictions.add_metric([i, "host"], s["host"].get("evictions", 0))
         errors = fam(CounterMetricFamily, "kvcached_storage_errors", "Storage errors", ["uri"])

@@ -53,7 +53,8 @@ class CacheService:
         self.copier = None  # CpuCopier, StrategyCopier or CudaCopier (transfer_cuda.make_copier)
         self.table = TaskTable(self.host.lock, signals, events)  # ids, slots, counters, the end
         self._parked: list[CopyTask] = []  # loads waiting for another task's fetch of their tail
-        self.hits = {"lookups": 0, "keys": 0, "host_hits": 0, "storage_hits": 0}
+        self.hits = {"lookups": 0, "keys": 0, "host_hits": 0, "storage_hits": 0,
+                     "loaded_from_host": 0, "loaded_from_storage": 0}
         self.loader = TransferWorker(LOAD, self._run_loads, self._batch_failed)
         self.offloader = TransferWorker(OFFLOAD, self._run_offloads, self._batch_failed)
         self.loader.start()
@@ -483,6 +484,9 @@ class CacheService:
     def _complete_load(self, task: CopyTask) -> None:
         loaded = 0 if task.cancelled else task.num_blocks
         with self.host.lock:
+            for e in task.entries[:loaded]:  # by where each block was: what a load served
+                self.hits["loaded_from_storage" if e.fetched else "loaded_from_host"] += 1
+                e.fetched = False
             self.host.unpin(task.entries)
             task.entries = []
             self.table.counters.bytes["h2d"] += task.bytes_moved

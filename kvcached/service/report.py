@@ -75,6 +75,8 @@ def status_of(svc) -> dict:
                 "num_layers": kv.spec.num_layers if kv else 0,
                 "num_blocks": kv.spec.num_blocks if kv else 0,
                 "page_bytes": kv.spec.page_bytes if kv else 0,
+                # the storage tiers' key space (record.stored_key): the host pool's geometry
+                "geometry": svc.host.pool.geometry.hex() if svc.host.pool.geometry else None,
             },
             "storage": svc.storage.status(),
             "storage_ready": svc.storage.tiers.ready(),

@@ -135,6 +135,7 @@ class StorageFlow:
                     if not got:
                         break
                     e = self.host.index.insert(keys[i], got[0], keys[i - 1] if i else None)
+                    e.fetched = True
                     own.append(e)
                 elif e.doomed:
                     break
@@ -158,7 +159,9 @@ class StorageFlow:
             got = self.host.alloc(1)
             if not got:
                 break
-            entries.append(self.host.index.insert(keys[i], got[0], keys[i - 1] if i else None))
+            e = self.host.index.insert(keys[i], got[0], keys[i - 1] if i else None)
+            e.fetched = True
+            entries.append(e)
         return entries
 
     def queue_backup(self, entries, client_routing=b"") -> None:

@@ -1,5 +1,7 @@
-"""A real vLLM engine (CPU) with the KvcachedConnector: prefixes come back from kvcached after
-vLLM dropped its own cache, greedy outputs equal a run without the connector, a dead daemon and
+"""A real vLLM engine (CPU) with the KvcachedConnector and real random weights: prefixes come
+back from kvcached after vLLM dropped its own cache, greedy outputs equal a run without the
+connector whose own prefix cache hit the same blocks (vLLM's split of a prefill changes bf16
+results, so like is compared with like) while a one-token-changed control differs, a dead daemon and
 a damaged disk record only cost recomputation. Runs in .venv-vllm (./scripts/test.sh --with-vllm)."""
 from __future__ import annotations
 
@@ -30,17 +32,31 @@ def reference(tmp_path_factory):
     """Greedy outputs of the same engine and prompts with no connector."""
     eng = Engine(tmp_path_factory.mktemp("ref"), "--connector", "none")
     try:
-        return {name: eng.gen(name)["tokens"] for name in ("A", "B", "C")}
+        out = {name: eng.gen(name)["tokens"] for name in ("A", "B", "C", "X")}
+        # a hit of k blocks as vLLM's own cache gives it: what a k-block kvcached hit must match
+        for name, k in (("B", vllm_driver.PREFIX_BLOCKS), ("B", 5), ("X", 3)):
+            hit = eng.step("genk", f"{name} {k}")
+            assert hit["num_cached_tokens"] == k * vllm_driver.BLOCK, hit
+            out[f"{name}@{k}"] = hit["tokens"]
     finally:
         eng.close()
+    # the control: real random weights, so B with one prefix token changed generates otherwise
+    # (with vLLM's dummy weights it did not: equal outputs proved nothing)
+    assert out["X"] != out["B"], out
+    return out
 
 
-def _records(disk_dir, keys):
+def _records(disk_dir, keys, geometry: str):
+    """The disk records of keys' blocks: named by the stored key (the key XOR the geometry
+    digest the daemon's status shows)."""
+    from kvcached.storage.record import stored_key
+
+    names = [stored_key(k, bytes.fromhex(geometry)).hex() for k in keys]
     found = {}
-    for dirpath, _, names in os.walk(disk_dir):
-        for n in names:
-            for i, k in enumerate(keys):
-                if n.startswith(k.hex()):
+    for dirpath, _, files in os.walk(disk_dir):
+        for n in files:
+            for i, k in enumerate(names):
+                if n.startswith(k):
                     found[i] = os.path.join(dirpath, n)
     return found
 
@@ -59,7 +75,10 @@ def test_prefixes_come_back_from_kvcached_and_faults_only_cost_recomputation(
         assert _said(eng, "workers registered their KV: {0: 'staging'}, 1 kernel block(s)")
         b = eng.gen("B")  # vLLM's own cache was reset: the shared prefix comes from kvcached
         assert b["num_cached_tokens"] >= len(vllm_driver.PREFIX), b
-        assert b["tokens"] == reference["B"]
+        assert b["tokens"] == reference[f"B@{vllm_driver.PREFIX_BLOCKS}"]
+        x = eng.gen("X")  # the control: one prefix token changed, the blocks after it miss
+        assert x["num_cached_tokens"] == 3 * vllm_driver.BLOCK, x
+        assert x["tokens"] == reference["X@3"] != b["tokens"]
         assert b["reset"], "A's blocks are still held: its save was never reported finished"
         with daemon.connect() as c:
             s = c.status()
@@ -73,7 +92,7 @@ def test_prefixes_come_back_from_kvcached_and_faults_only_cost_recomputation(
         assert c_out["reset"]
         # damage the disk record of prefix block 5, then a new daemon (empty host tier)
         connector_keys = _prefix_keys(tmp_path)
-        records = _records(storage_dir, connector_keys)
+        records = _records(storage_dir, connector_keys, s["kv"]["geometry"])
         assert len(records) >= 10, "the prefix blocks were not written through to disk"
         with open(records[5], "r+b") as f:
             f.seek(-2, os.SEEK_END)
@@ -84,7 +103,9 @@ def test_prefixes_come_back_from_kvcached_and_faults_only_cost_recomputation(
                         extra_args=["--storage", storage], wait_storage=True)
         vllm_driver.wait_attached(daemon)
         b2 = eng.gen("B")  # blocks 0-4 come from disk, the damaged one and what follows are recomputed
-        assert b2["tokens"] == reference["B"]
+        # what vLLM computes with those 5 blocks from its own cache (its split of the prefill
+        # changes bf16 results: with these weights, not the full prefill's tokens)
+        assert b2["num_cached_tokens"] == 5 * vllm_driver.BLOCK and b2["tokens"] == reference["B@5"]
         with daemon.connect() as c:
             s = c.status()
         assert sum(t.get("corrupt", 0) for t in s["storage"]) == 1
@@ -106,8 +127,11 @@ def _prefix_keys(tmp_path, tp_size=1):
     the KV cache layout vLLM resolved (LBHNC, the CPU backend's only one), tensor-parallel size;
     each rank's daemon holds them under rank_keys of these)."""
     from kvcached_client import make_namespace
+    from kvcached_client.hashing import weights_identity
 
-    ns = make_namespace(str(tmp_path / "model"), "bfloat16", f"vllm-bs{vllm_driver.BLOCK}-kv:auto-layout:LBHNC", 0, tp_size)
+    model = str(tmp_path / "model")
+    ns = make_namespace(model, "bfloat16", f"vllm-bs{vllm_driver.BLOCK}-kv:auto-layout:LBHNC", 0,
+                        tp_size, weights_version=weights_identity(model))
     return BlockHasher(ns).hash_blocks(vllm_driver.PREFIX, vllm_driver.BLOCK)
 
 
@@ -126,7 +150,6 @@ def test_tensor_parallel_ranks_agree_on_the_shortest_hit(tmp_path, run_dir, inst
         assert a["num_cached_tokens"] >= len(vllm_driver.PREFIX), a
         warm = eng.gen("B")
         assert warm["num_cached_tokens"] >= len(vllm_driver.PREFIX), warm
-        assert warm["tokens"] == cold["tokens"]
         from kvcached_client import rank_keys
 
         base = _prefix_keys(tmp_path, tp_size=2)
@@ -140,6 +163,10 @@ def test_tensor_parallel_ranks_agree_on_the_shortest_hit(tmp_path, run_dir, inst
         again = eng.gen("C")  # rank 0 still has the prefix, rank 1 has nothing (or is not
         # attached yet: the step that finds its daemon gone does not wait for it): recompute
         assert again["num_cached_tokens"] == 0 and again["tokens"] == cold_c["tokens"]
+        # the same prefix hit from vLLM's own cache gives the warm output (and differs from a
+        # full prefill in bf16 or not: compared with like)
+        local = eng.step("genk", f"B {vllm_driver.PREFIX_BLOCKS}")
+        assert local["tokens"] == warm["tokens"]
     finally:
         eng.close()
         for d in daemons:
@@ -174,12 +201,13 @@ def test_the_scheduler_takes_the_workers_kernel_factor_only_when_they_agree():
 def test_one_kv_head_per_eight_query_heads_with_64_token_blocks_and_a_partial_hit(
         tmp_path, run_dir, instance):
     """A model shape the other tests do not use (grouped-query attention 8:1, block_size 64):
-    greedy outputs with the connector after reset_prefix_cache() equal a run without it, for a
-    full-prefix hit (B after A) and a partial one (D shares A's first half)."""
+    greedy outputs with the connector after reset_prefix_cache() equal a run without it whose
+    own prefix cache hit the same blocks, for a full-prefix hit (B after A) and a partial one (D
+    shares A's first half)."""
     shape = ["--heads", "8", "--kv-heads", "1", "--block", "64", "--prefix-blocks", "6"]
     ref = Engine(tmp_path / "ref", "--connector", "none", *shape)
     try:
-        reference = {name: ref.gen(name)["tokens"] for name in ("B", "D")}
+        reference = {name: ref.step("genk", f"{name} {k}")["tokens"] for name, k in (("B", 6), ("D", 3))}
     finally:
         ref.close()
     daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2)

@@ -1,0 +1,194 @@
+"""vLLM's OpenAI server with the connector, started as README says, checked over HTTP: a host hit,
+a disk hit after the daemon restarts, outputs equal to a server without the connector (CPU
+threads pinned alike) while a one-token-changed control differs, both cache resets vLLM has
+(`/reset_prefix_cache?reset_external=true`, `/pause` with clear_cache) leaving no hit behind,
+and nothing left in /dev/shm once the server stops. A Llama with real random weights."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is installed in .venv-vllm: ./scripts/test.sh --with-vllm")
+
+from conftest import disk_uri, free_port, sweep_crashed  # noqa: E402
+
+from kvcached_client import launch  # noqa: E402
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "..", "scripts")
+sys.path.insert(0, SCRIPTS)
+import vllm_driver  # noqa: E402
+from vllm_model import write_model  # noqa: E402
+
+BLOCK = vllm_driver.BLOCK
+PROMPTS = vllm_driver.prompts()
+PREFIX = len(vllm_driver.PREFIX)
+# alike with and without the connector: vLLM CPU reserves one more core when one is configured
+ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_SERVER_DEV_MODE": "1"}
+
+
+class Server:
+    """`python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs; in a vllm-cpu
+    venv `vllm serve` fails: its distribution is named vllm-cpu)."""
+
+    def __init__(self, model: str, log_path: str, kv_config: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = model
+        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                "--port", str(self.port), "--host", "127.0.0.1", "--skip-tokenizer-init",
+                "--block-size", str(BLOCK), "--enforce-eager", "--dtype", "bfloat16",
+                "--max-model-len", "1024", "--seed", "0", "--gpu-memory-utilization", "0.1",
+                "--enable-prompt-tokens-details"]
+        if kv_config is not None:
+            args += ["--kv-transfer-config", json.dumps(kv_config)]
+        self.log_path = log_path
+        self.proc = subprocess.Popen(args, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, **ENV}, start_new_session=True)
+        deadline = time.monotonic() + 300
+        while not self._healthy():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the server did not start:\n" + self.log()[-4000:])
+            time.sleep(1)
+
+    def log(self) -> str:
+        return open(self.log_path, errors="replace").read()
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def post(self, path: str, body: dict | None = None) -> dict:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(),
+                                     headers={"content-type": "application/json"}, method="POST")
+        with urllib.request.urlopen(req, timeout=120) as r:
+            text = r.read().decode()
+        return json.loads(text) if text.strip().startswith(("{", "[")) else {}
+
+    def complete(self, name: str, local_reset: bool = True) -> tuple[list[int], int]:
+        """Greedy tokens for prompt `name` and its cached prompt tokens. vLLM's own prefix cache
+        is reset first, so every cached token came through the connector."""
+        if local_reset:
+            self.post("/reset_prefix_cache")
+        out = self.post("/v1/completions", {"model": self.model, "prompt": PROMPTS[name],
+                                            "max_tokens": 8, "temperature": 0,
+                                            "return_token_ids": True})
+        details = out["usage"].get("prompt_tokens_details") or {}
+        return out["choices"][0]["token_ids"], details.get("cached_tokens") or 0
+
+    def complete_after_hit(self, name: str, blocks: int) -> list[int]:
+        """Prompt `name` with its first `blocks` blocks a hit of vLLM's own prefix cache: what
+        a hit of those blocks from the connector must give (vLLM's split of a prefill changes
+        bf16 results, so a hit is compared with a hit of the same blocks)."""
+        self.post("/reset_prefix_cache")
+        head = PROMPTS[name][:blocks * BLOCK] + [7] * 40
+        self.post("/v1/completions", {"model": self.model, "prompt": head, "max_tokens": 1,
+                                      "temperature": 0})
+        tokens, cached = self.complete(name, local_reset=False)
+        assert cached == blocks * BLOCK, cached
+        return tokens
+
+    def metric(self, name: str, **labels) -> float:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        want = "".join(f'(?=[^}}]*{k}="{v}")' for k, v in labels.items())
+        total = 0.0
+        for m in re.finditer(rf"^{re.escape(name)}(?:_total)?{{{want}[^}}]*}} ([0-9.e+]+)$", text, re.M):
+            total += float(m.group(1))
+        return total
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def _kv_segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"kvcached.{os.getuid()}.kv.")}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_model(str(tmp_path_factory.mktemp("srv") / "model"))
+
+
+@pytest.fixture(scope="module")
+def reference(model, tmp_path_factory):
+    server = Server(model, str(tmp_path_factory.mktemp("ref") / "server.log"))
+    try:
+        out = {name: server.complete(name)[0] for name in ("A", "B", "X")}
+        out["B@hit"] = server.complete_after_hit("B", PREFIX // BLOCK)
+        out["X@3"] = server.complete_after_hit("X", 3)
+    finally:
+        server.stop()
+    assert out["X"] != out["B"], "the control must differ: the weights ignore the prompt"
+    return out
+
+
+def _wait_attached(daemon):
+    vllm_driver.wait_attached(daemon)
+
+
+def test_the_openai_server_as_the_readme_runs_it(model, reference, tmp_path, run_dir, instance):
+    disk = str(tmp_path / "disk")
+    storage = disk_uri(disk, 0.2)
+    daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2,
+                    extra_args=["--storage", storage], wait_storage=True)
+    before = _kv_segments()
+    server = Server(model, str(tmp_path / "server.log"), {
+        "kv_connector": "KvcachedConnector", "kv_connector_module_path": "kvcached_client.vllm",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"instance": instance, "run_dir": run_dir}})
+    try:
+        _wait_attached(daemon)
+        assert server.complete("A") == (reference["A"], 0)
+        tokens, cached = server.complete("B")  # the shared prefix from the daemon's host tier
+        assert tokens == reference["B@hit"] and cached == PREFIX, cached
+        tokens, cached = server.complete("X")  # the control: the blocks past its change miss
+        assert cached == 3 * BLOCK and tokens == reference["X@3"] != reference["B@hit"]
+        assert server.metric("vllm:prompt_tokens_cached_by_source", source="host") >= PREFIX
+        with daemon.connect() as c:
+            c.flush().wait(30)
+        daemon.stop()
+        daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2,
+                        extra_args=["--storage", storage], wait_storage=True)
+        _wait_attached(daemon)
+        tokens, cached = server.complete("B")  # from disk: prefetched while the request waited
+        assert tokens == reference["B@hit"] and cached == PREFIX, cached
+        assert server.metric("vllm:prompt_tokens_cached_by_source", source="disk") >= PREFIX
+        with daemon.connect() as c:
+            loaded = c.status()["lookups"]
+        assert loaded["loaded_from_storage"] >= PREFIX // BLOCK, loaded
+        server.post("/reset_prefix_cache?reset_external=true")  # a weight update's reset
+        assert server.complete("B") == (reference["B"], 0)
+        tokens, cached = server.complete("B")  # stored again since, under the new salt
+        assert cached >= PREFIX
+        server.post("/pause?clear_cache=true")
+        server.post("/resume")
+        assert server.complete("B") == (reference["B"], 0)
+    finally:
+        code = server.stop()
+        daemon.stop()
+        sweep_crashed(instance)
+    assert code is not None
+    assert _kv_segments() <= before, "the server left its staging segment in /dev/shm"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ours = [line for line in server.log().splitlines()  # a traceback through kvcached's code
+            if f'File "{root}/client/' in line or f'File "{root}/kvcached/' in line]
+    assert not ours, ours
