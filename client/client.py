@@ -272,7 +272,7 @@ class Client:
         if sig is None:
             return False
         try:
-            sig.check_alive()
+            self._check_daemon()
             return True
         except Exception:  # DaemonUnavailable, or a reader closed under us by another thread
             return False
@@ -281,6 +281,10 @@ class Client:
         if self.signals is None:
             raise DaemonUnavailable("client is closed")
         self.signals.check_alive()
+        if self.order is not None and self.order.released:
+            # its progress words say "landed" for good: no later layer wait would hold
+            raise DaemonUnavailable("this connection's order words were released (its daemon "
+                                    "was lost past the hang threshold): connect again")
 
     def fence(self, task_id: int, blocks) -> None:
         """Keep `blocks` out of reuse until task_id's end event arrives."""

@@ -75,7 +75,8 @@ class EngineOrder:
         self._cv = threading.Condition()
         self._guard: threading.Thread | None = None
         self._closed_at: float | None = None
-        self.released = False
+        self.released = False  # once true, every progress word passes: the client is spent
+        self.released_loads: set[int] = set()  # loads whose stream waits were released
 
     def _stream(self, stream):
         import torch
@@ -144,6 +145,7 @@ class EngineOrder:
             if self._pending:
                 log.warning("[order] releasing %d engine stream wait(s): %s", len(self._pending), why)
             self.words[FENCE_WORDS:] = RELEASED
+            self.released_loads.update(self._pending.values())
             self._pending.clear()
             self.released = True
             self._cv.notify_all()

@@ -140,13 +140,8 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_shape, dtype=None,
     block_shape = tuple(int(s) for s in block_shape)
     shape = (num_blocks, *block_shape)
     per_layer = 2 if kv_pair else 1
-    if str(device).startswith("cuda"):
-        _check_cuda_allocator()
-        tensors = [
-            tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(per_layer))
-            for _ in range(num_layers)
-        ]
-        return [t if kv_pair else t[0] for t in tensors]
+    # one allocation carved per layer and part, on CUDA as on CPU: one export, and a model of
+    # any depth registers (one allocation per K and per V took 2 x layers of them)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     tensor_bytes = math.prod(shape) * itemsize
     flat = allocate_kv_buffer(tensor_bytes * per_layer * num_layers, device)

@@ -84,6 +84,9 @@ class LoadTask(Task):
             self.wait_end(timeout)
         except KvcachedTimeout as exc:
             raise self._fence(exc) from None
+        order = self.client.order
+        if order is not None and (self.id in order.released_loads or order.released):
+            return 0  # a stream wait of it was let go: the engine may have read before it landed
         return int(self.result.get("loaded", 0))
 
     def _fence(self, exc: KvcachedTimeout) -> KvcachedTimeout:
@@ -135,8 +138,9 @@ class LoadTask(Task):
                             self.layer_wake_ns.append(time.monotonic_ns() - view.slot_layer_ns(slot))
                         order = self.client.order
                         if order is not None:
-                            if order.ops is not None:  # a wait for a daemon already gone would
-                                self.client.signals.check_alive()  # only end by release
+                            if order.ops is not None or order.released:  # a wait for a daemon gone would
+                                self.client._check_daemon()  # only end by release (and a
+                                # released connection's words pass every wait: not in place)
                             order.wait_loaded(slot, layer, self.id, stream)
                         return
                     if ended:  # short of it, or the next load is taking the slot over

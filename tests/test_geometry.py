@@ -218,3 +218,56 @@ def test_one_segment_named_twice_cannot_hide_shared_bytes(shared_daemon):
                 c._request(Op.REGISTER_KV, layout=bad)
             assert e.value.code == ErrorCode.KV_MISMATCH
         assert c.status()["kv"]["registered"] is False
+
+
+def test_a_layout_of_a_deep_model_with_one_allocation_per_tensor_registers(daemon):
+    """vLLM <= 0.13 gives each layer a tensor of its own; an 80-layer model with K and V apart
+    is 160 allocations, which registration refused past 64."""
+    from kvcached_client import allocate_kv_buffer
+
+    layers, blocks, shape = 80, 4, (4, 2, 8)
+    kv = []
+    for _ in range(layers):
+        pair = []
+        for _part in range(2):
+            flat = allocate_kv_buffer(blocks * 64 * 2)
+            pair.append(flat.view(torch.bfloat16).view(blocks, *shape))
+        kv.append(tuple(pair))
+    assert len(describe_kv_cache(kv)["allocations"]) == 2 * layers
+    with daemon.connect() as c:
+        c.register_kv_cache(kv)
+        assert c.status()["kv"]["num_layers"] == layers
+
+
+def test_the_kv_gpu_is_this_processs_ordinal_of_its_uuid():
+    """The daemon's CUDA_VISIBLE_DEVICES may number the GPUs otherwise than the engine's: the
+    order words (and the mapping) go on the ordinal found by UUID, not on the engine's cuda:N."""
+    from kvcached.copy.kv_mapping import ordinal_of
+    from kvcached.errors import OpError
+    from kvcached_proto.layout import LayoutSpec
+
+    def spec(device, uuid):
+        return LayoutSpec(device, 1, 1, (), (), gpu_uuid=uuid)
+
+    assert ordinal_of(spec("cuda:0", "GPU-b"), ["GPU-a", "GPU-b"]) == 1
+    assert ordinal_of(spec("cuda:2", None), ["GPU-a"]) == 2  # no UUID sent: its ordinal
+    with pytest.raises(OpError, match="does not see"):
+        ordinal_of(spec("cuda:0", "GPU-z"), ["GPU-a", "GPU-b"])
+
+
+def test_order_words_cuda_refuses_are_a_kv_mismatch_on_the_named_device():
+    import numpy as np
+
+    from kvcached.copy.order import DaemonOrder
+    from kvcached.errors import OpError
+
+    asked = []
+
+    def refusing(device, address, nbytes):
+        asked.append(device)
+        raise RuntimeError("CUDA error: invalid device ordinal")
+
+    with pytest.raises(OpError) as e:  # was a RuntimeError: INTERNAL, a daemon bug as reported
+        DaemonOrder(np.zeros(64, np.uint64), 2, "cuda:1", ops_factory=refusing)
+    assert e.value.code == ErrorCode.KV_MISMATCH and "cuda:1" in e.value.message
+    assert asked == ["cuda:1"]

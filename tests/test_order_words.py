@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import keys_for, wait_until
-from kvcached_client import RequestError
+from kvcached_client import DaemonUnavailable, RequestError
 from kvcached_client import cuda_order
 from kvcached_client.cuda_order import EngineOrder
 from kvcached_client.kv_alloc import describe_kv_cache
@@ -250,3 +250,33 @@ def test_the_revoke_word_only_grows():
         assert order.words[REVOKE_WORD] == 41
     finally:
         order.close()
+
+
+def test_a_released_wait_fails_its_load_and_spends_the_connection(monkeypatch, daemon):
+    """A daemon late past the hang threshold has every progress word released (the engine's
+    streams must not wait forever); if it then beats again, the same words would let every
+    later layer wait pass before its copies landed - wrong KV, the load still DONE. Now the
+    loads whose waits were released count 0 blocks and the connection is spent (not alive:
+    a reattach makes a new one, with fresh words)."""
+    monkeypatch.setattr(cuda_order, "GUARD_PERIOD_S", 0.005)
+    lost = {"now": False}
+    order, _ops = engine_order(lambda: lost["now"])
+    try:
+        order.wait_loaded(slot=1, layer=0, task_id=42, stream=FakeStream())
+        lost["now"] = True
+        wait_until(lambda: order.released, 2)
+        assert order.released_loads == {42}
+    finally:
+        order.close()
+    kv = small_kv()
+    keys = keys_for(4, 77)
+    with daemon.connect() as c:
+        c.register_kv_cache(kv)
+        c.offload([0, 1, 2, 3], keys).wait(10)
+        task = c.load(keys, [8, 9, 10, 11])
+        task.wait_layer(0)
+        c.order.release("the test: the daemon was late past the hang threshold")
+        assert task.wait(10) == 0  # its end says done; a released wait makes it count nothing
+        assert not c.alive()
+        with pytest.raises(DaemonUnavailable, match="order words were released"):
+            c.load(keys, [12, 13, 14, 15]).wait_layer(0)

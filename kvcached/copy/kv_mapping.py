@@ -67,6 +67,7 @@ class KVRegistration:
         self._guards: dict[str, sigbus.GuardedMap] = {}
         self.views: list[list[torch.Tensor]] = []
         self.order: DaemonOrder | None = None
+        self.local_device = "cpu"  # this process's name of the KV's device (cuda:N by its UUID)
         try:
             flats = self._map_allocations(spec, daemon_device)
             for layer in range(spec.num_layers):
@@ -78,8 +79,9 @@ class KVRegistration:
                 self.views.append(row)
             _check_no_alias(self.views, spec.num_blocks)
             if spec.order_segment is not None:
+                # on the GPU as this process numbers it: the engine's cuda:N may be another
                 self.order = DaemonOrder(self._map_order(spec.order_segment), spec.num_layers,
-                                         spec.device, spec.revoke_word)
+                                         self.local_device, spec.revoke_word)
         except BaseException:
             self.close()
             raise
@@ -90,6 +92,7 @@ class KVRegistration:
         device = None
         if spec.device != "cpu":
             device = cuda_ordinal(spec)
+            self.local_device = f"cuda:{device}"
             served = int(daemon_device.partition(":")[2] or 0)
             if device != served:
                 raise OpError(ErrorCode.KV_MISMATCH,
@@ -247,11 +250,16 @@ def cuda_ordinal(spec: LayoutSpec) -> int:
     (its `cuda:N` is its own numbering), else the engine's ordinal."""
     if not torch.cuda.is_available():
         raise OpError(ErrorCode.KV_MISMATCH, "CUDA KV registered but this daemon sees no CUDA device")
+    return ordinal_of(spec, [gpu_uuid(i) for i in range(torch.cuda.device_count())])
+
+
+def ordinal_of(spec: LayoutSpec, uuids: list[str]) -> int:
+    """The ordinal among `uuids` (this process's GPUs, by ordinal) of the GPU the engine named;
+    the engine's own ordinal only when it named none."""
     if spec.gpu_uuid is None:
         return int(spec.device.partition(":")[2] or 0)
-    for i in range(torch.cuda.device_count()):
-        if gpu_uuid(i) == spec.gpu_uuid:
-            return i
+    if spec.gpu_uuid in uuids:
+        return uuids.index(spec.gpu_uuid)
     raise OpError(ErrorCode.KV_MISMATCH,
                   f"the engine's KV is on GPU {spec.gpu_uuid}, which this daemon does not see "
                   "(CUDA_VISIBLE_DEVICES differs: the daemon must see the engine's GPU)")

@@ -20,24 +20,31 @@ from kvcached_proto.order_words import FENCE_WORDS, RELEASED, load_word, reached
 from ..errors import OpError
 
 
+def _cuda_ops(device: str, address: int, nbytes: int):
+    import torch
+
+    from kvcached_proto.stream_ops import StreamOps
+
+    with torch.cuda.device(torch.device(device)):
+        return StreamOps(address, nbytes)
+
+
 class DaemonOrder:
     def __init__(self, words: np.ndarray, num_layers: int, device: str,
-                 revoke_word: int | None = None):
+                 revoke_word: int | None = None, ops_factory=None):
+        """device: this process's name of the KV's GPU (cuda:N found by its UUID, not the
+        engine's ordinal). ops_factory(device, address, nbytes): the stream operations (a test
+        passes a recording one; default: the CUDA driver's)."""
         self.words = words
         self.num_layers = num_layers
         self.revoke_word = revoke_word
         self.ops = None
         if device.startswith("cuda"):
-            import torch
-
-            from kvcached_proto.stream_ops import StreamOps, StreamOpsError
-
             try:
-                with torch.cuda.device(torch.device(device)):
-                    self.ops = StreamOps(words.ctypes.data, words.nbytes)
-            except (OSError, StreamOpsError) as exc:
+                self.ops = (ops_factory or _cuda_ops)(device, words.ctypes.data, words.nbytes)
+            except (OSError, RuntimeError) as exc:  # StreamOpsError; an ordinal CUDA refuses
                 raise OpError(ErrorCode.KV_MISMATCH, f"order_segment: could not register it "
-                              f"with CUDA ({exc})") from None
+                              f"with CUDA on {device} ({exc})") from None
 
     def check_fence(self, fence_word: int, fence: int) -> tuple[int, int] | None:
         """Validate a request's fence; None when it carries none (fence 0)."""
