@@ -10,7 +10,7 @@ import pytest
 from conftest import (RedisServer, blocks_equal, free_port, keys_for, make_tls_files, scramble,
                       small_kv, wait_until)
 from kvcached_client import launch
-from test_storage import PAGE_SHAPE, in_redis_only, offload_and_flush, start
+from test_storage import PAGE_SHAPE, in_storage_only, offload_and_flush, start
 
 SECRET = "s3cret-Pa55"
 
@@ -81,7 +81,7 @@ def test_rediss_speaks_tls_to_the_server(run_dir, instance, tmp_path):
     try:
         assert server.uri.startswith("rediss://")
         keys, dst = keys_for(6, 19), list(range(20, 26))
-        with in_redis_only(run_dir, instance, server.uri, keys) as (c, kv, expected, _):
+        with in_storage_only(run_dir, instance, server.uri, keys) as (c, kv, expected, _):
             assert c.lookup(keys) == (0, 6)
             scramble(kv, 3)
             assert c.load(keys, dst).wait(10) == 6

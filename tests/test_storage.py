@@ -581,8 +581,8 @@ def test_cancel_stops_a_prefetch(run_dir, instance, disk_dir):
 
 
 @contextlib.contextmanager
-def in_redis_only(run_dir, instance, uri, keys):
-    """A client of a daemon whose redis tier holds the blocks of `keys` (from blocks 0..n-1)
+def in_storage_only(run_dir, instance, uri, keys):
+    """A client of a daemon whose storage tier (uri) holds the blocks of `keys` (from blocks 0..n-1)
     and whose host tier does not: (client, kv, the stored bytes, the daemon)."""
     kv = small_kv(block_shape=PAGE_SHAPE)
     src = list(range(len(keys)))
@@ -600,7 +600,7 @@ def in_redis_only(run_dir, instance, uri, keys):
 
 def test_redis_tier_round_trip(run_dir, instance, redis_server):
     keys, dst = keys_for(10, 14), list(range(20, 30))
-    with in_redis_only(run_dir, instance, redis_server.uri, keys) as (c, kv, expected, _):
+    with in_storage_only(run_dir, instance, redis_server.uri, keys) as (c, kv, expected, _):
         assert c.lookup(keys) == (0, 10)
         scramble(kv, 3)
         assert c.load(keys, dst).wait(10) == 10
@@ -621,7 +621,7 @@ def test_a_redis_lookup_counts_the_leading_keys_present_with_or_without_scripts(
     server = RedisServer(extra=off if scripts == "refused" else ())
     keys = keys_for(10, 34)
     try:
-        with in_redis_only(run_dir, instance, server.uri, keys) as (c, kv, _, h):
+        with in_storage_only(run_dir, instance, server.uri, keys) as (c, kv, _, h):
             def name(k):
                 return b"kvcached:" + stored(k, kv).hex().encode()
 

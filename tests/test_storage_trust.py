@@ -18,7 +18,7 @@ from kvcached.storage.record import pack_header
 from kvcached_client.kv_alloc import describe_kv_cache
 from kvcached_proto.layout import parse_layout
 from test_security import OTHER_UID, _other_uid, run_as_other_uid
-from test_storage import PAGE_SHAPE, offload_and_flush, record_path, start
+from test_storage import PAGE_SHAPE, in_storage_only, offload_and_flush, record_path, start
 
 
 def _random_fill(kv, seed):
@@ -212,18 +212,10 @@ def test_a_shard_dir_replaced_by_a_link_is_made_a_directory_again(run_dir, insta
 
 
 def test_a_disk_tier_whose_directory_is_gone_reports_no_hits(run_dir, instance, disk_dir):
-    kv = small_kv(block_shape=PAGE_SHAPE)
     keys = keys_for(6, 90)
-    h = start(run_dir, instance, disk_uri(disk_dir))
-    try:
-        with h.connect() as c:
-            c.register_kv_cache(kv)
-            offload_and_flush(c, kv, keys, list(range(6)))
-            c.clear(tier="host")
-            assert c.lookup(keys) == (0, 6)
-            shutil.rmtree(disk_dir)
-            wait_until(lambda: not c.status()["storage"][0]["healthy"], 10, "the tier unhealthy")
-            assert c.lookup(keys) == (0, 0)
-            assert c.load(keys, list(range(10, 16))).wait(10) == 0
-    finally:
-        h.stop()
+    with in_storage_only(run_dir, instance, disk_uri(disk_dir), keys) as (c, _kv, _, _h):
+        assert c.lookup(keys) == (0, 6)
+        shutil.rmtree(disk_dir)
+        wait_until(lambda: not c.status()["storage"][0]["healthy"], 10, "the tier unhealthy")
+        assert c.lookup(keys) == (0, 0)
+        assert c.load(keys, list(range(10, 16))).wait(10) == 0
