@@ -12,6 +12,9 @@ import sys
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed in .venv-vllm: ./scripts/test.sh --with-vllm")
+# each test starts real engines (a minute each on 2 cores) and the first builds its reference:
+# the suite-wide 120 s per test is too short for them
+pytestmark = pytest.mark.timeout(600)
 
 from conftest import disk_uri, sweep_crashed  # noqa: E402
 
