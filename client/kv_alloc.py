@@ -186,10 +186,43 @@ def _expandable_ranges() -> list[tuple[int, int]]:
         return []
 
 
+class CudaExports:
+    """The CUDA IPC handle of each storage, exported once per process: every `_share_cuda_()`
+    makes a new IPC event and ref-counter entry the caching allocator keeps (past ~1,000 the
+    engine synchronizes on every share), and a registration, a describe and every reattach ask
+    again. An entry holds a weak reference to a tensor of its storage: while that tensor lives
+    on the same storage, the address cannot name another allocation."""
+
+    def __init__(self, share=lambda storage: storage._share_cuda_()):
+        self._share = share
+        self._done: dict[tuple, tuple] = {}  # (device, ptr, nbytes) -> (weakref, handle)
+
+    def handle(self, t: torch.Tensor) -> dict:
+        storage = t.untyped_storage()
+        key = (t.device.index, storage.data_ptr(), storage.nbytes())
+        hit = self._done.get(key)
+        if hit is not None:
+            owner = hit[0]()
+            if owner is not None and owner.untyped_storage().data_ptr() == key[1]:
+                return hit[1]
+        (device, handle, storage_size, storage_offset, ref_handle, ref_offset, _event,
+         _sync) = self._share(storage)
+        exported = {
+            "kind": "cuda_ipc", "device": device, "handle": handle, "storage_size": storage_size,
+            "storage_offset": storage_offset, "ref_counter_handle": ref_handle,
+            "ref_counter_offset": ref_offset, "event_handle": b"", "event_sync_required": False}
+        self._done = {k: v for k, v in self._done.items() if v[0]() is not None}
+        self._done[key] = (weakref.ref(t), exported)
+        return exported
+
+
+EXPORTS = CudaExports()
+
+
 def _cuda_allocation(t: torch.Tensor, expandable: list[tuple[int, int]],
                      exported: dict) -> tuple[tuple, dict, int]:
-    """(key, IPC handle, base address) of the storage behind `t`, exported once per storage
-    (`exported` keeps them: vLLM's views of one allocation share one)."""
+    """(key, IPC handle, base address) of the storage behind `t` (`exported` keeps this
+    describe's: vLLM's views of one allocation share one)."""
     storage = t.untyped_storage()
     ptr = storage.data_ptr()
     if ptr in exported:
@@ -200,18 +233,11 @@ def _cuda_allocation(t: torch.Tensor, expandable: list[tuple[int, int]],
             "over CUDA IPC; allocate the KV cache with expandable_segments:False "
             "(kvcached_client.allocate_kv_cache does)")
     try:
-        (device, handle, storage_size, storage_offset, ref_handle, ref_offset, event_handle,
-         event_sync) = storage._share_cuda_()
+        exported[ptr] = EXPORTS.handle(t)
     except RuntimeError as exc:
         raise KvcachedError(
             f"this CUDA tensor cannot be exported over CUDA IPC ({exc}); memory from PyTorch "
             "expandable segments cannot be shared: set expandable_segments:False") from None
-    exported[ptr] = {
-        "kind": "cuda_ipc", "device": device, "handle": handle, "storage_size": storage_size,
-        "storage_offset": storage_offset, "ref_counter_handle": ref_handle,
-        "ref_counter_offset": ref_offset, "event_handle": event_handle or b"",
-        "event_sync_required": bool(event_sync),
-    }
     return ("cuda", ptr), exported[ptr], ptr
 
 

@@ -161,6 +161,23 @@ def engine_blocks(name: str, t, num_blocks: int | None):
                         f"{num_blocks} (or a multiple: kernel blocks) first; kvcached cannot page it")
 
 
+def kv_device(entry) -> str:
+    """The device type of a layer's KV (a tensor or a (K, V) pair)."""
+    return (entry[0] if isinstance(entry, tuple) else entry).device.type
+
+
+def unmappable_cuda_kv(reason) -> str:
+    """Why CUDA KV the daemon cannot map is refused rather than staged: a CUDA daemon maps the
+    engine's KV in place and refuses a CPU staging copy, so the engine would run uncached."""
+    return (f"the daemon cannot map this CUDA KV cache ({reason}). A CUDA daemon copies into the "
+            "engine's own KV over CUDA IPC and never stages through CPU memory, so kvcached "
+            "would serve nothing: allocate the KV without expandable segments "
+            "(PYTORCH_CUDA_ALLOC_CONF without expandable_segments:True), in a layout whose "
+            "blocks are contiguous (not LHBNC/BHLNC), from PyTorch's caching allocator (no "
+            "pluggable allocator or sleep mode); or run the daemon with --device cpu and the "
+            "connector with mode staging")
+
+
 class KVWorker:
     def __init__(self, link, staging_blocks: int = 512, rank_keys=None, direct: bool | None = None,
                  counters: dict | None = None, host_only_loads: bool = False):
@@ -256,6 +273,8 @@ class KVWorker:
         except KvcachedError as exc:
             if self._want_direct:
                 raise
+            if kv_device(self._engine_kv[0]) != "cpu":
+                raise KvcachedError(unmappable_cuda_kv(exc)) from None
             log.warning("[kv] the daemon cannot map this KV cache (%s): staging it through "
                         "shared memory", exc)
             return "staging"

@@ -139,6 +139,25 @@ def test_registering_in_parts_rolls_back_and_says_so_when_nothing_fits(monkeypat
     assert fake.registered == {} and fake.sticky == 0
 
 
+def test_a_layout_the_pool_cannot_pin_leaves_the_pool_as_it_was(monkeypatch):
+    """#32 LOW: a new geometry whose blocks no part size can cut (8000-byte parts: a cut every
+    512,000 bytes at best, over the runtime's 300,000) is refused with the old layout's views,
+    allocator and registration in place, not a pool half carved and unregistered."""
+    fake = FakeRuntime(ceiling=300_000)
+    _, spec_a, pool = _deferred_pool("layer_first", fake, monkeypatch)
+    pool.configure(spec_a)
+    parts_a, views_a, alloc_a = list(pool._parts), pool.views, pool.allocator
+    assert len(parts_a) > 1
+    spec_b = parse_layout(describe_kv_cache(small_kv(num_layers=3, num_blocks=16, block_shape=(1000, 2, 2))))
+    with pytest.raises(RuntimeError, match="could not be registered"):
+        pool.configure(spec_b)
+    assert pool.spec is spec_a and pool.views is views_a and pool.allocator is alloc_a
+    assert pool._parts == parts_a and fake.sticky == 0
+    assert sorted(fake.registered) == [pool._pinned_ptr + off for off, _ in parts_a]
+    pool.close()
+    assert fake.registered == {}
+
+
 def test_split_runs_cover_the_same_blocks_and_cross_no_cut():
     rng = np.random.default_rng(5)
     for _ in range(300):

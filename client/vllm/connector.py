@@ -357,6 +357,13 @@ class KvcachedConnector(KVConnectorBase_V1):
             log.info("[vllm] workers registered their KV: %s, %d kernel block(s) per block",
                      modes, self.kernel_factor)
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config=None) -> bool:
+        """vLLM 0.33 asks before it enables sleep mode: no. Sleep mode allocates the KV through
+        CuMem, which CUDA IPC cannot export, and moves it at wake-up under the daemon's mapping;
+        vLLM then refuses the combination at start with its own message."""
+        return False
+
     def reset_cache(self) -> bool:
         """vLLM drops its prefix cache (POST /reset_prefix_cache?reset_external=true; a pause
         with clear_cache, the step before a weight update): keys are salted anew from here on,

@@ -35,6 +35,8 @@ def make_copier(device: str, strategy: str, dev_views, host_pool, num_layers: in
         copier = StrategyCopier(dev_views, host_pool.views, strategy)
     else:
         copier = CudaCopier(dev_views, host_pool, strategy, device, num_layers)
+    if isinstance(copier, StrategyCopier):
+        copier.warm_up()  # every kernel loaded before a copy waits behind a fence
     copier.order = order
     return copier
 

@@ -265,20 +265,21 @@ def ordinal_of(spec: LayoutSpec, uuids: list[str]) -> int:
                   "(CUDA_VISIBLE_DEVICES differs: the daemon must see the engine's GPU)")
 
 
+def shared_cuda_args(handle: dict, device: int) -> tuple:
+    """The arguments of `UntypedStorage._new_shared_cuda` for an engine's handle. No IPC event:
+    the order words (or the engine's synchronize before a request) already order every copy
+    after the engine's writes, and opening the engine's event would leak one per mapping and
+    could hang the daemon in the storage's deleter once the engine died before it fired."""
+    return (device, _bytes_field(handle, "handle"), _int_field(handle, "storage_size"),
+            _int_field(handle, "storage_offset"), _bytes_field(handle, "ref_counter_handle"),
+            _int_field(handle, "ref_counter_offset"), b"", False)
+
+
 def _map_cuda(handle: dict, device: int) -> torch.Tensor:
     """Rebuild the engine's CUDA storage from the fields of `storage._share_cuda_()`, as a flat
     uint8 tensor on this process's ordinal of its GPU."""
     try:
-        storage = torch.UntypedStorage._new_shared_cuda(
-            device,
-            _bytes_field(handle, "handle"),
-            _int_field(handle, "storage_size"),
-            _int_field(handle, "storage_offset"),
-            _bytes_field(handle, "ref_counter_handle"),
-            _int_field(handle, "ref_counter_offset"),
-            _bytes_field(handle, "event_handle", required=False),
-            bool(handle.get("event_sync_required", False)),
-        )
+        storage = torch.UntypedStorage._new_shared_cuda(*shared_cuda_args(handle, device))
     except (KeyError, TypeError, RuntimeError) as exc:
         raise OpError(ErrorCode.KV_MISMATCH, f"CUDA IPC handle could not be opened: {exc}") from None
     flat = torch.empty(0, dtype=torch.uint8, device=storage.device)

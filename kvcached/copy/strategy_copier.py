@@ -79,6 +79,44 @@ class StrategyCopier(CopierHooks):
             flat = self._staging[kind] = torch.empty(row_bytes, dtype=torch.uint8, device=self.device)
         return flat[: rows * row_bytes].view(like.dtype).view(rows, like.shape[1])
 
+    def warm_up(self) -> None:
+        """Launch every kernel the copies will launch once now, on two blocks of scratch memory
+        shaped like each distinct (dtype, row, block stride) of the engine's views, before any
+        fence wait is queued: under CUDA's lazy module loading a kernel's first launch loads its
+        module, and behind a queued fence wait that load blocks the launching thread (the GIL
+        held) until the engine's forward ends. Touches neither the engine's KV nor the pool."""
+        done = set()
+        for dev in (t for row in self.dev for t in row):
+            shape = (dev.dtype, dev.shape[1], dev.stride(0))
+            if shape not in done:
+                done.add(shape)
+                for kind in (OFFLOAD, LOAD):
+                    with self._stream(kind):
+                        self._warm(kind, dev)
+        for kind in (OFFLOAD, LOAD):
+            self.sync(kind)
+
+    def _warm(self, kind: str, like: torch.Tensor) -> None:
+        width, stride = like.shape[1], max(like.stride(0), like.shape[1])
+        flat = torch.zeros(stride + width, dtype=like.dtype, device=self.device)
+        dev = flat.as_strided((2, width), (stride, 1))
+        host = torch.zeros((2, width), dtype=like.dtype)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        stand_in = torch.zeros((2, width), dtype=like.dtype, device=self.device)  # zero_copy's host rows
+        ids = self._index(np.array([1, 0]))
+        pairs, runs = [(0, 1, 1), (1, 0, 1)], [(0, 1, 1), (1, 2, 0)]
+        out = kind == OFFLOAD
+        for strategy in (("runs", "gather") if self.strategy == "auto" else (self.strategy,)):
+            if strategy == "runs":
+                (cs.offload_runs if out else cs.load_runs)(dev, host, pairs, self.non_blocking)
+            elif strategy == "gather":
+                (cs.offload_gather if out else cs.load_gather)(
+                    dev, host, ids, runs, self.staging(kind, like), self.non_blocking)
+            else:
+                (cs.offload_zero_copy if out else cs.load_zero_copy)(
+                    dev, stand_in, ids, ids, self.staging(kind, like))
+
     def offload_layer(self, layer: int, plan: CopyPlan) -> int:
         return self._layer(OFFLOAD, layer, plan)
 

@@ -106,6 +106,7 @@ class HostPool:
         self._parts: list[tuple[int, int]] = []  # registered (offset, size)
         self._pin_deferred = False
         self.block_cuts: list[list[list[int]]] | None = None  # per layer, part: see pin_plan
+        self._regions: list[list[pin_plan.Region]] = []  # the current layout's, per layer, part
         if device.startswith("cuda"):
             self._pin()
         log.info("[host] %.2f GiB host pool ready in %.2f s (%s, %s)",
@@ -199,41 +200,51 @@ class HostPool:
                  for v in row] for row in self.views]
 
     def configure(self, spec: LayoutSpec) -> bool:
-        """Carve the buffer for this layout. Returns False when the old content stays valid."""
+        """Carve the buffer for this layout. Returns False when the old content stays valid.
+        A pool registered with CUDA in parts is registered anew for the new layout's blocks; if
+        that fails, the old layout's registration is made again and the pool is left as it was
+        (RuntimeError)."""
         if self.spec is not None and self.spec.geometry() == spec.geometry():
             self.spec = spec
             return False
-        self.spec = spec
-        self.geometry = spec.geometry_digest()
-        self.page_bytes = spec.page_bytes
-        n = self.capacity_bytes // self.page_bytes
-        self.allocator = BlockAllocator(n)
-        self.views = []
-        part_bytes = [p.block_bytes for p in spec.parts]
-        offset = 0
-        regions: list[list[pin_plan.Region]] = []
-        for _layer in range(spec.num_layers):
-            row = []
-            regions.append([])
-            for pb in part_bytes:
-                if self.layout == "layer_first":
-                    view = self.buffer[offset : offset + n * pb].view(n, pb)
-                    regions[-1].append(pin_plan.Region(offset, pb, n))
-                    offset += n * pb
-                else:
-                    base = self.buffer[offset : offset + max(n - 1, 0) * self.page_bytes + pb]
-                    view = base.as_strided((n, pb), (self.page_bytes, 1))
-                    regions[-1].append(pin_plan.Region(0, self.page_bytes, n))
-                    offset += pb
-                row.append(view)
-            self.views.append(row)
+        n = self.capacity_bytes // spec.page_bytes
+        views, regions = self._carve(spec, n)
         if self._pin_deferred:
-            self._pin_in_parts(list(set(r for row in regions for r in row)))
+            try:
+                self._pin_in_parts(list(set(r for row in regions for r in row)))
+            except RuntimeError:
+                if self._regions:  # the registration the current layout's copies rely on
+                    self._pin_in_parts(list(set(r for row in self._regions for r in row)))
+                raise
             cuts = [offset for offset, _ in self._parts[1:]]
             self.block_cuts = [[pin_plan.block_cuts(r, cuts) for r in row] for row in regions]
+        self.spec, self.geometry, self.page_bytes = spec, spec.geometry_digest(), spec.page_bytes
+        self.allocator = BlockAllocator(n)
+        self.views, self._regions = views, regions
         self._rows = [v.numpy() for row in self.views for v in row]  # page order, made once
         log.info("[host] %d host blocks of %d bytes (%s)", n, self.page_bytes, self.layout)
         return True
+
+    def _carve(self, spec: LayoutSpec, n: int) -> tuple[list, list]:
+        """(views per layer and part, their pin_plan regions) of n blocks of this layout."""
+        views, regions = [], []
+        offset = 0
+        for _layer in range(spec.num_layers):
+            row, region_row = [], []
+            for pb in (p.block_bytes for p in spec.parts):
+                if self.layout == "layer_first":
+                    view = self.buffer[offset : offset + n * pb].view(n, pb)
+                    region_row.append(pin_plan.Region(offset, pb, n))
+                    offset += n * pb
+                else:
+                    base = self.buffer[offset : offset + max(n - 1, 0) * spec.page_bytes + pb]
+                    view = base.as_strided((n, pb), (spec.page_bytes, 1))
+                    region_row.append(pin_plan.Region(0, spec.page_bytes, n))
+                    offset += pb
+                row.append(view)
+            views.append(row)
+            regions.append(region_row)
+        return views, regions
 
     def _np_rows(self) -> list[np.ndarray]:
         return self._rows

@@ -90,50 +90,57 @@ class CacheService:
         return self._handlers[req.op](client, req)
 
     def capabilities(self) -> list[str]:
-        caps = ["layerwise_load", "host_tier", f"host_layout:{self.cfg.host_layout}"]
-        caps.append("cuda_ipc" if self.cfg.device.startswith("cuda") else "cpu_shm")
-        return caps
+        return ["layerwise_load", "host_tier", f"host_layout:{self.cfg.host_layout}",
+                "cuda_ipc" if self.cfg.device.startswith("cuda") else "cpu_shm"]
 
     # registration ---------------------------------------------------------
     def _register_kv(self, client, req) -> dict:
         spec = checked_layout(req.body["layout"], client.client_id, self.kv, self.cfg.device,
                               self.host.pool.capacity_bytes)
         reg = KVRegistration(spec, client.client_id, self.cfg.device)  # maps or raises, changing nothing
-        known = self.host.pool.spec
-        # a new geometry voids the host blocks: work queued on them goes (cancelled, dropped)
+        try:
+            copier, kept = self._install(spec, reg)
+        except BaseException:
+            reg.close()  # refused (BUSY, the pool's pinning, a CUDA error): unmapped
+            if self.kv is None:
+                self.signals.set_flag(Flag.KV_REGISTERED, False)
+            raise
+        self.signals.set_flag(Flag.KV_REGISTERED)
+        log.info("[kv] %s registered %d layers x %d parts, %d device blocks; %d host blocks kept (copy "
+                 "strategy %s)", client.client_id, spec.num_layers, len(spec.parts), spec.num_blocks, kept,
+                 copier.strategy)
+        return {"host_blocks": self.host.pool.num_blocks, "kept_blocks": kept,
+                "page_bytes": spec.page_bytes, "num_slots": NUM_SLOTS,
+                "copy_strategy": copier.strategy, **copier.registration_reply()}
+
+    def _install(self, spec, reg) -> tuple:
+        """`reg` and its copier made the registration: (copier, host blocks kept). A drain timeout
+        or a pool that cannot take the layout changes nothing; a copier error leaves none."""
+        known = self.host.pool.spec  # a new geometry voids the host blocks: queued work on them goes
         self._drain("register_kv", cancel_queued=known is not None and known.geometry() != spec.geometry())
         try:
             with self.host.lock:
                 old, old_copier = self.kv, self.copier
-                if self.host.pool.configure(spec):
-                    self.host.reset_index()  # new geometry: old blocks are void
+                try:
+                    new_geometry = self.host.pool.configure(spec)
+                except RuntimeError as exc:  # pinning the new layout; the pool is as it was
+                    raise OpError(ErrorCode.KV_MISMATCH, f"host pool: {exc}") from None
+                if new_geometry:  # old blocks are void
+                    self.host.reset_index()
                     self.storage.drop_queued_backups()
-                    kept = 0
-                else:
-                    kept = len(self.host.index)
+                kept = len(self.host.index)
                 try:
                     copier = make_copier(spec.device, self.cfg.copy_strategy, reg.views,
                                          self.host.pool, spec.num_layers, reg.order)
-                except BaseException:  # a CUDA error: no registration is left half made
+                finally:  # the old registration goes either way (a CUDA error leaves none)
+                    for gone in (old_copier, old):
+                        if gone is not None:
+                            gone.close()
                     self.kv = self.copier = None
-                    self.signals.set_flag(Flag.KV_REGISTERED, False)
-                    reg.close()
-                    raise
-                finally:
-                    if old_copier is not None:
-                        old_copier.close()
-                    if old is not None:
-                        old.close()
                 self.kv, self.copier = reg, copier
         finally:
             self._undrain()
-        self.signals.set_flag(Flag.KV_REGISTERED)
-        log.info("[kv] %s registered %d layers x %d parts, %d device blocks; %d host blocks kept "
-                 "(copy strategy %s)", client.client_id, spec.num_layers, len(spec.parts),
-                 spec.num_blocks, kept, copier.strategy)
-        return {"host_blocks": self.host.pool.num_blocks, "kept_blocks": kept,
-                "page_bytes": spec.page_bytes, "num_slots": NUM_SLOTS,
-                "copy_strategy": copier.strategy, **copier.registration_reply()}
+        return copier, kept
 
     def _unregister_kv(self, client, req) -> dict:
         if self.kv is None:

@@ -19,7 +19,10 @@ def checked_layout(layout: dict, client_id: str, kv, device: str, pool_bytes: in
     spec = parse_layout(layout)
     require_order_segment(spec)
     if spec.device.split(":")[0] != device.split(":")[0]:
-        raise OpError(ErrorCode.KV_MISMATCH, f"KV on {spec.device} but the daemon serves {device}")
+        why = (" (a CPU staging copy of the engine's KV: a CUDA daemon copies into the engine's own "
+               "CUDA KV and stages nothing; run this daemon with --device cpu to stage)"
+               if spec.device == "cpu" else "")
+        raise OpError(ErrorCode.KV_MISMATCH, f"KV on {spec.device} but the daemon serves {device}{why}")
     if spec.page_bytes > pool_bytes:
         raise OpError(ErrorCode.KV_MISMATCH,
                       f"one block across layers is {spec.page_bytes} bytes, more than the "

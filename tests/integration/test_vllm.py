@@ -190,6 +190,14 @@ def test_one_daemon_per_rank_is_named_or_refused_clearly():
         rank_instances({"instance": "gpu0"}, 2)
 
 
+def test_sleep_mode_is_declined_so_vllm_refuses_it_at_start():
+    """vLLM 0.33 calls connector_cls.supports_sleep_mode(kv_transfer_config) before it enables
+    sleep mode (its KV in CuMem cannot be exported over CUDA IPC, and moves at wake-up)."""
+    from kvcached_client.vllm.connector import KvcachedConnector
+
+    assert KvcachedConnector.supports_sleep_mode(None) is False
+
+
 def test_the_scheduler_takes_the_workers_kernel_factor_only_when_they_agree():
     from kvcached_client.vllm.connector import KvcachedHandshake, agreed_kernel_factor
 

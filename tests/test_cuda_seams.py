@@ -1,0 +1,152 @@
+"""The CUDA path's logic behind its seams, on CPU (#32): what is exported and opened over CUDA
+IPC, CUDA KV the daemon cannot map, and the copy kernels warmed before any fence. The CUDA
+calls themselves run in tests/gpu."""
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+from kvcached.copy import cuda_copier
+from kvcached.copy import strategies as cs
+from kvcached.copy.kv_mapping import shared_cuda_args
+from kvcached.copy.strategy_copier import StrategyCopier
+from kvcached_client import kv_worker
+from kvcached_client.kv_alloc import CudaExports
+from kvcached_proto.errors import KvcachedError
+
+
+class FakeShare:
+    """What `storage._share_cuda_()` returns, counting the exports (each makes an IPC event)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, storage):
+        self.calls += 1
+        return (0, b"h%d" % storage.data_ptr(), storage.nbytes(), 0, b"ref", 8, b"event", True)
+
+
+def test_a_storage_is_exported_once_however_often_it_is_described():
+    share = FakeShare()
+    exports = CudaExports(share)
+    kv = torch.zeros(8, 64)
+    first = exports.handle(kv)
+    for _ in range(1000):  # describe, registration and every reattach ask again
+        assert exports.handle(kv) is first
+    assert exports.handle(kv[2:]) is first  # a view of the same storage
+    assert share.calls == 1
+    assert first["event_handle"] == b"" and first["event_sync_required"] is False
+    other = torch.zeros(8, 64)
+    assert exports.handle(other)["handle"] != first["handle"] and share.calls == 2
+
+
+def test_a_freed_storage_is_exported_anew_not_served_from_the_cache():
+    share = FakeShare()
+    exports = CudaExports(share)
+    kv = torch.zeros(1024, 64)
+    exports.handle(kv)
+    kv.set_(torch.zeros(1024, 64).untyped_storage())  # the tensor moved to other memory
+    exports.handle(kv)
+    del kv
+    gc.collect()
+    exports.handle(torch.zeros(1024, 64))  # perhaps at the freed address: a new export
+    assert share.calls == 3
+
+
+def test_the_daemon_opens_no_ipc_event():
+    handle = {"handle": b"h", "storage_size": 4096, "storage_offset": 0,
+              "ref_counter_handle": b"r", "ref_counter_offset": 8,
+              "event_handle": b"e" * 64, "event_sync_required": True}
+    args = shared_cuda_args(handle, 3)
+    assert args == (3, b"h", 4096, 0, b"r", 8, b"", False)
+
+
+def _cpu_kv(blocks=4):
+    return [(torch.zeros(blocks, 16), torch.zeros(blocks, 16))]  # private memory: unmappable
+
+
+def test_cuda_kv_the_daemon_cannot_map_is_refused_at_register_not_staged(monkeypatch):
+    """#32 MEDIUM: it was staged through CPU shared memory, which a CUDA daemon always refuses:
+    the engine ran uncached after one warning. The device is faked: a CPU tensor the daemon
+    cannot map stands for CUDA KV in an expandable segment."""
+    monkeypatch.setattr(kv_worker, "kv_device", lambda entry: "cuda")
+    worker = kv_worker.KVWorker(link=None)
+    with pytest.raises(KvcachedError, match="expandable_segments.*--device cpu"):
+        worker.register({"layer.0": _cpu_kv()[0]})
+    assert worker.mode is None
+    # staging asked for by name stays possible (a daemon started with --device cpu takes it)
+    staged = kv_worker.KVWorker(link=None, direct=False)
+    assert staged._want_direct is False
+
+
+def test_cpu_kv_the_daemon_cannot_map_is_still_staged():
+    class Link:
+        attached = False
+
+        def attach_now(self):
+            self.attached = True
+
+    worker = kv_worker.KVWorker(link=Link())
+    assert worker.register({"layer.0": _cpu_kv()[0]}) == "staging"
+    worker._staging = None  # (its segment is unlinked with the process's others)
+
+
+def _views(blocks=8, width=32, stride=48):
+    flat = torch.arange(blocks * stride, dtype=torch.int64)
+    return flat.as_strided((blocks, width), (stride, 1))
+
+
+@pytest.mark.parametrize("strategy", ["runs", "gather", "zero_copy", "auto"])
+def test_warm_up_runs_each_kernel_once_on_scratch_memory_only(strategy, monkeypatch):
+    """#32 MEDIUM: a kernel's first launch (lazy module loading) behind a queued fence wait
+    blocked the daemon's thread until the engine's forward ended. make_copier warms them up:
+    every strategy function the copies use runs once, in both directions, on memory that is
+    neither the engine's KV nor the host pool."""
+    dev = [[_views(), _views(stride=32)]]
+    host = [[torch.zeros(16, 32, dtype=torch.int64), torch.zeros(16, 32, dtype=torch.int64)]]
+    before = [t.clone() for t in (dev[0] + host[0])]
+    calls = []
+    for name in ("offload_runs", "load_runs", "offload_gather", "load_gather",
+                 "offload_zero_copy", "load_zero_copy"):
+        real = getattr(cs, name)
+        monkeypatch.setattr(cs, name, lambda *a, _n=name, _f=real: (calls.append((_n, a)), _f(*a)))
+
+    class Pool:
+        views, block_cuts = host, None
+
+    if strategy == "auto":  # what a CUDA daemon picks (on CPU auto is the numpy copier)
+        copier = StrategyCopier(dev, host, "auto")
+        copier.warm_up()
+    else:
+        copier = cuda_copier.make_copier("cpu", strategy, dev, Pool, 1)
+    names = {n for n, _ in calls}
+    want = {"runs": {"offload_runs", "load_runs"},
+            "gather": {"offload_gather", "load_gather"},
+            "zero_copy": {"offload_zero_copy", "load_zero_copy"}}
+    expect = want["runs"] | want["gather"] if strategy == "auto" else want[strategy]
+    assert names == expect
+    assert len(calls) == len(expect) * 2  # each direction once per view shape (strides 48, 32)
+    ours = {t.untyped_storage().data_ptr() for t in dev[0] + host[0]}
+    for _, args in calls:
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                assert a.untyped_storage().data_ptr() not in ours
+    for t, b in zip(dev[0] + host[0], before):
+        assert torch.equal(t, b)
+    assert isinstance(copier, StrategyCopier)
+
+
+def test_a_warmed_copier_still_copies_byte_for_byte():
+    dev = [[_views()]]
+    host = [[torch.zeros(16, 32, dtype=torch.int64)]]
+
+    class Pool:
+        views, block_cuts = host, None
+
+    copier = cuda_copier.make_copier("cpu", "gather", dev, Pool, 1)
+    plan = copier.plan("offload", np.array([5, 1, 3]), np.array([0, 9, 4]))
+    copier.offload_layer(0, plan)
+    for d, h in ((5, 0), (1, 9), (3, 4)):
+        assert torch.equal(host[0][0][h], dev[0][0][d])
+    assert not host[0][0][1].any()
