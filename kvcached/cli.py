@@ -15,7 +15,7 @@ from kvcached_proto import DaemonUnavailable, KvcachedError, Op, decode, encode,
 from kvcached_proto.liveness import pid_alive
 from kvcached_proto.paths import DEFAULT_INSTANCE, resolve_run_dir, status_endpoint
 
-from .config import HOST_LAYOUTS
+from .config import COPY_STRATEGIES, HOST_LAYOUTS
 from .errors import StartupError
 from .host.policies import POLICIES
 from .tools.offline_policies import OFFLINE_POLICIES
@@ -96,10 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--copy-threads", type=int, default=S,
                        help="CPU threads for copies; 0 = half the cores, 1..4 (default: 0)")
     serve.add_argument("--copy-strategy", default=S,
-                       choices=["auto", "numpy", "runs", "gather", "zero_copy"],
+                       choices=list(COPY_STRATEGIES),
                        help="how blocks move: auto (CPU: numpy row copies; CUDA: runs when ids "
-                            "come in long runs, else gather), or one of runs, gather, zero_copy "
-                            "(torch ops, on CPU too) (default: auto)")
+                            "come in long runs, else gather), one of runs, gather, zero_copy "
+                            "(torch ops, on CPU too), or dma (copy engines only, no kernel: one "
+                            "batched cudaMemcpy per layer; memmove on CPU) (default: auto)")
     serve.add_argument("--metrics-port", type=int, default=S,
                        help="serve Prometheus /metrics on this port (default: 0 = off)")
     serve.add_argument("--metrics-addr", default=S, help="address for /metrics (default: 127.0.0.1)")
@@ -158,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="cpu or cuda:N (transfer; cuda:N measures the copy strategies, the "
                             "daemon, layer-wise overlap and pinning, scripts/gpu_check.sh)")
     bench.add_argument("--copy-strategy", default="auto",
-                       choices=["auto", "numpy", "runs", "gather", "zero_copy"],
+                       choices=list(COPY_STRATEGIES),
                        help="transfer on CPU: the daemon's --copy-strategy (default: auto)")
     bench.add_argument("--kv-layout", default="kvcached", choices=["kvcached", *BLOCK_CONTIGUOUS],
                        help="transfer on CPU: the engine's KV layout: kvcached's allocate_kv_cache "

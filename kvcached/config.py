@@ -14,7 +14,7 @@ from .storage.tiers import WRITE_POLICIES
 HOST_LAYOUTS = ("layer_first", "page_first")
 # how blocks move (copy/strategies.py, copy/cuda_copier.py); named here, where no torch is imported,
 # so that checking a flag does not cost torch's import
-COPY_STRATEGIES = ("auto", "numpy", "runs", "gather", "zero_copy")
+COPY_STRATEGIES = ("auto", "numpy", "runs", "gather", "zero_copy", "dma")
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 

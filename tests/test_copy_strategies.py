@@ -32,10 +32,12 @@ def host_views(layout: str, num_layers: int, parts: int, n: int, row: int):
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-@pytest.mark.parametrize("strategy", ["runs", "gather", "zero_copy", "auto"])
+@pytest.mark.parametrize("strategy", ["runs", "gather", "zero_copy", "dma", "auto"])
 @pytest.mark.parametrize("ids", ["scattered", "runs"])
 def test_strategy_round_trip_is_byte_exact(layout, strategy, ids, monkeypatch):
-    monkeypatch.setattr("kvcached.copy.cuda_copier.STAGING_BYTES", 3 * 96)  # chunks of 3 rows
+    # chunks of 3 rows (the name the copier reads: patched where cuda_copier re-exported it, the
+    # test copied in one chunk)
+    monkeypatch.setattr("kvcached.copy.strategy_copier.STAGING_BYTES", 3 * 96)
     rng = np.random.default_rng(sum(map(ord, layout + strategy + ids)))
     layers, parts, num_dev, num_host, row = 3, 2, 40, 50, 96
     dev = [[torch.from_numpy(rng.integers(0, 256, (num_dev, row), dtype=np.uint8))
@@ -95,7 +97,8 @@ def test_host_runs_split_for_strided_rows():
 
 
 @pytest.mark.parametrize("strategy,layout", [("runs", "page_first"), ("gather", "layer_first"),
-                                             ("zero_copy", "page_first")])
+                                             ("zero_copy", "page_first"), ("dma", "layer_first"),
+                                             ("dma", "page_first")])
 def test_daemon_with_copy_strategy_round_trips(strategy, layout, run_dir):
     h = launch(instance=unique_instance("cs"), run_dir=run_dir, host_cache_gb=0.1,
                extra_args=["--copy-strategy", strategy, "--host-layout", layout])
@@ -156,3 +159,17 @@ def test_a_protocol_1_2_offload_event_is_refused_and_changes_nothing(daemon):
                        event=os.urandom(64))
         assert err.value.code == ErrorCode.BAD_FIELD and "event" in err.value.message
         assert c.lookup(keys) == (0, 0)
+
+
+def test_chunks_reuse_the_staging_buffer_when_it_holds_fewer_rows(monkeypatch):
+    """The patch above reaches the copier: 17 scattered blocks through 3-row staging are 6
+    gathers a part (#33: patched under cuda_copier's name, they were 1)."""
+    monkeypatch.setattr("kvcached.copy.strategy_copier.STAGING_BYTES", 3 * 96)
+    seen = []
+    real = torch.index_select
+    monkeypatch.setattr(torch, "index_select", lambda *a, **k: (seen.append(1), real(*a, **k))[1])
+    dev = [[torch.zeros(40, 96, dtype=torch.uint8)]]
+    copier = StrategyCopier(dev, host_views("layer_first", 1, 1, 50, 96), "gather")
+    plan = copier.plan(OFFLOAD, np.random.default_rng(0).permutation(40)[:17], np.arange(17))
+    copier.offload_layer(0, plan)
+    assert len(seen) == 6

@@ -150,3 +150,80 @@ def test_a_warmed_copier_still_copies_byte_for_byte():
     for d, h in ((5, 0), (1, 9), (3, 4)):
         assert torch.equal(host[0][0][h], dev[0][0][d])
     assert not host[0][0][1].any()
+
+
+# --- the copy-engine strategy (dma): copy lists and the runtime seam -------------------------
+
+from kvcached.copy import dma  # noqa: E402
+from kvcached.copy.transfer import LOAD, OFFLOAD  # noqa: E402
+
+
+def test_runs_are_one_copy_where_both_sides_rows_are_back_to_back():
+    dev, host = dma.Rows(1000, 64, 64), dma.Rows(50_000, 64, 64)
+    dsts, srcs, sizes = dma.copy_list([(2, 7, 3), (9, 0, 1)], dev, host, to_host=True)
+    assert dsts.tolist() == [50_000 + 7 * 64, 50_000] and srcs.tolist() == [1000 + 128, 1000 + 576]
+    assert sizes.tolist() == [192, 64]
+    dsts, srcs, _ = dma.copy_list([(2, 7, 3)], dev, host, to_host=False)
+    assert dsts.tolist() == [1128] and srcs.tolist() == [50_448]
+
+
+def test_strided_rows_take_one_copy_per_block():
+    dev, host = dma.Rows(0, 256, 64), dma.Rows(10_000, 64, 64)  # vLLM's strided per-layer view
+    dsts, srcs, sizes = dma.copy_list([(2, 7, 3)], dev, host, to_host=False)
+    assert dsts.tolist() == [512, 768, 1024]
+    assert srcs.tolist() == [10_000 + 7 * 64, 10_000 + 8 * 64, 10_000 + 9 * 64]
+    assert sizes.tolist() == [64, 64, 64]
+
+
+class RecordingRuntime:
+    """The CUDA runtime's copy calls, done as host memmoves (the fake of tests/test_cudart.py's
+    kind): counts calls, so a layer's copies are seen to go in one batched call."""
+
+    def __init__(self, batched):
+        self.batched, self.calls = batched, []
+
+    def has_memcpy_batch(self):
+        return self.batched
+
+    def memcpy_batch_async(self, dsts, srcs, sizes, stream):
+        self.calls.append(("batch", len(sizes), stream))
+        dma.HostMemcpy().copy(dsts, srcs, sizes, stream)
+
+    def memcpy_async(self, dst, src, n, stream):
+        self.calls.append(("one", 1, stream))
+        dma.HostMemcpy().copy(np.array([dst], np.uint64), np.array([src], np.uint64),
+                              np.array([n], np.uint64), stream)
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_dma_moves_each_layer_in_one_runtime_call_and_launches_no_kernel(batched, monkeypatch):
+    rng = np.random.default_rng(7)
+    layers, parts, blocks, row = 3, 2, 32, 64
+    dev = [[torch.from_numpy(rng.integers(0, 1 << 62, (blocks, row // 8))) for _ in range(parts)]
+           for _ in range(layers)]
+    host = [[torch.zeros(40, row // 8, dtype=torch.int64) for _ in range(parts)] for _ in range(layers)]
+    copier = StrategyCopier(dev, host, "dma")
+    rt = RecordingRuntime(batched)
+    copier.memcpy = dma.CudaMemcpy(rt)
+    for name in ("index_select", "index_copy"):  # no index kernel on the path
+        monkeypatch.setattr(torch, name, lambda *a, **k: pytest.fail("an index kernel"))
+    src, hid = rng.permutation(blocks)[:11], rng.permutation(40)[:11]
+    plan = copier.plan(OFFLOAD, src, hid)
+    assert "dev_index" not in plan.extra  # no index tensors sent to the device either
+    for layer in range(layers):
+        copier.offload_layer(layer, plan)
+    for layer in range(layers):
+        for p in range(parts):
+            assert torch.equal(host[layer][p][torch.from_numpy(hid)], dev[layer][p][torch.from_numpy(src)])
+    if batched:
+        assert rt.calls == [("batch", 2 * 11, 0)] * layers  # both parts, 11 scattered blocks
+    else:
+        assert len(rt.calls) == layers * 2 * 11
+    back = rng.permutation(blocks)[:11]
+    for t in (t for r in dev for t in r):
+        t.zero_()
+    plan = copier.plan(LOAD, back, hid)
+    for layer in range(layers):
+        copier.load_layer(layer, plan)
+    assert all(torch.equal(dev[i][p][torch.from_numpy(back)], host[i][p][torch.from_numpy(hid)])
+               for i in range(layers) for p in range(parts))

@@ -21,8 +21,10 @@ import torch
 from kvcached_proto import ErrorCode
 
 from ..errors import OpError
+from ..host import cudart
+from . import dma
 from . import strategies as cs
-from .strategy_copier import STAGING_BYTES, StrategyCopier  # noqa: F401 (STAGING_BYTES: re-exported)
+from .strategy_copier import StrategyCopier
 from .transfer import LOAD, OFFLOAD, CopyTask, CpuCopier
 
 
@@ -53,12 +55,17 @@ class CudaCopier(StrategyCopier):
             self.streams = {OFFLOAD: torch.cuda.Stream(), LOAD: torch.cuda.Stream()}
         if strategy == "zero_copy":
             self.host_view = host_pool.device_views(self.device, widen=cs.widen)
+        if strategy == "dma":
+            self.memcpy = dma.CudaMemcpy(cudart.LibCudart())
 
     def _stream(self, kind: str):
         stack = contextlib.ExitStack()
         stack.enter_context(torch.cuda.device(self.device))
         stack.enter_context(torch.cuda.stream(self.streams[kind]))
         return stack
+
+    def _stream_handle(self, kind: str) -> int:
+        return self.streams[kind].cuda_stream
 
     def begin_offload(self, task: CopyTask) -> None:
         self._wait_fence(OFFLOAD, task)

@@ -1,5 +1,5 @@
-"""The torch copy strategies (strategies.py) as a copier, on any device: `--copy-strategy`
-runs, gather, zero_copy, or auto (runs when the ids come in long runs, else gather). On CPU it
+"""The copy strategies (strategies.py, dma.py) as a copier, on any device: `--copy-strategy`
+runs, gather, zero_copy, dma, or auto (runs when the ids come in long runs, else gather). On CPU it
 is how CI drives the CUDA copier's code through a real daemon; transfer_cuda.CudaCopier adds
 the streams and the order words."""
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 
 from kvcached_proto.block_runs import fragmented, paired_runs
 
+from . import dma
 from . import strategies as cs
 from .transfer import LOAD, OFFLOAD, CopierHooks, CopyPlan
 
@@ -33,9 +34,13 @@ class StrategyCopier(CopierHooks):
         self.device = self.dev[0][0].device
         self.host_contiguous = all(cs.rows_contiguous(t) for t in host_views[0])
         self._staging: dict[str, torch.Tensor] = {}
+        self.memcpy = dma.HostMemcpy()  # the dma strategy's copies (CudaCopier: the runtime's)
 
     def _stream(self, kind: str):
         return contextlib.nullcontext()
+
+    def _stream_handle(self, kind: str) -> int:
+        return 0
 
     def _pick(self, plan: CopyPlan) -> str:
         if self.strategy != "auto":
@@ -49,7 +54,7 @@ class StrategyCopier(CopierHooks):
         else:
             plan.extra["pairs"] = [(int(d), int(h), 1) for d, h in zip(dev_ids, host_ids)]
         plan.extra["strategy"] = strategy = self._pick(plan)
-        if strategy != "runs":
+        if strategy in ("gather", "zero_copy"):
             with self._stream(kind):  # small index copies, ordered before the copies that use them
                 plan.extra["dev_index"] = self._index(dev_ids)
                 plan.extra["host_index"] = self._index(host_ids)
@@ -113,9 +118,9 @@ class StrategyCopier(CopierHooks):
             elif strategy == "gather":
                 (cs.offload_gather if out else cs.load_gather)(
                     dev, host, ids, runs, self.staging(kind, like), self.non_blocking)
-            else:
+            elif strategy == "zero_copy":
                 (cs.offload_zero_copy if out else cs.load_zero_copy)(
-                    dev, stand_in, ids, ids, self.staging(kind, like))
+                    dev, stand_in, ids, ids, self.staging(kind, like))  # dma: no kernel to warm
 
     def offload_layer(self, layer: int, plan: CopyPlan) -> int:
         return self._layer(OFFLOAD, layer, plan)
@@ -125,6 +130,8 @@ class StrategyCopier(CopierHooks):
 
     def _layer(self, kind: str, layer: int, plan: CopyPlan) -> int:
         x, moved = plan.extra, 0
+        if x["strategy"] == "dma":
+            return self._dma(kind, layer, plan)
         with self._stream(kind):
             for part, (dev, host) in enumerate(zip(self.dev[layer], self.host[layer])):
                 cuts = self.cuts[layer][part] if self.cuts else ()
@@ -141,6 +148,18 @@ class StrategyCopier(CopierHooks):
                        self.staging(kind, dev))
                 moved += len(plan.dev_ids) * dev.shape[1] * dev.element_size()
         return moved
+
+    def _dma(self, kind: str, layer: int, plan: CopyPlan) -> int:
+        """Every part's copies of the layer in one call to the runtime (dma.py)."""
+        lists = []
+        for part, (dev, host) in enumerate(zip(self.dev[layer], self.host[layer])):
+            cuts = self.cuts[layer][part] if self.cuts else ()
+            lists.append(dma.copy_list(cs.split_pairs(plan.extra["pairs"], cuts), dma.rows_of(dev),
+                                       dma.rows_of(host), kind == OFFLOAD))
+        dsts, srcs, sizes = dma.concat(lists)
+        with self._stream(kind):
+            self.memcpy.copy(dsts, srcs, sizes, self._stream_handle(kind))
+        return int(sizes.sum())
 
     def close(self) -> None:
         self._staging.clear()

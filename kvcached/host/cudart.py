@@ -1,5 +1,6 @@
-"""The few CUDA runtime calls the host pool needs that torch does not bind: registration with
-rollback, the device address of registered memory, and clearing a sticky error.
+"""The few CUDA runtime calls the daemon needs that torch does not bind: host registration with
+rollback, the device address of registered memory, clearing a sticky error, and the copy-engine
+strategy's copies (cudaMemcpyAsync, cudaMemcpyBatchAsync: kvcached/copy/dma.py).
 
 The calls go to the libcudart that torch has already loaded into this process (found in
 /proc/self/maps), so they act on the same runtime and context as torch's own calls; ctypes,
@@ -16,6 +17,19 @@ log = logging.getLogger(__name__)
 
 CUDA_HOST_REGISTER_PORTABLE = 0x01
 CUDA_HOST_REGISTER_MAPPED = 0x02
+CUDA_MEMCPY_DEFAULT = 4  # the direction from the pointers (unified addressing)
+SRC_ACCESS_ORDER_STREAM = 0x1  # cudaMemcpySrcAccessOrderStream
+PREFER_OVERLAP_WITH_COMPUTE = 0x1  # cudaMemcpyFlagPreferOverlapWithCompute
+BATCH_SINCE = 12080  # cudaMemcpyBatchAsync: CUDA 12.8 (with a failIdx argument until 13.0)
+
+
+class MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class MemcpyAttributes(ctypes.Structure):
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", MemLocation),
+                ("dstLocHint", MemLocation), ("flags", ctypes.c_uint)]
 
 
 class Runtime(Protocol):
@@ -54,9 +68,19 @@ class LibCudart:
                                                  ctypes.c_uint]
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
+        lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                        ctypes.c_int, ctypes.c_void_p]
         for name in ("cudaHostRegister", "cudaHostUnregister", "cudaHostGetDevicePointer",
-                     "cudaGetLastError"):
+                     "cudaGetLastError", "cudaMemcpyAsync", "cudaRuntimeGetVersion"):
             getattr(lib, name).restype = ctypes.c_int
+        version = ctypes.c_int(0)
+        lib.cudaRuntimeGetVersion(ctypes.byref(version))
+        self.version = version.value
+        self._batch = getattr(lib, "cudaMemcpyBatchAsync", None) if self.version >= BATCH_SINCE else None
+        if self._batch is not None:
+            self._batch.restype = ctypes.c_int
+            self._attrs = MemcpyAttributes(SRC_ACCESS_ORDER_STREAM, MemLocation(), MemLocation(),
+                                           PREFER_OVERLAP_WITH_COMPUTE)
 
     def host_register(self, ptr: int, nbytes: int, flags: int) -> int:
         return self._lib.cudaHostRegister(ctypes.c_void_p(ptr), nbytes, flags)
@@ -74,6 +98,32 @@ class LibCudart:
 
     def get_last_error(self) -> int:
         return self._lib.cudaGetLastError()
+
+    def has_memcpy_batch(self) -> bool:
+        return self._batch is not None
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        err = self._lib.cudaMemcpyAsync(ctypes.c_void_p(dst), ctypes.c_void_p(src), nbytes,
+                                        CUDA_MEMCPY_DEFAULT, ctypes.c_void_p(stream))
+        if err:
+            self._raise("cudaMemcpyAsync", err)
+
+    def memcpy_batch_async(self, dsts, srcs, sizes, stream: int) -> None:
+        """dsts, srcs, sizes: contiguous uint64 numpy arrays, read during the call."""
+        ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+        attr_index = ctypes.c_size_t(0)
+        args = [ptr(dsts), ptr(srcs), ptr(sizes), ctypes.c_size_t(len(sizes)),
+                ctypes.byref(self._attrs), ctypes.byref(attr_index), ctypes.c_size_t(1)]
+        fail = ctypes.c_size_t(0)
+        if self.version < 13000:
+            args.append(ctypes.byref(fail))
+        err = self._batch(*args, ctypes.c_void_p(stream))
+        if err:
+            self._raise(f"cudaMemcpyBatchAsync of {len(sizes)} copies (failed at {fail.value})", err)
+
+    def _raise(self, what: str, err: int) -> None:
+        self.get_last_error()  # clear it: it would surface at an unrelated later call
+        raise RuntimeError(f"{what}: {self.error_string(err)}")
 
     def error_string(self, err: int) -> str:
         return f"{(self._lib.cudaGetErrorString(err) or b'?').decode()} ({err})"

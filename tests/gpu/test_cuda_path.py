@@ -69,7 +69,7 @@ def cuda_daemon(run_dir):
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-@pytest.mark.parametrize("strategy", ["runs", "gather", "zero_copy", "auto"])
+@pytest.mark.parametrize("strategy", ["runs", "gather", "zero_copy", "dma", "auto"])
 def test_copier_strategies_are_byte_exact(strategy, layout):
     kv = allocate_kv_cache(4, 96, SHAPE, torch.bfloat16, device=DEV)
     randomize(kv, 1)

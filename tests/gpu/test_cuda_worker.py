@@ -13,7 +13,7 @@ import torch
 from conftest import sweep_crashed, unique_instance
 from engine_child import run_engine
 from kv_layouts import fill, make_kv, parts_of, vllm_kv
-from test_kv_worker import DST, SRC, _kernel, blocks_of, finish, make_worker, step
+from test_kv_worker import DST, SRC, _kernel, finish, make_worker, step
 
 from kvcached_client import BlockHasher, launch
 from kvcached_client.kv_worker import BlockTransfer
@@ -38,11 +38,25 @@ def cuda_daemon(module_run_dir):
     sweep_crashed(name)
 
 
+def _index(blocks) -> torch.Tensor:
+    """Block ids on the GPU with no synchronize: indexing with a Python list copies the ids
+    from pageable memory and waits for the stream, so a write queued behind a sleep would have
+    landed before the save was even sent, and a missing fence would go unseen."""
+    return torch.tensor(list(blocks), dtype=torch.long).pin_memory().to(DEV, non_blocking=True)
+
+
 def _set(kv, blocks, value) -> None:
     """Queued on the current stream: every part of every layer of `blocks` := value."""
+    idx = _index(blocks)
     for row in parts_of(kv):
         for t in row:
-            t[blocks] = value
+            t.index_fill_(0, idx, value)
+
+
+def _blocks(kv, blocks) -> list[torch.Tensor]:
+    """The blocks' bytes, read on the current stream (queued, no synchronize before)."""
+    idx = _index(blocks)
+    return [t.index_select(0, idx) for row in parts_of(kv) for t in row]
 
 
 @pytest.mark.parametrize("layout", ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "flash_attn", "mla"])
@@ -55,12 +69,12 @@ def test_the_worker_core_round_trips_on_cuda_in_direct_mode(cuda_daemon, layout)
     try:
         step(worker, saves=[BlockTransfer("s", keys, SRC)])
         finish(worker, "s")
-        want = blocks_of(kv, SRC)
+        want = _blocks(kv, SRC)
         _set(kv, DST, 0)
         _, errors = step(worker, loads=[BlockTransfer("l", keys, DST)])
         assert errors == set()
         # no synchronize: the reads below are queued after the worker's per-layer waits
-        for got, exp in zip(blocks_of(kv, DST), want):
+        for got, exp in zip(_blocks(kv, DST), want):
             assert torch.equal(got, exp)
         finish(worker, "l")
     finally:
@@ -78,11 +92,11 @@ def test_kernel_blocks_round_trip_on_cuda_in_direct_mode(cuda_daemon):
     try:
         step(worker, saves=[BlockTransfer("s", keys, SRC)])
         finish(worker, "s")
-        want = blocks_of(kv, _kernel(SRC))
+        want = _blocks(kv, _kernel(SRC))
         _set(kv, _kernel(DST), 0)
         _, errors = step(worker, loads=[BlockTransfer("l", keys, DST)])
         assert errors == set()
-        for got, exp in zip(blocks_of(kv, _kernel(DST)), want):
+        for got, exp in zip(_blocks(kv, _kernel(DST)), want):
             assert torch.equal(got, exp)
         finish(worker, "l")
     finally:
@@ -106,7 +120,7 @@ def test_a_save_reads_what_the_engine_queued_before_it_behind_a_sleep(cuda_daemo
         _set(kv, DST, 0)
         _, errors = step(worker, loads=[BlockTransfer("l", keys, DST)])
         assert errors == set()
-        for got in blocks_of(kv, DST):
+        for got in _blocks(kv, DST):
             assert bool((got == 7).all()), "the save read the blocks before the engine wrote them"
         finish(worker, "l")
     finally:
@@ -123,19 +137,20 @@ def test_a_load_lands_after_the_engines_queued_zeroing_of_its_blocks(cuda_daemon
     try:
         step(worker, saves=[BlockTransfer("s", keys, SRC)])
         finish(worker, "s")
-        want = blocks_of(kv, SRC)
+        want = _blocks(kv, SRC)
         torch.cuda.synchronize()
         torch.cuda._sleep(SLEEP_CYCLES)
         _set(kv, DST, 0)  # queued behind the sleep
         _, errors = step(worker, loads=[BlockTransfer("l", keys, DST)])
         assert errors == set()
-        for got, exp in zip(blocks_of(kv, DST), want):
+        for got, exp in zip(_blocks(kv, DST), want):
             assert torch.equal(got, exp), "the engine's zeroing landed after the load"
         finish(worker, "l", timeout=60)
     finally:
         worker.close()
 
 
+@pytest.mark.timeout(240)  # the engine child is bounded at 150 s (the suite's per-test 120)
 def test_a_daemon_killed_mid_copy_is_a_load_error_of_that_step(run_dir):
     """Direct mode on CUDA: every layer wait of a 4 GiB load is queued on the engine's stream
     (the CPU returned once the daemon queued the copies) and the daemon is killed then, while

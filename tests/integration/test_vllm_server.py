@@ -123,7 +123,11 @@ class Server:
 
 
 def _kv_segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith(f"kvcached.{os.getuid()}.kv.")}
+    """KV segments of other processes than this one (this test process's own, from the
+    in-process references, go when their tensors are collected)."""
+    ours = f"kvcached.{os.getuid()}.kv.{os.getpid()}."
+    return {n for n in os.listdir("/dev/shm")
+            if n.startswith(f"kvcached.{os.getuid()}.kv.") and not n.startswith(ours)}
 
 
 @pytest.fixture(scope="module")
