@@ -18,7 +18,7 @@ from kvcached_proto.shm_layout import (LAYOUT_VERSION, MAGIC, SEGMENT_BYTES, Fla
 # long a heartbeat may be missed before the daemon counts as hung: its loads in flight are then
 # load errors and the engine goes on without it until it beats again. The largest heartbeat gap
 # of 148 healthy daemons over a whole test-suite run on a 2-core VM was 0.24 s (stalls of
-# 0.5-0.9 s were seen there earlier under heavier load; README, "A daemon fault"), so 2 s leaves
+# 0.5-0.9 s were seen there earlier under heavier load; docs/performance.md, "A daemon fault"), so 2 s leaves
 # room for them; a false "hung" costs cache hits only, never correctness.
 DEFAULT_HANG_S = 2.0
 HANG_ENV = "KVCACHED_HANG_S"

@@ -9,7 +9,7 @@
 #   ./scripts/gpu_check.sh [--quick] [cuda:N]
 # It uses the machine's own python3 and its CUDA build of PyTorch (never pip-installs torch) with
 # this checkout on PYTHONPATH. Python packages the machine lacks (pyzmq, posix_ipc, ...) are
-# installed into a temporary folder from ./.whl only (README "CUDA path"): when a wheel is
+# installed into a temporary folder from ./.whl only (docs/cuda.md): when a wheel is
 # missing there it stops at once and says which; it never reaches for a package index.
 # Every stage writes its log under $OUT (else a temporary folder, printed) as it runs, so a
 # stage killed at its limit leaves what it wrote; daemons keep their logs in $OUT/daemon-logs.
@@ -48,7 +48,7 @@ if [ -n "$missing" ]; then
   done
   if [ -n "$absent" ]; then
     say "missing and not in $ROOT/.whl:$absent - download them on a machine with an index for this"
-    say "machine's python (README \"CUDA path\": pip download --only-binary=:all: ...) and carry .whl"
+    say "machine's python (docs/cuda.md: pip download --only-binary=:all: ...) and carry .whl"
     exit 3
   fi
   say "installing from .whl into $SITE: $missing"

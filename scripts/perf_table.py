@@ -1,4 +1,4 @@
-"""Print README's performance table (markdown) from the JSON of `kvcached bench all --json`."""
+"""Print docs/performance.md's table (markdown) from the JSON of `kvcached bench all --json`."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,5 @@
 """The benchmarks run end to end and report what they measured (no timing assertions here:
-speed is judged from their ratios, recorded in README)."""
+speed is judged from their ratios, recorded in docs/performance.md)."""
 import json
 import subprocess
 import sys

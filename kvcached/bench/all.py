@@ -1,5 +1,5 @@
 """`kvcached bench all`: every benchmark in one run, one JSON with every ratio, the machine and
-the date. `python scripts/perf_table.py FILE` turns it into README's performance table."""
+the date. `python scripts/perf_table.py FILE` turns it into docs/performance.md's table."""
 from __future__ import annotations
 
 import datetime

@@ -10,7 +10,7 @@ StrategyCopier with streams and the order words it shares with the engine. `Cuda
 - the end of a batch synchronizes its stream before host blocks are marked ready (offload)
   or unpinned (load), and before the task's end event is sent.
 
-Ran on an H100 (README "CUDA path": figures, and what is not met yet).
+Ran on an H100 (docs/cuda.md: figures, and what is not met yet).
 """
 from __future__ import annotations
 

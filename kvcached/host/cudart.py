@@ -4,7 +4,7 @@ strategy's copies (cudaMemcpyAsync, cudaMemcpyBatchAsync: kvcached/copy/dma.py).
 
 The calls go to the libcudart that torch has already loaded into this process (found in
 /proc/self/maps), so they act on the same runtime and context as torch's own calls; ctypes,
-no extra dependency. Ran on an H100 (README "CUDA path"): one registration of the whole pool;
+no extra dependency. Ran on an H100 (docs/cuda.md): one registration of the whole pool;
 registration in parts has run only against the fake runtime of tests/test_cudart.py.
 """
 from __future__ import annotations

@@ -143,7 +143,7 @@ class SignalSegment:
         self._closed = True
         self._stop.set()
         self._thread.join(timeout=1.0)
-        # what clients' hang threshold must leave room for (README, "A daemon fault")
+        # what clients' hang threshold must leave room for (docs/performance.md, "A daemon fault")
         log.info("[heartbeat] largest gap between beats: %.3f s", self.max_gap_s)
         self.set_flag(Flag.UP, False)
         self.view.release()
