@@ -227,3 +227,103 @@ def test_dma_moves_each_layer_in_one_runtime_call_and_launches_no_kernel(batched
         copier.load_layer(layer, plan)
     assert all(torch.equal(dev[i][p][torch.from_numpy(back)], host[i][p][torch.from_numpy(hid)])
                for i in range(layers) for p in range(parts))
+
+
+# --- the CUDA copier's own code: fence wait -> copies on its stream -> word write ----------
+
+import contextlib  # noqa: E402
+
+from kvcached.copy.cuda_copier import CudaCopier  # noqa: E402
+from kvcached.copy.order import DaemonOrder  # noqa: E402
+from kvcached.copy.transfer import CopyTask  # noqa: E402
+from kvcached_proto.order_words import load_word  # noqa: E402
+
+
+class FakeCuda:
+    """torch.cuda as the CUDA copier uses it: streams with handles, a current stream, and a log
+    of what ran on which stream."""
+
+    def __init__(self, log):
+        self.log, self.current, self.made = log, None, 0
+
+    def is_available(self):
+        return True
+
+    def device(self, _device):
+        return contextlib.nullcontext()
+
+    def Stream(self):  # noqa: N802 (torch's name)
+        self.made += 1
+        cuda, handle = self, 0x1000 * self.made
+
+        class Stream:
+            cuda_stream = handle
+
+            def synchronize(self):
+                cuda.log.append(("sync", self.cuda_stream))
+        return Stream()
+
+    @contextlib.contextmanager
+    def stream(self, s):
+        before, self.current = self.current, s
+        try:
+            yield
+        finally:
+            self.current = before
+
+
+class RecordingOps:
+    def __init__(self, log):
+        self.log = log
+
+    def wait_geq(self, stream, word, value):
+        self.log.append(("wait", stream, word, value))
+
+    def write(self, stream, word, value):
+        self.log.append(("write", stream, word, value))
+
+    def unregister(self):
+        pass
+
+
+@pytest.mark.parametrize("strategy", ["runs", "dma"])
+def test_a_cuda_load_waits_for_the_fence_copies_on_its_stream_then_writes_each_layer(strategy, monkeypatch):
+    log = []
+    cuda = FakeCuda(log)
+    monkeypatch.setattr(CudaCopier, "cuda", cuda)
+    monkeypatch.setattr(CudaCopier, "runtime", staticmethod(lambda: RecordingRuntime(batched=True)))
+    for name in ("load_runs", "offload_runs"):
+        real = getattr(cs, name)
+        monkeypatch.setattr(cs, name, lambda *a, _f=real, _n=name: (
+            log.append(("copy", cuda.current.cuda_stream)), _f(*a)))
+    layers = 2
+    dev = [[torch.arange(8 * 4, dtype=torch.int64).view(8, 4) + 100 * i] for i in range(layers)]
+    host = [[torch.zeros(8, 4, dtype=torch.int64)] for _ in range(layers)]
+
+    class Pool:
+        views, block_cuts = host, None
+
+    words = np.zeros(4096, dtype=np.int64)
+    order = DaemonOrder(words, layers, "cuda:0", ops_factory=lambda d, a, n: RecordingOps(log))
+    copier = cuda_copier.make_copier("cuda:0", strategy, dev, Pool, layers, order)
+    offload_stream, load_stream = (copier.streams[k].cuda_stream for k in (OFFLOAD, LOAD))
+    if strategy == "dma":
+        copier.memcpy.rt.calls = log  # the runtime's batched calls go into the same log
+    log.clear()
+    task = CopyTask(task_id=77, kind=LOAD, client_id="c", routing_id=b"c", priority=0,
+                    dev_blocks=np.array([3, 5]), host_blocks=np.array([1, 6]), entries=[], slot=2,
+                    fence=(9, 41))
+    copier.begin_load(task)
+    plan = copier.plan(LOAD, task.dev_blocks, task.host_blocks)
+    for layer in range(layers):
+        copier.load_layer(layer, plan)
+        copier.layer_loaded(task, layer)
+    copier.sync(LOAD)
+    copy = (("batch", 2, load_stream) if strategy == "dma" else ("copy", load_stream))
+    expect = [("wait", load_stream, 9, 41)]
+    for layer in range(layers):
+        expect += [copy, ("write", load_stream, load_word(2, layer, layers), 77)]
+    expect.append(("sync", load_stream))
+    assert log == expect
+    assert offload_stream != load_stream
+    copier.close()

@@ -44,24 +44,29 @@ def make_copier(device: str, strategy: str, dev_views, host_pool, num_layers: in
 
 
 class CudaCopier(StrategyCopier):
+    """Its CUDA calls go through two seams a CPU test replaces (tests/test_cuda_seams.py): `cuda`
+    (torch.cuda: device contexts, streams) and `runtime` (the dma strategy's libcudart)."""
+
     non_blocking = True
+    cuda = torch.cuda
+    runtime = cudart.LibCudart
 
     def __init__(self, dev_views, host_pool, strategy: str, device: str, num_layers: int):
-        if not torch.cuda.is_available():
+        if not self.cuda.is_available():
             raise OpError(ErrorCode.KV_MISMATCH, "CUDA KV registered but this daemon sees no CUDA device")
         super().__init__(dev_views, host_pool.views, strategy, host_pool.block_cuts)
         self.num_layers = num_layers
-        with torch.cuda.device(self.device):
-            self.streams = {OFFLOAD: torch.cuda.Stream(), LOAD: torch.cuda.Stream()}
+        with self.cuda.device(self.device):
+            self.streams = {OFFLOAD: self.cuda.Stream(), LOAD: self.cuda.Stream()}
         if strategy == "zero_copy":
             self.host_view = host_pool.device_views(self.device, widen=cs.widen)
         if strategy == "dma":
-            self.memcpy = dma.CudaMemcpy(cudart.LibCudart())
+            self.memcpy = dma.CudaMemcpy(self.runtime())
 
     def _stream(self, kind: str):
         stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.device(self.device))
-        stack.enter_context(torch.cuda.stream(self.streams[kind]))
+        stack.enter_context(self.cuda.device(self.device))
+        stack.enter_context(self.cuda.stream(self.streams[kind]))
         return stack
 
     def _stream_handle(self, kind: str) -> int:
@@ -75,11 +80,11 @@ class CudaCopier(StrategyCopier):
 
     def _wait_fence(self, kind: str, task: CopyTask) -> None:
         if self.order is not None:
-            with torch.cuda.device(self.device):
+            with self.cuda.device(self.device):
                 self.order.wait(self.streams[kind], task.fence)
 
     def layer_loaded(self, task: CopyTask, layer: int) -> None:
-        with torch.cuda.device(self.device):
+        with self.cuda.device(self.device):
             self.order.loaded(self.streams[LOAD], task.slot, layer, task.task_id)
 
     def sync(self, kind: str) -> None:
