@@ -75,9 +75,15 @@ def test_cuda_kv_the_daemon_cannot_map_is_refused_at_register_not_staged(monkeyp
     with pytest.raises(KvcachedError, match="expandable_segments.*--device cpu"):
         worker.register({"layer.0": _cpu_kv()[0]})
     assert worker.mode is None
+
+    class Link:
+        def attach_now(self):
+            pass
+
     # staging asked for by name stays possible (a daemon started with --device cpu takes it)
-    staged = kv_worker.KVWorker(link=None, direct=False)
-    assert staged._want_direct is False
+    staged = kv_worker.KVWorker(link=Link(), direct=False)
+    assert staged.register({"layer.0": _cpu_kv()[0]}) == "staging"
+    staged._staging = None  # (its segment is unlinked once collected)
 
 
 def test_cpu_kv_the_daemon_cannot_map_is_still_staged():

@@ -115,7 +115,7 @@ class CacheService:
 
     def _install(self, spec, reg) -> tuple:
         """`reg` and its copier made the registration: (copier, host blocks kept). A drain timeout
-        or a pool that cannot take the layout changes nothing; a copier error leaves none."""
+        or a pool that cannot take the layout leaves the old one; a copier error leaves none."""
         known = self.host.pool.spec  # a new geometry voids the host blocks: queued work on them goes
         self._drain("register_kv", cancel_queued=known is not None and known.geometry() != spec.geometry())
         try:
