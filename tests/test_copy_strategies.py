@@ -7,7 +7,7 @@ from conftest import small_kv, unique_instance
 
 from kvcached.copy import strategies as cs
 from kvcached.copy.strategy_copier import STAGING_BYTES, StrategyCopier
-from kvcached.copy.transfer import LOAD, OFFLOAD
+from kvcached.copy.transfer import TaskKind
 from kvcached_client import BlockHasher, launch
 
 HASHER = BlockHasher("strategy-test|bfloat16")
@@ -50,7 +50,7 @@ def test_strategy_round_trip_is_byte_exact(layout, strategy, ids, monkeypatch):
         src, hid = rng.permutation(num_dev)[:n], rng.permutation(num_host)[:n]
     else:
         src, hid = np.arange(5, 5 + n), np.concatenate([np.arange(20, 30), np.arange(2, 9)])
-    plan = copier.plan(OFFLOAD, src.astype(np.int64), hid.astype(np.int64))
+    plan = copier.plan(TaskKind.OFFLOAD, src.astype(np.int64), hid.astype(np.int64))
     moved = sum(copier.offload_layer(layer, plan) for layer in range(layers))
     assert moved == n * row * layers * parts
     for layer in range(layers):
@@ -61,7 +61,7 @@ def test_strategy_round_trip_is_byte_exact(layout, strategy, ids, monkeypatch):
         for t in r:
             t.fill_(0)
     dst = rng.permutation(num_dev)[:n].astype(np.int64)
-    plan = copier.plan(LOAD, dst, hid.astype(np.int64))
+    plan = copier.plan(TaskKind.LOAD, dst, hid.astype(np.int64))
     for layer in range(layers):
         copier.load_layer(layer, plan)
     untouched = np.setdiff1d(np.arange(num_dev), dst)
@@ -75,11 +75,11 @@ def test_strategy_round_trip_is_byte_exact(layout, strategy, ids, monkeypatch):
 def test_auto_picks_runs_for_long_runs_and_gather_for_scattered_ids():
     dev = [[torch.zeros(64, 16, dtype=torch.uint8)]]
     copier = StrategyCopier(dev, host_views("layer_first", 1, 1, 64, 16), "auto")
-    assert copier.plan(OFFLOAD, np.arange(10, 42), np.arange(0, 32)).extra["strategy"] == "runs"
+    assert copier.plan(TaskKind.OFFLOAD, np.arange(10, 42), np.arange(0, 32)).extra["strategy"] == "runs"
     scattered = np.random.default_rng(1).permutation(64)[:32]
-    assert copier.plan(OFFLOAD, scattered, np.arange(32)).extra["strategy"] == "gather"
+    assert copier.plan(TaskKind.OFFLOAD, scattered, np.arange(32)).extra["strategy"] == "gather"
     paged = StrategyCopier(dev, host_views("page_first", 2, 1, 64, 8)[:1], "auto")
-    assert paged.plan(OFFLOAD, np.arange(32), np.arange(32)).extra["strategy"] == "gather", \
+    assert paged.plan(TaskKind.OFFLOAD, np.arange(32), np.arange(32)).extra["strategy"] == "gather", \
         "page_first host rows take one copy per block: gather is the one DMA per block there"
 
 
@@ -170,6 +170,6 @@ def test_chunks_reuse_the_staging_buffer_when_it_holds_fewer_rows(monkeypatch):
     monkeypatch.setattr(torch, "index_select", lambda *a, **k: (seen.append(1), real(*a, **k))[1])
     dev = [[torch.zeros(40, 96, dtype=torch.uint8)]]
     copier = StrategyCopier(dev, host_views("layer_first", 1, 1, 50, 96), "gather")
-    plan = copier.plan(OFFLOAD, np.random.default_rng(0).permutation(40)[:17], np.arange(17))
+    plan = copier.plan(TaskKind.OFFLOAD, np.random.default_rng(0).permutation(40)[:17], np.arange(17))
     copier.offload_layer(0, plan)
     assert len(seen) == 6

@@ -161,7 +161,7 @@ def test_a_warmed_copier_still_copies_byte_for_byte():
 # --- the copy-engine strategy (dma): copy lists and the runtime seam -------------------------
 
 from kvcached.copy import dma  # noqa: E402
-from kvcached.copy.transfer import LOAD, OFFLOAD  # noqa: E402
+from kvcached.copy.transfer import TaskKind  # noqa: E402
 
 
 def test_runs_are_one_copy_where_both_sides_rows_are_back_to_back():
@@ -214,7 +214,7 @@ def test_dma_moves_each_layer_in_one_runtime_call_and_launches_no_kernel(batched
     for name in ("index_select", "index_copy"):  # no index kernel on the path
         monkeypatch.setattr(torch, name, lambda *a, **k: pytest.fail("an index kernel"))
     src, hid = rng.permutation(blocks)[:11], rng.permutation(40)[:11]
-    plan = copier.plan(OFFLOAD, src, hid)
+    plan = copier.plan(TaskKind.OFFLOAD, src, hid)
     assert "dev_index" not in plan.extra  # no index tensors sent to the device either
     for layer in range(layers):
         copier.offload_layer(layer, plan)
@@ -228,7 +228,7 @@ def test_dma_moves_each_layer_in_one_runtime_call_and_launches_no_kernel(batched
     back = rng.permutation(blocks)[:11]
     for t in (t for r in dev for t in r):
         t.zero_()
-    plan = copier.plan(LOAD, back, hid)
+    plan = copier.plan(TaskKind.LOAD, back, hid)
     for layer in range(layers):
         copier.load_layer(layer, plan)
     assert all(torch.equal(dev[i][p][torch.from_numpy(back)], host[i][p][torch.from_numpy(hid)])
@@ -312,19 +312,19 @@ def test_a_cuda_load_waits_for_the_fence_copies_on_its_stream_then_writes_each_l
     words = np.zeros(4096, dtype=np.int64)
     order = DaemonOrder(words, layers, "cuda:0", ops_factory=lambda d, a, n: RecordingOps(log))
     copier = cuda_copier.make_copier("cuda:0", strategy, dev, Pool, layers, order)
-    offload_stream, load_stream = (copier.streams[k].cuda_stream for k in (OFFLOAD, LOAD))
+    offload_stream, load_stream = (copier.streams[k].cuda_stream for k in (TaskKind.OFFLOAD, TaskKind.LOAD))
     if strategy == "dma":
         copier.memcpy.rt.calls = log  # the runtime's batched calls go into the same log
     log.clear()
-    task = CopyTask(task_id=77, kind=LOAD, client_id="c", routing_id=b"c", priority=0,
+    task = CopyTask(task_id=77, kind=TaskKind.LOAD, client_id="c", routing_id=b"c", priority=0,
                     dev_blocks=np.array([3, 5]), host_blocks=np.array([1, 6]), entries=[], slot=2,
                     fence=(9, 41))
     copier.begin_load(task)
-    plan = copier.plan(LOAD, task.dev_blocks, task.host_blocks)
+    plan = copier.plan(TaskKind.LOAD, task.dev_blocks, task.host_blocks)
     for layer in range(layers):
         copier.load_layer(layer, plan)
         copier.layer_loaded(task, layer)
-    copier.sync(LOAD)
+    copier.sync(TaskKind.LOAD)
     copy = (("batch", 2, load_stream) if strategy == "dma" else ("copy", load_stream))
     expect = [("wait", load_stream, 9, 41)]
     for layer in range(layers):

@@ -70,7 +70,7 @@ from conftest import small_kv  # noqa: E402
 
 from kvcached.copy import strategies as cs  # noqa: E402
 from kvcached.copy.strategy_copier import StrategyCopier  # noqa: E402
-from kvcached.copy.transfer import OFFLOAD  # noqa: E402
+from kvcached.copy.transfer import TaskKind  # noqa: E402
 from kvcached.host import pin_plan  # noqa: E402
 from kvcached.host import pool as host_pool  # noqa: E402
 from kvcached_client.kv_alloc import describe_kv_cache  # noqa: E402
@@ -119,7 +119,7 @@ def test_a_pool_one_call_cannot_take_is_registered_in_parts_no_copy_spans(layout
     dev_views = [[t.view(t.shape[0], -1).view(torch.uint8) for t in layer] for layer in kv]
     copier = StrategyCopier(dev_views, pool.views, "runs", pool.block_cuts)
     n = pool.num_blocks
-    plan = copier.plan(OFFLOAD, np.zeros(n, dtype=np.int64) + np.arange(n) % 16, np.arange(n))
+    plan = copier.plan(TaskKind.OFFLOAD, np.zeros(n, dtype=np.int64) + np.arange(n) % 16, np.arange(n))
     for layer in range(spec.num_layers):
         copier.offload_layer(layer, plan)
     flat_cuts = {layer * 10 + p: set(c) for layer, row in enumerate(pool.block_cuts) for p, c in enumerate(row)}

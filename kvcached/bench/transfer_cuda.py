@@ -33,7 +33,7 @@ from kvcached_proto.layout import parse_layout
 
 from ..copy.cuda_copier import CudaCopier
 from ..copy.strategies import STRATEGIES
-from ..copy.transfer import LOAD, OFFLOAD
+from ..copy.transfer import TaskKind
 from ..host.pool import HostPool
 from .stats import ratio
 from .transfer_blocks import BLOCK_SHAPE, DTYPE, LAYERS, _check, _fill
@@ -101,12 +101,12 @@ def _strategies(device, n: int, repeats: int, baseline: PinnedMemcpy) -> list[di
             off, load = [], []
             for _ in range(repeats):
                 baseline.measure()
-                plan = copier.plan(OFFLOAD, dev_ids, host_ids)
+                plan = copier.plan(TaskKind.OFFLOAD, dev_ids, host_ids)
                 off.append(_timed(lambda: [copier.offload_layer(i, plan) for i in range(spec.num_layers)],
-                                  copier.streams[OFFLOAD]))
-                plan = copier.plan(LOAD, back_ids, host_ids)
+                                  copier.streams[TaskKind.OFFLOAD]))
+                plan = copier.plan(TaskKind.LOAD, back_ids, host_ids)
                 load.append(_timed(lambda: [copier.load_layer(i, plan) for i in range(spec.num_layers)],
-                                   copier.streams[LOAD]))
+                                   copier.streams[TaskKind.LOAD]))
             exact = all(torch.equal(a[back_idx], a[src_idx]) for row in dev_views for a in row)
             copier.close()
             d2h, h2d = nbytes / min(off) / 1e9, nbytes / min(load) / 1e9

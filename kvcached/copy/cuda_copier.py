@@ -25,7 +25,7 @@ from ..host import cudart
 from . import dma
 from . import strategies as cs
 from .strategy_copier import StrategyCopier
-from .transfer import LOAD, OFFLOAD, CopyTask, CpuCopier
+from .transfer import CopyTask, CpuCopier, TaskKind
 
 
 def make_copier(device: str, strategy: str, dev_views, host_pool, num_layers: int, order=None):
@@ -57,7 +57,7 @@ class CudaCopier(StrategyCopier):
         super().__init__(dev_views, host_pool.views, strategy, host_pool.block_cuts)
         self.num_layers = num_layers
         with self.cuda.device(self.device):
-            self.streams = {OFFLOAD: self.cuda.Stream(), LOAD: self.cuda.Stream()}
+            self.streams = {TaskKind.OFFLOAD: self.cuda.Stream(), TaskKind.LOAD: self.cuda.Stream()}
         if strategy == "zero_copy":
             self.host_view = host_pool.device_views(self.device, widen=cs.widen)
         if strategy == "dma":
@@ -73,10 +73,10 @@ class CudaCopier(StrategyCopier):
         return self.streams[kind].cuda_stream
 
     def begin_offload(self, task: CopyTask) -> None:
-        self._wait_fence(OFFLOAD, task)
+        self._wait_fence(TaskKind.OFFLOAD, task)
 
     def begin_load(self, task: CopyTask) -> None:
-        self._wait_fence(LOAD, task)
+        self._wait_fence(TaskKind.LOAD, task)
 
     def _wait_fence(self, kind: str, task: CopyTask) -> None:
         if self.order is not None:
@@ -85,7 +85,7 @@ class CudaCopier(StrategyCopier):
 
     def layer_loaded(self, task: CopyTask, layer: int) -> None:
         with self.cuda.device(self.device):
-            self.order.loaded(self.streams[LOAD], task.slot, layer, task.task_id)
+            self.order.loaded(self.streams[TaskKind.LOAD], task.slot, layer, task.task_id)
 
     def sync(self, kind: str) -> None:
         self.streams[kind].synchronize()

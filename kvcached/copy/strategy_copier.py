@@ -13,7 +13,7 @@ from kvcached_proto.block_runs import fragmented, paired_runs
 
 from . import dma
 from . import strategies as cs
-from .transfer import LOAD, OFFLOAD, CopierHooks, CopyPlan
+from .transfer import CopierHooks, CopyPlan, TaskKind
 
 STAGING_BYTES = 64 << 20  # per direction: bounds the device memory taken from the engine
 
@@ -95,10 +95,10 @@ class StrategyCopier(CopierHooks):
             shape = (dev.dtype, dev.shape[1], dev.stride(0))
             if shape not in done:
                 done.add(shape)
-                for kind in (OFFLOAD, LOAD):
+                for kind in (TaskKind.OFFLOAD, TaskKind.LOAD):
                     with self._stream(kind):
                         self._warm(kind, dev)
-        for kind in (OFFLOAD, LOAD):
+        for kind in (TaskKind.OFFLOAD, TaskKind.LOAD):
             self.sync(kind)
 
     def _warm(self, kind: str, like: torch.Tensor) -> None:
@@ -111,7 +111,7 @@ class StrategyCopier(CopierHooks):
         stand_in = torch.zeros((2, width), dtype=like.dtype, device=self.device)  # zero_copy's host rows
         ids = self._index(np.array([1, 0]))
         pairs, runs = [(0, 1, 1), (1, 0, 1)], [(0, 1, 1), (1, 2, 0)]
-        out = kind == OFFLOAD
+        out = kind == TaskKind.OFFLOAD
         for strategy in (("runs", "gather") if self.strategy == "auto" else (self.strategy,)):
             if strategy == "runs":
                 (cs.offload_runs if out else cs.load_runs)(dev, host, pairs, self.non_blocking)
@@ -123,10 +123,10 @@ class StrategyCopier(CopierHooks):
                     dev, stand_in, ids, ids, self.staging(kind, like))  # dma: no kernel to warm
 
     def offload_layer(self, layer: int, plan: CopyPlan) -> int:
-        return self._layer(OFFLOAD, layer, plan)
+        return self._layer(TaskKind.OFFLOAD, layer, plan)
 
     def load_layer(self, layer: int, plan: CopyPlan) -> int:
-        return self._layer(LOAD, layer, plan)
+        return self._layer(TaskKind.LOAD, layer, plan)
 
     def _layer(self, kind: str, layer: int, plan: CopyPlan) -> int:
         x, moved = plan.extra, 0
@@ -136,14 +136,14 @@ class StrategyCopier(CopierHooks):
             for part, (dev, host) in enumerate(zip(self.dev[layer], self.host[layer])):
                 cuts = self.cuts[layer][part] if self.cuts else ()
                 if x["strategy"] == "runs":
-                    fn = cs.offload_runs if kind == OFFLOAD else cs.load_runs
+                    fn = cs.offload_runs if kind == TaskKind.OFFLOAD else cs.load_runs
                     fn(dev, host, cs.split_pairs(x["pairs"], cuts), self.non_blocking)
                 elif x["strategy"] == "gather":
-                    fn = cs.offload_gather if kind == OFFLOAD else cs.load_gather
+                    fn = cs.offload_gather if kind == TaskKind.OFFLOAD else cs.load_gather
                     fn(dev, host, x["dev_index"], cs.split_host_runs(x["host_runs"], cuts),
                        self.staging(kind, dev), self.non_blocking)
                 else:
-                    fn = cs.offload_zero_copy if kind == OFFLOAD else cs.load_zero_copy
+                    fn = cs.offload_zero_copy if kind == TaskKind.OFFLOAD else cs.load_zero_copy
                     fn(dev, self.host_view[layer][part], x["dev_index"], x["host_index"],
                        self.staging(kind, dev))
                 moved += len(plan.dev_ids) * dev.shape[1] * dev.element_size()
@@ -155,7 +155,7 @@ class StrategyCopier(CopierHooks):
         for part, (dev, host) in enumerate(zip(self.dev[layer], self.host[layer])):
             cuts = self.cuts[layer][part] if self.cuts else ()
             lists.append(dma.copy_list(cs.split_pairs(plan.extra["pairs"], cuts), dma.rows_of(dev),
-                                       dma.rows_of(host), kind == OFFLOAD))
+                                       dma.rows_of(host), kind == TaskKind.OFFLOAD))
         dsts, srcs, sizes = dma.concat(lists)
         with self._stream(kind):
             self.memcpy.copy(dsts, srcs, sizes, self._stream_handle(kind))

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Callable
 
 import numpy as np
@@ -32,13 +33,24 @@ log = logging.getLogger(__name__)
 
 MERGE_MAX_BLOCKS = 4096
 SPLIT_BLOCKS = 2048
-LOAD, OFFLOAD = "load", "offload"
+
+
+class TaskKind(StrEnum):
+    """What a task does; also the name of the worker that runs it. Loads and offloads are the
+    engine's copies (and a copier's two directions); fetches and prefetches read storage into
+    the host tier; backups write it; a flush ends when the backups queued before it did."""
+    LOAD = "load"
+    OFFLOAD = "offload"
+    FETCH = "fetch"
+    PREFETCH = "prefetch"
+    BACKUP = "backup"
+    FLUSH = "flush"
 
 
 @dataclass(eq=False)
 class CopyTask:
     task_id: int
-    kind: str
+    kind: TaskKind
     client_id: str
     routing_id: bytes
     priority: int

@@ -1,2 +1,3 @@
-"""The cache service under the server: op handlers and load planning (cache_service.py), the host
-tier, the storage flow, the task table and what the service reports."""
+"""The cache service under the server: op handlers, registration and drains (cache_service.py),
+a load from plan to end (load_flow.py), an offload (offload_flow.py), the storage detour of both
+(storage_flow.py), the host tier, the task table and what the service reports."""

@@ -1,11 +1,13 @@
 """What a `register_kv` must pass before anything of it is mapped: the instance is free (or
 already this client's), the layout is valid, on the daemon's kind of device, and one block
-fits the host pool."""
+fits the host pool; and what it left (Registered)."""
 from __future__ import annotations
 
 from kvcached_proto import ErrorCode
 from kvcached_proto.layout import LayoutSpec, parse_layout, require_order_segment
 
+from ..copy.kv_mapping import KVRegistration
+from ..copy.transfer import TaskAbort
 from ..errors import OpError
 
 
@@ -28,3 +30,29 @@ def checked_layout(layout: dict, client_id: str, kv, device: str, pool_bytes: in
                       f"one block across layers is {spec.page_bytes} bytes, more than the "
                       f"host pool ({pool_bytes}); raise --host-cache-gb")
     return spec
+
+
+class KVLost(TaskAbort):
+    """The registered KV memory went away under a copy (a CPU segment truncated by its owner)."""
+
+
+class Registered:
+    """The engine's KV mapping and the copier over it, as the last register_kv left them (both
+    None when no KV is registered). Replaced under the host tier's lock, with the workers
+    drained; the flows read them on their worker threads."""
+
+    def __init__(self):
+        self.kv: KVRegistration | None = None
+        self.copier = None  # CpuCopier, StrategyCopier or CudaCopier (cuda_copier.make_copier)
+
+    @property
+    def num_layers(self) -> int:
+        return self.kv.spec.num_layers
+
+    def check_intact(self) -> None:
+        """After a batch's copies: a segment that shrank under them means what was copied is
+        zero pages, not the engine's KV. Raising fails the whole batch (it is all this
+        registration's: one engine per instance)."""
+        lost = self.kv.lost
+        if lost:
+            raise KVLost(lost)

@@ -3,8 +3,7 @@ tests, fuzzing: the index's own; every indexed host block allocated and not free
 held by a live task and every live task's pins held; every busy progress slot a live load's)."""
 from __future__ import annotations
 
-from ..copy.transfer import LOAD, OFFLOAD
-from .storage_flow import BACKUP
+from ..copy.transfer import TaskKind
 
 
 def check_service(svc) -> str:
@@ -33,7 +32,8 @@ def _check_pins_and_slots(svc) -> str:
     held: dict[int, int] = {}
     pinned: dict[int, object] = {}
     for task in svc._live_tasks():
-        for e in (task.entries + task.tail_pins if task.kind in (LOAD, BACKUP) else ()):
+        pins = task.entries + task.tail_pins if task.kind in (TaskKind.LOAD, TaskKind.BACKUP) else []
+        for e in pins:
             held[id(e)] = held.get(id(e), 0) + 1
             pinned[id(e)] = e
     for e in svc.storage.lent_pins.values():  # backups whose write is late: pinned until it returns
@@ -55,7 +55,7 @@ def status_of(svc) -> dict:
     """The service's part of `kvcached status --json`."""
     with svc.host.lock:
         kv = svc.kv
-        queued = svc.loader.queued + svc.offloader.queued + svc.storage.fetcher.queued
+        queued = svc.loads.worker.queued + svc.offloads.worker.queued + svc.storage.fetcher.queued
         return {
             "host": {
                 "capacity_bytes": svc.host.pool.capacity_bytes,
@@ -66,7 +66,7 @@ def status_of(svc) -> dict:
                 "evictions": svc.host.index.evictions,
                 "pinned_blocks": svc.host.index.pinned,
                 "writing_blocks": sum(len(t.entries) for t in svc.table.tasks.values()
-                                      if t.kind == OFFLOAD),
+                                      if t.kind == TaskKind.OFFLOAD),
             },
             "kv": {
                 "registered": kv is not None,

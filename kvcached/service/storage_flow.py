@@ -1,6 +1,7 @@
 """The storage flow of the cache service: backups (host -> storage), fetches (storage -> host)
 for loads and prefetches, and flush. Built from the host tier (its index, pool and lock) and the
-task table; the service hands it what it plans and is called back when a load's fetch is done.
+task table by the load flow, which plans what a load takes from storage and gets the load back
+(FetchEnds) when its fetch is done.
 
 A fetch inserts WRITING host entries for the storage part of a request, reads their pages
 straight into those host blocks on the fetch worker, and keeps the leading ones that arrived
@@ -17,13 +18,15 @@ import itertools
 import logging
 import threading
 import time
+from typing import Protocol
 
 import numpy as np
 
 from kvcached_proto.messages import TaskStatus
+from kvcached_proto.replies import FlushReply, PrefetchReply
 from kvcached_proto.shm_layout import Flag
 
-from ..copy.transfer import LOAD, CopyTask, TransferWorker
+from ..copy.transfer import CopyTask, TaskKind, TransferWorker
 from ..errors import StartupError
 from ..host.index import BACKUP_QUEUED, NOT_STORED, STORED
 from ..storage.tiers import StorageTiers
@@ -32,7 +35,6 @@ from .task_table import TaskTable
 
 log = logging.getLogger(__name__)
 
-FETCH, BACKUP, PREFETCH, FLUSH = "fetch", "backup", "prefetch", "flush"
 IO_CHUNK_BLOCKS = 16  # pages staged per storage call: bounds staging memory
 MAX_PENDING_BACKUPS = 4096  # blocks queued for backup before new ones are dropped (and counted)
 
@@ -74,14 +76,22 @@ class IOLoans:
         return len(self._out)
 
 
+class FetchEnds(Protocol):
+    """Where the storage flow hands its tasks back: the load flow (load_flow.py)."""
+
+    def route(self, task: CopyTask) -> None:
+        """A load whose fetch ended goes on."""
+
+    def wake_parked(self) -> None:
+        """Loads waiting for entries another task writes look again."""
+
+    def failed(self, batch: list[CopyTask], exc: BaseException) -> None:
+        """A worker's batch failed: its tasks give back what they hold and end."""
+
+
 class StorageFlow:
-    def __init__(self, cfg, host: HostTier, table: TaskTable, signals, route_load, wake_parked,
-                 batch_failed):
-        """route_load(task): a load whose fetch is done goes on (the service's); wake_parked():
-        loads waiting for another task's fetch look again; batch_failed(batch, exc): the
-        workers' failure path (the service's)."""
-        self.cfg, self.host, self.table, self.signals = cfg, host, table, signals
-        self._route_load, self._wake_parked, self._batch_failed = route_load, wake_parked, batch_failed
+    def __init__(self, cfg, host: HostTier, table: TaskTable, signals, ends: FetchEnds):
+        self.cfg, self.host, self.table, self.signals, self.ends = cfg, host, table, signals, ends
         self.loans = IOLoans()
         self.lent_blocks: set[int] = set()  # host blocks a late read still writes into
         self.lent_pins: dict[int, object] = {}  # entries a late write still reads (pinned)
@@ -93,8 +103,8 @@ class StorageFlow:
         self.counters = {"backups": 0, "backup_dropped": 0, "fetched": 0,
                          "fetched_bytes": 0, "fetch_failed": 0, "prefetched": 0}
         self.pending_backups = 0
-        self.fetcher = TransferWorker(FETCH, self._run_fetches, batch_failed)
-        self.backer = TransferWorker(BACKUP, self._run_backups, batch_failed)
+        self.fetcher = TransferWorker(TaskKind.FETCH, self._run_fetches, ends.failed)
+        self.backer = TransferWorker(TaskKind.BACKUP, self._run_backups, ends.failed)
         self.fetcher.start()
         self.backer.start()
 
@@ -177,7 +187,7 @@ class StorageFlow:
             e.stored = BACKUP_QUEUED
         self.host.index.pin(todo)
         self.pending_backups += len(todo)
-        task = CopyTask(self.table.next_id(), BACKUP, "", client_routing, -10,
+        task = CopyTask(self.table.next_id(), TaskKind.BACKUP, "", client_routing, -10,
                         np.zeros(len(todo), np.int64), np.array([e.block for e in todo]), todo)
         self.backer.submit(task)
 
@@ -187,8 +197,8 @@ class StorageFlow:
             self.counters["backup_dropped"] += len(keys)
             return
         self.pending_backups += len(keys)
-        task = CopyTask(self.table.next_id(), BACKUP, "", b"", -10, np.zeros(len(keys), np.int64),
-                        np.zeros(len(keys), np.int64), [])
+        task = CopyTask(self.table.next_id(), TaskKind.BACKUP, "", b"", -10,
+                        np.zeros(len(keys), np.int64), np.zeros(len(keys), np.int64), [])
         task.payloads = (keys, pages)
         self.backer.submit(task)
 
@@ -213,9 +223,9 @@ class StorageFlow:
             self.host.index.set_prefetched(e, False)
 
     # ops ------------------------------------------------------------------
-    def prefetch(self, client, req) -> dict:
+    def prefetch(self, client, req) -> PrefetchReply:
         if not self.tiers:
-            return {"task": 0, "blocks": 0, "skipped": "no storage tier"}
+            return PrefetchReply(task=0, blocks=0, skipped="no storage tier")
         keys = req.body["keys"]
         seen, past = self.past_host(keys)
         with self.host.lock:
@@ -223,15 +233,15 @@ class StorageFlow:
             stored = past if host == seen else 0
             tokens = stored * req.body["block_tokens"]
             if tokens < self.cfg.prefetch_threshold_tokens:
-                return {"task": 0, "blocks": 0, "host": host,
-                        "skipped": f"storage hit {tokens} tokens < threshold "
-                                   f"{self.cfg.prefetch_threshold_tokens}"}
+                return PrefetchReply(task=0, blocks=0, host=host,
+                                     skipped=f"storage hit {tokens} tokens < threshold "
+                                             f"{self.cfg.prefetch_threshold_tokens}")
             share = int(self.host.pool.num_blocks * self.cfg.prefetch_max_share)
             room = share - self.host.index.prefetched
             entries = self._insert_for_fetch(keys, host, max(0, min(stored, room)))
             for e in entries:
                 self.host.index.set_prefetched(e, True)
-            task = self.table.new(PREFETCH, client, req, np.zeros(len(entries), np.int64),
+            task = self.table.new(TaskKind.PREFETCH, client, req, np.zeros(len(entries), np.int64),
                                   [e.block for e in entries], [])
             task.fetch = entries
             if req.body["policy"] == "timeout" and req.body["timeout_ms"]:
@@ -240,15 +250,15 @@ class StorageFlow:
             self.fetcher.submit(task)
         else:
             self.table.finish(task, TaskStatus.DONE, {"prefetched": 0})
-        return {"task": task.task_id, "blocks": len(entries), "host": host}
+        return PrefetchReply(task=task.task_id, blocks=len(entries), host=host)
 
-    def flush(self, client, req) -> dict:
-        task = CopyTask(self.table.next_id(), FLUSH, client.client_id, client.routing_id, -1000,
-                        np.zeros(0, np.int64), np.zeros(0, np.int64), [])
+    def flush(self, client, req) -> FlushReply:
+        task = CopyTask(self.table.next_id(), TaskKind.FLUSH, client.client_id, client.routing_id,
+                        -1000, np.zeros(0, np.int64), np.zeros(0, np.int64), [])
         with self.host.lock:
             self.table.tasks[task.task_id] = task
         self.backer.submit(task)
-        return {"task": task.task_id}
+        return FlushReply(task=task.task_id)
 
     # worker side ----------------------------------------------------------
     def _run_fetches(self, batch: list[CopyTask]) -> None:
@@ -257,8 +267,8 @@ class StorageFlow:
                 self._fetch_task(task)
             except Exception as exc:  # this task only: the others of the batch went on already
                 log.exception("[fetch] task %d failed", task.task_id)
-                self._batch_failed([task], exc)
-            self._wake_parked()
+                self.ends.failed([task], exc)
+            self.ends.wake_parked()
 
     def _fetch_task(self, task: CopyTask) -> None:
         entries = task.fetch
@@ -273,14 +283,14 @@ class StorageFlow:
                     self.host.free([self.host.index.discard(e)])
                 else:
                     self.host.index.mark_ready(e)
-            if task.kind == LOAD:  # held for the device copy, from the moment they are READY
+            if task.kind == TaskKind.LOAD:  # held for the device copy, from the moment they are READY
                 arrived = [e for e in good if e.live]
                 self.host.index.pin(arrived)
                 task.tail_pins = task.tail_pins + arrived
             self.counters["fetched"] += n_ok
             self.counters["fetch_failed"] += len(bad)
-        if task.kind == LOAD:
-            self._route_load(task)
+        if task.kind == TaskKind.LOAD:
+            self.ends.route(task)
         else:
             self.counters["prefetched"] += n_ok
             status = TaskStatus.CANCELLED if task.cancelled else TaskStatus.DONE
@@ -305,7 +315,7 @@ class StorageFlow:
                     for i in late:
                         self._lend_block(token(i), chunk[i])
             self.counters["fetched_bytes"] += got * page_bytes
-            if task.kind != LOAD:  # a load's bytes are its device copies (h2d), counted once
+            if task.kind != TaskKind.LOAD:  # a load's bytes are its device copies (h2d), counted once
                 task.bytes_moved += got * page_bytes
             done += got
             if got < len(chunk):
@@ -337,7 +347,7 @@ class StorageFlow:
 
     def _run_backups(self, batch: list[CopyTask]) -> None:
         for task in batch:
-            if task.kind == FLUSH:
+            if task.kind == TaskKind.FLUSH:
                 self.table.finish(task, TaskStatus.DONE, {})
                 continue
             if task.payloads is not None:  # private copies: a late write may keep them
@@ -368,7 +378,7 @@ class StorageFlow:
         """(Lock held, workers drained.) The host blocks of a geometry that is replaced are
         void: a backup still queued would store other bytes (or these bytes under the new
         geometry's keys)."""
-        for task in self.backer.remove_queued(lambda t: t.kind == BACKUP):
+        for task in self.backer.remove_queued(lambda t: t.kind == TaskKind.BACKUP):
             n = len(task.payloads[0]) if task.payloads is not None else len(task.entries)
             self.pending_backups -= n
             self.counters["backup_dropped"] += n

@@ -21,7 +21,7 @@ from conftest import unique_instance
 from engine_child import run_engine
 
 from kvcached.copy.cuda_copier import CudaCopier
-from kvcached.copy.transfer import LOAD, OFFLOAD
+from kvcached.copy.transfer import TaskKind
 from kvcached.host.pool import HostPool
 from kvcached_client import BlockHasher, allocate_kv_cache, launch
 from kvcached_client.kv_alloc import describe_kv_cache
@@ -83,17 +83,17 @@ def test_copier_strategies_are_byte_exact(strategy, layout):
     src, dst = perm[:40], perm[40:80]
     host = rng.permutation(64)[:40].astype(np.int64)
     expected = [[a[torch.from_numpy(src).to(DEV)].clone() for a in row] for row in dev_views]
-    plan = copier.plan(OFFLOAD, src, host)
+    plan = copier.plan(TaskKind.OFFLOAD, src, host)
     for layer in range(4):
         copier.offload_layer(layer, plan)
-    copier.sync(OFFLOAD)
+    copier.sync(TaskKind.OFFLOAD)
     for row, exp in zip(pool.views, expected):
         for h, e in zip(row, exp):
             assert torch.equal(h[torch.from_numpy(host)], e.cpu())
-    plan = copier.plan(LOAD, dst, host)
+    plan = copier.plan(TaskKind.LOAD, dst, host)
     for layer in range(4):
         copier.load_layer(layer, plan)
-    copier.sync(LOAD)
+    copier.sync(TaskKind.LOAD)
     for row, exp in zip(dev_views, expected):
         for a, e in zip(row, exp):
             assert torch.equal(a[torch.from_numpy(dst).to(DEV)], e)

@@ -1,0 +1,327 @@
+"""The load, offload and storage flows in process, without a daemon: the real host tier, task
+table and transfer workers (threads), a fake storage backend (a dict that can hold its reads
+behind a gate or fail them) and a fake copier that records each layer's copy and moves the host
+pages into a dict of device blocks, so what a load served is checked byte for byte."""
+from __future__ import annotations
+
+import queue
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import keys_for, small_kv
+from kvcached.config import DaemonConfig
+from kvcached.copy.transfer import CopyPlan
+from kvcached.service.host_tier import HostTier
+from kvcached.service.load_flow import LoadFlow
+from kvcached.service.offload_flow import OffloadFlow
+from kvcached.service.registration import Registered
+from kvcached.service.task_table import TaskTable
+from kvcached.storage.base import StorageBackend
+from kvcached_client.kv_alloc import describe_kv_cache
+from kvcached_proto import TaskStatus
+from kvcached_proto.layout import parse_layout
+
+
+class StatusBlock:
+    """The status block's calls the flows make, recorded."""
+
+    def __init__(self):
+        self.layers: dict[int, int] = {}
+
+    def set_flag(self, flag, on=True):
+        pass
+
+    def slot_begin(self, slot, task_id, num_layers):
+        self.layers[slot] = 0
+
+    def slot_set_valid(self, slot, n):
+        pass
+
+    def slot_layer_done(self, slot, n):
+        self.layers[slot] = n
+
+    def slot_finish(self, slot, status, loaded):
+        pass
+
+
+class Events:
+    def __init__(self):
+        self.ended: queue.Queue = queue.Queue()
+
+    def emit(self, routing_id, event):
+        self.ended.put(event)
+
+    def wait(self, n: int) -> dict[int, dict]:
+        out = {}
+        for _ in range(n):
+            event = self.ended.get(timeout=10)
+            out[event["task"]] = event
+        return out
+
+
+class DictStore(StorageBackend):
+    """A storage backend in a dict: reads may wait behind `gate`, or fail with `fail`."""
+
+    uri = "dict://"
+
+    def __init__(self):
+        self.pages: dict[bytes, bytes] = {}
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail: Exception | None = None
+        self.vanish: set[bytes] = set()  # records gone between the lookup and the read
+        self.reads = 0
+
+    def exists_prefix(self, keys):
+        n = 0
+        while n < len(keys) and keys[n] in self.pages:
+            n += 1
+        return n
+
+    def get_into(self, keys, pages, geometry, release=None):
+        assert self.gate.wait(10)
+        if self.fail is not None:
+            raise self.fail
+        for key in self.vanish:
+            self.pages.pop(key, None)
+        out = []
+        for key, pieces in zip(keys, pages):
+            data = self.pages.get(key)
+            if data is not None:
+                self.reads += 1
+                _write_pieces(pieces, data)
+            out.append(data is not None)
+        return out
+
+    def put(self, keys, pages, geometry, release=None):
+        for key, pieces in zip(keys, pages):
+            self.pages[key] = b"".join(bytes(p) for p in pieces)
+        return [True] * len(keys)
+
+    def delete(self, keys):
+        return sum(self.pages.pop(k, None) is not None for k in keys)
+
+    def clear(self):
+        n = len(self.pages)
+        self.pages.clear()
+        return n
+
+    def health(self):
+        return True
+
+    def usage(self):
+        return {"used_bytes": 0, "capacity_bytes": 0, "blocks": len(self.pages)}
+
+
+def _write_pieces(pieces, data: bytes) -> None:
+    at = 0
+    for p in pieces:
+        p[:] = data[at : at + len(p)]
+        at += len(p)
+
+
+class DictCopier:
+    """A copier whose device is a dict of block -> page bytes; records (kind, layer, dev, host)."""
+
+    strategy = "dict"
+
+    def __init__(self, pool):
+        self.pool, self.device, self.calls = pool, {}, []
+
+    def plan(self, kind, dev_ids, host_ids):
+        return CopyPlan.make(np.asarray(dev_ids), np.asarray(host_ids))
+
+    def begin_load(self, task):
+        pass
+
+    def begin_offload(self, task):
+        pass
+
+    def load_layer(self, layer, plan):
+        self.calls.append(("load", layer, list(plan.dev_ids), list(plan.host_ids)))
+        if layer == 0:
+            for d, h in zip(plan.dev_ids, plan.host_ids):
+                self.device[int(d)] = b"".join(bytes(p) for p in self.pool.page_pieces(int(h)))
+        return len(plan.dev_ids)
+
+    def offload_layer(self, layer, plan):
+        self.calls.append(("offload", layer, list(plan.dev_ids), list(plan.host_ids)))
+        if layer == 0:
+            for d, h in zip(plan.dev_ids, plan.host_ids):
+                _write_pieces(self.pool.page_pieces(int(h)), self.device[int(d)])
+        return len(plan.dev_ids)
+
+    def layer_loaded(self, task, layer):
+        pass
+
+    def sync(self, kind):
+        pass
+
+    def close(self):
+        pass
+
+
+class FakeKV:
+    def __init__(self, spec):
+        self.spec, self.lost, self.order = spec, None, None
+
+
+class Req:
+    def __init__(self, **body):
+        self.body = {"priority": 0, "host_only": False, **body}
+
+
+class Client:
+    client_id, routing_id = "engine", b"engine"
+
+
+@pytest.fixture(scope="module")
+def spec():
+    kv = small_kv(num_layers=3, num_blocks=32, block_shape=(16, 2, 8))
+    return parse_layout(describe_kv_cache(kv))
+
+
+@pytest.fixture
+def flows(spec):
+    cfg = DaemonConfig(host_cache_gb=0.001)
+    host = HostTier(cfg)
+    host.pool.configure(spec)
+    events, status = Events(), StatusBlock()
+    table = TaskTable(host.lock, status, events)
+    reg = Registered()
+    reg.kv, reg.copier = FakeKV(spec), DictCopier(host.pool)
+    hits = {"loaded_from_host": 0, "loaded_from_storage": 0}
+    loads = LoadFlow(cfg, host, table, status, reg, hits)
+    store = DictStore()
+    loads.storage.tiers.backends.append(store)
+    offloads = OffloadFlow(host, table, reg, loads)
+    yield loads, offloads, store, reg.copier, events, hits
+    for w in (loads.worker, offloads.worker, loads.storage.fetcher):
+        w.stop()
+    loads.storage.backer.stop(timeout=10)
+    host.pool.close()
+
+
+def _page(spec, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, spec.page_bytes, dtype=np.uint8).tobytes()
+
+
+def _offload(offloads, events, copier, keys, blocks, spec, seed=0):
+    for i, b in enumerate(blocks):
+        copier.device[b] = _page(spec, seed + i)
+    reply = offloads.start(Client(), Req(keys=keys), np.array(blocks), None)
+    assert events.wait(1)[reply["task"]]["status"] == TaskStatus.DONE
+    return {b: copier.device[b] for b in blocks}
+
+
+def _stored(store, loads, keys, pages) -> None:
+    from kvcached.storage.record import StoredKeys
+
+    stored = StoredKeys(keys, loads.storage.host.pool.geometry)
+    for i, page in enumerate(pages):
+        store.pages[stored[i]] = page
+
+
+def _no_pins(loads) -> None:
+    with loads.host.lock:
+        assert loads.host.index.pinned == 0
+        assert loads.parked == []
+
+
+def test_a_load_takes_its_host_prefix_and_fetches_the_rest_byte_for_byte(flows, spec):
+    loads, offloads, store, copier, events, hits = flows
+    keys = keys_for(6, seed=1)
+    host_pages = _offload(offloads, events, copier, keys[:2], [0, 1], spec)
+    pages = [_page(spec, 100 + i) for i in range(4)]
+    _stored(store, loads, keys[2:], pages)
+    reply = loads.start(Client(), Req(keys=keys), np.arange(10, 16), None)
+    assert (reply["host_blocks"], reply["storage_blocks"], reply["num_layers"]) == (2, 4, 3)
+    assert events.wait(1)[reply["task"]]["result"]["loaded"] == 6
+    assert [copier.device[10 + i] for i in range(6)] == [host_pages[0], host_pages[1], *pages]
+    assert [c[1] for c in copier.calls if c[0] == "load"] == [0, 1, 2]  # layer by layer
+    assert hits == {"loaded_from_host": 2, "loaded_from_storage": 4}
+    assert store.reads == 4
+    _no_pins(loads)
+
+
+def test_two_loads_racing_for_one_fetch_share_it(flows, spec):
+    loads, _, store, copier, events, _ = flows
+    keys = keys_for(4, seed=2)
+    pages = [_page(spec, 200 + i) for i in range(4)]
+    _stored(store, loads, keys, pages)
+    store.gate.clear()  # the first load's fetch holds in the store
+    first = loads.start(Client(), Req(keys=keys), np.arange(0, 4), None)
+    second = loads.start(Client(), Req(keys=keys), np.arange(20, 24), None)
+    assert loads.parked  # the second waits for the first's fetch, it does not fetch twice
+    store.gate.set()
+    ended = events.wait(2)
+    assert [ended[r["task"]]["result"]["loaded"] for r in (first, second)] == [4, 4]
+    assert store.reads == 4
+    assert [copier.device[i] for i in range(4)] == pages == [copier.device[20 + i] for i in range(4)]
+    _no_pins(loads)
+
+
+def test_a_failed_fetch_fails_its_load_and_the_waiting_one_replans(flows, spec):
+    loads, _, store, copier, events, _ = flows
+    keys = keys_for(3, seed=3)
+    _stored(store, loads, keys, [_page(spec, 300 + i) for i in range(3)])
+    store.gate.clear()
+    first = loads.start(Client(), Req(keys=keys), np.arange(0, 3), None)
+    second = loads.start(Client(), Req(keys=keys), np.arange(5, 8), None)
+    store.fail = OSError("the store went away")
+    store.gate.set()
+    ended = events.wait(2)
+    assert ended[first["task"]]["status"] == TaskStatus.FAILED
+    assert "the store went away" in ended[first["task"]]["result"]["error"]
+    # the second's shared entries went with the failure: it planned again and its own fetch
+    # failed too - never a load of blocks that did not arrive
+    assert ended[second["task"]]["status"] == TaskStatus.FAILED
+    assert not any(5 <= d < 8 for d in copier.device)
+    _no_pins(loads)
+    with loads.host.lock:
+        assert len(loads.host.index) == 0  # no WRITING entry left behind
+
+
+def test_a_short_read_loads_the_leading_blocks_only(flows, spec):
+    loads, _, store, copier, events, _ = flows
+    keys = keys_for(4, seed=4)
+    pages = [_page(spec, 400 + i) for i in range(4)]
+    _stored(store, loads, keys, pages)
+    store.vanish = {next(k for k in store.pages if store.pages[k] == pages[2])}
+    reply = loads.start(Client(), Req(keys=keys), np.arange(0, 4), None)
+    assert reply["storage_blocks"] == 4  # planned while all four were there
+    assert events.wait(1)[reply["task"]]["result"]["loaded"] == 2
+    assert [copier.device[i] for i in range(2)] == pages[:2] and 2 not in copier.device
+    _no_pins(loads)
+
+
+def test_a_cancelled_parked_load_gives_back_its_pins(flows, spec):
+    loads, _, store, _, events, _ = flows
+    keys = keys_for(2, seed=5)
+    _stored(store, loads, keys, [_page(spec, 500), _page(spec, 501)])
+    store.gate.clear()
+    first = loads.start(Client(), Req(keys=keys), np.arange(0, 2), None)
+    second = loads.start(Client(), Req(keys=keys), np.arange(4, 6), None)
+    taken = loads.take_parked(lambda t: t.task_id == second["task"])
+    assert len(taken) == 1
+    loads.end_cancelled(taken)
+    store.gate.set()
+    ended = events.wait(2)
+    assert ended[second["task"]]["status"] == TaskStatus.CANCELLED
+    assert ended[first["task"]]["result"]["loaded"] == 2
+    _no_pins(loads)
+
+
+def test_write_through_backs_up_what_an_offload_stored(flows, spec):
+    loads, offloads, store, copier, events, _ = flows
+    keys = keys_for(3, seed=6)
+    pages = _offload(offloads, events, copier, keys, [7, 8, 9], spec, seed=600)
+    flush = loads.storage.flush(Client(), Req())  # ends once the backups queued before it did
+    assert events.wait(1)[flush["task"]]["status"] == TaskStatus.DONE
+    from kvcached.storage.record import StoredKeys
+
+    stored = StoredKeys(keys, loads.storage.host.pool.geometry)
+    assert [store.pages[stored[i]] for i in range(3)] == [pages[7], pages[8], pages[9]]
+
