@@ -1,6 +1,6 @@
 """Hit statistics count what loads served, by where it was: a lookup that starts a prefetch and
 the one after it ask about the same blocks twice, so lookups alone overstate hits."""
-from test_storage import stored_on_disk_only
+from storage_util import stored_on_disk_only
 
 
 def _loaded(c):

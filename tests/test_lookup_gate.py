@@ -9,7 +9,7 @@ import time
 
 import pytest
 from conftest import blocks_equal, wait_until
-from test_storage import _stored_with_one_record_hung, start, stored_on_disk_only
+from storage_util import start, stored_on_disk_only, stored_with_one_record_hung
 
 from kvcached_client import BlockHasher, Client
 from kvcached_client.lookup_gate import LookupGate
@@ -116,7 +116,7 @@ def test_requests_sharing_a_storage_hit_on_a_hung_filesystem_wait_for_one_prefet
     requests with the same prefix: every key of the second's storage hit is on its way already,
     so it sends no prefetch of its own and waits for the first's; both get the 3 leading
     blocks that arrived, without a call ever waiting on the hung read."""
-    kv, keys, expected, uri, fs = _stored_with_one_record_hung(run_dir, instance, disk_dir, 3)
+    kv, keys, expected, uri, fs = stored_with_one_record_hung(run_dir, instance, disk_dir, 3)
     h = None
     try:
         h = start(run_dir, instance, uri, extra=NO_THRESHOLD)

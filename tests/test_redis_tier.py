@@ -1,16 +1,20 @@
-"""The Redis tier as deployed: a password (and TLS) in the URI, the password shown nowhere, and
-a full server that refuses writes without taking the tier down. Real redis-servers."""
+"""The Redis tier through real redis-servers: round trips, lookups with and without scripts,
+corrupt values, outages and a blackholed server that never stall the request loop, cluster mode;
+and as deployed: a password (and TLS) in the URI, the password shown nowhere, and a full server
+that refuses writes without taking the tier down."""
 import json
+import shutil
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
 
-from conftest import (RedisServer, blocks_equal, free_port, keys_for, make_tls_files, scramble,
-                      small_kv, wait_until)
+from conftest import (RedisServer, blocks_equal, free_port, keys_for, make_tls_files, scramble, small_kv,
+                      snapshot, stored, wait_until)
 from kvcached_client import launch
-from test_storage import PAGE_SHAPE, in_storage_only, offload_and_flush, start
+from storage_util import PAGE_SHAPE, in_storage_only, offload_and_flush, start
 
 SECRET = "s3cret-Pa55"
 
@@ -116,3 +120,258 @@ def test_a_full_redis_fails_puts_and_keeps_serving_what_it_holds(run_dir, instan
             h.stop()
     finally:
         server.close()
+
+
+def test_redis_tier_round_trip(run_dir, instance, redis_server):
+    keys, dst = keys_for(10, 14), list(range(20, 30))
+    with in_storage_only(run_dir, instance, redis_server.uri, keys) as (c, kv, expected, _):
+        assert c.lookup(keys) == (0, 10)
+        scramble(kv, 3)
+        assert c.load(keys, dst).wait(10) == 10
+        assert blocks_equal(kv, dst, expected)
+        assert c.status()["storage"][0]["healthy"]
+
+
+@pytest.mark.parametrize("scripts", ["allowed", "refused"])
+def test_a_redis_lookup_counts_the_leading_keys_present_with_or_without_scripts(
+        run_dir, instance, scripts):
+    """A lookup asks redis in one script call for the leading keys present; where the server
+    refuses scripts (here EVAL/EVALSHA renamed away, as an ACL or a managed service may), the
+    tier says so once and pipelines one EXISTS per key: the same counts either way, and a
+    refused script is not an outage."""
+    import redis
+
+    off = ["--rename-command", "EVAL", "evaloff", "--rename-command", "EVALSHA", "evalshaoff"]
+    server = RedisServer(extra=off if scripts == "refused" else ())
+    keys = keys_for(10, 34)
+    try:
+        with in_storage_only(run_dir, instance, server.uri, keys) as (c, kv, _, h):
+            def name(k):
+                return b"kvcached:" + stored(k, kv).hex().encode()
+
+            assert c.lookup(keys) == (0, 10)
+            redis.Redis(port=server.port).delete(name(keys[4]))
+            assert c.lookup(keys) == (0, 4)  # the prefix ends at the first key missing
+            assert c.lookup(keys[5:]) == (0, 5)
+            assert c.lookup(keys_for(3, 35)) == (0, 0)
+            # past one script call's keys (SCRIPT_KEYS): 2,500 present, a hole at 1,100
+            r, many = redis.Redis(port=server.port), keys_for(2500, 36)
+            r.mset({name(k): b"x" for k in many})
+            calls = r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+            assert c.lookup(many) == (0, 2500)
+            if scripts == "allowed":  # 1,024 + 1,024 + 452 keys: no call holds redis for all
+                assert r.info("commandstats")["cmdstat_evalsha"]["calls"] - calls == 3
+            r.delete(name(many[1100]))
+            assert c.lookup(many) == (0, 1100)
+            assert c.status()["storage"][0]["healthy"]
+            with open(h.log_path) as log:
+                warned = log.read().count("lookup script is refused")
+            assert warned == (1 if scripts == "refused" else 0)
+    finally:
+        server.close()
+
+
+def test_a_corrupt_redis_value_is_a_miss(run_dir, instance, redis_server):
+    import redis
+
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys = keys_for(6, 15)
+    h = start(run_dir, instance, redis_server.uri)
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, list(range(6)))
+            c.clear(tier="host")
+            r = redis.Redis(port=redis_server.port)
+            name = b"kvcached:" + stored(keys[3], kv).hex().encode()
+            value = bytearray(r.get(name))
+            value[-1] ^= 0xFF
+            r.set(name, bytes(value))
+            assert c.load(keys, list(range(10, 16))).wait(10) == 3
+            assert r.get(name) is None  # removed, never served
+    finally:
+        h.stop()
+
+
+def test_redis_outage_makes_the_tier_unhealthy_not_the_daemon(run_dir, instance, redis_server):
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys = keys_for(4, 16)
+    h = start(run_dir, instance, redis_server.uri)
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, [0, 1, 2, 3])
+            c.clear(tier="host")
+            redis_server.stop()
+            assert c.lookup(keys) == (0, 0)
+            more = keys_for(4, 17)
+            offload_and_flush(c, kv, more, [4, 5, 6, 7])  # backups dropped, counted
+            tier = c.status()["storage"][0]
+            assert tier["healthy"] is False and tier["dropped_puts"] >= 4
+            assert c.lookup(more) == (4, 0)  # the host tier still works
+            redis_server.start()  # empty again: persistence is off
+            wait_until(lambda: c.status()["storage"][0]["healthy"], 5, "the redis tier healthy again")
+            offload_and_flush(c, kv, keys, [0, 1, 2, 3])
+            c.clear(tier="host")
+            assert c.lookup(keys) == (0, 4)
+    finally:
+        h.stop()
+
+
+def test_a_redis_outage_stalls_no_request_beyond_the_lookup_timeout(run_dir, instance, redis_server):
+    """The first lookup after the server died, and another client's pings meanwhile, answer
+    within a client timeout of 1 s (redis-py's default retries took ~4 s)."""
+    import threading
+
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    h = start(run_dir, instance, redis_server.uri)
+    try:
+        with h.connect(timeout=1.0) as c, h.connect(timeout=1.0) as other:
+            c.register_kv_cache(kv)
+            keys = keys_for(4, 33)
+            assert c.lookup(keys) == (0, 0)
+            redis_server.stop()
+            errors, done = [], threading.Event()
+
+            def ping():
+                try:
+                    while not done.is_set():
+                        other.ping()
+                except Exception as exc:  # KvcachedTimeout when the request loop stalls
+                    errors.append(exc)
+
+            pinger = threading.Thread(target=ping)
+            pinger.start()
+            try:
+                for _ in range(3):
+                    assert c.lookup(keys) == (0, 0)
+            finally:
+                done.set()
+                pinger.join(10)
+            assert not errors, errors
+    finally:
+        h.stop()
+
+
+def test_an_idle_daemon_shows_a_redis_outage_and_recovery_within_2_s(run_dir, instance, redis_server):
+    h = start(run_dir, instance, redis_server.uri)
+    try:
+        with h.connect() as c:
+            assert c.status()["storage"][0]["healthy"] is True
+            for up in (False, True):
+                (redis_server.start if up else redis_server.stop)()
+                deadline = time.monotonic() + 2.0  # no request touches the tier meanwhile
+                while c.status()["storage"][0]["healthy"] is not up:
+                    assert time.monotonic() < deadline, f"status still says healthy={not up}"
+                    time.sleep(0.05)
+    finally:
+        h.stop()
+
+
+class Blackhole:
+    """A TCP port that accepts connections and never answers (a blackholed server)."""
+
+    def __init__(self):
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(128)
+        self.port = self.sock.getsockname()[1]
+        self.conns = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+
+    def close(self):
+        self.sock.close()
+        for conn in self.conns:
+            conn.close()
+        self._thread.join(5)
+
+
+def test_a_blackholed_redis_never_stalls_the_request_loop(run_dir, instance):
+    """Lookups run on the request thread: with a server that never answers, the tier goes
+    unhealthy and its probes run on their own thread, so every request keeps answering within a
+    client timeout (0.5 s) shorter than the 1 s a probe on the request thread would block."""
+    hole = Blackhole()
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    h = start(run_dir, instance, f"redis://127.0.0.1:{hole.port}/0")
+    try:
+        with h.connect(timeout=0.5) as c:
+            c.register_kv_cache(kv)
+            keys = keys_for(4, 31)
+            c.offload([0, 1, 2, 3], keys).wait(5)
+            deadline = time.monotonic() + 3.5  # three probe periods
+            n = 0
+            while time.monotonic() < deadline:
+                assert c.lookup(keys_for(4, 32)) == (0, 0)  # KvcachedTimeout if the loop stalls
+                assert c.lookup(keys) == (4, 0)
+                c.ping()
+                n += 1
+                time.sleep(0.01)
+            tier = c.status()["storage"][0]
+            assert tier["healthy"] is False and tier["errors"] >= 1
+            assert n > 20
+    finally:
+        h.stop()
+        hole.close()
+
+
+def _cluster(ports):
+    nodes = []
+    try:
+        for p in ports:
+            nodes.append(RedisServer(p, extra=["--cluster-enabled", "yes", "--cluster-config-file",
+                                               f"nodes-{p}.conf"]))
+        r = subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+                            "--cluster-replicas", "0", "--cluster-yes"], capture_output=True,
+                           text=True, timeout=30)
+    except BaseException:
+        for n in nodes:
+            n.close()
+        raise
+    return nodes, r
+
+
+def _cluster_ok(port: int) -> bool:
+    r = subprocess.run(["redis-cli", "-p", str(port), "cluster", "info"], capture_output=True, text=True,
+                       timeout=5)
+    return "cluster_state:ok" in r.stdout
+
+
+def test_redis_cluster_tier(run_dir, instance):
+    from conftest import free_port
+
+    if shutil.which("redis-cli") is None:
+        pytest.skip("redis-cli is not installed")
+    nodes, r = _cluster([free_port(with_bus=True) for _ in range(3)])
+    try:
+        assert r.returncode == 0, r.stdout + r.stderr
+        wait_until(lambda: all(_cluster_ok(n.port) for n in nodes), 10, "the nodes agreeing on the slots")
+        kv = small_kv(block_shape=PAGE_SHAPE)
+        keys = keys_for(12, 18)
+        expected = snapshot(kv, list(range(12)))
+        h = start(run_dir, instance, f"redis+cluster://127.0.0.1:{nodes[0].port}")
+        try:
+            with h.connect() as c:
+                c.register_kv_cache(kv)
+                offload_and_flush(c, kv, keys, list(range(12)))
+                c.clear(tier="host")
+                assert c.lookup(keys) == (0, 12)
+                scramble(kv, 3)
+                assert c.load(keys, list(range(20, 32))).wait(10) == 12
+                assert blocks_equal(kv, list(range(20, 32)), expected)
+        finally:
+            h.stop()
+    finally:
+        for n in nodes:
+            n.close()

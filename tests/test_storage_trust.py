@@ -18,7 +18,7 @@ from kvcached.storage.record import pack_header
 from kvcached_client.kv_alloc import describe_kv_cache
 from kvcached_proto.layout import parse_layout
 from test_security import OTHER_UID, _other_uid, run_as_other_uid
-from test_storage import PAGE_SHAPE, in_storage_only, offload_and_flush, record_path, start
+from storage_util import PAGE_SHAPE, in_storage_only, offload_and_flush, record_path, start
 
 
 def _random_fill(kv, seed):

@@ -1,0 +1,120 @@
+"""What the storage tests share: a daemon with storage tiers, blocks stored on its disk tier only
+(or in any tier only), a record's path, a record hung on a filesystem, the load state."""
+import contextlib
+import glob
+import os
+
+import pytest
+
+from conftest import disk_uri, keys_for, scramble, small_kv, snapshot, stored
+from kvcached_client import launch
+
+PAGE_SHAPE = (16, 2, 64)  # 4 layers x (K, V) x 4 KiB = 32 KiB per block
+
+
+def files(root):
+    return sorted(glob.glob(os.path.join(root, "??", "*.kvb")))
+
+
+def start(run_dir, instance, *storage, host_gb=0.05, extra=(), wait_storage=True):
+    args = [a for uri in storage for a in ("--storage", uri)] + list(extra)
+    return launch(instance=instance, run_dir=run_dir, host_cache_gb=host_gb, extra_args=args,
+                  wait_storage=wait_storage)
+
+
+def offload_and_flush(c, kv, keys, src):
+    c.offload(src, keys).wait(10)
+    c.flush().wait(30)
+
+
+def record_path(disk_dir, key, kv):
+    """The disk tier's file of key's block of kv's geometry."""
+    name = stored(key, kv).hex()
+    return os.path.join(disk_dir, name[:2], name + ".kvb")
+
+
+def stored_on_disk_only(run_dir, instance, disk_dir, seed=0, n=8, extra=()):
+    """A daemon whose disk tier holds n blocks its host tier does not, and a KV cache that
+    holds other bytes (no client registered): (daemon, kv, keys, the stored bytes)."""
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys, src = keys_for(n, seed), list(range(n))
+    expected = snapshot(kv, src)
+    h = start(run_dir, instance, disk_uri(disk_dir), extra=extra)
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, src)
+            c.clear(tier="host")
+    except BaseException:
+        h.stop()
+        raise
+    scramble(kv, 3)
+    return h, kv, keys, expected
+
+
+@contextlib.contextmanager
+def on_disk_only(run_dir, instance, disk_dir, seed):
+    """stored_on_disk_only with a client that registered the KV: (client, kv, keys, bytes)."""
+    h, kv, keys, expected = stored_on_disk_only(run_dir, instance, disk_dir, seed)
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            yield c, kv, keys, expected
+    finally:
+        h.stop()
+
+
+def keys_alone_in_a_shard(n, index):
+    """n keys of which keys[index] has a shard directory to itself."""
+    for seed in range(50, 500):
+        keys = keys_for(n, seed)
+        if sum(k[0] == keys[index][0] for k in keys) == 1:
+            return keys
+    raise AssertionError("no such keys")
+
+
+def stored_with_one_record_hung(run_dir, instance, disk_dir, index, io_timeout_s=1):
+    """8 blocks stored on disk by a daemon since stopped, keys[index]'s record on a FUSE shard
+    whose reads hang (skips where FUSE cannot be mounted). The tier's I/O deadline is 1 s."""
+    import hangfs
+
+    why = hangfs.available()
+    if why:
+        pytest.skip(why)
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys, src = keys_alone_in_a_shard(8, index), list(range(8))
+    expected = snapshot(kv, src)
+    uri = f"disk://{disk_dir}?capacity_gb=1&io_timeout_s={io_timeout_s}"
+    h = start(run_dir, instance, uri)
+    with h.connect() as c:
+        c.register_kv_cache(kv)
+        offload_and_flush(c, kv, keys, src)
+    h.stop()
+    hung = record_path(disk_dir, keys[index], kv)
+    size = os.path.getsize(hung)
+    os.unlink(hung)
+    return kv, keys, expected, uri, hangfs.HangFS(os.path.dirname(hung), os.path.basename(hung), size)
+
+
+@contextlib.contextmanager
+def in_storage_only(run_dir, instance, uri, keys):
+    """A client of a daemon whose storage tier (uri) holds the blocks of `keys` (from blocks 0..n-1)
+    and whose host tier does not: (client, kv, the stored bytes, the daemon)."""
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    src = list(range(len(keys)))
+    expected = snapshot(kv, src)
+    h = start(run_dir, instance, uri)
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, src)
+            c.clear(tier="host")
+            yield c, kv, expected, h
+    finally:
+        h.stop()
+
+
+def load_state(c):
+    s = c.status()
+    return (s["tasks"]["queued"], s["tasks"]["inflight"], s["host"]["pinned_blocks"],
+            s["tasks"]["slots_busy"], c.check())

@@ -1,0 +1,352 @@
+"""The disk tier through real daemons: blocks across a restart, damaged, planted and hung
+records, storage readiness, a full disk and its capacity."""
+import glob
+import os
+import signal
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+from conftest import blocks_equal, disk_uri, keys_for, scramble, small_kv, snapshot, stored, wait_until
+from kvcached_client import Client, KvcachedTimeout
+from kvcached_proto import ErrorCode, RequestError
+from storage_util import (PAGE_SHAPE, files, offload_and_flush, on_disk_only, record_path, start,
+                          stored_with_one_record_hung)
+
+
+def test_blocks_survive_a_daemon_restart_on_disk(run_dir, instance, disk_dir):
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys, src, dst = keys_for(12), list(range(12)), list(range(30, 42))
+    expected = snapshot(kv, src)
+    h = start(run_dir, instance, disk_uri(disk_dir))
+    with h.connect() as c:
+        c.register_kv_cache(kv)
+        offload_and_flush(c, kv, keys, src)
+    h.stop()
+    assert len(files(disk_dir)) == 12
+    h = start(run_dir, instance, disk_uri(disk_dir))
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            wait_until(lambda: c.lookup(keys) == (0, 12), 10,  # the index is rebuilt in the background
+                       "the rebuilt index answering")
+            scramble(kv, 3)
+            task = c.load(keys, dst)
+            assert (task.reply["host_blocks"], task.reply["storage_blocks"]) == (0, 12)
+            task.wait_layer(0, timeout=10)
+            assert task.valid_blocks == 12
+            assert task.wait(10) == 12
+            assert blocks_equal(kv, dst, expected)
+            assert c.lookup(keys) == (12, 0)  # pulled through the host tier
+            s = c.status()  # the fetch is storage I/O; h2d counts the device copies once
+            assert s["bytes"]["h2d"] == 12 * s["kv"]["page_bytes"]
+            assert s["storage_io"]["fetched_bytes"] == 12 * s["kv"]["page_bytes"]
+    finally:
+        h.stop()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign_key", "empty"])
+def test_a_damaged_block_file_is_a_miss_never_wrong_bytes(run_dir, instance, disk_dir, damage):
+    dst = list(range(40, 48))
+    with on_disk_only(run_dir, instance, disk_dir, 1) as (c, kv, keys, expected):
+        bad = record_path(disk_dir, keys[5], kv)
+        data = bytearray(open(bad, "rb").read())
+        if damage == "flip":
+            data[len(data) // 2] ^= 0x01
+        elif damage == "truncate":
+            data = data[: len(data) - 100]
+        elif damage == "foreign_key":  # a valid record of another key under this name
+            data = bytearray(open(record_path(disk_dir, keys[4], kv), "rb").read())
+        else:
+            data = bytearray()
+        open(bad, "wb").write(data)
+        assert c.lookup(keys) == (0, 8)  # the index does not know yet
+        task = c.load(keys, dst)
+        assert task.wait(10) == 5  # the leading blocks before the damaged one
+        assert blocks_equal(kv, dst, expected, upto=5)
+        assert not os.path.exists(bad)  # removed, never served
+        assert c.lookup(keys) == (5, 0)
+
+
+def test_stray_and_temp_files_are_removed_at_start(run_dir, instance, disk_dir):
+    os.makedirs(os.path.join(disk_dir, "ab"))
+    stray = [os.path.join(disk_dir, "ab", "not-a-block.txt"),
+             os.path.join(disk_dir, "ab", "ab" + "0" * 30 + ".kvb.123.tmp")]
+    for p in stray:
+        open(p, "wb").write(b"junk")
+    fifo, link = (os.path.join(disk_dir, "ab", "ab" + c * 30 + ".kvb") for c in "12")
+    os.mkfifo(fifo, 0o600)  # record names, but not regular files: not ours to serve
+    os.symlink(stray[0], link)
+    stray += [fifo, link]
+    h = start(run_dir, instance, disk_uri(disk_dir))
+    try:
+        with h.connect() as c:
+            wait_until(lambda: not any(os.path.exists(p) for p in stray), 10, "stray files removed")
+            assert c.status()["storage"][0]["healthy"]
+    finally:
+        h.stop()
+
+
+def test_a_fifo_in_place_of_a_record_is_damage_not_a_hang(run_dir, instance, disk_dir):
+    """Before, the fetch's open() waited for a writer forever: the load never ended."""
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys, src = keys_for(8, 40), list(range(8))
+    expected = snapshot(kv, src)
+    h = start(run_dir, instance, disk_uri(disk_dir))
+    try:
+        with h.connect(timeout=5) as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, src)
+            c.clear(tier="host")
+            fifo = record_path(disk_dir, keys[3], kv)
+            os.unlink(fifo)
+            os.mkfifo(fifo, 0o600)
+            scramble(kv, 3)
+            assert c.load(keys, list(range(20, 28))).wait(5) == 3
+            assert blocks_equal(kv, list(range(20, 28)), expected, upto=3)
+            assert not os.path.exists(fifo)  # damage: removed
+            assert c.status()["storage"][0]["healthy"]
+        assert h.stop(timeout=10) == 0
+    finally:
+        h.stop()
+
+
+def test_a_record_on_a_hung_filesystem_costs_its_load_a_deadline_not_the_daemon(
+        run_dir, instance, disk_dir):
+    """A read that never returns (a hung NFS, here a FUSE shard whose reads hang): the load
+    gets the leading blocks within the I/O deadline, the tier is stuck (unhealthy, no hits)
+    while everything else answers, and a stop still runs to its end: sockets, shared memory
+    and the instance are released (a new daemon could start). The process itself exits once
+    the kernel lets the blocked thread go - a FUSE request already handed to the server is
+    waited for uninterruptibly, SIGKILL included. Before, that load, then every load, hello and
+    stop hung."""
+    kv, keys, expected, uri, fs = stored_with_one_record_hung(run_dir, instance, disk_dir, 3)
+    h = None
+    try:
+        h = start(run_dir, instance, uri)  # the index rebuild lists the FUSE shard: it answers that
+        with h.connect(timeout=5) as c, h.connect(timeout=5) as other:
+            c.register_kv_cache(kv)
+            assert c.lookup(keys) == (0, 8)
+            scramble(kv, 3)
+            assert c.load(keys, list(range(20, 28))).wait(5) == 3  # after the 1 s deadline
+            assert fs.held, "the read did not reach the hung filesystem"
+            assert blocks_equal(kv, list(range(20, 28)), expected, upto=3)
+            tier = c.status()["storage"][0]
+            assert (tier["healthy"], tier["stuck"], tier["late_io"]) == (False, True, 1)
+            assert c.lookup(keys) == (3, 0)  # a stuck tier gives no hits
+            assert other.ping() < 5 and other.status()["instance"] == instance
+            assert c.check() == "ok"
+        h.proc.send_signal(signal.SIGTERM)
+        released = [os.path.join(run_dir, f"{instance}.sock"), f"/dev/shm/kvcached.{os.getuid()}.{instance}"]
+        wait_until(lambda: not any(os.path.exists(p) for p in released)
+                   and "stopped" in open(h.log_path).read(), 15, "the stop running to its end")
+    finally:
+        fs.close()  # the blocked read ends (EIO): the process can exit now
+        if h is not None:
+            h.proc.wait(20)
+            assert h.stop() == 0
+
+
+def test_a_gone_engines_mapping_is_dropped_off_the_request_thread(run_dir, instance, disk_dir):
+    """An engine says bye while its load's fetch waits on a hung read (the tier's I/O deadline
+    is 3 s): its KV mapping goes only after the copies in flight drained, on the control worker,
+    so another client's ping and status are answered while the mapping is still there (before:
+    the request thread drained, and they were answered after it was gone). Meanwhile the
+    mapping serves no op, not even one from a hello that reuses the gone client's id."""
+    kv, keys, expected, uri, fs = stored_with_one_record_hung(run_dir, instance, disk_dir, 2, 3)
+    h = None
+    try:
+        h = start(run_dir, instance, uri)
+        with h.connect(timeout=10) as other:
+            c = h.connect(timeout=10)
+            c.register_kv_cache(kv)
+            c.load(keys, list(range(20, 28)))
+            wait_until(lambda: fs.held, 5, "the fetch reaching the hung read")
+            c.close()  # bye: its tasks are cancelled, its mapping is to go
+            wait_until(lambda: other.status()["clients"] == 1, 5, "the bye")
+            assert other.ping() >= 0
+            s = other.status()
+            assert s["kv"]["registered"] is True  # answered while the drain waits
+            assert "is gone" in s["kv"]["lost"]
+            # meanwhile no one copies through the mapping: not even a hello reusing its id
+            impostor = Client(instance, run_dir, timeout=5)
+            impostor.client_id = c.client_id
+            impostor._open()
+            with pytest.raises(RequestError) as e:
+                impostor.load(keys, list(range(20, 28)))
+            assert e.value.code == ErrorCode.KV_MISMATCH
+            with pytest.raises(RequestError) as e:
+                impostor.pause()  # nor act as the engine that registered it
+            assert e.value.code == ErrorCode.FORBIDDEN
+            impostor.close()
+            wait_until(lambda: other.status()["kv"]["registered"] is False, 15, "the mapping dropped")
+            assert other.check() == "ok"
+    finally:
+        fs.close()
+        if h is not None:
+            h.stop()
+
+
+def test_a_drain_waiting_on_a_hung_read_does_not_hold_the_request_thread(run_dir, instance, disk_dir):
+    """pause drains the copies in flight: here a fetch held by a hung read until the tier's
+    3 s I/O deadline. The drain runs on the control worker, so another client's ping, lookup
+    and status are answered while the pause is still waiting (before: after it)."""
+    import threading
+
+    kv, keys, expected, uri, fs = stored_with_one_record_hung(run_dir, instance, disk_dir, 2, 3)
+    h = None
+    try:
+        h = start(run_dir, instance, uri)
+        with h.connect(timeout=10) as c, h.connect(timeout=10) as other:
+            c.register_kv_cache(kv)
+            load = c.load(keys, list(range(20, 28)))
+            wait_until(lambda: fs.held, 5, "the fetch reaching the hung read")
+            paused = threading.Thread(target=c.pause)
+            paused.start()
+            time.sleep(0.2)  # the pause is at the daemon, waiting for the fetch to drain
+            assert other.ping() >= 0 and other.lookup(keys[:1]) is not None
+            assert other.status()["instance"] == instance
+            assert paused.is_alive(), "the pause ended before the other client was answered"
+            paused.join(15)
+            assert not paused.is_alive()
+            c.resume()
+            assert load.wait(10) == 2
+            assert c.check() == "ok"
+    finally:
+        fs.close()  # the late read ends (EIO): the daemon's process can exit
+        if h is not None:
+            h.stop()
+
+
+def test_a_hung_read_that_returns_gives_its_block_back_and_the_tier_recovers(
+        run_dir, instance, disk_dir):
+    kv, keys, expected, uri, fs = stored_with_one_record_hung(run_dir, instance, disk_dir, 5)
+    try:
+        h = start(run_dir, instance, uri)
+        with h.connect(timeout=5) as c:
+            c.register_kv_cache(kv)
+            blocks_before = c.status()["host"]["capacity_blocks"]
+            assert c.load(keys, list(range(20, 28))).wait(5) == 5
+            fs.release_reads()  # the read ends (EIO): its host block comes back, the tier serves
+            wait_until(lambda: c.status()["storage"][0]["healthy"], 5, "the tier healthy again")
+            assert c.check() == "ok"
+            c.clear(tier="host")
+            assert c.status()["host"]["used_bytes"] == 0  # the lent block went back to the pool
+            assert c.status()["host"]["capacity_blocks"] == blocks_before
+            scramble(kv, 3)
+            assert c.load(keys, list(range(20, 28))).wait(5) == 5  # the damaged record is gone
+            assert blocks_equal(kv, list(range(20, 28)), expected, upto=5)
+    finally:
+        h.stop()
+        fs.close()
+
+
+def test_storage_readiness_is_shown_and_waited_for_and_what_changed_meanwhile_wins(
+        run_dir, instance, disk_dir):
+    """While the disk index is rebuilt (held here: one shard's listing hangs until released),
+    status and the shm flag say storage is not ready, lookups see no storage hits, and
+    wait_storage_ready waits. Puts made meanwhile are counted once, a delete made meanwhile
+    stays deleted. Before, nothing said so, puts counted twice and deleted blocks came back."""
+    import hangfs
+
+    why = hangfs.available()
+    if why:
+        pytest.skip(why)
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    old, new = keys_for(8, 60), keys_for(4, 61)
+    h = start(run_dir, instance, disk_uri(disk_dir))
+    with h.connect() as c:
+        c.register_kv_cache(kv)
+        offload_and_flush(c, kv, old, list(range(8)))
+    h.stop()
+    shard = next(f"{b:02x}" for b in range(256) if b not in {stored(k, kv)[0] for k in old + new})
+    fs = hangfs.HangFS(os.path.join(disk_dir, shard), f"{shard}{'0' * 30}.kvb", 4096, hang="readdir")
+    h = start(run_dir, instance, disk_uri(disk_dir), wait_storage=False)
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            s = c.status()
+            assert (s["storage_ready"], s["storage"][0]["ready"]) == (False, False)
+            assert not c.signals.storage_ready()
+            assert c.lookup(old) == (0, 0)  # not indexed yet: no storage hits
+            with pytest.raises(KvcachedTimeout):
+                c.wait_storage_ready(0.3)
+            offload_and_flush(c, kv, new, [0, 1, 2, 3])  # puts while indexing
+            c.delete([old[7]])  # a delete while indexing
+            fs.release_listing()
+            c.wait_storage_ready(10)
+            assert c.status()["storage_ready"] is True
+            c.clear(tier="host")
+            assert c.lookup(new) == (0, 4)
+            assert c.lookup(old) == (0, 7)  # the deleted block stays deleted
+            gone = record_path(disk_dir, old[7], kv)
+            wait_until(lambda: not os.path.exists(gone), 5, "the deleted record's file gone")  # I/O thread
+            on_disk = sum(os.path.getsize(f) for f in files(disk_dir))  # the FUSE shard's file too
+            assert c.status()["storage"][0]["used_bytes"] == on_disk
+    finally:
+        fs.close()
+        h.stop()
+
+
+@pytest.fixture
+def tiny_fs():
+    """A 1 MiB filesystem (tmpfs) that fills up."""
+    path = tempfile.mkdtemp(prefix="kvfull-", dir="/tmp")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", path],
+                       capture_output=True)
+    if r.returncode != 0:
+        os.rmdir(path)
+        pytest.skip(f"cannot mount a size-limited tmpfs here: {r.stderr.decode().strip()}")
+    yield path
+    subprocess.run(["umount", path], check=True)
+    os.rmdir(path)
+
+
+def test_a_full_disk_evicts_its_oldest_blocks_and_keeps_storing_new_ones(run_dir, instance, tiny_fs):
+    """A 1 MiB filesystem under a 1 GiB tier: ENOSPC lowers the tier's limit (said once, in
+    status and the log) and the tier evicts to stay under it. Before, it kept its oldest blocks
+    and refused every new one."""
+    kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=128)
+    old, new = keys_for(48, 2), keys_for(16, 3)  # 48 x 32 KiB = 1.5 MiB > 1 MiB
+    expected = snapshot(kv, list(range(48, 64)))
+    h = start(run_dir, instance, disk_uri(tiny_fs, capacity_gb=1.0), host_gb=0.01)
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, old, list(range(48)))
+            disk = c.status()["storage"][0]
+            assert disk["full"] and disk["enospc"] > 0 and disk["healthy"]
+            assert disk["limit_bytes"] < 1 << 20 < disk["capacity_bytes"]
+            offload_and_flush(c, kv, new, list(range(48, 64)))
+            c.clear(tier="host")
+            assert c.lookup(new) == (0, 16)  # the newest blocks made it to disk
+            scramble(kv, 3)
+            assert c.load(new, list(range(64, 80))).wait(10) == 16
+            assert blocks_equal(kv, list(range(64, 80)), expected)
+            assert all(os.path.getsize(f) > 0 for f in files(tiny_fs))  # no torn files left
+            assert not glob.glob(os.path.join(tiny_fs, "??", "*.tmp"))
+        with open(h.log_path) as f:
+            assert f.read().count("the filesystem is full") == 1
+    finally:
+        h.stop()
+
+
+def test_disk_capacity_is_enforced_with_lru(run_dir, instance, disk_dir):
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    cap_gb = 10 * (32768 + 48) / 2**30  # room for 10 block files
+    h = start(run_dir, instance, disk_uri(disk_dir, cap_gb))
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            first, second = keys_for(8, 3), keys_for(8, 4)
+            offload_and_flush(c, kv, first, list(range(8)))
+            offload_and_flush(c, kv, second, list(range(8, 16)))
+            assert len(files(disk_dir)) == 10
+            c.clear(tier="host")
+            assert c.lookup(second) == (0, 8)  # the newest survive
+            # six of the older chain went, its tail first: its head is still a prefix
+            assert c.lookup(first) == (0, 2)
+    finally:
+        h.stop()

@@ -1,0 +1,187 @@
+"""What the daemon does with its storage tiers, through real daemons: the write policies, a
+non-writer rank, prefetch, and loads that share one fetch."""
+import os
+
+from conftest import (blocks_equal, disk_uri, keys_for, scramble, small_kv, snapshot, unique_instance,
+                      wait_until)
+from storage_util import PAGE_SHAPE, files, load_state, offload_and_flush, on_disk_only, record_path, start
+
+
+def test_write_through_selective_waits_for_hits(run_dir, instance, disk_dir):
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    h = start(run_dir, instance, disk_uri(disk_dir),
+              extra=["--storage-write-policy", "write_through_selective", "--selective-hits", "2"])
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            keys = keys_for(4, 5)
+            offload_and_flush(c, kv, keys, [0, 1, 2, 3])
+            assert files(disk_dir) == []
+            c.lookup(keys[:2])
+            c.lookup(keys[:2])
+            c.flush().wait(10)
+            assert len(files(disk_dir)) == 2
+    finally:
+        h.stop()
+
+
+def test_write_back_writes_only_what_the_host_tier_evicts(run_dir, instance, disk_dir):
+    kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=128)
+    h = start(run_dir, instance, disk_uri(disk_dir), host_gb=0.0005,  # 16 host blocks
+              extra=["--storage-write-policy", "write_back"])
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            first, second = keys_for(10, 6), keys_for(10, 7)
+            expected = snapshot(kv, list(range(10)))
+            offload_and_flush(c, kv, first, list(range(10)))
+            assert files(disk_dir) == []
+            offload_and_flush(c, kv, second, list(range(10, 20)))  # evicts 4 of `first`
+            assert len(files(disk_dir)) == 4
+            scramble(kv, 3)
+            assert c.lookup(first) == (6, 4)
+            assert c.load(first, list(range(50, 60))).wait(10) == 10
+            assert blocks_equal(kv, list(range(50, 60)), expected)
+    finally:
+        h.stop()
+
+
+def test_a_non_writer_rank_reads_but_never_writes(run_dir, disk_dir):
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys = keys_for(4, 8)
+    writer = start(run_dir, unique_instance("w"), disk_uri(disk_dir))
+    try:
+        with writer.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, [0, 1, 2, 3])
+    finally:
+        writer.stop()
+    other = start(run_dir, unique_instance("r"), disk_uri(disk_dir), extra=["--no-storage-writer"])
+    try:
+        with other.connect() as c:
+            c.register_kv_cache(kv)
+            more = keys_for(4, 9)
+            offload_and_flush(c, kv, more, [4, 5, 6, 7])
+            assert len(files(disk_dir)) == 4  # nothing new written
+            wait_until(lambda: c.lookup(keys) == (0, 4), 10, "the stored blocks found")
+            assert c.load(keys, [10, 11, 12, 13]).wait(10) == 4
+    finally:
+        other.stop()
+
+
+def test_keys_already_stored_are_not_rewritten(run_dir, instance, disk_dir):
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    h = start(run_dir, instance, disk_uri(disk_dir))
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            keys = keys_for(3, 10)
+            offload_and_flush(c, kv, keys, [0, 1, 2])
+            mtimes = [os.stat(f).st_mtime_ns for f in files(disk_dir)]
+            c.clear(tier="host")
+            offload_and_flush(c, kv, keys, [0, 1, 2])
+            assert [os.stat(f).st_mtime_ns for f in files(disk_dir)] == mtimes
+            assert c.status()["storage"][0]["puts"] == 3
+    finally:
+        h.stop()
+
+
+def test_prefetch_warms_the_host_tier(run_dir, instance, disk_dir):
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys = keys_for(20, 11)
+    expected = snapshot(kv, list(range(20)))
+    h = start(run_dir, instance, disk_uri(disk_dir))
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, list(range(20)))
+            c.clear(tier="host")
+            small = c.prefetch(keys[:1], block_tokens=16)  # 16 tokens < threshold 256
+            assert small.status == "skipped" and small.wait()["prefetched"] == 0
+            task = c.prefetch(keys, block_tokens=16, policy="wait_complete")
+            assert task.reply["blocks"] == 20
+            assert task.wait(10)["prefetched"] == 20
+            assert c.lookup(keys) == (20, 0)
+            scramble(kv, 3)
+            assert c.load(keys, list(range(30, 50))).wait(10) == 20
+            assert blocks_equal(kv, list(range(30, 50)), expected)
+    finally:
+        h.stop()
+
+
+def test_prefetch_uses_at_most_its_share_of_the_host_pool(run_dir, instance, disk_dir):
+    kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=128)
+    keys = keys_for(30, 12)
+    h = start(run_dir, instance, disk_uri(disk_dir), host_gb=0.001,  # 32 host blocks
+              extra=["--prefetch-max-share", "0.25", "--prefetch-threshold-tokens", "0"])
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, list(range(30)))
+            c.clear(tier="host")
+            task = c.prefetch(keys)
+            assert task.reply["blocks"] == 8
+            assert task.wait(10)["prefetched"] == 8
+            assert c.lookup(keys) == (8, 22)
+    finally:
+        h.stop()
+
+
+def test_cancel_stops_a_prefetch(run_dir, instance, disk_dir):
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys = keys_for(20, 13)
+    h = start(run_dir, instance, disk_uri(disk_dir), extra=["--prefetch-threshold-tokens", "0"])
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, list(range(20)))
+            c.clear(tier="host")
+            c.pause()
+            task = c.prefetch(keys)
+            assert task.cancel() == "cancelled"
+            c.resume()
+            result = task.wait(10)
+            assert task.status == "cancelled" and result["prefetched"] == 0
+            assert c.lookup(keys) == (0, 20)
+            assert c.status()["host"]["used_bytes"] == 0
+    finally:
+        h.stop()
+
+
+def test_two_loads_of_a_prefix_being_fetched_share_the_fetch(run_dir, instance, disk_dir):
+    with on_disk_only(run_dir, instance, disk_dir, 7) as (c, kv, keys, expected):
+        c.pause()  # every load is planned before the first fetch runs
+        first = c.load(keys, list(range(20, 28)))
+        second = c.load(keys, list(range(40, 48)))  # INTERNAL: KeyError before the fix
+        third = c.load(keys[:5], list(range(50, 55)))
+        assert first.reply["storage_blocks"] == 8 and second.reply["blocks"] == 8
+        c.resume()
+        assert (first.wait(10), second.wait(10), third.wait(10)) == (8, 8, 5)
+        assert blocks_equal(kv, list(range(20, 28)), expected)
+        assert blocks_equal(kv, list(range(40, 48)), expected)
+        assert blocks_equal(kv, list(range(50, 55)), expected, upto=5)
+        assert c.status()["storage_io"]["fetched"] == 8  # one fetch, not three
+        assert load_state(c) == (0, 0, 0, 0, "ok")
+
+
+def test_a_load_sharing_a_fetch_that_fails_gets_the_leading_blocks_that_arrived(
+        run_dir, instance, disk_dir):
+    with on_disk_only(run_dir, instance, disk_dir, 8) as (c, kv, keys, expected):
+        os.unlink(record_path(disk_dir, keys[3], kv))
+        c.pause()
+        first, second = c.load(keys, list(range(20, 28))), c.load(keys, list(range(40, 48)))
+        c.resume()
+        assert (first.wait(10), second.wait(10)) == (3, 3)
+        assert blocks_equal(kv, list(range(40, 48)), expected, upto=3)
+        assert load_state(c) == (0, 0, 0, 0, "ok")
+
+
+def test_cancelling_the_load_that_owns_a_fetch_leaves_the_sharer_whole(run_dir, instance, disk_dir):
+    with on_disk_only(run_dir, instance, disk_dir, 9) as (c, kv, keys, expected):
+        c.pause()
+        owner, sharer = c.load(keys, list(range(20, 28))), c.load(keys, list(range(40, 48)))
+        assert owner.cancel() == "cancelled" and owner.wait(10) == 0
+        c.resume()
+        assert sharer.wait(10) == 8  # the owner's entries went unfetched: it fetched them itself
+        assert blocks_equal(kv, list(range(40, 48)), expected)
+        assert load_state(c) == (0, 0, 0, 0, "ok")
