@@ -12,6 +12,7 @@ import os
 import threading
 import time
 import uuid
+import warnings
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
@@ -19,6 +20,7 @@ import zmq
 
 from kvcached_proto import (
     DaemonUnavailable,
+    ErrorCode,
     KvcachedError,
     KvcachedTimeout,
     Op,
@@ -33,11 +35,11 @@ from kvcached_proto import (
 from kvcached_proto.messages import ROLES, TaskStatus
 from kvcached_proto.paths import DEFAULT_INSTANCE, check_instance, request_endpoint, resolve_run_dir
 from kvcached_proto.order_words import REVOKE_WORD
-from kvcached_proto.version import PROTOCOL_VERSION
+from kvcached_proto.version import PROTOCOL_FLOOR, PROTOCOL_VERSION
 
 from .kv_alloc import describe_kv_cache
 from .run_dir_hint import check_run_dir
-from .status_block import SignalReader, hang_threshold
+from .status_block import StatusReader, hang_threshold
 from .tasks import LoadTask, Task
 
 if TYPE_CHECKING:
@@ -72,7 +74,7 @@ class Client:
         self._replies: dict[int, dict] = {}
         self._events: dict[int, dict] = {}
         self._sock: zmq.Socket | None = None
-        self.signals: SignalReader | None = None
+        self.status_block: StatusReader | None = None
         self.info: dict = {}
         self._kv_tensors = None
         self.order = None  # EngineOrder while KV is registered (cuda_order.py)
@@ -118,7 +120,7 @@ class Client:
 
     def _open(self) -> None:
         try:
-            self.signals = SignalReader(self.instance, self.hang_s, run_dir=self.run_dir)
+            self.status_block = StatusReader(self.instance, self.hang_s, run_dir=self.run_dir)
         except DaemonUnavailable as exc:
             if self._endpoint.startswith("tcp://"):  # say why a remote daemon cannot do
                 raise DaemonUnavailable(
@@ -128,9 +130,9 @@ class Client:
                     "its own host; --listen is for clients in another network namespace of that "
                     "host that share its /dev/shm") from None
             raise
-        self.signals.check_alive()
+        self.status_block.check_alive()
         if self._endpoint == request_endpoint(self.run_dir, self.instance):
-            check_run_dir(self.instance, self.run_dir, self.signals.pid)  # at once, not a timeout
+            check_run_dir(self.instance, self.run_dir, self.status_block.pid)  # at once, not a timeout
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a daemon that is not there
@@ -139,9 +141,9 @@ class Client:
         self._sock.connect(self._endpoint)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
-        hello = {"role": self.role} if self.role != "engine" else {}  # 1.0 daemons know no role
-        self.info = self._request(Op.HELLO, pid=os.getpid(), name=self.name, **hello)
-        if self.info["epoch"] != self.signals.epoch:
+        self.info = self._request(Op.HELLO, pid=os.getpid(), name=self.name, role=self.role)
+        check_daemon_version(self.info)
+        if self.info["epoch"] != self.status_block.epoch:
             raise DaemonUnavailable("the daemon restarted during the handshake; connect again")
 
     def _set_curve(self, server_key_file: str | None, client_key_file: str | None) -> None:
@@ -177,12 +179,12 @@ class Client:
             self._sock.close(linger=BYE_LINGER_MS)
             self._sock = None
         if self.order is not None:
-            self.order.close(self.signals.identity_check() if self.signals is not None else None)
+            self.order.close(self.status_block.identity_check() if self.status_block is not None else None)
             self.order = None
-        if self.signals is not None:
-            self._gone_after_close = self.signals.identity_check()  # fences still need it
-            self.signals.close()
-            self.signals = None
+        if self.status_block is not None:
+            self._gone_after_close = self.status_block.identity_check()  # fences still need it
+            self.status_block.close()
+            self.status_block = None
 
     # plumbing -------------------------------------------------------------
     def _send(self, op: Op, fields: dict) -> int:
@@ -268,7 +270,7 @@ class Client:
 
     def alive(self) -> bool:
         """The daemon is up, beating and not gone (shared memory only: cheap, never raises)."""
-        sig = self.signals
+        sig = self.status_block
         if sig is None:
             return False
         try:
@@ -278,9 +280,9 @@ class Client:
             return False
 
     def _check_daemon(self) -> None:
-        if self.signals is None:
+        if self.status_block is None:
             raise DaemonUnavailable("client is closed")
-        self.signals.check_alive()
+        self.status_block.check_alive()
         if self.order is not None and self.order.released:
             # its progress words say "landed" for good: no later layer wait would hold
             raise DaemonUnavailable("this connection's order words were released (its daemon "
@@ -308,7 +310,7 @@ class Client:
             try:
                 self.poll_events()
             except DaemonUnavailable:
-                sig = self.signals
+                sig = self.status_block
                 gone = sig.gone() if sig is not None else self._gone_after_close()
                 if gone:
                     self._fences.clear()  # a daemon that is gone writes nothing more
@@ -359,9 +361,15 @@ class Client:
     def wait_storage_ready(self, timeout: float | None = None) -> None:
         """Until every storage tier of the daemon is ready (the disk tier indexes what it holds
         in the background after a start; lookups see no storage hits until then)."""
-        if self.signals is None:
+        if self.status_block is None:
             raise DaemonUnavailable("client is closed")
-        self.signals.wait_storage_ready(self.timeout if timeout is None else timeout)
+        self.status_block.wait_storage_ready(self.timeout if timeout is None else timeout)
+
+    @property
+    def signals(self) -> StatusReader | None:
+        """The status block reader's earlier name (deprecated: `status_block`)."""
+        warnings.warn("Client.signals is Client.status_block now", DeprecationWarning, stacklevel=2)
+        return self.status_block
 
     @property
     def epoch(self) -> int:
@@ -370,10 +378,6 @@ class Client:
     @property
     def protocol_version(self) -> tuple[int, int]:
         return PROTOCOL_VERSION
-
-    def _daemon_speaks(self, major: int, minor: int) -> bool:
-        theirs = tuple(self.info.get("protocol_version", (0, 0)))
-        return theirs[0] == major and theirs[1] >= minor
 
     # KV and data ops ------------------------------------------------------
     def register_kv_cache(self, tensors, timeout: float | None = None) -> dict:
@@ -392,21 +396,21 @@ class Client:
             order.close()
             raise
         if self.order is not None:
-            self.order.close(self.signals.identity_check() if self.signals else None)
+            self.order.close(self.status_block.identity_check() if self.status_block else None)
         self._kv_tensors = tensors
         self.num_layers = layout["num_layers"]
         self.order = order
         return reply
 
     def _daemon_lost(self) -> bool:
-        signals = self.signals
-        return signals is None or signals.lost()
+        status_block = self.status_block
+        return status_block is None or status_block.lost()
 
     def unregister_kv_cache(self, timeout: float | None = None) -> None:
         self._request(Op.UNREGISTER_KV, timeout)
         self._kv_tensors = None
         if self.order is not None:
-            self.order.close(self.signals.identity_check() if self.signals else None)
+            self.order.close(self.status_block.identity_check() if self.status_block else None)
             self.order = None
 
     def _fence(self, stream) -> dict:
@@ -456,9 +460,8 @@ class Client:
         """Copy the host blocks of the leading keys found into `device_blocks`. CUDA KV: the
         daemon's copies wait (on the GPU) for the work queued so far on `stream` (default: the
         current stream; e.g. the engine zeroing newly allocated blocks). host_only: plan the
-        host tier's leading blocks only, never a storage read (a daemon older than protocol
-        1.6 does not know it and is not sent it)."""
-        extra = {"host_only": True} if host_only and self._daemon_speaks(1, 6) else {}
+        host tier's leading blocks only, never a storage read."""
+        extra = {"host_only": True} if host_only else {}
         reply = self._request(Op.LOAD, timeout, keys=pack_keys(keys),
                               blocks=pack_block_ids(device_blocks), priority=priority,
                               **self._fence(stream), **extra)
@@ -498,3 +501,15 @@ class Client:
 
     def resume(self, timeout: float | None = None) -> None:
         self._request(Op.RESUME, timeout)
+
+
+def check_daemon_version(hello: dict) -> None:
+    """A daemon of another major, or older than PROTOCOL_FLOOR, is refused at connect (a daemon
+    refuses such a client at its first request the same way)."""
+    theirs = tuple(hello.get("protocol_version", (0, 0)))
+    if theirs[:1] != PROTOCOL_VERSION[:1] or theirs < PROTOCOL_FLOOR:
+        raise ProtocolError(
+            ErrorCode.UNSUPPORTED_VERSION,
+            f"the daemon speaks protocol {'.'.join(map(str, theirs))}; this client speaks "
+            f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]} and talks to {PROTOCOL_FLOOR[0]}."
+            f"{PROTOCOL_FLOOR[1]} or later of it: upgrade the older side")

@@ -36,7 +36,7 @@ class DaemonLink:
     def get(self) -> Client | None:
         if self.client is not None:
             try:
-                self.client.signals.check_alive()  # shared memory: cheap, and sees a restart
+                self.client.status_block.check_alive()  # shared memory: cheap, and sees a restart
             except (DaemonUnavailable, AttributeError) as exc:
                 log.info("[vllm] daemon %s went away: %s", self.args["instance"], str(exc))
                 self._drop()

@@ -313,8 +313,6 @@ def describe_kv_cache(tensors) -> dict:
             entry = {"layer": layer, "part": part, "name": _part_name(len(parts), part),
                      "dtype": _dtype_name(t.dtype), "shape": list(t.shape),
                      "alloc": index[key], **region}
-            if region["block_stride"] * t.shape[0] == math.prod(t.shape) * t.element_size():
-                entry["handle"] = {**handle, "offset": region["offset"]}  # for 1.3 daemons
             entries.append(entry)
     layout = {"device": device, "num_layers": len(tensors), "num_blocks": num_blocks,
               "kv_layout": "|".join(",".join(map(str, o)) for o in orders),

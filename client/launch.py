@@ -16,7 +16,7 @@ import weakref
 from kvcached_proto.errors import DaemonUnavailable, KvcachedError, KvcachedTimeout
 from kvcached_proto.paths import DEFAULT_INSTANCE, check_instance, resolve_run_dir
 
-from .status_block import SignalReader
+from .status_block import StatusReader
 
 STDERR_TAIL_LINES = 20
 
@@ -136,7 +136,7 @@ def launch(instance: str = DEFAULT_INSTANCE, device: str = "cpu", host_cache_gb:
 
 def _ready(instance: str, pid: int, storage: bool = False) -> bool:
     try:
-        reader = SignalReader(instance)
+        reader = StatusReader(instance)
     except DaemonUnavailable:
         return False
     try:

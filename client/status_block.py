@@ -10,7 +10,7 @@ import posix_ipc
 
 from kvcached_proto.errors import DaemonUnavailable, KvcachedTimeout
 from kvcached_proto.liveness import pid_alive, pid_namespace, process_alive
-from kvcached_proto.shm_layout import (LAYOUT_VERSION, MAGIC, SEGMENT_BYTES, Flag, SignalView, State,
+from kvcached_proto.shm_layout import (LAYOUT_VERSION, MAGIC, SEGMENT_BYTES, Flag, StatusView, State,
                                       segment_name)
 
 # A dead daemon is seen at once through its recorded identity (pid and start time); the
@@ -40,7 +40,7 @@ def hang_threshold(hang_s: float | None = None) -> float:
     return float(hang_s)
 
 
-class SignalReader:
+class StatusReader:
     def __init__(self, instance: str, hang_s: float | None = None, run_dir: str | None = None):
         self.hang_s = hang_threshold(hang_s)
         self.name = segment_name(os.getuid(), instance)
@@ -58,7 +58,7 @@ class SignalReader:
             self._mm = mmap.mmap(shm.fd, SEGMENT_BYTES, prot=mmap.PROT_READ)
         finally:
             shm.close_fd()
-        self.view = SignalView(self._mm)
+        self.view = StatusView(self._mm)
         if self.view.magic != MAGIC or self.view.layout_version != LAYOUT_VERSION:
             self.close()
             raise DaemonUnavailable(f"segment {self.name} has no valid kvcached header (yet)")
@@ -135,3 +135,13 @@ class SignalReader:
             self.view.release()
             self._mm.close()
             self._mm = None
+
+
+def __getattr__(name: str):
+    if name == "SignalReader":  # the name before the status block was called so
+        import warnings
+
+        warnings.warn("kvcached_client.status_block.SignalReader is StatusReader now", DeprecationWarning,
+                      stacklevel=2)
+        return StatusReader
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

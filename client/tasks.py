@@ -120,7 +120,7 @@ class LoadTask(Task):
             raise IndexError(f"layer {layer} outside [0, {self.num_layers})")
         if self.num_blocks == 0:
             return
-        view, slot = self.client.signals.view, self.slot
+        view, slot = self.client.status_block.view, self.slot
         timeout = self.client.timeout if timeout is None else timeout
         start = time.monotonic()
         spin_until, backoff, next_check = start + spin_s, MIN_BACKOFF_S, start + LIVENESS_EVERY_S
@@ -168,7 +168,7 @@ class LoadTask(Task):
         storage part came back short covers fewer than `num_blocks`)."""
         if self.result is not None:
             return int(self.result.get("loaded", 0))
-        view = self.client.signals.view
+        view = self.client.status_block.view
         valid = view.slot_blocks_valid(self.slot)
         return valid if view.slot_task(self.slot) == self.id else self.wait()
 

@@ -23,9 +23,6 @@ for CPU KV in POSIX shared memory, or {"kind": "cuda_ipc", ...} (the fields of
 contiguous bytes at `offset + b * block_stride` in allocation `alloc`; regions never share a
 byte. Part j has the same block shape and dtype on every layer; parts may differ from each
 other (e.g. FP8 scale tensors).
-
-Protocol 1.3 entries carry {"handle": {..., "offset": bytes}} instead of alloc/offset/
-block_stride: a contiguous tensor in an allocation of its own. Both forms are accepted.
 """
 from __future__ import annotations
 
@@ -206,16 +203,13 @@ def _allocations(layout: dict) -> list[dict]:
 
 def _region(t: dict, where: str, block_bytes: int, num_blocks: int,
             allocations: list[dict]) -> Region:
-    """The tensor's region; a 1.3 entry (a handle of its own) appends its allocation."""
-    if "alloc" in t:
-        alloc = _int(t, "alloc", 0, len(allocations) - 1, where)
-        offset = _int(t, "offset", 0, MAX_ALLOCATION_BYTES, where)
-        stride = _int(t, "block_stride", 0, MAX_ALLOCATION_BYTES, where)
-    else:
-        handle = _handle(t.get("handle"), f"{where}handle")
-        offset = _int(handle, "offset", 0, MAX_ALLOCATION_BYTES, f"{where}handle.")
-        alloc, stride = len(allocations), block_bytes
-        allocations.append(handle)
+    """The tensor's region in one of the layout's allocations."""
+    if not allocations:
+        raise _bad("allocations: a layout names its allocations (a per-tensor handle was protocol "
+                   "1.3's form: upgrade kvcached on the engine's side)")
+    alloc = _int(t, "alloc", 0, len(allocations) - 1, where)
+    offset = _int(t, "offset", 0, MAX_ALLOCATION_BYTES, where)
+    stride = _int(t, "block_stride", 0, MAX_ALLOCATION_BYTES, where)
     if num_blocks > 1 and stride < block_bytes:
         raise _bad(f"{where}block_stride: {stride} bytes is less than a block's {block_bytes} "
                    "bytes (blocks would overlap)")
@@ -229,5 +223,4 @@ def require_order_segment(spec: LayoutSpec) -> None:
     """A registration of CUDA KV must bring the engine's order words (order_words.py): without
     them nothing orders the daemon's copies against the engine's kernels."""
     if spec.order_segment is None and spec.device != "cpu":
-        raise _bad("order_segment: CUDA KV needs the engine's order-words segment (protocol 1.3: "
-                   "a client older than the daemon; upgrade kvcached on the engine's side)")
+        raise _bad("order_segment: CUDA KV needs the engine's order-words segment")

@@ -1,4 +1,4 @@
-"""Byte layout of the per-instance shared-memory signal segment `/kvcached.{uid}.{instance}`.
+"""Byte layout of the per-instance shared-memory status block `/kvcached.{uid}.{instance}`.
 
 All integers little-endian, naturally aligned (so each store is one machine store).
 
@@ -77,13 +77,45 @@ def segment_name(uid: int, instance: str) -> str:
     return f"/kvcached.{uid}.{instance}"
 
 
-class SignalView:
-    """Typed access to a mapped segment. Writable only when the buffer is."""
+class Header(enum.IntEnum):
+    """Byte offsets of the header's fields (the table above)."""
+    MAGIC = 0
+    LAYOUT_VERSION = 8
+    HEADER_BYTES = 12
+    PID = 16
+    NUM_SLOTS = 20
+    EPOCH = 24
+    HEARTBEAT_NS = 32
+    FLAGS = 40
+    STATE = 44
+    SLOT_BYTES = 48
+    PID_START = 56
+    PID_NS = 64
+
+
+class Slot(enum.IntEnum):
+    """Byte offsets of a load-progress slot's fields, from the slot's start."""
+    TASK_ID = 0
+    LAYERS_DONE = 8
+    NUM_LAYERS = 12
+    STATUS = 16
+    BLOCKS_VALID = 20
+    LAYER_NS = 24
+
+
+# the fields' sizes: everything not named here is a u32
+U64_FIELDS = frozenset({Header.EPOCH, Header.HEARTBEAT_NS, Header.PID_START, Header.PID_NS})
+U64_SLOT_FIELDS = frozenset({Slot.TASK_ID, Slot.LAYER_NS})
+
+
+class StatusView:
+    """Typed access to a mapped status block. Writable only when the buffer is. Each field is
+    read and written as one naturally aligned machine word at its named offset."""
 
     def __init__(self, buf):
         mv = memoryview(buf)
         if len(mv) < SEGMENT_BYTES:
-            raise ValueError(f"signal segment is {len(mv)} bytes, expected {SEGMENT_BYTES}")
+            raise ValueError(f"status block is {len(mv)} bytes, expected {SEGMENT_BYTES}")
         self._raw = mv
         self._u64 = mv[:SEGMENT_BYTES].cast("Q")
         self._u32 = mv[:SEGMENT_BYTES].cast("I")
@@ -93,114 +125,137 @@ class SignalView:
         self._u32.release()
         self._raw.release()
 
+    def _get(self, off: int) -> int:
+        return self._u64[off >> 3] if off in U64_FIELDS else self._u32[off >> 2]
+
+    def _put(self, off: int, value: int) -> None:
+        if off in U64_FIELDS:
+            self._u64[off >> 3] = value
+        else:
+            self._u32[off >> 2] = value
+
     # header ---------------------------------------------------------------
     @property
     def magic(self) -> bytes:
-        return bytes(self._raw[0:8])
+        return bytes(self._raw[Header.MAGIC : Header.MAGIC + 8])
 
     @property
     def layout_version(self) -> int:
-        return self._u32[2]
+        return self._get(Header.LAYOUT_VERSION)
 
     @property
     def pid(self) -> int:
-        return self._u32[4]
+        return self._get(Header.PID)
 
     @property
     def num_slots(self) -> int:
-        return self._u32[5]
+        return self._get(Header.NUM_SLOTS)
 
     @property
     def epoch(self) -> int:
-        return self._u64[3]
+        return self._get(Header.EPOCH)
 
     @property
     def heartbeat_ns(self) -> int:
-        return self._u64[4]
+        return self._get(Header.HEARTBEAT_NS)
 
     @property
     def flags(self) -> Flag:
-        return Flag(self._u32[10])
+        return Flag(self._get(Header.FLAGS))
 
     @property
     def state(self) -> State:
-        return State(self._u32[11])
+        return State(self._get(Header.STATE))
 
     @property
     def pid_start(self) -> int:
-        return self._u64[7]
+        return self._get(Header.PID_START)
 
     @property
     def pid_ns(self) -> int:
-        return self._u64[8]
+        return self._get(Header.PID_NS)
 
     def init_header(self, pid: int, epoch: int, pid_start: int = 0, pid_ns: int = 0) -> None:
         self._raw[0:HEADER_BYTES] = bytes(HEADER_BYTES)
-        self._u32[2] = LAYOUT_VERSION
-        self._u32[3] = HEADER_BYTES
-        self._u32[4] = pid
-        self._u64[7] = pid_start
-        self._u64[8] = pid_ns
-        self._u32[5] = NUM_SLOTS
-        self._u64[3] = epoch
-        self._u32[12] = SLOT_BYTES
-        self._raw[0:8] = MAGIC  # magic last: a reader that sees it sees a whole header
+        for off, value in ((Header.LAYOUT_VERSION, LAYOUT_VERSION), (Header.HEADER_BYTES, HEADER_BYTES),
+                           (Header.PID, pid), (Header.PID_START, pid_start), (Header.PID_NS, pid_ns),
+                           (Header.NUM_SLOTS, NUM_SLOTS), (Header.EPOCH, epoch),
+                           (Header.SLOT_BYTES, SLOT_BYTES)):
+            self._put(off, value)
+        self._raw[Header.MAGIC : Header.MAGIC + 8] = MAGIC  # last: a reader that sees it sees a whole header
 
     def set_heartbeat(self, ns: int) -> None:
-        self._u64[4] = ns
+        self._put(Header.HEARTBEAT_NS, ns)
 
     def set_flag(self, flag: Flag, on: bool = True) -> None:
-        cur = self._u32[10]
-        self._u32[10] = (cur | int(flag)) if on else (cur & ~int(flag))
+        cur = self._get(Header.FLAGS)
+        self._put(Header.FLAGS, (cur | int(flag)) if on else (cur & ~int(flag)))
 
     def set_state(self, state: State) -> None:
-        self._u32[11] = int(state)
+        self._put(Header.STATE, int(state))
 
     # slots ----------------------------------------------------------------
     @staticmethod
     def _slot(i: int) -> int:
+        """Slot i's byte offset."""
         if not 0 <= i < NUM_SLOTS:
             raise IndexError(f"slot {i} outside [0, {NUM_SLOTS})")
-        return (HEADER_BYTES + i * SLOT_BYTES) // 4  # index in u32 words
+        return HEADER_BYTES + i * SLOT_BYTES
+
+    def _slot_get(self, i: int, field: Slot) -> int:
+        off = self._slot(i) + field
+        return self._u64[off >> 3] if field in U64_SLOT_FIELDS else self._u32[off >> 2]
+
+    def _slot_put(self, i: int, field: Slot, value: int) -> None:
+        off = self._slot(i) + field
+        if field in U64_SLOT_FIELDS:
+            self._u64[off >> 3] = value
+        else:
+            self._u32[off >> 2] = value
 
     def slot_task(self, i: int) -> int:
-        return self._u64[self._slot(i) // 2]
+        return self._slot_get(i, Slot.TASK_ID)
 
     def slot_layers_done(self, i: int) -> int:
-        return self._u32[self._slot(i) + 2]
+        return self._slot_get(i, Slot.LAYERS_DONE)
 
     def slot_num_layers(self, i: int) -> int:
-        return self._u32[self._slot(i) + 3]
+        return self._slot_get(i, Slot.NUM_LAYERS)
 
     def slot_status(self, i: int) -> SlotStatus:
-        return SlotStatus(self._u32[self._slot(i) + 4])
+        return SlotStatus(self._slot_get(i, Slot.STATUS))
 
     def slot_blocks_valid(self, i: int) -> int:
-        return self._u32[self._slot(i) + 5]
-
-    def slot_begin(self, i: int, task_id: int, num_layers: int) -> None:
-        w = self._slot(i)
-        self._u32[w + 4] = SlotStatus.FREE
-        self._u32[w + 2] = 0
-        self._u32[w + 5] = 0
-        self._u32[w + 3] = num_layers
-        self._u64[w // 2 + 3] = 0
-        self._u64[w // 2] = task_id
-        self._u32[w + 4] = SlotStatus.RUNNING
+        return self._slot_get(i, Slot.BLOCKS_VALID)
 
     def slot_layer_ns(self, i: int) -> int:
-        return self._u64[self._slot(i) // 2 + 3]
+        return self._slot_get(i, Slot.LAYER_NS)
+
+    def slot_begin(self, i: int, task_id: int, num_layers: int) -> None:
+        """Payload before the task id, the task id before RUNNING (the header's order)."""
+        for field, value in ((Slot.STATUS, SlotStatus.FREE), (Slot.LAYERS_DONE, 0), (Slot.BLOCKS_VALID, 0),
+                             (Slot.NUM_LAYERS, num_layers), (Slot.LAYER_NS, 0), (Slot.TASK_ID, task_id),
+                             (Slot.STATUS, SlotStatus.RUNNING)):
+            self._slot_put(i, field, int(value))
 
     def slot_layer_done(self, i: int, layers_done: int, now_ns: int) -> None:
-        w = self._slot(i)
-        self._u64[w // 2 + 3] = now_ns
-        self._u32[w + 2] = layers_done
+        self._slot_put(i, Slot.LAYER_NS, now_ns)
+        self._slot_put(i, Slot.LAYERS_DONE, layers_done)
 
     def slot_set_valid(self, i: int, blocks_valid: int) -> None:
         """Blocks the layers will cover; written before the first layers_done bump."""
-        self._u32[self._slot(i) + 5] = blocks_valid
+        self._slot_put(i, Slot.BLOCKS_VALID, blocks_valid)
 
     def slot_finish(self, i: int, status: SlotStatus, blocks_valid: int) -> None:
-        w = self._slot(i)
-        self._u32[w + 5] = blocks_valid
-        self._u32[w + 4] = int(status)
+        self._slot_put(i, Slot.BLOCKS_VALID, blocks_valid)
+        self._slot_put(i, Slot.STATUS, int(status))
+
+
+def __getattr__(name: str):
+    if name == "SignalView":  # the name before the status block was called so
+        import warnings
+
+        warnings.warn("kvcached_proto.shm_layout.SignalView is StatusView now", DeprecationWarning,
+                      stacklevel=2)
+        return StatusView
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -39,7 +39,7 @@ subprocess.Popen = _RecordedPopen
 
 def _our_segments() -> set[str]:
     """Segments of this test session: KV segments this process and its children made, and the
-    signal segments of its daemons (instance names carry this pid: unique_instance). Others'
+    status blocks of its daemons (instance names carry this pid: unique_instance). Others'
     are not ours to count (a benchmark or a second test run on the same machine)."""
     uid, pid = os.getuid(), os.getpid()
     gone = [p for p in _child_pids if not pid_alive(p)]  # a live one is not our child any more:

@@ -37,6 +37,7 @@ CASES = [
     (msgpack.packb("hello"), ErrorCode.BAD_FRAME),
     (msgpack.packb({"op": 2}), ErrorCode.BAD_HEADER),  # missing header fields
     (encode({**make_request(Op.PING, 5, "c"), "proto": [7, 0]}), ErrorCode.UNSUPPORTED_VERSION),
+    (encode({**make_request(Op.PING, 5, "c"), "proto": [1, 5]}), ErrorCode.UNSUPPORTED_VERSION),  # < floor
     (encode({**make_request(Op.PING, 5, "c"), "op": 12345}), ErrorCode.UNKNOWN_OP),
     (encode(make_request(Op.HELLO, 5, "c", pid="me")), ErrorCode.BAD_FIELD),
     (encode(make_request(Op.LOOKUP, 5, "c", keys=b"123")), ErrorCode.BAD_FIELD),

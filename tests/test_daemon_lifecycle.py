@@ -13,7 +13,7 @@ from conftest import unique_instance
 from kvcached_client import Client, DaemonUnavailable, KvcachedError, launch
 from kvcached_client.status_block import DEFAULT_HANG_S, hang_threshold
 from kvcached_proto.liveness import pid_namespace, start_ticks
-from kvcached_proto.shm_layout import SEGMENT_BYTES, Flag, SignalView, segment_name
+from kvcached_proto.shm_layout import SEGMENT_BYTES, Flag, StatusView, segment_name
 from kvcached_proto.paths import socket_paths
 
 STATUS_KEYS = {"instance", "pid", "epoch", "state", "protocol_version", "host", "kv", "storage",
@@ -91,7 +91,7 @@ def test_connecting_right_after_kill_9_is_refused_by_the_recorded_identity(daemo
     """The heartbeat is still fresh and the up flag still set: the pid and start time the
     daemon recorded tell that it is gone (before, the connect waited out the send timeout)."""
     with daemon.connect() as c:
-        assert c.signals.pid_start == start_ticks(daemon.pid) and c.signals.pid_visible
+        assert c.status_block.pid_start == start_ticks(daemon.pid) and c.status_block.pid_visible
     daemon.kill()
     with pytest.raises(DaemonUnavailable, match="has exited"):
         Client.connect(instance=daemon.instance, run_dir=daemon.run_dir)
@@ -107,7 +107,7 @@ def _fake_segment(instance, pid, pid_start):
     shm = posix_ipc.SharedMemory(segment_name(os.getuid(), instance), posix_ipc.O_CREX,
                                  mode=0o600, size=SEGMENT_BYTES)
     with mmap.mmap(shm.fd, SEGMENT_BYTES) as mm:
-        view = SignalView(mm)
+        view = StatusView(mm)
         view.init_header(pid, 12345, pid_start, pid_namespace())
         view.set_heartbeat(time.monotonic_ns())
         view.set_flag(Flag.UP)

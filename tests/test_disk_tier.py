@@ -269,7 +269,7 @@ def test_storage_readiness_is_shown_and_waited_for_and_what_changed_meanwhile_wi
             c.register_kv_cache(kv)
             s = c.status()
             assert (s["storage_ready"], s["storage"][0]["ready"]) == (False, False)
-            assert not c.signals.storage_ready()
+            assert not c.status_block.storage_ready()
             assert c.lookup(old) == (0, 0)  # not indexed yet: no storage hits
             with pytest.raises(KvcachedTimeout):
                 c.wait_storage_ready(0.3)

@@ -193,7 +193,7 @@ def test_a_daemon_stopped_as_an_engine_dies_still_sweeps_its_kv_segments(run_dir
     its segments on the reaper's next turn. A stop that comes first - here the engine is killed
     only once the daemon is stopping - must not leave the dead engine's memory in /dev/shm. An
     engine that closed its connection but lives on keeps its segments (still in use)."""
-    from kvcached_client.status_block import SignalReader
+    from kvcached_client.status_block import StatusReader
     from kvcached_proto.shm_layout import State
 
     h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)
@@ -209,7 +209,7 @@ def test_a_daemon_stopped_as_an_engine_dies_still_sweeps_its_kv_segments(run_dir
                 wait_until(lambda: operator.status()["clients"] == 1, 10, "the disconnect seen")
         dying, living = engines
         assert _segments_of(dying.pid) and _segments_of(living.pid)
-        reader = SignalReader(instance)
+        reader = StatusReader(instance)
         h.proc.terminate()
         wait_until(lambda: reader.view.state == State.STOPPING, 10, "the daemon stopping")
         dying.kill()

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from conftest import keys_for, sweep_crashed, unique_instance
-from kv_layouts import REGISTERABLE, fill, make_kv, parts_of, round_trip, vllm_kv
+from kv_layouts import REGISTERABLE, make_kv, parts_of, round_trip, vllm_kv
 
 from kvcached_client import allocate_kv_buffer, launch
 from kvcached_client.kv_alloc import describe_kv_cache
@@ -144,7 +144,6 @@ def test_a_region_past_its_allocation_is_refused(shared_daemon):
     kv = [raw[:1024].view(4, 256)]
     layout = describe_kv_cache(kv)
     layout["tensors"][0]["offset"] = 4096 - 3 * 256  # the last block would end 256 bytes past
-    layout["tensors"][0].pop("handle")
     with shared_daemon.connect(timeout=10) as c:
         with pytest.raises(RequestError, match="allocation holds 4096 bytes"):
             c._request(Op.REGISTER_KV, layout=layout)
@@ -158,35 +157,29 @@ def test_block_order_must_agree_across_layers():
         describe_kv_cache([a[0], b[1]])
 
 
-def test_strided_views_of_kvcached_layouts_match_every_pair():
-    """The legacy 1.3 entry (a handle per tensor) is sent only where rows are contiguous."""
+def test_every_entry_names_a_region_of_an_allocation_and_no_1_3_handle():
     for name in REGISTERABLE:
         _, kv = make_kv(name)
         layout = describe_kv_cache(kv)
         for entry, t in zip(layout["tensors"], itertools.chain(*parts_of(kv))):
-            dense = entry["block_stride"] == t[0].numel() * t.element_size()
-            assert ("handle" in entry) == dense, (name, entry)
+            assert "handle" not in entry and entry["alloc"] < len(layout["allocations"]), (name, entry)
+            assert entry["block_stride"] >= t[0].numel() * t.element_size()
 
 
-def test_a_1_3_layout_still_registers_and_round_trips(shared_daemon):
-    """An older client sends a handle per tensor and no allocations: still mapped right."""
+def test_a_1_3_layout_is_refused_saying_what_to_upgrade(shared_daemon):
+    """Protocol 1.3's form - a handle per tensor, no allocations - is below the floor: refused
+    with a reason, nothing registered (it was mapped before the floor was raised)."""
     _, kv = make_kv("kvcached")
-    fill(kv, seed=5)
     layout = describe_kv_cache(kv)
     del layout["allocations"], layout["kv_layout"]
     for entry in layout["tensors"]:
-        for field in ("alloc", "offset", "block_stride"):
-            del entry[field]
-    keys = keys_for(4, seed=13)
-    want = [[t[[0, 1, 2, 3]].clone() for t in row] for row in parts_of(kv)]
+        entry["handle"] = {"kind": "shm", "name": "/kvcached.0.kv.1.1", "offset": entry.pop("offset")}
+        del entry["alloc"], entry["block_stride"]
     with shared_daemon.connect(timeout=10) as c:
-        c._request(Op.REGISTER_KV, layout=layout)
-        assert c.offload([0, 1, 2, 3], keys).wait(10)["stored"] == 4
-        assert c.load(keys, [8, 9, 10, 11]).wait(10) == 4
-        c._request(Op.UNREGISTER_KV)
-    for row, w in zip(parts_of(kv), want):
-        for t, e in zip(row, w):
-            assert torch.equal(t[[8, 9, 10, 11]], e)
+        with pytest.raises(RequestError, match="1.3's form") as e:
+            c._request(Op.REGISTER_KV, layout=layout)
+        assert e.value.code == ErrorCode.KV_MISMATCH
+        assert c.status()["kv"]["registered"] is False
 
 
 def test_an_ipc_handle_that_is_not_bytes_is_refused_without_allocating_it():
@@ -201,22 +194,16 @@ def test_an_ipc_handle_that_is_not_bytes_is_refused_without_allocating_it():
 
 
 def test_one_segment_named_twice_cannot_hide_shared_bytes(shared_daemon):
-    """Two allocations (or two 1.3 handles) naming one segment, regions overlapping in it."""
+    """Two allocations naming one segment, regions overlapping in it."""
     raw = allocate_kv_buffer(8192)
     kv = [raw[:2048].view(4, 512), raw[4096:6144].view(4, 512)]
     layout = describe_kv_cache(kv)
     layout["allocations"].append(dict(layout["allocations"][0]))
     layout["tensors"][1].update(alloc=1, offset=1024)  # inside layer 0's blocks 2 and 3
-    legacy = describe_kv_cache(kv)
-    del legacy["allocations"]
-    for entry in legacy["tensors"]:
-        del entry["alloc"], entry["offset"], entry["block_stride"]
-    legacy["tensors"][1]["handle"]["offset"] = 1024
     with shared_daemon.connect(timeout=10) as c:
-        for bad in (layout, legacy):
-            with pytest.raises(RequestError, match="share bytes") as e:
-                c._request(Op.REGISTER_KV, layout=bad)
-            assert e.value.code == ErrorCode.KV_MISMATCH
+        with pytest.raises(RequestError, match="share bytes") as e:
+            c._request(Op.REGISTER_KV, layout=layout)
+        assert e.value.code == ErrorCode.KV_MISMATCH
         assert c.status()["kv"]["registered"] is False
 
 

@@ -198,7 +198,7 @@ def test_clear_after_a_weight_update_leaves_nothing_readable(daemon):
         keys = keys_for(5, 21)
         c.offload(list(range(5)), keys).wait(10)
         assert c.clear(weights_update=True) == 5
-        assert c.signals.view.state == State.CLEARED
+        assert c.status_block.view.state == State.CLEARED
         assert c.lookup(keys) == (0, 0)
         assert c.load(keys, list(range(10, 15))).wait(10) == 0
 

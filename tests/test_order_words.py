@@ -191,13 +191,15 @@ def test_cuda_kv_without_an_order_segment_is_refused_at_registration():
     from kvcached_proto import ProtocolError
     from kvcached_proto.layout import parse_layout, require_order_segment
 
-    layout = {"device": "cuda:0", "num_layers": 1, "num_blocks": 4, "tensors": [
-        {"layer": 0, "part": 0, "dtype": "float16", "shape": [4, 8], "handle": {"kind": "cuda_ipc", "offset": 0}}]}
+    layout = {"device": "cuda:0", "num_layers": 1, "num_blocks": 4,
+              "allocations": [{"kind": "cuda_ipc"}], "tensors": [
+                  {"layer": 0, "part": 0, "dtype": "float16", "shape": [4, 8], "alloc": 0, "offset": 0,
+                   "block_stride": 16}]}
     with pytest.raises(ProtocolError, match="order_segment"):
         require_order_segment(parse_layout(layout))  # what register_kv checks first
     require_order_segment(parse_layout({**layout, "order_segment": "/kvcached.0.kv.1.1"}))
     cpu = {**layout, "device": "cpu"}
-    cpu["tensors"] = [{**layout["tensors"][0], "handle": {"kind": "shm", "offset": 0}}]
+    cpu["allocations"] = [{"kind": "shm"}]
     require_order_segment(parse_layout(cpu))  # optional on CPU
 
 

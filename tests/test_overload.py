@@ -147,7 +147,7 @@ def test_half_open_tcp_connections_never_exhaust_the_daemons_files(run_dir, inst
         try:
             with d.connect(timeout=5) as c:
                 assert c.ping() >= 0
-                wait_until(lambda: c.status()["connections"]["open"] == 1, 15,
+                wait_until(lambda: c.status()["connections"]["open"] == 1, 30,
                            "half-open connections closed after the handshake interval")
                 assert c.status()["connections"]["refused"] >= 1200 - 64
         finally:

@@ -203,3 +203,24 @@ def test_a_truncated_or_overlong_large_frame_is_a_bad_frame(cut):
     frame = frame[:-10] if cut == "truncated" else frame + b"\x01"
     err, _ = _refusal(frame)
     assert err.code == ErrorCode.BAD_FRAME
+
+
+def test_the_floor_refuses_older_minors_and_other_majors_on_both_sides():
+    from kvcached_client.client import check_daemon_version
+    from kvcached_proto.messages import parse_header
+    from kvcached_proto.version import PROTOCOL_FLOOR, PROTOCOL_VERSION
+
+    def header(version):
+        return {"rid": 1, "proto": list(version), "client": "c", "op": int(Op.PING)}
+
+    newer = (PROTOCOL_VERSION[0], PROTOCOL_VERSION[1] + 3)
+    for ok in (PROTOCOL_FLOOR, PROTOCOL_VERSION, newer):
+        assert parse_header(header(ok))[0] == Op.PING
+        check_daemon_version({"protocol_version": list(ok)})
+    for old in ((PROTOCOL_FLOOR[0], PROTOCOL_FLOOR[1] - 1), (PROTOCOL_VERSION[0] + 1, 0), (0, 9)):
+        with pytest.raises(ProtocolError, match="upgrade the older side") as e:
+            parse_header(header(old))
+        assert e.value.code == ErrorCode.UNSUPPORTED_VERSION
+        with pytest.raises(ProtocolError, match="upgrade the older side") as e:
+            check_daemon_version({"protocol_version": list(old)})
+        assert e.value.code == ErrorCode.UNSUPPORTED_VERSION

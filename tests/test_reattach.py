@@ -187,7 +187,7 @@ def test_a_load_in_flight_on_a_hung_daemon_fails_after_the_hang_threshold(daemon
 
 def _beating(client):
     try:
-        client.signals.check_alive()
+        client.status_block.check_alive()
         return True
     except DaemonUnavailable:
         return False

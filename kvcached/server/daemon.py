@@ -48,7 +48,7 @@ from .run_dir import prepare_run_dir, remove_instance_files, sweep_socket_files,
 from .sockets import curve_router, ipc_router
 from .status import StatusThread
 from .status_report import degraded, stats_line
-from .status_block import SignalSegment
+from .status_block import StatusSegment
 from .task_events import EventSink
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class Daemon:
         self._auth = None
         self.events: EventSink | None = None
         self.control: ControlWorker | None = None
-        self.signals: SignalSegment | None = None
+        self.status_block: StatusSegment | None = None
         self.service: CacheService | None = None
         self._status_thread: StatusThread | None = None
         self.metrics: Metrics | None = None
@@ -136,7 +136,7 @@ class Daemon:
         prepare_run_dir(cfg.run_dir)
         self._lock_fd = take_instance_lock(cfg.run_dir, cfg.instance)
         sweep_socket_files(cfg.run_dir, cfg.instance)
-        self.signals = SignalSegment(cfg.instance)
+        self.status_block = StatusSegment(cfg.instance)
         self._ctx = zmq.Context(io_threads=1)
         self.events = EventSink()
         self._router = ipc_router(self._ctx, request_endpoint(cfg.run_dir, cfg.instance))
@@ -146,7 +146,7 @@ class Daemon:
             if sock is not None:
                 self._monitors.append(
                     sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED))
-        self.service = CacheService(cfg, self.signals, self.events)
+        self.service = CacheService(cfg, self.status_block, self.events)
         self.control = ControlWorker(self.events)  # ops that may block, off the request thread
         self.control.start()
         self.service.defer = self.control.run_later  # a gone client's KV mapping: after a drain
@@ -161,11 +161,11 @@ class Daemon:
         )
         self._status_thread.start()
         self._install_signal_handlers()
-        self.signals.set_state(State.NORMAL)
-        self.signals.set_flag(Flag.UP)
+        self.status_block.set_state(State.NORMAL)
+        self.status_block.set_flag(Flag.UP)
         log.info(
             "[startup] instance %s ready: pid %d epoch %x run dir %s device %s",
-            cfg.instance, os.getpid(), self.signals.epoch, cfg.run_dir, cfg.device,
+            cfg.instance, os.getpid(), self.status_block.epoch, cfg.run_dir, cfg.device,
         )
 
     def _install_signal_handlers(self) -> None:
@@ -196,8 +196,8 @@ class Daemon:
             raise errors[0]
 
     def _close_service(self) -> None:
-        if self.signals is not None:
-            self.signals.set_state(State.STOPPING)
+        if self.status_block is not None:
+            self.status_block.set_state(State.STOPPING)
         if self.control is not None:
             self.control.stop(timeout=DRAIN_TIMEOUT_S + 5)
         if self.service is not None:
@@ -242,9 +242,9 @@ class Daemon:
     def _close_files(self) -> None:
         if self._lock_fd is None:
             return  # we never owned this instance's files: leave them to their owner
-        if self.signals is not None:
-            self.signals.close()
-            self.signals = None
+        if self.status_block is not None:
+            self.status_block.close()
+            self.status_block = None
         remove_instance_files(self.cfg.run_dir, self.cfg.instance, self._lock_fd)
         self._lock_fd = None
 
@@ -453,10 +453,10 @@ class Daemon:
             "daemon_version": __version__,
             "protocol_version": list(PROTOCOL_VERSION),
             "instance": self.cfg.instance,
-            "epoch": self.signals.epoch,
+            "epoch": self.status_block.epoch,
             "pid": os.getpid(),
             "device": self.cfg.device,
-            "shm": self.signals.name,
+            "shm": self.status_block.name,
             "capabilities": self.service.capabilities(),
         }
 
@@ -493,7 +493,7 @@ class Daemon:
 
     # status ---------------------------------------------------------------
     def status(self) -> dict:
-        sig = self.signals
+        sig = self.status_block
         status = {
             "instance": self.cfg.instance,
             "pid": os.getpid(),

@@ -1,5 +1,4 @@
-"""The daemon's side of the shared-memory status block, the signal segment (layout:
-kvcached_proto.shm_layout).
+"""The daemon's side of the shared-memory status block (layout: kvcached_proto.shm_layout).
 
 The daemon is the only writer and the only one that unlinks. A segment left by a daemon that
 died is swept at start, after checking that its recorded pid is gone.
@@ -20,7 +19,7 @@ from kvcached_proto.shm_layout import (
     MAGIC,
     SEGMENT_BYTES,
     Flag,
-    SignalView,
+    StatusView,
     SlotStatus,
     State,
     segment_name,
@@ -45,7 +44,7 @@ def _owner_of_existing(name: str) -> tuple[int, int, int] | None:
         if shm.size < SEGMENT_BYTES:
             return 0, 0, 0
         with mmap.mmap(shm.fd, SEGMENT_BYTES, prot=mmap.PROT_READ) as mm:
-            view = SignalView(mm)
+            view = StatusView(mm)
             try:
                 if view.magic != MAGIC:
                     return 0, 0, 0
@@ -56,7 +55,7 @@ def _owner_of_existing(name: str) -> tuple[int, int, int] | None:
         shm.close_fd()
 
 
-class SignalSegment:
+class StatusSegment:
     """Creates the segment (O_EXCL, 0600), keeps the heartbeat, and unlinks it on close."""
 
     def __init__(self, instance: str):
@@ -73,7 +72,7 @@ class SignalSegment:
             self._mm = mmap.mmap(shm.fd, SEGMENT_BYTES)
         finally:
             shm.close_fd()
-        self.view = SignalView(self._mm)
+        self.view = StatusView(self._mm)
         self.view.init_header(os.getpid(), self.epoch, start_ticks(os.getpid()) or 0, pid_namespace())
         self.view.set_heartbeat(time.monotonic_ns())
         self._stop = threading.Event()

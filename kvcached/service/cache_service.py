@@ -38,18 +38,18 @@ DRAIN_TIMEOUT_S = 30.0
 class CacheService:
     """The op handlers over the host tier (index, pool, lock), the task table and the flows."""
 
-    def __init__(self, cfg: DaemonConfig, signals, events):
+    def __init__(self, cfg: DaemonConfig, status_block, events):
         self.cfg = cfg
-        self.signals = signals
+        self.status_block = status_block
         self.events = events
         torch.set_num_threads(cfg.copy_threads)
         self.host = HostTier(cfg)
-        signals.set_flag(Flag.HOST_POOL_READY)
+        status_block.set_flag(Flag.HOST_POOL_READY)
         self.reg = Registered()  # the engine's KV mapping and its copier
-        self.table = TaskTable(self.host.lock, signals, events)  # ids, slots, counters, the end
+        self.table = TaskTable(self.host.lock, status_block, events)  # ids, slots, counters, the end
         self.hits = {"lookups": 0, "keys": 0, "host_hits": 0, "storage_hits": 0,
                      "loaded_from_host": 0, "loaded_from_storage": 0}
-        self.loads = LoadFlow(cfg, self.host, self.table, signals, self.reg, self.hits)
+        self.loads = LoadFlow(cfg, self.host, self.table, status_block, self.reg, self.hits)
         self.storage = self.loads.storage  # fetches for loads and prefetches, backups, flush
         self.offloads = OffloadFlow(self.host, self.table, self.reg, self.loads)
         self.host.on_evicted = self.storage.on_evicted  # write_back saves what is evicted
@@ -97,9 +97,9 @@ class CacheService:
         except BaseException:
             reg.close()  # refused (BUSY, the pool's pinning, a CUDA error): unmapped
             if self.reg.kv is None:
-                self.signals.set_flag(Flag.KV_REGISTERED, False)
+                self.status_block.set_flag(Flag.KV_REGISTERED, False)
             raise
-        self.signals.set_flag(Flag.KV_REGISTERED)
+        self.status_block.set_flag(Flag.KV_REGISTERED)
         log.info("[kv] %s registered %d layers x %d parts, %d device blocks; %d host blocks kept (copy "
                  "strategy %s)", client.client_id, spec.num_layers, len(spec.parts), spec.num_blocks, kept,
                  copier.strategy)
@@ -153,7 +153,7 @@ class CacheService:
             old.close()
         finally:
             self._undrain()
-        self.signals.set_flag(Flag.KV_REGISTERED, False)
+        self.status_block.set_flag(Flag.KV_REGISTERED, False)
 
     # data ops -------------------------------------------------------------
     def _checked(self, req) -> tuple:
@@ -236,9 +236,9 @@ class CacheService:
 
     def _clear(self, client, req) -> ClearReply:
         weights = req.body["weights_update"]
-        prior = self.signals.state
+        prior = self.status_block.state
         if weights:
-            self.signals.set_state(State.CLEARING)
+            self.status_block.set_state(State.CLEARING)
         tier = req.body["tier"]
         self._drain("clear", cancel_queued=True)
         try:
@@ -251,19 +251,19 @@ class CacheService:
                 stored = self.storage.tiers.clear()
         finally:
             self._undrain()
-        self.signals.set_state(State.CLEARED if weights else prior)
+        self.status_block.set_state(State.CLEARED if weights else prior)
         log.info("[clear] %d host blocks and %d stored blocks dropped (tier %s, weights_update=%s)",
                  len(freed), stored, tier, weights)
         return ClearReply(cleared=len(freed) + stored, host_cleared=len(freed), storage_cleared=stored)
 
     def _pause(self, client, req) -> Empty:
         self._drain("pause", undrain_on_timeout=True)
-        self.signals.set_state(State.PAUSED)
+        self.status_block.set_state(State.PAUSED)
         return Empty()
 
     def _resume(self, client, req) -> Empty:
         self._undrain()
-        self.signals.set_state(State.NORMAL)
+        self.status_block.set_state(State.NORMAL)
         return Empty()
 
     @property

@@ -27,13 +27,13 @@ log = logging.getLogger(__name__)
 
 
 class LoadFlow:
-    def __init__(self, cfg, host: HostTier, table: TaskTable, signals, registered: Registered,
+    def __init__(self, cfg, host: HostTier, table: TaskTable, status_block, registered: Registered,
                  hits: dict):
-        self.host, self.table, self.signals, self.reg, self.hits = host, table, signals, registered, hits
+        self.host, self.table, self.status_block, self.reg, self.hits = host, table, status_block, registered, hits
         self.parked: list[CopyTask] = []  # loads waiting for another task's fetch of their tail
         self.worker = TransferWorker(TaskKind.LOAD, self.run, self.failed)
         self.worker.start()
-        self.storage = StorageFlow(cfg, host, table, signals, self)  # STORAGE_READY once every tier is
+        self.storage = StorageFlow(cfg, host, table, status_block, self)  # STORAGE_READY once every tier is
 
     # the request thread -----------------------------------------------------
     def start(self, client, req, blocks, fence) -> LoadReply:
@@ -62,7 +62,7 @@ class LoadFlow:
             task.fence = fence
             task.tail, task.fetch, task.tail_pins = tail, own, shared
         num_layers = self.reg.num_layers
-        self.signals.slot_begin(slot, task.task_id, num_layers)
+        self.status_block.slot_begin(slot, task.task_id, num_layers)
         self.route(task)
         return LoadReply(task=task.task_id, slot=slot, blocks=n + len(tail), host_blocks=n,
                          storage_blocks=len(tail), num_layers=num_layers)
@@ -147,7 +147,7 @@ class LoadFlow:
         plans = []
         for task in batch:
             task.started_ns = time.monotonic_ns()
-            self.signals.slot_set_valid(task.slot, task.num_blocks)
+            self.status_block.slot_set_valid(task.slot, task.num_blocks)
             plans.append((task, copier.plan(TaskKind.LOAD, task.dev_blocks, task.host_blocks)))
             copier.begin_load(task)  # the copies wait for the engine's fence
         for layer in range(num_layers):
@@ -156,7 +156,7 @@ class LoadFlow:
                     continue
                 task.bytes_moved += copier.load_layer(layer, plan)
                 copier.layer_loaded(task, layer)  # the slot's order word for the layer
-                self.signals.slot_layer_done(task.slot, layer + 1)
+                self.status_block.slot_layer_done(task.slot, layer + 1)
         copier.sync(TaskKind.LOAD)  # every copy landed before the host blocks are unpinned
         self.reg.check_intact()
         for task, _ in plans:

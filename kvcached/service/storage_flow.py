@@ -90,8 +90,8 @@ class FetchEnds(Protocol):
 
 
 class StorageFlow:
-    def __init__(self, cfg, host: HostTier, table: TaskTable, signals, ends: FetchEnds):
-        self.cfg, self.host, self.table, self.signals, self.ends = cfg, host, table, signals, ends
+    def __init__(self, cfg, host: HostTier, table: TaskTable, status_block, ends: FetchEnds):
+        self.cfg, self.host, self.table, self.status_block, self.ends = cfg, host, table, status_block, ends
         self.loans = IOLoans()
         self.lent_blocks: set[int] = set()  # host blocks a late read still writes into
         self.lent_pins: dict[int, object] = {}  # entries a late write still reads (pinned)
@@ -110,7 +110,7 @@ class StorageFlow:
 
     def _ready(self) -> None:
         """Every tier is ready (the disk index rebuilt): lookups see what storage holds."""
-        self.signals.set_flag(Flag.STORAGE_READY)
+        self.status_block.set_flag(Flag.STORAGE_READY)
         log.info("[storage] ready")
 
     def prefix(self, keys) -> int:

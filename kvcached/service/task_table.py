@@ -32,9 +32,9 @@ class TaskCounters:
 
 
 class TaskTable:
-    def __init__(self, lock, signals, events):
+    def __init__(self, lock, status_block, events):
         self.lock = lock
-        self.signals = signals
+        self.status_block = status_block
         self.events = events
         self.tasks: dict[int, CopyTask] = {}
         self.slots_busy: set[int] = set()
@@ -77,7 +77,7 @@ class TaskTable:
             else:
                 self.counters.cancelled += 1
             if task.slot >= 0:
-                self.signals.slot_finish(task.slot, _SLOT_STATUS.get(status, SlotStatus.CANCELLED),
+                self.status_block.slot_finish(task.slot, _SLOT_STATUS.get(status, SlotStatus.CANCELLED),
                                          result.get("loaded", 0))
                 self.slots_busy.discard(task.slot)
         result["blocks"] = task.num_blocks
