@@ -10,8 +10,8 @@ from kvcached_proto.errors import (
 )
 
 from .client import Client
-from .group import GroupClient, rank_keys
-from .hashing import BlockHasher, make_namespace
+from .group import GroupClient
+from .hashing import BlockHasher, make_namespace, rank_keys
 from .kv_alloc import allocate_kv_buffer, allocate_kv_cache
 from .launch import DaemonHandle, launch
 from .mm_keys import MMItem

@@ -15,7 +15,6 @@ rank-free, and only the daemon started as storage writer puts them to shared sto
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import time
@@ -28,16 +27,10 @@ from kvcached_proto.messages import TaskStatus
 from kvcached_proto.paths import resolve_run_dir
 
 from .client import DEFAULT_TIMEOUT_S, Client
+from .key_scheme import KeyScheme
 from .reattach import Reattacher
 
 log = logging.getLogger(__name__)
-
-
-def rank_keys(keys: Sequence[bytes], rank: int, tp_size: int) -> list[bytes]:
-    """The keys rank `rank` of `tp_size` stores a block under (its shard of the heads)."""
-    salt = f"tp{rank}/{tp_size}".encode()
-    return [hashlib.blake2b(bytes(k), digest_size=16, person=b"kvcached-tp", salt=salt[:16]).digest()
-            for k in keys]
 
 
 class GroupTask:
@@ -180,6 +173,7 @@ class GroupClient:
         self.timeout = timeout
         self.name = name
         self.mla = mla
+        self.key_scheme = KeyScheme(tp_size=self.tp_size, mla=mla)  # kernel keys in, rank keys out
         self.hang_s = hang_s
         self.local_rank = local_rank
         self._endpoints = list(endpoints) if endpoints else [None] * self.tp_size
@@ -289,7 +283,7 @@ class GroupClient:
         return out
 
     def _keys(self, keys, rank: int):
-        return list(keys) if self.mla else rank_keys(keys, rank, self.tp_size)
+        return self.key_scheme.rank_keys(keys, rank)
 
     def _forget(self, task: GroupTask) -> None:
         self._live.pop(task.id, None)

@@ -76,6 +76,13 @@ def kernel_block_keys(keys: Sequence[bytes], factor: int) -> list[bytes]:
             for k in keys]
 
 
+def rank_keys(keys: Sequence[bytes], rank: int, tp_size: int) -> list[bytes]:
+    """The keys rank `rank` of `tp_size` stores a block under (its shard of the heads)."""
+    salt = f"tp{rank}/{tp_size}".encode()
+    return [hashlib.blake2b(bytes(k), digest_size=KEY_BYTES, person=b"kvcached-tp", salt=salt[:16]).digest()
+            for k in keys]
+
+
 class BlockHasher:
     def __init__(self, namespace: str | bytes):
         raw = namespace.encode() if isinstance(namespace, str) else bytes(namespace)

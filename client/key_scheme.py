@@ -13,8 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .hashing import BlockHasher, kernel_block_keys
-from .rank_keys import rank_keys
+from .hashing import BlockHasher, kernel_block_keys, rank_keys
 
 
 @dataclass

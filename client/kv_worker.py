@@ -42,7 +42,7 @@ from kvcached_proto.errors import DaemonUnavailable, KvcachedError
 from .block_copy import copy_blocks
 from .client import Client
 from .fence_keeper import FenceKeeper
-from .hashing import kernel_block_keys
+from .key_scheme import KeyScheme
 from .kv_alloc import allocate_kv_cache, describe_kv_cache, unlink_kv_cache
 
 log = logging.getLogger(__name__)
@@ -179,19 +179,22 @@ def unmappable_cuda_kv(reason) -> str:
 
 
 class KVWorker:
-    def __init__(self, link, staging_blocks: int = 512, rank_keys=None, direct: bool | None = None,
-                 counters: dict | None = None, host_only_loads: bool = False):
+    def __init__(self, link, staging_blocks: int = 512, key_scheme: KeyScheme | None = None,
+                 rank: int = 0, direct: bool | None = None, counters: dict | None = None,
+                 host_only_loads: bool = False):
         """link: a DaemonLink built with on_connect=self.on_connect and retire=self.retire.
+        key_scheme, rank: the keys this rank's daemon holds blocks under (the scheme's kernel
+        factor is the one `register` finds in the KV).
         direct: None chooses (direct where the daemon can map the KV), False always stages,
         True refuses to stage. host_only_loads: a load never reads a storage tier inside the
         step; what left the host tier since the scheduler's lookup is a load error (recomputed)."""
         self.link = link
         self.host_only_loads = host_only_loads
         self.staging_blocks = staging_blocks
-        self._rank_keys = rank_keys or (lambda keys: keys)
+        self.key_scheme = key_scheme or KeyScheme()
+        self.rank = rank
         self._want_direct = direct
         self.mode: str | None = None
-        self.kernel_factor = 1
         self.counters = counters if counters is not None else {}
         for name in ("loaded_blocks", "load_errors", "saved_blocks", "save_skipped_blocks",
                      "daemon_errors"):
@@ -241,7 +244,7 @@ class KVWorker:
                                 f"blocks ({sorted(factors)}); kvcached needs one for every layer")
         check_same_blocks(layers, engine_kv)
         self._layers, self._engine_kv, self._slot = layers, engine_kv, slot
-        self.kernel_factor = factors.pop() if factors else 1
+        self.key_scheme.kernel_factor = factors.pop() if factors else 1
         self.mode = self._choose_mode()
         if self.mode == "staging":
             self._staging = staging_like(self._engine_kv[0], len(self._layers),
@@ -250,6 +253,11 @@ class KVWorker:
             self._free_staging.extend(range(self.staging_blocks))
         self.link.attach_now()
         return self.mode
+
+    @property
+    def kernel_factor(self) -> int:
+        """Kernel blocks per block in the registered KV (vLLM's virtual block splitting)."""
+        return self.key_scheme.kernel_factor
 
     @property
     def num_layers(self) -> int:
@@ -262,7 +270,7 @@ class KVWorker:
 
     def keys_for_daemon(self, keys: list[bytes]) -> list[bytes]:
         """The keys this worker's daemon holds these blocks under."""
-        return self._rank_keys(kernel_block_keys(keys, self.kernel_factor))
+        return self.key_scheme.daemon_keys(keys, self.rank)
 
     def _choose_mode(self) -> str:
         if self._want_direct is False:

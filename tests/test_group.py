@@ -11,7 +11,7 @@ import torch
 from conftest import disk_uri, keys_for, small_kv, sweep_crashed, unique_instance, wait_until
 
 from kvcached_client import GroupClient, PrefixCacheManager, launch
-from kvcached_client.group import rank_keys
+from kvcached_client import rank_keys
 from kvcached_client.lookup_gate import LookupGate
 
 BS = 16
@@ -170,3 +170,22 @@ def test_the_prefix_cache_manager_drives_a_group(run_dir):
         mgr.release("b")
         mgr.check()
         mgr.close()
+
+
+def test_one_key_scheme_for_the_scheduler_each_rank_and_the_group():
+    """The keys a rank's daemon holds a block under come from one rule: kernel keys (a split
+    block is its own), then rank keys (a rank's shard of the heads), except for MLA."""
+    from kvcached_client.key_scheme import KeyScheme
+    from kvcached_client.kv_worker import KVWorker
+
+    keys = keys_for(4, seed=21)
+    plain, tp2, mla = KeyScheme(), KeyScheme(tp_size=2), KeyScheme(tp_size=2, mla=True)
+    assert plain.daemon_keys(keys) == keys and mla.daemon_keys(keys, 1) == keys
+    assert tp2.rank_keys(keys, 0) == rank_keys(keys, 0, 2) != tp2.rank_keys(keys, 1)
+    split = KeyScheme(tp_size=2, kernel_factor=2)
+    assert split.kernel_keys(keys) != keys
+    assert split.daemon_keys(keys, 1) == rank_keys(split.kernel_keys(keys), 1, 2)
+    worker = KVWorker(None, key_scheme=split, rank=1)
+    assert worker.keys_for_daemon(keys) == split.daemon_keys(keys, 1) and worker.kernel_factor == 2
+    with pytest.raises(ValueError, match="not known"):
+        KeyScheme(kernel_factor=None).kernel_keys(keys)

@@ -16,7 +16,7 @@ from kv_layouts import REGISTERABLE, fill, make_kv, parts_of, vllm_kv
 from kvcached_client import DaemonUnavailable, KvcachedError, launch
 from kvcached_client.daemon_link import DaemonLink
 from kvcached_client.hashing import kernel_block_keys
-from kvcached_client.kv_alloc import allocate_kv_cache
+from kvcached_client.kv_alloc import allocate_kv_cache, describe_kv_cache
 from kvcached_client.kv_views import vllm_layer_views
 from kvcached_client.kv_worker import BlockTransfer, KVWorker, _Load
 
@@ -435,7 +435,6 @@ def test_without_a_daemon_loads_fail_saves_are_skipped_and_requests_still_finish
 
 
 def test_a_revoke_word_other_than_the_last_fence_word_is_refused():
-    from kvcached_client.kv_alloc import describe_kv_cache
     from kvcached_proto.errors import ProtocolError
     from kvcached_proto.layout import parse_layout
     from kvcached_proto.order_words import REVOKE_WORD
@@ -548,11 +547,12 @@ def test_close_unlinks_the_staging_segment_at_once(daemon):
         return {n for n in os.listdir("/dev/shm") if n.startswith(f"kvcached.{os.getuid()}.kv.{os.getpid()}.")}
 
     raw, kv = make_kv("LBNHC")
-    engine = mine()  # (other tests' segments not collected yet are among them)
+    engine = {a["name"].lstrip("/") for a in describe_kv_cache(kv)["allocations"]}
+    before = mine()  # (other tests' segments not collected yet are among them, and may go)
     worker, mode = make_worker(daemon, kv, direct=False)
     assert mode == "staging"
-    staging = mine() - engine
-    assert staging
+    staging = mine() - before
+    assert staging and not staging & engine
     worker.close()
     assert worker._staging is not None  # still mapped (a step could be running): the names go
     assert not staging & mine() and engine <= mine()  # the engine's own KV keeps its name

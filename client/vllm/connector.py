@@ -68,8 +68,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvcached_proto.errors import KvcachedError
 
 from ..daemon_link import DaemonLink, GroupLink
-from ..group import rank_keys
-from ..hashing import BlockHasher, kernel_block_keys, make_namespace, weights_identity
+from ..hashing import BlockHasher, make_namespace, weights_identity
+from ..key_scheme import KeyScheme
 from ..kv_worker import BlockTransfer, KVWorker
 from ..lookup_gate import LookupGate
 from ..mm_keys import MMItem, block_extra_keys
@@ -184,13 +184,14 @@ class KvcachedConnector(KVConnectorBase_V1):
                                         engine, 0, vllm_config.parallel_config.tensor_parallel_size,
                                         tenant=str(extra.get("namespace", "")),
                                         weights_version=weights)
-        self.hasher = BlockHasher(self.namespace)
         self.resets = 0
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:
             raise ValueError("KvcachedConnector does not run with pipeline parallelism")
         self.tp_size = parallel.tensor_parallel_size
         self.mla = bool(getattr(model, "use_mla", False))
+        # block keys; the kernel factor is the workers' (set_xfer_handshake_metadata), or the worker's own
+        self.key_scheme = KeyScheme(BlockHasher(self.namespace), self.tp_size, self.mla)
         instances = rank_instances(extra, self.tp_size)
         link_args = dict(run_dir=extra.get("run_dir"), timeout=float(extra.get("timeout_s", 5.0)),
                          hang_s=float(extra["hang_s"]) if "hang_s" in extra else None)
@@ -215,7 +216,6 @@ class KvcachedConnector(KVConnectorBase_V1):
         self.link = (GroupLink(instances, name="vllm-scheduler", mla=self.mla, **link_args)
                      if self.tp_size > 1 else
                      DaemonLink(instances[0], name="vllm-scheduler", **link_args))
-        self.kernel_factor: int | None = 1  # the workers' (set_xfer_handshake_metadata)
         self.link.attach_now()
 
     def _init_worker(self, instances: list[str], link_args: dict, extra: dict) -> None:
@@ -231,7 +231,7 @@ class KvcachedConnector(KVConnectorBase_V1):
         if storage_hits not in ("prefetch", "inline"):
             raise ValueError(f"kv_connector_extra_config storage_hits {storage_hits!r}: "
                              "expected prefetch or inline")
-        self.worker = KVWorker(None, int(extra.get("staging_blocks", 512)), self._rank_keys,
+        self.worker = KVWorker(None, int(extra.get("staging_blocks", 512)), self.key_scheme, self.rank,
                                direct={"auto": None, "staging": False, "direct": True}[mode],
                                counters=self.counters,
                                host_only_loads=storage_hits == "prefetch")
@@ -249,7 +249,7 @@ class KvcachedConnector(KVConnectorBase_V1):
             extra = block_extra_keys(num_blocks, self.block_size, items)
             bs = self.block_size
             for i in range(len(state.keys), num_blocks):
-                state.keys.append(self.hasher.hash_block(
+                state.keys.append(self.key_scheme.hasher.hash_block(
                     state.keys[i - 1] if i else None, tokens[i * bs:(i + 1) * bs],
                     extra[i] if extra else None))
         return state.keys[:num_blocks]
@@ -269,9 +269,9 @@ class KvcachedConnector(KVConnectorBase_V1):
         client = self.link.get()
         if client is None:
             return 0, False
-        if self.kernel_factor is None:
+        if self.key_scheme.kernel_factor is None:
             return 0, False
-        keys = kernel_block_keys(self._keys(state, limit)[start:], self.kernel_factor)
+        keys = self.key_scheme.kernel_keys(self._keys(state, limit)[start:])
         try:
             hit = self.gate.match(request.request_id, client, keys)
         except KvcachedError as exc:
@@ -348,14 +348,14 @@ class KvcachedConnector(KVConnectorBase_V1):
     def set_xfer_handshake_metadata(self, metadata: dict) -> None:
         """Scheduler: the workers' handshakes, once their KV is registered. Lookups then use the
         keys the workers store under; ranks that disagree get no hits (logged)."""
-        self.kernel_factor = agreed_kernel_factor(metadata)
+        self.key_scheme.kernel_factor = agreed_kernel_factor(metadata)
         modes = {rank: getattr(m, "mode", "?") for rank, m in sorted(metadata.items())}
-        if self.kernel_factor is None:
+        if self.key_scheme.kernel_factor is None:
             log.error("[vllm] the workers split their KV blocks differently (%s): kvcached gives "
                       "no hits", {r: getattr(m, "kernel_factor", "?") for r, m in metadata.items()})
         else:
             log.info("[vllm] workers registered their KV: %s, %d kernel block(s) per block",
-                     modes, self.kernel_factor)
+                     modes, self.key_scheme.kernel_factor)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config=None) -> bool:
@@ -369,7 +369,7 @@ class KvcachedConnector(KVConnectorBase_V1):
         with clear_cache, the step before a weight update): keys are salted anew from here on,
         so no block stored before is ever matched again (the daemon's tiers age them out)."""
         self.resets += 1
-        self.hasher = BlockHasher(f"{self.namespace}|reset:{os.urandom(8).hex()}")
+        self.key_scheme.hasher = BlockHasher(f"{self.namespace}|reset:{os.urandom(8).hex()}")
         for state in self._reqs.values():
             state.keys = []  # computed again under the new salt
         self.gate.forget_all()
@@ -404,10 +404,6 @@ class KvcachedConnector(KVConnectorBase_V1):
         if self.role != KVConnectorRole.WORKER or self.worker.mode is None:
             return None
         return KvcachedHandshake(self.worker.kernel_factor, self.worker.mode)
-
-    def _rank_keys(self, keys: list[bytes]) -> list[bytes]:
-        """The keys this rank's daemon holds a block under (what GroupClient looks up)."""
-        return keys if self.tp_size == 1 or self.mla else rank_keys(keys, self.rank, self.tp_size)
 
     def _meta(self) -> KvcachedConnectorMetadata | None:
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None

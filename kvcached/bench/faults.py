@@ -243,7 +243,9 @@ def _truncated_segment(d, c, kv, counts, out) -> None:
     c.register_kv_cache(small)
     tkeys = BlockHasher("bench-faults-trunc").hash_blocks(np.arange(4 * SHAPE[0]), SHAPE[0])
     c.offload(range(4), tkeys).wait(30)
-    shm = posix_ipc.SharedMemory(describe_kv_cache(small)["tensors"][0]["handle"]["name"], flags=0)
+    layout = describe_kv_cache(small)
+    segment = layout["allocations"][layout["tensors"][0]["alloc"]]["name"]
+    shm = posix_ipc.SharedMemory(segment, flags=0)
     os.ftruncate(shm.fd, 0)
     shm.close_fd()
     counts["faults_injected"] += 1
