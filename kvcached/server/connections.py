@@ -10,7 +10,11 @@ by zmq after HANDSHAKE_MS. A DISCONNECTED event uncounts one.
 
 An fd number is reused as soon as it is closed, so an ACCEPTED fd is acted on only while its
 socket is still the one accepted (its local address is the listener's), after every monitor
-event queued before it was handled.
+event queued before it was handled. Each listener has its own monitor, so one listener's
+DISCONNECTED event can arrive after another listener accepted a connection on the same fd: a
+close uncounts a connection only when it comes from the listener that accepted it, and an
+accept that finds its fd still counted for another listener uncounts that stale one (its
+socket is gone: the fd is this one now).
 """
 from __future__ import annotations
 
@@ -93,6 +97,9 @@ class ConnectionGuard:
         try:
             if not _local(sock, endpoint):
                 return
+            stale = self._open.pop(fd, None)  # another listener's, its close still queued
+            if stale is not None:
+                self._uncount(stale)
             peer = _peer(sock)
             why = self._over(endpoint, peer)
             if why:
@@ -164,11 +171,18 @@ class ConnectionGuard:
         finally:
             sock.detach()
 
-    def closed(self, fd: int) -> None:
-        conn = self._open.pop(fd, None)
-        if conn is not None:
-            self._per_listener[conn.listener] -= 1
-            self._per_peer[conn.peer] -= 1
+    def closed(self, fd: int, endpoint: str) -> bool:
+        """A connection of `endpoint` closed; False when fd is not that listener's (any more)."""
+        conn = self._open.get(fd)
+        if conn is None or conn.listener != endpoint:
+            return False
+        del self._open[fd]
+        self._uncount(conn)
+        return True
+
+    def _uncount(self, conn: _Conn) -> None:
+        self._per_listener[conn.listener] -= 1
+        self._per_peer[conn.peer] -= 1
 
     def status(self) -> dict:
         return {"open": len(self._open), "refused": self.refused, "max": self.max_connections,

@@ -1,8 +1,9 @@
 """The daemon: sockets, dispatch and lifecycle.
 
 One thread owns the ROUTER request socket and dispatches every request; worker threads hand
-task completions back through an inproc PULL socket, so only this thread ever writes to the
-ROUTER. The status REP socket has its own thread, so a busy data path cannot starve it.
+task completions back through an EventSink (a queue and an eventfd polled beside the socket;
+task_events.py), so only this thread ever writes to the ROUTER. Who may send which op is
+access.py's. The status REP socket has its own thread, so a busy data path cannot starve it.
 Signals only set the stop flag; SIGTERM, SIGINT and the `shutdown` op take one path out.
 """
 from __future__ import annotations
@@ -12,7 +13,6 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
 
 import zmq
 
@@ -40,6 +40,7 @@ from ..copy import sigbus
 from ..errors import OpError, StartupError
 from ..host import machine
 from ..service.cache_service import DRAIN_TIMEOUT_S, CacheService
+from .access import ClientInfo, check_admin, check_kv_owner
 from .control import ControlWorker
 from .kv_sweep import sweep_kv_segments, sweep_when_gone
 from .connections import ConnectionGuard, connection_cap, raise_files_limit
@@ -64,16 +65,6 @@ DEFERRED = object()  # _dispatch's answer for an op the control worker replies t
 REFUSED_CODES = frozenset((ErrorCode.BAD_FRAME, ErrorCode.FRAME_TOO_LARGE, ErrorCode.BAD_HEADER,
                            ErrorCode.UNSUPPORTED_VERSION, ErrorCode.UNKNOWN_OP,
                            ErrorCode.BAD_FIELD, ErrorCode.TOO_MANY_ITEMS))
-@dataclass
-class ClientInfo:
-    client_id: str
-    routing_id: bytes
-    pid: int
-    name: str
-    connected_ns: int
-    pid_visible: bool = True  # False across pid namespaces: no pid-based reaping then
-    fd: int = -1              # the connection's socket fd: its close means the client is gone
-    role: str = "engine"      # "operator": may send the admin ops (ipc socket only)
 
 
 class Daemon:
@@ -302,17 +293,23 @@ class Daemon:
 
         while mon.poll(0):
             event = recv_monitor_message(mon, zmq.NOBLOCK)
-            fd = int(event["value"])
+            fd, endpoint = int(event["value"]), event["endpoint"].decode(errors="replace")
             if event["event"] == zmq.EVENT_ACCEPTED:
-                self.connections.accepted(fd, event["endpoint"].decode(errors="replace"))
+                self.connections.accepted(fd, endpoint)
             else:
-                self.connections.closed(fd)
-                self._on_disconnect(fd)
+                self.connections.closed(fd, endpoint)
+                self._on_disconnect(fd, endpoint)
 
-    def _on_disconnect(self, fd: int) -> None:
-        """A client's connection closed (it died, in any pid namespace): release its work."""
-        routing_id = self._fd_clients.pop(fd, None)
-        client = self.clients.get(routing_id) if routing_id is not None else None
+    def _on_disconnect(self, fd: int, endpoint: str) -> None:
+        """A client's connection closed (it died, in any pid namespace): release its work. Only
+        a close on the client's own kind of listener is its (ipc clients come through the ipc
+        socket, CURVE-tagged ones through TCP): a TCP connection's close can be read after an
+        ipc client's connection took its fd number."""
+        routing_id = self._fd_clients.get(fd)
+        if routing_id is None or endpoint.startswith("ipc://") == (routing_id[:1] == CURVE_TAG):
+            return
+        del self._fd_clients[fd]
+        client = self.clients.get(routing_id)
         if client is None or client.fd != fd:
             return
         log.warning("[clients] client %s (pid %d) closed its connection; releasing its work",
@@ -378,9 +375,9 @@ class Daemon:
             raise OpError(ErrorCode.NOT_HELLO, f"{req.op.name.lower()} before hello")
         spec = OP_SPECS[req.op]
         if spec.admin:
-            self._check_admin(client, req.op)
+            check_admin(self.service.kv if self.service is not None else None, client, req.op)
         if spec.needs_kv:
-            self._check_kv_owner(client, req.op)
+            check_kv_owner(self.service.kv, client, req.op)
         if req.op == Op.SHUTDOWN:
             return self._op_shutdown(routing_id, req)
         if self.stop_requested.is_set():
@@ -391,30 +388,6 @@ class Daemon:
             self.control.submit(routing_id, req.rid, lambda: self.service.handle(client, req))
             return DEFERRED
         return self.service.handle(client, req)
-
-    def _check_kv_owner(self, client: ClientInfo, op: Op) -> None:
-        """offload and load read and write the registered engine's memory: its client only."""
-        kv = self.service.kv
-        if kv is None:
-            raise OpError(ErrorCode.NOT_REGISTERED, f"{op.name.lower()} before register_kv")
-        if kv.owner != client.client_id:
-            raise OpError(ErrorCode.FORBIDDEN,
-                          f"{op.name.lower()} copies into or out of the registered KV cache, which "
-                          f"belongs to client {kv.owner}: only that client may send it")
-
-    def _check_admin(self, client: ClientInfo, op: Op) -> None:
-        """Ops that change the daemon for every engine: the registered engine or an operator."""
-        if client.role == "operator":
-            return
-        kv = self.service.kv if self.service is not None else None
-        if kv is not None and kv.owner == client.client_id and not kv.retired:
-            return
-        owner = f"the registered engine (client {kv.owner})" if kv is not None else \
-            "the registered engine (none is registered)"
-        raise OpError(ErrorCode.FORBIDDEN,
-                      f"{op.name.lower()} changes the daemon for every engine: only {owner} or an "
-                      "operator may send it (Client.connect(role='operator') on the ipc socket, "
-                      "as `kvcached stop` does)")
 
     # lifecycle ops --------------------------------------------------------
     def _op_status(self, routing_id: bytes, req) -> dict:
