@@ -12,32 +12,20 @@ import os
 import threading
 import time
 import uuid
-import warnings
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import zmq
 
-from kvcached_proto import (
-    DaemonUnavailable,
-    ErrorCode,
-    KvcachedError,
-    KvcachedTimeout,
-    Op,
-    ProtocolError,
-    decode,
-    encode,
-    make_request,
-    pack_block_ids,
-    pack_keys,
-    request_error,
-)
+from kvcached_proto import (DaemonUnavailable, KvcachedError, KvcachedTimeout, Op, ProtocolError, decode,
+                            encode, make_request, pack_block_ids, pack_keys, request_error)
 from kvcached_proto.messages import ROLES, TaskStatus
 from kvcached_proto.paths import DEFAULT_INSTANCE, check_instance, request_endpoint, resolve_run_dir
 from kvcached_proto.order_words import REVOKE_WORD
-from kvcached_proto.version import PROTOCOL_FLOOR, PROTOCOL_VERSION
+from kvcached_proto.version import PROTOCOL_VERSION, check_version
 
 from .kv_alloc import describe_kv_cache
+from .renamed import Renamed
 from .run_dir_hint import check_run_dir
 from .status_block import StatusReader, hang_threshold
 from .tasks import LoadTask, Task
@@ -78,7 +66,7 @@ class Client:
         self.info: dict = {}
         self._kv_tensors = None
         self.order = None  # EngineOrder while KV is registered (cuda_order.py)
-        self._fences: dict[int, list[int]] = {}  # task id -> device blocks it may still write
+        self._holds: dict[int, list[int]] = {}  # task id -> device blocks it may still write
         self._gone_after_close = lambda: False  # closed: is the daemon it talked to gone?
         self._closed = False
 
@@ -142,7 +130,7 @@ class Client:
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self.info = self._request(Op.HELLO, pid=os.getpid(), name=self.name, role=self.role)
-        check_daemon_version(self.info)
+        check_version(self.info.get("protocol_version", (0, 0)), "the daemon")
         if self.info["epoch"] != self.status_block.epoch:
             raise DaemonUnavailable("the daemon restarted during the handshake; connect again")
 
@@ -182,7 +170,7 @@ class Client:
             self.order.close(self.status_block.identity_check() if self.status_block is not None else None)
             self.order = None
         if self.status_block is not None:
-            self._gone_after_close = self.status_block.identity_check()  # fences still need it
+            self._gone_after_close = self.status_block.identity_check()  # holds still need it
             self.status_block.close()
             self.status_block = None
 
@@ -263,7 +251,7 @@ class Client:
                 raise KvcachedError(f"undecodable frame from the daemon: {exc}") from None
             if "event" in msg:
                 self._events[msg.get("task", 0)] = msg
-                self._fences.pop(msg.get("task", 0), None)  # the task ended: its fence lifts
+                self._holds.pop(msg.get("task", 0), None)  # the task ended: its hold lifts
             else:
                 self._replies[msg.get("rid", 0)] = msg
         return received
@@ -288,42 +276,47 @@ class Client:
             raise DaemonUnavailable("this connection's order words were released (its daemon "
                                     "was lost past the hang threshold): connect again")
 
-    def fence(self, task_id: int, blocks) -> None:
-        """Keep `blocks` out of reuse until task_id's end event arrives."""
-        if task_id not in self._events:  # an end already read needs no fence
-            self._fences[task_id] = list(blocks)
+    def hold(self, task_id: int, blocks) -> None:
+        """Hold `blocks` out of reuse until task_id's end event arrives."""
+        if task_id not in self._events:  # an end already read needs no hold
+            self._holds[task_id] = list(blocks)
 
-    def fenced_blocks(self) -> set[int]:
+    def held_blocks(self) -> set[int]:
         """Device blocks of loads that timed out and whose end the daemon has not confirmed
         yet: the engine must not reuse them. A method: it reads pending events off the socket
-        (and forgets the fences of a daemon that is gone)."""
-        self._refresh_fences()
-        return {b for blocks in self._fences.values() for b in blocks}
+        (and forgets the holds of a daemon that is gone)."""
+        self._refresh_holds()
+        return {b for blocks in self._holds.values() for b in blocks}
 
-    def fenced_tasks(self) -> set[int]:
-        """The ids of the tasks whose fences hold (read like fenced_blocks)."""
-        self._refresh_fences()
-        return set(self._fences)
+    def held_tasks(self) -> set[int]:
+        """The ids of the tasks whose holds last (read like held_blocks)."""
+        self._refresh_holds()
+        return set(self._holds)
 
-    def _refresh_fences(self) -> None:
-        if self._fences:
+    def _refresh_holds(self) -> None:
+        if self._holds:
             try:
                 self.poll_events()
             except DaemonUnavailable:
                 sig = self.status_block
                 gone = sig.gone() if sig is not None else self._gone_after_close()
                 if gone:
-                    self._fences.clear()  # a daemon that is gone writes nothing more
+                    self._holds.clear()  # a daemon that is gone writes nothing more
                 # else it may be hung and come back: its writes could still land
 
     @property
-    def has_fences(self) -> bool:
-        return bool(self._fences)
+    def has_holds(self) -> bool:
+        return bool(self._holds)
 
     @property
-    def fenced_without_check(self) -> set[int]:
-        """The fenced device blocks as last known, without reading events."""
-        return {b for blocks in self._fences.values() for b in blocks}
+    def held_without_check(self) -> set[int]:
+        """The held device blocks as last known, without reading events."""
+        return {b for blocks in self._holds.values() for b in blocks}
+
+    # earlier names ("fence" names the order words only)
+    fence, fenced_blocks, fenced_tasks = Renamed("hold"), Renamed("held_blocks"), Renamed("held_tasks")
+    has_fences, fenced_without_check = Renamed("has_holds"), Renamed("held_without_check")
+    signals = Renamed("status_block")
 
     def take_event(self, task_id: int) -> dict | None:
         return self._events.pop(task_id, None)
@@ -364,12 +357,6 @@ class Client:
         if self.status_block is None:
             raise DaemonUnavailable("client is closed")
         self.status_block.wait_storage_ready(self.timeout if timeout is None else timeout)
-
-    @property
-    def signals(self) -> StatusReader | None:
-        """The status block reader's earlier name (deprecated: `status_block`)."""
-        warnings.warn("Client.signals is Client.status_block now", DeprecationWarning, stacklevel=2)
-        return self.status_block
 
     @property
     def epoch(self) -> int:
@@ -502,14 +489,3 @@ class Client:
     def resume(self, timeout: float | None = None) -> None:
         self._request(Op.RESUME, timeout)
 
-
-def check_daemon_version(hello: dict) -> None:
-    """A daemon of another major, or older than PROTOCOL_FLOOR, is refused at connect (a daemon
-    refuses such a client at its first request the same way)."""
-    theirs = tuple(hello.get("protocol_version", (0, 0)))
-    if theirs[:1] != PROTOCOL_VERSION[:1] or theirs < PROTOCOL_FLOOR:
-        raise ProtocolError(
-            ErrorCode.UNSUPPORTED_VERSION,
-            f"the daemon speaks protocol {'.'.join(map(str, theirs))}; this client speaks "
-            f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]} and talks to {PROTOCOL_FLOOR[0]}."
-            f"{PROTOCOL_FLOOR[1]} or later of it: upgrade the older side")

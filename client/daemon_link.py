@@ -1,9 +1,11 @@
-"""Links from an engine's connector to its daemons that never wait for a daemon.
+"""Links from an engine's parts to their daemons that never wait for a daemon.
 
-`DaemonLink` holds one rank's Client, attached in the background (Reattacher); `GroupLink` the
-scheduler's view of every rank (a GroupClient). Both answer `get()` at once, and a caller that
-finds no daemon treats it as a miss or a skipped save: a daemon fault costs the cache, never
-the engine's step. Used by the vLLM connector and its vLLM-free worker core (kv_worker.py).
+`DaemonLink` holds one connection (a rank's Client, or the GroupClient a PrefixCacheManager
+drives), attached in the background (Reattacher); `GroupLink` the vLLM scheduler's view of
+every rank (a GroupClient, which reattaches its ranks itself). Both answer `get()` at once, and
+a caller that finds no daemon treats it as a miss or a skipped save: a daemon fault costs the
+cache, never the engine's step. Used by the vLLM connector, its vLLM-free worker core
+(kv_worker.py) and PrefixCacheManager.
 """
 from __future__ import annotations
 
@@ -13,63 +15,114 @@ from kvcached_proto.errors import DaemonUnavailable
 
 from .client import Client
 from .group import GroupClient
-from .reattach import Reattacher
+from .reattach import Reattacher, usable
 
 log = logging.getLogger(__name__)
 
 
 class DaemonLink:
-    """A Client attached in the background (Reattacher): get() answers at once, with the
-    client or None (no daemon: a miss, a skipped save), and never waits for a daemon."""
+    """The one holder of an engine part's daemon connection: the client in use (a Client, or a
+    GroupClient), the Reattacher that prepares a successor in the background, and what becomes
+    of a client that is dropped. get() answers at once, with the client or None (no daemon: a
+    miss, a skipped save), and never waits for a daemon."""
 
-    def __init__(self, instance: str, run_dir: str | None, timeout: float, name: str,
-                 on_connect=None, hang_s: float | None = None, retire=None):
-        """retire(client): what becomes of a dropped client (default: closed); the worker's
-        FenceKeeper keeps one whose fences hold until they lift."""
-        self.args = dict(instance=instance, run_dir=run_dir, timeout=timeout, name=name,
-                         hang_s=hang_s)
-        self.client: Client | None = None
-        self._retire = retire
-        self._reattach = Reattacher(lambda: Client.connect(**self.args), on_connect,
-                                    name=name)
+    def __init__(self, instance: str | None = None, run_dir: str | None = None, timeout: float = 5.0,
+                 name: str = "kvcached", on_connect=None, hang_s: float | None = None, retire=None,
+                 connect=None, on_adopt=None, on_drop=None):
+        """connect(): a new connection (default: Client.connect to `instance`; neither: no
+        daemon ever). on_connect(client): what a new connection gets before it is used (the KV
+        registered). retire(client): what becomes of a dropped client (default: closed; a
+        HoldKeeper keeps one whose holds hold until they lift). on_adopt(client) and
+        on_drop(client, exc): the owner's bookkeeping when a client is taken into use, or
+        dropped because its daemon failed."""
+        self.name = name
+        self.args = dict(instance=instance, run_dir=run_dir, timeout=timeout, name=name, hang_s=hang_s)
+        if connect is None and instance is not None:
+            connect = lambda: Client.connect(**self.args)  # noqa: E731
+        self.client = None
+        self._on_connect, self._retire = on_connect, retire
+        self._on_adopt, self._on_drop = on_adopt, on_drop
+        self._reattach = Reattacher(connect, on_connect, name=name) if connect is not None else None
 
-    def get(self) -> Client | None:
+    def get(self):
+        """The client in use, dropped first if its daemon is gone or hung; else one the
+        background made ready; else None."""
         if self.client is not None:
-            try:
-                self.client.status_block.check_alive()  # shared memory: cheap, and sees a restart
-            except (DaemonUnavailable, AttributeError) as exc:
-                log.info("[vllm] daemon %s went away: %s", self.args["instance"], str(exc))
-                self._drop()
-        if self.client is None:
-            self._adopt(self._reattach.take())
+            gone = _gone(self.client)  # shared memory: cheap, and sees a restart
+            if gone is not None:
+                log.info("[%s] daemon went away: %s", self.name, str(gone))
+                self.drop(gone)
+        if self.client is None and self._reattach is not None:
+            client = self._reattach.take()
+            if client is not None:
+                self.adopt(client, prepared=True)
         return self.client
 
-    def attach_now(self) -> Client | None:
-        """At set-up: one attempt on this thread (a daemon that is up is attached at once);
-        from then on a thread watches the daemon and prepares a successor's connection."""
-        if self.client is None:
-            self._adopt(self._reattach.attach_now())
-        self._reattach.watch(lambda: self.client)
+    def adopt(self, client, prepared: bool = False) -> None:
+        """Take `client` into use now, on this thread (on_connect first unless it was)."""
+        if not prepared and self._on_connect is not None:
+            self._on_connect(client)
+        self.client = client
+        log.info("[%s] attached to kvcached (epoch %s)", self.name, getattr(client, "epoch", "?"))
+        if self._on_adopt is not None:
+            self._on_adopt(client)
+
+    def watch(self) -> None:
+        """From now on a thread watches the daemon and prepares a successor's connection."""
+        if self._reattach is not None:
+            self._reattach.watch(lambda: self.client)
+
+    def attach_now(self):
+        """One attempt on this thread when no client is in use (a daemon that is up is attached
+        at once), then watch."""
+        if self.client is None and self._reattach is not None:
+            client = self._reattach.attach_now()
+            if client is not None:
+                self.adopt(client, prepared=True)
+        self.watch()
         return self.client
 
-    def _adopt(self, client: Client | None) -> None:
-        if client is not None:
-            self.client = client
-            log.info("[vllm] connected to kvcached %s", self.args["instance"])
+    def has_ready(self) -> bool:
+        """The background has a successor's connection ready."""
+        return self._reattach is not None and self._reattach.has_ready()
 
-    def _drop(self) -> None:
+    def drop(self, exc: Exception) -> None:
+        """The daemon failed (gone, hung): the owner's on_drop, then the client retires. During
+        on_drop the client is still the one in use, so blocks it holds there and the owner
+        frees count as held."""
+        client = self.client
+        if client is None:
+            return
+        if self._on_drop is not None:
+            self._on_drop(client, exc)
+        self.client = None
+        (self._retire or Client.close)(client)
+
+    def failed(self, exc: Exception) -> None:
+        log.warning("[%s] kvcached call failed, going on without it: %s", self.name, str(exc))
+        if isinstance(exc, DaemonUnavailable):
+            self.drop(exc)
+
+    def close(self) -> None:
+        """No more attempts; the client in use retires (no on_drop: nothing failed)."""
+        if self._reattach is not None:
+            self._reattach.close()
         client, self.client = self.client, None
         if client is not None:
             (self._retire or Client.close)(client)
 
-    def failed(self, exc: Exception) -> None:
-        log.warning("[vllm] kvcached call failed, going on without it: %s", str(exc))
-        if isinstance(exc, DaemonUnavailable):
-            self._drop()
 
-    def close(self) -> None:
-        self._reattach.close()
-        self._drop()
+def _gone(client) -> Exception | None:
+    """Why `client`'s daemon is of no use (gone, stopping, hung), or None."""
+    if isinstance(client, Client):
+        if client.status_block is None:
+            return DaemonUnavailable("the client is closed")
+        try:
+            client.status_block.check_alive()
+        except DaemonUnavailable as exc:
+            return exc
+        return None
+    return None if usable(client) else DaemonUnavailable("the daemon is gone")
 
 
 class GroupLink:

@@ -28,6 +28,7 @@ from kvcached_proto.paths import resolve_run_dir
 
 from .client import DEFAULT_TIMEOUT_S, Client
 from .key_scheme import KeyScheme
+from .renamed import Renamed
 from .reattach import Reattacher
 
 log = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ class GroupLoadTask(GroupTask):
 
     def wait(self, timeout: float | None = None) -> int:
         """Leading blocks every rank loaded. A rank that timed out, failed or went away counts
-        0 (its blocks stay fenced by its client until its daemon confirms the end)."""
+        0 (its blocks stay held by its client until its daemon confirms the end)."""
         if self.result is None:
             loaded = {}
             deadline = time.monotonic() + (self.group.timeout if timeout is None else timeout)
@@ -131,7 +132,7 @@ class GroupLoadTask(GroupTask):
                     loaded[rank] = 0
                 except DaemonUnavailable as exc:
                     self.group._lost(rank, exc)
-                    self.group._fence_rank(rank, task, task.reply.get("device_blocks", ()))
+                    self.group._hold_rank(rank, task, task.reply.get("device_blocks", ()))
                     loaded[rank] = 0
             self.result = {"loaded": min(loaded.values(), default=0), "ranks": loaded}
             self.status = TaskStatus.DONE
@@ -179,14 +180,14 @@ class GroupClient:
         self._endpoints = list(endpoints) if endpoints else [None] * self.tp_size
         self.clients: list[Client | None] = [None] * self.tp_size
         self.missing: dict[int, str] = {r: "not connected yet" for r in range(self.tp_size)}
-        self._retired: list[Client] = []  # lost clients whose fences still hold
+        self._retired: list[Client] = []  # lost clients whose holds still hold
         self._kv = None
         self._reattach = [Reattacher(lambda r=r: self._connect_rank(r), lambda c, r=r: self._prepare(r, c),
                                      name=f"{name or 'group'}-tp{r}") for r in range(self.tp_size)]
         for r, reattach in enumerate(self._reattach):  # a rank that dies between two calls is
             reattach.watch(lambda r=r: self.clients[r])  # attached again before the next
         self._task_ids = itertools.count(1)
-        # tasks by id, for fence(task_id); weak, so a task its caller dropped unwaited goes
+        # tasks by id, for hold(task_id); weak, so a task its caller dropped unwaited goes
         self._live: weakref.WeakValueDictionary[int, GroupTask] = weakref.WeakValueDictionary()
         self._pool = ThreadPoolExecutor(self.tp_size, thread_name_prefix="kvcached-group")
 
@@ -245,10 +246,10 @@ class GroupClient:
         self.missing[rank] = str(exc)
         self._retired.append(client)
 
-    def _fence_rank(self, rank: int, task, blocks) -> None:
+    def _hold_rank(self, rank: int, task, blocks) -> None:
         for client in [self.clients[rank]] + self._retired:
             if client is not None and task.client is client:
-                client.fence(task.id, blocks)
+                client.hold(task.id, blocks)
 
     def _ready(self) -> bool:
         """All ranks present; a missing rank the background has reattached is taken, never
@@ -316,7 +317,7 @@ class GroupClient:
         planned = min((t.num_blocks for t in tasks.values()), default=0) if not self.missing else 0
         for rank, task in tasks.items():
             if task.num_blocks > planned and task.result is None:  # it writes past the common prefix
-                task.client.fence(task.id, blocks[planned:task.num_blocks])
+                task.client.hold(task.id, blocks[planned:task.num_blocks])
         reply = {"blocks": planned, "device_blocks": blocks[:planned],
                  "host_blocks": min((t.reply.get("host_blocks", 0) for t in tasks.values()), default=0)}
         num_layers = max((t.num_layers for t in tasks.values()), default=0)
@@ -364,35 +365,39 @@ class GroupClient:
     def ping(self, timeout: float | None = None) -> float:
         return max(self._fan(lambda r, c: c.ping(timeout)).values(), default=0.0)
 
-    # fences and events (what PrefixCacheManager uses) ----------------------------
+    # holds and events (what PrefixCacheManager uses) -----------------------------
     def _all_clients(self) -> list[Client]:
         return [c for c in self.clients if c is not None] + self._retired
 
-    def fence(self, task_id: int, blocks) -> None:
+    def hold(self, task_id: int, blocks) -> None:
         task = self._live.get(task_id)
         if task is None:
             return
         for rank, t in task.tasks.items():
-            t.client.fence(t.id, blocks)
+            t.client.hold(t.id, blocks)
 
-    def fenced_blocks(self) -> set[int]:
-        """Every rank's fenced blocks (see Client.fenced_blocks); lost clients whose fences
-        lifted are closed here."""
+    def held_blocks(self) -> set[int]:
+        """Every rank's held blocks (see Client.held_blocks); lost clients whose holds lifted
+        are closed here."""
         out: set[int] = set()
         for client in self._all_clients():
-            out |= client.fenced_blocks()
-        for client in [c for c in self._retired if not c.has_fences]:
+            out |= client.held_blocks()
+        for client in [c for c in self._retired if not c.has_holds]:
             self._retired.remove(client)
             client.close()
         return out
 
     @property
-    def has_fences(self) -> bool:
-        return any(c.has_fences for c in self._all_clients())
+    def has_holds(self) -> bool:
+        return any(c.has_holds for c in self._all_clients())
 
     @property
-    def fenced_without_check(self) -> set[int]:
-        return set().union(*(c.fenced_without_check for c in self._all_clients()))
+    def held_without_check(self) -> set[int]:
+        return set().union(*(c.held_without_check for c in self._all_clients()))
+
+    # earlier names ("fence" names the order words only)
+    fence, fenced_blocks = Renamed("hold"), Renamed("held_blocks")
+    has_fences, fenced_without_check = Renamed("has_holds"), Renamed("held_without_check")
 
     def poll_events(self) -> None:
         for rank, client in enumerate(self.clients):

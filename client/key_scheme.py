@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .hashing import BlockHasher, kernel_block_keys, rank_keys
+from .mm_keys import MMItem, block_extra_keys
 
 
 @dataclass
@@ -22,6 +23,20 @@ class KeyScheme:
     tp_size: int = 1
     mla: bool = False
     kernel_factor: int | None = 1  # None while the engine's workers have not agreed on one
+
+    def extend(self, keys: list[bytes], tokens: Sequence[int], block_size: int, upto: int,
+               mm_items: Sequence[MMItem] | None = None) -> list[bytes]:
+        """Chain block keys onto `keys` (the leading blocks' keys of `tokens`, made before) for
+        the full blocks up to `upto`; returns `keys`. A block's multimodal items go in its key."""
+        upto = min(upto, len(tokens) // block_size)
+        if upto <= len(keys):
+            return keys
+        extra = block_extra_keys(upto, block_size, list(mm_items or ()))
+        for i in range(len(keys), upto):
+            keys.append(self.hasher.hash_block(keys[i - 1] if i else None,
+                                               tokens[i * block_size:(i + 1) * block_size],
+                                               extra[i] if extra else None))
+        return keys
 
     def kernel_keys(self, keys: Sequence[bytes]) -> list[bytes]:
         """The keys of these blocks as the engine pages them (split or not)."""

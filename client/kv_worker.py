@@ -35,15 +35,15 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-import torch
-
 from kvcached_proto.errors import DaemonUnavailable, KvcachedError
 
 from .block_copy import copy_blocks
 from .client import Client
-from .fence_keeper import FenceKeeper
+from .engine_kv import (check_same_blocks, engine_blocks, kv_device, kv_identity, staging_like,
+                        unmappable_cuda_kv)
+from .hold_keeper import HoldKeeper
 from .key_scheme import KeyScheme
-from .kv_alloc import allocate_kv_cache, describe_kv_cache, unlink_kv_cache
+from .kv_alloc import describe_kv_cache, unlink_kv_cache
 
 log = logging.getLogger(__name__)
 
@@ -80,104 +80,6 @@ class _Held:
         return self.task.id
 
 
-def block_axes_order(t: torch.Tensor) -> tuple[int, ...]:
-    """The axes of one block of `t` (dims 1..) in memory order, outermost first."""
-    dims = list(range(1, t.dim()))
-    return tuple(sorted(dims, key=lambda d: (-t.stride(d), d)))
-
-
-def staging_like(entry, num_layers: int, num_blocks: int) -> list:
-    """A shared-memory staging cache whose blocks hold the same bytes as the engine's: the
-    logical shape of a block of `entry` (layer 0's tensor or (K, V) pair), laid out in its memory
-    order. Staging has one such tensor, or two alike, per layer; anything else is refused."""
-    pair = isinstance(entry, tuple)
-    parts = entry if pair else (entry,)
-    first = parts[0]
-    if len(parts) > 2 or any((p.dtype, p.shape, block_axes_order(p))
-                             != (first.dtype, first.shape, block_axes_order(first)) for p in parts):
-        raise KvcachedError(f"KV parts {_blocks_spec(entry)} (dtype, shape) per layer: staging "
-                            "holds one tensor, or a K/V pair of the same shape, dtype and memory "
-                            "order, per layer")
-    order = block_axes_order(first)
-    dense = tuple(first.shape[d] for d in order)
-    staging = allocate_kv_cache(num_layers, num_blocks, dense, first.dtype, device="cpu",
-                                kv_pair=pair)
-    back = [0] + [1 + order.index(d) for d in range(1, first.dim())]  # dense -> logical axes
-    if pair:
-        return [tuple(p.permute(*back) for p in layer) for layer in staging]
-    return [layer.permute(*back) for layer in staging]
-
-
-def _identity(t) -> tuple:
-    """What makes two layers' KV the same memory viewed the same way."""
-    if isinstance(t, (tuple, list)):
-        return tuple(_identity(part) for part in t)
-    return (str(t.device), t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
-
-
-def _blocks_spec(entry) -> list[tuple]:
-    parts = entry if isinstance(entry, tuple) else (entry,)
-    return [(str(p.dtype).removeprefix("torch."), tuple(p.shape)) for p in parts]
-
-
-def check_same_blocks(names: list[str], entries: list) -> None:
-    """What a daemon pages: every layer with layer 0's parts, each of the same dtype and shape
-    (block count, kernel blocks, block shape). A model whose layers differ (KV heads or head
-    size per layer) is refused here, before a mode is chosen: the daemon would refuse its
-    registration, and staging, which has one shape, would fail at the first copy."""
-    if not entries:
-        raise KvcachedError("no KV layers to register: the engine has no KV cache for kvcached")
-    first = _blocks_spec(entries[0])
-    for name, entry in zip(names, entries):
-        spec = _blocks_spec(entry)
-        if spec != first:
-            raise KvcachedError(
-                f"layer {name}: KV {spec} (dtype, shape per part), layer {names[0]} has {first}: "
-                "kvcached pages one block shape and dtype on every layer, so a model whose layers "
-                "differ in KV heads or head size cannot use it")
-
-
-def engine_blocks(name: str, t, num_blocks: int | None):
-    """One layer's KV as the worker pages it: (a tensor, or a (K, V) pair, each [num_blocks,
-    ...]; kernel blocks per block). A [2, num_blocks, ...] tensor is a K/V pair; a dim of
-    num_blocks * r is r kernel blocks per block, folded into one [num_blocks, r, ...] view."""
-    if isinstance(t, (tuple, list)):
-        folded = [engine_blocks(name, part, num_blocks) for part in t]
-        if len({f for _, f in folded}) > 1:
-            raise KvcachedError(f"layer {name}: its K and V split blocks differently")
-        return tuple(part for part, _ in folded), folded[0][1]
-    if num_blocks is None:
-        pair = t.dim() >= 2 and t.shape[0] == 2
-        return ((t[0], t[1]) if pair else t), 1
-    if t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks:
-        return (t[0], t[1]), 1
-    if t.shape[0] == num_blocks:
-        return t, 1
-    if t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] % num_blocks == 0:
-        return engine_blocks(name, (t[0], t[1]), num_blocks)
-    if t.dim() >= 2 and t.shape[0] % num_blocks == 0:
-        return t.unflatten(0, (num_blocks, t.shape[0] // num_blocks)), t.shape[0] // num_blocks
-    raise KvcachedError(f"layer {name}: KV shape {tuple(t.shape)} has no block dimension of "
-                        f"{num_blocks} (or a multiple: kernel blocks) first; kvcached cannot page it")
-
-
-def kv_device(entry) -> str:
-    """The device type of a layer's KV (a tensor or a (K, V) pair)."""
-    return (entry[0] if isinstance(entry, tuple) else entry).device.type
-
-
-def unmappable_cuda_kv(reason) -> str:
-    """Why CUDA KV the daemon cannot map is refused rather than staged: a CUDA daemon maps the
-    engine's KV in place and refuses a CPU staging copy, so the engine would run uncached."""
-    return (f"the daemon cannot map this CUDA KV cache ({reason}). A CUDA daemon copies into the "
-            "engine's own KV over CUDA IPC and never stages through CPU memory, so kvcached "
-            "would serve nothing: allocate the KV without expandable segments "
-            "(PYTORCH_CUDA_ALLOC_CONF without expandable_segments:True), in a layout whose "
-            "blocks are contiguous (not LHBNC/BHLNC), from PyTorch's caching allocator (no "
-            "pluggable allocator or sleep mode); or run the daemon with --device cpu and the "
-            "connector with mode staging")
-
-
 class KVWorker:
     def __init__(self, link, staging_blocks: int = 512, key_scheme: KeyScheme | None = None,
                  rank: int = 0, direct: bool | None = None, counters: dict | None = None,
@@ -206,7 +108,7 @@ class KVWorker:
         self._free_staging: deque[int] = deque()
         # staging blocks (staging mode) a timed-out task may still touch wait here; in direct
         # mode the keeper only keeps dropped clients while their transfers are unconfirmed
-        self._fences = FenceKeeper(self._free_staging.extend, lambda: self.link.client)
+        self._holds = HoldKeeper(self._free_staging.extend, lambda: self.link.client)
         self._loads: list[_Load] = []
         self._landed: list[_Load] = []  # direct: landed in every layer, copies not yet confirmed
         self._staged_saves: list[tuple] = []   # (task, staging blocks, client)
@@ -217,7 +119,7 @@ class KVWorker:
 
     @property
     def retire(self):
-        return self._fences.retire
+        return self._holds.retire
 
     # ------------------------------------------------------------- set-up
     def register(self, kv_caches: dict, num_blocks: int | None = None) -> str:
@@ -230,7 +132,7 @@ class KVWorker:
         refuses raises KvcachedError before anything reaches the daemon."""
         layers, engine_kv, slot, factors, seen = [], [], {}, set(), {}
         for name, t in kv_caches.items():
-            ident = _identity(t)
+            ident = kv_identity(t)
             if ident in seen:  # vLLM's cross-layer KV sharing: the target layer's KV
                 slot[name] = seen[ident]
                 continue
@@ -303,7 +205,7 @@ class KVWorker:
                 copy_blocks(e, dst_blocks, s, src_blocks)
 
     def _take_staging(self, n: int) -> list[int]:
-        self._fences.release()
+        self._holds.release()
         return [self._free_staging.popleft() for _ in range(min(n, len(self._free_staging)))]
 
     def _daemon_failed(self, exc: Exception) -> None:
@@ -333,7 +235,7 @@ class KVWorker:
                 except KvcachedError as exc:
                     self._daemon_failed(exc)
             planned = task.num_blocks if task is not None else 0
-            self._fences.free(staging[planned:])
+            self._holds.free(staging[planned:])
             self._fail_blocks(load.block_ids[planned:])
             if planned:
                 self._loads.append(_Load(load.req_id, task, client, load.block_ids[:planned],
@@ -388,9 +290,9 @@ class KVWorker:
                 self.counters["loaded_blocks"] += p.valid
             try:
                 p.task.wait()
-            except KvcachedError as exc:  # timed out: the client fences the staging blocks
+            except KvcachedError as exc:  # timed out: the client holds the staging blocks
                 self.link.failed(exc)
-            self._fences.free(p.staging)
+            self._holds.free(p.staging)
         self._loads.clear()
 
     def _confirm_landed(self) -> None:
@@ -408,7 +310,7 @@ class KVWorker:
             try:
                 p.task.wait_end(max(0.01, deadline - time.monotonic()))
                 valid = min(p.valid, int(p.task.result.get("loaded", 0)))
-            except KvcachedError as exc:  # gone, hung or late: it stays held (fenced)
+            except KvcachedError as exc:  # gone, hung or late: it stays held (held)
                 valid = 0
                 self.link.failed(exc)
             self._fail_blocks(p.blocks[valid: p.valid])
@@ -437,7 +339,7 @@ class KVWorker:
                 task = client.offload(staging or save.block_ids[:n], self.keys_for_daemon(save.keys[:n]))
             except KvcachedError as exc:
                 self._daemon_failed(exc)
-                self._fences.free(staging)
+                self._holds.free(staging)
                 continue
             self.counters["saved_blocks"] += n
             if self.mode == "staging":
@@ -446,7 +348,7 @@ class KVWorker:
                 self._hold(save.req_id, task, client, save.block_ids[:n], "save")
 
     def _hold(self, req_id: str, task, client: Client, blocks, kind: str) -> None:
-        client.fence(task.id, blocks)  # lifts with the task's end event, or the daemon's death
+        client.hold(task.id, blocks)  # lifts with the task's end event, or the daemon's death
         self._held.append(_Held(req_id, task, client, kind))
 
     def _reap_staged(self, wait: bool = False) -> None:
@@ -459,10 +361,10 @@ class KVWorker:
             except KvcachedError as exc:
                 self.link.failed(exc)
                 if isinstance(exc, DaemonUnavailable):
-                    finished = True  # a gone daemon reads nothing more (a hung one: fenced)
-                    client.fence(task.id, staging)
+                    finished = True  # a gone daemon reads nothing more (a hung one: held)
+                    client.hold(task.id, staging)
             if finished:
-                self._fences.free(staging)
+                self._holds.free(staging)
             else:
                 keep.append((task, staging, client))
         self._staged_saves = keep
@@ -475,7 +377,7 @@ class KVWorker:
         for h in self._held:
             if id(h.client) not in live:
                 try:
-                    live[id(h.client)] = h.client.fenced_tasks()
+                    live[id(h.client)] = h.client.held_tasks()
                 except KvcachedError:  # unreadable: everything of that client still holds
                     live[id(h.client)] = {x.task_id for x in self._held if x.client is h.client}
         keep = []
@@ -485,7 +387,7 @@ class KVWorker:
             else:
                 h.task.collect()  # its end, if it came as an event
         self._held = keep
-        self._fences.release()  # a retired client whose transfers all ended is closed
+        self._holds.release()  # a retired client whose transfers all ended is closed
         return {h.req_id for h in keep}
 
     # ---------------------------------------------------- request lifecycle
@@ -536,5 +438,5 @@ class KVWorker:
         self.link.close()
         if self._staging is not None:  # vLLM kills its workers right after shutdown(): the
             unlink_kv_cache(self._staging)  # segment's finalizer would never run
-        for client in self._fences.retired:  # shutting down: their fences no longer matter
+        for client in self._holds.retired:  # shutting down: their holds no longer matter
             client.close()

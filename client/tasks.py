@@ -76,32 +76,33 @@ class LoadTask(Task):
         """Wait for the end of the load; returns the number of leading blocks loaded (every
         layer in place). A failed or cancelled load returns how many are valid (0).
 
-        On timeout the load is cancelled and its device blocks are *fenced*: the daemon may
-        still be writing them, so the engine must not reuse them until the daemon confirms the
-        task ended (cancel + ack). Raises KvcachedTimeout with `.fenced_blocks`; the fence lifts
-        by itself when the ack arrives (see Client.fenced_blocks)."""
+        On timeout the load is cancelled and its device blocks are *held*: the daemon may still
+        be writing them, so the engine must not reuse them until the daemon confirms the task
+        ended (cancel + ack). Raises KvcachedTimeout with `.held_blocks` (also `.fenced_blocks`,
+        its earlier name); the hold lifts by itself when the ack arrives (see
+        Client.held_blocks)."""
         try:
             self.wait_end(timeout)
         except KvcachedTimeout as exc:
-            raise self._fence(exc) from None
+            raise self._hold(exc) from None
         order = self.client.order
         if order is not None and (self.id in order.released_loads or order.released):
             return 0  # a stream wait of it was let go: the engine may have read before it landed
         return int(self.result.get("loaded", 0))
 
-    def _fence(self, exc: KvcachedTimeout) -> KvcachedTimeout:
-        """Cancel after a timeout; wait (client timeout) for the daemon's ack; fence if none."""
+    def _hold(self, exc: KvcachedTimeout) -> KvcachedTimeout:
+        """Cancel after a timeout; wait (client timeout) for the daemon's ack; hold if none."""
         blocks = self.reply.get("device_blocks", ())
-        self.client.fence(self.id, blocks)
+        self.client.hold(self.id, blocks)
         self.client.cancel(self.id)
         try:
             self._absorb(self.client.wait_event(self.id, self.client.timeout))
         except KvcachedTimeout:
-            exc.fenced_blocks = list(blocks)
+            exc.held_blocks = exc.fenced_blocks = list(blocks)
             exc.args = (f"{exc.args[0]}; the daemon has not confirmed the cancel: device blocks "
-                        f"{list(blocks)[:8]}{'...' if len(blocks) > 8 else ''} stay fenced",)
+                        f"{list(blocks)[:8]}{'...' if len(blocks) > 8 else ''} stay held",)
             return exc
-        exc.fenced_blocks = []
+        exc.held_blocks = exc.fenced_blocks = []
         exc.args = (f"{exc.args[0]}; cancelled ({self.status}, {self.result.get('loaded', 0)} "
                     "blocks valid), the daemon confirmed: its device blocks are free to reuse",)
         return exc

@@ -199,7 +199,15 @@ def cmd_serve(args) -> int:
         log.warning("[config] %s", warning)
     from .server.daemon import Daemon  # imports torch; keep `status`/`stop` fast
 
-    return Daemon(cfg).serve()
+    rc = Daemon(cfg).serve()
+    # The daemon has closed all it owns (sockets, segments, tiers, logs to flush below): the
+    # process ends without the interpreter's teardown, whose C++ static destructors (torch's
+    # operator registry) took ~2 s here - time every supervisor, and every restart, waits for.
+    # (An embedding runs Daemon(cfg).serve() itself and keeps its interpreter.)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def cmd_keygen(args) -> int:

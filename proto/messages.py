@@ -18,7 +18,7 @@ import numpy as np
 from .codec import MAX_STR_BYTES, unpack_block_ids, unpack_keys
 from .errors import CodedError, ProtocolError
 from .ops import ErrorCode, Op
-from .version import PROTOCOL_FLOOR, PROTOCOL_VERSION
+from .version import PROTOCOL_VERSION, check_version
 
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
@@ -158,13 +158,7 @@ def parse_header(msg: dict) -> tuple[Op, int, str]:
         or not all(isinstance(v, int) and not isinstance(v, bool) for v in version)
     ):
         raise ProtocolError(ErrorCode.BAD_HEADER, "proto: missing or not [major, minor]")
-    if version[0] != PROTOCOL_VERSION[0] or tuple(version) < PROTOCOL_FLOOR:
-        raise ProtocolError(
-            ErrorCode.UNSUPPORTED_VERSION,
-            f"client speaks protocol {version[0]}.{version[1]}, daemon speaks "
-            f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]} and talks to {PROTOCOL_FLOOR[0]}."
-            f"{PROTOCOL_FLOOR[1]} or later of it; upgrade the older side",
-        )
+    check_version(version, "client")
     client = msg.get("client")
     if not isinstance(client, str) or not 0 < len(client) <= 128:
         raise ProtocolError(ErrorCode.BAD_HEADER, "client: missing or not a str of 1..128 chars")

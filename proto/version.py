@@ -8,3 +8,19 @@ PROTOCOL_VERSION = (1, 6)
 # minor, a client refuses a daemon whose hello says an older one (nothing of the minors before
 # it is kept: 1.3's per-tensor registration entries, 1.5 clients that never send host_only).
 PROTOCOL_FLOOR = (1, 6)
+
+
+def check_version(theirs, speaker: str) -> None:
+    """ProtocolError UNSUPPORTED_VERSION unless `theirs` ([major, minor], what `speaker` - "client"
+    or "the daemon" - speaks) is of this major and not below the floor."""
+    from .errors import ProtocolError
+    from .ops import ErrorCode
+
+    theirs = tuple(theirs)
+    if theirs[:1] != PROTOCOL_VERSION[:1] or theirs < PROTOCOL_FLOOR:
+        ours = f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}"
+        raise ProtocolError(
+            ErrorCode.UNSUPPORTED_VERSION,
+            f"{speaker} speaks protocol {'.'.join(map(str, theirs))}, "
+            f"{'the daemon' if speaker == 'client' else 'this client'} speaks {ours} and talks to "
+            f"{PROTOCOL_FLOOR[0]}.{PROTOCOL_FLOOR[1]} or later of it; upgrade the older side")

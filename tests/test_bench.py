@@ -56,7 +56,7 @@ def test_bench_faults_injects_every_fault_and_loses_nothing():
     assert r["lost"] == 0 and r["wrong"] == 0, r
     assert r["faults_injected"] >= 16 and r["inputs_tried"] >= 2000 and r["index_check"] == "ok"
     assert r["bytes_verified"] > 0 and r["tasks_completed"] > 0
-    assert r["fenced_while_stopped"] == 64 and r["disk_loaded_before_damage"] == 30  # the FIFO
+    assert r["held_while_stopped"] == 64 and r["disk_loaded_before_damage"] == 30  # the FIFO
     assert r["corrupt_records_seen"] >= 1 and r["dead_daemon_seen_ms"] < 1000
     assert r["hostile_attempts_refused"] == 8 and r["truncated_segment_load"] == 0
     assert r["racing_loads_fetched"] == 32  # two loads of 32 blocks, one fetch

@@ -317,9 +317,9 @@ def test_a_load_that_times_out_is_cancelled_and_never_writes_after_the_ack(daemo
         task = c.load(keys, dst)
         with pytest.raises(KvcachedTimeout) as e:
             task.wait(timeout=0.0001)
-        assert e.value.fenced_blocks == []  # the daemon confirmed the end
+        assert e.value.held_blocks == [] == e.value.fenced_blocks  # the daemon confirmed the end
         assert "confirmed" in str(e.value)
-        assert task.status in ("cancelled", "done") and c.fenced_blocks() == set()
+        assert task.status in ("cancelled", "done") and c.held_blocks() == set()
         for k, v in kv:  # the engine reuses the blocks: nothing may overwrite them now
             k[dst] = 5
             v[dst] = 5
@@ -328,7 +328,7 @@ def test_a_load_that_times_out_is_cancelled_and_never_writes_after_the_ack(daemo
         assert all(bool((k[dst] == 5).all()) and bool((v[dst] == 5).all()) for k, v in kv)
 
 
-def test_blocks_stay_fenced_until_a_hung_daemon_confirms_the_cancel(daemon):
+def test_blocks_stay_held_until_a_hung_daemon_confirms_the_cancel(daemon):
     import signal as _signal
 
     from kvcached_client import DaemonUnavailable
@@ -344,11 +344,13 @@ def test_blocks_stay_fenced_until_a_hung_daemon_confirms_the_cancel(daemon):
         try:
             with pytest.raises((KvcachedTimeout, DaemonUnavailable)):
                 task.wait(timeout=0.05)
-            assert c.fenced_blocks() == {20, 21, 22, 23}
+            assert c.held_blocks() == {20, 21, 22, 23}
+            with pytest.warns(DeprecationWarning, match="held_blocks"):
+                assert c.fenced_blocks() == {20, 21, 22, 23}  # the earlier name
         finally:
             os.kill(daemon.pid, _signal.SIGCONT)
-        # the cancel reaches the daemon, its ack lifts the fence
-        wait_until(lambda: not c.fenced_blocks(), 10, "the fence lifting")
+        # the cancel reaches the daemon, its ack lifts the hold
+        wait_until(lambda: not c.held_blocks(), 10, "the hold lifting")
         c.resume()
 
 

@@ -255,8 +255,8 @@ def test_disk_hit_after_a_daemon_restart_and_a_damaged_block_is_recomputed(run_d
         SimEngine(mgr, kv).prefill("a", prompt + [1])
         mgr.release("a")
         mgr._poll()
-        for off in list(mgr._offloads):
-            mgr._finish_offload(off, 5.0)
+        for off in list(mgr.transfers.offloads):
+            mgr.transfers.finish_offload(off, 5.0)
         mgr.client.flush().wait(10)
         mgr.close()
     sweep_crashed(instance)
@@ -312,8 +312,8 @@ def test_the_manager_degrades_when_the_daemon_dies_and_reattaches(run_dir, insta
         assert mgr.attached and mgr.stats()["attaches"] == 2
         eng.prefill("b", toks(4 * BS, 40) + [1])  # write-through reaches the new daemon
         mgr.release("b")
-        for off in list(mgr._offloads):
-            mgr._finish_offload(off, 5.0)
+        for off in list(mgr.transfers.offloads):
+            mgr.transfers.finish_offload(off, 5.0)
         with d2.connect() as c:
             assert c.lookup(BlockHasher(NS).hash_blocks(toks(4 * BS, 40), BS))[0] == 4
         mgr.close()

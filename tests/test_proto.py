@@ -206,9 +206,11 @@ def test_a_truncated_or_overlong_large_frame_is_a_bad_frame(cut):
 
 
 def test_the_floor_refuses_older_minors_and_other_majors_on_both_sides():
-    from kvcached_client.client import check_daemon_version
     from kvcached_proto.messages import parse_header
-    from kvcached_proto.version import PROTOCOL_FLOOR, PROTOCOL_VERSION
+    from kvcached_proto.version import PROTOCOL_FLOOR, PROTOCOL_VERSION, check_version
+
+    def check_daemon_version(hello):  # what a client does with the daemon's hello
+        check_version(hello["protocol_version"], "the daemon")
 
     def header(version):
         return {"rid": 1, "proto": list(version), "client": "c", "op": int(Op.PING)}

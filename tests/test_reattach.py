@@ -215,7 +215,7 @@ def test_the_prefix_manager_recomputes_a_load_a_hung_daemon_holds_and_goes_on(da
             assert not mgr.attached and mgr.stats()["detaches"] == 1
             assert mgr.match("c", list(range(900, 900 + 2 * BS)) + [3]).host_tokens == 0
             # the hung daemon may still write the load's blocks: they are not handed out
-            assert set(hit.block_ids) <= mgr._fences.fenced()
+            assert set(hit.block_ids) <= mgr.blocks.holds.held()
         finally:
             os.kill(daemon.pid, signal.SIGCONT)
         operator.resume()
@@ -235,7 +235,7 @@ def test_a_daemon_restarted_between_two_calls_is_attached_before_the_next(run_di
     try:
         first.stop()
         with launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05) as second:
-            wait_until(mgr._reattach.has_ready)
+            wait_until(mgr.link.has_ready)
             prompt = list(range(500, 500 + 2 * BS))
             mgr.match("a", prompt + [1])
             assert mgr.client.info["pid"] == second.pid and mgr.stats()["attaches"] == 2

@@ -1,5 +1,5 @@
 """The PrefixCacheManager's invariant walk (tests and fuzzing): every GPU block is in exactly
-one place - free, fenced, a cached node, or a request's private block - and reference counts
+one place - free, held, a cached node, or a request's private block - and reference counts
 add up. Raises AssertionError naming what is wrong."""
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ def check_manager(mgr) -> None:
 
     for b in mgr.pool._free:
         own(b, "free")
-    for b in mgr._fences.blocks():
-        own(b, "fenced")
+    for b in mgr.blocks.holds.blocks():
+        own(b, "held")
     refs: dict[int, int] = {}
     held: dict[int, Node] = {}
     for seq in mgr._seqs.values():
@@ -33,9 +33,9 @@ def check_manager(mgr) -> None:
                 held[id(node)] = node
     nodes = {id(n): n for n in mgr.tree.nodes.values()}
     nodes.update(held)
-    for off in mgr._offloads:
+    for off in mgr.transfers.offloads:
         nodes.update({id(n): n for n in off.nodes})
-    for load in mgr._loads:
+    for load in mgr.transfers.loads:
         nodes.update({id(n): n for n in load.nodes})
     for node in nodes.values():
         if node.refs != refs.get(id(node), 0):

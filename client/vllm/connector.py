@@ -72,7 +72,7 @@ from ..hashing import BlockHasher, make_namespace, weights_identity
 from ..key_scheme import KeyScheme
 from ..kv_worker import BlockTransfer, KVWorker
 from ..lookup_gate import LookupGate
-from ..mm_keys import MMItem, block_extra_keys
+from ..mm_keys import MMItem
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -246,12 +246,7 @@ class KvcachedConnector(KVConnectorBase_V1):
         if len(state.keys) < num_blocks:
             items = [MMItem(f.mm_position.offset, f.mm_position.length, f.identifier)
                      for f in getattr(state.request, "mm_features", None) or []]
-            extra = block_extra_keys(num_blocks, self.block_size, items)
-            bs = self.block_size
-            for i in range(len(state.keys), num_blocks):
-                state.keys.append(self.key_scheme.hasher.hash_block(
-                    state.keys[i - 1] if i else None, tokens[i * bs:(i + 1) * bs],
-                    extra[i] if extra else None))
+            self.key_scheme.extend(state.keys, tokens, self.block_size, num_blocks, items)
         return state.keys[:num_blocks]
 
     # ------------------------------------------------------------- scheduler

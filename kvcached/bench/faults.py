@@ -6,7 +6,7 @@ One daemon with a disk tier, in a private run dir:
 2. round trips offload -> load of random blocks, every loaded byte compared;
 3. random frames (garbage, random maps, well-formed ops with random content) on a raw socket:
    every one answered, the index invariant walk clean afterwards;
-4. the daemon stopped (SIGSTOP) under a load that times out: the blocks stay fenced until the
+4. the daemon stopped (SIGSTOP) under a load that times out: the blocks stay held until the
    daemon, continued, confirms the end; then the bytes are checked;
 5. the daemon killed (-9): how long until the client says DaemonUnavailable;
 6. records damaged on disk, a new daemon started: the loads stop at the damage, what loads is exact;
@@ -177,15 +177,15 @@ def _stopped_daemon(d, c, kv, keys, counts, out) -> None:
             try:
                 task.wait(timeout=0.05)
             except (KvcachedTimeout, DaemonUnavailable):
-                pass  # expected: the engine gives up on the load, its blocks stay fenced
-            out["fenced_while_stopped"] = len(c.fenced_blocks())
+                pass  # expected: the engine gives up on the load, its blocks stay held
+            out["held_while_stopped"] = len(c.held_blocks())
         finally:
             os.kill(d.pid, signal.SIGCONT)
         start = time.monotonic()
-        while c.fenced_blocks() and time.monotonic() - start < 10:
+        while c.held_blocks() and time.monotonic() - start < 10:
             time.sleep(0.005)
-        out["fence_lifted_ms"] = round((time.monotonic() - start) * 1e3, 1)
-        if c.fenced_blocks() or out["fenced_while_stopped"] != HALF:
+        out["hold_lifted_ms"] = round((time.monotonic() - start) * 1e3, 1)
+        if c.held_blocks() or out["held_while_stopped"] != HALF:
             counts["lost"] += 1
     finally:
         c.timeout = long_timeout

@@ -29,27 +29,24 @@ import collections
 import errno
 import logging
 import os
-import re
 import stat
 import threading
 import time
 from typing import Callable, Sequence
-from urllib.parse import parse_qs, urlparse
 
 from . import owned
 from .base import StorageBackend
+from .disk_listing import list_records
 from .iothreads import IOThreads, run_bounded
 from .record import HEADER_BYTES, BadRecord, check_header, check_payload, nbytes, pack_header
+from .uris import DISK_IO_TIMEOUT_S, parse_disk_uri
 
 log = logging.getLogger(__name__)
 
-_NAME_RE = re.compile(r"^[0-9a-f]{32}\.kvb$")
-_SHARD_RE = re.compile(r"^[0-9a-f]{2}$")
-PROGRESS_EVERY = 100_000
 # file I/O and checksums release the GIL: a few blocks in flight at once (2 measured best on
 # 2 cores; more cores take more)
 IO_THREADS = max(2, min(8, os.cpu_count() or 2))
-IO_TIMEOUT_S = 5.0
+IO_TIMEOUT_S = DISK_IO_TIMEOUT_S
 PROBE_EVERY_S = 1.0
 ENOSPC_EVICT_BLOCKS = 8  # a full filesystem: the limit goes this many blocks under what is held
 FS_SLACK_MAX = 4 << 30  # room left free on the filesystem before the probe raises the limit
@@ -92,7 +89,7 @@ class DiskBackend(StorageBackend):
 
     @classmethod
     def from_uri(cls, uri: str, on_ready: Callable[[], None] | None = None) -> "DiskBackend":
-        o = parse_uri(uri)
+        o = parse_disk_uri(uri)
         return cls(o["root"], o["capacity_bytes"], o["fsync"], uri, o["io_timeout_s"], on_ready)
 
     def _make_root(self) -> None:
@@ -122,7 +119,7 @@ class DiskBackend(StorageBackend):
             for shard in range(256):  # made (and checked) once here, not stat'ed on every put
                 if not owned.usable_shard(os.path.join(self.root, f"{shard:02x}")):
                     self._unusable.add(shard)
-            found, removed = self._list_records()
+            found, removed = list_records(self.root, self._unusable)
             self._merge(found)
             log.info("[disk] %s: %d blocks (%.2f GiB) indexed in %.1f s, %d stray files removed",
                      self.root, len(self._lru), self.used_bytes / 2**30,
@@ -135,31 +132,6 @@ class DiskBackend(StorageBackend):
             self.indexed.set()
             if self._on_ready is not None:
                 self._on_ready()
-
-    def _list_records(self) -> tuple[list, int]:
-        found, removed = [], 0
-        foreign = 0
-        for shard in os.scandir(self.root):
-            if not (shard.is_dir(follow_symlinks=False) and _SHARD_RE.match(shard.name)) \
-                    or int(shard.name, 16) in self._unusable:
-                continue
-            for entry in os.scandir(shard.path):
-                st = entry.stat(follow_symlinks=False)
-                if (_NAME_RE.match(entry.name) and entry.name.startswith(shard.name)
-                        and stat.S_ISREG(st.st_mode) and owned.is_ours(st)):
-                    found.append((st.st_mtime_ns, bytes.fromhex(entry.name[:32]), st.st_size))
-                    if len(found) % PROGRESS_EVERY == 0:
-                        log.info("[disk] indexing %s: %d files", self.root, len(found))
-                elif stat.S_ISDIR(st.st_mode):
-                    log.warning("[disk] %s: a directory where records go; left alone", entry.path)
-                else:  # temp files of a crashed write, links, FIFOs, another user's files
-                    foreign += not owned.is_ours(st)
-                    os.unlink(entry.path)
-                    removed += 1
-        if foreign:
-            log.warning("[disk] %s: %d files of other users among the records (planted?); removed, "
-                        "never served", self.root, foreign)
-        return found, removed
 
     def _merge(self, found: list) -> None:
         """Add what the listing found, oldest first, under what happened meanwhile: a key put
@@ -490,32 +462,6 @@ class DiskBackend(StorageBackend):
         self._closed.set()
         self._rebuild_thread.join(timeout=1.0)
         self._io.shutdown(timeout=self.io_timeout_s)
-
-
-def parse_uri(uri: str) -> dict:
-    """disk:///abs/path[?capacity_gb=F&io_timeout_s=F&fsync=1], checked (nothing touched)."""
-    url = urlparse(uri)
-    if url.scheme != "disk" or not url.path.startswith("/") or url.netloc:
-        raise ValueError(f"{uri!r}: expected disk:///absolute/path[?capacity_gb=F]")
-    q = parse_qs(url.query)
-    unknown = set(q) - {"capacity_gb", "fsync", "io_timeout_s"}
-    if unknown:
-        raise ValueError(f"{uri!r}: unknown option(s) {sorted(unknown)}; known: capacity_gb, "
-                         "io_timeout_s, fsync")
-    return {"root": url.path, "capacity_bytes": int(_number(uri, q, "capacity_gb", 16.0) * (1 << 30)),
-            "io_timeout_s": _number(uri, q, "io_timeout_s", IO_TIMEOUT_S),
-            "fsync": q.get("fsync", ["0"])[0] in ("1", "true", "yes")}
-
-
-def _number(uri: str, q: dict, name: str, default: float) -> float:
-    raw = q.get(name, [str(default)])[0]
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{uri!r}: {name}={raw!r} is not a number") from None
-    if not 0 < value < float("inf"):
-        raise ValueError(f"{uri!r}: {name} must be a positive, finite number")
-    return value
 
 
 def _write_all(fd: int, pieces, total: int) -> None:

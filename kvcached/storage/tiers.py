@@ -33,7 +33,7 @@ def parse_uri(uri: str) -> dict:
     """Check a storage URI's form and options without opening anything."""
     scheme = uri.split("://", 1)[0] if "://" in uri else ""
     if scheme == "disk":
-        from .disk import parse_uri as parse
+        from .uris import parse_disk_uri as parse
     elif scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
         from .redis_store import parse_uri as parse
     else:

@@ -1,0 +1,45 @@
+"""The disk tier's index rebuild: what the shard directories hold, as the disk tier names its
+files (`{root}/{key[0] as 2 hex}/{key as 32 hex}.kvb`, disk.py)."""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import stat
+
+from . import owned
+
+log = logging.getLogger("kvcached.storage.disk")
+
+_NAME_RE = re.compile(r"^[0-9a-f]{32}\.kvb$")
+_SHARD_RE = re.compile(r"^[0-9a-f]{2}$")
+PROGRESS_EVERY = 100_000
+
+
+def list_records(root: str, unusable: set[int]) -> tuple[list, int]:
+    """(mtime_ns, key, size) of every record file of this uid in the usable shards, and how
+    many other files were removed (temp files of a crashed write, links, FIFOs, another user's
+    files); a directory where a record goes is left alone."""
+    found, removed = [], 0
+    foreign = 0
+    for shard in os.scandir(root):
+        if not (shard.is_dir(follow_symlinks=False) and _SHARD_RE.match(shard.name)) \
+                or int(shard.name, 16) in unusable:
+            continue
+        for entry in os.scandir(shard.path):
+            st = entry.stat(follow_symlinks=False)
+            if (_NAME_RE.match(entry.name) and entry.name.startswith(shard.name)
+                    and stat.S_ISREG(st.st_mode) and owned.is_ours(st)):
+                found.append((st.st_mtime_ns, bytes.fromhex(entry.name[:32]), st.st_size))
+                if len(found) % PROGRESS_EVERY == 0:
+                    log.info("[disk] indexing %s: %d files", root, len(found))
+            elif stat.S_ISDIR(st.st_mode):
+                log.warning("[disk] %s: a directory where records go; left alone", entry.path)
+            else:  # temp files of a crashed write, links, FIFOs, another user's files
+                foreign += not owned.is_ours(st)
+                os.unlink(entry.path)
+                removed += 1
+    if foreign:
+        log.warning("[disk] %s: %d files of other users among the records (planted?); removed, "
+                    "never served", root, foreign)
+    return found, removed

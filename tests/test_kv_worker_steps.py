@@ -1,0 +1,296 @@
+"""The worker core's step protocol through real daemons: the finished protocol of asynchronous
+saves, preemption, daemons killed mid-load and mid-save, host-only loads, no daemon at all,
+revoked offloads, a direct load counted only once its copies ended, the staging segment at
+close."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from conftest import disk_uri, keys_for, sweep_crashed, wait_until
+from kv_layouts import fill, make_kv, parts_of
+from kvcached_client import DaemonUnavailable, launch
+from kvcached_client.kv_alloc import describe_kv_cache
+from kvcached_client.kv_worker import BlockTransfer, KVWorker, _Load
+from worker_util import DST, SRC, blocks_of, finish, load_misses, make_worker, step
+
+
+def test_a_finished_request_is_held_while_its_save_runs(daemon):
+    raw, kv = make_kv("LBNHC")
+    fill(kv, seed=9)
+    worker, _ = make_worker(daemon, kv)
+    keys = keys_for(len(SRC), seed=11)
+    control = daemon.connect(timeout=10, role="operator")
+    try:
+        control.pause()  # new tasks are held: the save cannot run yet
+        step(worker, saves=[BlockTransfer("r", keys, SRC)])
+        for _ in range(3):
+            assert worker.finished({"r", "no-transfer"}) == set(), \
+                "reported while the daemon may still read its blocks (or one that had none)"
+        control.resume()
+        finish(worker, "r")
+        assert control.lookup(keys) == (len(keys), 0)
+    finally:
+        control.close()
+        worker.close()
+
+
+def test_preemption_waits_for_the_save_then_revokes_it(daemon):
+    """The engine reuses a preempted request's blocks right after preempt(): a save the daemon
+    has not run by then is revoked, so what it reads after the reuse is never stored."""
+    raw, kv = make_kv("LBHNC")
+    fill(kv, seed=13)
+    worker, _ = make_worker(daemon, kv, timeout=1.0)
+    keys = keys_for(len(SRC), seed=15)
+    control = daemon.connect(timeout=10, role="operator")
+    try:
+        control.pause()
+        step(worker, saves=[BlockTransfer("p", keys, SRC)])
+        worker.preempt(["p"])  # waits 1 s (the client's timeout), then revokes
+        for row in parts_of(kv):  # the engine writes another request's KV there
+            for t in row:
+                t[SRC] = 1
+        assert worker.finished({"p"}) == set(), "the daemon has not ended the save yet"
+        control.resume()  # the save runs now, over the reused blocks
+        finish(worker, "p")
+        assert control.lookup(keys) == (0, 0), "a revoked save was stored"
+        step(worker, saves=[BlockTransfer("q", keys, SRC)])  # later saves are not revoked
+        finish(worker, "q")
+        assert control.lookup(keys) == (len(keys), 0)
+    finally:
+        control.close()
+        worker.close()
+
+
+def _kill(handle) -> None:
+    os.kill(handle.pid, signal.SIGKILL)
+    handle.proc.wait(10)
+
+
+def test_daemon_killed_mid_load_reports_errors_and_serves_nothing_after_restart(run_dir, instance):
+    h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)
+    raw, kv = make_kv("BLHNC")
+    fill(kv, seed=17)
+    worker, _ = make_worker(h, kv, timeout=2.0)
+    keys = keys_for(len(SRC), seed=19)
+    try:
+        step(worker, saves=[BlockTransfer("s", keys, SRC)])
+        finish(worker, "s")
+        with h.connect(timeout=10, role="operator") as control:
+            control.pause()
+            worker.start_loads([BlockTransfer("l", keys, DST)])  # held by the pause
+            _kill(h)
+        for layer in range(len(kv)):
+            worker.layer_ready(layer)
+        worker.end_forward()
+        assert worker.load_errors() == set(DST)
+        assert worker.finished({"l"}) == {"l"}, "a dead daemon touches nothing: released"
+        sweep_crashed(instance)
+        h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)
+        wait_until(lambda: worker.link.get() is not None, 20, "the worker reattached")
+        load_misses(worker, kv, keys, "the restarted daemon has none of it: all recomputed")
+    finally:
+        worker.close()
+        h.stop()
+        sweep_crashed(instance)
+
+
+def test_daemon_killed_mid_save_releases_the_request(run_dir, instance, tmp_path):
+    uri = disk_uri(str(tmp_path / "disk"))
+    h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25,
+               extra_args=["--storage", uri], wait_storage=True)
+    raw, kv = make_kv("LBNHC")
+    fill(kv, seed=21)
+    worker, _ = make_worker(h, kv, timeout=2.0)
+    keys = keys_for(len(SRC), seed=23)
+    try:
+        with h.connect(timeout=10, role="operator") as control:
+            control.pause()
+            step(worker, saves=[BlockTransfer("s", keys, SRC)])
+            assert worker.finished({"s"}) == set()
+            _kill(h)
+        wait_until(lambda: "s" in worker.finished(set()), 20, "released once the daemon died")
+        sweep_crashed(instance)
+        h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25,
+                   extra_args=["--storage", uri], wait_storage=True)
+        with h.connect(timeout=10) as c:
+            assert c.lookup(keys) == (0, 0), "nothing of the killed save is served"
+    finally:
+        worker.close()
+        h.stop()
+        sweep_crashed(instance)
+
+
+@pytest.mark.parametrize("mode", ["direct", "staging"])
+def test_host_only_loads_recompute_what_left_the_host_tier_instead_of_reading_storage(
+        run_dir, instance, tmp_path, mode):
+    """The scheduler saw 6 blocks in the host tier (its gate prefetched them); 3 were evicted
+    before the step (here: the host tier cleared, 3 brought back). The load takes the 3 in host
+    memory, byte-exact, and reports the rest as load errors: no storage read in the step."""
+    h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25, wait_storage=True,
+               extra_args=["--storage", disk_uri(str(tmp_path / "disk")),
+                           "--prefetch-threshold-tokens", "0"])
+    raw, kv = make_kv("LBNHC")
+    fill(kv, seed=27)
+    worker, _ = make_worker(h, kv, direct=(mode == "direct"), host_only_loads=True)
+    keys = keys_for(len(SRC), seed=29)
+    try:
+        step(worker, saves=[BlockTransfer("s", keys, SRC)])
+        finish(worker, "s")
+        want = blocks_of(kv, SRC[:3])
+        with h.connect(timeout=10, role="operator") as control:
+            control.flush().wait(30)
+            control.clear(tier="host")
+            assert control.prefetch(keys[:3], policy="wait_complete").wait(10)["prefetched"] == 3
+            assert control.lookup(keys) == (3, 3)
+            _, errors = step(worker, loads=[BlockTransfer("l", keys, DST)])
+            assert errors == set(DST[3:])
+            for got, exp in zip(blocks_of(kv, DST[:3]), want):
+                assert torch.equal(got, exp)
+            assert control.status()["storage_io"]["fetched"] == 3, "the load read storage"
+        finish(worker, "l")
+    finally:
+        worker.close()
+        h.stop()
+
+
+def test_without_a_daemon_loads_fail_saves_are_skipped_and_requests_still_finish(daemon):
+    raw, kv = make_kv("LBNHC")
+    worker, _ = make_worker(daemon, kv)
+    daemon.stop()
+    keys = keys_for(len(SRC), seed=25)
+    try:
+        done, errors = step(worker, loads=[BlockTransfer("l", keys, DST)],
+                            saves=[BlockTransfer("s", keys, SRC)])
+        assert errors == set(DST)
+        assert worker.finished({"l", "s"}) == {"l", "s"}
+        assert worker.counters["save_skipped_blocks"] == len(SRC)
+    finally:
+        worker.close()
+
+
+def test_a_revoke_word_other_than_the_last_fence_word_is_refused():
+    from kvcached_proto.errors import ProtocolError
+    from kvcached_proto.layout import parse_layout
+    from kvcached_proto.order_words import REVOKE_WORD
+
+    raw, kv = make_kv("LBNHC")
+    layout = describe_kv_cache(kv)
+    assert parse_layout(dict(layout, revoke_word=REVOKE_WORD)).revoke_word == REVOKE_WORD
+    assert parse_layout(layout).revoke_word is None  # a 1.4 engine: every fence word is a fence
+    for bad in (0, REVOKE_WORD + 1, "255", True):
+        with pytest.raises(ProtocolError, match="revoke_word"):
+            parse_layout(dict(layout, revoke_word=bad))
+
+
+def test_an_offload_whose_reply_never_came_is_revoked(daemon):
+    """A hung daemon: the offload request gets no reply and the engine takes its blocks back.
+    When the daemon resumes it still reads the request and copies the (reused) blocks: the
+    revoke sent with the error makes it discard them instead of storing them."""
+    from kvcached_proto.errors import DaemonUnavailable
+
+    raw, kv = make_kv("LBNHC")
+    fill(kv, seed=27)
+    keys = keys_for(len(SRC), seed=29)
+    with daemon.connect(timeout=10, hang_s=0.5) as c, daemon.connect(timeout=10) as probe:
+        c.register_kv_cache(kv)
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(DaemonUnavailable):
+                c.offload(SRC, keys)
+            for row in parts_of(kv):  # the engine reuses the blocks
+                for t in row:
+                    t[SRC] = 1
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+
+        def ended() -> list:
+            try:
+                c.poll_events()
+            except DaemonUnavailable:  # its heartbeat is stale until it beats again
+                return []
+            return [e for e in c._events.values() if e.get("status") is not None]
+
+        wait_until(lambda: ended(), 20, "the daemon ran the offload it took late")
+        assert [e["status"] for e in ended()] == ["cancelled"]
+        assert probe.lookup(keys) == (0, 0)
+
+
+class _FakeLink:
+    def __init__(self):
+        self.failures = []
+
+    def failed(self, exc):
+        self.failures.append(exc)
+
+
+class _FakeClient:
+    timeout = 0.5
+
+    def __init__(self):
+        self.holds = {}
+
+    def hold(self, task_id, blocks):
+        self.holds[task_id] = list(blocks)
+
+    def held_tasks(self):
+        return set(self.holds)
+
+
+class _QueuedLoad:
+    """A CUDA load as the worker core sees it: each layer wait returns once the copies are
+    queued (the engine's stream waits, not the CPU); `end` is how it ends (None: its daemon
+    is gone and the end never comes)."""
+    id, num_blocks, valid_blocks, status = 7, len(DST), len(DST), None
+
+    def __init__(self, end):
+        self.end, self.result = end, None
+
+    def wait_layer(self, layer):
+        pass
+
+    def wait_end(self, timeout):
+        if self.end is None:
+            raise DaemonUnavailable("the daemon is gone")
+        self.result = self.end
+
+
+@pytest.mark.parametrize("end, loaded", [(None, 0), ({"loaded": 4}, 4),
+                                         ({"loaded": len(DST)}, len(DST))])
+def test_a_direct_load_counts_as_loaded_only_once_its_copies_ended(end, loaded):
+    """Pure logic (fakes): every layer wait of a direct-mode load returned, yet its daemon died
+    mid-copy (or ended it short): the step's load_errors report what it did not complete, so
+    the engine recomputes them instead of keeping what its forward read."""
+    worker = KVWorker(_FakeLink())
+    worker.mode, worker._layers = "direct", ["layer.0", "layer.1"]
+    client = _FakeClient()
+    worker._loads.append(_Load("r", _QueuedLoad(end), client, list(DST), [], len(DST)))
+    worker.layer_ready(1)
+    worker.end_forward()
+    worker.start_saves([])
+    assert worker.finished(set()) == set()
+    assert worker.load_errors() == set(DST[loaded:])
+    assert worker.counters["loaded_blocks"] == loaded
+    assert len(worker.link.failures) == (end is None)
+    assert worker.load_errors() == set(), "reported once"
+
+
+def test_close_unlinks_the_staging_segment_at_once(daemon):
+    """vLLM runs the connector's shutdown() and then kills its worker: the staging segment's
+    finalizer never ran and every stop of `vllm serve` left it in /dev/shm."""
+    def mine():
+        return {n for n in os.listdir("/dev/shm") if n.startswith(f"kvcached.{os.getuid()}.kv.{os.getpid()}.")}
+
+    raw, kv = make_kv("LBNHC")
+    engine = {a["name"].lstrip("/") for a in describe_kv_cache(kv)["allocations"]}
+    before = mine()  # (other tests' segments not collected yet are among them, and may go)
+    worker, mode = make_worker(daemon, kv, direct=False)
+    assert mode == "staging"
+    staging = mine() - before
+    assert staging and not staging & engine
+    worker.close()
+    assert worker._staging is not None  # still mapped (a step could be running): the names go
+    assert not staging & mine() and engine <= mine()  # the engine's own KV keeps its name
