@@ -3,6 +3,8 @@
 #   ./scripts/test.sh [pytest args]              the suite (tests/integration skips: no vLLM here)
 #   ./scripts/test.sh --with-vllm [pytest args]  also build .venv-vllm when missing and run the
 #                                                real-vLLM integration tests in it
+# The main suite runs on KVCACHED_TEST_WORKERS pytest-xdist workers (default 2: most of its
+# time is spent waiting on daemons; 0 runs it in one process).
 # Paths among the arguments choose what runs where: those under tests/integration run in
 # .venv-vllm (with --with-vllm), the others in .venv; with no path, each runs its whole part.
 set -euo pipefail
@@ -41,7 +43,8 @@ NO_TESTS=5  # pytest's exit status when its selection collected nothing
 main_rc=$NO_TESTS vllm_rc=$NO_TESTS
 if [ "$RUN_MAIN" = 1 ]; then
   main_rc=0
-  "$ROOT/.venv/bin/python" -m pytest ${OPTS[@]+"${OPTS[@]}"} ${MAIN[@]+"${MAIN[@]}"} || main_rc=$?
+  "$ROOT/.venv/bin/python" -m pytest -n "${KVCACHED_TEST_WORKERS:-2}" ${OPTS[@]+"${OPTS[@]}"} \
+    ${MAIN[@]+"${MAIN[@]}"} || main_rc=$?
   [ "$main_rc" != "$NO_TESTS" ] || [ "$RUN_VLLM" = 1 ] || exit "$NO_TESTS"
   [ "$main_rc" = "$NO_TESTS" ] || [ "$main_rc" = 0 ] || exit "$main_rc"
 fi

@@ -17,7 +17,7 @@ from kvcached_client.hashing import kernel_block_keys
 from kvcached_client.kv_alloc import allocate_kv_cache
 from kvcached_client.kv_views import vllm_layer_views
 from kvcached_client.kv_worker import BlockTransfer, KVWorker
-from worker_util import DST, SRC, blocks_of, finish, load_misses, make_worker, step
+from worker_util import DST, SRC, blocks_of, finish, load_misses, make_worker, saved, step
 
 
 @pytest.mark.parametrize("layout", REGISTERABLE)
@@ -31,7 +31,7 @@ def test_round_trip_in_every_layout_and_mode(daemon, layout, mode):
     try:
         done, errors = step(worker, saves=[BlockTransfer("save", keys, SRC)])
         assert errors == set() and done == set()
-        finish(worker, "save")
+        saved(worker, "save", keys)
         want = blocks_of(kv, SRC)
         for row in parts_of(kv):
             for t in row:
@@ -130,7 +130,7 @@ def test_layers_whose_blocks_differ_are_refused_before_anything_is_registered(da
         keys = keys_for(len(SRC), seed=77)
         fill(good, seed=5)
         step(worker, saves=[BlockTransfer("save", keys, SRC)])
-        finish(worker, "save")
+        saved(worker, "save", keys)
         _, errors = step(worker, loads=[BlockTransfer("load", keys, DST)])
         assert errors == set() and all(torch.equal(a, b) for a, b in
                                        zip(blocks_of(good, DST), blocks_of(good, SRC)))
@@ -157,7 +157,7 @@ def test_a_layer_sharing_another_layers_kv_is_paged_once(daemon, mode):
         assert worker.layer_index("layers.2") == 2 and worker.layer_index("other") is None
         keys = keys_for(len(SRC), seed=23)
         step(worker, saves=[BlockTransfer("save", keys, SRC)])
-        finish(worker, "save")
+        saved(worker, "save", keys)
         want = blocks_of(kv, SRC)
         worker.start_loads([BlockTransfer("load", keys, DST)])
         for name in named:  # the engine's per-layer waits, by name, the shared layer last
@@ -209,7 +209,7 @@ def test_kernel_blocks_round_trip_under_keys_of_their_own(daemon, mode):
     keys = keys_for(len(SRC), seed=31)
     try:
         step(worker, saves=[BlockTransfer("s", keys, SRC)])
-        finish(worker, "s")
+        saved(worker, "s", keys)
         with daemon.connect(timeout=10) as c:
             assert c.lookup(kernel_block_keys(keys, 2))[0] == len(SRC)
             assert c.lookup(keys) == (0, 0), "stored under the unsplit keys"

@@ -15,7 +15,7 @@ from kv_layouts import fill, make_kv, parts_of
 from kvcached_client import DaemonUnavailable, launch
 from kvcached_client.kv_alloc import describe_kv_cache
 from kvcached_client.kv_worker import BlockTransfer, KVWorker, _Load
-from worker_util import DST, SRC, blocks_of, finish, load_misses, make_worker, step
+from worker_util import DST, SRC, blocks_of, finish, load_misses, make_worker, saved, step
 
 
 def test_a_finished_request_is_held_while_its_save_runs(daemon):
@@ -139,7 +139,7 @@ def test_host_only_loads_recompute_what_left_the_host_tier_instead_of_reading_st
     keys = keys_for(len(SRC), seed=29)
     try:
         step(worker, saves=[BlockTransfer("s", keys, SRC)])
-        finish(worker, "s")
+        saved(worker, "s", keys)
         want = blocks_of(kv, SRC[:3])
         with h.connect(timeout=10, role="operator") as control:
             control.flush().wait(30)

@@ -41,6 +41,17 @@ def finish(worker, req_id: str, timeout: float = 20.0) -> None:
     assert req_id not in worker.finished({req_id}), "reported once only"
 
 
+def saved(worker, req_id: str, keys, timeout: float = 20.0) -> None:
+    """finish(), then wait until the worker's daemon holds the blocks: a staging save is
+    reported once the engine's blocks are copied into staging (nothing of the engine's is in
+    flight), while the daemon's copy out of staging may still run - a load or lookup right
+    after could miss them (a miss, never wrong bytes)."""
+    finish(worker, req_id, timeout)
+    daemon_keys = worker.keys_for_daemon(keys)
+    wait_until(lambda: worker.link.get().lookup(daemon_keys)[0] == len(keys), timeout,
+               f"{req_id}'s blocks in the daemon's host tier")
+
+
 def blocks_of(kv, ids) -> list[torch.Tensor]:
     return [t[ids].clone() for row in parts_of(kv) for t in row]
 
