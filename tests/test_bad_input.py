@@ -9,6 +9,8 @@ import os
 from kvcached_proto import MAX_FRAME_BYTES, ErrorCode, Op, encode, make_request, pack_block_ids, pack_keys
 from rawsock import RawSocket
 
+pytestmark = pytest.mark.faults  # fault injection: every test of this module
+
 
 @pytest.fixture
 def daemon(shared_daemon):
@@ -107,6 +109,7 @@ _data_ops = st.builds(  # well-formed data ops with random content: they change 
 FRAMES_PER_EXAMPLE = 10
 
 
+@pytest.mark.slow
 def test_ten_thousand_random_frames_leave_the_daemon_serving_and_its_index_consistent(run_dir):
     from conftest import small_kv, sweep_crashed, unique_instance
 

@@ -15,6 +15,7 @@ def _bench(*args):
     return json.loads(out.stdout)
 
 
+@pytest.mark.slow
 def test_bench_ipc_reports_both_sides():
     r = _bench("ipc")
     for name in ("ping", "lookup64"):
@@ -22,6 +23,7 @@ def test_bench_ipc_reports_both_sides():
         assert x["daemon"]["p50_us"] > 0 and x["bare_echo"]["p50_us"] > 0 and x["p50_ratio"] > 0
 
 
+@pytest.mark.slow
 def test_bench_transfer_moves_the_bytes_it_reports():
     r = _bench("transfer")
     assert r["bytes_exact"] is True
@@ -30,6 +32,7 @@ def test_bench_transfer_moves_the_bytes_it_reports():
     assert r["copy_strategy"] == "numpy"
 
 
+@pytest.mark.slow
 def test_bench_transfer_runs_a_named_copy_strategy():
     r = _bench("transfer", "--copy-strategy", "gather")
     assert r["copy_strategy"] == "gather" and r["bytes_exact"] is True
@@ -42,6 +45,7 @@ def test_bench_transfer_on_cuda_says_when_there_is_no_gpu():
     assert out.returncode != 0 and "no CUDA device" in out.stderr
 
 
+@pytest.mark.slow
 def test_bench_storage_covers_disk_and_redis_when_installed():
     import shutil
 
@@ -51,6 +55,7 @@ def test_bench_storage_covers_disk_and_redis_when_installed():
     assert all(x["put_ratio"] > 0 and x["get_ratio"] > 0 for x in r["results"])
 
 
+@pytest.mark.slow
 def test_bench_faults_injects_every_fault_and_loses_nothing():
     r = _bench("faults")
     assert r["lost"] == 0 and r["wrong"] == 0, r

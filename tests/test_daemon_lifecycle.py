@@ -87,6 +87,7 @@ def test_a_hung_daemon_is_seen_through_its_heartbeat(daemon):
         c.close()
 
 
+@pytest.mark.faults
 def test_connecting_right_after_kill_9_is_refused_by_the_recorded_identity(daemon):
     """The heartbeat is still fresh and the up flag still set: the pid and start time the
     daemon recorded tell that it is gone (before, the connect waited out the send timeout)."""
@@ -167,6 +168,7 @@ def test_the_hang_threshold_is_a_setting(daemon, monkeypatch):
     assert hang_threshold() == DEFAULT_HANG_S
 
 
+@pytest.mark.faults
 def test_a_new_daemon_takes_over_after_kill_9(run_dir, instance):
     first = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.1)
     first.kill()
@@ -255,6 +257,7 @@ def test_a_numa_node_that_does_not_exist_is_refused(run_dir, instance):
         launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05, extra_args=["--numa", "63"])
 
 
+@pytest.mark.slow
 def test_a_client_that_reconnects_at_once_is_not_taken_for_the_one_that_left(daemon):
     """A new connection often gets the fd the closed one had; the close's monitor event must
     not be read as the new client's (before the fix ~1 in 4 rounds lost the new client's

@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 import demo_engine  # noqa: E402
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole-load"])
 def test_logits_after_host_and_disk_hits_equal_a_full_recompute(run_dir, instance, tmp_path, layerwise):
     args = demo_engine.parse_args([
@@ -34,6 +35,7 @@ def test_logits_after_host_and_disk_hits_equal_a_full_recompute(run_dir, instanc
         torch.testing.assert_close(r["logits"], base["logits"], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_a_second_run_recomputes_its_recompute_row(run_dir, instance, tmp_path):
     """The disk tier keeps the first run's blocks; the second run's "recompute" must not load
     them (it did, and every "vs recompute" ratio of a second run was wrong)."""

@@ -47,6 +47,7 @@ def test_blocks_survive_a_daemon_restart_on_disk(run_dir, instance, disk_dir):
         h.stop()
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("damage", ["flip", "truncate", "foreign_key", "empty"])
 def test_a_damaged_block_file_is_a_miss_never_wrong_bytes(run_dir, instance, disk_dir, damage):
     dst = list(range(40, 48))
@@ -89,6 +90,7 @@ def test_stray_and_temp_files_are_removed_at_start(run_dir, instance, disk_dir):
         h.stop()
 
 
+@pytest.mark.faults
 def test_a_fifo_in_place_of_a_record_is_damage_not_a_hang(run_dir, instance, disk_dir):
     """Before, the fetch's open() waited for a writer forever: the load never ended."""
     kv = small_kv(block_shape=PAGE_SHAPE)
@@ -113,6 +115,8 @@ def test_a_fifo_in_place_of_a_record_is_damage_not_a_hang(run_dir, instance, dis
         h.stop()
 
 
+@pytest.mark.faults
+@pytest.mark.slow
 def test_a_record_on_a_hung_filesystem_costs_its_load_a_deadline_not_the_daemon(
         run_dir, instance, disk_dir):
     """A read that never returns (a hung NFS, here a FUSE shard whose reads hang): the load
@@ -149,6 +153,7 @@ def test_a_record_on_a_hung_filesystem_costs_its_load_a_deadline_not_the_daemon(
             assert h.stop() == 0
 
 
+@pytest.mark.slow
 def test_a_gone_engines_mapping_is_dropped_off_the_request_thread(run_dir, instance, disk_dir):
     """An engine says bye while its load's fetch waits on a hung read (the tier's I/O deadline
     is 3 s): its KV mapping goes only after the copies in flight drained, on the control worker,
@@ -189,6 +194,8 @@ def test_a_gone_engines_mapping_is_dropped_off_the_request_thread(run_dir, insta
             h.stop()
 
 
+@pytest.mark.faults
+@pytest.mark.slow
 def test_a_drain_waiting_on_a_hung_read_does_not_hold_the_request_thread(run_dir, instance, disk_dir):
     """pause drains the copies in flight: here a fetch held by a hung read until the tier's
     3 s I/O deadline. The drain runs on the control worker, so another client's ping, lookup
@@ -220,6 +227,7 @@ def test_a_drain_waiting_on_a_hung_read_does_not_hold_the_request_thread(run_dir
             h.stop()
 
 
+@pytest.mark.faults
 def test_a_hung_read_that_returns_gives_its_block_back_and_the_tier_recovers(
         run_dir, instance, disk_dir):
     kv, keys, expected, uri, fs = stored_with_one_record_hung(run_dir, instance, disk_dir, 5)
@@ -304,6 +312,7 @@ def tiny_fs():
     os.rmdir(path)
 
 
+@pytest.mark.faults
 def test_a_full_disk_evicts_its_oldest_blocks_and_keeps_storing_new_ones(run_dir, instance, tiny_fs):
     """A 1 MiB filesystem under a 1 GiB tier: ENOSPC lowers the tier's limit (said once, in
     status and the log) and the tier evicts to stay under it. Before, it kept its oldest blocks

@@ -13,6 +13,8 @@ from kvcached_client import BlockHasher, Busy, launch
 from kvcached_proto import Op
 from kvcached_proto.paths import kv_segment_prefix
 
+pytestmark = pytest.mark.faults  # fault injection: every test of this module
+
 HASHER = BlockHasher("faults")
 
 ENGINE = textwrap.dedent("""

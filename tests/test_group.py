@@ -43,6 +43,7 @@ def same(kv, a, b) -> bool:
     return all(torch.equal(t[a], t[b]) for t in tensors)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 4])
 def test_lookup_and_load_agree_on_the_shortest_prefix(run_dir, n):
     keys = keys_for(NBLK)
@@ -76,6 +77,7 @@ def test_ranks_store_their_shard_under_their_own_keys(run_dir):
             assert c0.lookup(keys) == (0, 0)
 
 
+@pytest.mark.slow
 def test_mla_only_the_writer_rank_puts_to_shared_storage_and_every_rank_reads(run_dir, tmp_path):
     storage = disk_uri(str(tmp_path / "shared"), 0.1)
     keys = keys_for(NBLK, 1)

@@ -70,6 +70,7 @@ def _kill(handle) -> None:
     handle.proc.wait(10)
 
 
+@pytest.mark.faults
 def test_daemon_killed_mid_load_reports_errors_and_serves_nothing_after_restart(run_dir, instance):
     h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)
     raw, kv = make_kv("BLHNC")
@@ -98,6 +99,7 @@ def test_daemon_killed_mid_load_reports_errors_and_serves_nothing_after_restart(
         sweep_crashed(instance)
 
 
+@pytest.mark.faults
 def test_daemon_killed_mid_save_releases_the_request(run_dir, instance, tmp_path):
     uri = disk_uri(str(tmp_path / "disk"))
     h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25,

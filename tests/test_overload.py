@@ -17,9 +17,12 @@ from kvcached_client import Client, DaemonUnavailable, KvcachedTimeout, launch
 from kvcached_client.launch import _ready
 from test_security import keygen
 
+pytestmark = pytest.mark.faults  # fault injection: every test of this module
+
 RSS_BOUND_MIB = 256
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["junk", "layout"])
 def test_a_flood_of_costly_frames_leaves_others_served_and_memory_bounded(run_dir, instance, kind):
     """Two processes send 8 MiB frames as fast as the daemon takes them (junk under a name
@@ -130,6 +133,7 @@ def test_past_the_connection_cap_newcomers_are_refused_and_those_in_keep_their_s
         assert d.stop() == 0, d.text()
 
 
+@pytest.mark.slow
 def test_half_open_tcp_connections_never_exhaust_the_daemons_files(run_dir, instance, tmp_path):
     """1,200 TCP connections that never start the CURVE handshake, into a daemon limited to
     1,024 files: never more than 64 open from the address (the rest refused), each closed by

@@ -171,6 +171,7 @@ def test_a_redis_lookup_counts_the_leading_keys_present_with_or_without_scripts(
         server.close()
 
 
+@pytest.mark.faults
 def test_a_corrupt_redis_value_is_a_miss(run_dir, instance, redis_server):
     import redis
 
@@ -193,6 +194,7 @@ def test_a_corrupt_redis_value_is_a_miss(run_dir, instance, redis_server):
         h.stop()
 
 
+@pytest.mark.faults
 def test_redis_outage_makes_the_tier_unhealthy_not_the_daemon(run_dir, instance, redis_server):
     kv = small_kv(block_shape=PAGE_SHAPE)
     keys = keys_for(4, 16)
@@ -218,6 +220,7 @@ def test_redis_outage_makes_the_tier_unhealthy_not_the_daemon(run_dir, instance,
         h.stop()
 
 
+@pytest.mark.faults
 def test_a_redis_outage_stalls_no_request_beyond_the_lookup_timeout(run_dir, instance, redis_server):
     """The first lookup after the server died, and another client's pings meanwhile, answer
     within a client timeout of 1 s (redis-py's default retries took ~4 s)."""
@@ -253,6 +256,7 @@ def test_a_redis_outage_stalls_no_request_beyond_the_lookup_timeout(run_dir, ins
         h.stop()
 
 
+@pytest.mark.faults
 def test_an_idle_daemon_shows_a_redis_outage_and_recovery_within_2_s(run_dir, instance, redis_server):
     h = start(run_dir, instance, redis_server.uri)
     try:
@@ -298,6 +302,8 @@ class Blackhole:
         self._thread.join(5)
 
 
+@pytest.mark.faults
+@pytest.mark.slow
 def test_a_blackholed_redis_never_stalls_the_request_loop(run_dir, instance):
     """Lookups run on the request thread: with a server that never answers, the tier goes
     unhealthy and its probes run on their own thread, so every request keeps answering within a

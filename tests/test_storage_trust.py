@@ -182,6 +182,7 @@ def test_a_disk_root_of_another_uid_is_refused_at_start(run_dir, instance, disk_
     assert f"belongs to uid {OTHER_UID}" in out.stderr
 
 
+@pytest.mark.slow
 def test_a_shard_dir_replaced_by_a_link_is_made_a_directory_again(run_dir, instance, disk_dir, tmp_path):
     """A shard turned into a link to elsewhere: at start the link is replaced by a directory
     (what is behind it is not served), and blocks stored into that shard from then on are
