@@ -1,11 +1,11 @@
 """Links from an engine's parts to their daemons that never wait for a daemon.
 
 `DaemonLink` holds one connection (a rank's Client, or the GroupClient a PrefixCacheManager
-drives), attached in the background (Reattacher); `GroupLink` the vLLM scheduler's view of
-every rank (a GroupClient, which reattaches its ranks itself). Both answer `get()` at once, and
-a caller that finds no daemon treats it as a miss or a skipped save: a daemon fault costs the
-cache, never the engine's step. Used by the vLLM connector, its vLLM-free worker core
-(kv_worker.py) and PrefixCacheManager.
+drives), attached in the background (Reattacher), and answers `get()` at once: a caller that
+finds no daemon treats it as a miss or a skipped save, so a daemon fault costs the cache, never
+the engine's step. Used by the vLLM connector, its vLLM-free worker core (kv_worker.py),
+PrefixCacheManager and each rank of a GroupClient (whose GroupLink is the vLLM scheduler's
+view of every rank, group.py).
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import logging
 from kvcached_proto.errors import DaemonUnavailable
 
 from .client import Client
-from .group import GroupClient
 from .reattach import Reattacher, usable
 
 log = logging.getLogger(__name__)
@@ -82,6 +81,11 @@ class DaemonLink:
         self.watch()
         return self.client
 
+    @property
+    def last_error(self) -> str:
+        """Why the last attempt to attach failed ("" after one succeeded)."""
+        return self._reattach.last_error if self._reattach is not None else ""
+
     def has_ready(self) -> bool:
         """The background has a successor's connection ready."""
         return self._reattach is not None and self._reattach.has_ready()
@@ -123,26 +127,3 @@ def _gone(client) -> Exception | None:
             return exc
         return None
     return None if usable(client) else DaemonUnavailable("the daemon is gone")
-
-
-class GroupLink:
-    """The scheduler's view of every rank's daemon: a GroupClient, which reattaches missing
-    ranks in the background and answers 0 hits while one is missing."""
-
-    def __init__(self, instances: list[str], run_dir: str | None, timeout: float, name: str,
-                 mla: bool, hang_s: float | None = None):
-        self.client = GroupClient(instances, run_dir=run_dir, timeout=timeout, name=name, mla=mla,
-                                  hang_s=hang_s)
-
-    def attach_now(self) -> GroupClient:
-        self.client.reconnect()
-        return self.client
-
-    def get(self) -> GroupClient:
-        return self.client
-
-    def failed(self, exc: Exception) -> None:
-        log.warning("[vllm] kvcached group call failed, going on without it: %s", str(exc))
-
-    def close(self) -> None:
-        self.client.close()

@@ -29,7 +29,7 @@ from kvcached_proto.paths import resolve_run_dir
 from .client import DEFAULT_TIMEOUT_S, Client
 from .key_scheme import KeyScheme
 from .renamed import Renamed
-from .reattach import Reattacher
+from .daemon_link import DaemonLink
 
 log = logging.getLogger(__name__)
 
@@ -178,14 +178,16 @@ class GroupClient:
         self.hang_s = hang_s
         self.local_rank = local_rank
         self._endpoints = list(endpoints) if endpoints else [None] * self.tp_size
-        self.clients: list[Client | None] = [None] * self.tp_size
         self.missing: dict[int, str] = {r: "not connected yet" for r in range(self.tp_size)}
         self._retired: list[Client] = []  # lost clients whose holds still hold
         self._kv = None
-        self._reattach = [Reattacher(lambda r=r: self._connect_rank(r), lambda c, r=r: self._prepare(r, c),
-                                     name=f"{name or 'group'}-tp{r}") for r in range(self.tp_size)]
-        for r, reattach in enumerate(self._reattach):  # a rank that dies between two calls is
-            reattach.watch(lambda r=r: self.clients[r])  # attached again before the next
+        # one link per rank: a rank that dies between two calls is attached again before the next
+        self.links = [DaemonLink(name=f"{name or 'group'}-tp{r}", connect=lambda r=r: self._connect_rank(r),
+                                 on_connect=lambda c, r=r: self._prepare(r, c), retire=self._retire,
+                                 on_drop=lambda c, exc, r=r: self._dropped(r, exc))
+                      for r in range(self.tp_size)]
+        for link in self.links:
+            link.watch()
         self._task_ids = itertools.count(1)
         # tasks by id, for hold(task_id); weak, so a task its caller dropped unwaited goes
         self._live: weakref.WeakValueDictionary[int, GroupTask] = weakref.WeakValueDictionary()
@@ -203,17 +205,19 @@ class GroupClient:
                 "endpoints": self._endpoints, "hang_s": self.hang_s}
 
     # ranks ------------------------------------------------------------------
+    @property
+    def clients(self) -> list[Client | None]:
+        """Each rank's client in use (None where the rank is missing)."""
+        return [link.client for link in self.links]
+
     def reconnect(self) -> list[int]:
         """Connect every missing rank whose daemon is there, now, on this thread; returns the
         ranks connected. (Calls reattach missing ranks in the background by themselves.)"""
         ranks = list(self.missing)
-        got = list(self._pool.map(lambda r: self._reattach[r].attach_now(), ranks))
-        for r, client in zip(ranks, got):
-            if client is not None:
-                self._adopt(r, client)
-            else:
-                self.missing[r] = self._reattach[r].last_error or "not connected"
-        return [r for r in ranks if self.clients[r] is not None]
+        list(self._pool.map(lambda r: self.links[r].attach_now(), ranks))
+        for r in ranks:
+            self._present(r)
+        return [r for r in ranks if self.links[r].client is not None]
 
     def _connect_rank(self, rank: int) -> Client:
         return Client.connect(self.instances[rank], self.run_dir, self.timeout,
@@ -224,46 +228,47 @@ class GroupClient:
         if kv is not None:
             client.register_kv_cache(kv[rank])
 
-    def _adopt(self, rank: int, client: Client) -> None:
-        kv = self._kv
-        if kv is not None and client._kv_tensors is not kv[rank]:
-            try:  # prepared before register_kv_cache was called
+    def _present(self, rank: int) -> None:
+        """Settle `missing` for a rank after its link was asked: a client in use is present once
+        it holds this rank's KV (prepared before register_kv_cache was called: registered now)."""
+        link, kv = self.links[rank], self._kv
+        client = link.client
+        if client is not None and kv is not None and client._kv_tensors is not kv[rank]:
+            try:
                 client.register_kv_cache(kv[rank])
             except KvcachedError as exc:
-                client.close()
-                self.missing[rank] = str(exc)
+                link.drop(exc)
                 return
-        self.clients[rank] = client
-        self.missing.pop(rank, None)
-        log.info("[group] rank %d (%s) attached", rank, self.instances[rank])
+        if client is not None:
+            self.missing.pop(rank, None)
+        else:
+            self.missing.setdefault(rank, "not connected")
+            if link.last_error:
+                self.missing[rank] = link.last_error
 
-    def _lost(self, rank: int, exc: Exception) -> None:
-        client = self.clients[rank]
-        if client is None:
-            return
-        log.warning("[group] rank %d (%s) is missing: %s", rank, self.instances[rank], str(exc))
-        self.clients[rank] = None
-        self.missing[rank] = str(exc)
+    def _retire(self, client: Client) -> None:
+        """A dropped client stays a source of holds: a wait that saw its rank go holds the
+        rank's blocks on it right after (held_blocks closes it once it holds nothing)."""
         self._retired.append(client)
 
+    def _dropped(self, rank: int, exc: Exception) -> None:
+        log.warning("[group] rank %d (%s) is missing: %s", rank, self.instances[rank], str(exc))
+        self.missing[rank] = str(exc)
+
+    def _lost(self, rank: int, exc: Exception) -> None:
+        self.links[rank].drop(exc)
+
     def _hold_rank(self, rank: int, task, blocks) -> None:
-        for client in [self.clients[rank]] + self._retired:
+        for client in [self.links[rank].client] + self._retired:
             if client is not None and task.client is client:
                 client.hold(task.id, blocks)
 
     def _ready(self) -> bool:
-        """All ranks present; a missing rank the background has reattached is taken, never
-        waited for."""
-        for rank, present in enumerate(self.clients):
-            if present is not None and self._reattach[rank].has_ready() \
-                    and not present.alive():
-                self._lost(rank, DaemonUnavailable("its daemon is gone; a successor is attached"))
-        for rank in list(self.missing):
-            client = self._reattach[rank].take()
-            if client is not None:
-                self._adopt(rank, client)
-            elif self._reattach[rank].last_error:
-                self.missing[rank] = self._reattach[rank].last_error
+        """All ranks present; a rank whose daemon is gone is dropped, a successor the background
+        has attached is taken, never waited for."""
+        for rank, link in enumerate(self.links):
+            link.get()
+            self._present(rank)
         return not self.missing
 
     def _fan(self, call) -> dict[int, object]:
@@ -412,11 +417,10 @@ class GroupClient:
         return tuple(c.epoch if c else 0 for c in self.clients)
 
     def close(self) -> None:
-        for reattach in self._reattach:
-            reattach.close()
-        for client in self._all_clients():
+        for link in self.links:
+            link.close()  # the client in use retires: closed, or kept while it holds blocks
+        for client in self._retired:
             client.close()
-        self.clients = [None] * self.tp_size
         self._retired.clear()
         self._pool.shutdown(wait=True)
 
@@ -425,3 +429,26 @@ class GroupClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class GroupLink:
+    """The scheduler's view of every rank's daemon: a GroupClient, which reattaches missing
+    ranks in the background and answers 0 hits while one is missing."""
+
+    def __init__(self, instances: list[str], run_dir: str | None, timeout: float, name: str,
+                 mla: bool, hang_s: float | None = None):
+        self.client = GroupClient(instances, run_dir=run_dir, timeout=timeout, name=name, mla=mla,
+                                  hang_s=hang_s)
+
+    def attach_now(self) -> GroupClient:
+        self.client.reconnect()
+        return self.client
+
+    def get(self) -> GroupClient:
+        return self.client
+
+    def failed(self, exc: Exception) -> None:
+        log.warning("[vllm] kvcached group call failed, going on without it: %s", str(exc))
+
+    def close(self) -> None:
+        self.client.close()

@@ -67,7 +67,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvcached_proto.errors import KvcachedError
 
-from ..daemon_link import DaemonLink, GroupLink
+from ..daemon_link import DaemonLink
+from ..group import GroupLink
 from ..hashing import BlockHasher, make_namespace, weights_identity
 from ..key_scheme import KeyScheme
 from ..kv_worker import BlockTransfer, KVWorker
