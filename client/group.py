@@ -264,10 +264,10 @@ class GroupClient:
                 client.hold(task.id, blocks)
 
     def _ready(self) -> bool:
-        """All ranks present; a rank whose daemon is gone is dropped, a successor the background
-        has attached is taken, never waited for."""
+        """All ranks present; a successor the background has attached is taken (replacing a
+        rank whose daemon is gone), never waited for."""
         for rank, link in enumerate(self.links):
-            link.get()
+            link.refresh()
             self._present(rank)
         return not self.missing
 

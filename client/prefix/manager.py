@@ -345,7 +345,7 @@ class PrefixCacheManager:
 
     def _poll(self) -> None:
         """Settle finished daemon work without blocking; reattach; return blocks no longer held."""
-        self.link.get()
+        self.link.refresh()
         self.transfers.poll()
         self.blocks.holds.release()
 
