@@ -371,7 +371,13 @@ class Client:
         """Register the engine's KV cache: a list per layer of a (K, V) pair or one tensor.
         With it goes a new order-words segment (cuda_order.py) that this connection's copies
         are ordered by."""
-        layout = describe_kv_cache(tensors)
+        reply = self.register_layout(describe_kv_cache(tensors), timeout)
+        self._kv_tensors = tensors
+        return reply
+
+    def register_layout(self, layout: dict, timeout: float | None = None) -> dict:
+        """Register a layout already described (kvcached_proto.layout), with a new order-words
+        segment: register_kv_cache's second half, and host_memory.register_host_memory's."""
         from .cuda_order import EngineOrder
 
         order = EngineOrder(layout["device"], layout["num_layers"], self._daemon_lost)
@@ -384,7 +390,6 @@ class Client:
             raise
         if self.order is not None:
             self.order.close(self.status_block.identity_check() if self.status_block else None)
-        self._kv_tensors = tensors
         self.num_layers = layout["num_layers"]
         self.order = order
         return reply

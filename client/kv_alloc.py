@@ -74,7 +74,7 @@ def _live_segments() -> list[_Segment]:
     return live
 
 
-def _dtype_name(dtype) -> str:
+def dtype_name(dtype) -> str:
     name = str(dtype).removeprefix("torch.")
     if name not in DTYPE_BYTES:
         raise KvcachedError(f"KV dtype {dtype} is not supported; use one of {sorted(DTYPE_BYTES)}")
@@ -311,7 +311,7 @@ def describe_kv_cache(tensors) -> dict:
                 raise KvcachedError(f"{where}: its block's axes are ordered {order} in memory, "
                                     f"layer 0's {orders[part]}")
             entry = {"layer": layer, "part": part, "name": _part_name(len(parts), part),
-                     "dtype": _dtype_name(t.dtype), "shape": list(t.shape),
+                     "dtype": dtype_name(t.dtype), "shape": list(t.shape),
                      "alloc": index[key], **region}
             entries.append(entry)
     layout = {"device": device, "num_layers": len(tensors), "num_blocks": num_blocks,

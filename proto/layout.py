@@ -18,8 +18,9 @@
     }
 
 A handle is {"kind": "shm", "name": "/kvcached.{uid}.kv.{pid}.{n}", "size": segment bytes}
-for CPU KV in POSIX shared memory, or {"kind": "cuda_ipc", ...} (the fields of
-`storage._share_cuda_()`) for CUDA KV. Block b of a tensor is `prod(shape[1:]) * dtype bytes`
+for CPU KV in POSIX shared memory, {"kind": "fd", "token": T, "index": i, "size": bytes} for host
+memory the engine handed over as fds (fd_pass.py: SGLang's memfd host pool; protocol 1.7), or
+{"kind": "cuda_ipc", ...} (the fields of `storage._share_cuda_()`) for CUDA KV. Block b of a tensor is `prod(shape[1:]) * dtype bytes`
 contiguous bytes at `offset + b * block_stride` in allocation `alloc`; regions never share a
 byte. Part j has the same block shape and dtype on every layer; parts may differ from each
 other (e.g. FP8 scale tensors).
@@ -31,6 +32,7 @@ import math
 from dataclasses import dataclass
 
 from .errors import ProtocolError
+from .fd_pass import MAX_FDS, TOKEN_RE
 from .geometry import Region, check_disjoint
 from .ops import ErrorCode
 from .order_words import REVOKE_WORD
@@ -189,9 +191,27 @@ def _part(t: dict, i: int, layer: int, part: int, num_blocks: int) -> PartSpec:
 
 
 def _handle(h, where: str) -> dict:
-    if not isinstance(h, dict) or h.get("kind") not in ("shm", "cuda_ipc"):
-        raise _bad(f"{where}: expected a map with kind 'shm' or 'cuda_ipc'")
+    if not isinstance(h, dict) or h.get("kind") not in ("shm", "cuda_ipc", "fd"):
+        raise _bad(f"{where}: expected a map with kind 'shm', 'cuda_ipc' or 'fd'")
+    if h["kind"] == "fd":
+        if not isinstance(h.get("token"), str) or not TOKEN_RE.match(h["token"]):
+            raise _bad(f"{where}.token: expected the 32 hex characters the fd socket answered")
+        _int(h, "index", 0, MAX_FDS - 1, f"{where}.")
     return h
+
+
+def fd_token(spec: "LayoutSpec") -> str | None:
+    """The one token a layout's fd allocations were sent under (fd_pass.py), None for a layout
+    without any; KV_MISMATCH for a layout naming several, or fds beside other kinds."""
+    kinds = {h["kind"] for h in spec.allocations}
+    if "fd" not in kinds:
+        return None
+    tokens = {h["token"] for h in spec.allocations if h["kind"] == "fd"}
+    if len(tokens) > 1 or kinds != {"fd"}:
+        raise _bad("allocations: fd allocations come from one set of fds, and alone")
+    if spec.device != "cpu":
+        raise _bad("allocations: fd allocations are host memory: the layout's device is 'cpu'")
+    return tokens.pop()
 
 
 def _allocations(layout: dict) -> list[dict]:

@@ -53,4 +53,11 @@ def kv_segment_prefix(uid: int, pid: int) -> str:
 
 
 def socket_paths(run_dir: str, instance: str) -> list[str]:
-    return [os.path.join(run_dir, f"{instance}.sock"), os.path.join(run_dir, f"{instance}.status.sock")]
+    """Every socket file of an instance: requests, status, fds (fd_pass.py)."""
+    return [os.path.join(run_dir, f"{instance}.sock"), os.path.join(run_dir, f"{instance}.status.sock"),
+            fd_socket_path(run_dir, instance)]
+
+
+def fd_socket_path(run_dir: str, instance: str) -> str:
+    """Where the daemon takes file descriptors (kvcached_proto.fd_pass)."""
+    return os.path.join(run_dir, f"{instance}.fds.sock")

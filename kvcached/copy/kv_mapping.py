@@ -59,8 +59,11 @@ def _bytes_field(handle: dict, name: str, required: bool = True) -> bytes:
 
 
 class KVRegistration:
-    def __init__(self, spec: LayoutSpec, owner: str, daemon_device: str = "cpu"):
+    def __init__(self, spec: LayoutSpec, owner: str, daemon_device: str = "cpu",
+                 fds: list[int] | None = None):
+        """fds: what the layout's fd allocations index (fd_pass.py); the caller closes them."""
         self.spec = spec
+        self._fds = fds or []
         self.owner = owner
         self.retired: str | None = None  # why no copy may use it any more (its engine is gone)
         self._maps: dict[str, mmap.mmap] = {}
@@ -102,12 +105,14 @@ class KVRegistration:
         flats, seen = [], {}
         for handle in spec.allocations:
             if handle["kind"] == "shm":
-                key = ("shm", handle.get("name"))
+                key, mapper = ("shm", handle.get("name")), self._map_shm
+            elif handle["kind"] == "fd":
+                key, mapper = ("fd", handle["index"]), self._map_fd
             else:
                 key = ("cuda", _bytes_field(handle, "handle"), _int_field(handle, "storage_offset"))
+                mapper = lambda h: _map_cuda(h, device)  # noqa: E731
             if key not in seen:
-                seen[key] = (self._map_shm(handle) if handle["kind"] == "shm"
-                             else _map_cuda(handle, device))
+                seen[key] = mapper(handle)
             flats.append(seen[key])
         return flats
 
@@ -151,11 +156,16 @@ class KVRegistration:
                           f"{need} needed for {self.spec.num_layers} layers")
         return np.frombuffer(mm, dtype=np.uint64, count=need // 8)
 
+    def _map_fd(self, handle: dict) -> torch.Tensor:
+        """Host memory the engine handed over as an fd (a memfd, or an unlinked /dev/shm file):
+        no name anyone else could open, so only its owner and kind are checked."""
+        index = handle["index"]
+        if index >= len(self._fds):
+            raise OpError(ErrorCode.KV_MISMATCH, f"handle.index {index}: {len(self._fds)} fds came")
+        return torch.frombuffer(self._map_file(self._fds[index], f"fd {index}", private=False),
+                                dtype=torch.uint8)
+
     def _open_segment(self, name: str) -> mmap.mmap:
-        if not sigbus.available():
-            raise OpError(ErrorCode.KV_MISMATCH, "the engine's shared memory (CPU KV, order words) "
-                          "cannot be mapped safely: kvcached.copy._sigbus is not built (reinstall kvcached "
-                          "with a C compiler present)")
         try:
             shm = posix_ipc.SharedMemory(name, flags=0)
         except posix_ipc.ExistentialError:
@@ -163,19 +173,31 @@ class KVRegistration:
         except posix_ipc.PermissionsError:
             raise OpError(ErrorCode.KV_MISMATCH, f"KV segment {name} is not readable by the daemon") from None
         try:
-            st = os.fstat(shm.fd)
-            if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
-                raise OpError(ErrorCode.KV_MISMATCH,
-                              f"KV segment {name} belongs to uid {st.st_uid}, not to the daemon's "
-                              f"uid {os.getuid()}: refused")
-            if st.st_mode & 0o022:
-                raise OpError(ErrorCode.KV_MISMATCH, f"KV segment {name} is writable by group or "
-                              f"others (mode {st.st_mode & 0o777:o}): refused")
-            if st.st_size == 0:
-                raise OpError(ErrorCode.KV_MISMATCH, f"KV segment {name} is empty")
-            mm = mmap.mmap(shm.fd, st.st_size)
+            return self._map_file(shm.fd, name, private=True)
         finally:
             shm.close_fd()
+
+    def _map_file(self, fd: int, name: str, private: bool) -> mmap.mmap:
+        """Map a file of the daemon's uid whole, SIGBUS-guarded and prefaulted. private: it has
+        a name others could reach, so group or others may not write it."""
+        if not sigbus.available():
+            raise OpError(ErrorCode.KV_MISMATCH, "the engine's shared memory (CPU KV, order words) "
+                          "cannot be mapped safely: kvcached.copy._sigbus is not built (reinstall kvcached "
+                          "with a C compiler present)")
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
+            raise OpError(ErrorCode.KV_MISMATCH,
+                          f"KV segment {name} belongs to uid {st.st_uid}, not to the daemon's "
+                          f"uid {os.getuid()}, or is no regular file: refused")
+        if private and st.st_mode & 0o022:
+            raise OpError(ErrorCode.KV_MISMATCH, f"KV segment {name} is writable by group or "
+                          f"others (mode {st.st_mode & 0o777:o}): refused")
+        if st.st_size == 0:
+            raise OpError(ErrorCode.KV_MISMATCH, f"KV segment {name} is empty")
+        try:
+            mm = mmap.mmap(fd, st.st_size)
+        except OSError as exc:  # e.g. an fd opened read-only
+            raise OpError(ErrorCode.KV_MISMATCH, f"KV segment {name} cannot be mapped: {exc}") from None
         guard = sigbus.GuardedMap(mm, len(mm))
         self._maps[name], self._guards[name] = mm, guard
         _prefault(mm)  # guarded: a segment shrunk meanwhile shows up as `lost`, not SIGBUS

@@ -29,7 +29,7 @@ from kvcached_proto import (
 from kvcached_proto.errors import CodedError
 from kvcached_proto.liveness import pid_alive
 from kvcached_proto.messages import reply_for
-from kvcached_proto.paths import request_endpoint, status_endpoint
+from kvcached_proto.paths import fd_socket_path, request_endpoint, status_endpoint
 from kvcached_proto.request_frame import WHOLE_BYTES
 from kvcached_proto.shm_layout import Flag, State
 from kvcached_proto.version import PROTOCOL_VERSION
@@ -45,6 +45,7 @@ from .control import ControlWorker
 from .kv_sweep import sweep_kv_segments, sweep_when_gone
 from .connections import ConnectionGuard, connection_cap, raise_files_limit
 from .metrics import Metrics
+from .fd_inbox import FdInbox
 from .run_dir import prepare_run_dir, remove_instance_files, sweep_socket_files, take_instance_lock
 from .sockets import curve_router, ipc_router
 from .status import StatusThread
@@ -91,6 +92,7 @@ class Daemon:
         self.status_block: StatusSegment | None = None
         self.service: CacheService | None = None
         self._status_thread: StatusThread | None = None
+        self.fd_inbox: FdInbox | None = None
         self.metrics: Metrics | None = None
         self._handlers = {  # the ops a client may send before hello
             Op.HELLO: self._op_hello,
@@ -151,6 +153,9 @@ class Daemon:
             self._ctx, status_endpoint(cfg.run_dir, cfg.instance), self.status
         )
         self._status_thread.start()
+        self.fd_inbox = FdInbox(fd_socket_path(cfg.run_dir, cfg.instance))  # engines' memfds
+        self.fd_inbox.start()
+        self.service.fd_inbox = self.fd_inbox
         self._install_signal_handlers()
         self.status_block.set_state(State.NORMAL)
         self.status_block.set_flag(Flag.UP)
@@ -212,6 +217,9 @@ class Daemon:
         if self._status_thread is not None:
             self._status_thread.stop()
             self._status_thread = None
+        if self.fd_inbox is not None:
+            self.fd_inbox.close()
+            self.fd_inbox = None
         if self.events is not None:
             self.events.close()
         for mon in self._monitors:

@@ -9,6 +9,7 @@ copy.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Callable
 
 import torch
@@ -26,7 +27,7 @@ from ..errors import OpError
 from .host_tier import HostTier
 from .load_flow import LoadFlow
 from .offload_flow import OffloadFlow
-from .registration import Registered, checked_layout
+from .registration import Registered, checked_layout, claim_fds
 from .report import check_service, status_of
 from .task_table import TaskTable
 
@@ -46,6 +47,7 @@ class CacheService:
         self.host = HostTier(cfg)
         status_block.set_flag(Flag.HOST_POOL_READY)
         self.reg = Registered()  # the engine's KV mapping and its copier
+        self.fd_inbox = None  # the server's FdInbox: fds an engine handed over (fd_pass.py)
         self.table = TaskTable(self.host.lock, status_block, events)  # ids, slots, counters, the end
         self.hits = {"lookups": 0, "keys": 0, "host_hits": 0, "storage_hits": 0,
                      "loaded_from_host": 0, "loaded_from_storage": 0}
@@ -81,7 +83,7 @@ class CacheService:
 
     def capabilities(self) -> list[str]:
         return ["layerwise_load", "host_tier", f"host_layout:{self.cfg.host_layout}",
-                "cuda_ipc" if self.cfg.device.startswith("cuda") else "cpu_shm"]
+                *(["cuda_ipc"] if self.cfg.device.startswith("cuda") else ["cpu_shm", "fd_pool"])]
 
     @property
     def kv(self) -> KVRegistration | None:
@@ -91,7 +93,12 @@ class CacheService:
     def _register_kv(self, client, req) -> RegisterKvReply:
         spec = checked_layout(req.body["layout"], client.client_id, self.reg.kv, self.cfg.device,
                               self.host.pool.capacity_bytes)
-        reg = KVRegistration(spec, client.client_id, self.cfg.device)  # maps or raises, changing nothing
+        fds = claim_fds(spec, self.fd_inbox)
+        try:  # maps or raises, changing nothing; the fds go either way (the mappings stay)
+            reg = KVRegistration(spec, client.client_id, self.cfg.device, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
         try:
             copier, kept = self._install(spec, reg)
         except BaseException:

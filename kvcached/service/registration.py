@@ -4,7 +4,7 @@ fits the host pool; and what it left (Registered)."""
 from __future__ import annotations
 
 from kvcached_proto import ErrorCode
-from kvcached_proto.layout import LayoutSpec, parse_layout, require_order_segment
+from kvcached_proto.layout import LayoutSpec, fd_token, parse_layout, require_order_segment
 
 from ..copy.kv_mapping import KVRegistration
 from ..copy.transfer import TaskAbort
@@ -20,6 +20,7 @@ def checked_layout(layout: dict, client_id: str, kv, device: str, pool_bytes: in
                       "--instance NAME`), or that engine unregisters or exits first")
     spec = parse_layout(layout)
     require_order_segment(spec)
+    fd_token(spec)
     if spec.device.split(":")[0] != device.split(":")[0]:
         why = (" (a CPU staging copy of the engine's KV: a CUDA daemon copies into the engine's own "
                "CUDA KV and stages nothing; run this daemon with --device cpu to stage)"
@@ -30,6 +31,19 @@ def checked_layout(layout: dict, client_id: str, kv, device: str, pool_bytes: in
                       f"one block across layers is {spec.page_bytes} bytes, more than the "
                       f"host pool ({pool_bytes}); raise --host-cache-gb")
     return spec
+
+
+def claim_fds(spec: LayoutSpec, inbox) -> list[int]:
+    """The fds a layout's fd allocations index, taken from the fd socket's inbox (the caller
+    closes them); [] for a layout without any. KV_MISMATCH when none wait under its token."""
+    token = fd_token(spec)
+    if token is None:
+        return []
+    fds = inbox.claim(token) if inbox is not None else None
+    if fds is None:
+        raise OpError(ErrorCode.KV_MISMATCH, "allocations: no fds wait under this token (they are "
+                      "claimed by one register_kv, and closed if none comes within 60 s)")
+    return fds
 
 
 class KVLost(TaskAbort):

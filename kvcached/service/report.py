@@ -84,4 +84,12 @@ def status_of(svc) -> dict:
             "bytes": dict(svc.table.counters.bytes),
             "lookups": dict(svc.hits),
             "storage_io": dict(svc.storage.counters),
+            "fds": _fds_status(svc.fd_inbox),
         }
+
+
+def _fds_status(inbox) -> dict:
+    """The fd socket (fd_pass.py): sets of fds waiting for a registration, taken, refused."""
+    if inbox is None:
+        return {"pending": 0, "received": 0, "refused": 0}
+    return {"pending": inbox.pending, "received": inbox.received, "refused": inbox.refused}

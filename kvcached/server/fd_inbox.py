@@ -1,0 +1,143 @@
+"""The fd socket: where an engine hands the daemon memory only it can name (kvcached_proto.fd_pass).
+
+One thread accepts on `{run_dir}/{instance}.fds.sock`, one connection at a time, each bounded
+(CONN_TIMEOUT_S to send its one message): a peer of another uid (SO_PEERCRED) is refused before
+anything is read, a message that is not the protocol's has whatever fds came with it closed.
+The fds wait under a random token until a `register_kv` claims them (claim() hands them over
+whole: the registration maps what it names and closes them all) or until TOKEN_TTL_S passes;
+at most MAX_PENDING tokens wait, so a flood of fds costs the daemon a bounded number of files.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+
+from kvcached_proto.fd_pass import MAX_FDS, MAX_PENDING, TOKEN_TTL_S, parse_request
+
+log = logging.getLogger(__name__)
+
+CONN_TIMEOUT_S = 1.0
+_CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def _close_all(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+class FdInbox(threading.Thread):
+    def __init__(self, path: str):
+        super().__init__(name="kvcached-fds", daemon=True)
+        self.path = path
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.bind(path)  # under the daemon's umask 077: 0600
+            self._sock.listen(16)
+            self._sock.settimeout(0.2)
+        except BaseException:
+            self._sock.close()
+            raise
+        self._pending: dict[str, tuple[float, list[int]]] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self.received = self.refused = 0
+
+    # the engine's side ------------------------------------------------------
+    def run(self) -> None:
+        while not self._stopping.is_set():
+            self._expire()
+            try:
+                conn, _ = self._sock.accept()
+            except socket.timeout:
+                continue
+            except OSError as exc:
+                if not self._stopping.is_set():
+                    log.error("[fds] accept failed: %s", exc)
+                    time.sleep(0.2)
+                continue
+            with conn:
+                try:
+                    reply = self._take(conn)
+                except OSError as exc:  # timed out, or the peer left: nothing was kept
+                    reply = b"ER" + str(exc).encode()[:200]
+                try:
+                    conn.sendall(reply)
+                except OSError:
+                    pass
+
+    def _take(self, conn: socket.socket) -> bytes:
+        conn.settimeout(CONN_TIMEOUT_S)
+        pid, uid, _ = _CREDS.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))
+        data, ancdata, flags, _ = conn.recvmsg(64, socket.CMSG_SPACE(MAX_FDS * 4))
+        fds = _fds_of(ancdata)  # read whole (a reply to an unread message resets the peer)
+        why = parse_request(data, fds)
+        if uid != os.getuid():
+            why = f"uid {uid} is not the daemon's ({os.getuid()})"
+        if why is None and flags & socket.MSG_CTRUNC:
+            why = f"more than {MAX_FDS} fds"
+        with self._lock:
+            if why is None and len(self._pending) >= MAX_PENDING:
+                why = f"{MAX_PENDING} sets of fds wait to be registered; retry later"
+            if why is None:
+                token = secrets.token_hex(16)
+                self._pending[token] = (time.monotonic(), fds)
+                self.received += 1
+                log.info("[fds] %d fds from pid %d wait under a token", len(fds), pid)
+                return b"OK" + token.encode()
+        _close_all(fds)
+        self.refused += 1
+        log.warning("[fds] refused a message from pid %d: %s", pid, why)
+        return b"ER" + why.encode()
+
+    # the daemon's side --------------------------------------------------------
+    def claim(self, token: str) -> list[int] | None:
+        """The fds sent under `token` (the caller's to close from now on), or None."""
+        with self._lock:
+            got = self._pending.pop(token, None)
+        return None if got is None else got[1]
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            old = [t for t, (at, _) in self._pending.items() if now - at > TOKEN_TTL_S]
+            gone = [self._pending.pop(t)[1] for t in old]
+        for fds in gone:
+            log.warning("[fds] %d fds were not registered within %.0f s: closed", len(fds), TOKEN_TTL_S)
+            _close_all(fds)
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def close(self) -> None:
+        self._stopping.set()
+        if self.is_alive():
+            self.join(timeout=2.0)
+        self._sock.close()
+        with self._lock:
+            pending, self._pending = list(self._pending.values()), {}
+        for _, fds in pending:
+            _close_all(fds)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _fds_of(ancdata) -> list[int]:
+    """Every fd that came, whatever else is wrong with the message (each must be closed)."""
+    fds: list[int] = []
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(data) - len(data) % 4
+            fds.extend(struct.unpack(f"{usable // 4}i", data[:usable]))
+    return fds
