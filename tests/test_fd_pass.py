@@ -15,10 +15,11 @@ import time
 
 import numpy as np
 import pytest
-from conftest import keys_for, wait_until
+from conftest import keys_for, small_kv, wait_until
 from test_security import run_as_other_uid
 
 from kvcached_client.host_memory import register_host_memory
+from kvcached_client.kv_alloc import unlink_kv_cache
 from kvcached_proto import ErrorCode, RequestError, TaskFailed
 from kvcached_proto.fd_pass import MAGIC, MAX_PENDING, FdPassError, fd_socket_path, send_fds
 
@@ -233,3 +234,58 @@ def test_no_fd_socket_is_a_clear_error():
     with tempfile.TemporaryDirectory(prefix="kvt-") as d:
         with pytest.raises(FdPassError, match="handing 1 fds"):
             send_fds(fd_socket_path(d, "nobody"), [0], timeout=1.0)
+
+
+def test_host_pools_of_one_geometry_share_an_instance(daemon):
+    """Two engines' fd host pools side by side (SGLang ranks or replicas on one daemon): each
+    copies its own pool, pages one stores the other loads, one leaving costs the other nothing;
+    a pool of another geometry and a non-fd KV cache are refused while they are registered."""
+    (fa, a), (fb, b) = _memfd(), _memfd()
+    a[:] = np.random.default_rng(2).integers(0, 256, a.size, dtype=np.uint8)
+    b[:] = 0
+    keys = keys_for(2, seed=13)
+    with daemon.connect() as ca, daemon.connect() as cb:
+        register_host_memory(ca, _layout(), [fa])
+        register_host_memory(cb, _layout(), [fb])
+        assert ca.status()["kv"]["engines"] == 2
+        assert ca.offload([4, 5], keys).wait(10)["stored"] == 2
+        a_before = a.copy()
+        assert cb.load(keys, [7, 8]).wait(10) == 2
+        assert np.array_equal(_blocks(b, [7, 8]), _blocks(a, [4, 5]))
+        assert not _blocks(b, [4, 5]).any() and np.array_equal(a, a_before)  # each its own pool
+        fc, _ = _memfd(2 * 8 * B)
+        with daemon.connect() as cc:
+            register_host_memory(cc, _layout(num_blocks=8), [fc])  # fewer pages: one geometry
+            cc.unregister_kv_cache()
+            other = dict(_layout(num_blocks=8), kv_layout="another-model")
+            with pytest.raises(RequestError) as e:
+                register_host_memory(cc, other, [fc])  # another geometry
+            assert e.value.code == ErrorCode.KV_IN_USE and "same geometry" in str(e.value)
+            kv = small_kv(num_layers=1, num_blocks=8)
+            with pytest.raises(RequestError) as e:
+                cc.register_kv_cache(kv)  # an engine's own KV: one engine per instance
+            assert e.value.code == ErrorCode.KV_IN_USE
+            assert unlink_kv_cache(kv) == 1
+        os.close(fc)
+        ca.unregister_kv_cache()
+        b[:] = 0
+        assert cb.load(keys, [1, 2]).wait(10) == 2  # b goes on without a
+        assert np.array_equal(_blocks(b, [1, 2]), _blocks(a, [4, 5]))
+        with pytest.raises(RequestError) as e:
+            ca.load(keys, [1, 2])  # a's registration is gone, and b's is not a's to use
+        assert e.value.code == ErrorCode.FORBIDDEN
+    for fd in (fa, fb):
+        os.close(fd)
+
+
+def test_an_fd_pool_is_refused_beside_an_engines_own_kv(daemon):
+    kv = small_kv(num_layers=1, num_blocks=8)
+    fd, _ = _memfd()
+    with daemon.connect() as engine, daemon.connect() as pool:
+        engine.register_kv_cache(kv)
+        with pytest.raises(RequestError) as e:
+            register_host_memory(pool, _layout(), [fd])
+        assert e.value.code == ErrorCode.KV_IN_USE and "one engine per instance" in str(e.value)
+        engine.unregister_kv_cache()
+    assert unlink_kv_cache(kv) == 1
+    os.close(fd)

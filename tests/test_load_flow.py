@@ -165,7 +165,7 @@ class DictCopier:
 
 class FakeKV:
     def __init__(self, spec):
-        self.spec, self.lost, self.order = spec, None, None
+        self.spec, self.lost, self.order, self.owner, self.retired = spec, None, None, "engine", None
 
 
 class Req:
@@ -191,13 +191,14 @@ def flows(spec):
     events, status = Events(), StatusBlock()
     table = TaskTable(host.lock, status, events)
     reg = Registered()
-    reg.kv, reg.copier = FakeKV(spec), DictCopier(host.pool)
+    copier = DictCopier(host.pool)
+    reg.put(Client.client_id, FakeKV(spec), copier)
     hits = {"loaded_from_host": 0, "loaded_from_storage": 0}
     loads = LoadFlow(cfg, host, table, status, reg, hits)
     store = DictStore()
     loads.storage.tiers.backends.append(store)
     offloads = OffloadFlow(host, table, reg, loads)
-    yield loads, offloads, store, reg.copier, events, hits
+    yield loads, offloads, store, copier, events, hits
     for w in (loads.worker, offloads.worker, loads.storage.fetcher):
         w.stop()
     loads.storage.backer.stop(timeout=10)

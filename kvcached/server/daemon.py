@@ -3,7 +3,8 @@
 One thread owns the ROUTER request socket and dispatches every request; worker threads hand
 task completions back through an EventSink (a queue and an eventfd polled beside the socket;
 task_events.py), so only this thread ever writes to the ROUTER. Who may send which op is
-access.py's. The status REP socket has its own thread, so a busy data path cannot starve it.
+access.py's. The status REP socket and the fd socket (fd_inbox.py) have threads of their own, so
+a busy data path cannot starve them.
 Signals only set the stop flag; SIGTERM, SIGINT and the `shutdown` op take one path out.
 """
 from __future__ import annotations
@@ -211,15 +212,11 @@ class Daemon:
                 sweep_kv_segments(pid)
 
     def _close_sockets(self) -> None:
-        if self.metrics is not None:
-            self.metrics.close()
-            self.metrics = None
-        if self._status_thread is not None:
-            self._status_thread.stop()
-            self._status_thread = None
-        if self.fd_inbox is not None:
-            self.fd_inbox.close()
-            self.fd_inbox = None
+        for name in ("metrics", "_status_thread", "fd_inbox"):  # each on a thread of its own
+            part = getattr(self, name)
+            if part is not None:
+                part.stop() if name == "_status_thread" else part.close()
+                setattr(self, name, None)
         if self.events is not None:
             self.events.close()
         for mon in self._monitors:
@@ -382,10 +379,11 @@ class Daemon:
         if client is None:
             raise OpError(ErrorCode.NOT_HELLO, f"{req.op.name.lower()} before hello")
         spec = OP_SPECS[req.op]
+        kv = self.service.kv_for(client.client_id) if self.service is not None else None
         if spec.admin:
-            check_admin(self.service.kv if self.service is not None else None, client, req.op)
+            check_admin(kv, client, req.op)
         if spec.needs_kv:
-            check_kv_owner(self.service.kv, client, req.op)
+            check_kv_owner(kv, client, req.op)
         if req.op == Op.SHUTDOWN:
             return self._op_shutdown(routing_id, req)
         if self.stop_requested.is_set():
@@ -476,12 +474,9 @@ class Daemon:
     def status(self) -> dict:
         sig = self.status_block
         status = {
-            "instance": self.cfg.instance,
-            "pid": os.getpid(),
-            "epoch": sig.epoch if sig else 0,
+            "instance": self.cfg.instance, "pid": os.getpid(), "epoch": sig.epoch if sig else 0,
             "state": sig.state.name.lower() if sig else "stopping",
-            "protocol_version": list(PROTOCOL_VERSION),
-            "daemon_version": __version__,
+            "protocol_version": list(PROTOCOL_VERSION), "daemon_version": __version__,
             "uptime_s": round((time.monotonic_ns() - self.started_ns) / 1e9, 3),
             "device": self.cfg.device,
             "run_dir": self.cfg.run_dir,

@@ -77,8 +77,8 @@ class CacheService:
     def handle(self, client, req) -> dict:
         """An op from a client the server has checked (hello; for the ops that need the KV
         cache, that it is registered and this client's)."""
-        if OP_SPECS[req.op].needs_kv and self.reg.kv.lost:
-            raise OpError(ErrorCode.KV_MISMATCH, self.reg.kv.lost)
+        if OP_SPECS[req.op].needs_kv and self.reg.of(client.client_id).lost:
+            raise OpError(ErrorCode.KV_MISMATCH, self.reg.of(client.client_id).lost)
         return self._handlers[req.op](client, req)
 
     def capabilities(self) -> list[str]:
@@ -89,9 +89,13 @@ class CacheService:
     def kv(self) -> KVRegistration | None:
         return self.reg.kv
 
+    def kv_for(self, client_id: str) -> KVRegistration | None:
+        """The client's own registration, else the first one (whose owner a refusal names)."""
+        return self.reg.of(client_id) or self.reg.kv
+
     # registration ---------------------------------------------------------
     def _register_kv(self, client, req) -> RegisterKvReply:
-        spec = checked_layout(req.body["layout"], client.client_id, self.reg.kv, self.cfg.device,
+        spec = checked_layout(req.body["layout"], client.client_id, self.reg, self.cfg.device,
                               self.host.pool.capacity_bytes)
         fds = claim_fds(spec, self.fd_inbox)
         try:  # maps or raises, changing nothing; the fds go either way (the mappings stay)
@@ -108,8 +112,8 @@ class CacheService:
             raise
         self.status_block.set_flag(Flag.KV_REGISTERED)
         log.info("[kv] %s registered %d layers x %d parts, %d device blocks; %d host blocks kept (copy "
-                 "strategy %s)", client.client_id, spec.num_layers, len(spec.parts), spec.num_blocks, kept,
-                 copier.strategy)
+                 "strategy %s; %d engine(s) registered)", client.client_id, spec.num_layers,
+                 len(spec.parts), spec.num_blocks, kept, copier.strategy, len(self.reg.all_kv()))
         return RegisterKvReply(host_blocks=self.host.pool.num_blocks, kept_blocks=kept,
                                page_bytes=spec.page_bytes, num_slots=NUM_SLOTS,
                                copy_strategy=copier.strategy, **copier.registration_reply())
@@ -121,7 +125,6 @@ class CacheService:
         self._drain("register_kv", cancel_queued=known is not None and known.geometry() != spec.geometry())
         try:
             with self.host.lock:
-                old, old_copier = self.reg.kv, self.reg.copier
                 try:
                     new_geometry = self.host.pool.configure(spec)
                 except RuntimeError as exc:  # pinning the new layout; the pool is as it was
@@ -133,44 +136,50 @@ class CacheService:
                 try:
                     copier = make_copier(spec.device, self.cfg.copy_strategy, reg.views,
                                          self.host.pool, spec.num_layers, reg.order)
-                finally:  # the old registration goes either way (a CUDA error leaves none)
-                    for gone in (old_copier, old):
-                        if gone is not None:
-                            gone.close()
-                    self.reg.kv = self.reg.copier = None
-                self.reg.kv, self.reg.copier = reg, copier
+                finally:  # the client's old registration goes either way (a CUDA error leaves
+                    # none), and those of engines that are gone (one engine per instance)
+                    retired = [kv.owner for kv in self.reg.all_kv() if kv.retired or new_geometry]
+                    for owner in {reg.owner, *retired}:
+                        for gone in reversed(self.reg.pop(owner)):
+                            if gone is not None:
+                                gone.close()
+                self.reg.put(reg.owner, reg, copier)
         finally:
             self._undrain()
         return copier, kept
 
     def _unregister_kv(self, client, req) -> Empty:
-        if self.reg.kv is None:
+        """The client's own registration; an operator's (or a lone engine's): the first one."""
+        kv = self.reg.of(client.client_id) or self.reg.kv
+        if kv is None:
             raise OpError(ErrorCode.NOT_REGISTERED, "no KV is registered")
-        self._drop_kv("unregister_kv")
+        self._drop_kv("unregister_kv", kv.owner)
         return Empty()
 
-    def _drop_kv(self, why: str) -> None:
-        """Unmap the engine's KV once the copies in flight have drained."""
+    def _drop_kv(self, why: str, owner: str) -> None:
+        """Unmap an engine's KV once the copies in flight have drained."""
         self._drain(why)
         try:
             with self.host.lock:
-                old, self.reg.kv, copier, self.reg.copier = self.reg.kv, None, self.reg.copier, None
+                old, copier = self.reg.pop(owner)
             if copier is not None:
                 copier.close()
-            old.close()
+            if old is not None:
+                old.close()
         finally:
             self._undrain()
-        self.status_block.set_flag(Flag.KV_REGISTERED, False)
+        if self.reg.kv is None:
+            self.status_block.set_flag(Flag.KV_REGISTERED, False)
 
     # data ops -------------------------------------------------------------
-    def _checked(self, req) -> tuple:
+    def _checked(self, client, req) -> tuple:
         """(the request's device blocks, its fence) once the ids and the queue allow it."""
-        blocks = req.body["blocks"]
-        if len(blocks) and int(blocks.max()) >= self.reg.kv.spec.num_blocks:
+        blocks, kv = req.body["blocks"], self.reg.of(client.client_id)
+        if len(blocks) and int(blocks.max()) >= kv.spec.num_blocks:
             raise OpError(ErrorCode.BAD_FIELD,
-                          f"blocks: id {int(blocks.max())} >= {self.reg.kv.spec.num_blocks} device blocks")
+                          f"blocks: id {int(blocks.max())} >= {kv.spec.num_blocks} device blocks")
         self._check_queue()
-        return blocks, self._fence(req)
+        return blocks, self._fence(kv, req)
 
     def _check_queue(self) -> None:
         queued = sum(w.queued for w in (self.loads.worker, self.offloads.worker, self.storage.fetcher))
@@ -178,15 +187,15 @@ class CacheService:
             raise OpError(ErrorCode.BUSY, f"{self.cfg.max_queued_tasks} tasks queued "
                           "(--max-queued-tasks); retry later")
 
-    def _fence(self, req) -> tuple[int, int] | None:
+    def _fence(self, kv, req) -> tuple[int, int] | None:
         """The engine's order word and value its work on the blocks must reach first (the
         writes of an offload's blocks, the last reads of a load's)."""
         word, fence = req.body.get("fence_word", 0), req.body.get("fence", 0)
-        if self.reg.kv.order is None:
+        if kv.order is None:
             if fence:
                 raise OpError(ErrorCode.BAD_FIELD, "fence: this registration has no order_segment")
             return None
-        return self.reg.kv.order.check_fence(word, fence)
+        return kv.order.check_fence(word, fence)
 
     def _lookup(self, client, req) -> LookupReply:
         keys = req.body["keys"]
@@ -208,10 +217,10 @@ class CacheService:
         return self.storage.prefetch(client, req)
 
     def _offload(self, client, req) -> OffloadReply:
-        return self.offloads.start(client, req, *self._checked(req))
+        return self.offloads.start(client, req, *self._checked(client, req))
 
     def _load(self, client, req) -> LoadReply:
-        return self.loads.start(client, req, *self._checked(req))
+        return self.loads.start(client, req, *self._checked(client, req))
 
     def _cancel(self, client, req) -> CancelReply:
         task_id = req.body["task"]
@@ -310,20 +319,21 @@ class CacheService:
         for worker in (self.storage.fetcher, self.loads.worker, self.offloads.worker):
             self._finish_cancelled(worker.remove_queued(mine))
         self._finish_cancelled(self.loads.take_parked(mine))
-        if dead and self.reg.kv is not None and self.reg.kv.owner == client.client_id:
-            if self.reg.kv.order is not None:  # copies waiting for fences it will never write go on
-                self.reg.kv.order.release_fences()  # (its tasks are cancelled: nothing is kept)
+        kv = self.reg.of(client.client_id)
+        if dead and kv is not None:
+            if kv.order is not None:  # copies waiting for fences it will never write go on
+                kv.order.release_fences()  # (its tasks are cancelled: nothing is kept)
             # no op may use the mapping from now on (a hello reusing the client id included),
             # though it is unmapped only after the drain, off this thread
-            self.reg.kv.retired = f"the engine that registered this KV cache ({client.client_id}) is gone"
+            kv.retired = f"the engine that registered this KV cache ({client.client_id}) is gone"
             self.defer(lambda: self._drop_kv_of(client.client_id))
 
     def _drop_kv_of(self, client_id: str) -> None:
         """The KV mapping of a client that went away, once the copies in flight drained (if
         they do not within the drain timeout, the mapping stays retired: the next engine's
         register_kv replaces it)."""
-        if self.reg.kv is not None and self.reg.kv.owner == client_id:
-            self._drop_kv("client gone")
+        if self.reg.of(client_id) is not None:
+            self._drop_kv("client gone", client_id)
             log.info("[clients] dropped the KV mapping of client %s (gone)", client_id)
 
     def check(self) -> str:
@@ -349,7 +359,6 @@ class CacheService:
         self.storage.backer.stop(timeout=DRAIN_TIMEOUT_S)
         self.storage.tiers.close()
         with self.host.lock:
-            if self.reg.kv is not None:
-                self.reg.kv.close()
-                self.reg.kv = None
+            for kv, _ in self.reg.pop_all():
+                kv.close()
         self.host.pool.close()

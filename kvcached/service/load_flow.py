@@ -19,7 +19,7 @@ from kvcached_proto.replies import LoadReply
 from ..copy.transfer import CopyTask, TaskKind, TransferWorker
 from ..host.index import READY, WRITING
 from .host_tier import HostTier
-from .registration import Registered
+from .registration import KVLost, Registered
 from .storage_flow import StorageFlow
 from .task_table import TaskTable
 
@@ -143,24 +143,41 @@ class LoadFlow:
 
     # the load worker ----------------------------------------------------------
     def run(self, batch: list[CopyTask]) -> None:
-        copier, num_layers = self.reg.copier, self.reg.num_layers
+        """The load worker: the batch's copies layer by layer, each task with its own engine's
+        copier."""
         plans = []
-        for task in batch:
+        for task in self.runnable(batch):
+            copier = self.reg.copier_of(task.client_id)
             task.started_ns = time.monotonic_ns()
             self.status_block.slot_set_valid(task.slot, task.num_blocks)
-            plans.append((task, copier.plan(TaskKind.LOAD, task.dev_blocks, task.host_blocks)))
+            plans.append((task, copier, copier.plan(TaskKind.LOAD, task.dev_blocks, task.host_blocks)))
             copier.begin_load(task)  # the copies wait for the engine's fence
-        for layer in range(num_layers):
-            for task, plan in plans:
+        for layer in range(self.reg.num_layers if plans else 0):
+            for task, copier, plan in plans:
                 if task.cancelled:
                     continue
                 task.bytes_moved += copier.load_layer(layer, plan)
                 copier.layer_loaded(task, layer)  # the slot's order word for the layer
                 self.status_block.slot_layer_done(task.slot, layer + 1)
-        copier.sync(TaskKind.LOAD)  # every copy landed before the host blocks are unpinned
-        self.reg.check_intact()
-        for task, _ in plans:
+        for copier in {id(c): c for _, c, _ in plans}.values():
+            copier.sync(TaskKind.LOAD)  # every copy landed before the host blocks are unpinned
+        for task in self.intact([t for t, _, _ in plans]):
             self.complete(task)
+
+    def runnable(self, batch: list[CopyTask]) -> list[CopyTask]:
+        """The batch's tasks whose engine is still registered; the others fail here."""
+        gone = [t for t in batch if self.reg.of(t.client_id) is None]
+        if gone:
+            self.failed(gone, KVLost("its KV cache was unregistered before the copy ran"))
+        return [t for t in batch if self.reg.of(t.client_id) is not None]
+
+    def intact(self, tasks: list[CopyTask]) -> list[CopyTask]:
+        """After the copies: the tasks whose engine's memory held (the others fail: what they
+        copied is zero pages where a segment shrank, not that engine's KV)."""
+        lost = self.reg.lost_owners(tasks)
+        for owner, why in lost.items():
+            self.failed([t for t in tasks if t.client_id == owner], KVLost(why))
+        return [t for t in tasks if t.client_id not in lost]
 
     def complete(self, task: CopyTask) -> None:
         loaded = 0 if task.cancelled else task.num_blocks

@@ -57,9 +57,10 @@ class OffloadFlow:
         return OffloadReply(task=task.task_id, stored=len(entries), skipped=len(held), accepted=accepted)
 
     def run(self, batch: list[CopyTask]) -> None:
-        """The offload worker: each task's copies, chunk by chunk and layer by layer."""
-        copier, num_layers = self.reg.copier, self.reg.num_layers
-        for task in batch:
+        """The offload worker: each task's copies, chunk by chunk and layer by layer, with its
+        own engine's copier."""
+        for task in self.loads.runnable(batch):
+            copier, num_layers = self.reg.copier_of(task.client_id), self.reg.num_layers
             task.started_ns = time.monotonic_ns()
             dev_all = task.dev_blocks
             copier.begin_offload(task)  # the copies wait for the engine's fence
@@ -71,12 +72,13 @@ class OffloadFlow:
                 for layer in range(num_layers):
                     task.bytes_moved += copier.offload_layer(layer, plan)
             copier.sync(TaskKind.OFFLOAD)  # the host blocks hold the bytes before they are marked ready
-            self.reg.check_intact()  # raised: the batch fails, its host blocks are discarded
-            self.complete(task)
+            if self.loads.intact([task]):  # else it failed: its host blocks are discarded
+                self.complete(task)
 
     def complete(self, task: CopyTask) -> None:
         """The end of an offload that ran, or of one cancelled before it ran."""
-        order = self.reg.kv.order if self.reg.kv is not None else None
+        kv = self.reg.of(task.client_id)
+        order = kv.order if kv is not None else None
         if order is not None and order.revoked(task.fence):
             task.cancelled = True  # the engine reused the blocks before the copy was confirmed
         with self.host.lock:

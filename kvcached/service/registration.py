@@ -11,16 +11,29 @@ from ..copy.transfer import TaskAbort
 from ..errors import OpError
 
 
-def checked_layout(layout: dict, client_id: str, kv, device: str, pool_bytes: int) -> LayoutSpec:
+def _shares(spec: LayoutSpec) -> bool:
+    """Host memory handed over as fds (SGLang's host pools) may be registered beside other such
+    registrations of its geometry: they copy on the CPU, with no device of their own to own."""
+    return fd_token(spec) is not None
+
+
+def checked_layout(layout: dict, client_id: str, reg: "Registered", device: str,
+                   pool_bytes: int) -> LayoutSpec:
     """The layout's spec, or OpError (KV_IN_USE, KV_MISMATCH) changing nothing."""
-    if kv is not None and kv.owner != client_id and not kv.retired:
+    others = [kv for kv in reg.all_kv() if kv.owner != client_id and not kv.retired]
+    if any(not _shares(kv.spec) for kv in others):
         raise OpError(ErrorCode.KV_IN_USE,
-                      f"this instance already serves the KV cache of client {kv.owner}: "
+                      f"this instance already serves the KV cache of client {others[0].owner}: "
                       "one engine per instance (start another with `kvcached serve "
                       "--instance NAME`), or that engine unregisters or exits first")
     spec = parse_layout(layout)
     require_order_segment(spec)
     fd_token(spec)
+    if others and not (_shares(spec) and spec.geometry() == others[0].spec.geometry()):
+        raise OpError(ErrorCode.KV_IN_USE,
+                      f"this instance serves the host pools of {len(others)} engine(s) (client "
+                      f"{others[0].owner}); another may join only with a host pool of the same "
+                      "geometry (the same model and layout): start another instance for this one")
     if spec.device.split(":")[0] != device.split(":")[0]:
         why = (" (a CPU staging copy of the engine's KV: a CUDA daemon copies into the engine's own "
                "CUDA KV and stages nothing; run this daemon with --device cpu to stage)"
@@ -51,22 +64,53 @@ class KVLost(TaskAbort):
 
 
 class Registered:
-    """The engine's KV mapping and the copier over it, as the last register_kv left them (both
-    None when no KV is registered). Replaced under the host tier's lock, with the workers
-    drained; the flows read them on their worker threads."""
+    """The engines' KV mappings and the copiers over them, by the client that registered each:
+    one engine per instance, except host pools handed over as fds (SGLang's), any number of one
+    geometry side by side (every rank and replica of a model on a host, one daemon). Changed
+    under the host tier's lock, with the workers drained; the flows read them on their worker
+    threads, each task through its own client's."""
 
     def __init__(self):
-        self.kv: KVRegistration | None = None
-        self.copier = None  # CpuCopier, StrategyCopier or CudaCopier (cuda_copier.make_copier)
+        self._by_owner: dict[str, tuple[KVRegistration, object]] = {}
+
+    @property
+    def kv(self) -> KVRegistration | None:
+        """The first registration (None when there is none)."""
+        return next(iter(self._by_owner.values()), (None, None))[0]
+
+    def of(self, owner: str) -> KVRegistration | None:
+        got = self._by_owner.get(owner)
+        return got[0] if got is not None else None
+
+    def copier_of(self, owner: str):
+        return self._by_owner[owner][1]
+
+    def all_kv(self) -> list[KVRegistration]:
+        return [kv for kv, _ in self._by_owner.values()]
+
+    def put(self, owner: str, kv: KVRegistration, copier) -> None:
+        self._by_owner[owner] = (kv, copier)
+
+    def pop(self, owner: str) -> tuple:
+        """(kv, copier) of `owner`, no longer registered ((None, None) if it was not)."""
+        return self._by_owner.pop(owner, (None, None))
+
+    def pop_all(self) -> list[tuple]:
+        gone, self._by_owner = list(self._by_owner.values()), {}
+        return gone
 
     @property
     def num_layers(self) -> int:
-        return self.kv.spec.num_layers
+        return self.kv.spec.num_layers  # one geometry for every registration
 
-    def check_intact(self) -> None:
-        """After a batch's copies: a segment that shrank under them means what was copied is
-        zero pages, not the engine's KV. Raising fails the whole batch (it is all this
-        registration's: one engine per instance)."""
-        lost = self.kv.lost
-        if lost:
-            raise KVLost(lost)
+    def lost_owners(self, tasks) -> dict[str, str]:
+        """After a batch's copies: the owners among `tasks` whose memory shrank under them (what
+        was copied for them is zero pages, not their KV), with why. Their tasks fail; the
+        others' stand."""
+        lost = {}
+        for owner in {t.client_id for t in tasks}:
+            kv = self.of(owner)
+            why = kv.lost if kv is not None else "its KV cache was unregistered"
+            if why:
+                lost[owner] = why
+        return lost

@@ -1,0 +1,100 @@
+"""What the SGLang backend reads from `--hicache-storage-backend-extra-config`, and the keys it
+holds SGLang's pages under.
+
+SGLang's own keys: `backend_name`, `module_path`, `class_name`, `interface_v1` (must be 1: the
+zero-copy batch_get_v1/batch_set_v1 calls, the only ones that page the host pool in place) and
+`allocator` (must be "shm": the host pool in memfds, which the daemon maps). kvcached's:
+
+| key | default | meaning |
+|---|---|---|
+| instance | "default" | the daemon; `{rank}`, `{dp_rank}`, `{pp_rank}` are filled in (one daemon may serve every rank's pool) |
+| instances | - | the daemons by tensor-parallel rank (instead of instance) |
+| run_dir | the CLI's | the daemons' run dir |
+| timeout_s | 5.0 | how long one call waits for the daemon |
+| hang_s | $KVCACHED_HANG_S or 2 | heartbeat gap after which the daemon counts as hung |
+| namespace | "" | a tenant salt: other salts share nothing |
+| weights_version | the checkpoint's identity | a new one voids the cache (weight updates) |
+
+A page's key is a 16-byte digest of the namespace - model, the pool's geometry (layout, page
+size, layers, heads, dtype), tensor-parallel rank and size (not for MLA, whose KV is the same on
+every rank), pipeline and context-parallel shard - and SGLang's page hash (already chained over
+the prefix), so two SGLang servers of one model and layout share pages through the daemon's
+tiers, and a restarted one finds its prefixes.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from ..hashing import make_namespace, weights_identity
+
+
+class ConfigError(ValueError):
+    """The extra-config asks for what the backend cannot do; the message names the key."""
+
+
+def _rank_instance(extra: dict, cfg) -> str:
+    if "instances" in extra:
+        instances = [str(i) for i in extra["instances"]]
+        if len(instances) != cfg.tp_size:
+            raise ConfigError(f"extra-config 'instances' lists {len(instances)} daemons for "
+                              f"tp_size {cfg.tp_size}: one per rank")
+        return instances[cfg.tp_rank]
+    instance = str(extra.get("instance", "default"))  # one daemon may serve every rank's pool
+    return (instance.replace("{rank}", str(cfg.tp_rank))
+            .replace("{dp_rank}", str(getattr(cfg, "dp_rank", 0)))
+            .replace("{pp_rank}", str(cfg.pp_rank)))
+
+
+@dataclass
+class Settings:
+    instance: str
+    run_dir: str | None
+    timeout_s: float
+    hang_s: float | None
+    tenant: str
+    weights_version: str
+
+    @classmethod
+    def of(cls, cfg) -> "Settings":
+        """From SGLang's HiCacheStorageConfig; ConfigError names the key that is wrong."""
+        extra = dict(cfg.extra_config or {})
+        if not int(extra.get("interface_v1", 0) or 0):
+            raise ConfigError("kvcached pages SGLang's host pool in place: add \"interface_v1\": 1 "
+                              "to --hicache-storage-backend-extra-config")
+        if extra.get("allocator") != "shm":
+            raise ConfigError("kvcached maps SGLang's host pool: add \"allocator\": \"shm\" to "
+                              "--hicache-storage-backend-extra-config")
+        try:
+            timeout = float(extra.get("timeout_s", 5.0))
+            hang = float(extra["hang_s"]) if "hang_s" in extra else None
+        except (TypeError, ValueError):
+            raise ConfigError("extra-config timeout_s and hang_s are seconds (numbers)") from None
+        if not timeout > 0:
+            raise ConfigError("extra-config timeout_s must be > 0")
+        model = cfg.model_name or ""
+        weights = str(extra.get("weights_version", "")) or weights_identity(model)
+        return cls(_rank_instance(extra, cfg), extra.get("run_dir"), timeout, hang,
+                   str(extra.get("namespace", "")), weights)
+
+
+class PageKeys:
+    """SGLang page hashes -> the daemon's 16-byte keys, under one namespace."""
+
+    def __init__(self, cfg, settings: Settings, kv_layout: str):
+        mla = bool(cfg.is_mla_model)
+        shard = (f"pp{cfg.pp_rank}/{cfg.pp_size}|cp{cfg.attn_cp_rank}/{cfg.attn_cp_size}|"
+                 f"dcp{getattr(cfg, 'dcp_rank', 0)}/{getattr(cfg, 'dcp_size', 1)}")
+        self.namespace = make_namespace(
+            cfg.model_name or "", "", f"sglang-hicache|{kv_layout}|{shard}",
+            0 if mla else cfg.tp_rank, 1 if mla else cfg.tp_size,
+            tenant=settings.tenant, weights_version=settings.weights_version)
+        self._base = hashlib.blake2b(self.namespace.encode() + b"\0", digest_size=16)
+
+    def __call__(self, page_hashes) -> list[bytes]:
+        out = []
+        for h in page_hashes:
+            d = self._base.copy()
+            d.update(str(h).encode())
+            out.append(d.digest())
+        return out

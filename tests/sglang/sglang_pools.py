@@ -1,0 +1,112 @@
+"""SGLang's own pieces, as SGLang builds them for HiCache on a host: its host pools (MHA and MLA,
+with the shm allocator), its storage config, and the backend made by its backend factory and
+attached the way its cache controller attaches one (create, register_mem_pool_host,
+on_host_pools_registered)."""
+from __future__ import annotations
+
+import json
+
+import torch
+import torchvision_standin
+
+torchvision_standin.install()
+
+from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo, MLABufferInfo  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+
+LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+LAYERS, HEADS, HEAD_DIM, PAGE = 4, 2, 16, 16
+DEVICE_TOKENS = 512
+
+
+def _ptrs(tensors) -> torch.Tensor:
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
+
+
+def mha_pool(layout: str, allocator: str = "shm", device_tokens: int = DEVICE_TOKENS, ratio: float = 2.0):
+    """SGLang's MHA host pool over a (stand-in) device pool of CPU tensors."""
+    k = tuple(torch.zeros(device_tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
+    v = tuple(torch.zeros(device_tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
+    info = MHABufferInfo(
+        buffers=KVBuffers(k=k, v=v, k_data_ptrs=_ptrs(k), v_data_ptrs=_ptrs(v), layout=KVBufferLayout.NHD),
+        page_size=PAGE, head_num=HEADS, head_dim=HEAD_DIM, v_head_dim=HEAD_DIM,
+        dtype=torch.bfloat16, device=torch.device("cpu"))
+    return MHATokenToKVPoolHost(info, ratio, 0, PAGE, layout, pin_memory=False, device="cpu",
+                                allocator_type=allocator, device_capacity_tokens=device_tokens,
+                                start_layer=0, end_layer=LAYERS)
+
+
+def mla_pool(layout: str, allocator: str = "shm", device_tokens: int = DEVICE_TOKENS, ratio: float = 2.0):
+    """SGLang's MLA host pool: one latent row (kv_lora_rank + rope) per token and layer."""
+    lora, rope = 32, 16
+    rows = tuple(torch.zeros(device_tokens, 1, lora + rope, dtype=torch.bfloat16) for _ in range(LAYERS))
+    info = MLABufferInfo(buffers=rows, data_ptrs=_ptrs(rows), layer_indices=tuple(range(LAYERS)),
+                         device_layer_num=LAYERS, page_size=PAGE, kv_lora_rank=lora,
+                         qk_rope_head_dim=rope, kv_cache_dim=lora + rope, dtype=torch.bfloat16,
+                         device=torch.device("cpu"))
+    return MLATokenToKVPoolHost(info, ratio, 0, PAGE, layout, pin_memory=False, device="cpu",
+                                allocator_type=allocator, device_capacity_tokens=device_tokens,
+                                start_layer=0, end_layer=LAYERS, target_layer_num=LAYERS)
+
+
+def make_pool(kind: str, layout: str, **kw):
+    return (mha_pool if kind == "mha" else mla_pool)(layout, **kw)
+
+
+def extra_config(instance: str, run_dir: str, **more) -> dict:
+    """The extra-config a user passes, as SGLang parses it (JSON on the command line)."""
+    cfg = {"backend_name": "kvcached", "module_path": "kvcached_client.sglang",
+           "class_name": "KvcachedHiCacheStorage", "interface_v1": 1, "allocator": "shm",
+           "instance": instance, "run_dir": run_dir, "timeout_s": 5.0, **more}
+    return json.loads(json.dumps(cfg))
+
+
+def storage_config(extra: dict, mla: bool = False, tp_rank: int = 0, tp_size: int = 1,
+                   layout: str = "page_first", model: str = "test-org/test-model"):
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=mla, enable_storage_metrics=True, is_page_first_layout=layout != "layer_first",
+        model_name=model, extra_config=extra)
+
+
+def attach(pool, extra: dict, mla: bool = False, **cfg_kw):
+    """The backend SGLang's factory builds from the extra-config, attached to `pool` in the order
+    SGLang's cache controller attaches one (what raises here fails SGLang's attach)."""
+    cfg = storage_config(extra, mla=mla, layout=pool.layout, **cfg_kw)
+    backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    backend.register_mem_pool_host(pool)
+    backend.on_host_pools_registered()
+    return backend
+
+
+def fill_random(pool, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    buf = pool.kv_buffer
+    buf.copy_(torch.randn(buf.shape, generator=gen).to(buf.dtype))
+
+
+def pages_of(pool, pages) -> torch.Tensor:
+    """SGLang's host indices of whole pages (what its page allocator hands out)."""
+    return torch.cat([torch.arange(p * pool.page_size, (p + 1) * pool.page_size) for p in pages])
+
+
+def page_bytes(pool, page: int) -> bytes:
+    """Every byte of one page, read through SGLang's own zero-copy metadata."""
+    import ctypes
+
+    ptrs, sizes = pool.get_page_buffer_meta(pages_of(pool, [page]))
+    return b"".join(ctypes.string_at(p, s) for p, s in zip(ptrs, sizes))
+
+
+def page_hashes(n: int, seed: int = 0) -> list[str]:
+    """SGLang's page hash strings of n chained pages."""
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    out, prior = [], None
+    for i in range(n):
+        prior = get_hash_str([seed * 100_000 + i * PAGE + t for t in range(PAGE)], prior)
+        out.append(prior)
+    return out

@@ -1,0 +1,289 @@
+"""kvcached as SGLang HiCache's storage backend, with SGLang's own pieces: its host pools (MHA and
+MLA in layer_first, page_first and page_first_direct, made by its shm allocator), its backend
+factory building the backend from the extra-config, its failure injector, and real daemons.
+Pages come back byte for byte into another SGLang instance's pool (through one daemon, and
+through the disk tier across a daemon restart); a killed daemon costs misses, never an exception
+or a wrong page. Runs in .venv-sglang (./scripts/test.sh --with-sglang)."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("sglang", reason="SGLang is installed in .venv-sglang: ./scripts/test.sh --with-sglang")
+pytestmark = pytest.mark.timeout(300)
+
+import sglang_pools as sp  # noqa: E402
+from conftest import disk_uri, sweep_crashed, unique_instance, wait_until  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo  # noqa: E402
+
+from kvcached_client import launch  # noqa: E402
+
+KINDS = ("mha", "mla")
+
+
+def _snapshot(pool, pages) -> list[bytes]:
+    return [sp.page_bytes(pool, p) for p in pages]
+
+
+@pytest.mark.parametrize("layout", sp.LAYOUTS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_pages_round_trip_into_another_instances_pool(daemon, kind, layout):
+    """SGLang A backs pages up and detaches; SGLang B (its own pool, its own memfds) attaches to
+    the same daemon and loads them into other pages, byte for byte; B's other pages and the page
+    of a key nobody stored are untouched."""
+    mla = kind == "mla"
+    a, b = sp.make_pool(kind, layout), sp.make_pool(kind, layout)
+    sp.fill_random(a, 1)
+    sp.fill_random(b, 2)
+    keys = sp.page_hashes(5, seed=3)
+    extra = sp.extra_config(daemon.instance, daemon.run_dir)
+    backend = sp.attach(a, extra, mla=mla)
+    assert backend.batch_exists(keys) == 0
+    assert backend.batch_set_v1(keys, sp.pages_of(a, [3, 4, 5, 6, 7])) == [True] * 5
+    assert backend.batch_exists(keys) == 5
+    want = _snapshot(a, [3, 4, 5, 6, 7])
+    backend.close()
+    assert not daemon.connect().status()["kv"]["registered"]  # detached: the pool is let go
+
+    reader = sp.attach(b, extra, mla=mla)
+    before = _snapshot(b, [1, 2, 20])
+    assert want[0] != sp.page_bytes(b, 10)  # the control: the target page holds other bytes
+    missing = sp.page_hashes(1, seed=99)
+    got = reader.batch_get_v1(keys + missing, sp.pages_of(b, [10, 11, 12, 13, 14, 20]))
+    assert got == [True] * 5 + [False]
+    assert _snapshot(b, [10, 11, 12, 13, 14]) == want
+    assert _snapshot(b, [1, 2, 20]) == before
+    assert reader.stats["got_pages"] == 5
+    reader.close()
+
+
+def test_two_instances_attached_at_once_share_pages_through_one_daemon(daemon):
+    """Two SGLang servers of one model on one host, both attached: what each backs up the other
+    loads byte for byte into its own pool; one detaching costs the other nothing."""
+    a, b = sp.make_pool("mha", "page_first"), sp.make_pool("mha", "page_first")
+    sp.fill_random(a, 21)
+    sp.fill_random(b, 22)
+    extra = sp.extra_config(daemon.instance, daemon.run_dir)
+    ba, bb = sp.attach(a, extra), sp.attach(b, extra)
+    assert daemon.connect().status()["kv"]["engines"] == 2
+    ka, kb = sp.page_hashes(3, seed=23), sp.page_hashes(3, seed=24)
+    assert ba.batch_set_v1(ka, sp.pages_of(a, [1, 2, 3])) == [True] * 3
+    assert bb.batch_set_v1(kb, sp.pages_of(b, [4, 5, 6])) == [True] * 3
+    a_pages, b_pages = _snapshot(a, [1, 2, 3]), _snapshot(b, [4, 5, 6])
+    assert bb.batch_get_v1(ka, sp.pages_of(b, [10, 11, 12])) == [True] * 3
+    assert ba.batch_get_v1(kb, sp.pages_of(a, [10, 11, 12])) == [True] * 3
+    assert _snapshot(b, [10, 11, 12]) == a_pages and _snapshot(a, [10, 11, 12]) == b_pages
+    ba.close()
+    assert bb.batch_get_v1(ka, sp.pages_of(b, [20, 21, 22])) == [True] * 3
+    assert _snapshot(b, [20, 21, 22]) == a_pages
+    bb.close()
+
+
+def test_mla_ranks_share_one_daemon_and_one_writer(daemon):
+    """MLA: every rank holds the same latent, SGLang backs up from the writer rank only (the
+    others skip backups): the other rank, on the same daemon, loads what rank 0 stored."""
+    pools = [sp.make_pool("mla", "page_first") for _ in range(2)]
+    sp.fill_random(pools[0], 25)
+    sp.fill_random(pools[1], 26)
+    extra = sp.extra_config(daemon.instance, daemon.run_dir)
+    ranks = [sp.attach(p, extra, mla=True, tp_rank=r, tp_size=2) for r, p in enumerate(pools)]
+    assert [b.config.is_storage_writer for b in ranks] == [True, False]
+    keys = sp.page_hashes(4, seed=27)
+    assert ranks[0].batch_set_v1(keys, sp.pages_of(pools[0], [1, 2, 3, 4])) == [True] * 4
+    assert ranks[1].batch_exists(keys) == 4
+    assert ranks[1].batch_get_v1(keys, sp.pages_of(pools[1], [9, 10, 11, 12])) == [True] * 4
+    assert _snapshot(pools[1], [9, 10, 11, 12]) == _snapshot(pools[0], [1, 2, 3, 4])
+    for b in ranks:
+        b.close()
+
+
+def test_batch_exists_counts_leading_pages_with_prefix_keys(daemon):
+    pool = sp.make_pool("mha", "page_first")
+    sp.fill_random(pool, 4)
+    backend = sp.attach(pool, sp.extra_config(daemon.instance, daemon.run_dir))
+    keys = sp.page_hashes(6, seed=5)
+    assert backend.batch_set_v1(keys[:4], sp.pages_of(pool, [1, 2, 3, 4])) == [True] * 4
+    info = HiCacheStorageExtraInfo(prefix_keys=keys[:2])
+    assert backend.batch_exists(keys[2:], info) == 2  # keys 2, 3 present; 4, 5 not
+    assert backend.batch_set_v1([keys[5]], sp.pages_of(pool, [6])) == [True]
+    assert backend.batch_exists(keys) == 4  # a gap at key 4 ends the run
+    assert backend.exists(keys[5]) and not backend.exists(keys[4])
+    backend.close()
+
+
+@pytest.mark.slow
+def test_pages_survive_a_daemon_restart_through_the_disk_tier(run_dir, tmp_path):
+    instance = unique_instance("sg")
+    storage = disk_uri(str(tmp_path / "disk"))
+    keys = sp.page_hashes(8, seed=6)
+    a = sp.make_pool("mha", "layer_first")
+    sp.fill_random(a, 7)
+    extra = sp.extra_config(instance, run_dir)
+    with launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05, extra_args=["--storage", storage]):
+        backend = sp.attach(a, extra)
+        assert backend.batch_set_v1(keys, sp.pages_of(a, range(2, 10))) == [True] * 8
+        backend.close()
+    want = _snapshot(a, range(2, 10))
+    b = sp.make_pool("mha", "layer_first")
+    sp.fill_random(b, 8)
+    with launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05, extra_args=["--storage", storage],
+                wait_storage=True):
+        reader = sp.attach(b, extra)
+        assert reader.batch_exists(keys) == 8  # from the disk tier: the host tier is new
+        assert reader.batch_get_v1(keys, sp.pages_of(b, range(20, 28))) == [True] * 8
+        assert _snapshot(b, range(20, 28)) == want
+        reader.close()
+    sweep_crashed(instance)
+
+
+@pytest.mark.faults
+def test_sglangs_failure_injector_costs_misses_never_wrong_pages(daemon, monkeypatch):
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
+
+    monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "0.3")
+    monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", "0.005")
+    pool = sp.make_pool("mha", "page_first")
+    sp.fill_random(pool, 9)
+    backend = sp.attach(pool, sp.extra_config(daemon.instance, daemon.run_dir))
+    assert isinstance(backend, HiCacheStorageFailureInjector)
+    stored: dict[str, bytes] = {}
+    misses = 0
+    for r in range(30):
+        keys = sp.page_hashes(4, seed=100 + r)
+        src = [1 + (r % 8) * 4 + i for i in range(4)]
+        for key, ok, page in zip(keys, backend.batch_set_v1(keys, sp.pages_of(pool, src)), src):
+            if ok:
+                stored[key] = sp.page_bytes(pool, page)
+        dst = [40 + i for i in range(4)]
+        for key, ok, page in zip(keys, backend.batch_get_v1(keys, sp.pages_of(pool, dst)), dst):
+            misses += not ok
+            if ok:
+                assert key in stored and sp.page_bytes(pool, page) == stored[key]
+    assert stored and misses  # both happened: the injector ran, and pages came through
+    backend.close()
+
+
+@pytest.mark.faults
+def test_a_daemon_killed_mid_batch_costs_misses_then_a_new_one_is_attached(run_dir):
+    """Loads run back to back while the daemon is SIGKILLed: every call returns (no exception,
+    no hang), every page reported loaded is exact, pages never named are untouched; a daemon
+    started again under the instance is attached in the background and serves again."""
+    instance = unique_instance("sg")
+    pool = sp.make_pool("mha", "page_first", device_tokens=2048)
+    sp.fill_random(pool, 10)
+    keys = sp.page_hashes(64, seed=11)
+    src = list(range(1, 65))
+    dst = list(range(100, 164))
+    bystanders = [70, 71, 99, 200]
+    d = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.1)
+    backend = sp.attach(pool, sp.extra_config(instance, run_dir, timeout_s=2.0))
+    assert backend.batch_set_v1(keys, sp.pages_of(pool, src)) == [True] * 64
+    want, untouched = _snapshot(pool, src), _snapshot(pool, bystanders)
+    killer = threading.Timer(0.3, lambda: os.kill(d.pid, signal.SIGKILL))
+    killer.start()
+    results, deadline = [], time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        start = time.monotonic()
+        got = backend.batch_get_v1(keys, sp.pages_of(pool, dst))
+        assert time.monotonic() - start < 4.0
+        results.append(got)
+        for ok, page, w in zip(got, dst, want):
+            assert not ok or sp.page_bytes(pool, page) == w
+    killer.join()
+    d.proc.wait(5)
+    assert any(all(r) for r in results) and not any(results[-1])  # served, then misses
+    assert _snapshot(pool, bystanders) == untouched
+    sweep_crashed(instance)
+    with launch(instance=instance, run_dir=run_dir, host_cache_gb=0.1):
+        wait_until(lambda: backend.batch_set_v1(keys[:2], sp.pages_of(pool, src[:2])) == [True] * 2,
+                   what="the backend attached to the new daemon")
+        assert backend.batch_get_v1(keys[:2], sp.pages_of(pool, dst[:2])) == [True] * 2
+        assert _snapshot(pool, dst[:2]) == want[:2]
+        backend.close()
+    sweep_crashed(instance)
+
+
+def test_no_daemon_at_attach_is_misses_until_one_comes(run_dir):
+    instance = unique_instance("sg")
+    pool = sp.make_pool("mla", "page_first")
+    sp.fill_random(pool, 12)
+    backend = sp.attach(pool, sp.extra_config(instance, run_dir), mla=True)
+    keys = sp.page_hashes(2, seed=13)
+    assert backend.batch_exists(keys) == 0
+    assert backend.batch_set_v1(keys, sp.pages_of(pool, [1, 2])) == [False, False]
+    assert backend.stats["no_daemon"] >= 2
+    with launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05):
+        wait_until(lambda: backend.batch_set_v1(keys, sp.pages_of(pool, [1, 2])) == [True] * 2,
+                   what="the backend attached in the background")
+        assert backend.batch_exists(keys) == 2
+        backend.close()
+    sweep_crashed(instance)
+
+
+@pytest.mark.parametrize("drop, key", [("interface_v1", "interface_v1"), ("allocator", "allocator")])
+def test_an_extra_config_that_cannot_work_fails_the_attach_naming_the_key(run_dir, drop, key):
+    extra = sp.extra_config("x", run_dir)
+    del extra[drop]
+    with pytest.raises(ValueError, match=key):
+        sp.attach(sp.make_pool("mha", "page_first"), extra)
+
+
+def test_a_pool_not_made_by_the_shm_allocator_fails_the_attach(run_dir):
+    pool = sp.make_pool("mha", "page_first", allocator="default")
+    with pytest.raises(ValueError, match='"allocator": "shm"'):
+        sp.attach(pool, sp.extra_config("x", run_dir))
+
+
+def test_tensor_parallel_ranks_name_their_daemons_and_keys(run_dir):
+    from kvcached_client.sglang.config import ConfigError, PageKeys, Settings
+
+    extra = sp.extra_config("sglang{rank}", run_dir)
+    cfgs = [sp.storage_config(extra, tp_rank=r, tp_size=2) for r in range(2)]
+    assert [Settings.of(c).instance for c in cfgs] == ["sglang0", "sglang1"]
+    keys = [PageKeys(c, Settings.of(c), "L")(["abc"]) for c in cfgs]
+    assert keys[0] != keys[1]  # MHA: each rank holds its shard of the heads
+    mla = [sp.storage_config(extra, mla=True, tp_rank=r, tp_size=2) for r in range(2)]
+    assert PageKeys(mla[0], Settings.of(mla[0]), "L")(["abc"]) == PageKeys(mla[1], Settings.of(mla[1]), "L")(["abc"])
+    with pytest.raises(ConfigError, match="instances"):
+        Settings.of(sp.storage_config(dict(extra, instances=["a"]), tp_rank=0, tp_size=2))
+    other_tenant = sp.storage_config(dict(extra, namespace="tenant-b"), tp_rank=0, tp_size=2)
+    assert PageKeys(other_tenant, Settings.of(other_tenant), "L")(["abc"]) != keys[0]
+
+
+def test_backup_and_prefetch_threads_at_once_stay_exact(daemon):
+    """SGLang calls batch_set_v1 (its backup thread) and batch_get_v1 (its prefetch thread) at
+    the same time on one backend."""
+    pool = sp.make_pool("mha", "layer_first", device_tokens=2048)
+    sp.fill_random(pool, 14)
+    backend = sp.attach(pool, sp.extra_config(daemon.instance, daemon.run_dir))
+    base = sp.page_hashes(16, seed=15)
+    assert backend.batch_set_v1(base, sp.pages_of(pool, range(1, 17))) == [True] * 16
+    want = _snapshot(pool, range(1, 17))
+    errors = []
+
+    def backups():
+        for r in range(20):
+            keys = sp.page_hashes(8, seed=200 + r)
+            if backend.batch_set_v1(keys, sp.pages_of(pool, range(30, 38))) != [True] * 8:
+                errors.append("a backup failed")
+
+    def prefetches(first):
+        for _ in range(20):
+            dst = range(first, first + 16)
+            if backend.batch_get_v1(base, sp.pages_of(pool, dst)) != [True] * 16:
+                errors.append("a prefetch missed")
+            elif _snapshot(pool, dst) != want:
+                errors.append("a prefetch brought other bytes")
+
+    threads = [threading.Thread(target=backups), threading.Thread(target=prefetches, args=(50,)),
+               threading.Thread(target=prefetches, args=(70,))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    backend.close()
