@@ -25,7 +25,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests", "sglang"))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "sglang_hicache"))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 

@@ -4,7 +4,7 @@
 # flashinfer and sgl-kernel), then only what its HiCache storage and host-pool modules import
 # on CPU, then kvcached. Every install is constrained to torch==2.13.0, so nothing can pull a
 # CUDA torch. torchvision is left out (PyPI's build does not load beside this torch): the tests
-# stand in for it at import time (tests/sglang/conftest.py says what that replaces).
+# stand in for it at import time (tests/sglang_hicache/torchvision_standin.py says what that replaces).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${KVCACHED_SGLANG_VENV:-$ROOT/.venv-sglang}"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up .venv if missing, then run the whole test suite. Extra arguments go to pytest.
-#   ./scripts/test.sh [pytest args]              the suite (tests/integration and tests/sglang
+#   ./scripts/test.sh [pytest args]              the suite (tests/integration and tests/sglang_hicache
 #                                                skip: no vLLM, no SGLang here)
 #   ./scripts/test.sh --with-vllm [pytest args]  also build .venv-vllm when missing and run the
 #                                                real-vLLM integration tests in it
@@ -9,7 +9,7 @@
 # (both flags may be given, in either order). The main suite runs on KVCACHED_TEST_WORKERS
 # pytest-xdist workers (default 2: most of its time is spent waiting on daemons; 0 runs it in
 # one process). Paths among the arguments choose what runs where: those under tests/integration
-# run in .venv-vllm, those under tests/sglang in .venv-sglang (each with its flag), the others
+# run in .venv-vllm, those under tests/sglang_hicache in .venv-sglang (each with its flag), the others
 # in .venv; with no path, each runs its whole part.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,7 +25,7 @@ for arg in "$@"; do
   if [ "${arg#-}" = "$arg" ] && [ -e "$path" ]; then
     case "$(realpath -m "$path")/" in
       "$ROOT/tests/integration/"*) INTEGRATION+=("$arg") ;;
-      "$ROOT/tests/sglang/"*) SGLANG+=("$arg") ;;
+      "$ROOT/tests/sglang_hicache/"*) SGLANG+=("$arg") ;;
       *) MAIN+=("$arg") ;;
     esac
   else
@@ -42,12 +42,12 @@ if [ $(( ${#MAIN[@]} + ${#INTEGRATION[@]} + ${#SGLANG[@]} )) -gt 0 ]; then  # pa
     exit 2
   fi
   if [ ${#SGLANG[@]} -gt 0 ] && [ "$WITH_SGLANG" = 0 ]; then
-    echo "tests/sglang runs in .venv-sglang: ./scripts/test.sh --with-sglang $*" >&2
+    echo "tests/sglang_hicache runs in .venv-sglang: ./scripts/test.sh --with-sglang $*" >&2
     exit 2
   fi
 fi
 [ ${#INTEGRATION[@]} -gt 0 ] || INTEGRATION=(tests/integration)
-[ ${#SGLANG[@]} -gt 0 ] || SGLANG=(tests/sglang)
+[ ${#SGLANG[@]} -gt 0 ] || SGLANG=(tests/sglang_hicache)
 "$ROOT/scripts/setup_env.sh" test
 cd "$ROOT"
 NO_TESTS=5  # pytest's exit status when its selection collected nothing

@@ -59,7 +59,7 @@ class Settings:
     def of(cls, cfg) -> "Settings":
         """From SGLang's HiCacheStorageConfig; ConfigError names the key that is wrong."""
         extra = dict(cfg.extra_config or {})
-        if not int(extra.get("interface_v1", 0) or 0):
+        if not bool(extra.get("interface_v1", 0)):  # as SGLang reads it
             raise ConfigError("kvcached pages SGLang's host pool in place: add \"interface_v1\": 1 "
                               "to --hicache-storage-backend-extra-config")
         if extra.get("allocator") != "shm":

@@ -31,7 +31,7 @@ from kvcached_proto import DaemonUnavailable, KvcachedTimeout, TaskStatus
 
 from ..daemon_link import DaemonLink
 from ..host_memory import register_host_memory
-from .config import PageKeys, Settings
+from .config import ConfigError, PageKeys, Settings
 from .pool_layout import describe_host_pool, page_bytes, page_ids
 
 log = logging.getLogger("kvcached.sglang")
@@ -60,6 +60,11 @@ class KvcachedHiCacheStorage(HiCacheStorage):
         cannot map, an extra-config that cannot work). No daemon yet is no error: pages miss
         until one is attached in the background."""
         pool = self.mem_pool_host
+        others = sorted(str(name) for name in getattr(self, "registered_pools", {}) if str(name) != "kv")
+        if others:
+            raise ConfigError(f"kvcached pages SGLang's KV host pool only; this model also has "
+                              f"{', '.join(others)} host pools (a hybrid model): run it with "
+                              "another storage backend")
         self._layout, self._fds = describe_host_pool(pool)
         self.page_size = pool.page_size
         self._page_bytes = page_bytes(self._layout)
@@ -117,6 +122,8 @@ class KvcachedHiCacheStorage(HiCacheStorage):
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[Any] = None) -> List[bool]:
+        if not self.config.is_storage_writer:  # MLA: the writer rank stores what every rank holds
+            return [True] * len(keys)          # (SGLang skips these ranks' backups itself)
         self.stats["set_pages"] += len(keys)
         stored = self._call("offload", lambda c: self._offload(c, keys, host_indices), 0)
         self.stats["set_ok_pages"] += stored
@@ -146,6 +153,19 @@ class KvcachedHiCacheStorage(HiCacheStorage):
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
+
+    # the calls SGLang makes for hybrid models' side pools (refused at attach): misses --------
+    def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
+        from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+
+        self._say("v2", "the v2 calls (hybrid models' side pools) are not served")
+        return PoolTransferResult.empty()
+
+    def batch_get_v2(self, transfers, extra_info=None):
+        return self._unpaged("batch_get_v2", {t.name: [False] * len(t.keys or []) for t in transfers})
+
+    def batch_set_v2(self, transfers, extra_info=None):
+        return self._unpaged("batch_set_v2", {t.name: [False] * len(t.keys or []) for t in transfers})
 
     # the calls SGLang makes only without interface_v1 (which Settings requires) ------------
     def get(self, key, target_location=None, target_sizes=None):

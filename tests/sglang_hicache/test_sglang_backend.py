@@ -46,6 +46,8 @@ def test_pages_round_trip_into_another_instances_pool(daemon, kind, layout):
     assert backend.batch_set_v1(keys, sp.pages_of(a, [3, 4, 5, 6, 7])) == [True] * 5
     assert backend.batch_exists(keys) == 5
     want = _snapshot(a, [3, 4, 5, 6, 7])
+    metrics = backend.get_stats()  # SGLang's storage metrics (enable_storage_metrics)
+    assert metrics.backup_pgs == [5] and metrics.backup_bandwidth[0] > 0
     backend.close()
     assert not daemon.connect().status()["kv"]["registered"]  # detached: the pool is let go
 
@@ -287,3 +289,33 @@ def test_backup_and_prefetch_threads_at_once_stay_exact(daemon):
         t.join()
     assert not errors, errors[:3]
     backend.close()
+
+
+def test_a_hybrid_models_side_pools_fail_the_attach_and_v2_calls_miss(run_dir):
+    """A model with side pools (Mamba, SWA...) registers them through the v2 interface: the
+    backend pages the KV pool only, so the attach fails saying so; the v2 calls never raise."""
+    from sglang.srt.mem_cache.hicache_storage import PoolTransfer
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    pool = sp.make_pool("mha", "page_first")
+    cfg = sp.storage_config(sp.extra_config("x", run_dir))
+    backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    backend.register_mem_pool_host(pool)
+    backend.register_mem_host_pool_v2(pool, "mamba")
+    with pytest.raises(ValueError, match="mamba"):
+        backend.on_host_pools_registered()
+    transfer = PoolTransfer(name="kv", keys=["a", "b"])
+    assert backend.batch_get_v2([transfer]) == {"kv": [False, False]}
+    assert backend.batch_exists_v2(["a"]).kv_hit_pages == 0
+
+
+def test_a_non_writer_mla_rank_stores_nothing_and_says_done(daemon):
+    pool = sp.make_pool("mla", "page_first")
+    extra = sp.extra_config(daemon.instance, daemon.run_dir)
+    rank1 = sp.attach(pool, extra, mla=True, tp_rank=1, tp_size=2)
+    keys = sp.page_hashes(2, seed=31)
+    assert rank1.batch_set_v1(keys, sp.pages_of(pool, [1, 2])) == [True, True]
+    assert rank1.batch_exists(keys) == 0 and rank1.stats["set_pages"] == 0
+    metrics = rank1.get_stats()
+    assert metrics is not None and metrics.backup_pgs == []
+    rank1.close()
