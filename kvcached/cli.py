@@ -97,8 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="CPU threads for copies; 0 = half the cores, 1..4 (default: 0)")
     serve.add_argument("--copy-strategy", default=S,
                        choices=list(COPY_STRATEGIES),
-                       help="how blocks move: auto (CPU: numpy row copies; CUDA: runs when ids "
-                            "come in long runs, else gather), one of runs, gather, zero_copy "
+                       help="how blocks move: auto (CPU: native - one C loop of memcpys, "
+                            "streaming stores for offloads - where it is built, else numpy row "
+                            "copies; CUDA: runs when ids come in long runs, else gather), "
+                            "numpy or native (CPU), one of runs, gather, zero_copy "
                             "(torch ops, on CPU too), or dma (copy engines only, no kernel: one "
                             "batched cudaMemcpy per layer; memmove on CPU) (default: auto)")
     serve.add_argument("--metrics-port", type=int, default=S,

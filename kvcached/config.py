@@ -14,7 +14,7 @@ from .storage.tiers import WRITE_POLICIES
 HOST_LAYOUTS = ("layer_first", "page_first")
 # how blocks move (copy/strategies.py, copy/cuda_copier.py); named here, where no torch is imported,
 # so that checking a flag does not cost torch's import
-COPY_STRATEGIES = ("auto", "numpy", "runs", "gather", "zero_copy", "dma")
+COPY_STRATEGIES = ("auto", "numpy", "native", "runs", "gather", "zero_copy", "dma")
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
@@ -79,9 +79,9 @@ class DaemonConfig:
             self.copy_threads = max(1, min(4, (os.cpu_count() or 2) // 2))
         if self.copy_strategy not in COPY_STRATEGIES:
             raise StartupError(f"--copy-strategy {self.copy_strategy!r}: expected one of {COPY_STRATEGIES}")
-        if self.copy_strategy == "numpy" and self.device != "cpu":
-            raise StartupError("--copy-strategy numpy moves CPU KV only; a CUDA daemon takes "
-                               "auto, runs, gather or zero_copy")
+        if self.copy_strategy in ("numpy", "native") and self.device != "cpu":
+            raise StartupError(f"--copy-strategy {self.copy_strategy} moves CPU KV only; a CUDA "
+                               "daemon takes auto, runs, gather, zero_copy or dma")
         if self.max_queued_tasks < 1:
             raise StartupError("--max-queued-tasks must be >= 1")
         if self.max_connections < 1 or self.max_connections_per_peer < 1:

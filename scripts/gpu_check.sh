@@ -56,16 +56,18 @@ if [ -n "$missing" ]; then
     "$ROOT"/.whl/*.whl > "$LOGS/pip.log" 2>&1 || { say "pip from .whl failed: $LOGS/pip.log"; exit 3; }
 fi
 
-# the SIGBUS guard (kvcached/copy/_sigbus.c) is built at install; without an install, build it here
-# for this python when a C compiler is there (the daemon maps engine shared memory - CPU KV and
-# the order words of CUDA KV - only with it)
-if ! "$PY" -c "import kvcached.copy._sigbus" 2>/dev/null && command -v cc >/dev/null; then
-  ext=$("$PY" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
-  inc=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
-  timeout 60 cc -O2 -shared -fPIC -I"$inc" kvcached/copy/_sigbus.c -o "kvcached/copy/_sigbus$ext" \
-    > "$LOGS/sigbus_build.log" 2>&1 && say "built kvcached/copy/_sigbus$ext" \
-    || say "kvcached.copy._sigbus not built ($LOGS/sigbus_build.log): the daemon will refuse every KV registration"
-fi
+# the C extensions (kvcached/copy/*.c: the SIGBUS guard, the native CPU copies) are built at
+# install; without an install, build them here for this python when a C compiler is there (the
+# daemon maps engine shared memory - CPU KV and the order words of CUDA KV - only with the guard)
+for mod in _sigbus _blockcopy; do
+  if ! "$PY" -c "import kvcached.copy.$mod" 2>/dev/null && command -v cc >/dev/null; then
+    ext=$("$PY" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+    inc=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+    timeout 60 cc -O2 -shared -fPIC -I"$inc" "kvcached/copy/$mod.c" -o "kvcached/copy/$mod$ext" \
+      > "$LOGS/${mod}_build.log" 2>&1 && say "built kvcached/copy/$mod$ext" \
+      || say "kvcached.copy.$mod not built ($LOGS/${mod}_build.log)"
+  fi
+done
 
 timeout 120 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
   say "this python's torch sees no CUDA device"; exit 1; }

@@ -29,7 +29,7 @@ def test_bench_transfer_moves_the_bytes_it_reports():
     assert r["bytes_exact"] is True
     assert r["offload_gbps"] > 0 and r["load_gbps"] > 0 and r["memcpy_d2h_gbps"] > 0
     assert r["layer_signal"]["n"] > 0
-    assert r["copy_strategy"] == "numpy"
+    assert r["copy_strategy"] == "native"  # what auto picks on CPU where the extension is built
 
 
 @pytest.mark.slow

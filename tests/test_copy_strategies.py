@@ -98,7 +98,8 @@ def test_host_runs_split_for_strided_rows():
 
 @pytest.mark.parametrize("strategy,layout", [("runs", "page_first"), ("gather", "layer_first"),
                                              ("zero_copy", "page_first"), ("dma", "layer_first"),
-                                             ("dma", "page_first")])
+                                             ("dma", "page_first"), ("native", "page_first"),
+                                             ("numpy", "layer_first")])
 def test_daemon_with_copy_strategy_round_trips(strategy, layout, run_dir):
     h = launch(instance=unique_instance("cs"), run_dir=run_dir, host_cache_gb=0.1,
                extra_args=["--copy-strategy", strategy, "--host-layout", layout])
@@ -135,8 +136,9 @@ def test_numpy_strategy_is_refused_for_cuda_daemons(run_dir):
     from kvcached.config import DaemonConfig
     from kvcached.errors import StartupError
 
-    with pytest.raises(StartupError, match="numpy"):
-        DaemonConfig(device="cuda:0", copy_strategy="numpy", run_dir=run_dir).validate()
+    for strategy in ("numpy", "native"):
+        with pytest.raises(StartupError, match=strategy):
+            DaemonConfig(device="cuda:0", copy_strategy=strategy, run_dir=run_dir).validate()
     with pytest.raises(StartupError, match="copy-strategy"):
         DaemonConfig(copy_strategy="fast", run_dir=run_dir).validate()
 
@@ -151,7 +153,7 @@ def test_a_protocol_1_2_offload_event_is_refused_and_changes_nothing(daemon):
 
     kv = small_kv(num_layers=2, num_blocks=16)
     with daemon.connect() as c:
-        assert c.register_kv_cache(kv)["copy_strategy"] == "numpy"
+        assert c.register_kv_cache(kv)["copy_strategy"] == "native"
         assert c.order is not None and c.order.ops is None  # CPU: the words, no CUDA
         keys = HASHER.hash_blocks(list(range(16 * 3)), 16)
         with pytest.raises(RequestError) as err:

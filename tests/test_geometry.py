@@ -100,7 +100,8 @@ def _round_trip(daemon, name: str, offset: int = 0) -> None:
 
 
 @pytest.fixture(scope="module", params=[("numpy", "page_first"), ("runs", "layer_first"),
-                                        ("gather", "page_first"), ("zero_copy", "layer_first")])
+                                        ("gather", "page_first"), ("zero_copy", "layer_first"),
+                                        ("native", "layer_first"), ("native", "page_first")])
 def strategy_daemon(request, module_run_dir):
     strategy, host_layout = request.param
     name = unique_instance("g")
@@ -113,8 +114,8 @@ def strategy_daemon(request, module_run_dir):
 
 @pytest.mark.parametrize("name", ["BLNHC", "flashinfer"])
 def test_strided_blocks_round_trip_in_every_copy_strategy(strategy_daemon, name):
-    """Device rows a stride apart through the torch strategies (the CUDA copier's code) and
-    the numpy copier, into both host layouts."""
+    """Device rows a stride apart through the torch strategies (the CUDA copier's code), the
+    numpy copier and the native one, into both host layouts."""
     round_trip(strategy_daemon, *make_kv(name), keys_for(6, seed=sum(map(ord, name))))
 
 

@@ -22,17 +22,20 @@ from kvcached_proto import ErrorCode
 
 from ..errors import OpError
 from ..host import cudart
-from . import dma
+from . import dma, native
 from . import strategies as cs
+from .native import NativeCopier
 from .strategy_copier import StrategyCopier
 from .transfer import CopyTask, CpuCopier, TaskKind
 
 
 def make_copier(device: str, strategy: str, dev_views, host_pool, num_layers: int, order=None):
-    if device == "cpu" and strategy in ("auto", "numpy"):
+    if device == "cpu" and strategy in ("auto", "native") and native.available():
+        copier = NativeCopier(dev_views, host_pool.views)
+    elif device == "cpu" and strategy in ("auto", "numpy", "native"):  # native: not built here
         copier = CpuCopier(dev_views, host_pool.views)
-    elif strategy == "numpy":
-        raise OpError(ErrorCode.KV_MISMATCH, "--copy-strategy numpy is for CPU KV only")
+    elif strategy in ("numpy", "native"):
+        raise OpError(ErrorCode.KV_MISMATCH, f"--copy-strategy {strategy} is for CPU KV only")
     elif device == "cpu":
         copier = StrategyCopier(dev_views, host_pool.views, strategy)
     else:

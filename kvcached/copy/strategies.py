@@ -25,7 +25,7 @@ import torch
 
 from ..config import COPY_STRATEGIES
 
-STRATEGIES = COPY_STRATEGIES[2:]  # runs, gather, zero_copy (torch ops here) and dma (dma.py)
+STRATEGIES = COPY_STRATEGIES[3:]  # runs, gather, zero_copy (torch ops here) and dma (dma.py)
 
 
 def widen(t: torch.Tensor) -> torch.Tensor:
