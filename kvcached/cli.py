@@ -326,7 +326,7 @@ def format_status(s: dict) -> str:
         ("device", s.get("device", "?")), ("uptime", f"{s.get('uptime_s', 0):.1f} s"),
         ("clients", f"{s['clients']}" + (f" ({', '.join(s['client_names'])})"
                                          if s.get("client_names") else "")),
-        ("kv registered", "yes" if s["kv"]["registered"] else "no"),
+        ("kv registered", _kv_line(s["kv"])),
         ("host tier", f"{_gib(host['used_bytes'])} / {_gib(host['capacity_bytes'])} "
                       f"({host.get('blocks', 0)} blocks, {host.get('evictions', 0)} evicted)"),
         ("lookups", f"{lookups.get('lookups', 0)} asking {asked} blocks: host hit "
@@ -351,6 +351,14 @@ def format_status(s: dict) -> str:
         rows.append(("DEGRADED", reason))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _kv_line(kv: dict) -> str:
+    if not kv["registered"]:
+        return "no"
+    engines = kv.get("engines", 1)
+    return (f"yes ({engines} engine{'s' if engines != 1 else ''}' host pools, " if engines > 1 else "yes (") + \
+        f"copy strategy {kv.get('copy_strategy') or '?'})"
 
 
 def cmd_status(args) -> int:

@@ -18,6 +18,7 @@ import pytest
 from conftest import keys_for, small_kv, wait_until
 from test_security import run_as_other_uid
 
+from kvcached.cli import format_status
 from kvcached_client.host_memory import register_host_memory
 from kvcached_client.kv_alloc import unlink_kv_cache
 from kvcached_proto import ErrorCode, RequestError, TaskFailed
@@ -247,7 +248,9 @@ def test_host_pools_of_one_geometry_share_an_instance(daemon):
     with daemon.connect() as ca, daemon.connect() as cb:
         register_host_memory(ca, _layout(), [fa])
         register_host_memory(cb, _layout(), [fb])
-        assert ca.status()["kv"]["engines"] == 2
+        status = ca.status()
+        assert status["kv"]["engines"] == 2
+        assert "2 engines' host pools, copy strategy native" in format_status(status)  # `kvcached status`
         assert ca.offload([4, 5], keys).wait(10)["stored"] == 2
         a_before = a.copy()
         assert cb.load(keys, [7, 8]).wait(10) == 2
