@@ -1,8 +1,10 @@
 """The fd socket: where an engine hands the daemon memory only it can name (kvcached_proto.fd_pass).
 
-One thread accepts on `{run_dir}/{instance}.fds.sock`, one connection at a time, each bounded
-(CONN_TIMEOUT_S to send its one message): a peer of another uid (SO_PEERCRED) is refused before
-anything is read, a message that is not the protocol's has whatever fds came with it closed.
+One thread serves `{run_dir}/{instance}.fds.sock` with a selector: each connection has
+CONN_TIMEOUT_S to send its one message and is answered as soon as it has, so peers that connect
+and say nothing hold up no one (at most MAX_OPEN wait at once; past that the oldest is dropped).
+A peer of another uid (SO_PEERCRED) is refused, and a message that is not the protocol's has
+whatever fds came with it closed.
 The fds wait under a random token until a `register_kv` claims them (claim() hands them over
 whole: the registration maps what it names and closes them all) or until TOKEN_TTL_S passes;
 at most MAX_PENDING tokens wait, so a flood of fds costs the daemon a bounded number of files.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import selectors
 import socket
 import struct
 import threading
@@ -22,6 +25,7 @@ from kvcached_proto.fd_pass import MAX_FDS, MAX_PENDING, TOKEN_TTL_S, parse_requ
 log = logging.getLogger(__name__)
 
 CONN_TIMEOUT_S = 1.0
+MAX_OPEN = 64  # connections waiting for their message at once
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -40,8 +44,8 @@ class FdInbox(threading.Thread):
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.bind(path)  # under the daemon's umask 077: 0600
-            self._sock.listen(16)
-            self._sock.settimeout(0.2)
+            self._sock.listen(64)
+            self._sock.setblocking(False)
         except BaseException:
             self._sock.close()
             raise
@@ -52,29 +56,62 @@ class FdInbox(threading.Thread):
 
     # the engine's side ------------------------------------------------------
     def run(self) -> None:
-        while not self._stopping.is_set():
-            self._expire()
-            try:
-                conn, _ = self._sock.accept()
-            except socket.timeout:
-                continue
-            except OSError as exc:
-                if not self._stopping.is_set():
-                    log.error("[fds] accept failed: %s", exc)
-                    time.sleep(0.2)
-                continue
-            with conn:
-                try:
-                    reply = self._take(conn)
-                except OSError as exc:  # timed out, or the peer left: nothing was kept
-                    reply = b"ER" + str(exc).encode()[:200]
-                try:
-                    conn.sendall(reply)
-                except OSError:
-                    pass
+        sel = selectors.DefaultSelector()
+        sel.register(self._sock, selectors.EVENT_READ)
+        waiting: dict[socket.socket, float] = {}  # connection -> when it must have spoken
+        try:
+            while not self._stopping.is_set():
+                self._expire()
+                for key, _ in sel.select(timeout=0.2):
+                    if key.fileobj is self._sock:
+                        self._accept(sel, waiting)
+                    else:
+                        self._answer(sel, waiting, key.fileobj)
+                now = time.monotonic()
+                for conn in [c for c, deadline in waiting.items() if deadline < now]:
+                    self._drop(sel, waiting, conn)  # said nothing in time
+        finally:
+            for conn in list(waiting):
+                self._drop(sel, waiting, conn)
+            sel.close()
+
+    def _accept(self, sel, waiting: dict) -> None:
+        try:
+            conn, _ = self._sock.accept()
+        except (BlockingIOError, socket.timeout):
+            return
+        except OSError as exc:
+            log.error("[fds] accept failed: %s", exc)
+            time.sleep(0.05)
+            return
+        if len(waiting) >= MAX_OPEN:  # a flood of silent peers: the oldest goes
+            self._drop(sel, waiting, min(waiting, key=waiting.get))
+        conn.setblocking(False)
+        waiting[conn] = time.monotonic() + CONN_TIMEOUT_S
+        sel.register(conn, selectors.EVENT_READ)
+
+    def _drop(self, sel, waiting: dict, conn) -> None:
+        waiting.pop(conn, None)
+        try:
+            sel.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+
+    def _answer(self, sel, waiting: dict, conn) -> None:
+        try:
+            reply = self._take(conn)
+        except OSError as exc:  # the peer left: nothing was kept
+            reply = b"ER" + str(exc).encode()[:200]
+        try:
+            conn.settimeout(CONN_TIMEOUT_S)
+            conn.sendall(reply)
+        except OSError:
+            pass
+        self._drop(sel, waiting, conn)
 
     def _take(self, conn: socket.socket) -> bytes:
-        conn.settimeout(CONN_TIMEOUT_S)
+        """The one message of a connection that has something to read."""
         pid, uid, _ = _CREDS.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))
         data, ancdata, flags, _ = conn.recvmsg(64, socket.CMSG_SPACE(MAX_FDS * 4))
         fds = _fds_of(ancdata)  # read whole (a reply to an unread message resets the peer)
