@@ -5,7 +5,8 @@
 #     --device cuda:0 --host-cache-gb 64 --storage 'disk:///var/cache/kvcached?capacity_gb=500' \
 #     --metrics-port 9400 --metrics-addr 0.0.0.0
 # --ipc host: CUDA IPC handles and the /dev/shm signal segment must be shared with the engine.
-# The distribution (kvcached-sidecar) compiles one small C extension (the daemon's SIGBUS guard):
+# The distribution (kvcached-sidecar) compiles two small C extensions (the daemon's SIGBUS guard and
+# its native CPU copies):
 # its wheel is built in the devel image, which has a compiler, and installed in the runtime one.
 FROM pytorch/pytorch:2.4.1-cuda12.4-cudnn9-devel AS build
 WORKDIR /src
