@@ -46,10 +46,13 @@ def test_pages_round_trip_into_another_instances_pool(daemon, kind, layout):
     assert backend.batch_set_v1(keys, sp.pages_of(a, [3, 4, 5, 6, 7])) == [True] * 5
     assert backend.batch_exists(keys) == 5
     want = _snapshot(a, [3, 4, 5, 6, 7])
+    assert "sglang_host_pool" in open(f"/proc/{daemon.pid}/maps").read()  # the daemon maps the pool
     metrics = backend.get_stats()  # SGLang's storage metrics (enable_storage_metrics)
     assert metrics.backup_pgs == [5] and metrics.backup_bandwidth[0] > 0
     backend.close()
     assert not daemon.connect().status()["kv"]["registered"]  # detached: the pool is let go
+    wait_until(lambda: "sglang_host_pool" not in open(f"/proc/{daemon.pid}/maps").read(),
+               what="the daemon's mapping of SGLang's memfd gone")
 
     reader = sp.attach(b, extra, mla=mla)
     before = _snapshot(b, [1, 2, 20])
@@ -101,6 +104,24 @@ def test_mla_ranks_share_one_daemon_and_one_writer(daemon):
     assert _snapshot(pools[1], [9, 10, 11, 12]) == _snapshot(pools[0], [1, 2, 3, 4])
     for b in ranks:
         b.close()
+
+
+def test_sglangs_storage_flush_clears_the_daemons_tiers(daemon):
+    pool = sp.make_pool("mha", "page_first")
+    backend = sp.attach(pool, sp.extra_config(daemon.instance, daemon.run_dir))
+    keys = sp.page_hashes(3, seed=41)
+    assert backend.batch_set_v1(keys, sp.pages_of(pool, [1, 2, 3])) == [True] * 3
+    assert backend.batch_exists(keys) == 3
+    backend.clear()
+    assert backend.batch_exists(keys) == 0
+    assert backend.batch_get_v1(keys, sp.pages_of(pool, [5, 6, 7])) == [False] * 3
+    backend.close()
+
+
+def test_config_values_that_are_no_numbers_fail_the_attach(run_dir):
+    extra = sp.extra_config("x", run_dir, timeout_s="soon")
+    with pytest.raises(ValueError, match="timeout_s"):
+        sp.attach(sp.make_pool("mha", "page_first"), extra)
 
 
 def test_batch_exists_counts_leading_pages_with_prefix_keys(daemon):
