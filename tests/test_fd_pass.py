@@ -73,7 +73,12 @@ def test_a_memfd_pool_round_trips_byte_exact(daemon):
 
 def _holds_pool(pid: int) -> bool:
     """The daemon has the test pool's memfd open or mapped."""
-    fds = [os.readlink(f"/proc/{pid}/fd/{f}") for f in os.listdir(f"/proc/{pid}/fd")]
+    fds = []
+    for f in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            fds.append(os.readlink(f"/proc/{pid}/fd/{f}"))
+        except FileNotFoundError:  # closed since the listing
+            pass
     return any("kvt-pool" in x for x in fds) or "kvt-pool" in open(f"/proc/{pid}/maps").read()
 
 
