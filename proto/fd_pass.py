@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 import socket
 import struct
+import time
 
 from .paths import fd_socket_path  # noqa: F401  (where the socket is)
 
@@ -39,10 +40,11 @@ def send_fds(path: str, fds: list[int], timeout: float = 5.0) -> str:
     """Send `fds` to the daemon listening at `path`; the token it names them by."""
     if not 1 <= len(fds) <= MAX_FDS:
         raise ValueError(f"{len(fds)} fds: send 1..{MAX_FDS}")
+    deadline = time.monotonic() + timeout
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         try:
-            sock.connect(path)
+            _connect(sock, path, deadline)
             sock.sendmsg([MAGIC + struct.pack("<H", len(fds))],
                          [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))])
             reply = _read_reply(sock)
@@ -52,6 +54,19 @@ def send_fds(path: str, fds: list[int], timeout: float = 5.0) -> str:
         return reply[2:].decode("ascii")
     raise FdPassError(f"the daemon at {path} refused the fds: "
                       f"{reply[2:].decode('utf-8', 'replace') or 'no answer'}")
+
+
+def _connect(sock: socket.socket, path: str, deadline: float) -> None:
+    """connect(), again while the daemon's backlog is full (EAGAIN on a Unix socket) and time
+    is left."""
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
 
 
 def _read_reply(sock: socket.socket) -> bytes:

@@ -76,19 +76,21 @@ class FdInbox(threading.Thread):
             sel.close()
 
     def _accept(self, sel, waiting: dict) -> None:
-        try:
-            conn, _ = self._sock.accept()
-        except (BlockingIOError, socket.timeout):
-            return
-        except OSError as exc:
-            log.error("[fds] accept failed: %s", exc)
-            time.sleep(0.05)
-            return
-        if len(waiting) >= MAX_OPEN:  # a flood of silent peers: the oldest goes
-            self._drop(sel, waiting, min(waiting, key=waiting.get))
-        conn.setblocking(False)
-        waiting[conn] = time.monotonic() + CONN_TIMEOUT_S
-        sel.register(conn, selectors.EVENT_READ)
+        """Every connection the backlog holds (a flood must not fill it for the others)."""
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, socket.timeout):
+                return
+            except OSError as exc:
+                log.error("[fds] accept failed: %s", exc)
+                time.sleep(0.05)
+                return
+            if len(waiting) >= MAX_OPEN:  # a flood of silent peers: the oldest goes
+                self._drop(sel, waiting, min(waiting, key=waiting.get))
+            conn.setblocking(False)
+            waiting[conn] = time.monotonic() + CONN_TIMEOUT_S
+            sel.register(conn, selectors.EVENT_READ)
 
     def _drop(self, sel, waiting: dict, conn) -> None:
         waiting.pop(conn, None)
