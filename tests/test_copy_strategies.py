@@ -31,20 +31,11 @@ def host_views(layout: str, num_layers: int, parts: int, n: int, row: int):
     return views
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-@pytest.mark.parametrize("strategy", ["runs", "gather", "zero_copy", "dma", "auto"])
-@pytest.mark.parametrize("ids", ["scattered", "runs"])
-def test_strategy_round_trip_is_byte_exact(layout, strategy, ids, monkeypatch):
-    # chunks of 3 rows (the name the copier reads: patched where cuda_copier re-exported it, the
-    # test copied in one chunk)
-    monkeypatch.setattr("kvcached.copy.strategy_copier.STAGING_BYTES", 3 * 96)
-    rng = np.random.default_rng(sum(map(ord, layout + strategy + ids)))
-    layers, parts, num_dev, num_host, row = 3, 2, 40, 50, 96
-    dev = [[torch.from_numpy(rng.integers(0, 256, (num_dev, row), dtype=np.uint8))
-            for _ in range(parts)] for _ in range(layers)]
+def check_round_trip(copier, dev, host, rng, ids: str, num_host: int) -> None:
+    """17 blocks offloaded (scattered ids, or runs) land in their host rows byte for byte; loaded
+    back into other device blocks of zeroed KV, they come back and nothing else is written."""
+    layers, parts, (num_dev, row) = len(dev), len(dev[0]), dev[0][0].shape
     original = [[t.clone() for t in r] for r in dev]
-    host = host_views(layout, layers, parts, num_host, row)
-    copier = StrategyCopier(dev, host, strategy)
     n = 17
     if ids == "scattered":
         src, hid = rng.permutation(num_dev)[:n], rng.permutation(num_host)[:n]
@@ -70,6 +61,21 @@ def test_strategy_round_trip_is_byte_exact(layout, strategy, ids, monkeypatch):
             assert torch.equal(dev[layer][p][torch.from_numpy(dst)],
                                original[layer][p][torch.from_numpy(src)])
             assert not dev[layer][p][torch.from_numpy(untouched)].any(), "a block not asked for was written"
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("strategy", ["runs", "gather", "zero_copy", "dma", "auto"])
+@pytest.mark.parametrize("ids", ["scattered", "runs"])
+def test_strategy_round_trip_is_byte_exact(layout, strategy, ids, monkeypatch):
+    # chunks of 3 rows (the name the copier reads: patched where cuda_copier re-exported it, the
+    # test copied in one chunk)
+    monkeypatch.setattr("kvcached.copy.strategy_copier.STAGING_BYTES", 3 * 96)
+    rng = np.random.default_rng(sum(map(ord, layout + strategy + ids)))
+    layers, parts, num_dev, num_host, row = 3, 2, 40, 50, 96
+    dev = [[torch.from_numpy(rng.integers(0, 256, (num_dev, row), dtype=np.uint8))
+            for _ in range(parts)] for _ in range(layers)]
+    host = host_views(layout, layers, parts, num_host, row)
+    check_round_trip(StrategyCopier(dev, host, strategy), dev, host, rng, ids, num_host)
 
 
 def test_auto_picks_runs_for_long_runs_and_gather_for_scattered_ids():

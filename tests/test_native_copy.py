@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_copy_strategies import host_views
+from test_copy_strategies import check_round_trip, host_views
 
 from kvcached.copy import native
 from kvcached.copy.transfer import TaskKind
@@ -63,31 +63,9 @@ def test_native_copier_round_trip_is_byte_exact(layout, ids, dev_strided):
     else:
         dev = [[torch.from_numpy(rng.integers(0, 256, (num_dev, row), dtype=np.uint8))
                 for _ in range(parts)] for _ in range(layers)]
-    original = [[t.clone() for t in r] for r in dev]
     host = host_views(layout, layers, parts, num_host, row)
     copier = native.NativeCopier(dev, host)
-    n = 17
-    if ids == "scattered":
-        src, hid = rng.permutation(num_dev)[:n], rng.permutation(num_host)[:n]
-    else:
-        src, hid = np.arange(5, 5 + n), np.concatenate([np.arange(20, 30), np.arange(2, 9)])
-    plan = copier.plan(TaskKind.OFFLOAD, src.astype(np.int64), hid.astype(np.int64))
-    assert sum(copier.offload_layer(layer, plan) for layer in range(layers)) == n * row * layers * parts
-    for layer in range(layers):
-        for p in range(parts):
-            assert torch.equal(host[layer][p][torch.from_numpy(hid)], original[layer][p][torch.from_numpy(src)])
-    for r in dev:
-        for t in r:
-            t.fill_(0)
-    dst = rng.permutation(num_dev)[:n].astype(np.int64)
-    plan = copier.plan(TaskKind.LOAD, dst, hid.astype(np.int64))
-    for layer in range(layers):
-        copier.load_layer(layer, plan)
-    untouched = torch.from_numpy(np.setdiff1d(np.arange(num_dev), dst))
-    for layer in range(layers):
-        for p in range(parts):
-            assert torch.equal(dev[layer][p][torch.from_numpy(dst)], original[layer][p][torch.from_numpy(src)])
-            assert not dev[layer][p][untouched].any(), "a block not asked for was written"
+    check_round_trip(copier, dev, host, rng, ids, num_host)
     copier.close()
 
 
