@@ -63,10 +63,15 @@ class FdInbox(threading.Thread):
             while not self._stopping.is_set():
                 self._expire()
                 for key, _ in sel.select(timeout=0.2):
-                    if key.fileobj is self._sock:
-                        self._accept(sel, waiting)
-                    else:
-                        self._answer(sel, waiting, key.fileobj)
+                    try:
+                        if key.fileobj is self._sock:
+                            self._accept(sel, waiting)
+                        else:
+                            self._answer(sel, waiting, key.fileobj)
+                    except Exception:  # a bug must not leave the daemon without its fd socket
+                        log.exception("[fds] serving a connection failed")
+                        if key.fileobj is not self._sock:
+                            self._drop(sel, waiting, key.fileobj)
                 now = time.monotonic()
                 for conn in [c for c, deadline in waiting.items() if deadline < now]:
                     self._drop(sel, waiting, conn)  # said nothing in time
