@@ -7,6 +7,7 @@ of a hang.
 """
 from __future__ import annotations
 
+import array
 import itertools
 import os
 import threading
@@ -19,11 +20,13 @@ import zmq
 
 from kvcached_proto import (DaemonUnavailable, KvcachedError, KvcachedTimeout, Op, ProtocolError, decode,
                             encode, make_request, pack_block_ids, pack_keys, request_error)
+from kvcached_proto.codec import MAX_KEYS_PER_REQUEST
 from kvcached_proto.messages import ROLES, TaskStatus
 from kvcached_proto.paths import DEFAULT_INSTANCE, check_instance, request_endpoint, resolve_run_dir
 from kvcached_proto.order_words import REVOKE_WORD
 from kvcached_proto.version import PROTOCOL_VERSION, check_version
 
+from .key_table import KeyTableReader, LookupNotes
 from .kv_alloc import describe_kv_cache
 from .renamed import Renamed
 from .run_dir_hint import check_run_dir
@@ -37,6 +40,7 @@ DEFAULT_TIMEOUT_S = 5.0
 POLL_SLICE_MS = 20
 SEND_TIMEOUT_MS = 1000
 BYE_LINGER_MS = 100
+KEY_TABLE_ENV = "KVCACHED_KEY_TABLE"  # "0": every lookup is a message (the key table unused)
 
 
 class Client:
@@ -45,7 +49,7 @@ class Client:
     def __init__(self, instance: str = DEFAULT_INSTANCE, run_dir: str | None = None,
                  timeout: float = DEFAULT_TIMEOUT_S, name: str = "", endpoint: str | None = None,
                  curve_server_key_file: str | None = None, curve_client_key_file: str | None = None,
-                 role: str = "engine", hang_s: float | None = None):
+                 role: str = "engine", hang_s: float | None = None, key_table: bool | None = None):
         if role not in ROLES:
             raise ValueError(f"role {role!r}: expected one of {ROLES}")
         self.instance = check_instance(instance)
@@ -67,6 +71,12 @@ class Client:
         self._kv_tensors = None
         self.order = None  # EngineOrder while KV is registered (cuda_order.py)
         self._holds: dict[int, list[int]] = {}  # task id -> device blocks it may still write
+        if key_table is None:
+            key_table = os.environ.get(KEY_TABLE_ENV, "1") != "0"
+        self._use_key_table = key_table
+        self.key_table: KeyTableReader | None = None  # lookups without a message (key_table.py)
+        self._notes = LookupNotes()
+        self._discard: set[int] = set()  # request ids whose replies nobody waits for (notes)
         self._gone_after_close = lambda: False  # closed: is the daemon it talked to gone?
         self._closed = False
 
@@ -75,7 +85,7 @@ class Client:
                 timeout: float = DEFAULT_TIMEOUT_S, name: str = "", endpoint: str | None = None,
                 curve_server_key_file: str | None = None,
                 curve_client_key_file: str | None = None, role: str = "engine",
-                hang_s: float | None = None) -> "Client":
+                hang_s: float | None = None, key_table: bool | None = None) -> "Client":
         """endpoint: a tcp:// address of the daemon's --listen instead of its ipc socket; TCP
         needs the daemon's public key file and this client's secret key file (CURVE; the
         client's public key must be in the daemon's --curve-allow-dir).
@@ -84,9 +94,11 @@ class Client:
         shutdown), which an engine may send only while its KV cache is the registered one.
         hang_s: how long the daemon may miss its heartbeat before it counts as hung (every
         wait then raises DaemonUnavailable); default $KVCACHED_HANG_S or 2 s. A daemon whose
-        process is gone is seen at once, whatever this says."""
+        process is gone is seen at once, whatever this says.
+        key_table: answer lookups from the daemon's key table in shared memory where it can
+        (default: yes, unless $KVCACHED_KEY_TABLE is "0"); False sends every lookup."""
         client = cls(instance, run_dir, timeout, name, endpoint, curve_server_key_file,
-                     curve_client_key_file, role, hang_s)
+                     curve_client_key_file, role, hang_s, key_table)
         try:
             client._open()
         except BaseException:
@@ -133,6 +145,8 @@ class Client:
         check_version(self.info.get("protocol_version", (0, 0)), "the daemon")
         if self.info["epoch"] != self.status_block.epoch:
             raise DaemonUnavailable("the daemon restarted during the handshake; connect again")
+        if self._use_key_table and "key_table" in self.info.get("capabilities", ()):
+            self.key_table = KeyTableReader(self.instance, self.info["epoch"], self.status_block)
 
     def _set_curve(self, server_key_file: str | None, client_key_file: str | None) -> None:
         import zmq.auth
@@ -158,7 +172,8 @@ class Client:
             return
         self._closed = True
         if self._sock is not None:
-            if self.info:  # said hello: say bye, best effort, without waiting for a reply
+            if self.info:
+                self._send_notes()  # said hello: say bye, best effort, without waiting for a reply
                 try:
                     self._sock.send(encode(make_request(Op.BYE, next(self._rid), self.client_id)),
                                     zmq.NOBLOCK)
@@ -169,6 +184,8 @@ class Client:
         if self.order is not None:
             self.order.close(self.status_block.identity_check() if self.status_block is not None else None)
             self.order = None
+        if self.key_table is not None:
+            self.key_table.close()
         if self.status_block is not None:
             self._gone_after_close = self.status_block.identity_check()  # holds still need it
             self.status_block.close()
@@ -182,6 +199,8 @@ class Client:
         frame = encode(make_request(op, rid, self.client_id, **fields))
         deadline = time.monotonic() + SEND_TIMEOUT_MS / 1000
         with self._lock:
+            if self._notes.counts:  # what local lookups saw reaches the daemon before this op
+                self._send_notes()
             while True:
                 try:
                     self._sock.send(frame, zmq.NOBLOCK)
@@ -252,6 +271,8 @@ class Client:
             if "event" in msg:
                 self._events[msg.get("task", 0)] = msg
                 self._holds.pop(msg.get("task", 0), None)  # the task ended: its hold lifts
+            elif msg.get("rid", 0) in self._discard:
+                self._discard.discard(msg.get("rid", 0))  # a note's reply: nobody waits for it
             else:
                 self._replies[msg.get("rid", 0)] = msg
         return received
@@ -392,6 +413,8 @@ class Client:
             self.order.close(self.status_block.identity_check() if self.status_block else None)
         self.num_layers = layout["num_layers"]
         self.order = order
+        if self.key_table is not None:  # a new geometry has a new table: open it at the next lookup
+            self.key_table.close()
         return reply
 
     def _daemon_lost(self) -> bool:
@@ -443,8 +466,51 @@ class Client:
         return Task(self, reply["task"], "offload", reply)
 
     def lookup(self, keys: Sequence[bytes], timeout: float | None = None) -> tuple[int, int]:
+        """(host hits, storage hits past them): how many leading keys the host tier holds, and
+        how many after those the storage tiers hold. Answered from the daemon's key table in
+        shared memory where it can (no message; the daemon hears of it later, in a batch), else
+        by the lookup op. Either answer pins nothing: a load plans from what is there then."""
+        table = self.key_table
+        if table is not None:
+            if not isinstance(keys, (list, tuple, bytes)):
+                keys = list(keys)
+            if len(keys) <= MAX_KEYS_PER_REQUEST:
+                got = table.lookup(keys)
+                if got is not None:
+                    host, storage, packed = got
+                    if packed and self._notes.add(packed, storage):
+                        self._send_notes()
+                    return host, storage
         reply = self._request(Op.LOOKUP, timeout, keys=pack_keys(keys))
         return reply["host"], reply["storage"]
+
+    def _send_notes(self) -> None:
+        """Send what the local lookups saw without waiting for a reply (dropped when the socket
+        is busy or full: it feeds statistics and the eviction policy, nothing waits on it)."""
+        sock = self._sock
+        if sock is None or not self._lock.acquire(blocking=False):
+            return
+        try:
+            taken = self._notes.take()
+            if taken is None:
+                return
+            keys, counts, repeats, storage = taken
+            rid = next(self._rid)
+            unnoted, self._notes.dropped = self._notes.dropped, 0
+            frame = encode(make_request(Op.LOOKUP_NOTES, rid, self.client_id, keys=keys,
+                                        counts=array.array("i", counts).tobytes(),
+                                        repeats=array.array("i", repeats).tobytes(),
+                                        storage_hits=storage, unnoted=unnoted))
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                self._notes.dropped += unnoted + sum(repeats)
+                return
+            if len(self._discard) > 4096:  # a daemon that stopped answering: forget the oldest
+                self._discard.clear()
+            self._discard.add(rid)
+        finally:
+            self._lock.release()
 
     def load(self, keys: Sequence[bytes], device_blocks: Sequence[int] | np.ndarray,
              priority: int = 0, timeout: float | None = None, stream=None,

@@ -43,6 +43,8 @@ def hang_threshold(hang_s: float | None = None) -> float:
 class StatusReader:
     def __init__(self, instance: str, hang_s: float | None = None, run_dir: str | None = None):
         self.hang_s = hang_threshold(hang_s)
+        self.pidfd = -1  # a pidfd of the daemon, readable once it exited (-1: none)
+        self._mm = None
         self.name = segment_name(os.getuid(), instance)
         try:
             shm = posix_ipc.SharedMemory(self.name, flags=0)
@@ -72,6 +74,22 @@ class StatusReader:
             self.pid_visible = self.view.pid_ns == pid_namespace()
         else:  # a daemon that records no identity: guess the namespace from the pid
             self.pid_visible = pid_alive(self.pid) or not self._beating()
+        self.pidfd = self._open_pidfd()
+
+    def _open_pidfd(self) -> int:
+        """A pidfd of the daemon, readable once it exited (a poll of it takes half a
+        microsecond: the key table's C lookup asks it, client/key_table.py), when it is in this
+        pid namespace and the kernel has pidfds; else -1."""
+        if not (self.pid_visible and self._identity and hasattr(os, "pidfd_open")):
+            return -1
+        try:
+            fd = os.pidfd_open(self.pid)
+        except OSError:
+            return -1
+        if not process_alive(self.pid, self.pid_start):  # the pid was reused before we opened it
+            os.close(fd)
+            return -1
+        return fd
 
     def ready(self) -> bool:
         return bool(self.view.flags & Flag.UP)
@@ -135,6 +153,9 @@ class StatusReader:
             self.view.release()
             self._mm.close()
             self._mm = None
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
 
 
 def __getattr__(name: str):

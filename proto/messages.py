@@ -73,6 +73,14 @@ OP_SPECS: dict[Op, OpSpec] = {
             needs_kv=True,
         ),
         OpSpec(Op.LOOKUP, (KEYS,)),
+        # the lookups a client answered from the key table: their keys back to back, each one's
+        # key count (int32, >= 1, summing to the keys) and how many times it was asked (int32
+        # >= 1 each; none: once), the storage hits answered, and how many lookups' notes it
+        # dropped since the last message (its socket was full)
+        OpSpec(Op.LOOKUP_NOTES, (KEYS, Field("counts", "blocks"), Field("repeats", "bytes", False, b"",
+                                                                        max_len=4 * 65536),
+                                 Field("storage_hits", "uint", False, 0, hi=2**62),
+                                 Field("unnoted", "uint", False, 0, hi=2**62))),
         OpSpec(Op.LOAD, (KEYS, BLOCKS, PRIORITY, *FENCE, Field("host_only", "bool", False, False)),
                needs_kv=True),
         OpSpec(

@@ -24,6 +24,7 @@ class Op(enum.IntEnum):
     PREFETCH = 23
     CANCEL = 24
     FLUSH = 25
+    LOOKUP_NOTES = 26  # 1.8: lookups a client answered from the key table, told in a batch
     # maintenance
     DELETE = 30
     CLEAR = 31

@@ -103,7 +103,7 @@ class TaskEvent(TypedDict):
 REPLIES: dict[Op, type] = {
     Op.HELLO: HelloReply, Op.PING: Empty, Op.STATUS: StatusReply, Op.SHUTDOWN: Empty,
     Op.BYE: Empty, Op.REGISTER_KV: RegisterKvReply, Op.UNREGISTER_KV: Empty,
-    Op.OFFLOAD: OffloadReply, Op.LOOKUP: LookupReply, Op.LOAD: LoadReply,
+    Op.OFFLOAD: OffloadReply, Op.LOOKUP: LookupReply, Op.LOAD: LoadReply, Op.LOOKUP_NOTES: Empty,
     Op.PREFETCH: PrefetchReply, Op.CANCEL: CancelReply, Op.FLUSH: FlushReply,
     Op.DELETE: DeleteReply, Op.CLEAR: ClearReply, Op.PAUSE: Empty, Op.RESUME: Empty,
 }

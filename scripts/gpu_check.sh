@@ -56,16 +56,19 @@ if [ -n "$missing" ]; then
     "$ROOT"/.whl/*.whl > "$LOGS/pip.log" 2>&1 || { say "pip from .whl failed: $LOGS/pip.log"; exit 3; }
 fi
 
-# the C extensions (kvcached/copy/*.c: the SIGBUS guard, the native CPU copies) are built at
-# install; without an install, build them here for this python when a C compiler is there (the
-# daemon maps engine shared memory - CPU KV and the order words of CUDA KV - only with the guard)
-for mod in _sigbus _blockcopy; do
-  if ! "$PY" -c "import kvcached.copy.$mod" 2>/dev/null && command -v cc >/dev/null; then
+# the C extensions (kvcached/copy/*.c: the SIGBUS guard, the native CPU copies; proto/_keytable.c:
+# the key table) are built at install; without an install, build them here for this python when
+# a C compiler is there (the daemon maps engine shared memory - CPU KV and the order words of CUDA
+# KV - only with the guard)
+for src in kvcached/copy/_sigbus.c kvcached/copy/_blockcopy.c proto/_keytable.c; do
+  mod=$(basename "$src" .c)
+  pkg=$([ "${src%%/*}" = proto ] && echo kvcached_proto || echo kvcached.copy)
+  if ! "$PY" -c "import $pkg.$mod" 2>/dev/null && command -v cc >/dev/null; then
     ext=$("$PY" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
     inc=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
-    timeout 60 cc -O2 -shared -fPIC -I"$inc" "kvcached/copy/$mod.c" -o "kvcached/copy/$mod$ext" \
-      > "$LOGS/${mod}_build.log" 2>&1 && say "built kvcached/copy/$mod$ext" \
-      || say "kvcached.copy.$mod not built ($LOGS/${mod}_build.log)"
+    timeout 60 cc -O2 -shared -fPIC -I"$inc" "$src" -o "${src%.c}$ext" \
+      > "$LOGS/${mod}_build.log" 2>&1 && say "built ${src%.c}$ext" \
+      || say "$pkg.$mod not built ($LOGS/${mod}_build.log)"
   fi
 done
 

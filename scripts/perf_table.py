@@ -14,6 +14,10 @@ def table(r: dict) -> str:
         ("64-key lookup round trip, p50", "`kvcached bench ipc`",
          f"{ipc['lookup64']['daemon']['p50_us']:.1f} µs",
          f"bare echo {ipc['lookup64']['bare_echo']['p50_us']:.1f} µs", ipc["lookup64"]["p50_ratio"], "≤ 1.5"),
+        *([("64-key lookup from the key table, p50 / p99", "`kvcached bench ipc`",
+             f"{r['ipc']['key_table']['lookup64']['p50_us']:.1f} / {r['ipc']['key_table']['lookup64']['p99_us']:.1f} µs",
+             f"lookup op {ipc['lookup64']['daemon']['p50_us']:.1f} µs p50", "—", "≤ 10 / ≤ 50 µs")]
+          if "key_table" in r["ipc"] else []),
         ("offload, 1,000 random 7B-layout blocks", "`kvcached bench transfer`", f"{tr['offload_gbps']} GB/s",
          f"memcpy {tr['memcpy_d2h_gbps']} GB/s", tr["offload_ratio"], "≥ 0.6"),
         ("layer-by-layer load", "`kvcached bench transfer`", f"{tr['load_gbps']} GB/s",

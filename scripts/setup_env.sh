@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Shared set-up for run.sh and test.sh: create .venv if missing, install torch (the CPU wheel
 # pinned here, so a fresh machine does not resolve several GB of CUDA packages), then the project
-# (distribution kvcached-sidecar; it compiles two small C extensions, kvcached/copy/*.c).
+# (distribution kvcached-sidecar; it compiles three small C extensions: kvcached/copy/*.c, proto/_keytable.c).
 # Each step says what it does and how long it took: the first run takes a few minutes.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${KVCACHED_VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
 STAMP="$VENV/.kvcached-installed"
-if [ -f "$STAMP" ] && [ ! "$ROOT/pyproject.toml" -nt "$STAMP" ] && [ -z "$(find "$ROOT/kvcached/copy" -name "*.c" -newer "$STAMP")" ]; then
+if [ -f "$STAMP" ] && [ ! "$ROOT/pyproject.toml" -nt "$STAMP" ] && [ -z "$(find "$ROOT/kvcached/copy" "$ROOT/proto" -name "*.c" -newer "$STAMP")" ]; then
   exit 0
 fi
 START=$SECONDS

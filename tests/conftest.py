@@ -39,12 +39,13 @@ subprocess.Popen = _RecordedPopen
 
 def _our_segments() -> set[str]:
     """Segments of this test session: KV segments this process and its children made, and the
-    status blocks of its daemons (instance names carry this pid: unique_instance). Others'
-    are not ours to count (a benchmark or a second test run on the same machine)."""
+    status blocks and key tables of its daemons (instance names carry this pid:
+    unique_instance). Others' are not ours to count (a benchmark or a second test run on the
+    same machine)."""
     uid, pid = os.getuid(), os.getpid()
     gone = [p for p in _child_pids if not pid_alive(p)]  # a live one is not our child any more:
     pids = "|".join(str(p) for p in (pid, *gone))        # its pid was reused by another process
-    mine = re.compile(rf"^kvcached\.{uid}\.(kv\.({pids})\.\d+|([\w-]*[^\d])?{pid}-\d+)$")
+    mine = re.compile(rf"^kvcached\.{uid}\.(kv\.({pids})\.\d+|([\w-]*[^\d])?{pid}-\d+(\.keys)?)$")
     return {n for n in os.listdir("/dev/shm") if mine.match(n)}
 
 
@@ -100,12 +101,16 @@ def instance() -> str:
 
 
 def sweep_crashed(instance: str) -> None:
-    """Remove the segment a kill -9'd daemon left (what its successor would sweep at start)."""
+    """Remove the segments a kill -9'd daemon left, its status block and key table (what its
+    successor would sweep at start)."""
     name = f"/kvcached.{os.getuid()}.{instance}"
     if os.path.exists(f"/dev/shm{name}"):
         reader_pid = int.from_bytes(open(f"/dev/shm{name}", "rb").read(20)[16:20], "little")
-        if not pid_alive(reader_pid):
-            posix_ipc.unlink_shared_memory(name)
+        if pid_alive(reader_pid):
+            return
+        posix_ipc.unlink_shared_memory(name)
+    if os.path.exists(f"/dev/shm{name}.keys"):
+        posix_ipc.unlink_shared_memory(f"{name}.keys")
 
 
 @pytest.fixture

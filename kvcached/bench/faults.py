@@ -382,10 +382,11 @@ def _record_files(root: str):
 def _sweep(name: str) -> None:
     import posix_ipc
 
-    try:
-        posix_ipc.unlink_shared_memory(f"/kvcached.{os.getuid()}.{name}")
-    except posix_ipc.ExistentialError:
-        pass  # the successor daemon would sweep it too; nothing there
+    for segment in (f"/kvcached.{os.getuid()}.{name}", f"/kvcached.{os.getuid()}.{name}.keys"):
+        try:
+            posix_ipc.unlink_shared_memory(segment)
+        except posix_ipc.ExistentialError:
+            pass  # the successor daemon would sweep it too; nothing there
 
 
 def run(quick: bool = False, **_) -> dict:

@@ -1,8 +1,12 @@
-"""`kvcached bench ipc`'s loaded case: 64-key lookups (host misses, so each asks the storage
-tiers) timed on an idle daemon with a disk and a redis tier, then while an engine in another
-process offloads without pause (write_through: every block is backed up to both tiers).
+"""`kvcached bench ipc`'s loaded case, on a daemon with a disk and a redis tier: 64-key lookups
+timed idle, then while an engine in another process offloads without pause (write_through:
+every block is backed up to both tiers). Two kinds: sent ones (host misses, so each asks the
+storage tiers) and ones answered from the key table (a 64-block chain the engine offloaded
+first: host hits, or disk hits once evicted - either way answered in shared memory).
 
-Run as a module, it is that engine: `python -m kvcached.bench.ipc_load INSTANCE RUN_DIR SECONDS`.
+Run as a module, it is that engine: `python -m kvcached.bench.ipc_load INSTANCE RUN_DIR SECONDS`
+(it offloads the chain, says "chain", waits for a line on stdin, says "offloading" and offloads
+until SIGTERM).
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import sys
 import tempfile
 import time
 
-from kvcached_client import launch
+from kvcached_client import BlockHasher, launch
 
 from .stats import percentiles_us, ratio
 
@@ -53,6 +57,23 @@ def _lookups(client, n: int) -> dict:
     return percentiles_us(samples)
 
 
+def _chain() -> list[bytes]:
+    """The 64 keys the loading engine offloads first (both processes make the same ones)."""
+    return BlockHasher("bench-ipc-chain").hash_blocks(list(range(64 * 16)), 16)
+
+
+def _table_lookups(client, n: int) -> dict:
+    keys, samples, found = _chain(), [], 0
+    for _ in range(n):
+        t0 = time.perf_counter()
+        host, storage = client.lookup(keys)
+        samples.append(time.perf_counter() - t0)
+        found += host + storage
+    table = client.key_table
+    return {**percentiles_us(samples), "found": round(found / (64 * n), 3),
+            "answered": table.answered if table else 0, "asked": table.asked if table else n}
+
+
 def run_loaded(quick: bool) -> dict:
     n = 300 if quick else 3000
     tmp = tempfile.mkdtemp(prefix="kvbl-", dir="/tmp")
@@ -64,14 +85,23 @@ def run_loaded(quick: bool) -> dict:
                     wait_storage=True)
     engine = None
     try:
-        with daemon.connect(name="bench-ipc-lookups") as client:
+        with daemon.connect(name="bench-ipc-lookups", key_table=False) as client, \
+                daemon.connect(name="bench-ipc-table") as table_client:
             idle = _lookups(client, n)
             engine = subprocess.Popen([sys.executable, "-m", "kvcached.bench.ipc_load", instance,
-                                       tmp, "600"], stdout=subprocess.PIPE, text=True)
-            if engine.stdout.readline().strip() != "offloading":
+                                       tmp, "600"], stdout=subprocess.PIPE, stdin=subprocess.PIPE,
+                                      text=True)
+            if engine.stdout.readline().strip() != "chain":
                 raise RuntimeError("the loading engine did not start")
+            table_idle = _table_lookups(table_client, n)
+            engine.stdin.write("go\n")
+            engine.stdin.flush()
+            if engine.stdout.readline().strip() != "offloading":
+                raise RuntimeError("the loading engine did not start offloading")
             time.sleep(0.5)
             loaded = _lookups(client, n)
+            table_client.key_table.answered = table_client.key_table.asked = 0
+            table_loaded = _table_lookups(table_client, n)
             status = client.status()
     finally:
         if engine is not None:
@@ -83,6 +113,8 @@ def run_loaded(quick: bool) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
     return {"tiers": [t.split(":")[0] for t in tiers], "idle": idle, "loaded": loaded,
             "p99_ratio": ratio(loaded["p99_us"], idle["p99_us"]),
+            "key_table": {"idle": table_idle, "loaded": table_loaded,
+                          "p99_ratio": ratio(table_loaded["p99_us"], table_idle["p99_us"])},
             "backups": status.get("storage_io", {}).get("backups", 0),
             "target": {"p99_ratio_max": 2.0}}
 
@@ -104,10 +136,18 @@ def _stop_engine(engine: subprocess.Popen) -> None:
 
 def format_loaded(r: dict) -> str:
     i, lo = r["idle"], r["loaded"]
-    return (f"lookup64 with storage ({'+'.join(r['tiers'])}): idle p50 {i['p50_us']:.1f}us "
-            f"p99 {i['p99_us']:.1f}us; under backups ({r['backups']} blocks written) p50 "
-            f"{lo['p50_us']:.1f}us p99 {lo['p99_us']:.1f}us; p99 ratio {r['p99_ratio']:.2f} "
-            f"(target <= {r['target']['p99_ratio_max']})")
+    lines = [f"lookup64 sent, with storage ({'+'.join(r['tiers'])}): idle p50 {i['p50_us']:.1f}us "
+             f"p99 {i['p99_us']:.1f}us; under backups ({r['backups']} blocks written) p50 "
+             f"{lo['p50_us']:.1f}us p99 {lo['p99_us']:.1f}us; p99 ratio {r['p99_ratio']:.2f} "
+             f"(target <= {r['target']['p99_ratio_max']})"]
+    if "key_table" in r:
+        t = r["key_table"]
+        ti, tl = t["idle"], t["loaded"]
+        lines.append(f"lookup64 from the key table: idle p50 {ti['p50_us']:.1f}us p99 {ti['p99_us']:.1f}us; "
+                     f"under backups p50 {tl['p50_us']:.1f}us p99 {tl['p99_us']:.1f}us (found "
+                     f"{tl['found']:.0%}, {tl['answered']} answered, {tl['asked']} sent); p99 ratio "
+                     f"{t['p99_ratio']:.2f} (target <= {r['target']['p99_ratio_max']})")
+    return "\n".join(lines)
 
 
 def _engine(instance: str, run_dir: str, seconds: float) -> None:
@@ -124,6 +164,9 @@ def _engine(instance: str, run_dir: str, seconds: float) -> None:
     kv = allocate_kv_cache(4, 64, (16, 2, 64), torch.float16)
     with Client.connect(instance=instance, run_dir=run_dir, name="bench-ipc-loader") as c:
         c.register_kv_cache(kv)
+        c.offload(range(64), _chain()).wait(30)
+        print("chain", flush=True)
+        sys.stdin.readline()
         print("offloading", flush=True)
         end, base = time.monotonic() + seconds, 0
         while time.monotonic() < end and not stop:

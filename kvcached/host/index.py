@@ -8,12 +8,16 @@ before ancestors). A key's parent is the key before it in the offload that inser
 Eviction order comes from a pluggable policy (`priority`: lower goes first) through a heap
 with lazy deletion: a heap item is live only while its sequence number matches the entry's,
 so a touch is one push (O(log n)) and stale items are skipped or compacted away.
+
+`on_visible(key, loadable)` hears each key as it becomes loadable (READY and not doomed: what
+`prefix` answers) and as it stops being so; the daemon's key table (service/key_publisher.py)
+publishes it for clients' lookups.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Iterable
+from typing import Callable, Iterable
 
 from .policies import EvictionPolicy, make_policy
 
@@ -55,6 +59,7 @@ class BlockIndex:
         self.evictions = 0
         self.prefetched = 0  # entries brought in (or being brought in) by prefetch, not used yet
         self.pinned = 0  # entries with readers (loads, backups in flight)
+        self.on_visible: Callable[[bytes, bool], None] = unheard
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -111,6 +116,8 @@ class BlockIndex:
 
     def mark_ready(self, e: Entry) -> None:
         e.state = READY
+        if not e.doomed:
+            self.on_visible(e.key, True)
         self._push(e)
 
     def set_prefetched(self, e: Entry, on: bool) -> None:
@@ -149,7 +156,7 @@ class BlockIndex:
         if e is None:
             return None
         if e.refs or e.state == WRITING:
-            e.doomed = True
+            self._doom(e)
             return None
         return self._remove(e)
 
@@ -172,7 +179,7 @@ class BlockIndex:
         freed = []
         for e in list(self._entries.values()):
             if e.refs or e.state == WRITING:
-                e.doomed = True
+                self._doom(e)
             elif e.live:
                 freed.append(self._remove(e))
         return freed
@@ -194,7 +201,14 @@ class BlockIndex:
         self._heap = [item for item in self._heap if item[1] == item[2].seq and self._evictable(item[2])]
         heapq.heapify(self._heap)
 
+    def _doom(self, e: Entry) -> None:
+        if e.state == READY and not e.doomed:
+            self.on_visible(e.key, False)
+        e.doomed = True
+
     def _remove(self, e: Entry) -> int:
+        if e.state == READY and not e.doomed:
+            self.on_visible(e.key, False)
         del self._entries[e.key]
         if e.prefetched:
             self.prefetched -= 1
@@ -226,3 +240,7 @@ class BlockIndex:
         for e in self._entries.values():
             if self._evictable(e):
                 assert id(e) in live, f"evictable entry {e.key.hex()} missing from the heap"
+
+
+def unheard(_key: bytes, _loadable: bool) -> None:
+    """No key table listens."""

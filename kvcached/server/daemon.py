@@ -60,6 +60,7 @@ POLL_MS = 50
 LOOP_STALL_S = 5.0  # the request loop not turning for this long makes status `degraded`
 CURVE_TAG = b"C"  # ROUTER-made ids start with 0x00: this prefix cannot collide
 CLIENT_REAP_PERIOD_S = 0.25
+KEY_TABLE_REFRESH_S = 0.1  # how soon the key table says a disk tier stopped (or started) answering
 DYING_GRACE_S = 0.5  # at shutdown, for engines whose connection closed to finish dying
 MAX_BATCH = 256  # requests handled per wake before events get their turn
 DEFERRED = object()  # _dispatch's answer for an op the control worker replies to
@@ -255,6 +256,7 @@ class Daemon:
             poller.register(mon, zmq.POLLIN)
         next_reap = time.monotonic() + CLIENT_REAP_PERIOD_S
         next_stats = time.monotonic() + self.cfg.stats_interval_s
+        next_keys = 0.0
         while not self.stop_requested.is_set():
             self._loop_turned = time.monotonic()
             ready = dict(poller.poll(POLL_MS))
@@ -273,6 +275,9 @@ class Daemon:
                     self._handle(self._recv(self._curve_router, CURVE_TAG))
             if self.events.pull in ready:
                 self._forward_events()
+            if time.monotonic() >= next_keys:  # the key table says whether its disk tiers answer
+                self.service.keys.refresh()
+                next_keys = time.monotonic() + KEY_TABLE_REFRESH_S
             if time.monotonic() >= next_reap:
                 self._reap_dead_clients()
                 next_reap = time.monotonic() + CLIENT_REAP_PERIOD_S

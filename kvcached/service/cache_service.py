@@ -8,6 +8,7 @@ copy.
 """
 from __future__ import annotations
 
+import array
 import logging
 import os
 from typing import Callable
@@ -25,6 +26,7 @@ from ..copy.kv_mapping import KVRegistration
 from ..copy.transfer import CopyTask, TaskKind, TransferWorker
 from ..errors import OpError
 from .host_tier import HostTier
+from .key_publisher import KeyPublisher
 from .load_flow import LoadFlow
 from .offload_flow import OffloadFlow
 from .registration import Registered, checked_layout, claim_fds
@@ -34,6 +36,20 @@ from .task_table import TaskTable
 log = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT_S = 30.0
+NOTE_REPLAY_MAX = 8  # a noted lookup asked more often feeds the policy this many times (its cost)
+
+
+def notes_repeats(body: dict) -> list[int]:
+    """lookup_notes' `repeats`: one int32 >= 1 per lookup (default 1 each)."""
+    raw, n = body["repeats"], len(body["counts"])
+    if not raw:
+        return [1] * n
+    if len(raw) != 4 * n:
+        raise OpError(ErrorCode.BAD_FIELD, f"repeats: {len(raw)} bytes for {n} lookups (int32 each)")
+    repeats = array.array("i", raw).tolist()
+    if min(repeats, default=1) < 1:
+        raise OpError(ErrorCode.BAD_FIELD, "repeats: each lookup was asked at least once")
+    return repeats
 
 
 class CacheService:
@@ -50,11 +66,13 @@ class CacheService:
         self.fd_inbox = None  # the server's FdInbox: fds an engine handed over (fd_pass.py)
         self.table = TaskTable(self.host.lock, status_block, events)  # ids, slots, counters, the end
         self.hits = {"lookups": 0, "keys": 0, "host_hits": 0, "storage_hits": 0,
-                     "loaded_from_host": 0, "loaded_from_storage": 0}
+                     "loaded_from_host": 0, "loaded_from_storage": 0, "unnoted_lookups": 0}
         self.loads = LoadFlow(cfg, self.host, self.table, status_block, self.reg, self.hits)
         self.storage = self.loads.storage  # fetches for loads and prefetches, backups, flush
         self.offloads = OffloadFlow(self.host, self.table, self.reg, self.loads)
         self.host.on_evicted = self.storage.on_evicted  # write_back saves what is evicted
+        self.keys = KeyPublisher(cfg.instance, status_block.epoch, self.storage.tiers)
+        self.host.publish_to(self.keys.host)  # clients read the index from shared memory
         # runs work that may block (a drain) off the request thread; the server sets its
         # control worker's run_later here
         self.defer: Callable[[Callable[[], None]], None] = lambda work: work()
@@ -63,6 +81,7 @@ class CacheService:
             Op.UNREGISTER_KV: self._unregister_kv,
             Op.OFFLOAD: self._offload,
             Op.LOOKUP: self._lookup,
+            Op.LOOKUP_NOTES: self._lookup_notes,
             Op.LOAD: self._load,
             Op.PREFETCH: self._prefetch,
             Op.FLUSH: self.storage.flush,
@@ -83,7 +102,8 @@ class CacheService:
 
     def capabilities(self) -> list[str]:
         return ["layerwise_load", "host_tier", f"host_layout:{self.cfg.host_layout}",
-                *(["cuda_ipc"] if self.cfg.device.startswith("cuda") else ["cpu_shm", "fd_pool"])]
+                *(["cuda_ipc"] if self.cfg.device.startswith("cuda") else ["cpu_shm", "fd_pool"]),
+                *(["key_table"] if self.keys.enabled else [])]
 
     @property
     def kv(self) -> KVRegistration | None:
@@ -132,6 +152,8 @@ class CacheService:
                 if new_geometry:  # old blocks are void
                     self.host.reset_index()
                     self.storage.drop_queued_backups()
+                    self.keys.rebuild(self.host.pool.num_blocks, self.host.pool.geometry,
+                                      self.host.pool.page_bytes)
                 kept = len(self.host.index)
                 try:
                     copier = make_copier(spec.device, self.cfg.copy_strategy, reg.views,
@@ -211,6 +233,31 @@ class CacheService:
             self.hits["host_hits"] += hit
             self.hits["storage_hits"] += stored
         return LookupReply(host=hit, storage=stored)
+
+    def _lookup_notes(self, client, req) -> Empty:
+        """What the client's local lookups saw (client/key_table.py): the policy's history, the
+        hit entries' recency and selective backups, and the hit counters, as `_lookup` does."""
+        keys, counts, repeats = req.body["keys"], req.body["counts"], notes_repeats(req.body)
+        if len(counts) and (int(counts.min()) < 1 or int(counts.sum()) != len(keys)):
+            raise OpError(ErrorCode.BAD_FIELD, f"counts: {len(counts)} counts of >= 1 key summing "
+                          f"to the {len(keys)} keys expected")
+        asked = hits = at = 0
+        with self.host.lock:
+            for n, times in zip(counts.tolist(), repeats):
+                looked = keys[at:at + n]
+                at += n
+                for _ in range(min(times, NOTE_REPLAY_MAX)):  # what policies count, bounded
+                    self.host.index.note_request(looked)
+                    entries = self.host.index.prefix(looked)
+                    self.storage.after_hits(entries)
+                asked += n * times
+                hits += len(entries) * times
+            self.hits["lookups"] += sum(repeats) + req.body["unnoted"]
+            self.hits["unnoted_lookups"] += req.body["unnoted"]  # counted, their keys unknown
+            self.hits["keys"] += asked
+            self.hits["host_hits"] += hits
+            self.hits["storage_hits"] += min(req.body["storage_hits"], asked - hits)
+        return Empty()
 
     def _prefetch(self, client, req) -> PrefetchReply:
         self._check_queue()
@@ -357,6 +404,7 @@ class CacheService:
         self.loads.worker.stop()
         self.offloads.worker.stop()
         self.storage.backer.stop(timeout=DRAIN_TIMEOUT_S)
+        self.keys.close()  # before the tiers: readers stop trusting it first
         self.storage.tiers.close()
         with self.host.lock:
             for kv, _ in self.reg.pop_all():

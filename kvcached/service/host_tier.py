@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 
 from ..host import numa
-from ..host.index import BlockIndex, Entry
+from ..host.index import BlockIndex, Entry, unheard
 from ..host.pool import HostPool
 
 
@@ -23,9 +23,17 @@ class HostTier:
         self.index = BlockIndex(cfg.eviction)
         self.on_evicted = lambda entries: None
 
+    def publish_to(self, on_visible) -> None:
+        """(Lock held, or before any op.) Tell on_visible(key, loadable) what the index can load."""
+        self.index.on_visible = on_visible
+
     def reset_index(self) -> None:
-        """(Lock held.) A new block geometry: every block held so far is void."""
+        """(Lock held.) A new block geometry: every block held so far is void. The old index's
+        entries still in use leave it later, unheard (a new key table is made for the new
+        geometry)."""
+        on_visible, self.index.on_visible = self.index.on_visible, unheard
         self.index = BlockIndex(self._eviction)
+        self.index.on_visible = on_visible
 
     def alloc(self, n: int) -> list[int]:
         """(Lock held.) Up to n free host blocks, evicting unpinned ones when the pool is full."""

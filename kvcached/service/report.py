@@ -87,6 +87,7 @@ def status_of(svc) -> dict:
             "lookups": dict(svc.hits),
             "storage_io": dict(svc.storage.counters),
             "fds": _fds_status(svc.fd_inbox),
+            "key_table": svc.keys.status(),  # clients' lookups without a message (key_publisher.py)
         }
 
 

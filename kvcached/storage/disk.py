@@ -55,6 +55,8 @@ _OPEN_TEMP = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class DiskBackend(StorageBackend):
+    local_keys = True  # its index is this process's: the key table can publish it (watch_keys)
+
     def __init__(self, root: str, capacity_bytes: int, fsync: bool = False, uri: str = "",
                  io_timeout_s: float = IO_TIMEOUT_S, on_ready: Callable[[], None] | None = None):
         self.root = os.path.abspath(root)
@@ -78,6 +80,9 @@ class DiskBackend(StorageBackend):
         self._closed = threading.Event()
         self._unusable: set[int] = set()  # shards of another user (owned.py): never read or written
         self._on_ready = on_ready
+        self._on_keys = _ignore_keys  # (stored names, held?) as the index changes, under the lock
+        self._on_cleared = _ignore_clear
+        self._on_health: Callable[[], None] = _ignore_clear  # the tier stopped or started answering
         self._io = IOThreads(IO_THREADS, "kvcached-disk")
         self._make_root()
         self.indexed = threading.Event()
@@ -109,6 +114,16 @@ class DiskBackend(StorageBackend):
                              f"{exc.strerror or exc}") from None
 
     # index ----------------------------------------------------------------
+    def watch_keys(self, on_keys: Callable[[list, bool], None], on_cleared: Callable[[], None],
+                   on_health: Callable[[], None]) -> None:
+        """Tell on_keys(names, True) every stored name indexed now, then every change of the
+        index as it happens (names, held?) and on_cleared() when it is cleared: called under the
+        index's lock, so what the watcher sees is the index's order of events. on_health() is
+        called (without the lock) when the tier stops answering or answers again."""
+        with self._lock:
+            self._on_keys, self._on_cleared, self._on_health = on_keys, on_cleared, on_health
+            on_keys(list(self._lru), True)
+
     def _path(self, key: bytes) -> str:
         h = key.hex()
         return os.path.join(self.root, h[:2], h + ".kvb")
@@ -141,6 +156,7 @@ class DiskBackend(StorageBackend):
         with self._lock:
             known = dict(self._lru)
             self._lru.clear()
+            added = []
             for _mtime, key, size in found:
                 if key in known:
                     continue
@@ -149,7 +165,9 @@ class DiskBackend(StorageBackend):
                     continue
                 self._lru[key] = size
                 self.used_bytes += size
+                added.append(key)
             self._lru.update(known)  # newest: the puts made while indexing
+            self._on_keys(added, True)
             self._dropped_while_indexing.clear()
             self._cleared_while_indexing = False
         self._unlink_later(stale)
@@ -159,6 +177,7 @@ class DiskBackend(StorageBackend):
             size = self._lru.pop(key, None)
             if size is not None:
                 self.used_bytes -= size
+                self._on_keys([key], False)
 
     def _evict_over_capacity(self, incoming: int) -> bool:
         """Make room for `incoming` bytes and reserve them (0: just enforce the limit).
@@ -169,6 +188,8 @@ class DiskBackend(StorageBackend):
                 key, size = self._lru.popitem(last=False)
                 self.used_bytes -= size
                 victims.append(key)
+            if victims:
+                self._on_keys(victims, False)
             fits = self.used_bytes + incoming <= self.limit_bytes
             if fits:
                 self.used_bytes += incoming  # reserved under the lock: parallel puts cannot overshoot
@@ -210,6 +231,7 @@ class DiskBackend(StorageBackend):
                                "(a hung filesystem?); the tier is stuck until it does")
             if first:
                 log.error("[disk] %s: %s", self.root, self.last_error)
+                self._on_health()
         return on_late
 
     def _late_returned(self) -> None:
@@ -218,6 +240,7 @@ class DiskBackend(StorageBackend):
             done = self._late == 0
         if done:
             log.warning("[disk] %s: every late I/O operation returned; the tier serves again", self.root)
+            self._on_health()
 
     def _probe(self) -> None:
         while not self._closed.wait(PROBE_EVERY_S):
@@ -226,11 +249,16 @@ class DiskBackend(StorageBackend):
                 st = os.stat(self.root)
                 if not stat.S_ISDIR(st.st_mode) or not os.access(self.root, os.W_OK):
                     raise OSError(errno.EACCES, "not a writable directory")
-                self._probe_error = ""
+                if self._probe_error:
+                    self._probe_error = ""
+                    self._on_health()
                 if self.limit_bytes < self.capacity_bytes:
                     self._regrow(os.statvfs(self.root))
             except OSError as exc:
+                first = not self._probe_error
                 self._probe_error = f"{self.root}: {exc.strerror or exc}"
+                if first:
+                    self._on_health()
             self._probe_since = 0.0
 
     def _regrow(self, fs) -> None:
@@ -369,6 +397,7 @@ class DiskBackend(StorageBackend):
                 self.used_bytes -= size
             else:
                 self._lru[key] = size
+                self._on_keys([key], True)
         self.counters["puts"] += 1
         return True
 
@@ -434,6 +463,8 @@ class DiskBackend(StorageBackend):
                     gone.append(key)
                 if not self.indexed.is_set():
                     self._dropped_while_indexing.add(key)
+            if gone:
+                self._on_keys(gone, False)
         self._unlink_later(gone)
         return len(gone)
 
@@ -444,6 +475,7 @@ class DiskBackend(StorageBackend):
             keys = list(self._lru)
             self._lru.clear()
             self.used_bytes = 0
+            self._on_cleared()
             if not self.indexed.is_set():
                 self._cleared_while_indexing = True
         self._unlink_later(keys)
@@ -472,3 +504,11 @@ def _write_all(fd: int, pieces, total: int) -> None:
     flat = memoryview(b"".join(bytes(p) for p in pieces))  # rare: finish the rest plainly
     while done < total:
         done += os.write(fd, flat[done:])
+
+
+def _ignore_keys(_names, _held) -> None:
+    """No key table watches this tier."""
+
+
+def _ignore_clear() -> None:
+    """No key table watches this tier."""

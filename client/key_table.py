@@ -1,0 +1,147 @@
+"""Lookups from the daemon's key table in shared memory (layout: kvcached_proto.key_table), with
+no message: the whole lookup is one C call (kvcached_proto._keytable.answer: the daemon's
+liveness in its status block and pidfd, the keys joined, the probe, the table's flags), a 64-key
+lookup a few microseconds.
+
+`KeyTableReader.lookup` answers (host, storage, packed keys) or None, and None means "ask the
+daemon" (the lookup op): no table yet (nothing registered, or the extension is not built), a
+daemon that is not up, silent past the hang threshold or exited, a table of another daemon or
+one the daemon closed, a slot the daemon held too long, or a question the table cannot answer -
+a miss where it could not take every host key, or a storage run that needs a tier it does not
+cover (Redis) or one that does not answer now. The answer is what the daemon's index held as
+each key was read; a hit pins nothing (a block evicted before its load is a load that plans
+fewer blocks, as after a lookup op).
+
+`LookupNotes` carries what the local lookups saw to the daemon in batches, without waiting for
+a reply: its eviction policy's history, recency and hit counters stay as if it had answered.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import time
+
+import posix_ipc
+
+from kvcached_proto.key_table import HEADER_BYTES, Flags, native, segment_name
+
+RETRY_S = 0.5  # no table yet: look again at most this often
+# A note message goes when its first lookup is NOTE_DELAY_S old, or before the client's next
+# request of any other kind (an engine sends some every step), or when it grew large: sending
+# costs tens of microseconds (encoding, waking the socket's I/O thread), paid by the lookup that
+# sends it, so it is sent rarely - a scheduler asking for its waiting requests every step sends
+# one message per 50 ms, holding each distinct lookup once with how often it was asked.
+NOTE_DELAY_S = 0.05
+NOTE_BATCH = 1024  # distinct lookups
+NOTE_KEYS = 32768  # keys of the distinct lookups (half a MiB of frame)
+NOTE_LOOKUPS = 1 << 20  # lookups, repeats included
+_OPEN = int(Flags.OPEN)  # a plain int: `int & IntFlag` makes an enum member, a microsecond
+NOTE_CAP = 4096  # distinct lookups kept while the socket is busy; later ones are dropped (counted)
+
+
+class KeyTableReader:
+    def __init__(self, instance: str, epoch: int, status):
+        self.name = segment_name(os.getuid(), instance)
+        self.epoch = epoch
+        self._status = status  # the client's StatusReader: the daemon's liveness, read in C too
+        self._hang_ns = int(status.hang_s * 1e9)
+        self._kt = native()
+        self._mm: mmap.mmap | None = None
+        self._next_try = 0.0
+        self.answered = 0  # lookups answered here
+        self.asked = 0  # lookups it left to the daemon (no table, or one that could not answer)
+
+    @property
+    def available(self) -> bool:
+        return self._kt is not None
+
+    def lookup(self, keys) -> tuple[int, int, bytes] | None:
+        """(host, storage, the keys packed) from the table, or None: send the lookup op."""
+        mm = self._mm if self._mm is not None else self._open()
+        status = self._status._mm
+        if mm is None or status is None:
+            self.asked += 1
+            return None
+        got = self._kt.answer(mm, keys, self.epoch, status, self._hang_ns, self._status.pidfd)
+        if got is None:
+            self.asked += 1
+            if not self._kt.flags(mm) & _OPEN:  # closed: a new table (geometry) or a stopped daemon
+                self.close()
+            return None
+        self.answered += 1
+        return got
+
+    def _open(self) -> mmap.mmap | None:
+        now = time.monotonic()
+        if self._kt is None or now < self._next_try:
+            return None
+        self._next_try = now + RETRY_S
+        try:
+            shm = posix_ipc.SharedMemory(self.name, flags=0)
+        except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
+            return None
+        try:
+            st = os.fstat(shm.fd)
+            if st.st_uid != os.getuid() or st.st_mode & 0o077 or shm.size < HEADER_BYTES:
+                return None  # not the daemon's (it makes its table 0600, as this user)
+            mm = mmap.mmap(shm.fd, shm.size, prot=mmap.PROT_READ)
+        finally:
+            shm.close_fd()
+        try:
+            self._kt.count(mm)  # checks the header
+        except ValueError:
+            mm.close()
+            return None
+        self._mm = mm
+        return mm
+
+    def close(self) -> None:
+        """Drop the mapping; the next lookup opens the table anew (a registration made one)."""
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+        self._next_try = 0.0
+
+
+class LookupNotes:
+    """The local lookups not yet told to the daemon, one entry per distinct lookup (a scheduler
+    asks again for each waiting request every step): its keys, how many times it was asked,
+    and the storage hits answered."""
+
+    def __init__(self):
+        self.pending: dict[bytes, list[int]] = {}  # packed keys -> [times asked, storage hits]
+        self.lookups = 0
+        self.nkeys = 0
+        self.since = 0.0
+        self.dropped = 0  # lookups whose notes were dropped (socket full, or past NOTE_CAP)
+
+    @property
+    def counts(self) -> bool:
+        """Anything to send."""
+        return bool(self.pending)
+
+    def add(self, packed: bytes, storage: int) -> bool:
+        """Note one lookup; True when the batch should go now."""
+        entry = self.pending.get(packed)
+        if entry is not None:
+            entry[0] += 1
+            entry[1] += storage
+        elif len(self.pending) >= NOTE_CAP:
+            self.dropped += 1
+            return True
+        else:
+            if not self.pending:
+                self.since = time.monotonic()
+            self.pending[packed] = [1, storage]
+            self.nkeys += len(packed) // 16
+        self.lookups += 1
+        return (len(self.pending) >= NOTE_BATCH or self.lookups >= NOTE_LOOKUPS
+                or self.nkeys >= NOTE_KEYS or time.monotonic() - self.since >= NOTE_DELAY_S)
+
+    def take(self) -> tuple[bytes, list[int], list[int], int] | None:
+        """(keys back to back, keys per lookup, times each was asked, storage hits), or None."""
+        if not self.pending:
+            return None
+        pending, self.pending, self.lookups, self.nkeys = self.pending, {}, 0, 0
+        return (b"".join(pending), [len(k) // 16 for k in pending], [v[0] for v in pending.values()],
+                sum(v[1] for v in pending.values()))

@@ -1,0 +1,187 @@
+"""The daemon's side of the key table (layout: kvcached_proto.key_table): it publishes which
+keys the host tier holds READY and which its local storage tiers (disk) hold, so clients answer
+lookups from shared memory without a message.
+
+The daemon is the only writer. Every update is one C call made with the GIL held (so the
+daemon's threads write one at a time), under this object's lock (so a table being replaced is
+never written). The host index calls `host()` as an entry becomes loadable or stops being so
+(BlockIndex.on_visible); a disk tier calls `stored()` / `storage_cleared()` under its own lock
+as its index changes (DiskBackend.watch_keys), with its stored names, which are the keys salted
+with the geometry (record.stored_key): XOR with the geometry gives the engine's key back.
+
+A table is made for each block geometry the host pool takes (`rebuild`), sized for the pool's
+blocks plus what the local tiers can hold of that geometry; the old one is closed (its OPEN flag
+cleared, so readers drop it) and unlinked. A table that cannot take a key says so in its flags
+(HOST_COMPLETE or STORAGE_COMPLETE cleared) and clients ask the daemon for what it cannot answer.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+import threading
+
+import posix_ipc
+
+from kvcached_proto.key_table import (HOST_BIT, MAX_STORAGE_TIERS, Flags, max_count, native, segment_name,
+                                      table_bytes, table_slots)
+
+log = logging.getLogger(__name__)
+
+
+def _xor16(a: bytes, b: bytes) -> bytes:
+    return (int.from_bytes(a, "little") ^ int.from_bytes(b, "little")).to_bytes(16, "little")
+
+
+class KeyPublisher:
+    def __init__(self, instance: str, epoch: int, tiers=(), enabled: bool = True):
+        self.name = segment_name(os.getuid(), instance)
+        self.epoch = epoch
+        self._kt = native() if enabled else None
+        self._lock = threading.RLock()
+        self._mm: mmap.mmap | None = None
+        self._geometry: bytes | None = None
+        self._storage_limit = 0  # storage keys stop here: the rest is kept for the host's
+        self._storage_full = False
+        self.refused = {"host": 0, "storage": 0}  # keys a full table could not take
+        backends = list(getattr(tiers, "backends", ()))
+        self._local = [b for b in backends if getattr(b, "local_keys", False)][:MAX_STORAGE_TIERS]
+        self._remote = len(self._local) < len(backends)
+        self._storage_flags = 0
+        self._sweep()
+
+    @property
+    def enabled(self) -> bool:
+        return self._kt is not None
+
+    def _sweep(self) -> None:
+        """A table a daemon of this instance left when it died (the status segment's sweep has
+        shown that no live daemon owns the instance)."""
+        try:
+            posix_ipc.unlink_shared_memory(self.name)
+            log.warning("[startup] swept the stale key table %s", self.name)
+        except posix_ipc.ExistentialError:
+            pass
+
+    # the table ------------------------------------------------------------------------------
+    def rebuild(self, host_blocks: int, geometry: bytes, page_bytes: int) -> None:
+        """(Host lock held.) A new, empty table for a new block geometry; the local storage
+        tiers' keys of that geometry are published into it."""
+        if self._kt is None:
+            return
+        storage = sum(getattr(b, "capacity_bytes", 0) // max(page_bytes, 1) + 1 for b in self._local)
+        nslots = table_slots(host_blocks + storage)
+        with self._lock:
+            self._close_table()
+            try:
+                shm = posix_ipc.SharedMemory(self.name, flags=posix_ipc.O_CREX, mode=0o600,
+                                             size=table_bytes(nslots))
+            except (posix_ipc.ExistentialError, OSError, ValueError) as exc:
+                log.warning("[keys] cannot make the key table %s (%s): clients send lookups", self.name, exc)
+                return
+            try:
+                self._mm = mmap.mmap(shm.fd, table_bytes(nslots))
+            finally:
+                shm.close_fd()
+            self._kt.init(self._mm, nslots, self.epoch, secrets.randbits(64), max_count(nslots))
+            self._geometry = geometry
+            self._storage_limit = max(0, max_count(nslots) - host_blocks)  # room kept for the host
+            self._storage_full = False
+            flags = Flags.OPEN | Flags.HOST_COMPLETE
+            if not self._local and not self._remote:
+                flags |= Flags.NO_STORAGE
+            if self._remote:
+                flags |= Flags.STORAGE_REMOTE
+                if not self._local:  # nothing local to wait for: the remote part is the daemon's
+                    flags |= Flags.STORAGE_COMPLETE
+            self._kt.set_flags(self._mm, flags, 0)
+            self._storage_flags = 0
+        for bit, backend in enumerate(self._local, start=1):
+            backend.watch_keys(lambda keys, on, bit=1 << bit: self.stored(bit, keys, on),
+                               lambda bit=1 << bit: self.storage_cleared(bit), self.refresh)
+        self.refresh()
+        log.info("[keys] key table %s: %d slots (%.1f MiB) for %d host blocks and %d local storage "
+                 "blocks", self.name, nslots, table_bytes(nslots) / 2**20, host_blocks, storage)
+
+    def _close_table(self) -> None:
+        if self._mm is None:
+            return
+        self._kt.set_flags(self._mm, 0, Flags.OPEN)  # readers that still map it drop it
+        self._mm.close()
+        self._mm = None
+        try:
+            posix_ipc.unlink_shared_memory(self.name)
+        except posix_ipc.ExistentialError:
+            log.warning("[keys] the key table %s was already gone", self.name)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._kt is not None:
+                self._close_table()
+
+    # updates --------------------------------------------------------------------------------
+    def host(self, key: bytes, on: bool) -> None:
+        """A host entry became loadable (READY), or stopped being so."""
+        with self._lock:
+            mm = self._mm
+            if mm is None:
+                return
+            if on:
+                if self._kt.update(mm, key, HOST_BIT, 0) < 0:
+                    self._refuse("host", Flags.HOST_COMPLETE)
+            else:
+                self._kt.update(mm, key, 0, HOST_BIT)
+
+    def stored(self, bit: int, stored_keys, on: bool) -> None:
+        """A local storage tier took (or lost) these stored names."""
+        with self._lock:
+            mm, geometry = self._mm, self._geometry
+            if mm is None:
+                return
+            update = self._kt.update
+            if on:
+                for stored in stored_keys:
+                    if update(mm, _xor16(stored, geometry), bit, 0, self._storage_limit) < 0:
+                        self._storage_full = True
+                        self._refuse("storage", Flags.STORAGE_COMPLETE)
+            else:
+                for stored in stored_keys:
+                    update(mm, _xor16(stored, geometry), 0, bit)
+
+    def storage_cleared(self, bit: int) -> None:
+        with self._lock:
+            if self._mm is not None:
+                self._kt.clear_bits(self._mm, bit)
+
+    def _refuse(self, what: str, flag: Flags) -> None:
+        self.refused[what] += 1
+        if self._kt.set_flags(self._mm, 0, 0) & flag:
+            log.warning("[keys] the key table is full: lookups that need its %s keys are answered "
+                        "by the daemon until the next table", what)
+            self._kt.set_flags(self._mm, 0, flag)
+
+    def refresh(self) -> None:
+        """(Any thread, often.) STORAGE_COMPLETE while every local tier answers (indexed, healthy)
+        and the table has held all their keys."""
+        if not self._local:
+            return
+        answers = all(b.ready() and b.health() for b in self._local) and not self._storage_full
+        flags = Flags.STORAGE_COMPLETE if answers else 0
+        with self._lock:
+            if self._mm is None or flags == self._storage_flags:
+                return
+            self._storage_flags = flags
+            self._kt.set_flags(self._mm, flags, Flags.STORAGE_COMPLETE & ~flags)
+
+    def status(self) -> dict:
+        with self._lock:
+            if self._kt is None:
+                return {"enabled": False, "why": "the C extension kvcached_proto._keytable is not built"}
+            if self._mm is None:
+                return {"enabled": True, "segment": None}
+            keys, limit, nslots = self._kt.count(self._mm)
+            flags = Flags(self._kt.set_flags(self._mm, 0, 0))
+        return {"enabled": True, "segment": self.name, "keys": keys, "max_keys": limit, "slots": nslots,
+                "bytes": table_bytes(nslots), "local_storage_tiers": len(self._local),
+                "flags": [f.name.lower() for f in Flags if f & flags], "refused": dict(self.refused)}
