@@ -26,7 +26,7 @@ from kvcached_proto.paths import DEFAULT_INSTANCE, check_instance, request_endpo
 from kvcached_proto.order_words import REVOKE_WORD
 from kvcached_proto.version import PROTOCOL_VERSION, check_version
 
-from .key_table import KeyTableReader, LookupNotes
+from .key_table import NOTE_DELAY_S, KeyTableReader, LookupNotes
 from .kv_alloc import describe_kv_cache
 from .renamed import Renamed
 from .run_dir_hint import check_run_dir
@@ -40,6 +40,7 @@ DEFAULT_TIMEOUT_S = 5.0
 POLL_SLICE_MS = 20
 SEND_TIMEOUT_MS = 1000
 BYE_LINGER_MS = 100
+NOTES_AT_CLOSE_S = 0.5  # close() waits this long at most for the daemon to take the last notes
 KEY_TABLE_ENV = "KVCACHED_KEY_TABLE"  # "0": every lookup is a message (the key table unused)
 
 
@@ -76,6 +77,8 @@ class Client:
         self._use_key_table = key_table
         self.key_table: KeyTableReader | None = None  # lookups without a message (key_table.py)
         self._notes = LookupNotes()
+        self._notes_stop = threading.Event()
+        self._notes_thread: threading.Thread | None = None  # sends the notes of an idle client
         self._discard: set[int] = set()  # request ids whose replies nobody waits for (notes)
         self._gone_after_close = lambda: False  # closed: is the daemon it talked to gone?
         self._closed = False
@@ -173,7 +176,10 @@ class Client:
         self._closed = True
         if self._sock is not None:
             if self.info:
-                self._send_notes()  # said hello: say bye, best effort, without waiting for a reply
+                # said hello: the notes left (answered: a close's linger could drop them), then
+                # bye, best effort, without waiting for a reply
+                self._notes_stop.set()
+                self._notes_at_close()
                 try:
                     self._sock.send(encode(make_request(Op.BYE, next(self._rid), self.client_id)),
                                     zmq.NOBLOCK)
@@ -480,9 +486,46 @@ class Client:
                     host, storage, packed = got
                     if packed and self._notes.add(packed, storage):
                         self._send_notes()
+                    elif self._notes_thread is None:
+                        self._start_notes_thread()
                     return host, storage
         reply = self._request(Op.LOOKUP, timeout, keys=pack_keys(keys))
         return reply["host"], reply["storage"]
+
+    def _notes_fields(self) -> dict | None:
+        """The pending notes as lookup_notes' fields (taken), or None; `lookups` is how many
+        lookups they count (not sent)."""
+        taken = self._notes.take()
+        if taken is None:
+            return None
+        keys, counts, repeats, storage = taken
+        unnoted = self._notes.take_dropped()
+        return {"keys": keys, "counts": array.array("i", counts).tobytes(),
+                "repeats": array.array("i", repeats).tobytes(), "storage_hits": storage,
+                "unnoted": unnoted, "lookups": sum(repeats)}
+
+    def _notes_at_close(self) -> None:
+        fields = self._notes_fields()
+        if fields is None:
+            return
+        fields.pop("lookups")
+        try:
+            self._request(Op.LOOKUP_NOTES, NOTES_AT_CLOSE_S, **fields)
+        except KvcachedError:  # the daemon is gone or slow: its counters miss them, nothing else
+            return
+
+    def _start_notes_thread(self) -> None:
+        """A thread that sends the notes a client left pending once they are NOTE_DELAY_S old
+        (a scheduler may ask nothing more for a while: the daemon's counters and policy must
+        not wait for its next call). It runs Python only when there is something to send."""
+        def run() -> None:
+            while not self._notes_stop.wait(NOTE_DELAY_S):
+                if self._notes.due():
+                    self._send_notes()
+
+        self._notes_thread = threading.Thread(target=run, name=f"kvcached-notes-{self.client_id}",
+                                              daemon=True)
+        self._notes_thread.start()
 
     def _send_notes(self) -> None:
         """Send what the local lookups saw without waiting for a reply (dropped when the socket
@@ -491,20 +534,14 @@ class Client:
         if sock is None or not self._lock.acquire(blocking=False):
             return
         try:
-            taken = self._notes.take()
-            if taken is None:
+            fields = self._notes_fields()
+            if fields is None:
                 return
-            keys, counts, repeats, storage = taken
-            rid = next(self._rid)
-            unnoted, self._notes.dropped = self._notes.dropped, 0
-            frame = encode(make_request(Op.LOOKUP_NOTES, rid, self.client_id, keys=keys,
-                                        counts=array.array("i", counts).tobytes(),
-                                        repeats=array.array("i", repeats).tobytes(),
-                                        storage_hits=storage, unnoted=unnoted))
+            rid, lookups = next(self._rid), fields.pop("lookups")
             try:
-                sock.send(frame, zmq.NOBLOCK)
+                sock.send(encode(make_request(Op.LOOKUP_NOTES, rid, self.client_id, **fields)), zmq.NOBLOCK)
             except zmq.ZMQError:
-                self._notes.dropped += unnoted + sum(repeats)
+                self._notes.drop(fields["unnoted"] + lookups)
                 return
             if len(self._discard) > 4096:  # a daemon that stopped answering: forget the oldest
                 self._discard.clear()

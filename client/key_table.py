@@ -14,11 +14,14 @@ fewer blocks, as after a lookup op).
 
 `LookupNotes` carries what the local lookups saw to the daemon in batches, without waiting for
 a reply: its eviction policy's history, recency and hit counters stay as if it had answered.
+The client sends them before its next request of another kind, from a lookup once they are due,
+or from its notes thread once they are NOTE_DELAY_S old (a client that asks nothing more).
 """
 from __future__ import annotations
 
 import mmap
 import os
+import threading
 import time
 
 import posix_ipc
@@ -106,9 +109,10 @@ class KeyTableReader:
 class LookupNotes:
     """The local lookups not yet told to the daemon, one entry per distinct lookup (a scheduler
     asks again for each waiting request every step): its keys, how many times it was asked,
-    and the storage hits answered."""
+    and the storage hits answered. Safe across threads (the client's notes thread takes them)."""
 
     def __init__(self):
+        self._lock = threading.Lock()
         self.pending: dict[bytes, list[int]] = {}  # packed keys -> [times asked, storage hits]
         self.lookups = 0
         self.nkeys = 0
@@ -120,28 +124,42 @@ class LookupNotes:
         """Anything to send."""
         return bool(self.pending)
 
+    def due(self) -> bool:
+        return bool(self.pending) and time.monotonic() - self.since >= NOTE_DELAY_S
+
     def add(self, packed: bytes, storage: int) -> bool:
         """Note one lookup; True when the batch should go now."""
-        entry = self.pending.get(packed)
-        if entry is not None:
-            entry[0] += 1
-            entry[1] += storage
-        elif len(self.pending) >= NOTE_CAP:
-            self.dropped += 1
-            return True
-        else:
-            if not self.pending:
-                self.since = time.monotonic()
-            self.pending[packed] = [1, storage]
-            self.nkeys += len(packed) // 16
-        self.lookups += 1
-        return (len(self.pending) >= NOTE_BATCH or self.lookups >= NOTE_LOOKUPS
-                or self.nkeys >= NOTE_KEYS or time.monotonic() - self.since >= NOTE_DELAY_S)
+        with self._lock:
+            entry = self.pending.get(packed)
+            if entry is not None:
+                entry[0] += 1
+                entry[1] += storage
+            elif len(self.pending) >= NOTE_CAP:
+                self.dropped += 1
+                return True
+            else:
+                if not self.pending:
+                    self.since = time.monotonic()
+                self.pending[packed] = [1, storage]
+                self.nkeys += len(packed) // 16
+            self.lookups += 1
+            return (len(self.pending) >= NOTE_BATCH or self.lookups >= NOTE_LOOKUPS
+                    or self.nkeys >= NOTE_KEYS or time.monotonic() - self.since >= NOTE_DELAY_S)
 
     def take(self) -> tuple[bytes, list[int], list[int], int] | None:
         """(keys back to back, keys per lookup, times each was asked, storage hits), or None."""
-        if not self.pending:
-            return None
-        pending, self.pending, self.lookups, self.nkeys = self.pending, {}, 0, 0
+        with self._lock:
+            if not self.pending:
+                return None
+            pending, self.pending, self.lookups, self.nkeys = self.pending, {}, 0, 0
         return (b"".join(pending), [len(k) // 16 for k in pending], [v[0] for v in pending.values()],
                 sum(v[1] for v in pending.values()))
+
+    def take_dropped(self) -> int:
+        with self._lock:
+            dropped, self.dropped = self.dropped, 0
+        return dropped
+
+    def drop(self, n: int) -> None:
+        with self._lock:
+            self.dropped += n

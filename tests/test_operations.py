@@ -176,6 +176,8 @@ def test_every_reply_and_task_event_carries_the_fields_its_type_names(daemon):
                                            **c.order.fence(None)))
         check_event(c, Op.OFFLOAD, off["task"])
         check(Op.LOOKUP, c._request(Op.LOOKUP, keys=pack_keys(keys)))
+        check(Op.LOOKUP_NOTES, c._request(Op.LOOKUP_NOTES, keys=pack_keys(keys),
+                                          counts=pack_block_ids([len(keys)])))
         load = check(Op.LOAD, c._request(Op.LOAD, keys=pack_keys(keys), blocks=pack_block_ids([8, 9, 10, 11])))
         check_event(c, Op.LOAD, load["task"])
         check(Op.PREFETCH, c._request(Op.PREFETCH, keys=pack_keys(keys)))

@@ -66,7 +66,8 @@ class CacheService:
         self.fd_inbox = None  # the server's FdInbox: fds an engine handed over (fd_pass.py)
         self.table = TaskTable(self.host.lock, status_block, events)  # ids, slots, counters, the end
         self.hits = {"lookups": 0, "keys": 0, "host_hits": 0, "storage_hits": 0,
-                     "loaded_from_host": 0, "loaded_from_storage": 0, "unnoted_lookups": 0}
+                     "loaded_from_host": 0, "loaded_from_storage": 0,
+                     "table_lookups": 0, "unnoted_lookups": 0}  # clients' lookups from the key table
         self.loads = LoadFlow(cfg, self.host, self.table, status_block, self.reg, self.hits)
         self.storage = self.loads.storage  # fetches for loads and prefetches, backups, flush
         self.offloads = OffloadFlow(self.host, self.table, self.reg, self.loads)
@@ -253,6 +254,7 @@ class CacheService:
                 asked += n * times
                 hits += len(entries) * times
             self.hits["lookups"] += sum(repeats) + req.body["unnoted"]
+            self.hits["table_lookups"] += sum(repeats) + req.body["unnoted"]
             self.hits["unnoted_lookups"] += req.body["unnoted"]  # counted, their keys unknown
             self.hits["keys"] += asked
             self.hits["host_hits"] += hits
