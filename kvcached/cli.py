@@ -331,7 +331,9 @@ def format_status(s: dict) -> str:
                       f"({host.get('blocks', 0)} blocks, {host.get('evictions', 0)} evicted)"),
         ("lookups", f"{lookups.get('lookups', 0)} asking {asked} blocks: host hit "
                     f"{_pct(lookups.get('host_hits', 0), asked)}, storage hit "
-                    f"{_pct(lookups.get('storage_hits', 0), asked)}"),
+                    f"{_pct(lookups.get('storage_hits', 0), asked)}; "
+                    f"{_pct(lookups.get('table_lookups', 0), lookups.get('lookups', 0))} from the key table"),
+        ("key table", _key_table_line(s.get("key_table", {}))),
         ("loaded", f"{served} blocks: {lookups.get('loaded_from_host', 0)} from the host tier, "
                    f"{lookups.get('loaded_from_storage', 0)} brought in from storage"),
         ("moved", f"d2h {_gib(moved.get('d2h', 0))}  h2d {_gib(moved.get('h2d', 0))}  "
@@ -351,6 +353,16 @@ def format_status(s: dict) -> str:
         rows.append(("DEGRADED", reason))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _key_table_line(t: dict) -> str:
+    if not t.get("enabled"):
+        return f"off ({t['why']})" if t.get("why") else "off"
+    if not t.get("segment"):
+        return "none yet (made at the first register_kv)"
+    refused = sum(t.get("refused", {}).values())
+    return (f"{t['keys']} keys in {t['slots']} slots ({_gib(t['bytes'])}), "
+            f"{' '.join(f for f in t['flags'] if f != 'open')}" + (f"; {refused} keys refused (full)" if refused else ""))
 
 
 def _kv_line(kv: dict) -> str:
