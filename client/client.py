@@ -40,7 +40,8 @@ DEFAULT_TIMEOUT_S = 5.0
 POLL_SLICE_MS = 20
 SEND_TIMEOUT_MS = 1000
 BYE_LINGER_MS = 100
-NOTES_AT_CLOSE_S = 0.5  # close() waits this long at most for the daemon to take the last notes
+NOTES_AT_CLOSE_S = 0.1  # close() waits this long at most for the daemon to take the last notes
+# (short: an engine shutting down has more to do before it is killed, e.g. vLLM's worker)
 KEY_TABLE_ENV = "KVCACHED_KEY_TABLE"  # "0": every lookup is a message (the key table unused)
 
 

@@ -9,7 +9,7 @@
 #   ./scripts/run.sh --serve-only               keep the daemon in the foreground until Ctrl-C
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-"$ROOT/scripts/setup_env.sh" test
+"$ROOT/scripts/setup_env.sh" test,mooncake  # the same install as test.sh (one .venv)
 PY="$ROOT/.venv/bin/python"
 INSTANCE="${KVCACHED_INSTANCE:-demo}"
 RUN_DIR="${KVCACHED_RUN_DIR:-$ROOT/var/run}"

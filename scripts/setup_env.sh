@@ -8,7 +8,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${KVCACHED_VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
 STAMP="$VENV/.kvcached-installed"
-if [ -f "$STAMP" ] && [ ! "$ROOT/pyproject.toml" -nt "$STAMP" ] && [ -z "$(find "$ROOT/kvcached/copy" "$ROOT/proto" -name "*.c" -newer "$STAMP")" ]; then
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$1" ] && [ ! "$ROOT/pyproject.toml" -nt "$STAMP" ] && [ -z "$(find "$ROOT/kvcached/copy" "$ROOT/proto" -name "*.c" -newer "$STAMP")" ]; then
   exit 0
 fi
 START=$SECONDS
@@ -25,5 +25,5 @@ step "4/4 installing kvcached-sidecar[$1] and its dependencies (editable)"
 # a checkout installed before the distribution was renamed holds it as `kvcached`: drop that
 "$VENV/bin/python" -m pip uninstall -q -y kvcached >/dev/null 2>&1 || true
 "$VENV/bin/python" -m pip install -q -e "$ROOT[$1]"
-touch "$STAMP"
+echo "$1" > "$STAMP"  # the extras installed: another set installs again
 step "done"

@@ -48,7 +48,7 @@ if [ $(( ${#MAIN[@]} + ${#INTEGRATION[@]} + ${#SGLANG[@]} )) -gt 0 ]; then  # pa
 fi
 [ ${#INTEGRATION[@]} -gt 0 ] || INTEGRATION=(tests/integration)
 [ ${#SGLANG[@]} -gt 0 ] || SGLANG=(tests/sglang_hicache)
-"$ROOT/scripts/setup_env.sh" test
+"$ROOT/scripts/setup_env.sh" test,mooncake  # the mooncake extra: its tier's tests run
 cd "$ROOT"
 NO_TESTS=5  # pytest's exit status when its selection collected nothing
 main_rc=$NO_TESTS vllm_rc=$NO_TESTS sglang_rc=$NO_TESTS

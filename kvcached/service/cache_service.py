@@ -72,6 +72,7 @@ class CacheService:
         self.storage = self.loads.storage  # fetches for loads and prefetches, backups, flush
         self.offloads = OffloadFlow(self.host, self.table, self.reg, self.loads)
         self.host.on_evicted = self.storage.on_evicted  # write_back saves what is evicted
+        self.storage.tiers.register_memory(self.host.pool.buffer.data_ptr(), self.host.pool.capacity_bytes)
         self.keys = KeyPublisher(cfg.instance, status_block.epoch, self.storage.tiers)
         self.host.publish_to(self.keys.host)  # clients read the index from shared memory
         # runs work that may block (a drain) off the request thread; the server sets its

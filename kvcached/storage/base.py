@@ -62,5 +62,9 @@ class StorageBackend(abc.ABC):
         """False while the backend is still starting (the disk tier rebuilding its index)."""
         return True
 
+    def register_memory(self, ptr: int, size: int) -> None:
+        """The host pool's memory, once: a backend that moves pages without a copy (Mooncake's
+        registered buffers) registers it; the others need nothing."""
+
     def close(self) -> None:
         """Release connections and threads."""

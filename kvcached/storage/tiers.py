@@ -27,6 +27,8 @@ from .uris import redact
 log = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+EXPECTED = ("disk:///path, redis[s]://host:port/db, redis[s]+cluster://host:port or "
+            "mooncake://master_host:port")
 
 
 def parse_uri(uri: str) -> dict:
@@ -36,9 +38,10 @@ def parse_uri(uri: str) -> dict:
         from .uris import parse_disk_uri as parse
     elif scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
         from .redis_store import parse_uri as parse
+    elif scheme == "mooncake":
+        from .mooncake_store import parse_uri as parse
     else:
-        raise ValueError(f"{redact(uri)!r}: expected disk:///path, redis[s]://host:port/db or "
-                         "redis[s]+cluster://host:port")
+        raise ValueError(f"{redact(uri)!r}: expected {EXPECTED}")
     return parse(uri)
 
 
@@ -50,8 +53,11 @@ def open_backend(uri: str, on_ready=None) -> StorageBackend:
         from .redis_store import RedisBackend
 
         return RedisBackend(uri)
-    raise ValueError(f"storage URI {redact(uri)!r}: expected disk:///path, redis[s]://host:port/db "
-                     "or redis[s]+cluster://host:port")
+    if scheme == "mooncake":
+        from .mooncake_store import MooncakeBackend
+
+        return MooncakeBackend(uri, on_ready)
+    raise ValueError(f"storage URI {redact(uri)!r}: expected {EXPECTED}")
 
 
 class StorageTiers:
@@ -86,6 +92,11 @@ class StorageTiers:
 
     def __bool__(self) -> bool:
         return bool(self.backends)
+
+    def register_memory(self, ptr: int, size: int) -> None:
+        """The host pool's memory, for the backends that move pages without a copy."""
+        for b in self.backends:
+            b.register_memory(ptr, size)
 
     def exists_prefix(self, keys: Sequence[bytes], geometry: bytes | None) -> int:
         """Leading keys present in some backend (each may come from a different one)."""
