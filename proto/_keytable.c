@@ -301,6 +301,31 @@ static int64_t probe(table_t *t, uint64_t k0, uint64_t k1) {
     return 0;
 }
 
+/* Probe n keys (16 bytes each at kp): *host the leading keys with the host bit, *storage the
+ * keys right after those with a storage bit. Returns the header's flags read after the probe,
+ * and sets *failed when the table is another daemon's (epoch) or a slot stayed locked. Releases
+ * the GIL for batches of GIL_FREE_KEYS keys or more. */
+static uint64_t count_prefix(table_t *t, const char *kp, Py_ssize_t n, uint64_t epoch,
+                             Py_ssize_t *host, Py_ssize_t *storage, int *failed) {
+    *host = *storage = 0;
+    *failed = *hword(t->base, H_EPOCH) != epoch;
+    PyThreadState *ts = NULL;
+    if (n >= GIL_FREE_KEYS) ts = PyEval_SaveThread();
+    for (Py_ssize_t k = 0; k < n && !*failed; k++) {
+        uint64_t k0, k1;
+        memcpy(&k0, kp + 16 * k, 8);
+        memcpy(&k1, kp + 16 * k + 8, 8);
+        int64_t bits = probe(t, k0, k1);
+        if (bits < 0) *failed = 1;
+        else if (*host == k && (bits & 1)) (*host)++;
+        else if (bits & ~(int64_t)1) (*storage)++;
+        else break;
+    }
+    uint64_t flags = LOAD(hword(t->base, H_FLAGS), __ATOMIC_ACQUIRE);
+    if (ts != NULL) PyEval_RestoreThread(ts);
+    return flags;
+}
+
 /* lookup(buf, keys, epoch) -> (host, storage, flags): `keys` is 16-byte keys back to back.
  * host: the leading keys the host tier holds; storage: the keys right after those that a local
  * storage tier holds; flags: the header's flags read after the probe. (-1, 0, flags) when the
@@ -320,29 +345,9 @@ static PyObject *kt_lookup(PyObject *self, PyObject *args) {
         PyBuffer_Release(&keys);
         return NULL;
     }
-    Py_ssize_t n = keys.len / 16, host = 0, storage = 0;
-    const char *kp = (const char *)keys.buf;
-    int failed = *hword(t.base, H_EPOCH) != epoch;
-    uint64_t flags = 0;
-    PyThreadState *ts = NULL;
-    if (n >= GIL_FREE_KEYS) ts = PyEval_SaveThread();
-    for (Py_ssize_t k = 0; k < n && !failed; k++) {
-        uint64_t k0, k1;
-        memcpy(&k0, kp + 16 * k, 8);
-        memcpy(&k1, kp + 16 * k + 8, 8);
-        int64_t bits = probe(&t, k0, k1);
-        if (bits < 0) {
-            failed = 1;
-        } else if (host == k && (bits & 1)) {
-            host++;
-        } else if (bits & ~(int64_t)1) {
-            storage++;
-        } else {
-            break;
-        }
-    }
-    flags = LOAD(hword(t.base, H_FLAGS), __ATOMIC_ACQUIRE);
-    if (ts != NULL) PyEval_RestoreThread(ts);
+    Py_ssize_t host, storage;
+    int failed;
+    uint64_t flags = count_prefix(&t, (const char *)keys.buf, keys.len / 16, epoch, &host, &storage, &failed);
     PyBuffer_Release(&t.view);
     PyBuffer_Release(&keys);
     if (failed) return Py_BuildValue("nnK", (Py_ssize_t)-1, (Py_ssize_t)0, flags);
@@ -485,23 +490,9 @@ static PyObject *kt_answer(PyObject *self, PyObject *args) {
         Py_DECREF(packed);
         return NULL;
     }
-    Py_ssize_t n = PyBytes_GET_SIZE(packed) / 16, host = 0, storage = 0;
-    const char *kp = PyBytes_AS_STRING(packed);
-    int failed = *hword(t.base, H_EPOCH) != epoch;
-    PyThreadState *ts = NULL;
-    if (n >= GIL_FREE_KEYS) ts = PyEval_SaveThread();
-    for (Py_ssize_t k = 0; k < n && !failed; k++) {
-        uint64_t k0, k1;
-        memcpy(&k0, kp + 16 * k, 8);
-        memcpy(&k1, kp + 16 * k + 8, 8);
-        int64_t bits = probe(&t, k0, k1);
-        if (bits < 0) failed = 1;
-        else if (host == k && (bits & 1)) host++;
-        else if (bits & ~(int64_t)1) storage++;
-        else break;
-    }
-    uint64_t flags = LOAD(hword(t.base, H_FLAGS), __ATOMIC_ACQUIRE);
-    if (ts != NULL) PyEval_RestoreThread(ts);
+    Py_ssize_t n = PyBytes_GET_SIZE(packed) / 16, host, storage;
+    int failed;
+    uint64_t flags = count_prefix(&t, PyBytes_AS_STRING(packed), n, epoch, &host, &storage, &failed);
     PyBuffer_Release(&t.view);
     if (!(flags & F_OPEN) || failed) goto ask;
     if (host < n) {

@@ -3,6 +3,7 @@
 import contextlib
 import glob
 import os
+import threading
 
 import pytest
 
@@ -14,6 +15,29 @@ PAGE_SHAPE = (16, 2, 64)  # 4 layers x (K, V) x 4 KiB = 32 KiB per block
 
 def files(root):
     return sorted(glob.glob(os.path.join(root, "??", "*.kvb")))
+
+
+@contextlib.contextmanager
+def pings_answered(client):
+    """Another client pinging the daemon all along (its timeout is the bound): the block's
+    requests must not stall the request loop. Asserts at the end that every ping was answered."""
+    errors, done = [], threading.Event()
+
+    def ping():
+        try:
+            while not done.is_set():
+                client.ping()
+        except Exception as exc:  # KvcachedTimeout when the request loop stalls
+            errors.append(exc)
+
+    pinger = threading.Thread(target=ping)
+    pinger.start()
+    try:
+        yield
+    finally:
+        done.set()
+        pinger.join(10)
+    assert not errors, errors
 
 
 def start(run_dir, instance, *storage, host_gb=0.05, extra=(), wait_storage=True):

@@ -282,6 +282,23 @@ class MooncakeBackend(StorageBackend):
                 n += 1
         return n
 
+    def _batch(self, keys, buffers, part, slots, header=None) -> tuple[list, list, list, list]:
+        """(names, buffer pointers, sizes, [(i, slot)]) of the keys of `part` whose pages are in
+        registered memory, each with its header slot first (filled by header(i) when given)."""
+        names, ptrs, sizes, idx = [], [], [], []
+        for slot, i in zip(slots, part):
+            bufs = self._buffers(buffers[i], slot)
+            if bufs is None:
+                self.counters["unregistered"] += 1
+                continue
+            if header is not None:
+                self._headers.view(slot)[:] = header(i)
+            names.append(self._name(keys[i]))
+            ptrs.append(bufs[0])
+            sizes.append(bufs[1])
+            idx.append((i, slot))
+        return names, ptrs, sizes, idx
+
     def _buffers(self, pieces, slot: int) -> tuple[list[int], list[int]] | None:
         ptrs, sizes = [self._headers.ptr(slot)], [HEADER_BYTES]
         for piece in pieces:
@@ -303,16 +320,7 @@ class MooncakeBackend(StorageBackend):
 
     def _get_part(self, keys, buffers, geometry, part, out, release) -> None:
         slots = self._headers.take(len(part))
-        names, ptrs, sizes, idx = [], [], [], []
-        for slot, i in zip(slots, part):
-            bufs = self._buffers(buffers[i], slot)
-            if bufs is None:
-                self.counters["unregistered"] += 1
-                continue
-            names.append(self._name(keys[i]))
-            ptrs.append(bufs[0])
-            sizes.append(bufs[1])
-            idx.append((i, slot))
+        names, ptrs, sizes, idx = self._batch(keys, buffers, part, slots)
         if not names:
             self._headers.give(slots)
             return
@@ -370,17 +378,8 @@ class MooncakeBackend(StorageBackend):
 
     def _put_part(self, keys, buffers, geometry, part, out, release) -> None:
         slots = self._headers.take(len(part))
-        names, ptrs, sizes, idx = [], [], [], []
-        for slot, i in zip(slots, part):
-            bufs = self._buffers(buffers[i], slot)
-            if bufs is None:
-                self.counters["unregistered"] += 1
-                continue
-            self._headers.view(slot)[:] = pack_header(keys[i], buffers[i], geometry)
-            names.append(self._name(keys[i]))
-            ptrs.append(bufs[0])
-            sizes.append(bufs[1])
-            idx.append(i)
+        names, ptrs, sizes, idx = self._batch(keys, buffers, part, slots,
+                                              lambda i: pack_header(keys[i], buffers[i], geometry))
         if not names:
             self._headers.give(slots)
             return
@@ -388,17 +387,17 @@ class MooncakeBackend(StorageBackend):
         def returned() -> None:
             self._headers.give(slots)
             if release is not None:
-                for i in idx:
+                for i, _slot in idx:
                     release(i)
 
         got = self._call(self._store.batch_put_from_multi_buffers, (names, ptrs, sizes),
                          PUT_TIMEOUT_S, "a block write", returned)
         if got is None:
-            for i in idx:
+            for i, _slot in idx:
                 out[i] = None
             return
         self._headers.give(slots)
-        for i, r in zip(idx, got):
+        for (i, _slot), r in zip(idx, got):
             if r == 0:
                 out[i] = True
                 self.counters["puts"] += 1
