@@ -38,6 +38,8 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Sequence
 from urllib.parse import parse_qs, urlparse
 
@@ -63,6 +65,7 @@ PUT_TIMEOUT_S = 5.0  # backups wait longer (their pages stay on loan meanwhile)
 IO_THREADS = 2
 HEADER_SLOTS = 1024  # headers in flight at once (a batch takes one per key)
 BATCH = 256  # keys per store call
+PUT_SLICE = 8  # pages per put call: the next slice's checksums overlap this one's transfer
 RPC_ERRORS = (-900, -901, -902)  # the master could not be reached: an outage, not a refusal
 NOT_FOUND = -704
 
@@ -365,6 +368,8 @@ class MooncakeBackend(StorageBackend):
             self._headers.give(slots)
 
     def put(self, keys, buffers, geometry, release=None) -> list:
+        """Slices of PUT_SLICE pages go to the I/O threads as soon as their headers are packed,
+        so the checksums of the next slice are computed while the last one moves."""
         out: list = [False] * len(keys)
         if not keys:
             return out
@@ -372,29 +377,45 @@ class MooncakeBackend(StorageBackend):
             self.counters["dropped_puts"] += len(keys)
             return out
         for start in range(0, len(keys), BATCH):
-            self._put_part(keys, buffers, geometry, range(start, min(len(keys), start + BATCH)),
-                           out, release)
+            window = []
+            for s in range(start, min(len(keys), start + BATCH), PUT_SLICE):
+                part = range(s, min(len(keys), start + BATCH, s + PUT_SLICE))
+                slots = self._headers.take(len(part))
+                names, ptrs, sizes, idx = self._batch(keys, buffers, part, slots,
+                                                      lambda i: pack_header(keys[i], buffers[i], geometry))
+                if not names:
+                    self._headers.give(slots)
+                    continue
+                future = self._io.submit(self._store.batch_put_from_multi_buffers, names, ptrs, sizes)
+                window.append((future, slots, idx))
+            deadline = time.monotonic() + PUT_TIMEOUT_S
+            for future, slots, idx in window:
+                self._put_done(future, slots, idx, deadline, out, release)
         return out
 
-    def _put_part(self, keys, buffers, geometry, part, out, release) -> None:
-        slots = self._headers.take(len(part))
-        names, ptrs, sizes, idx = self._batch(keys, buffers, part, slots,
-                                              lambda i: pack_header(keys[i], buffers[i], geometry))
-        if not names:
-            self._headers.give(slots)
-            return
-
-        def returned() -> None:
-            self._headers.give(slots)
-            if release is not None:
-                for i, _slot in idx:
-                    release(i)
-
-        got = self._call(self._store.batch_put_from_multi_buffers, (names, ptrs, sizes),
-                         PUT_TIMEOUT_S, "a block write", returned)
-        if got is None:
+    def _put_done(self, future, slots, idx, deadline, out, release) -> None:
+        try:
+            got = future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:  # late: the pages stay on loan until the write returns
+            self._late_op("a block write")(0)
             for i, _slot in idx:
                 out[i] = None
+
+            def returned(_future=None) -> None:
+                self._late_returned()
+                self._headers.give(slots)
+                if release is not None:
+                    for i, _slot in idx:
+                        release(i)
+            if future.cancel():
+                returned()
+            else:
+                future.add_done_callback(returned)
+            return
+        except Exception as exc:  # the binding refused the call: those puts failed
+            self._headers.give(slots)
+            self.counters["put_errors"] += len(idx)
+            self.last_error = f"put failed: {exc}"
             return
         self._headers.give(slots)
         for (i, _slot), r in zip(idx, got):
