@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--storage", action="append", default=S, metavar="URI",
                        help="storage tier, repeatable, searched in order: "
                             "disk:///abs/path?capacity_gb=F[&io_timeout_s=F][&fsync=1], "
-                            "redis://host:port/db, redis+cluster://host:port")
+                            "redis://host:port/db, redis+cluster://host:port, "
+                            "mooncake://master_host:port[?segment_gb=F&host=ADDR&protocol=tcp|rdma]")
     serve.add_argument("--storage-write-policy", default=S,
                        choices=["write_through", "write_through_selective", "write_back"],
                        help="when host blocks go to storage (default: write_through)")
