@@ -206,7 +206,7 @@ class Client:
         frame = encode(make_request(op, rid, self.client_id, **fields))
         deadline = time.monotonic() + SEND_TIMEOUT_MS / 1000
         with self._lock:
-            if self._notes.counts:  # what local lookups saw reaches the daemon before this op
+            if self._notes.pending:  # what local lookups saw reaches the daemon before this op
                 self._send_notes()
             while True:
                 try:

@@ -119,11 +119,6 @@ class LookupNotes:
         self.since = 0.0
         self.dropped = 0  # lookups whose notes were dropped (socket full, or past NOTE_CAP)
 
-    @property
-    def counts(self) -> bool:
-        """Anything to send."""
-        return bool(self.pending)
-
     def due(self) -> bool:
         return bool(self.pending) and time.monotonic() - self.since >= NOTE_DELAY_S
 
