@@ -7,7 +7,6 @@ of a hang.
 """
 from __future__ import annotations
 
-import array
 import itertools
 import os
 import threading
@@ -26,7 +25,7 @@ from kvcached_proto.paths import DEFAULT_INSTANCE, check_instance, request_endpo
 from kvcached_proto.order_words import REVOKE_WORD
 from kvcached_proto.version import PROTOCOL_VERSION, check_version
 
-from .key_table import NOTE_DELAY_S, KeyTableReader, LookupNotes
+from .key_table import KeyTableReader, LookupNotes, SendsNotes
 from .kv_alloc import describe_kv_cache
 from .renamed import Renamed
 from .run_dir_hint import check_run_dir
@@ -40,12 +39,10 @@ DEFAULT_TIMEOUT_S = 5.0
 POLL_SLICE_MS = 20
 SEND_TIMEOUT_MS = 1000
 BYE_LINGER_MS = 100
-NOTES_AT_CLOSE_S = 0.1  # close() waits this long at most for the daemon to take the last notes
-# (short: an engine shutting down has more to do before it is killed, e.g. vLLM's worker)
 KEY_TABLE_ENV = "KVCACHED_KEY_TABLE"  # "0": every lookup is a message (the key table unused)
 
 
-class Client:
+class Client(SendsNotes):
     """Connect with `Client.connect(instance=..., run_dir=..., timeout=...)`."""
 
     def __init__(self, instance: str = DEFAULT_INSTANCE, run_dir: str | None = None,
@@ -492,63 +489,6 @@ class Client:
                     return host, storage
         reply = self._request(Op.LOOKUP, timeout, keys=pack_keys(keys))
         return reply["host"], reply["storage"]
-
-    def _notes_fields(self) -> dict | None:
-        """The pending notes as lookup_notes' fields (taken), or None; `lookups` is how many
-        lookups they count (not sent)."""
-        taken = self._notes.take()
-        if taken is None:
-            return None
-        keys, counts, repeats, storage = taken
-        unnoted = self._notes.take_dropped()
-        return {"keys": keys, "counts": array.array("i", counts).tobytes(),
-                "repeats": array.array("i", repeats).tobytes(), "storage_hits": storage,
-                "unnoted": unnoted, "lookups": sum(repeats)}
-
-    def _notes_at_close(self) -> None:
-        fields = self._notes_fields()
-        if fields is None:
-            return
-        fields.pop("lookups")
-        try:
-            self._request(Op.LOOKUP_NOTES, NOTES_AT_CLOSE_S, **fields)
-        except KvcachedError:  # the daemon is gone or slow: its counters miss them, nothing else
-            return
-
-    def _start_notes_thread(self) -> None:
-        """A thread that sends the notes a client left pending once they are NOTE_DELAY_S old
-        (a scheduler may ask nothing more for a while: the daemon's counters and policy must
-        not wait for its next call). It runs Python only when there is something to send."""
-        def run() -> None:
-            while not self._notes_stop.wait(NOTE_DELAY_S):
-                if self._notes.due():
-                    self._send_notes()
-
-        self._notes_thread = threading.Thread(target=run, name=f"kvcached-notes-{self.client_id}",
-                                              daemon=True)
-        self._notes_thread.start()
-
-    def _send_notes(self) -> None:
-        """Send what the local lookups saw without waiting for a reply (dropped when the socket
-        is busy or full: it feeds statistics and the eviction policy, nothing waits on it)."""
-        sock = self._sock
-        if sock is None or not self._lock.acquire(blocking=False):
-            return
-        try:
-            fields = self._notes_fields()
-            if fields is None:
-                return
-            rid, lookups = next(self._rid), fields.pop("lookups")
-            try:
-                sock.send(encode(make_request(Op.LOOKUP_NOTES, rid, self.client_id, **fields)), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                self._notes.drop(fields["unnoted"] + lookups)
-                return
-            if len(self._discard) > 4096:  # a daemon that stopped answering: forget the oldest
-                self._discard.clear()
-            self._discard.add(rid)
-        finally:
-            self._lock.release()
 
     def load(self, keys: Sequence[bytes], device_blocks: Sequence[int] | np.ndarray,
              priority: int = 0, timeout: float | None = None, stream=None,

@@ -19,13 +19,17 @@ or from its notes thread once they are NOTE_DELAY_S old (a client that asks noth
 """
 from __future__ import annotations
 
+import array
 import mmap
 import os
 import threading
 import time
 
+import zmq
+
 import posix_ipc
 
+from kvcached_proto import KvcachedError, Op, encode, make_request
 from kvcached_proto.key_table import HEADER_BYTES, Flags, native, segment_name
 
 RETRY_S = 0.5  # no table yet: look again at most this often
@@ -39,6 +43,8 @@ NOTE_BATCH = 1024  # distinct lookups
 NOTE_KEYS = 32768  # keys of the distinct lookups (half a MiB of frame)
 NOTE_LOOKUPS = 1 << 20  # lookups, repeats included
 _OPEN = int(Flags.OPEN)  # a plain int: `int & IntFlag` makes an enum member, a microsecond
+NOTES_AT_CLOSE_S = 0.1  # close() waits this long at most for the daemon to take the last notes
+# (short: an engine shutting down has more to do before it is killed, e.g. vLLM's worker)
 NOTE_CAP = 4096  # distinct lookups kept while the socket is busy; later ones are dropped (counted)
 
 
@@ -158,3 +164,65 @@ class LookupNotes:
     def drop(self, n: int) -> None:
         with self._lock:
             self.dropped += n
+
+
+class SendsNotes:
+    """Client's half that sends the notes (a mixin: it uses the client's socket, lock, request
+    ids and replies to discard)."""
+
+    def _notes_fields(self) -> dict | None:
+        """The pending notes as lookup_notes' fields (taken), or None; `lookups` is how many
+        lookups they count (not sent)."""
+        taken = self._notes.take()
+        if taken is None:
+            return None
+        keys, counts, repeats, storage = taken
+        unnoted = self._notes.take_dropped()
+        return {"keys": keys, "counts": array.array("i", counts).tobytes(),
+                "repeats": array.array("i", repeats).tobytes(), "storage_hits": storage,
+                "unnoted": unnoted, "lookups": sum(repeats)}
+
+    def _notes_at_close(self) -> None:
+        fields = self._notes_fields()
+        if fields is None:
+            return
+        fields.pop("lookups")
+        try:
+            self._request(Op.LOOKUP_NOTES, NOTES_AT_CLOSE_S, **fields)
+        except KvcachedError:  # the daemon is gone or slow: its counters miss them, nothing else
+            return
+
+    def _start_notes_thread(self) -> None:
+        """A thread that sends the notes a client left pending once they are NOTE_DELAY_S old
+        (a scheduler may ask nothing more for a while: the daemon's counters and policy must
+        not wait for its next call). It runs Python only when there is something to send."""
+        def run() -> None:
+            while not self._notes_stop.wait(NOTE_DELAY_S):
+                if self._notes.due():
+                    self._send_notes()
+
+        self._notes_thread = threading.Thread(target=run, name=f"kvcached-notes-{self.client_id}",
+                                              daemon=True)
+        self._notes_thread.start()
+
+    def _send_notes(self) -> None:
+        """Send what the local lookups saw without waiting for a reply (dropped when the socket
+        is busy or full: it feeds statistics and the eviction policy, nothing waits on it)."""
+        sock = self._sock
+        if sock is None or not self._lock.acquire(blocking=False):
+            return
+        try:
+            fields = self._notes_fields()
+            if fields is None:
+                return
+            rid, lookups = next(self._rid), fields.pop("lookups")
+            try:
+                sock.send(encode(make_request(Op.LOOKUP_NOTES, rid, self.client_id, **fields)), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                self._notes.drop(fields["unnoted"] + lookups)
+                return
+            if len(self._discard) > 4096:  # a daemon that stopped answering: forget the oldest
+                self._discard.clear()
+            self._discard.add(rid)
+        finally:
+            self._lock.release()
