@@ -5,7 +5,7 @@ request more than the tier's deadline and never serves wrong bytes, and status s
 Skipped only where the `mooncake` extra is not installed (CI installs it)."""
 import pytest
 
-from conftest import blocks_equal, keys_for, scramble, small_kv, snapshot, stored, wait_until
+from conftest import blocks_equal, keys_for, scramble, small_kv, snapshot, stored, unique_instance, wait_until
 from kvcached.bench.mooncake_servers import MooncakeStore, available
 from kvcached.storage.mooncake_store import parse_uri
 from kvcached.storage.record import HEADER_BYTES
@@ -49,14 +49,18 @@ def test_the_uri_is_checked_before_anything_is_opened():
             parse_uri(bad)
 
 
-def test_two_daemons_share_blocks_and_a_restarted_one_finds_them(run_dir, store):
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_two_daemons_share_blocks_and_a_restarted_one_finds_them(run_dir, store, layout):
     """Daemon A backs up (write_through) into the store; daemon B, another process with its own
     host tier, loads them byte-exact; A stopped and started again finds them too. The blocks sit
-    in the memory-only client's segment, which outlives both daemons."""
+    in the memory-only client's segment, which outlives both daemons. layer_first pages (8
+    pieces here) move through the staging buffer, page_first ones straight from the pool."""
     kv = small_kv(block_shape=PAGE_SHAPE, seed=1)
     keys, src = keys_for(8, 71), list(range(8))
     expected = snapshot(kv, src)
-    a = start(run_dir, "mca", _uri(store))
+    layout_args = ["--host-layout", layout]
+    name_a, name_b = unique_instance("mca"), unique_instance("mcb")  # instances are host-wide
+    a = start(run_dir, name_a, _uri(store), extra=layout_args)
     try:
         with a.connect() as c:
             c.register_kv_cache(kv)
@@ -64,11 +68,11 @@ def test_two_daemons_share_blocks_and_a_restarted_one_finds_them(run_dir, store)
             assert _tier(c)["puts"] == 8 and _tier(c)["healthy"]
     finally:
         a.stop()
-    for name in ("mcb", "mca"):  # another daemon, then A again (a restart)
+    for name in (name_b, name_a):  # another daemon, then A again (a restart)
         other = small_kv(block_shape=PAGE_SHAPE, seed=2)
         scramble(other, 5)
         assert not blocks_equal(other, range(20, 28), expected)  # the control
-        h = start(run_dir, name, _uri(store))
+        h = start(run_dir, name, _uri(store), extra=layout_args)
         try:
             with h.connect() as c:
                 c.register_kv_cache(other)

@@ -207,12 +207,12 @@ def run(quick: bool = False, **_) -> dict:
             try:
                 raw = _raw_mooncake(store.port, n, repeats)
                 uri = f"{store.uri}?segment_gb=0&host=127.0.0.1"
-                # page_first: a page is one buffer (layer_first's 64 pieces move at half the speed)
+                # page_first: a page is one buffer (a layer_first page of 64 pieces is staged first)
                 got = _through_daemon(work, uri, n, repeats, ["--host-layout", "page_first"])
                 results.append(_pair("mooncake", got, raw, "loopback TCP, one memory-only client, "
                                                            "--host-layout page_first"))
                 got = _through_daemon(work, uri, n, repeats)
-                results.append(_pair("mooncake", got, raw, "the same, layer_first (64 pieces a page)"))
+                results.append(_pair("mooncake", got, raw, "the same, layer_first: 64 pieces a page, staged"))
             finally:
                 store.close()
         else:
