@@ -45,9 +45,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Sequence
 from urllib.parse import parse_qs, urlparse
 
-import numpy as np
 
 from .base import StorageBackend
+from .mooncake_buffers import HeaderArena, Staging, gather, pointer, scatter
 from .iothreads import IOThreads, run_bounded
 from .record import HEADER_BYTES, BadRecord, check_header, check_payload, nbytes, pack_header
 from .uris import redact
@@ -65,100 +65,11 @@ _SETUP_PROBE = ("import sys\n"
 IO_TIMEOUT_S = 0.5
 PUT_TIMEOUT_S = 5.0  # backups wait longer (their pages stay on loan meanwhile)
 IO_THREADS = 2
-HEADER_SLOTS = 1024  # headers in flight at once (a batch takes one per key)
 BATCH = 256  # keys per store call
 PUT_SLICE = 8  # pages per put call: the next slice's checksums overlap this one's transfer
-STAGE_SLOTS = 2 * IO_THREADS * PUT_SLICE  # staged pages in flight at most (_Staging)
+STAGE_SLOTS = 2 * IO_THREADS * PUT_SLICE  # staged pages in flight at most (Staging)
 RPC_ERRORS = (-900, -901, -902)  # the master could not be reached: an outage, not a refusal
 NOT_FOUND = -704
-
-
-def _pointer(piece) -> tuple[int, int]:
-    arr = np.frombuffer(piece, dtype=np.uint8)
-    return arr.ctypes.data, arr.nbytes
-
-
-class _HeaderArena:
-    """HEADER_SLOTS record headers in one registered buffer, handed out per call."""
-
-    def __init__(self):
-        self.buf = np.zeros(HEADER_SLOTS * HEADER_BYTES, dtype=np.uint8)
-        self.base = self.buf.ctypes.data
-        self._free = list(range(HEADER_SLOTS))
-        self._cond = threading.Condition()
-
-    def take(self, n: int) -> list[int]:
-        with self._cond:
-            while len(self._free) < n:
-                self._cond.wait()
-            got, self._free = self._free[:n], self._free[n:]
-        return got
-
-    def give(self, slots) -> None:
-        with self._cond:
-            self._free.extend(slots)
-            self._cond.notify_all()
-
-    def ptr(self, slot: int) -> int:
-        return self.base + slot * HEADER_BYTES
-
-    def view(self, slot: int) -> memoryview:
-        return memoryview(self.buf)[slot * HEADER_BYTES:(slot + 1) * HEADER_BYTES]
-
-
-class _Staging:
-    """STAGE_SLOTS pages of one size in one registered buffer. A page the host pool keeps in
-    more than 2 pieces (layer_first: one per layer and part) is copied here behind its header and
-    moved as one buffer: Mooncake moves a page of 64 buffers at half the speed of one of 2, and
-    the copy costs less than that. Slots are taken without waiting (none free: the page goes as
-    its pieces)."""
-
-    def __init__(self, store, page_bytes: int):
-        self.store = store
-        self.page_bytes = page_bytes
-        self.slot_bytes = HEADER_BYTES + page_bytes
-        self.buf = np.empty(STAGE_SLOTS * self.slot_bytes, dtype=np.uint8)
-        self.ok = store.register_buffer(self.buf.ctypes.data, self.buf.nbytes) == 0
-        self._free = list(range(STAGE_SLOTS))
-        self._lock = threading.Lock()
-
-    def take(self) -> int | None:
-        with self._lock:
-            return self._free.pop() if self._free else None
-
-    def give(self, slot: int) -> None:
-        with self._lock:
-            self._free.append(slot)
-
-    def idle(self) -> bool:
-        with self._lock:
-            return len(self._free) == STAGE_SLOTS
-
-    def ptr(self, slot: int) -> int:
-        return self.buf.ctypes.data + slot * self.slot_bytes
-
-    def view(self, slot: int) -> memoryview:
-        return memoryview(self.buf)[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
-
-    def close(self) -> None:
-        if self.ok:
-            self.store.unregister_buffer(self.buf.ctypes.data)
-
-
-def _gather(pieces, out: memoryview) -> None:
-    off = 0
-    for piece in pieces:
-        view = memoryview(piece).cast("B")
-        out[off:off + view.nbytes] = view
-        off += view.nbytes
-
-
-def _scatter(payload: memoryview, pieces) -> None:
-    off = 0
-    for piece in pieces:
-        view = memoryview(piece).cast("B")
-        view[:] = payload[off:off + view.nbytes]
-        off += view.nbytes
 
 
 class MooncakeBackend(StorageBackend):
@@ -184,8 +95,8 @@ class MooncakeBackend(StorageBackend):
         self._late = 0  # calls past their deadline that have not returned
         self._regions: list[tuple[int, int]] = []  # registered (ptr, size)
         self._pending_regions: list[tuple[int, int]] = []  # to register once connected
-        self._headers = _HeaderArena()
-        self._staging: _Staging | None = None
+        self._headers = HeaderArena()
+        self._staging: Staging | None = None
         self._staging_lock = threading.Lock()
         self._io = IOThreads(IO_THREADS, "kvcached-mooncake")
         self._closed = threading.Event()
@@ -359,7 +270,7 @@ class MooncakeBackend(StorageBackend):
                 if header is not None:
                     view = staging.view(sslot)
                     view[:HEADER_BYTES] = header(i)
-                    _gather(buffers[i], view[HEADER_BYTES:])
+                    gather(buffers[i], view[HEADER_BYTES:])
                 bufs = [staging.ptr(sslot)], [staging.slot_bytes]
             else:
                 bufs = self._buffers(buffers[i], slot)
@@ -374,7 +285,7 @@ class MooncakeBackend(StorageBackend):
             idx.append((i, slot, staged))
         return names, ptrs, sizes, idx
 
-    def _stage(self, pieces) -> tuple[_Staging, int] | None:
+    def _stage(self, pieces) -> tuple[Staging, int] | None:
         """A staging slot for a page of more than 2 pieces, or None (few pieces, none free)."""
         if len(pieces) <= 2:
             return None
@@ -386,7 +297,7 @@ class MooncakeBackend(StorageBackend):
                     return None  # another geometry's pages still move: this one as pieces
                 if staging is not None:
                     staging.close()
-                staging = self._staging = _Staging(self._store, page)
+                staging = self._staging = Staging(self._store, page, STAGE_SLOTS)
             if not staging.ok:
                 return None
         sslot = staging.take()
@@ -402,7 +313,7 @@ class MooncakeBackend(StorageBackend):
     def _buffers(self, pieces, slot: int) -> tuple[list[int], list[int]] | None:
         ptrs, sizes = [self._headers.ptr(slot)], [HEADER_BYTES]
         for piece in pieces:
-            ptr, n = _pointer(piece)
+            ptr, n = pointer(piece)
             if not self._registered(ptr, n):
                 return None
             ptrs.append(ptr)
@@ -453,7 +364,7 @@ class MooncakeBackend(StorageBackend):
                     if staged is not None:
                         view = staged[0].view(staged[1])
                         crc = check_header(bytes(view[:HEADER_BYTES]), keys[i], want, geometry)
-                        _scatter(view[HEADER_BYTES:], buffers[i])
+                        scatter(view[HEADER_BYTES:], buffers[i])
                     else:
                         crc = check_header(bytes(self._headers.view(slot)), keys[i], want, geometry)
                     check_payload(buffers[i], crc)
