@@ -20,6 +20,7 @@ or from its notes thread once they are NOTE_DELAY_S old (a client that asks noth
 from __future__ import annotations
 
 import array
+import logging
 import mmap
 import os
 import threading
@@ -31,6 +32,8 @@ import posix_ipc
 
 from kvcached_proto import KvcachedError, Op, encode, make_request
 from kvcached_proto.key_table import HEADER_BYTES, Flags, native, segment_name
+
+log = logging.getLogger(__name__)
 
 RETRY_S = 0.5  # no table yet: look again at most this often
 # A note message goes when its first lookup is NOTE_DELAY_S old, or before the client's next
@@ -197,9 +200,12 @@ class SendsNotes:
         (a scheduler may ask nothing more for a while: the daemon's counters and policy must
         not wait for its next call). It runs Python only when there is something to send."""
         def run() -> None:
-            while not self._notes_stop.wait(NOTE_DELAY_S):
-                if self._notes.due():
-                    self._send_notes()
+            try:
+                while not self._notes_stop.wait(NOTE_DELAY_S):
+                    if self._notes.due():
+                        self._send_notes()
+            except Exception:  # a bug here must be seen; lookups go on (notes then go with requests)
+                log.exception("[lookup] the notes thread of %s stopped", self.client_id)
 
         self._notes_thread = threading.Thread(target=run, name=f"kvcached-notes-{self.client_id}",
                                               daemon=True)

@@ -1,5 +1,5 @@
 """The Mooncake tier's registered buffers (mooncake_store.py): the arena of record headers, the
-staging slots for pages kept in many pieces, and the copies in and out of them."""
+staging slots for pages kept in many pieces (record.gather and record.scatter copy in and out)."""
 from __future__ import annotations
 
 import threading
@@ -25,10 +25,12 @@ class HeaderArena:
         self._free = list(range(HEADER_SLOTS))
         self._cond = threading.Condition()
 
-    def take(self, n: int) -> list[int]:
+    def take(self, n: int, timeout: float) -> list[int] | None:
+        """n slots, or None when they are not free within `timeout` (slots held by calls to a
+        master that stopped answering come back only when those calls return)."""
         with self._cond:
-            while len(self._free) < n:
-                self._cond.wait()
+            if not self._cond.wait_for(lambda: len(self._free) >= n, timeout):
+                return None
             got, self._free = self._free[:n], self._free[n:]
         return got
 
@@ -82,19 +84,3 @@ class Staging:
     def close(self) -> None:
         if self.ok:
             self.store.unregister_buffer(self.buf.ctypes.data)
-
-
-def gather(pieces, out: memoryview) -> None:
-    off = 0
-    for piece in pieces:
-        view = memoryview(piece).cast("B")
-        out[off:off + view.nbytes] = view
-        off += view.nbytes
-
-
-def scatter(payload: memoryview, pieces) -> None:
-    off = 0
-    for piece in pieces:
-        view = memoryview(piece).cast("B")
-        view[:] = payload[off:off + view.nbytes]
-        off += view.nbytes

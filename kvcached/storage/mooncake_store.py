@@ -47,9 +47,9 @@ from urllib.parse import parse_qs, urlparse
 
 
 from .base import StorageBackend
-from .mooncake_buffers import HeaderArena, Staging, gather, pointer, scatter
+from .mooncake_buffers import HeaderArena, Staging, pointer
 from .iothreads import IOThreads, run_bounded
-from .record import HEADER_BYTES, BadRecord, check_header, check_payload, nbytes, pack_header
+from .record import HEADER_BYTES, BadRecord, check_header, check_payload, gather, nbytes, pack_header, scatter
 from .uris import redact
 
 log = logging.getLogger(__name__)
@@ -330,7 +330,9 @@ class MooncakeBackend(StorageBackend):
         return out
 
     def _get_part(self, keys, buffers, geometry, part, out, release) -> None:
-        slots = self._headers.take(len(part))
+        slots = self._headers.take(len(part), self.io_timeout_s)
+        if slots is None:
+            return  # misses
         names, ptrs, sizes, idx = self._batch(keys, buffers, part, slots)
         if not names:
             self._give(slots, idx)
@@ -393,7 +395,10 @@ class MooncakeBackend(StorageBackend):
             window = []
             for s in range(start, min(len(keys), start + BATCH), PUT_SLICE):
                 part = range(s, min(len(keys), start + BATCH, s + PUT_SLICE))
-                slots = self._headers.take(len(part))
+                slots = self._headers.take(len(part), self.io_timeout_s)
+                if slots is None:
+                    self.counters["dropped_puts"] += len(part)
+                    continue
                 names, ptrs, sizes, idx = self._batch(keys, buffers, part, slots,
                                                       lambda i: pack_header(keys[i], buffers[i], geometry))
                 if not names:

@@ -107,3 +107,21 @@ def check_header(raw: bytes, key: bytes, expected_len: int, geometry: bytes) -> 
 def check_payload(pieces, crc: int) -> None:
     if checksum(pieces) != crc:
         raise BadRecord("checksum mismatch")
+
+
+def gather(pieces, out: memoryview) -> None:
+    """A page's pieces, back to back into `out` (a staged record's payload)."""
+    off = 0
+    for piece in pieces:
+        view = memoryview(piece).cast("B")
+        out[off:off + view.nbytes] = view
+        off += view.nbytes
+
+
+def scatter(payload: memoryview, pieces) -> None:
+    """A record's payload into the page's pieces."""
+    off = 0
+    for piece in pieces:
+        view = memoryview(piece).cast("B")
+        view[:] = payload[off:off + view.nbytes]
+        off += view.nbytes

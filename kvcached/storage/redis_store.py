@@ -30,7 +30,7 @@ from typing import Sequence
 from urllib.parse import parse_qs, unquote, urlparse
 
 from .base import StorageBackend
-from .record import HEADER_BYTES, BadRecord, nbytes, pack_header, verify
+from .record import HEADER_BYTES, BadRecord, nbytes, pack_header, scatter, verify
 from .uris import redact
 
 log = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ class RedisBackend(StorageBackend):
                 self.delete([key])
                 out.append(False)
                 continue
-            _scatter(memoryview(value)[HEADER_BYTES:], pieces)
+            scatter(memoryview(value)[HEADER_BYTES:], pieces)
             self.counters["gets"] += 1
             out.append(True)
         return out
@@ -277,14 +277,6 @@ class RedisBackend(StorageBackend):
         self._prober.join(PROBE_TIMEOUT_S + PROBE_EVERY_S)
         for client in (self._client, self._lookup_client, self._probe_client):
             client.close()
-
-
-def _scatter(payload: memoryview, pieces) -> None:
-    off = 0
-    for piece in pieces:
-        view = memoryview(piece).cast("B")
-        view[:] = payload[off : off + view.nbytes]
-        off += view.nbytes
 
 
 SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
