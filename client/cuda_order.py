@@ -63,10 +63,11 @@ class EngineOrder:
         self.nbytes = segment_bytes(NUM_SLOTS, num_layers)
         self._mm, self.name = _shared_cpu_buffer(self.nbytes)
         self.words = np.frombuffer(self._mm, dtype=np.uint64)
-        self.ops = None
         self.device = device
-        if device.startswith("cuda"):
-            self.ops = (ops_factory or _cuda_ops(device))(self.words.ctypes.data, self.nbytes)
+        self.cuda = device.startswith("cuda")
+        self._ops_factory = (ops_factory or _cuda_ops(device)) if self.cuda else None
+        self.ops = None  # the words' CUDA registration, made by the first stream operation
+        self._owner: int | None = None  # the thread that made it: the engine's
         self._lost = lost
         self._last = [0] * FENCE_WORDS  # the value last written to each fence word
         self._seq = 0
@@ -102,11 +103,23 @@ class EngineOrder:
                 break
             self._seq += 1
             seq = self._last[k] = self._seq
-            if self.ops is None:
+            if not self.cuda:
                 self.words[k] = seq  # CPU: the engine's writes are done when it calls
             else:
-                self.ops.write(self._stream(stream).cuda_stream, k, seq)
+                self._stream_ops().write(self._stream(stream).cuda_stream, k, seq)
         return {"fence_word": k, "fence": seq}
+
+    def _stream_ops(self):
+        """The words' CUDA registration, made here, on the thread that queues the first stream
+        operation on them - the engine's - and not where the segment was made: a reattach makes
+        it on a background thread, and a CUDA call there such as cuMemHostRegister, while the
+        engine captures a CUDA graph (vLLM at start-up), invalidates the engine's capture.
+        Registrations that other threads let go are undone here too (`_free`)."""
+        if self.ops is None:
+            self.ops = self._ops_factory(self.words.ctypes.data, self.nbytes)
+            self._owner = threading.get_ident()
+        _undo_deferred()
+        return self.ops
 
     def revoke(self, fence: int) -> None:
         """Offloads sent with a fence up to `fence` that have not completed are discarded by
@@ -119,12 +132,12 @@ class EngineOrder:
         """Make `stream` wait for the daemon's copies of `layer` of load `task_id` (CPU: check
         that the daemon wrote the word before it bumped the counter)."""
         idx = load_word(slot, layer, self.num_layers)
-        if self.ops is None:
+        if not self.cuda:
             if not reached(self.words[idx], task_id):
                 raise TaskFailed(f"load {task_id}: layer {layer} counted done but its order word "
                                  f"holds {int(self.words[idx])}", {"loaded": 0})
             return
-        self.ops.wait_geq(self._stream(stream).cuda_stream, idx, task_id)
+        self._stream_ops().wait_geq(self._stream(stream).cuda_stream, idx, task_id)
         with self._cv:
             self._pending[idx] = max(self._pending.get(idx, 0), task_id)
             if self._guard is None:
@@ -184,5 +197,26 @@ class EngineOrder:
             self._free()
 
     def _free(self) -> None:
-        if self.ops is not None:
+        """Undo the CUDA registration: now on the thread that made it, else at that thread's
+        next stream operation (the guard, a hold keeper or a reattach thread may close a client;
+        the mapping stays until then)."""
+        if self.ops is None:
+            return
+        if threading.get_ident() == self._owner:
             self.ops.unregister()
+        else:
+            with _deferred_lock:
+                _deferred.append((self.ops, self._mm))
+
+
+_deferred_lock = threading.Lock()
+_deferred: list = []  # (ops, mapping) whose registration another thread let go
+
+
+def _undo_deferred() -> None:
+    if not _deferred:
+        return
+    with _deferred_lock:
+        undo, _deferred[:] = list(_deferred), []
+    for ops, _mapping in undo:
+        ops.unregister()

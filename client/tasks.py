@@ -139,7 +139,7 @@ class LoadTask(Task):
                             self.layer_wake_ns.append(time.monotonic_ns() - view.slot_layer_ns(slot))
                         order = self.client.order
                         if order is not None:
-                            if order.ops is not None or order.released:  # a wait for a daemon gone would
+                            if order.cuda or order.released:  # a wait for a daemon gone would
                                 self.client._check_daemon()  # only end by release (and a
                                 # released connection's words pass every wait: not in place)
                             order.wait_loaded(slot, layer, self.id, stream)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -75,20 +76,23 @@ class FakeStream:
 
 
 def engine_order(lost=lambda: False, layers=2):
+    """An EngineOrder on a stand-in 'cuda:0' and the list its ops factory appends to (the words
+    are registered by the first stream operation)."""
     made = []
 
     def factory(addr, nbytes):
         made.append(QueuedOps(addr, nbytes))
+        made[-1].thread = threading.get_ident()
         return made[-1]
-    order = EngineOrder("cuda:0", layers, lost, ops_factory=factory)
-    return order, made[0]
+    return EngineOrder("cuda:0", layers, lost, ops_factory=factory), made
 
 
 def test_a_fence_word_is_reused_only_once_its_last_fence_was_reached():
-    order, ops = engine_order()
+    order, made = engine_order()
     try:
         slots = cuda_order.FENCE_SLOTS
         fences = [order.fence(FakeStream()) for _ in range(slots)]
+        ops, = made
         assert sorted(f["fence_word"] for f in fences) == list(range(slots))  # never REVOKE_WORD
         assert [f["fence"] for f in fences] == list(range(1, slots + 1))
         with pytest.raises(KvcachedTimeout, match="fence"):  # every word still waits for its stream
@@ -104,9 +108,10 @@ def test_a_fence_word_is_reused_only_once_its_last_fence_was_reached():
 def test_the_guard_releases_waits_only_when_the_daemon_is_lost(monkeypatch):
     monkeypatch.setattr(cuda_order, "GUARD_PERIOD_S", 0.005)
     lost = {"now": False}
-    order, ops = engine_order(lambda: lost["now"])
+    order, made = engine_order(lambda: lost["now"])
     try:
         order.wait_loaded(slot=3, layer=1, task_id=41, stream=FakeStream())
+        ops, = made
         assert ops.waits == [(load_word(3, 1, 2), 41)]
         time.sleep(0.1)
         assert order.pending() == 1 and not order.released  # the daemon lives: its write will come
@@ -123,13 +128,53 @@ def test_the_guard_releases_waits_only_when_the_daemon_is_lost(monkeypatch):
 def test_closing_with_waits_in_flight_keeps_the_mapping_until_they_end(monkeypatch):
     monkeypatch.setattr(cuda_order, "GUARD_PERIOD_S", 0.005)
     monkeypatch.setattr(cuda_order, "CLOSED_RELEASE_S", 0.3)
-    order, ops = engine_order()
+    order, made = engine_order()
     order.wait_loaded(slot=0, layer=0, task_id=7, stream=FakeStream())
+    ops, = made
     order.close()
     assert not os.path.exists(f"/dev/shm{order.name}")  # the name goes at once
     assert not ops.unregistered  # a stream still waits on the mapping
-    wait_until(lambda: ops.unregistered, 3)  # released past CLOSED_RELEASE_S, then freed
-    assert order.released
+    wait_until(lambda: order.released, 3)  # released past CLOSED_RELEASE_S
+    time.sleep(0.05)
+    # the guard let it go; the thread that registered it undoes it at its next stream operation
+    assert not ops.unregistered
+    other, _ = engine_order()
+    other.fence(FakeStream())
+    assert ops.unregistered
+    other.close()
+
+
+def test_the_words_are_registered_and_unregistered_on_the_engines_thread_only(monkeypatch):
+    """A reattach makes a client's order words on a background thread. A CUDA call there (the
+    words' cuMemHostRegister) while vLLM captures its CUDA graphs at start-up would invalidate
+    the capture: the registration waits for the engine's first stream operation, on its own
+    thread, and a close on another thread leaves the unregistration to that thread."""
+    monkeypatch.setattr(cuda_order, "GUARD_PERIOD_S", 0.005)
+    made_by = {}
+
+    def background():
+        made_by["order"] = engine_order()
+    t = threading.Thread(target=background)
+    t.start()
+    t.join()
+    order, made = made_by["order"]
+    assert made == []  # no CUDA call on the reattach thread
+    order.fence(FakeStream())
+    ops, = made
+    assert ops.thread == threading.get_ident()
+    closer = threading.Thread(target=order.close)
+    closer.start()
+    closer.join()
+    assert not ops.unregistered  # not from the closing thread
+    nxt, made2 = engine_order()
+    nxt.wait_loaded(slot=0, layer=0, task_id=1, stream=FakeStream())
+    assert ops.unregistered and made2[0].thread == threading.get_ident()
+    nxt.words[load_word(0, 0, 2)] = 1  # the daemon wrote it
+    nxt.close()  # the guard frees it once the wait passed: deferred to this thread
+    wait_until(lambda: cuda_order._deferred, 2)
+    assert not made2[0].unregistered
+    cuda_order._undo_deferred()
+    assert made2[0].unregistered
 
 
 # a real daemon with a real engine segment --------------------------------------------------------

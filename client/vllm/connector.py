@@ -136,6 +136,20 @@ def check_one_kv_cache_group(kv_cache_config) -> None:
                      f"({kinds}), each with block ids of its own: run it without the connector")
 
 
+def check_parallelism(parallel) -> None:
+    """Refuse what the connector cannot page correctly, at start. Pipeline parallelism: a rank
+    holds some layers only. Micro-batching (`--enable-dbo`, `ubatch_size` > 1): each
+    micro-batch runs every attention layer on a thread and CUDA stream of its own, so a layer's
+    load would be waited for on the first micro-batch's stream only, and the second could read
+    KV still on its way - wrong KV, silently."""
+    if parallel.pipeline_parallel_size > 1:
+        raise ValueError("KvcachedConnector does not run with pipeline parallelism")
+    if getattr(parallel, "enable_dbo", False) or int(getattr(parallel, "ubatch_size", 0) or 0) > 1:
+        raise ValueError("KvcachedConnector does not run with micro-batching (enable_dbo or "
+                         "ubatch_size > 1: each micro-batch reads the KV on a CUDA stream of its "
+                         "own, which the connector's layer waits do not cover); run without it")
+
+
 def rank_instances(extra: dict, tp_size: int) -> list[str]:
     """The daemon of every tensor-parallel rank, from kv_connector_extra_config."""
     if "instances" in extra:
@@ -187,8 +201,7 @@ class KvcachedConnector(KVConnectorBase_V1):
                                         weights_version=weights)
         self.resets = 0
         parallel = vllm_config.parallel_config
-        if parallel.pipeline_parallel_size > 1:
-            raise ValueError("KvcachedConnector does not run with pipeline parallelism")
+        check_parallelism(parallel)
         self.tp_size = parallel.tensor_parallel_size
         self.mla = bool(getattr(model, "use_mla", False))
         # block keys; the kernel factor is the workers' (set_xfer_handshake_metadata), or the worker's own

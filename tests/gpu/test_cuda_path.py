@@ -106,7 +106,7 @@ def test_round_trip_through_the_daemon_is_byte_exact(cuda_daemon):
     randomize(kv, 3)
     with cuda_daemon.connect(timeout=60) as c:
         reply = c.register_kv_cache(kv)
-        assert reply["copy_strategy"] and c.order is not None and c.order.ops is not None
+        assert reply["copy_strategy"] and c.order is not None and c.order.cuda
         src, dst, keys = list(range(10, 60)), list(range(70, 120)), keys_for(50)
         expected = [[t[src].clone() for t in layer] for layer in kv]
         assert c.offload(src, keys).wait(60)["stored"] == 50

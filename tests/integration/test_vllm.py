@@ -194,6 +194,22 @@ def test_one_daemon_per_rank_is_named_or_refused_clearly():
         rank_instances({"instance": "gpu0"}, 2)
 
 
+def test_micro_batching_and_pipeline_parallelism_are_refused_at_start():
+    """vLLM's own ParallelConfig: with micro-batching each micro-batch reads the KV on a stream
+    of its own that the layer waits would not cover (wrong KV); both are refused by name."""
+    from vllm.config import ParallelConfig
+
+    from kvcached_client.vllm.connector import check_parallelism
+
+    check_parallelism(ParallelConfig())
+    check_parallelism(ParallelConfig(ubatch_size=1))
+    for bad in ({"enable_dbo": True}, {"ubatch_size": 2}):
+        with pytest.raises(ValueError, match="micro-batching"):
+            check_parallelism(ParallelConfig(**bad))
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        check_parallelism(ParallelConfig(pipeline_parallel_size=2))
+
+
 def test_sleep_mode_is_declined_so_vllm_refuses_it_at_start():
     """vLLM 0.33 calls connector_cls.supports_sleep_mode(kv_transfer_config) before it enables
     sleep mode (its KV in CuMem cannot be exported over CUDA IPC, and moves at wake-up)."""
