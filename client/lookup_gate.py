@@ -12,7 +12,8 @@ are full) is recomputed by the engine; the host part of the hit is loaded all th
 Every call answers at once: a prefetch is polled, never waited for. One that has not ended by
 its deadline (the daemon's own `timeout_ms`, plus a grace for its event: a hung daemon) gives
 the request no hit. Requests whose storage hits overlap wait for each other's prefetches, so
-one fetch serves them all (the daemon skips keys already on their way).
+one fetch serves them all (the daemon too fetches a key on its way only once, and a prefetch
+ends only once the keys it waits on arrived or went).
 
 storage_hits: "prefetch" (the above) or "inline" (the load reads storage in the step).
 """

@@ -100,11 +100,8 @@ def test_a_daemon_that_stops_answering_mid_prefetch_costs_the_request_its_hit_no
         stopped = False
         owner.resume()
         # the held prefetch ran past its own timeout_ms: the daemon ends it with nothing fetched.
-        # r2 comes after that end: a prefetch that finds r1's fetch still on its way waits for it
-        # rather than fetching twice, and gets nothing when it ends empty (a lookup from the key
-        # table is quick enough to get there first, about 1 run in 10)
-        wait_until(lambda: (t := c.status()["tasks"])["queued"] == 0 and t["inflight"] == 0, 10,
-                   "the held prefetch's end")
+        # r2's prefetch may find its entries still on their way: it waits for that fetch, and
+        # brings the blocks itself when it ended empty
         assert _poll(gate, "r2", c, keys) == 8 and gate.counters["prefetches"] == 2
         assert c.status()["storage_io"]["prefetched"] == 8
     finally:

@@ -1,6 +1,7 @@
 """What the daemon does with its storage tiers, through real daemons: the write policies, a
 non-writer rank, prefetch, and loads that share one fetch."""
 import os
+import time
 
 from conftest import (blocks_equal, disk_uri, keys_for, scramble, small_kv, snapshot, unique_instance,
                       wait_until)
@@ -185,3 +186,47 @@ def test_cancelling_the_load_that_owns_a_fetch_leaves_the_sharer_whole(run_dir, 
         assert sharer.wait(10) == 8  # the owner's entries went unfetched: it fetched them itself
         assert blocks_equal(kv, list(range(40, 48)), expected)
         assert load_state(c) == (0, 0, 0, 0, "ok")
+
+
+def test_a_prefetch_of_keys_on_their_way_ends_once_they_arrived(run_dir, instance, disk_dir):
+    """A second prefetch of keys another task is fetching does not fetch them twice, and does
+    not end before they are in the host tier: its requester looks them up after its end (it
+    ended at once, and the lookup that followed missed blocks still on their way)."""
+    with on_disk_only(run_dir, instance, disk_dir, 10) as (c, kv, keys, expected):
+        c.pause()
+        first = c.prefetch(keys, block_tokens=64)
+        second = c.prefetch(keys, block_tokens=64)
+        assert first.reply["blocks"] == 8 and second.reply["blocks"] == 0
+        time.sleep(0.2)
+        assert not second.done()  # waits for the first's fetch
+        c.resume()
+        assert first.wait(10)["prefetched"] == 8 and second.wait(10)["prefetched"] == 0
+        assert c.lookup(keys) == (8, 0)
+        assert c.status()["storage_io"]["fetched"] == 8  # one fetch
+        assert load_state(c) == (0, 0, 0, 0, "ok")
+
+
+def test_a_prefetch_whose_shared_fetch_ends_empty_fetches_the_keys_itself(run_dir, instance, disk_dir):
+    """The first prefetch's own timeout passes before its fetch runs (it ends with nothing) and
+    another is cancelled: a prefetch that waited on their fetches brings the blocks itself."""
+    with on_disk_only(run_dir, instance, disk_dir, 11) as (c, kv, keys, expected):
+        for end_first in ("timeout", "cancel"):
+            c.clear(tier="host")
+            c.pause()
+            if end_first == "timeout":
+                first = c.prefetch(keys, policy="timeout", timeout_ms=1, block_tokens=64)
+            else:
+                first = c.prefetch(keys, block_tokens=64)
+            second = c.prefetch(keys, block_tokens=64)
+            assert first.reply["blocks"] == 8 and second.reply["blocks"] == 0
+            if end_first == "cancel":
+                assert first.cancel() == "cancelled"
+            time.sleep(0.05)
+            c.resume()
+            assert first.wait(10)["prefetched"] == 0, end_first
+            assert second.wait(10)["prefetched"] == 8, end_first  # 0 before: it got nothing
+            assert c.lookup(keys) == (8, 0)
+            assert c.load(keys, list(range(20, 28))).wait(10) == 8
+            assert blocks_equal(kv, list(range(20, 28)), expected)
+            scramble(kv, 5)
+            assert load_state(c) == (0, 0, 0, 0, "ok")

@@ -69,8 +69,10 @@ class CopyTask:
     keys: list = field(default_factory=list)       # the request's keys (a load re-plans from them)
     fetch: list = field(default_factory=list)      # WRITING entries this task fetches itself
     tail: list = field(default_factory=list)       # load: the entries past `entries`, in key order
-    tail_pins: list = field(default_factory=list)  # load: the tail entries this task has pinned
+    tail_pins: list = field(default_factory=list)  # the entries of another task's write it waits on
     replanned: bool = False
+    span: tuple[int, int] = (0, 0)  # prefetch: the keys it brings, keys[start:start+count]
+    fetched: int = 0  # prefetch: the blocks it fetched itself
     dev_request: np.ndarray | None = None  # load: every device block the request named
 
     @property

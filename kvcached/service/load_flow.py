@@ -69,9 +69,10 @@ class LoadFlow:
 
     # where a load goes next ---------------------------------------------------
     def route(self, task: CopyTask) -> None:
-        """Send a load on: to the fetcher while it has entries of its own to fetch; parked
-        while another task still writes entries of its tail (their fetch is shared); else to
-        the loader with the leading entries that are in place."""
+        """Send a load or a prefetch on: to the fetcher while it has entries of its own to
+        fetch; parked while another task still writes entries of its tail (their fetch is
+        shared); else a load goes to the loader with the leading entries that are in place,
+        and a prefetch ends."""
         while True:
             with self.host.lock:
                 if task.cancelled:
@@ -81,8 +82,12 @@ class LoadFlow:
                 elif any(e.live and e.state == WRITING for e in task.tail_pins):
                     self.parked.append(task)
                     return
+                elif task.kind == TaskKind.PREFETCH:
+                    step = "prefetched" if self.storage.settle_prefetch(task) else "again"
                 else:
                     step = "load" if self._absorb_tail(task) else "replan"
+            if step == "again":  # a prefetch planned again (settle_prefetch)
+                continue
             if step != "replan":
                 break
             # an entry it waited on went before it arrived (its owner was cancelled, say):
@@ -94,6 +99,8 @@ class LoadFlow:
                 task.tail, task.fetch, task.tail_pins = self.storage.plan_tail(task.keys, start, stored)
         if step == "cancelled":
             self.end_cancelled([task])
+        elif step == "prefetched":
+            self.storage.end_prefetch(task)
         elif step == "fetch":
             self.storage.fetcher.submit(task)
         elif task.entries:
@@ -200,8 +207,8 @@ class LoadFlow:
                 self.release_fetch(task)
             if task.kind == TaskKind.LOAD:
                 self.complete(task)
-            else:
-                self.table.finish(task, TaskStatus.CANCELLED, {"prefetched": 0})
+            else:  # a prefetch: what it fetched before is on the host tier all the same
+                self.storage.end_prefetch(task)
         if tasks:
             self.wake_parked()
 

@@ -32,7 +32,8 @@ def _check_pins_and_slots(svc) -> str:
     held: dict[int, int] = {}
     pinned: dict[int, object] = {}
     for task in svc._live_tasks():
-        pins = task.entries + task.tail_pins if task.kind in (TaskKind.LOAD, TaskKind.BACKUP) else []
+        pins = (task.entries + task.tail_pins
+                if task.kind in (TaskKind.LOAD, TaskKind.BACKUP, TaskKind.PREFETCH) else [])
         for e in pins:
             held[id(e)] = held.get(id(e), 0) + 1
             pinned[id(e)] = e

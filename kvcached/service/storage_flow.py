@@ -28,7 +28,7 @@ from kvcached_proto.shm_layout import Flag
 
 from ..copy.transfer import CopyTask, TaskKind, TransferWorker
 from ..errors import StartupError
-from ..host.index import BACKUP_QUEUED, NOT_STORED, STORED
+from ..host.index import BACKUP_QUEUED, NOT_STORED, STORED, WRITING
 from ..storage.tiers import StorageTiers
 from .host_tier import HostTier
 from .task_table import TaskTable
@@ -159,20 +159,52 @@ class StorageFlow:
             raise
         return tail, own, shared
 
-    def _insert_for_fetch(self, keys, start: int, count: int) -> list:
-        """Prefetch: WRITING host entries for the keys of keys[start:start+count] not in the
-        index yet (a key present is already there or on its way); fewer if the pool is full."""
-        entries = []
+    def _insert_for_fetch(self, keys, start: int, count: int, room: int) -> tuple[list, list]:
+        """Prefetch: (own, shared) for keys[start:start+count]. `own` are new WRITING entries
+        for the keys not in the index (at most `room`: the prefetch share; fewer if the pool is
+        full); `shared` are entries another task is writing (a fetch or an offload), pinned
+        here: the prefetch ends only once they arrived or went, and fetches those that went
+        itself. Keys READY or being deleted are passed over."""
+        own, shared = [], []
         for i in range(start, start + count):
-            if keys[i] in self.host.index:
+            e = self.host.index.get(keys[i])
+            if e is not None:
+                if e.state == WRITING and not e.doomed:
+                    self.host.index.pin([e])
+                    shared.append(e)
                 continue
+            if len(own) >= room:
+                break
             got = self.host.alloc(1)
             if not got:
                 break
             e = self.host.index.insert(keys[i], got[0], keys[i - 1] if i else None)
             e.fetched = True
-            entries.append(e)
-        return entries
+            self.host.index.set_prefetched(e, True)
+            own.append(e)
+        return own, shared
+
+    def settle_prefetch(self, task: CopyTask) -> bool:
+        """(Lock held.) A prefetch whose own fetch ended and whose shared entries all arrived
+        or went. False (once, before its deadline) when some went before arriving - the other
+        task was cancelled, timed out, or its record was bad: the prefetch then plans its span
+        again and fetches what is still missing itself (True: it ends)."""
+        went = any(not e.live for e in task.tail_pins)
+        self.host.unpin(task.tail_pins)
+        task.tail_pins = []
+        late = task.deadline is not None and time.monotonic() > task.deadline
+        if not went or task.replanned or late or task.cancelled:
+            return True
+        task.replanned = True
+        start, count = task.span
+        room = int(self.host.pool.num_blocks * self.cfg.prefetch_max_share) - self.host.index.prefetched
+        task.fetch, task.tail_pins = self._insert_for_fetch(task.keys, start, count, max(0, room))
+        return False
+
+    def end_prefetch(self, task: CopyTask) -> None:
+        self.counters["prefetched"] += task.fetched
+        status = TaskStatus.CANCELLED if task.cancelled else TaskStatus.DONE
+        self.table.finish(task, status, {"prefetched": task.fetched})
 
     def queue_backup(self, entries, client_routing=b"") -> None:
         if not (self.tiers and self.tiers.writer):
@@ -238,18 +270,14 @@ class StorageFlow:
                                              f"{self.cfg.prefetch_threshold_tokens}")
             share = int(self.host.pool.num_blocks * self.cfg.prefetch_max_share)
             room = share - self.host.index.prefetched
-            entries = self._insert_for_fetch(keys, host, max(0, min(stored, room)))
-            for e in entries:
-                self.host.index.set_prefetched(e, True)
+            entries, shared = self._insert_for_fetch(keys, host, stored, max(0, room))
             task = self.table.new(TaskKind.PREFETCH, client, req, np.zeros(len(entries), np.int64),
                                   [e.block for e in entries], [])
-            task.fetch = entries
+            task.fetch, task.tail_pins = entries, shared
+            task.keys, task.span = list(keys), (host, stored)
             if req.body["policy"] == "timeout" and req.body["timeout_ms"]:
                 task.deadline = time.monotonic() + req.body["timeout_ms"] / 1000
-        if entries:
-            self.fetcher.submit(task)
-        else:
-            self.table.finish(task, TaskStatus.DONE, {"prefetched": 0})
+        self.ends.route(task)  # to the fetcher; or parked on the shared entries; or it ends
         return PrefetchReply(task=task.task_id, blocks=len(entries), host=host)
 
     def flush(self, client, req) -> FlushReply:
@@ -289,12 +317,9 @@ class StorageFlow:
                 task.tail_pins = task.tail_pins + arrived
             self.counters["fetched"] += n_ok
             self.counters["fetch_failed"] += len(bad)
-        if task.kind == TaskKind.LOAD:
-            self.ends.route(task)
-        else:
-            self.counters["prefetched"] += n_ok
-            status = TaskStatus.CANCELLED if task.cancelled else TaskStatus.DONE
-            self.table.finish(task, status, {"prefetched": n_ok})
+        if task.kind != TaskKind.LOAD:
+            task.fetched += n_ok
+        self.ends.route(task)
 
     def _fetch_pages(self, task: CopyTask, entries) -> int:
         """Read pages into their host blocks, in chunks; returns the leading count intact."""
