@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import time
 
-from kvcached_proto import KvcachedTimeout, TaskFailed, TaskStatus
+from kvcached_proto import DaemonUnavailable, KvcachedTimeout, TaskFailed, TaskStatus
 from kvcached_proto.shm_layout import SlotStatus
 
 SPIN_S = 0.02  # poll (yielding the CPU) this long before sleeping between reads
@@ -94,10 +94,11 @@ class LoadTask(Task):
         """Cancel after a timeout; wait (client timeout) for the daemon's ack; hold if none."""
         blocks = self.reply.get("device_blocks", ())
         self.client.hold(self.id, blocks)
-        self.client.cancel(self.id)
         try:
+            self.client.cancel(self.id)
             self._absorb(self.client.wait_event(self.id, self.client.timeout))
-        except KvcachedTimeout:
+        except (KvcachedTimeout, DaemonUnavailable):  # the cancel or its ack not answered, or
+            # the daemon seen hung or gone: it may still write them (a gone one's hold lifts)
             exc.held_blocks = exc.fenced_blocks = list(blocks)
             exc.args = (f"{exc.args[0]}; the daemon has not confirmed the cancel: device blocks "
                         f"{list(blocks)[:8]}{'...' if len(blocks) > 8 else ''} stay held",)

@@ -21,6 +21,7 @@ written by a late copy.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, List, Optional
 
@@ -35,7 +36,7 @@ from .config import ConfigError, PageKeys, Settings
 from .pool_layout import describe_host_pool, page_bytes, page_ids
 
 log = logging.getLogger("kvcached.sglang")
-RELEASE_CAP_S = 30.0  # a hung daemon's unconfirmed load is waited for this long at most
+RELEASE_SAY_S = 30.0  # a hung daemon's unconfirmed load waited for this long is logged (once)
 
 
 class KvcachedHiCacheStorage(HiCacheStorage):
@@ -49,6 +50,7 @@ class KvcachedHiCacheStorage(HiCacheStorage):
         self._layout: dict | None = None
         self._fds: list[int] = []
         self._said: set[str] = set()
+        self._closing = threading.Event()  # close(): unconfirmed loads are waited for no more
         self.stats = {"exists_calls": 0, "exists_hits": 0, "get_pages": 0, "got_pages": 0,
                       "set_pages": 0, "set_ok_pages": 0, "no_daemon": 0, "errors": 0}
         self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
@@ -104,21 +106,27 @@ class KvcachedHiCacheStorage(HiCacheStorage):
         return loaded
 
     def _await_release(self, client, task) -> None:
-        """A load the daemon did not confirm cancelled may still write its pages: wait until it
-        ends or the daemon's process is gone (RELEASE_CAP_S at most) before SGLang reuses them."""
+        """A load the daemon did not confirm cancelled may still write its pages. SGLang frees
+        a prefetch's pages only after this call returned (its last ack), so this waits until
+        the load ends, the daemon's process is gone or the backend closes - however long: a
+        copy landing late in a page SGLang reused would be wrong KV. A daemon frozen past
+        RELEASE_SAY_S is logged (this prefetch thread of SGLang waits for it; restart it)."""
         gone = (client.status_block.identity_check() if client.status_block is not None
                 else (lambda: True))
-        deadline = time.monotonic() + RELEASE_CAP_S
-        while time.monotonic() < deadline and not gone():
+        said_at = time.monotonic() + RELEASE_SAY_S
+        while not gone() and not self._closing.is_set():
             try:
                 if task.done():
                     return
             except DaemonUnavailable:
                 pass  # hung: it may wake and write, so wait on
+            if said_at is not None and time.monotonic() > said_at:
+                said_at = None
+                log.error("[sglang] the daemon has not ended load %d in %.0f s: this prefetch "
+                          "waits until it does or its process is gone (a late copy must not land "
+                          "in a page SGLang reused); restart a daemon that is stuck", task.id,
+                          RELEASE_SAY_S)
             time.sleep(0.05)
-        if not gone():
-            log.error("[sglang] the daemon has not ended load %d in %.0f s: its pages may be "
-                      "written late", task.id, RELEASE_CAP_S)
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[Any] = None) -> List[bool]:
@@ -192,6 +200,7 @@ class KvcachedHiCacheStorage(HiCacheStorage):
 
     def close(self) -> None:
         """Detach: the daemon unmaps the pool (unregister, then the connection goes)."""
+        self._closing.set()
         link, self.link = self.link, None
         if link is None:
             return

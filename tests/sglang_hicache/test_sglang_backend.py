@@ -340,3 +340,50 @@ def test_a_non_writer_mla_rank_stores_nothing_and_says_done(daemon):
     metrics = rank1.get_stats()
     assert metrics is not None and metrics.backup_pgs == []
     rank1.close()
+
+
+def test_a_load_the_daemon_froze_under_is_waited_for_until_it_ends(run_dir, monkeypatch):
+    """The daemon is SIGSTOPped with a load queued: the load's wait runs out and its cancel is
+    not answered, so the daemon may still write the pages when it wakes. batch_get_v1 returns
+    only once the daemon ended the load, well past RELEASE_SAY_S (it returned after a 30 s cap
+    before, and SGLang could reuse pages a late copy then landed in); the pages it reports
+    loaded are exact."""
+    from kvcached_client.sglang import storage as sglang_storage
+
+    monkeypatch.setattr(sglang_storage, "RELEASE_SAY_S", 0.3)
+    instance = unique_instance("sg")
+    pool = sp.make_pool("mha", "page_first", device_tokens=2048)
+    sp.fill_random(pool, 12)
+    keys = sp.page_hashes(16, seed=13)
+    src, dst = list(range(1, 17)), list(range(100, 116))
+    d = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.1)
+    stopped, backend = False, None
+    try:
+        backend = sp.attach(pool, sp.extra_config(instance, run_dir, timeout_s=0.5))
+        assert backend.batch_set_v1(keys, sp.pages_of(pool, src)) == [True] * 16
+        want = _snapshot(pool, src)
+        with d.connect(role="operator") as owner:
+            owner.pause()  # the load stays queued
+            result = {}
+            caller = threading.Thread(target=lambda: result.update(
+                got=backend.batch_get_v1(keys, sp.pages_of(pool, dst))))
+            caller.start()
+            wait_until(lambda: owner.status()["tasks"]["queued"] >= 1, 5, "the load queued")
+            os.kill(d.pid, signal.SIGSTOP)
+            stopped = True
+            caller.join(2.0)
+            assert caller.is_alive(), "batch_get_v1 returned while the daemon could still copy"
+            os.kill(d.pid, signal.SIGCONT)
+            stopped = False
+            owner.resume()
+            caller.join(10)
+            assert not caller.is_alive()
+        for ok, page, w in zip(result["got"], dst, want):
+            assert not ok or sp.page_bytes(pool, page) == w
+    finally:
+        if stopped:
+            os.kill(d.pid, signal.SIGCONT)
+        if backend is not None:
+            backend.close()
+        d.stop()
+        sweep_crashed(instance)
