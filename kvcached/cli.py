@@ -5,6 +5,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -375,8 +376,11 @@ def _kv_line(kv: dict) -> str:
 
 
 def cmd_status(args) -> int:
+    stop: list[bool] = []
+    if args.watch:  # Ctrl-C ends the watch between two refreshes, never inside a socket call
+        signal.signal(signal.SIGINT, lambda *_: stop.append(True))
     try:
-        return _status_loop(args)
+        return _status_loop(args, stop)
     except KeyboardInterrupt:
         return 0
     except BrokenPipeError:  # `status --watch | head`: the reader is done, and so are we
@@ -384,8 +388,8 @@ def cmd_status(args) -> int:
         return 0
 
 
-def _status_loop(args) -> int:
-    while True:
+def _status_loop(args, stop: list[bool]) -> int:
+    while not stop:
         try:
             s = fetch_status(args.instance, args.run_dir, args.timeout)
         except DaemonUnavailable as exc:
@@ -396,7 +400,10 @@ def _status_loop(args) -> int:
         print(json.dumps(s, indent=2, sort_keys=True) if args.json else format_status(s), flush=True)
         if not args.watch:
             return 4 if s.get("stalled") else 0
-        time.sleep(args.watch)
+        until = time.monotonic() + args.watch
+        while not stop and time.monotonic() < until:
+            time.sleep(min(0.05, args.watch))
+    return 0
 
 
 def cmd_stop(args) -> int:
