@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--curve-allow-dir", default=S, metavar="DIR",
                        help="public keys (*.key) of the clients allowed over TCP")
     serve.add_argument("--max-queued-tasks", type=int, default=S,
-                       help="queued copy tasks before requests get BUSY (default: 4096)")
+                       help="waiting copy tasks (queued, or parked on another task's fetch) before "
+                            "requests get BUSY (default: 4096)")
     serve.add_argument("--max-connections", type=int, default=S,
                        help="connections per request socket; more are refused, with a logged "
                             "reason (default: 1024, at most half the open-files limit)")

@@ -3,9 +3,12 @@ non-writer rank, prefetch, and loads that share one fetch."""
 import os
 import time
 
+import pytest
+
 from conftest import (blocks_equal, disk_uri, keys_for, scramble, small_kv, snapshot, unique_instance,
                       wait_until)
-from storage_util import PAGE_SHAPE, files, load_state, offload_and_flush, on_disk_only, record_path, start
+from storage_util import (PAGE_SHAPE, files, load_state, offload_and_flush, on_disk_only, record_path, start,
+                          stored_on_disk_only)
 
 
 def test_write_through_selective_waits_for_hits(run_dir, instance, disk_dir):
@@ -230,3 +233,29 @@ def test_a_prefetch_whose_shared_fetch_ends_empty_fetches_the_keys_itself(run_di
             assert blocks_equal(kv, list(range(20, 28)), expected)
             scramble(kv, 5)
             assert load_state(c) == (0, 0, 0, 0, "ok")
+
+
+def test_prefetches_parked_on_keys_on_their_way_count_against_the_queue_cap(run_dir, instance, disk_dir):
+    """A flood of prefetches of keys another task is fetching: each parks (no load slot bounds
+    them), so they count with the queued tasks and past --max-queued-tasks get BUSY, changing
+    nothing; once the fetch ran, every parked one ends."""
+    from kvcached_client import RequestError
+
+    h, kv, keys, _ = stored_on_disk_only(run_dir, instance, disk_dir, seed=12,
+                                         extra=["--max-queued-tasks", "4"])
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            c.pause()
+            tasks = [c.prefetch(keys, block_tokens=64)]  # queued on the fetcher: 1
+            for _ in range(3):  # parked on its entries: 2, 3, 4
+                tasks.append(c.prefetch(keys, block_tokens=64))
+            for _ in range(5):
+                with pytest.raises(RequestError, match="BUSY"):
+                    c.prefetch(keys, block_tokens=64)
+            c.resume()
+            assert [t.wait(10)["prefetched"] for t in tasks] == [8, 0, 0, 0]
+            assert c.lookup(keys) == (8, 0)
+            assert load_state(c) == (0, 0, 0, 0, "ok")
+    finally:
+        h.stop()

@@ -206,7 +206,10 @@ class CacheService:
         return blocks, self._fence(kv, req)
 
     def _check_queue(self) -> None:
+        """BUSY past --max-queued-tasks waiting tasks: those queued on a worker and those parked
+        on another task's write (prefetches of keys on their way take no load slot)."""
         queued = sum(w.queued for w in (self.loads.worker, self.offloads.worker, self.storage.fetcher))
+        queued += len(self.loads.parked)
         if queued >= self.cfg.max_queued_tasks:
             raise OpError(ErrorCode.BUSY, f"{self.cfg.max_queued_tasks} tasks queued "
                           "(--max-queued-tasks); retry later")
