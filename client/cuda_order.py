@@ -26,7 +26,7 @@ from typing import Callable
 
 import numpy as np
 
-from kvcached_proto.errors import KvcachedTimeout, TaskFailed
+from kvcached_proto.errors import DaemonUnavailable, KvcachedTimeout, TaskFailed
 from kvcached_proto.order_words import (
     FENCE_WORDS,
     RELEASED,
@@ -106,7 +106,7 @@ class EngineOrder:
             if not self.cuda:
                 self.words[k] = seq  # CPU: the engine's writes are done when it calls
             else:
-                self._stream_ops().write(self._stream(stream).cuda_stream, k, seq)
+                self._queue("write", stream, k, seq)
         return {"fence_word": k, "fence": seq}
 
     def _stream_ops(self):
@@ -116,10 +116,27 @@ class EngineOrder:
         engine captures a CUDA graph (vLLM at start-up), invalidates the engine's capture.
         Registrations that other threads let go are undone here too (`_free`)."""
         if self.ops is None:
-            self.ops = self._ops_factory(self.words.ctypes.data, self.nbytes)
+            try:
+                self.ops = self._ops_factory(self.words.ctypes.data, self.nbytes)
+            except Exception as exc:  # a CUDA error here must cost the cache, not the engine's step
+                self.released = True  # spent: not alive, so the engine's link attaches anew
+                raise DaemonUnavailable(f"the order words could not be registered with CUDA "
+                                        f"({type(exc).__name__}: {exc}); this connection is "
+                                        "not used") from None
             self._owner = threading.get_ident()
         _undo_deferred()
         return self.ops
+
+    def _queue(self, op: str, stream, word: int, value: int) -> None:
+        """Queue a stream operation on a word; a CUDA error spends the connection and comes as
+        DaemonUnavailable (the engine goes on without the cache, never raises in its step)."""
+        ops = self._stream_ops()
+        try:
+            getattr(ops, op)(self._stream(stream).cuda_stream, word, value)
+        except Exception as exc:
+            self.released = True
+            raise DaemonUnavailable(f"queuing {op} on the order words failed "
+                                    f"({type(exc).__name__}: {exc}); this connection is not used") from None
 
     def revoke(self, fence: int) -> None:
         """Offloads sent with a fence up to `fence` that have not completed are discarded by
@@ -137,7 +154,7 @@ class EngineOrder:
                 raise TaskFailed(f"load {task_id}: layer {layer} counted done but its order word "
                                  f"holds {int(self.words[idx])}", {"loaded": 0})
             return
-        self._stream_ops().wait_geq(self._stream(stream).cuda_stream, idx, task_id)
+        self._queue("wait_geq", stream, idx, task_id)
         with self._cv:
             self._pending[idx] = max(self._pending.get(idx, 0), task_id)
             if self._guard is None:

@@ -287,6 +287,30 @@ def test_a_dead_engines_fence_words_are_released(daemon):
             pass  # swept by the daemon
 
 
+def test_a_cuda_registration_that_fails_at_the_first_fence_costs_the_connection_not_the_step():
+    """The words are registered by the first stream operation, in the engine's step: a CUDA
+    error there comes as DaemonUnavailable (what the engine's callers go on without), never as
+    a RuntimeError into the forward, and the connection is spent (a reattach makes another)."""
+    def refusing(addr, nbytes):
+        raise RuntimeError("cuMemHostRegister of the order words failed: CUDA error 2")
+    order = EngineOrder("cuda:0", 2, lambda: False, ops_factory=refusing)
+    try:
+        with pytest.raises(DaemonUnavailable, match="could not be registered with CUDA"):
+            order.fence(FakeStream())
+        assert order.released and order.ops is None
+    finally:
+        order.close()
+    order, made = engine_order()
+    try:
+        order.fence(FakeStream())
+        made[0].wait_geq = lambda *a: (_ for _ in ()).throw(RuntimeError("cuStreamWaitValue64 failed"))
+        with pytest.raises(DaemonUnavailable, match="wait_geq on the order words failed"):
+            order.wait_loaded(slot=0, layer=0, task_id=3, stream=FakeStream())
+        assert order.released
+    finally:
+        order.close()
+
+
 def test_the_revoke_word_only_grows():
     order, _ = engine_order()
     try:
