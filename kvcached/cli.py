@@ -341,8 +341,9 @@ def format_status(s: dict) -> str:
                    f"{lookups.get('loaded_from_storage', 0)} brought in from storage"),
         ("moved", f"d2h {_gib(moved.get('d2h', 0))}  h2d {_gib(moved.get('h2d', 0))}  "
                   f"to storage {io.get('backups', 0)} blocks  from storage {io.get('fetched', 0)} blocks"),
-        ("tasks", f"queued {tasks['queued']}  inflight {tasks['inflight']}  "
-                  f"completed {tasks['completed']}  failed {tasks['failed']}"),
+        ("tasks", f"queued {tasks['queued']}  inflight {tasks['inflight']}"
+                  + (f" ({tasks['parked']} waiting for a shared fetch)" if tasks.get("parked") else "")
+                  + f"  completed {tasks['completed']}  failed {tasks['failed']}"),
     ]
     for st in s["storage"]:
         used = (f"  {_gib(st['used_bytes'])} / {_gib(st['capacity_bytes'])}"

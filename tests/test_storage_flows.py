@@ -253,6 +253,8 @@ def test_prefetches_parked_on_keys_on_their_way_count_against_the_queue_cap(run_
             for _ in range(5):
                 with pytest.raises(RequestError, match="BUSY"):
                     c.prefetch(keys, block_tokens=64)
+            tasks_status = c.status()["tasks"]
+            assert tasks_status["parked"] == 3 and tasks_status["queued"] == 1
             c.resume()
             assert [t.wait(10)["prefetched"] for t in tasks] == [8, 0, 0, 0]
             assert c.lookup(keys) == (8, 0)

@@ -83,7 +83,7 @@ def status_of(svc) -> dict:
             },
             "storage": svc.storage.status(),
             "storage_ready": svc.storage.tiers.ready(),
-            "tasks": svc.table.status(queued),
+            "tasks": svc.table.status(queued, len(svc.loads.parked)),
             "bytes": dict(svc.table.counters.bytes),
             "lookups": dict(svc.hits),
             "storage_io": dict(svc.storage.counters),

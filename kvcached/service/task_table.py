@@ -103,8 +103,9 @@ class TaskTable:
                     f"load, {sorted(slots - self.slots_busy)[:8]} of live loads not busy")
         return None
 
-    def status(self, queued: int) -> dict:
-        """(Lock held.) The `tasks` part of the daemon's status."""
-        return {"queued": queued, "inflight": len(self.tasks) - queued,
+    def status(self, queued: int, parked: int = 0) -> dict:
+        """(Lock held.) The `tasks` part of the daemon's status (`parked`: of the inflight, the
+        loads and prefetches waiting for another task's fetch of their keys)."""
+        return {"queued": queued, "inflight": len(self.tasks) - queued, "parked": parked,
                 "completed": self.counters.completed, "failed": self.counters.failed,
                 "cancelled": self.counters.cancelled, "slots_busy": len(self.slots_busy)}
