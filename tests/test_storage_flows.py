@@ -261,3 +261,21 @@ def test_prefetches_parked_on_keys_on_their_way_count_against_the_queue_cap(run_
             assert load_state(c) == (0, 0, 0, 0, "ok")
     finally:
         h.stop()
+
+
+def test_a_parked_prefetch_ends_at_its_own_timeout(run_dir, instance, disk_dir):
+    """A prefetch with the timeout policy parked on another task's fetch that does not run (the
+    workers paused here; an offload behind an engine's fence, a hung tier) ends at its
+    timeout_ms with nothing fetched, not when that fetch ends; the other fetch goes on."""
+    with on_disk_only(run_dir, instance, disk_dir, 13) as (c, kv, keys, expected):
+        c.pause()
+        first = c.prefetch(keys, block_tokens=64)
+        second = c.prefetch(keys, policy="timeout", timeout_ms=200, block_tokens=64)
+        assert second.reply["blocks"] == 0
+        t0 = time.monotonic()
+        assert second.wait(5)["prefetched"] == 0 and second.status == "done"
+        assert time.monotonic() - t0 < 2.0 and not first.done()  # the workers are still paused
+        assert c.status()["tasks"]["parked"] == 0
+        c.resume()
+        assert first.wait(10)["prefetched"] == 8 and c.lookup(keys) == (8, 0)
+        assert load_state(c) == (0, 0, 0, 0, "ok")

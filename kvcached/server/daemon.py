@@ -280,6 +280,7 @@ class Daemon:
                 next_keys = time.monotonic() + KEY_TABLE_REFRESH_S
             if time.monotonic() >= next_reap:
                 self._reap_dead_clients()
+                self.service.expire_parked()
                 next_reap = time.monotonic() + CLIENT_REAP_PERIOD_S
             if time.monotonic() >= next_stats:
                 log.info("[stats] %s", stats_line(self.status()))

@@ -389,6 +389,10 @@ class CacheService:
             self._drop_kv("client gone", client_id)
             log.info("[clients] dropped the KV mapping of client %s (gone)", client_id)
 
+    def expire_parked(self) -> None:
+        """(The daemon's loop, every 0.25 s.) Parked prefetches past their timeout end."""
+        self.loads.expire_parked()
+
     def check(self) -> str:
         """Walk the invariants (report.py); "ok" or what is wrong."""
         return check_service(self)

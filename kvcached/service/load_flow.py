@@ -141,6 +141,20 @@ class LoadFlow:
         for task in woken:
             self.route(task)
 
+    def expire_parked(self) -> None:
+        """Prefetches parked past their timeout_ms (the `timeout` policy: the daemon stops then)
+        end with what they fetched; the task they wait on may take much longer (an offload
+        behind an engine's fence, a hung tier)."""
+        if not self.parked:
+            return
+        now = time.monotonic()
+        late = self.take_parked(lambda t: t.kind == TaskKind.PREFETCH and t.deadline is not None
+                                and now > t.deadline)
+        for task in late:
+            with self.host.lock:
+                self.release_fetch(task)
+            self.storage.end_prefetch(task)
+
     def take_parked(self, pred) -> list[CopyTask]:
         with self.host.lock:
             taken = [t for t in self.parked if pred(t)]
