@@ -141,11 +141,9 @@ class StorageFlow:
             for i in range(start, start + stored):
                 e = self.host.index.get(keys[i])
                 if e is None:
-                    got = self.host.alloc(1)  # may evict: what is in `shared` is pinned by now
-                    if not got:
+                    e = self._new_fetch_entry(keys, i)  # may evict: `shared` is pinned by now
+                    if e is None:
                         break
-                    e = self.host.index.insert(keys[i], got[0], keys[i - 1] if i else None)
-                    e.fetched = True
                     own.append(e)
                 elif e.doomed:
                     break
@@ -154,8 +152,7 @@ class StorageFlow:
                     shared.append(e)
                 tail.append(e)
         except BaseException:
-            self.host.unpin(shared)
-            self.host.free([self.host.index.discard(e) for e in own if e.live])
+            self._undo_plan(own, shared)
             raise
         return tail, own, shared
 
@@ -164,25 +161,45 @@ class StorageFlow:
         for the keys not in the index (at most `room`: the prefetch share; fewer if the pool is
         full); `shared` are entries another task is writing (a fetch or an offload), pinned
         here: the prefetch ends only once they arrived or went, and fetches those that went
-        itself. Keys READY or being deleted are passed over."""
+        itself. Keys READY or being deleted are passed over. On an error nothing stays."""
         own, shared = [], []
-        for i in range(start, start + count):
-            e = self.host.index.get(keys[i])
-            if e is not None:
-                if e.state == WRITING and not e.doomed:
-                    self.host.index.pin([e])
-                    shared.append(e)
-                continue
-            if len(own) >= room:
-                break
-            got = self.host.alloc(1)
-            if not got:
-                break
-            e = self.host.index.insert(keys[i], got[0], keys[i - 1] if i else None)
-            e.fetched = True
-            self.host.index.set_prefetched(e, True)
-            own.append(e)
+        try:
+            for i in range(start, start + count):
+                e = self.host.index.get(keys[i])
+                if e is not None:
+                    if e.state == WRITING and not e.doomed:
+                        self.host.index.pin([e])
+                        shared.append(e)
+                    continue
+                if len(own) >= room:
+                    break
+                e = self._new_fetch_entry(keys, i)
+                if e is None:
+                    break
+                self.host.index.set_prefetched(e, True)
+                own.append(e)
+        except BaseException:
+            self._undo_plan(own, shared)
+            raise
         return own, shared
+
+    def _new_fetch_entry(self, keys, i: int):
+        """(Lock held.) A WRITING entry for keys[i] that a fetch fills, or None: the pool is full."""
+        got = self.host.alloc(1)
+        if not got:
+            return None
+        e = self.host.index.insert(keys[i], got[0], keys[i - 1] if i else None)
+        e.fetched = True
+        return e
+
+    def _undo_plan(self, own, shared) -> None:
+        self.host.unpin(shared)
+        self.host.free([self.host.index.discard(e) for e in own if e.live])
+
+    def _prefetch_room(self) -> int:
+        """(Lock held.) Host blocks prefetches may still take (--prefetch-max-share)."""
+        share = int(self.host.pool.num_blocks * self.cfg.prefetch_max_share)
+        return max(0, share - self.host.index.prefetched)
 
     def settle_prefetch(self, task: CopyTask) -> bool:
         """(Lock held.) A prefetch whose own fetch ended and whose shared entries all arrived
@@ -197,8 +214,7 @@ class StorageFlow:
             return True
         task.replanned = True
         start, count = task.span
-        room = int(self.host.pool.num_blocks * self.cfg.prefetch_max_share) - self.host.index.prefetched
-        task.fetch, task.tail_pins = self._insert_for_fetch(task.keys, start, count, max(0, room))
+        task.fetch, task.tail_pins = self._insert_for_fetch(task.keys, start, count, self._prefetch_room())
         return False
 
     def end_prefetch(self, task: CopyTask) -> None:
@@ -268,9 +284,7 @@ class StorageFlow:
                 return PrefetchReply(task=0, blocks=0, host=host,
                                      skipped=f"storage hit {tokens} tokens < threshold "
                                              f"{self.cfg.prefetch_threshold_tokens}")
-            share = int(self.host.pool.num_blocks * self.cfg.prefetch_max_share)
-            room = share - self.host.index.prefetched
-            entries, shared = self._insert_for_fetch(keys, host, stored, max(0, room))
+            entries, shared = self._insert_for_fetch(keys, host, stored, self._prefetch_room())
             task = self.table.new(TaskKind.PREFETCH, client, req, np.zeros(len(entries), np.int64),
                                   [e.block for e in entries], [])
             task.fetch, task.tail_pins = entries, shared
