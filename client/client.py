@@ -403,8 +403,10 @@ class Client(SendsNotes):
     def register_layout(self, layout: dict, timeout: float | None = None) -> dict:
         """Register a layout already described (kvcached_proto.layout), with a new order-words
         segment: register_kv_cache's second half, and host_memory.register_host_memory's."""
-        from .cuda_order import EngineOrder
+        from .cuda_order import EngineOrder, refusals
 
+        if str(layout["device"]).startswith("cuda"):
+            refusals.check()  # CUDA refused the last order words: not at every engine step
         order = EngineOrder(layout["device"], layout["num_layers"], self._daemon_lost)
         layout["order_segment"] = order.name
         layout["revoke_word"] = REVOKE_WORD

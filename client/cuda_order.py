@@ -44,6 +44,45 @@ from .kv_alloc import _shared_cpu_buffer
 log = logging.getLogger("kvcached.client")
 GUARD_PERIOD_S = 0.02
 CLOSED_RELEASE_S = 10.0  # after close, pending waits are released this late at most
+REFUSED_PAUSE_S = (0.5, 60.0)  # after CUDA refused the order words: first pause, longest pause
+
+
+class _Refusals:
+    """CUDA refusals of the order words in a row, in this process: each spends its connection,
+    and the reattach would otherwise register again (a register_kv round trip and a drain of
+    the daemon's copies) at every engine step. A new registration waits out a pause that doubles
+    with each refusal in a row, up to REFUSED_PAUSE_S[1]; the first registration that works ends
+    the streak."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.count = 0
+        self.until = 0.0
+        self.why = ""
+
+    def failed(self, why: str) -> float:
+        with self._lock:
+            self.count += 1
+            first, longest = REFUSED_PAUSE_S
+            pause = min(first * 2 ** (self.count - 1), longest)
+            self.until, self.why = time.monotonic() + pause, why
+            return pause
+
+    def worked(self) -> None:
+        if self.count:
+            with self._lock:
+                self.count, self.until, self.why = 0, 0.0, ""
+
+    def check(self) -> None:
+        """Raise DaemonUnavailable while a pause runs (before a registration is attempted)."""
+        with self._lock:
+            if time.monotonic() < self.until:
+                raise DaemonUnavailable(f"CUDA refused the order words {self.count} time(s) in a "
+                                        f"row (last: {self.why}); no registration until the "
+                                        "pause after it ends")
+
+
+refusals = _Refusals()
 
 
 def _cuda_ops(device: str):
@@ -120,10 +159,15 @@ class EngineOrder:
                 self.ops = self._ops_factory(self.words.ctypes.data, self.nbytes)
             except Exception as exc:  # a CUDA error here must cost the cache, not the engine's step
                 self.released = True  # spent: not alive, so the engine's link attaches anew
+                why = f"{type(exc).__name__}: {exc}"
+                pause = refusals.failed(why)
+                log.warning("[order] the order words could not be registered with CUDA (%s): the "
+                            "cache is off for this connection, and the next registration waits "
+                            "%.1f s", why, pause)
                 raise DaemonUnavailable(f"the order words could not be registered with CUDA "
-                                        f"({type(exc).__name__}: {exc}); this connection is "
-                                        "not used") from None
+                                        f"({why}); this connection is not used") from None
             self._owner = threading.get_ident()
+            refusals.worked()
         _undo_deferred()
         return self.ops
 

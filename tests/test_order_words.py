@@ -311,6 +311,47 @@ def test_a_cuda_registration_that_fails_at_the_first_fence_costs_the_connection_
         order.close()
 
 
+def test_cuda_refusing_the_order_words_pauses_registrations_not_every_step(monkeypatch, daemon):
+    """Each CUDA refusal spends its connection and the reattach registers again; without a
+    pause that is a register_kv round trip (and a drain of the daemon's copies) at every engine
+    step. The pause doubles with each refusal in a row, and a registration that works ends it."""
+    refusals = cuda_order._Refusals()
+    monkeypatch.setattr(cuda_order, "refusals", refusals)
+    monkeypatch.setattr(cuda_order, "REFUSED_PAUSE_S", (0.2, 0.5))
+    pauses = []
+    failed = refusals.failed
+    monkeypatch.setattr(refusals, "failed", lambda why: pauses.append(failed(why)) or pauses[-1])
+
+    def refusing(addr, nbytes):
+        raise RuntimeError("cuMemHostRegister of the order words failed: CUDA error 2")
+    for _ in range(3):
+        order = EngineOrder("cuda:0", 2, lambda: False, ops_factory=refusing)
+        try:
+            with pytest.raises(DaemonUnavailable):
+                order.fence(FakeStream())
+        finally:
+            order.close()
+    assert pauses == [0.2, 0.4, 0.5]  # doubling, up to the longest
+    layout = describe_kv_cache(small_kv())
+    layout["device"] = "cuda:0"
+    before = {n for n in os.listdir("/dev/shm") if n.startswith("kvcached")}
+    with daemon.connect() as c:
+        with pytest.raises(DaemonUnavailable, match="refused the order words 3 time"):
+            c.register_layout(dict(layout))  # paused: nothing is sent, no segment made
+        assert c.order is None
+        assert {n for n in os.listdir("/dev/shm") if n.startswith("kvcached")} == before
+        time.sleep(0.55)
+        with pytest.raises(RequestError):  # the pause is over: the daemon is asked (a CPU
+            c.register_layout(dict(layout))  # daemon refuses CUDA KV, which is the daemon's say)
+    order, made = engine_order()
+    try:
+        order.fence(FakeStream())  # registered: the streak ends
+        assert made and cuda_order.refusals.count == 0
+        cuda_order.refusals.check()
+    finally:
+        order.close()
+
+
 def test_the_revoke_word_only_grows():
     order, _ = engine_order()
     try:
