@@ -68,3 +68,5 @@ def test_bench_faults_injects_every_fault_and_loses_nothing():
     assert r["other_geometry_hits"] == 0 and r["faults_injected"] >= 20
     assert r["conn_flood_refused"] >= r["conn_flood_connections_tried"] - 2 * 64
     assert r["flood_junk_frames_sent"] > 0 and r["flood_layout_frames_sent"] > 0
+    assert r["metrics_flood_scrapes_answered"] > 0  # scrapes get through a held-connection flood
+    assert r["metrics_flood_threads_during"] <= r["metrics_flood_threads_before"] + 1

@@ -16,8 +16,9 @@ One daemon with a disk tier, in a private run dir:
 9. two loads racing for one fetch from disk: both exact, one fetch, no slot or pin left over;
 10. a FIFO in place of a record: the load stops there, nothing hangs;
 11. floods (bench/flood.py): two processes sending costly 8 MiB frames (junk; an over-budget
-    layout) while another client pings, and 1,200 silent ipc connections while a new engine
-    connects: the ping's latency, the daemon's memory growth, connections refused;
+    layout) while another client pings, 1,200 silent ipc connections while a new engine
+    connects, and 1,000 unfinished requests to /metrics while 16 threads scrape it: the ping's
+    latency, the daemon's memory growth and threads, connections refused;
 12. another KV geometry registered over the stored blocks: none of them is a hit or loaded.
 """
 from __future__ import annotations
@@ -341,8 +342,8 @@ def _damaged_disk(tmp, name, run_dir, storage, kv, keys, counts, out) -> None:
         _other_geometry(c, keys, counts, out)
 
 
-def _floods(d, quick: bool, counts, out) -> None:
-    from .flood import connection_flood, frame_flood
+def _floods(d, metrics_port: int, quick: bool, counts, out) -> None:
+    from .flood import connection_flood, frame_flood, metrics_flood
 
     for kind in ("junk", "layout"):
         r = frame_flood(d, kind, flooders=2, seconds=2 if quick else 8)
@@ -355,6 +356,12 @@ def _floods(d, quick: bool, counts, out) -> None:
     counts["lost"] += not r["daemon_alive"]
     out.update({f"conn_flood_{k}": r[k] for k in ("connections_tried", "open_during", "refused",
                                                    "newcomer_connect_ms")})
+    r = metrics_flood(d, metrics_port, seconds=2 if quick else 8)
+    counts["faults_injected"] += 1
+    counts["lost"] += not r["daemon_alive"]
+    out.update({f"metrics_flood_{k}": r[k] for k in ("scrapes_answered", "scrapes_failed",
+                                                      "ping_idle_p99_ms", "ping_p50_ms", "ping_p99_ms",
+                                                      "threads_before", "threads_during")})
 
 
 def _other_geometry(c, keys, counts, out) -> None:
@@ -379,6 +386,14 @@ def _record_files(root: str):
                 yield os.path.join(dirpath, n)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _sweep(name: str) -> None:
     import posix_ipc
 
@@ -401,8 +416,9 @@ def run(quick: bool = False, **_) -> dict:
     kv = allocate_kv_cache(LAYERS, BLOCKS, SHAPE, torch.float16)
     keys = BlockHasher("bench-faults").hash_blocks(np.arange(HALF * SHAPE[0]), SHAPE[0])
     started = time.monotonic()
-    d = launch(instance=name, run_dir=run_dir, host_cache_gb=0.05, extra_args=["--storage", storage],
-               wait_storage=True)
+    metrics_port = _free_port()
+    d = launch(instance=name, run_dir=run_dir, host_cache_gb=0.05, wait_storage=True,
+               extra_args=["--storage", storage, "--metrics-port", str(metrics_port)])
     try:
         _killed_engine(d, counts, out)
         c = d.connect(timeout=10)
@@ -414,7 +430,7 @@ def run(quick: bool = False, **_) -> dict:
         _stopped_daemon(d, c, kv, keys, counts, out)
         c.flush().wait(60)
         _racing_loads(c, kv, keys, counts, out)
-        _floods(d, quick, counts, out)
+        _floods(d, metrics_port, quick, counts, out)
         _killed_daemon(d, c, counts, out)
         c.close()
         _damaged_disk(tmp, name, run_dir, storage, kv, keys, counts, out)

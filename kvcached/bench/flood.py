@@ -7,9 +7,13 @@
   and `layout`, a register_kv whose layout holds more objects than a layout may.
 - connections (connection_flood): a process opens ipc connections far past the daemon's cap
   and holds them while another client connects and pings.
+- /metrics (metrics_flood): a process holds connections to the metrics port that never send a
+  request while another scrapes from many threads; a client's ping under it against idle, the
+  daemon's threads, and how many scrapes were answered.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -184,6 +188,64 @@ def connection_flood(d, processes: int = 2, each: int = 600) -> dict:
             "refused": during["refused"], "max_per_peer": during["max_per_peer"],
             "newcomer_connect_ms": round(connect_ms, 2), "newcomer_ping_ms": round(ping_ms, 3),
             "daemon_alive": d.alive()}
+
+
+_SCRAPER = """
+import sys, threading, time, urllib.request
+url, threads, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+done, failed, end = [0], [0], time.monotonic() + seconds
+def scrape():
+    while time.monotonic() < end:
+        try:
+            urllib.request.urlopen(url, timeout=10).read()
+            done[0] += 1
+        except OSError:
+            failed[0] += 1
+print("ready", flush=True)
+ts = [threading.Thread(target=scrape) for _ in range(threads)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+print(done[0], failed[0], flush=True)
+"""
+
+
+def _threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def metrics_flood(d, port: int, scrapers: int = 16, held: int = 1000, seconds: float = 8.0) -> dict:
+    """Daemon `d` serves /metrics on `port`: one process holds `held` connections there that
+    never send a request, another scrapes from `scrapers` threads for `seconds`; meanwhile a
+    client pings."""
+    with Client.connect(instance=d.instance, run_dir=d.run_dir) as c:
+        idle = _pings(c, 1.0)
+        threads_before = _threads(d.pid)
+        holder = hold_connections("tcp", str(port), held)
+        scraper = subprocess.Popen([sys.executable, "-c", _SCRAPER, f"http://127.0.0.1:{port}/metrics",
+                                    str(scrapers), str(seconds)], stdout=subprocess.PIPE, text=True)
+        try:
+            if scraper.stdout.readline().strip() != "ready":
+                raise RuntimeError("the scraping process did not start")
+            busy = _pings(c, seconds)
+            threads_during = _threads(d.pid)
+            answered, failed = (int(x) for x in scraper.stdout.readline().split())
+        finally:
+            release_connections([holder])
+            scraper.kill()
+            scraper.wait()
+    return {"held": held, "scrapers": scrapers, "seconds": seconds, "scrapes_answered": answered,
+            "scrapes_failed": failed, "ping_idle_p50_ms": _pct(idle, 0.5),
+            "ping_idle_p99_ms": _pct(idle, 0.99), "ping_p50_ms": _pct(busy, 0.5),
+            "ping_p99_ms": _pct(busy, 0.99), "threads_before": threads_before,
+            "threads_during": threads_during, "daemon_alive": d.alive()}
+
+
+def format_metrics_flood(r: dict) -> str:
+    return (f"/metrics flood ({r['held']} connections that never send a request, {r['scrapers']} "
+            f"threads scraping for {r['seconds']:g} s: {r['scrapes_answered']} answered, "
+            f"{r['scrapes_failed']} failed): another client's ping p50 {r['ping_p50_ms']} ms, p99 "
+            f"{r['ping_p99_ms']} ms (idle {r['ping_idle_p50_ms']} / {r['ping_idle_p99_ms']} ms); "
+            f"daemon threads {r['threads_before']} -> {r['threads_during']}")
 
 
 def format_connection_flood(r: dict) -> str:

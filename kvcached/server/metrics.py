@@ -1,7 +1,8 @@
 """Prometheus metrics on `--metrics-port` (off by default), label `instance` on every series.
 
 Counters and gauges are read from the daemon's status snapshot at scrape time (nothing on the
-data path); task latencies are a histogram observed when each task ends.
+data path); task latencies are a histogram observed when each task ends. The HTTP side is
+metrics_http.MetricsServer (one thread, bounded; a rendering shared for MIN_RENDER_S).
 
     kvcached_bytes_moved_total{direction="d2h"|"h2d",tier="host"}     counter
     kvcached_storage_bytes_total{direction="put"|"get"}               counter (blocks x page bytes)
@@ -23,8 +24,11 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import choose_encoder
+
+from .metrics_http import MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -104,15 +108,19 @@ class Metrics:
                                  ["instance", "op"], registry=self.registry, buckets=LATENCY_BUCKETS)
         self.instance = instance
         self._server = None
-        if port:
-            self._server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        if port:  # our own server (metrics_http: bounded), not prometheus_client's
+            self._server = MetricsServer(addr, port, self.render)
             log.info("[metrics] serving /metrics on http://%s:%d", addr, port)
+
+    def render(self, accept: str) -> tuple[bytes, str]:
+        """The exposition in the format the scraper accepts (text, or OpenMetrics)."""
+        encoder, content_type = choose_encoder(accept)
+        return encoder(self.registry), content_type
 
     def observe(self, op: str, seconds: float) -> None:
         self.latency.labels(self.instance, op).observe(seconds)
 
     def close(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.close()
             self._server = None

@@ -1,0 +1,150 @@
+"""The /metrics server (kvcached.server.metrics_http): answers, refusals, deadlines and what a
+flood of connections or scrapes costs a real daemon."""
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import free_port, unique_instance, wait_until
+from kvcached.server import metrics_http
+from kvcached.server.metrics_http import MetricsServer
+from kvcached_client import launch
+
+
+@pytest.fixture
+def server():
+    renders = []
+
+    def render(accept):
+        renders.append(accept)
+        return f"# render {len(renders)}\nup 1\n".encode(), "text/plain; version=0.0.4"
+    srv = MetricsServer("127.0.0.1", 0, render)
+    srv.renders = renders
+    yield srv
+    srv.close()
+
+
+def _exchange(port: int, request: bytes, timeout: float = 5.0) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(request)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    return got
+
+
+@pytest.mark.parametrize("request_bytes, status", [
+    (b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", b"200"),
+    (b"GET /?name[]=up HTTP/1.0\r\n\r\n", b"200"),
+    (b"POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n", b"405"),
+    (b"GET /secrets HTTP/1.1\r\n\r\n", b"404"),
+    (b"\x00\xffjunk\r\n\r\n", b"400"),
+    (b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 9000 + b"\r\n\r\n", b"431"),
+    (b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 9000, b"431"),  # never ends: refused at the cap
+])
+def test_each_request_gets_its_answer_and_the_connection_closes(server, request_bytes, status):
+    got = _exchange(server.port, request_bytes)
+    assert got.startswith(b"HTTP/1.1 " + status), got[:80]
+    assert (b"up 1" in got) == (status == b"200")
+    assert _exchange(server.port, b"GET /metrics HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 200")
+
+
+def test_head_answers_the_headers_alone(server):
+    got = _exchange(server.port, b"HEAD /metrics HTTP/1.1\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 200") and got.endswith(b"\r\n\r\n")
+
+
+def test_scrapes_close_together_share_one_rendering(server, monkeypatch):
+    monkeypatch.setattr(metrics_http, "MIN_RENDER_S", 0.5)
+    start = time.monotonic()
+    bodies = {_exchange(server.port, b"GET /metrics HTTP/1.1\r\n\r\n").split(b"\r\n\r\n", 1)[1]
+              for _ in range(40)}
+    windows = int((time.monotonic() - start) / 0.5) + 1
+    assert 1 <= len(server.renders) <= windows < 40
+    assert len(bodies) == len(server.renders)  # each scrape got a whole rendering
+    time.sleep(0.55)
+    after = _exchange(server.port, b"GET /metrics HTTP/1.1\r\n\r\n")
+    assert f"# render {len(server.renders)}".encode() in after  # a new one once the old is stale
+    # the format follows the scraper's Accept header, each rendered for itself
+    _exchange(server.port, b"GET /metrics HTTP/1.1\r\nAccept: application/openmetrics-text\r\n\r\n")
+    assert server.renders[-1] == "application/openmetrics-text"
+
+
+def test_a_connection_that_never_finishes_its_request_is_closed_at_the_deadline(server, monkeypatch):
+    monkeypatch.setattr(metrics_http, "DEADLINE_S", 0.3)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\n")  # and no end of headers
+        start = time.monotonic()
+        assert s.recv(100) == b""  # closed by the server
+        assert time.monotonic() - start < 3
+    wait_until(lambda: server.counts["expired"] == 1, 2)
+
+
+def test_past_the_connection_cap_the_oldest_goes_and_a_scrape_is_answered(server, monkeypatch):
+    monkeypatch.setattr(metrics_http, "MAX_CONNECTIONS", 8)
+    held = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(20)]
+    try:
+        for s in held:
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")
+        assert _exchange(server.port, b"GET /metrics HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 200")
+        assert server.counts["evicted"] >= 13
+        assert held[0].recv(100) == b""  # the oldest were closed
+    finally:
+        for s in held:
+            s.close()
+
+
+_FLOOD = r"""
+import socket, sys, time
+port, seconds = int(sys.argv[1]), float(sys.argv[2])
+held, end = [], time.monotonic() + seconds
+while time.monotonic() < end:
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=0.5)
+        s.sendall(b"GET /metrics HTTP/1.1\r\n")  # a request that never ends
+        held.append(s)
+    except OSError:
+        time.sleep(0.01)
+print(len(held), flush=True)
+time.sleep(30)
+"""
+
+
+def test_a_flood_of_unfinished_requests_costs_the_daemon_no_thread(run_dir):
+    """prometheus_client's server held a thread per connection, without a deadline: anyone on
+    the machine could pile up the daemon's threads (its user's process limit, the engine's).
+    Now the daemon's threads stay as they were, a real scrape is answered during the flood and
+    the daemon answers its clients."""
+    port = free_port()
+    h = launch(instance=unique_instance("mf"), run_dir=run_dir, host_cache_gb=0.05,
+               extra_args=["--metrics-port", str(port)])
+    flood = None
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+        urllib.request.urlopen(url, timeout=10).read()
+        threads = len(os.listdir(f"/proc/{h.pid}/task"))
+        flood = subprocess.Popen([sys.executable, "-c", _FLOOD, str(port), "3"], stdout=subprocess.PIPE,
+                                 text=True)
+        held = int(flood.stdout.readline())
+        assert len(os.listdir(f"/proc/{h.pid}/task")) <= threads + 1, f"{held} connections held"
+        assert held > 100  # the flood got its connections in
+        body = urllib.request.urlopen(url, timeout=10).read().decode()
+        assert any(f.name == "kvcached_clients" for f in text_string_to_metric_families(body))
+        with h.connect() as c:
+            c.ping()
+    finally:
+        if flood is not None:
+            flood.kill()
+            flood.wait(10)
+        h.stop()
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+        raise AssertionError("the /metrics port still answers after the daemon stopped")
+    except (urllib.error.URLError, ConnectionError):
+        pass
