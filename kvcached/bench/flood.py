@@ -123,14 +123,6 @@ def frame_flood(d, kind: str = "junk", flooders: int = 2, seconds: float = 10.0)
             "rss_growth_mib": round(max(high, after) - before)}
 
 
-def format_frame_flood(r: dict) -> str:
-    return (f"flood of {r['kind']} frames from {r['flooders']} clients for {r['seconds']:g} s "
-            f"({r['frames_sent']} sent): another client's ping p50 {r['ping_p50_ms']} ms, p99 "
-            f"{r['ping_p99_ms']} ms, max {r['ping_max_ms']} ms (idle p99 {r['ping_idle_p99_ms']} "
-            f"ms); daemon RSS {r['rss_before_mib']} -> peak {r['rss_peak_mib']} -> "
-            f"{r['rss_after_mib']} MiB")
-
-
 _HOLDER = """
 import resource, socket, sys
 kind, target, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -238,18 +230,3 @@ def metrics_flood(d, port: int, scrapers: int = 16, held: int = 1000, seconds: f
             "ping_idle_p99_ms": _pct(idle, 0.99), "ping_p50_ms": _pct(busy, 0.5),
             "ping_p99_ms": _pct(busy, 0.99), "threads_before": threads_before,
             "threads_during": threads_during, "daemon_alive": d.alive()}
-
-
-def format_metrics_flood(r: dict) -> str:
-    return (f"/metrics flood ({r['held']} connections that never send a request, {r['scrapers']} "
-            f"threads scraping for {r['seconds']:g} s: {r['scrapes_answered']} answered, "
-            f"{r['scrapes_failed']} failed): another client's ping p50 {r['ping_p50_ms']} ms, p99 "
-            f"{r['ping_p99_ms']} ms (idle {r['ping_idle_p50_ms']} / {r['ping_idle_p99_ms']} ms); "
-            f"daemon threads {r['threads_before']} -> {r['threads_during']}")
-
-
-def format_connection_flood(r: dict) -> str:
-    return (f"flood of {r['connections_tried']} silent ipc connections: {r['open_during']} open, "
-            f"{r['refused']} refused (max {r['max_per_peer']} per process); a new engine "
-            f"connected in {r['newcomer_connect_ms']} ms and pinged in {r['newcomer_ping_ms']} ms; "
-            f"daemon alive: {r['daemon_alive']}")
