@@ -193,6 +193,29 @@ static PyObject *kt_init(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* One key's update (see update): its bits now, or -1 when refused. */
+static long update_one(table_t *t, uint64_t k0, uint64_t k1, uint32_t set_bits, uint32_t clear_bits,
+                       uint64_t limit) {
+    int found;
+    uint64_t i = find(t, k0, k1, &found);
+    if (found) {
+        slot_t *s = slot_at(t->base, i);
+        uint32_t bits = (s->bits | set_bits) & ~clear_bits;
+        if (bits == 0)
+            remove_at(t, i);
+        else if (bits != s->bits)
+            slot_write(s, k0, k1, bits);
+        return bits;
+    }
+    uint32_t bits = set_bits & ~clear_bits;
+    uint64_t *count = hword(t->base, H_COUNT);
+    if (bits == 0) return 0;
+    if (i == UINT64_MAX || *count >= *hword(t->base, H_MAX_COUNT) || *count >= limit) return -1;
+    slot_write(slot_at(t->base, i), k0, k1, bits);
+    STORE(count, *count + 1, __ATOMIC_RELAXED);
+    return bits;
+}
+
 /* update(buf, key, set_bits, clear_bits[, limit]) -> the key's bits now, or -1 when it is not
  * held and the table holds max_count keys, or `limit` if lower (nothing added). A key whose bits
  * become 0 leaves the table. */
@@ -205,32 +228,40 @@ static PyObject *kt_update(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OSII|K", &obj, &key, &set_bits, &clear_bits, &limit)) return NULL;
     if (key_words(key, &k0, &k1) < 0) return NULL;
     if (table_open(obj, &t, 1) < 0) return NULL;
-    int found;
-    long result;
-    uint64_t i = find(&t, k0, k1, &found);
-    if (found) {
-        slot_t *s = slot_at(t.base, i);
-        uint32_t bits = (s->bits | set_bits) & ~clear_bits;
-        if (bits == 0)
-            remove_at(&t, i);
-        else if (bits != s->bits)
-            slot_write(s, k0, k1, bits);
-        result = bits;
-    } else {
-        uint32_t bits = set_bits & ~clear_bits;
-        uint64_t *count = hword(t.base, H_COUNT);
-        if (bits == 0) {
-            result = 0;
-        } else if (i == UINT64_MAX || *count >= *hword(t.base, H_MAX_COUNT) || *count >= limit) {
-            result = -1;
-        } else {
-            slot_write(slot_at(t.base, i), k0, k1, bits);
-            STORE(count, *count + 1, __ATOMIC_RELAXED);
-            result = bits;
-        }
-    }
+    long result = update_one(&t, k0, k1, set_bits, clear_bits, limit);
     PyBuffer_Release(&t.view);
     return PyLong_FromLong(result);
+}
+
+/* update_many(buf, keys, mask, set_bits, clear_bits[, limit]) -> how many were refused: update
+ * for each 16-byte key of `keys` (concatenated) XOR the 16-byte `mask`, in one call (a storage
+ * tier's whole index is published at once). */
+static PyObject *kt_update_many(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    const char *keys, *mask;
+    Py_ssize_t nkeys, nmask;
+    unsigned int set_bits, clear_bits;
+    unsigned long long limit = UINT64_MAX;
+    table_t t;
+    if (!PyArg_ParseTuple(args, "Oy#y#II|K", &obj, &keys, &nkeys, &mask, &nmask, &set_bits,
+                          &clear_bits, &limit))
+        return NULL;
+    if (nkeys % 16 || nmask != 16) {
+        PyErr_SetString(PyExc_ValueError, "keys: 16 bytes each; mask: 16 bytes");
+        return NULL;
+    }
+    if (table_open(obj, &t, 1) < 0) return NULL;
+    uint64_t m0, m1, k0, k1;
+    memcpy(&m0, mask, 8);
+    memcpy(&m1, mask + 8, 8);
+    long refused = 0;
+    for (Py_ssize_t off = 0; off < nkeys; off += 16) {
+        memcpy(&k0, keys + off, 8);
+        memcpy(&k1, keys + off + 8, 8);
+        refused += update_one(&t, k0 ^ m0, k1 ^ m1, set_bits, clear_bits, limit) < 0;
+    }
+    PyBuffer_Release(&t.view);
+    return PyLong_FromLong(refused);
 }
 
 /* clear_bits(buf, mask) -> how many keys left the table (their last bits were in mask). */
@@ -539,6 +570,8 @@ static PyMethodDef methods[] = {
     {"init", kt_init, METH_VARARGS, "init(buf, nslots, epoch, seed, max_count): an empty table"},
     {"update", kt_update, METH_VARARGS,
      "update(buf, key, set_bits, clear_bits[, limit]) -> the key's bits, -1 when full (not added)"},
+    {"update_many", kt_update_many, METH_VARARGS,
+     "update_many(buf, keys, mask, set_bits, clear_bits[, limit]) -> keys refused"},
     {"clear_bits", kt_clear_bits, METH_VARARGS, "clear_bits(buf, mask) -> keys removed"},
     {"set_flags", kt_set_flags, METH_VARARGS, "set_flags(buf, set, clear) -> flags"},
     {"lookup", kt_lookup, METH_VARARGS,

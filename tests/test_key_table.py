@@ -74,6 +74,35 @@ def test_the_table_answers_as_a_model_through_inserts_removals_and_a_full_table(
     assert kt.lookup(buf, b"".join(chain), 6)[0] == -1  # another daemon's table: ask it
 
 
+def test_update_many_is_update_of_each_key_xor_the_mask():
+    """A storage tier's whole index goes into the table in one C call (update_many): each name
+    XOR the geometry is the engine's key, as update would take it one by one, the limit and a
+    full table refusing alike."""
+    n = 256
+    rng = random.Random(8)
+    mask = rng.randbytes(16)
+    names = [rng.randbytes(16) for _ in range(300)]  # past max_count(256): some refused
+
+    def xor(a, b):
+        return bytes(x ^ y for x, y in zip(a, b))
+    one, many = bytearray(table_bytes(n)), bytearray(table_bytes(n))
+    for buf in (one, many):
+        kt.init(buf, n, 1, 7, max_count(n))
+        kt.update(buf, xor(names[0], mask), HOST_BIT, 0)  # a host key too: bits merge
+    refused = sum(kt.update(one, xor(k, mask), 4, 0, 150) < 0 for k in names)
+    assert refused == kt.update_many(many, b"".join(names), mask, 4, 0, 150) > 0
+    for k in names:
+        assert kt.bits(many, xor(k, mask)) == kt.bits(one, xor(k, mask))
+        assert kt.bits(many, k) == 0  # the stored name itself is no key
+    assert kt.bits(many, xor(names[0], mask)) == HOST_BIT | 4
+    kt.update_many(many, b"".join(names[:100]), mask, 0, 4)
+    assert kt.count(many)[0] == 1 + 149 - 99  # cleared: the host bit keeps names[0]
+    with pytest.raises(ValueError):
+        kt.update_many(many, b"x" * 17, mask, 4, 0)
+    with pytest.raises(ValueError):
+        kt.update_many(many, b"", b"short", 4, 0)
+
+
 def test_the_storage_run_starts_where_the_host_prefix_ends():
     n = 1024
     buf = bytearray(table_bytes(n))

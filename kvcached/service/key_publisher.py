@@ -7,7 +7,8 @@ daemon's threads write one at a time), under this object's lock (so a table bein
 never written). The host index calls `host()` as an entry becomes loadable or stops being so
 (BlockIndex.on_visible); a disk tier calls `stored()` / `storage_cleared()` under its own lock
 as its index changes (DiskBackend.watch_keys), with its stored names, which are the keys salted
-with the geometry (record.stored_key): XOR with the geometry gives the engine's key back.
+with the geometry (record.stored_key): XOR with the geometry gives the engine's key back (done
+in C, update_many: one call for a tier's whole index).
 
 A table is made for each block geometry the host pool takes (`rebuild`), sized for the pool's
 blocks plus what the local tiers can hold of that geometry; the old one is closed (its OPEN flag
@@ -28,10 +29,6 @@ from kvcached_proto.key_table import (HOST_BIT, MAX_STORAGE_TIERS, Flags, max_co
                                       table_bytes, table_slots)
 
 log = logging.getLogger(__name__)
-
-
-def _xor16(a: bytes, b: bytes) -> bytes:
-    return (int.from_bytes(a, "little") ^ int.from_bytes(b, "little")).to_bytes(16, "little")
 
 
 class KeyPublisher:
@@ -139,15 +136,13 @@ class KeyPublisher:
             mm, geometry = self._mm, self._geometry
             if mm is None:
                 return
-            update = self._kt.update
+            names = b"".join(stored_keys)  # one C call for all (a tier's whole index, at once)
             if on:
-                for stored in stored_keys:
-                    if update(mm, _xor16(stored, geometry), bit, 0, self._storage_limit) < 0:
-                        self._storage_full = True
-                        self._refuse("storage", Flags.STORAGE_COMPLETE)
+                if self._kt.update_many(mm, names, geometry, bit, 0, self._storage_limit):
+                    self._storage_full = True
+                    self._refuse("storage", Flags.STORAGE_COMPLETE)
             else:
-                for stored in stored_keys:
-                    update(mm, _xor16(stored, geometry), 0, bit)
+                self._kt.update_many(mm, names, geometry, 0, bit)
 
     def storage_cleared(self, bit: int) -> None:
         with self._lock:
