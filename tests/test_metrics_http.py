@@ -148,3 +148,11 @@ def test_a_flood_of_unfinished_requests_costs_the_daemon_no_thread(run_dir):
         raise AssertionError("the /metrics port still answers after the daemon stopped")
     except (urllib.error.URLError, ConnectionError):
         pass
+
+
+def test_an_error_serving_one_connection_costs_that_connection_only(server, monkeypatch):
+    answer = server._answer
+    monkeypatch.setattr(server, "_answer", lambda head: 1 / 0)
+    assert _exchange(server.port, b"GET /metrics HTTP/1.1\r\n\r\n") == b""  # closed, no answer
+    monkeypatch.setattr(server, "_answer", answer)
+    assert _exchange(server.port, b"GET /metrics HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 200")

@@ -73,9 +73,15 @@ class MetricsServer:
                 for key, events in self._sel.select(0.2):
                     if key.fileobj is self._listener:
                         self._accept()
-                    elif key.fileobj in self._conns:
-                        conn = self._conns[key.fileobj]
+                        continue
+                    conn = self._conns.get(key.fileobj)
+                    if conn is None:  # closed earlier in this turn (the oldest, past the cap)
+                        continue
+                    try:
                         self._write(conn) if events & selectors.EVENT_WRITE else self._read(conn)
+                    except Exception:  # a bug costs that connection, not the endpoint
+                        log.exception("[metrics] serving a connection failed")
+                        self._close(conn)
                 now = time.monotonic()
                 for conn in [c for c in self._conns.values() if c.deadline < now]:
                     self.counts["expired"] += 1
