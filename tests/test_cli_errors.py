@@ -32,6 +32,7 @@ def curve_keys(tmp_path):
     os.chmod(secret, 0o600)
     allow = tmp_path / "allow"
     allow.mkdir()
+    zmq.auth.create_certificates(str(allow), "engine")  # a client key (and its secret: unread)
     return ["--curve-secret-key-file", secret, "--curve-allow-dir", str(allow)]
 
 

@@ -146,6 +146,7 @@ def test_half_open_tcp_connections_never_exhaust_the_daemons_files(run_dir, inst
     _public, secret = keygen(str(secret_dir), "daemon")
     allow = tmp_path / "allow"
     allow.mkdir()
+    keygen(str(allow), "engine")  # an allowed client key (no client here uses it)
     d = _LimitedDaemon(run_dir, instance, "--listen", f"tcp://127.0.0.1:{port}",
                        "--curve-secret-key-file", secret, "--curve-allow-dir", str(allow))
     try:

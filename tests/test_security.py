@@ -124,6 +124,52 @@ def test_clients_without_an_allowed_key_cannot_connect(curve_daemon):
         assert local.ping() < 1.0
 
 
+@pytest.mark.parametrize("case, needle", [
+    ("group_writable_dir", "writable by group or others"),
+    ("world_writable_key", "engine.key: anyone who can write it"),
+    ("junk_key", "junk.key is not a CURVE public key certificate"),
+    ("linked_key", "engine.key: anyone who can write it"),  # a link to a file others may write
+    ("empty", "no *.key certificate in it"),
+    ("other_owner", "owned by uid"),
+])
+def test_an_allow_dir_that_others_could_write_or_that_holds_no_usable_key_refuses_the_start(
+        run_dir, instance, tmp_path, case, needle):
+    """Who can write a key into the allow dir admits a client over TCP; and a file there that is
+    no key made pyzmq log it and then admit no client at all, while the daemon said it was
+    listening with the allow-list."""
+    _, server_secret = keygen(tmp_path / "server", "daemon")
+    allowed_pub, _ = keygen(tmp_path / "clients", "engine")
+    allow = tmp_path / "allow"
+    allow.mkdir(mode=0o755)
+    os.chmod(allow, 0o755)
+    if case != "empty":
+        shutil.copy(allowed_pub, allow)
+        os.chmod(allow / "engine.key", 0o644)
+    if case == "group_writable_dir":
+        os.chmod(allow, 0o775)
+    elif case == "world_writable_key":
+        os.chmod(allow / "engine.key", 0o666)
+    elif case == "junk_key":
+        (allow / "junk.key").write_text("not a certificate\n")
+        os.chmod(allow / "junk.key", 0o644)
+    elif case == "linked_key":
+        shared = tmp_path / "shared.key"
+        shutil.move(allow / "engine.key", shared)
+        os.chmod(shared, 0o666)
+        os.symlink(shared, allow / "engine.key")
+    elif case == "other_owner":
+        if os.getuid() != 0:
+            pytest.skip("chown to another uid needs root")
+        os.chown(allow / "engine.key", OTHER_UID, -1)
+        needle = "engine.key: anyone who can write it can admit a client: owned by uid"
+    out = subprocess.run([sys.executable, "-m", "kvcached", "serve", "--instance", instance,
+                          "--run-dir", run_dir, "--listen", f"tcp://127.0.0.1:{free_port()}",
+                          "--curve-secret-key-file", server_secret, "--curve-allow-dir", str(allow)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and needle in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "localhost"])
 def test_tcp_without_curve_keys_does_not_start_loopback_included(run_dir, instance, host):
     out = subprocess.run([sys.executable, "-m", "kvcached", "serve", "--instance", instance,

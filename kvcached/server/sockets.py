@@ -12,6 +12,8 @@ turns into a dead client.
 from __future__ import annotations
 
 import logging
+import os
+import stat
 
 import zmq
 
@@ -58,9 +60,10 @@ def curve_router(ctx: zmq.Context, cfg):
         raise StartupError(f"--curve-secret-key-file {cfg.curve_secret_key_file}: {exc}") from None
     if not secret:
         raise StartupError(f"--curve-secret-key-file {cfg.curve_secret_key_file}: no secret key in it")
+    allowed = allowed_client_keys(cfg.curve_allow_dir)
     auth = ThreadAuthenticator(ctx, log=logging.getLogger("kvcached.auth"))
     auth.start()
-    auth.configure_curve(domain="*", location=cfg.curve_allow_dir)
+    auth.configure_curve_callback(domain="*", credentials_provider=_AllowList(allowed))
     sock = _router(ctx)
     sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
     for endpoint in cfg.listen:
@@ -70,6 +73,61 @@ def curve_router(ctx: zmq.Context, cfg):
             sock.close(linger=0)  # else the context's term() waits for it forever
             auth.stop()
             raise StartupError(f"--listen {endpoint}: cannot listen there: {exc}") from None
-    log.info("[startup] CURVE on %s; allowed client keys from %s", ", ".join(cfg.listen),
-             cfg.curve_allow_dir)
+    log.info("[startup] CURVE on %s; %d allowed client key(s) from %s", ", ".join(cfg.listen),
+             len(allowed), cfg.curve_allow_dir)
     return sock, auth
+
+
+class _AllowList:
+    """The ZAP callback: a client is let in when its public key (z85) is one loaded at start."""
+
+    def __init__(self, keys: frozenset):
+        self.keys = keys
+
+    def callback(self, domain: str, z85_key: bytes) -> bool:
+        return z85_key in self.keys
+
+
+def _private_to_us(st) -> str:
+    """'' when a file or directory is ours (or root's) and not writable by group or others."""
+    if st.st_uid not in (os.getuid(), 0):
+        return f"owned by uid {st.st_uid}, not the daemon's ({os.getuid()}) or root"
+    if st.st_mode & 0o022:
+        return f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); chmod go-w it"
+    return ""
+
+
+def allowed_client_keys(directory: str) -> frozenset:
+    """The public keys (z85) of the *.key certificates in the allow dir, each checked: who can
+    write a key there admits a client, so the directory and every key file must be the daemon
+    user's (or root's) and not writable by group or others; a file that is no public key
+    certificate, or a directory with none, refuses the start (pyzmq's own loader logged such a
+    file and then admitted no client at all)."""
+    import zmq.auth
+
+    def refuse(why: str):
+        return StartupError(f"--curve-allow-dir {directory}: {why}")
+    try:
+        why = _private_to_us(os.stat(directory))
+        names = sorted(n for n in os.listdir(directory) if n.endswith(".key"))
+    except OSError as exc:
+        raise refuse(exc.strerror) from None
+    if why:
+        raise refuse(f"anyone who can write there can admit a client: {why}")
+    keys = set()
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            st = os.stat(path)
+            if not stat.S_ISREG(st.st_mode):
+                raise refuse(f"{name} is not a regular file")
+            if why := _private_to_us(st):
+                raise refuse(f"{name}: anyone who can write it can admit a client: {why}")
+            public, _secret = zmq.auth.load_certificate(path)  # ValueError without a public key
+        except (OSError, ValueError) as exc:
+            raise refuse(f"{name} is not a CURVE public key certificate ({exc})") from None
+        keys.add(public)
+    if not keys:
+        raise refuse("no *.key certificate in it: no client could connect over TCP "
+                     "(`kvcached keygen` writes them)")
+    return frozenset(keys)
