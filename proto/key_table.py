@@ -70,9 +70,11 @@ def max_count(nslots: int) -> int:
 
 
 def native():
-    """The C module, or None where it was not built (then clients send the lookup op)."""
+    """The C module, or None where it was not built, or was built from an older source that
+    lacks a call this code makes (then clients send the lookup op, and the daemon publishes
+    no table)."""
     try:
         from . import _keytable
     except ImportError:
         return None
-    return _keytable
+    return _keytable if hasattr(_keytable, "update_many") else None
