@@ -84,6 +84,27 @@ def test_scrapes_close_together_share_one_rendering(server, monkeypatch):
     assert server.renders[-1] == "application/openmetrics-text"
 
 
+def test_distinct_accept_headers_of_one_format_share_its_rendering():
+    """A flood that varies its Accept header must not cost a rendering (a status snapshot under
+    the host tier's lock) per scrape: renderings are shared by the format the header gets."""
+    from kvcached.server.metrics import Metrics
+
+    metrics = Metrics("i", lambda: {"tasks": {}, "kv": {}, "host": {"used_bytes": 0,
+                                                                    "capacity_bytes": 0}},
+                      0, "127.0.0.1")
+    renders = []
+    render = metrics.render
+    srv = MetricsServer("127.0.0.1", 0, lambda a: renders.append(a) or render(a), metrics.format_of)
+    try:
+        for i in range(30):
+            got = _exchange(srv.port, f"GET /metrics HTTP/1.1\r\nAccept: text/plain;q=0.{i + 1}"
+                                      "\r\n\r\n".encode())
+            assert got.startswith(b"HTTP/1.1 200") and b"kvcached_clients" in got
+        assert len(renders) <= 3  # one per MIN_RENDER_S window at most, not 30
+    finally:
+        srv.close()
+
+
 def test_a_connection_that_never_finishes_its_request_is_closed_at_the_deadline(server, monkeypatch):
     monkeypatch.setattr(metrics_http, "DEADLINE_S", 0.3)
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:

@@ -109,8 +109,13 @@ class Metrics:
         self.instance = instance
         self._server = None
         if port:  # our own server (metrics_http: bounded), not prometheus_client's
-            self._server = MetricsServer(addr, port, self.render)
+            self._server = MetricsServer(addr, port, self.render, self.format_of)
             log.info("[metrics] serving /metrics on http://%s:%d", addr, port)
+
+    @staticmethod
+    def format_of(accept: str) -> str:
+        """The format (content type) a scraper's Accept header gets."""
+        return choose_encoder(accept)[1]
 
     def render(self, accept: str) -> tuple[bytes, str]:
         """The exposition in the format the scraper accepts (text, or OpenMetrics)."""

@@ -10,8 +10,9 @@ snapshot each, each under the host tier's lock, which the copies take too. Here:
 - a connection has DEADLINE_S to send its request and take the answer, then it is closed;
 - a request is at most MAX_REQUEST_BYTES; GET (or HEAD) of /metrics or / only, others get 404,
   405, 400 or 431; every answer closes its connection;
-- the exposition is rendered at most once per MIN_RENDER_S for each format, and the scrapes in
-  between share it: a flood of scrapes costs the daemon a few status snapshots a second.
+- the exposition is rendered at most once per MIN_RENDER_S for each format (text, OpenMetrics:
+  `format_of` says which an Accept header gets), and the scrapes in between share it: a flood
+  of scrapes costs the daemon a few status snapshots a second, whatever headers they send.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ MIN_RENDER_S = 0.25
 PATHS = ("/metrics", "/")
 
 Render = Callable[[str], tuple[bytes, str]]  # Accept header -> (body, content type)
+FormatOf = Callable[[str], str]  # Accept header -> the format it gets (what renderings are shared by)
 
 
 class _Conn:
@@ -43,7 +45,7 @@ class _Conn:
 
 
 class MetricsServer:
-    def __init__(self, addr: str, port: int, render: Render):
+    def __init__(self, addr: str, port: int, render: Render, format_of: FormatOf = str):
         family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM,
                                                        flags=socket.AI_PASSIVE)[0]
         self._listener = socket.socket(family, socket.SOCK_STREAM)
@@ -56,8 +58,8 @@ class MetricsServer:
             raise
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
-        self._render = render
-        self._rendered: dict[str, tuple[float, bytes, str]] = {}  # Accept -> (when, body, type)
+        self._render, self._format_of = render, format_of
+        self._rendered: dict[str, tuple[float, bytes, str]] = {}  # format -> (when, body, type)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ)
         self._conns: dict[socket.socket, _Conn] = {}  # oldest first
@@ -153,14 +155,17 @@ class MetricsServer:
         return "200 OK", body, ctype, method == "HEAD"
 
     def _exposition(self, accept: str) -> tuple[bytes, str]:
+        """Shared by format, not by Accept header: headers are the scraper's to vary, and a
+        flood of distinct ones must not cost a rendering each."""
         now = time.monotonic()
-        made = self._rendered.get(accept)
+        fmt = self._format_of(accept)
+        made = self._rendered.get(fmt)
         if made is None or now - made[0] >= MIN_RENDER_S:
             body, ctype = self._render(accept)
             self.counts["renders"] += 1
-            if len(self._rendered) >= 8:  # Accept headers are the client's: keep a few
+            if len(self._rendered) >= 8:  # a few formats exist; bounded all the same
                 self._rendered.clear()
-            made = self._rendered[accept] = (now, body, ctype)
+            made = self._rendered[fmt] = (now, body, ctype)
         return made[1], made[2]
 
     def _respond(self, conn: _Conn, status: str, body: bytes, ctype: str, head_only: bool) -> None:
