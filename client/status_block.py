@@ -55,6 +55,10 @@ class StatusReader:
                 f"{f' --run-dir {run_dir}' if run_dir else ''}`"
             ) from None
         try:
+            owner = os.fstat(shm.fd).st_uid
+            if owner != os.getuid():  # another user made it under this user's instance name
+                raise DaemonUnavailable(f"segment {self.name} belongs to uid {owner}, not to this "
+                                        "user: not a kvcached daemon of yours")
             if shm.size < SEGMENT_BYTES:
                 raise DaemonUnavailable(f"segment {self.name} is too small: not a kvcached daemon")
             self._mm = mmap.mmap(shm.fd, SEGMENT_BYTES, prot=mmap.PROT_READ)

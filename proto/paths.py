@@ -61,3 +61,16 @@ def socket_paths(run_dir: str, instance: str) -> list[str]:
 def fd_socket_path(run_dir: str, instance: str) -> str:
     """Where the daemon takes file descriptors (kvcached_proto.fd_pass)."""
     return os.path.join(run_dir, f"{instance}.fds.sock")
+
+
+SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared-memory segments, as files
+
+
+def segment_owner(name: str) -> int | None:
+    """The uid owning shared-memory segment `name` (its file under /dev/shm, not followed:
+    shm_open does not follow links either), or None when there is none. A segment named for
+    this user's instance but owned by another uid was planted: never a daemon of this user's."""
+    try:
+        return os.lstat(os.path.join(SHM_DIR, name.lstrip("/"))).st_uid
+    except FileNotFoundError:
+        return None

@@ -15,6 +15,7 @@ import time
 import posix_ipc
 
 from kvcached_proto.liveness import pid_alive, pid_namespace, process_alive, start_ticks
+from kvcached_proto.paths import segment_owner
 from kvcached_proto.shm_layout import (
     MAGIC,
     SEGMENT_BYTES,
@@ -83,6 +84,10 @@ class StatusSegment:
         self._closed = False
 
     def _sweep_stale(self) -> None:
+        uid = segment_owner(self.name)
+        if uid is not None and uid != os.getuid():
+            self._remove_foreign(uid)
+            return
         found = _owner_of_existing(self.name)
         if found is None:
             return
@@ -100,6 +105,21 @@ class StatusSegment:
             posix_ipc.unlink_shared_memory(self.name)
         except posix_ipc.ExistentialError:
             pass  # another starter swept it first; O_CREX below settles who wins
+
+    def _remove_foreign(self, uid: int) -> None:
+        """Another uid made a segment under this instance's name (its header is not read: the
+        pid it names could be any live process, which would keep this daemon from starting)."""
+        try:
+            posix_ipc.unlink_shared_memory(self.name)
+        except posix_ipc.ExistentialError:
+            return
+        except posix_ipc.PermissionsError:
+            raise StartupError(
+                f"segment {self.name} (/dev/shm{self.name}) was made by uid {uid}, not by this "
+                f"daemon's user ({os.getuid()}), and this user cannot remove it: remove it as "
+                "that user or root, or use another --instance") from None
+        log.warning("[startup] removed segment %s: made by uid %d, not this daemon's user (%d); "
+                    "its contents were not read", self.name, uid, os.getuid())
 
     def _beat(self) -> None:
         last = time.monotonic_ns()

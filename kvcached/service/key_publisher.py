@@ -25,6 +25,7 @@ import threading
 
 import posix_ipc
 
+from kvcached_proto.paths import segment_owner
 from kvcached_proto.key_table import (HOST_BIT, MAX_STORAGE_TIERS, Flags, max_count, native, segment_name,
                                       table_bytes, table_slots)
 
@@ -54,12 +55,25 @@ class KeyPublisher:
 
     def _sweep(self) -> None:
         """A table a daemon of this instance left when it died (the status segment's sweep has
-        shown that no live daemon owns the instance)."""
+        shown that no live daemon owns the instance), or one another uid planted under its name
+        (clients never read that one; if it cannot be removed, they send their lookups)."""
+        uid = segment_owner(self.name)
+        if uid is None:
+            return
         try:
             posix_ipc.unlink_shared_memory(self.name)
-            log.warning("[startup] swept the stale key table %s", self.name)
         except posix_ipc.ExistentialError:
-            pass
+            return
+        except posix_ipc.PermissionsError:
+            log.warning("[startup] the key table %s was made by uid %d and this user cannot remove "
+                        "it: no key table, clients send their lookups (remove it as that user or "
+                        "root)", self.name, uid)
+            return
+        if uid != os.getuid():
+            log.warning("[startup] removed the key table %s: made by uid %d, not this daemon's "
+                        "user", self.name, uid)
+        else:
+            log.warning("[startup] swept the stale key table %s", self.name)
 
     # the table ------------------------------------------------------------------------------
     def rebuild(self, host_blocks: int, geometry: bytes, page_bytes: int) -> None:
