@@ -2,15 +2,17 @@
 
 CPU: one POSIX shared-memory segment `/kvcached.{uid}.kv.{pid}.{n}` per allocation, owned by
 this process and unlinked when the tensors are garbage collected or the process exits (a
-daemon sweeps the segments of engines that were killed). CUDA: ordinary device memory,
+daemon sweeps the segments of engines that were killed). n is random: /dev/shm is everyone's,
+and a name another user could guess (a count from 0) they could take first, failing the
+engine's allocation. CUDA: ordinary device memory,
 exported to the daemon as CUDA IPC handles.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import mmap
 import os
+import secrets
 import threading
 import weakref
 from dataclasses import dataclass
@@ -26,8 +28,8 @@ from kvcached_proto.geometry import gpu_uuid
 from kvcached_proto.layout import DTYPE_BYTES
 from kvcached_proto.paths import kv_segment_name
 
-_seq = itertools.count()
 _lock = threading.Lock()
+NAME_TRIES = 8  # random names taken already (by chance, or planted) before an allocation fails
 
 
 @dataclass
@@ -97,8 +99,16 @@ def _reserve(fd: int, nbytes: int) -> None:
 
 
 def _shared_cpu_buffer(nbytes: int) -> tuple[mmap.mmap, str]:
-    name = kv_segment_name(os.getuid(), os.getpid(), next(_seq))
-    shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o600, size=nbytes)
+    for _ in range(NAME_TRIES):
+        name = kv_segment_name(os.getuid(), os.getpid(), secrets.randbits(62))
+        try:
+            shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o600, size=nbytes)
+            break
+        except posix_ipc.ExistentialError:
+            continue
+    else:
+        raise KvcachedError(f"{NAME_TRIES} random shared-memory names were all taken already; "
+                            "see who fills /dev/shm with kvcached.* segments")
     try:
         _reserve(shm.fd, nbytes)
         mm = mmap.mmap(shm.fd, nbytes)

@@ -376,6 +376,62 @@ def test_a_table_another_uid_planted_that_cannot_be_removed_costs_the_table_not_
         posix_ipc.unlink_shared_memory(name)
 
 
+def _plant_kv_names(uid: int, pid: int, count: int) -> str:
+    """(As another uid.) The first `count` names of engine `pid` of user `uid`."""
+    from kvcached_proto.paths import kv_segment_name
+
+    for n in range(count):
+        posix_ipc.SharedMemory(kv_segment_name(uid, pid, n), posix_ipc.O_CREX, 0o600, 4096).close_fd()
+    return "planted"
+
+
+_ENGINE = """
+import sys
+from kvcached_client import Client, BlockHasher, allocate_kv_cache
+import torch
+print("ready", flush=True)
+sys.stdin.readline()  # the names of this pid are planted meanwhile
+kv = allocate_kv_cache(2, 8, (16, 2, 8), torch.float16)
+for layer in kv:
+    for t in layer:
+        t.copy_(torch.randn(t.shape))
+with Client.connect(instance=sys.argv[1], run_dir=sys.argv[2]) as c:
+    c.register_kv_cache(kv)
+    keys = BlockHasher("planted-names").hash_blocks(list(range(64)), 16)
+    c.offload([0, 1, 2, 3], keys).wait(10)
+    assert c.load(keys, [4, 5, 6, 7]).wait(10) == 4
+    assert all(torch.equal(t[4:8], t[0:4]) for layer in kv for t in layer)
+print("served", flush=True)
+"""
+
+
+def test_kv_segment_names_another_uid_took_first_cost_the_engine_nothing(daemon):
+    """An engine's CPU KV and order-word segments were named /kvcached.<uid>.kv.<pid>.<n> with n
+    counting from 0: another user who planted those names for its pid made its allocation fail
+    (ExistentialError). The names are random now."""
+    _other_uid()
+    from kvcached_proto.paths import kv_segment_name
+
+    engine = subprocess.Popen([sys.executable, "-c", _ENGINE, daemon.instance, daemon.run_dir],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert engine.stdout.readline().strip() == "ready"
+        assert run_as_other_uid(_plant_kv_names, os.getuid(), engine.pid, 64) == "planted"
+        engine.stdin.write("go\n")
+        engine.stdin.flush()
+        out, _ = engine.communicate(timeout=60)
+        assert engine.returncode == 0 and "served" in out
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait(10)
+        for n in range(64):
+            try:
+                posix_ipc.unlink_shared_memory(kv_segment_name(os.getuid(), engine.pid, n))
+            except posix_ipc.ExistentialError:
+                pass
+
+
 # one engine per instance, admin ops -----------------------------------------------------------
 
 KEYS_A = BlockHasher("engine-a").hash_blocks(list(range(4 * 16)), 16)

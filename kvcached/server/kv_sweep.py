@@ -34,6 +34,8 @@ def sweep_kv_segments(pid: int) -> None:
             log.info("[clients] swept KV segment /%s of dead pid %d", name, pid)
         except posix_ipc.ExistentialError:
             log.debug("[clients] segment /%s already gone", name)
+        except posix_ipc.PermissionsError:  # another uid's file under the engine's names
+            log.warning("[clients] cannot remove /dev/shm/%s (not this user's): left", name)
 
 
 def sweep_when_gone(dying: Iterable[int], connected: Iterable[int], grace_s: float) -> set[int]:
