@@ -1,7 +1,7 @@
 """Fixtures: real daemons in real processes, in a short private run dir per test.
 
 The session ends with a check that no /dev/shm/kvcached.* segment and no daemon process
-outlives the suite.
+outlives the suite; the daemons' logs are kept under pytest's base temp dir.
 """
 from __future__ import annotations
 
@@ -59,6 +59,16 @@ def _note_segment_births(request):
     yield
     for name in _our_segments():
         _born_in.setdefault(name, request.node.nodeid)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def daemon_logs(tmp_path_factory):
+    """Every daemon's log goes under pytest's base temp dir (which pytest rotates), not into
+    /tmp: a daemon a test kills on purpose exits non-zero, and its log was kept there for good.
+    $KVCACHED_LOG_DIR, when set, is used as is."""
+    if not os.environ.get("KVCACHED_LOG_DIR"):
+        os.environ["KVCACHED_LOG_DIR"] = str(tmp_path_factory.mktemp("daemon-logs", numbered=False))
+    yield
 
 
 @pytest.fixture(scope="session", autouse=True)
