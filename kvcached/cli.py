@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the daemon's CURVE key pair (a zmq certificate, `kvcached keygen`)")
     serve.add_argument("--curve-allow-dir", default=S, metavar="DIR",
                        help="public keys (*.key) of the clients allowed over TCP, read at start; "
-                            "it and its keys must be the daemon user's and not group/world-writable")
+                            "its keys (and it, unless sticky) must be the daemon user's or root's "
+                            "and not group/world-writable")
     serve.add_argument("--max-queued-tasks", type=int, default=S,
                        help="waiting copy tasks (queued, or parked on another task's fetch) before "
                             "requests get BUSY (default: 4096)")

@@ -128,6 +128,7 @@ def test_clients_without_an_allowed_key_cannot_connect(curve_daemon):
     ("group_writable_dir", "writable by group or others"),
     ("world_writable_key", "engine.key: anyone who can write it"),
     ("junk_key", "junk.key is not a CURVE public key certificate"),
+    ("fifo_key", "fifo.key is not a regular file"),  # and opening it does not hang the start
     ("linked_key", "engine.key: anyone who can write it"),  # a link to a file others may write
     ("empty", "no *.key certificate in it"),
     ("other_owner", "owned by uid"),
@@ -149,6 +150,8 @@ def test_an_allow_dir_that_others_could_write_or_that_holds_no_usable_key_refuse
         os.chmod(allow, 0o775)
     elif case == "world_writable_key":
         os.chmod(allow / "engine.key", 0o666)
+    elif case == "fifo_key":
+        os.mkfifo(allow / "fifo.key", 0o644)
     elif case == "junk_key":
         (allow / "junk.key").write_text("not a certificate\n")
         os.chmod(allow / "junk.key", 0o644)
@@ -168,6 +171,30 @@ def test_an_allow_dir_that_others_could_write_or_that_holds_no_usable_key_refuse
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and needle in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
+
+
+def test_an_allow_dir_laid_out_as_a_kubernetes_secret_volume_is_taken(run_dir, instance, tmp_path):
+    """A Secret volume is a sticky 1777 directory of links into a root-owned `..data`: others
+    may add files there (theirs: refused one by one) but not replace ours, so it is taken."""
+    server_pub, server_secret = keygen(tmp_path / "server", "daemon")
+    allowed_pub, allowed_secret = keygen(tmp_path / "clients", "engine")
+    allow = tmp_path / "allow"
+    allow.mkdir()
+    os.chmod(allow, 0o1777)
+    data = allow / "..2026_11_26_00_00_00.1"
+    data.mkdir(mode=0o755)
+    shutil.copy(allowed_pub, data / "engine.key")
+    os.chmod(data / "engine.key", 0o644)
+    os.symlink(data.name, allow / "..data")
+    os.symlink("..data/engine.key", allow / "engine.key")
+    port = free_port()
+    with launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05, extra_args=[
+            "--listen", f"tcp://127.0.0.1:{port}", "--curve-secret-key-file", server_secret,
+            "--curve-allow-dir", str(allow)]) as d:
+        with Client.connect(d.instance, d.run_dir, timeout=5, endpoint=f"tcp://127.0.0.1:{port}",
+                            curve_server_key_file=server_pub,
+                            curve_client_key_file=allowed_secret) as c:
+            assert c.ping() < 1.0
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "localhost"])

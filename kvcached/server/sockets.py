@@ -89,7 +89,7 @@ class _AllowList:
 
 
 def _private_to_us(st) -> str:
-    """'' when a file or directory is ours (or root's) and not writable by group or others."""
+    """'' when a file is ours (or root's) and not writable by group or others."""
     if st.st_uid not in (os.getuid(), 0):
         return f"owned by uid {st.st_uid}, not the daemon's ({os.getuid()}) or root"
     if st.st_mode & 0o022:
@@ -97,36 +97,63 @@ def _private_to_us(st) -> str:
     return ""
 
 
+def _dir_private_to_us(st) -> str:
+    """As _private_to_us, but a directory others may write is fine when it is sticky (a
+    Kubernetes Secret volume is 1777): they can add files there, which are theirs and refused
+    one by one, but cannot remove or replace ours."""
+    if st.st_mode & stat.S_ISVTX and st.st_uid in (os.getuid(), 0):
+        return ""
+    return _private_to_us(st)
+
+
+def _public_key(path: str, name: str, refuse) -> bytes:
+    """The public key of one certificate file, read from the file whose owner and mode were
+    checked (not reopened by name), in the format zmq.auth writes (`public-key = "..."`)."""
+    from zmq.utils import z85
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)  # a FIFO must not hang us
+    except OSError as exc:
+        raise refuse(f"{name}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise refuse(f"{name} is not a regular file")
+        if why := _private_to_us(st):
+            raise refuse(f"{name}: anyone who can write it can admit a client: {why}")
+        data = os.read(fd, 1 << 16)
+    finally:
+        os.close(fd)
+    for line in data.splitlines():
+        line = line.strip()
+        if line.startswith(b"public-key"):
+            key = line.partition(b"=")[2].strip(b" \t'\"")
+            try:
+                if len(key) == 40 and len(z85.decode(key)) == 32:
+                    return key
+            except (ValueError, KeyError, TypeError):
+                pass
+            break
+    raise refuse(f"{name} is not a CURVE public key certificate (no valid `public-key = ...` "
+                 "line; `kvcached keygen` writes them)")
+
+
 def allowed_client_keys(directory: str) -> frozenset:
     """The public keys (z85) of the *.key certificates in the allow dir, each checked: who can
-    write a key there admits a client, so the directory and every key file must be the daemon
-    user's (or root's) and not writable by group or others; a file that is no public key
-    certificate, or a directory with none, refuses the start (pyzmq's own loader logged such a
-    file and then admitted no client at all)."""
-    import zmq.auth
-
+    write a key there admits a client, so every key file (links followed) must be the daemon
+    user's or root's and not writable by group or others, and so must the directory unless it
+    is sticky; a file that is no public key certificate, or a directory with none, refuses the
+    start (pyzmq's own loader logged such a file and then admitted no client at all)."""
     def refuse(why: str):
         return StartupError(f"--curve-allow-dir {directory}: {why}")
     try:
-        why = _private_to_us(os.stat(directory))
+        why = _dir_private_to_us(os.stat(directory))
         names = sorted(n for n in os.listdir(directory) if n.endswith(".key"))
     except OSError as exc:
         raise refuse(exc.strerror) from None
     if why:
         raise refuse(f"anyone who can write there can admit a client: {why}")
-    keys = set()
-    for name in names:
-        path = os.path.join(directory, name)
-        try:
-            st = os.stat(path)
-            if not stat.S_ISREG(st.st_mode):
-                raise refuse(f"{name} is not a regular file")
-            if why := _private_to_us(st):
-                raise refuse(f"{name}: anyone who can write it can admit a client: {why}")
-            public, _secret = zmq.auth.load_certificate(path)  # ValueError without a public key
-        except (OSError, ValueError) as exc:
-            raise refuse(f"{name} is not a CURVE public key certificate ({exc})") from None
-        keys.add(public)
+    keys = {_public_key(os.path.join(directory, name), name, refuse) for name in names}
     if not keys:
         raise refuse("no *.key certificate in it: no client could connect over TCP "
                      "(`kvcached keygen` writes them)")
