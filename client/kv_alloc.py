@@ -4,8 +4,7 @@ CPU: one POSIX shared-memory segment `/kvcached.{uid}.kv.{pid}.{n}` per allocati
 this process and unlinked when the tensors are garbage collected or the process exits (a
 daemon sweeps the segments of engines that were killed). n is random: /dev/shm is everyone's,
 and a name another user could guess (a count from 0) they could take first, failing the
-engine's allocation. CUDA: ordinary device memory,
-exported to the daemon as CUDA IPC handles.
+engine's allocation. CUDA: ordinary device memory, exported to the daemon as CUDA IPC handles.
 """
 from __future__ import annotations
 
