@@ -355,7 +355,14 @@ class GroupClient:
         return min(got.values(), default=0)
 
     def clear(self, tier: str = "all", weights_update: bool = False, timeout: float | None = None) -> int:
-        return sum(self._fan(lambda r, c: c.clear(tier, weights_update, timeout)).values())
+        """Every rank's daemon cleared, or KvcachedError naming the ranks whose daemon was not
+        there (their tiers keep the old blocks: a weight update must salt its keys anew)."""
+        done = self._fan(lambda r, c: c.clear(tier, weights_update, timeout))
+        missed = [r for r in range(len(self.clients)) if r not in done]
+        if missed:
+            raise KvcachedError(f"clear: the daemons of ranks {missed} are not attached; their "
+                                f"tiers were not cleared ({sum(done.values())} blocks cleared on the others)")
+        return sum(done.values())
 
     def flush(self, timeout: float | None = None) -> GroupTask:
         task = GroupTask(self, self._fan(lambda r, c: c.flush(timeout)), {})

@@ -13,6 +13,7 @@ from conftest import disk_uri, keys_for, small_kv, sweep_crashed, unique_instanc
 from kvcached_client import GroupClient, PrefixCacheManager, launch
 from kvcached_client import rank_keys
 from kvcached_client.lookup_gate import LookupGate
+from kvcached_proto import KvcachedError
 
 BS = 16
 NBLK = 8
@@ -138,6 +139,8 @@ def test_a_missing_rank_at_start_is_reconnected_when_its_daemon_comes(run_dir):
         try:
             assert list(g.missing) == [1] and g.lookup(keys_for(2)) == (0, 0)
             g.register_kv_cache(shards(2))
+            with pytest.raises(KvcachedError, match=r"ranks \[1\]"):  # its tiers kept theirs
+                g.clear(weights_update=True)
             with launch(instance=names[1], run_dir=run_dir, host_cache_gb=0.05):
                 # the rank is reattached in the background; a lookup takes it once it is ready
                 wait_until(lambda: g.lookup(keys_for(2)) is not None and not g.missing, 10,

@@ -161,9 +161,11 @@ def test_a_killed_master_costs_misses_and_status_then_the_tier_comes_back(run_di
 def test_a_master_that_stops_answering_stalls_no_request_beyond_the_deadline(run_dir, instance, store):
     """SIGSTOP on the master (its clients' own RPC timeout is 30 s): each lookup and load
     answers within a 1.5 s client timeout (the tier's deadline is 0.5 s), another client's
-    pings are answered meanwhile, status shows the tier stuck; SIGCONT brings it back."""
+    pings are answered meanwhile, status shows the tier stuck; SIGCONT brings it back. A clear
+    meanwhile is owed: done before the tier serves again (the cleared blocks were hits)."""
     kv = small_kv(block_shape=PAGE_SHAPE, seed=5)
     keys, src = keys_for(4, 75), list(range(4))
+    kept = keys_for(4, 76)
     h = start(run_dir, instance, _uri(store))
     try:
         with h.connect(timeout=1.5) as c, h.connect(timeout=1.5) as other:
@@ -178,10 +180,15 @@ def test_a_master_that_stops_answering_stalls_no_request_beyond_the_deadline(run
                     assert c.load(keys, list(range(10, 14))).wait(5) == 0
                     tier = _tier(c)
                     assert not tier["healthy"] and tier["stuck"]
+                    c.clear(tier="storage")  # owed: the master does not answer
+                    assert _tier(c)["clear_owed"]
             finally:
                 store.stop_master(False)
             wait_until(lambda: _tier(c)["healthy"], 40, "the tier back once the late call returned")
-            assert c.lookup(keys) == (0, 4)
+            assert c.lookup(keys) == (0, 0) and not _tier(c)["clear_owed"]
+            offload_and_flush(c, kv, kept, list(range(4, 8)))  # it stores and serves again
+            c.clear(tier="host")
+            assert c.lookup(kept) == (0, 4)
     finally:
         store.stop_master(False)
         h.stop()

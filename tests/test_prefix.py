@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import disk_uri, small_kv, stored, sweep_crashed
+from conftest import disk_uri, small_kv, stored, sweep_crashed, wait_until
 
 from kvcached_client import BlockHasher, launch
 from kvcached_client.prefix import MMItem, PrefixCacheManager, block_extra_keys
@@ -338,6 +338,38 @@ def test_reset_after_a_weight_update_leaves_nothing_readable(daemon):
     mgr.release("running")
     mgr.check()
     mgr.close()
+
+
+def test_a_reset_with_no_daemon_to_clear_never_serves_the_old_weights_kv(run_dir, instance, tmp_path):
+    """A weight update while the daemon is gone: no clear reaches its disk tier, so the keys
+    are salted anew, and the restarted daemon's old blocks (still there: the control) are
+    never matched; the engine's check of every served block would catch the old KV."""
+    kv = new_kv()
+    args = dict(instance=instance, run_dir=run_dir, host_cache_gb=0.05, wait_storage=True,
+                extra_args=["--storage", disk_uri(str(tmp_path / "disk"), 0.1)])
+    prompt = toks(5 * BS)
+    with launch(**args) as d:
+        mgr = manager(d, kv)
+        eng = SimEngine(mgr, kv)
+        eng.prefill("a", prompt + [1])
+        mgr.release("a")
+        mgr.settle(5)
+        mgr.client.flush().wait(10)
+    sweep_crashed(instance)
+    assert not mgr.try_attach()
+    mgr.reset()  # new weights, and no daemon to clear
+    eng.hasher = BlockHasher(NS + "|new weights")  # the KV the engine computes from now on
+    try:
+        with launch(**args) as d:
+            wait_until(mgr.try_attach, 5, "the manager attached again")
+            with d.connect() as c:
+                assert c.lookup(BlockHasher(NS).hash_blocks(prompt, BS)) == (0, 5)
+            hit, computed = eng.prefill("b", prompt + [2])
+            assert hit.cached_tokens == 0 and computed == 0
+            mgr.release("b")
+    finally:
+        mgr.close()
+    sweep_crashed(instance)
 
 
 def test_constructing_the_manager_never_races_its_own_reattach_watcher(daemon, caplog):

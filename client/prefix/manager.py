@@ -21,6 +21,7 @@ the manager is a GPU-only prefix cache and reattaches when a daemon is back.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Callable, Sequence
 
 from kvcached_proto.errors import DaemonUnavailable, KvcachedError, KvcachedTimeout, TaskFailed
@@ -265,16 +266,29 @@ class PrefixCacheManager:
               timeout: float | None = None) -> None:
         """After a weight update: nothing cached so far is ever matched again. Waits for the
         daemon work in flight, drops every cached GPU block, and clears the daemon's tiers
-        (clear_daemon) or switches to a new namespace. Running requests keep their blocks
-        privately until released, and nothing they compute is cached."""
+        (clear_daemon) or switches to a new namespace. A clear that cannot be done (no daemon
+        attached, or it failed) salts the keys anew instead: a daemon that comes back with the
+        old blocks on disk never serves them. Running requests keep their blocks privately
+        until released, and nothing they compute is cached."""
         self.settle(timeout)
         self.drop_gpu_cache()
         for seq in self._seqs.values():
             seq.stale = True  # its KV came (partly) from the old weights
         if namespace is not None:
             self.key_scheme.hasher = BlockHasher(namespace)
-        if clear_daemon and self.client is not None:
-            self.transfers.call(self.client.clear, "all", True)
+        if clear_daemon:
+            cleared = (self.transfers.call(self.client.clear, "all", True)
+                       if self.client is not None else None)
+            if cleared is None and namespace is None:  # no daemon, or its clear failed: what
+                self._salt_anew()  # it holds (its disk tier, when it comes back) stays unmatched
+
+    def _salt_anew(self) -> None:
+        ns = self.key_scheme.hasher.namespace
+        salt = f"|reset:{os.urandom(8).hex()}"
+        self.key_scheme.hasher = BlockHasher(ns + salt if isinstance(ns, str) else bytes(ns) + salt.encode())
+        log.warning("[prefix] reset: the daemon's tiers could not be cleared (%s); keys are salted "
+                    "anew, so no block stored before is matched again",
+                    "no daemon attached" if self.client is None else "the clear failed")
 
     def drop_gpu_cache(self) -> int:
         """Forget every cached GPU block (the daemon's tiers keep theirs); blocks in use by

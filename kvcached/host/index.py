@@ -184,6 +184,12 @@ class BlockIndex:
                 freed.append(self._remove(e))
         return freed
 
+    def forget_stored(self) -> None:
+        """The storage tiers were cleared: no block is stored (a policy may back it up again)."""
+        for e in self._entries.values():
+            if e.stored == STORED:
+                e.stored = NOT_STORED
+
     # internals ------------------------------------------------------------
     @staticmethod
     def _evictable(e: Entry) -> bool:

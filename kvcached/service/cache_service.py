@@ -312,11 +312,16 @@ class CacheService:
         self._drain("clear", cancel_queued=True)
         try:
             freed, stored = [], 0
-            if tier in ("host", "all"):
-                with self.host.lock:
+            storage = tier in ("storage", "all") and bool(self.storage.tiers)
+            with self.host.lock:
+                if storage or weights:  # a backup not begun would put back what goes now
+                    self.storage.drop_queued_backups(unpin=True)
+                if tier in ("host", "all"):
                     freed = self.host.index.clear()
                     self.host.free(freed)
-            if tier in ("storage", "all") and self.storage.tiers:
+                elif storage:  # the host blocks stay, no longer stored
+                    self.host.index.forget_stored()
+            if storage:
                 stored = self.storage.tiers.clear()
         finally:
             self._undrain()

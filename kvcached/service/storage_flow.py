@@ -413,15 +413,21 @@ class StorageFlow:
                     self.pending_backups -= len(done)
                 self.counters["backups"] += sum(ok)
 
-    def drop_queued_backups(self) -> None:
-        """(Lock held, workers drained.) The host blocks of a geometry that is replaced are
-        void: a backup still queued would store other bytes (or these bytes under the new
-        geometry's keys)."""
+    def drop_queued_backups(self, unpin: bool = False) -> None:
+        """(Lock held, workers drained.) The backups not begun are dropped. After a new
+        geometry the host blocks are void: a backup would store other bytes, or these bytes
+        under the new geometry's keys. After a clear of the storage tiers (or a weight update)
+        a backup would put back what the clear removed. With unpin, their host blocks' pins
+        are given back (their index lives on: a clear)."""
         for task in self.backer.remove_queued(lambda t: t.kind == TaskKind.BACKUP):
             n = len(task.payloads[0]) if task.payloads is not None else len(task.entries)
             self.pending_backups -= n
             self.counters["backup_dropped"] += n
-            task.entries, task.payloads = [], None
+            entries, task.entries, task.payloads = task.entries, [], None
+            if unpin and entries:
+                for e in entries:
+                    e.stored = NOT_STORED
+                self.host.unpin(entries)
 
     def release_backup(self, task: CopyTask) -> None:
         """(Lock held.) A failed backup gives its pins back."""

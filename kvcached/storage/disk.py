@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 
 from . import owned
 from .base import StorageBackend
+from .disk_clear import DiskClears
 from .disk_listing import list_records
 from .iothreads import IOThreads, run_bounded
 from .record import HEADER_BYTES, BadRecord, check_header, check_payload, nbytes, pack_header
@@ -75,6 +76,7 @@ class DiskBackend(StorageBackend):
         self._late = 0  # I/O operations past their deadline that have not returned yet
         self._dropped_while_indexing: set[bytes] = set()  # deleted before the index was whole
         self._cleared_while_indexing = False
+        self._clears = DiskClears(self.root)  # a clear's mark and generations (disk_clear.py)
         self._probe_since = 0.0  # monotonic start of the probe in progress, 0 when none
         self._probe_error = ""
         self._closed = threading.Event()
@@ -134,8 +136,9 @@ class DiskBackend(StorageBackend):
             for shard in range(256):  # made (and checked) once here, not stat'ed on every put
                 if not owned.usable_shard(os.path.join(self.root, f"{shard:02x}")):
                     self._unusable.add(shard)
+            finishing = self._clears.found_at_start()
             found, removed = list_records(self.root, self._unusable)
-            self._merge(found)
+            self._merge(found, finishing)
             log.info("[disk] %s: %d blocks (%.2f GiB) indexed in %.1f s, %d stray files removed",
                      self.root, len(self._lru), self.used_bytes / 2**30,
                      time.monotonic() - started, removed)
@@ -148,19 +151,21 @@ class DiskBackend(StorageBackend):
             if self._on_ready is not None:
                 self._on_ready()
 
-    def _merge(self, found: list) -> None:
+    def _merge(self, found: list, finishing: bool = False) -> None:
         """Add what the listing found, oldest first, under what happened meanwhile: a key put
-        since is already indexed (and counted once), a key deleted or cleared since goes."""
+        since is already indexed (and counted once), a key deleted or cleared since goes. With
+        finishing (a clear the last run did not finish), everything found goes."""
         found.sort()
         stale = []
         with self._lock:
+            cleared = self._cleared_while_indexing or finishing
             known = dict(self._lru)
             self._lru.clear()
             added = []
             for _mtime, key, size in found:
                 if key in known:
                     continue
-                if self._cleared_while_indexing or key in self._dropped_while_indexing:
+                if cleared or key in self._dropped_while_indexing:
                     stale.append(key)
                     continue
                 self._lru[key] = size
@@ -169,8 +174,9 @@ class DiskBackend(StorageBackend):
             self._lru.update(known)  # newest: the puts made while indexing
             self._on_keys(added, True)
             self._dropped_while_indexing.clear()
+            held = self._cleared_while_indexing  # a clear while indexing held its mark for this
             self._cleared_while_indexing = False
-        self._unlink_later(stale)
+        self._unlink_later(stale, [self._clears.unlinked] * (held + finishing))
 
     def _forget(self, key: bytes) -> None:
         with self._lock:
@@ -205,12 +211,14 @@ class DiskBackend(StorageBackend):
                 log.debug("[disk] evicted file already gone")
         self.counters["evicted"] += len(victims)
 
-    def _unlink_later(self, keys) -> None:
-        """Unlink on an I/O thread, unless the key was stored again meanwhile."""
-        if keys:
-            self._io.submit(self._unlink_unless_indexed, list(keys))
+    def _unlink_later(self, keys, then=()) -> None:
+        """Unlink on an I/O thread, unless the key was stored again meanwhile; then each of
+        `then` is called."""
+        if keys or then:
+            self._io.submit(self._unlink_unless_indexed, list(keys), list(then))
 
-    def _unlink_unless_indexed(self, keys) -> None:
+    def _unlink_unless_indexed(self, keys, then=()) -> None:
+        failed = 0
         for key in keys:
             with self._lock:
                 if key in self._lru:
@@ -219,6 +227,15 @@ class DiskBackend(StorageBackend):
                 os.unlink(self._path(key))
             except FileNotFoundError:
                 pass  # never written, or gone already: nothing to remove
+            except OSError as exc:  # left: not indexed, so never read (a clear's mark stays)
+                failed += 1
+                self.last_error = f"unlink failed: {exc.strerror or exc}"
+        if failed:
+            log.warning("[disk] %s: %d files to remove were left (%s)", self.root, failed,
+                        self.last_error)
+            return
+        for call in then:
+            call()
 
     # health ---------------------------------------------------------------
     def _late_op(self, what: str):
@@ -373,6 +390,15 @@ class DiskBackend(StorageBackend):
         with self._lock:
             if key in self._lru:
                 return True
+        gen = self._clears.write_begins(key)
+        if gen is None:  # the same key being written: that write decides
+            return False
+        try:
+            return self._put_new(key, pieces, geometry, gen)
+        finally:
+            self._clears.write_ends(key, gen)
+
+    def _put_new(self, key: bytes, pieces, geometry: bytes, gen: int) -> bool:
         size = HEADER_BYTES + nbytes(pieces)
         self._block_bytes = size
         if size > self.capacity_bytes or not self._evict_over_capacity(size):
@@ -393,11 +419,21 @@ class DiskBackend(StorageBackend):
             log.warning("[disk] put %s: %s", key.hex(), self.last_error)
             return False
         with self._lock:
-            if key in self._lru:  # the same key written twice at once: count it once
+            void = self._clears.void(gen)  # a clear came since it began: its bytes are old
+            if key in self._lru:  # the rebuild listed the file meanwhile: counted once
                 self.used_bytes -= size
-            else:
+                size = 0
+            if void:
+                self.used_bytes -= size
+                if key in self._lru:
+                    self.used_bytes -= self._lru.pop(key)
+                    self._on_keys([key], False)
+            elif size:
                 self._lru[key] = size
                 self._on_keys([key], True)
+        if void:
+            self._unlink_unless_indexed([key])  # no other write of key runs until this one ends
+            return False
         self.counters["puts"] += 1
         return True
 
@@ -469,16 +505,26 @@ class DiskBackend(StorageBackend):
         return len(gone)
 
     def clear(self) -> int:
-        """Forget every block now (what the index rebuild still finds goes too); the files go
-        on an I/O thread. Returns how many blocks were indexed."""
+        """Forget every block now (what the index rebuild still finds goes too, and what a
+        write begun before lands after); the files go on an I/O thread, under the clear's mark
+        (disk_clear.py). Returns how many blocks were indexed."""
+        self._clears.hold()
+        try:
+            run_bounded(self._io, self._clears.mark, [()], self.io_timeout_s,
+                        self._late_op("the clear's mark"), lambda _i: self._late_returned())
+        except OSError as exc:  # the clear goes on; only a crash before its unlinks could
+            log.warning("[disk] %s: cannot mark the clear (%s); a crash before its files are "
+                        "removed would index them again", self.root, exc)  # bring them back
         with self._lock:
+            self._clears.new_generation()
             keys = list(self._lru)
+            self.used_bytes -= sum(self._lru.values())  # writes in flight keep their reservation
             self._lru.clear()
-            self.used_bytes = 0
             self._on_cleared()
-            if not self.indexed.is_set():
+            if not self.indexed.is_set() and not self._cleared_while_indexing:
                 self._cleared_while_indexing = True
-        self._unlink_later(keys)
+                self._clears.hold()  # the rebuild's merge unlinks what it finds, then lets go
+        self._unlink_later(keys, [self._clears.unlinked])
         return len(keys)
 
     def usage(self) -> dict:

@@ -26,6 +26,9 @@ memory segment, a transfer engine that moves the bytes over TCP or RDMA.
   puts dropped - until the late call returned. A call that fails (the master gone: RPC_FAIL)
   marks it unhealthy; a probe (one `batch_is_exist` every PROBE_EVERY_S, also while the daemon
   is idle) marks it healthy again. A master restarted empty loses what it placed: misses.
+  A clear the store cannot do then (down, stuck, failed) is owed: the tier stays unhealthy
+  until the probe finds it answering and the clear is done, so what was stored before a clear
+  (a weight update's old KV, a late put) is never read after it.
 - Connecting: Mooncake's `setup` holds the GIL while it waits for the master, and waits for
   ever when there is none (it retries every few seconds): called in the daemon against a master
   that is down, it would freeze the whole daemon. So the tier's thread first has a child process
@@ -93,6 +96,8 @@ class MooncakeBackend(StorageBackend):
         self._lock = threading.Lock()
         self._healthy = False
         self._late = 0  # calls past their deadline that have not returned
+        self._clear_owed = False  # a clear the store has not done yet: nothing is read until it is
+        self._clear_lock = threading.Lock()
         self._regions: list[tuple[int, int]] = []  # registered (ptr, size)
         self._pending_regions: list[tuple[int, int]] = []  # to register once connected
         self._headers = HeaderArena()
@@ -195,9 +200,12 @@ class MooncakeBackend(StorageBackend):
                 continue
             if got and got[0] in RPC_ERRORS:
                 self._failed(f"the master does not answer ({got[0]})")
-            elif not self._healthy:
+                continue
+            if not self._healthy:
                 self._healthy = True
                 log.info("[mooncake] %s healthy again", self.uri)
+            if self._clear_owed:
+                self._clear_now()
 
     def _failed(self, why: str) -> None:
         self.counters["errors"] += 1
@@ -220,7 +228,7 @@ class MooncakeBackend(StorageBackend):
             self._late -= 1
 
     def _usable(self) -> bool:
-        return self._store is not None and self._healthy and not self._late
+        return self._store is not None and self._healthy and not self._late and not self._clear_owed
 
     def health(self) -> bool:
         return self._usable()
@@ -455,15 +463,32 @@ class MooncakeBackend(StorageBackend):
         return sum(1 for r in got or () if r == 0)
 
     def clear(self) -> int:
-        if not self._usable():
+        """Every object under the prefix goes now, or once the store answers again (owed)."""
+        self._clear_owed = True  # from here nothing stored before is read
+        return self._clear_now()
+
+    def _clear_now(self) -> int:
+        """The owed clear (the request's, or the probe's once the store is back)."""
+        with self._clear_lock:
+            if not self._clear_owed:
+                return 0
+            got = None
+            if self._store is not None and self._healthy and not self._late:
+                got = self._call(self._store.remove_by_regex, ("^" + _regex_escape(self.prefix), True),
+                                 self.io_timeout_s, "a clear")
+                if got is not None and got >= 0:
+                    self._clear_owed = False
+                    return got
+                if got is not None:
+                    self._failed(f"a clear failed ({got})")
+            self.last_error = (f"a clear is owed ({self.last_error or 'the store is down'}); "
+                               "the tier serves nothing until the store has done it")
+            log.warning("[mooncake] %s: %s", self.uri, self.last_error)
             return 0
-        got = self._call(self._store.remove_by_regex, ("^" + _regex_escape(self.prefix), True),
-                         self.io_timeout_s, "a clear")
-        return max(0, got or 0)
 
     def usage(self) -> dict:
         return {"used_bytes": 0, "capacity_bytes": 0, "blocks": None, "healthy": self.health(),
-                "stuck": bool(self._late), "segment_bytes": self.segment_bytes,
+                "stuck": bool(self._late), "clear_owed": self._clear_owed, "segment_bytes": self.segment_bytes,
                 "connected": self._store is not None, "last_error": self.last_error, **self.counters}
 
     def close(self) -> None:

@@ -12,6 +12,10 @@ Keys are `{prefix}{stored key hex}`; values are record.py records (header with a
 page). A server that stops answering marks the tier unhealthy: lookups see 0 hits, puts are
 dropped and counted, until it answers again.
 
+A clear the server cannot do now (it is down, or fails midway) is owed: until a probe finds the
+server answering and the clear is done, the tier is unhealthy - no hits, puts dropped - so no
+block stored before a clear (a weight update's old KV) is read after it.
+
 A command the server refuses (a full server's OOM on SET, a READONLY replica) fails the puts it
 was for, counted as `put_errors`; only a connection that fails or times out marks the tier
 down. A probe thread pings the server every PROBE_EVERY_S on its own connection, whether the daemon
@@ -81,6 +85,8 @@ class RedisBackend(StorageBackend):
             return redis.Redis(host=host, port=port, db=db, **common)
 
         self._healthy = True
+        self._clear_owed = False  # a clear the server has not done yet: nothing is read until it is
+        self._clear_lock = threading.Lock()
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self.counters = {"puts": 0, "gets": 0, "dropped_puts": 0, "errors": 0, "corrupt": 0,
@@ -121,14 +127,17 @@ class RedisBackend(StorageBackend):
             back, self._healthy = not self._healthy, True
         if back:
             log.info("[redis] %s healthy again", self.uri)
+        if self._clear_owed:
+            self._clear_now()
 
     def _usable(self) -> bool:
-        return self._healthy
+        return self._healthy and not self._clear_owed
 
     def health(self) -> bool:
         """The last known state: an operation or a probe that fails marks the tier down, a
-        probe that answers marks it up again (no call here waits on the server)."""
-        return self._healthy
+        probe that answers marks it up again (no call here waits on the server); a clear the
+        server has not done yet keeps it down."""
+        return self._usable()
 
     def _per_key(self, command: str, keys, client=None) -> list | None:
         """One pipelined command per key; None when the store is unusable or fails."""
@@ -246,20 +255,33 @@ class RedisBackend(StorageBackend):
             return 0
 
     def clear(self) -> int:
-        if not self._usable():
-            return 0
-        n = 0
-        try:
-            batch = []
-            for name in self._client.scan_iter(match=self.prefix + b"*", count=1000):
-                batch.append(name)
-                if len(batch) >= 1000:
-                    n += self._delete_names(batch)
+        """Every block under the prefix goes now, or once the server answers again (owed)."""
+        self._clear_owed = True  # from here nothing stored before is read
+        return self._clear_now()
+
+    def _clear_now(self) -> int:
+        """The owed clear (the request's, or the probe's once the server is back)."""
+        with self._clear_lock:
+            if not self._clear_owed:
+                return 0
+            n = 0
+            if self._healthy:
+                try:
                     batch = []
-            n += self._delete_names(batch)
-        except self._redis.RedisError as exc:
-            self._failed(exc)
-        return n
+                    for name in self._client.scan_iter(match=self.prefix + b"*", count=1000):
+                        batch.append(name)
+                        if len(batch) >= 1000:
+                            n += self._delete_names(batch)
+                            batch = []
+                    n += self._delete_names(batch)
+                    self._clear_owed = False
+                    return n
+                except self._redis.RedisError as exc:
+                    self._failed(exc)
+            self.last_error = (f"a clear is owed ({self.last_error or 'the server is down'}); "
+                               "the tier serves nothing until the server has done it")
+            log.warning("[redis] %s: %s", self.uri, self.last_error)
+            return n
 
     def _delete_names(self, names) -> int:
         if not names:
@@ -269,8 +291,8 @@ class RedisBackend(StorageBackend):
         return int(self._client.delete(*names))
 
     def usage(self) -> dict:
-        return {"used_bytes": 0, "capacity_bytes": 0, "blocks": None, "healthy": self._healthy,
-                "last_error": self.last_error, **self.counters}
+        return {"used_bytes": 0, "capacity_bytes": 0, "blocks": None, "healthy": self.health(),
+                "clear_owed": self._clear_owed, "last_error": self.last_error, **self.counters}
 
     def close(self) -> None:
         self._closed.set()
