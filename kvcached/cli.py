@@ -1,4 +1,4 @@
-"""The `kvcached` command: serve, status, stop, bench."""
+"""The `kvcached` command: serve, status, stop, clear, bench."""
 from __future__ import annotations
 
 import argparse
@@ -133,6 +133,21 @@ def build_parser() -> argparse.ArgumentParser:
     stop.add_argument("--timeout", type=float, default=30.0,
                       help="seconds to wait for the exit (default: %(default)s)")
 
+    clear = sub.add_parser(
+        "clear", help="drop the blocks a running daemon holds (after a weight update)",
+        description="Drops every block of the host tier, the storage tiers or both, as the "
+                    "registered engine's clear does. Nothing stored before is read after: a "
+                    "storage tier that is down owes the clear and serves nothing until it is "
+                    "done (said here, and in status). Exit status 0 once cleared.")
+    _common(clear)
+    clear.add_argument("--tier", choices=["all", "host", "storage"], default="all",
+                       help="which tiers (default: %(default)s)")
+    clear.add_argument("--weights-update", action="store_true",
+                       help="the status block's state goes CLEARING, then CLEARED (engines that "
+                            "watch it learn that the weights changed)")
+    clear.add_argument("--timeout", type=float, default=60.0,
+                       help="seconds to wait for the daemon (default: %(default)s)")
+
     replay = sub.add_parser("replay", help="replay a Mooncake-format request trace against the host tier")
     replay.add_argument("trace", nargs="?", help="TRACE.jsonl (timestamp, input_length, output_length, hash_ids)")
     replay.add_argument("--capacity-tokens", type=int, nargs="+", default=[1_000_000, 3_000_000, 10_000_000],
@@ -180,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"serve": cmd_serve, "status": cmd_status, "stop": cmd_stop,
+        return {"serve": cmd_serve, "status": cmd_status, "stop": cmd_stop, "clear": cmd_clear,
                 "bench": cmd_bench, "replay": cmd_replay, "keygen": cmd_keygen}[args.command](args)
     except (StartupError, KvcachedError) as exc:
         print(f"kvcached {args.command}: {exc}", file=sys.stderr)
@@ -350,7 +365,7 @@ def format_status(s: dict) -> str:
     for st in s["storage"]:
         used = (f"  {_gib(st['used_bytes'])} / {_gib(st['capacity_bytes'])}"
                 if st.get("capacity_bytes") else "")
-        flags = "".join(f"  {w}" for w in ("stuck", "full") if st.get(w))
+        flags = "".join(f"  {w.replace('_', ' ')}" for w in ("stuck", "full", "clear_owed") if st.get(w))
         flags += "" if st.get("ready", True) else "  indexing"
         err = f"  last error: {st['last_error']}" if st.get("last_error") else ""
         rows.append(("storage", f"{st['uri']}  {'healthy' if st['healthy'] else 'UNHEALTHY'}"
@@ -425,6 +440,20 @@ def cmd_stop(args) -> int:
             return 1
         time.sleep(0.05)
     print(f"stopped instance {args.instance} (pid {pid})")
+    return 0
+
+
+def cmd_clear(args) -> int:
+    from kvcached_client import Client
+
+    with Client.connect(instance=args.instance, run_dir=args.run_dir, name="kvcached-cli",
+                        role="operator", timeout=args.timeout) as c:
+        n = c.clear(args.tier, args.weights_update, timeout=args.timeout)
+        owed = [st["uri"] for st in c.status().get("storage", []) if st.get("clear_owed")]
+    print(f"cleared {n} blocks of instance {args.instance} (tier {args.tier})")
+    for uri in owed:
+        print(f"kvcached clear: {uri} is down: it owes the clear and serves nothing until it "
+              "is done", file=sys.stderr)
     return 0
 
 

@@ -5,9 +5,11 @@ the clear that lands after it. Against real daemons and redis-servers; the disk 
 logic in process, on a real directory."""
 import os
 import signal
+import subprocess
+import sys
 import threading
 
-from conftest import keys_for, small_kv, wait_until
+from conftest import disk_uri, keys_for, small_kv, wait_until
 from kvcached.storage.disk import DiskBackend
 from kvcached.storage.disk_clear import MARK
 from storage_util import PAGE_SHAPE, files, offload_and_flush, start
@@ -63,6 +65,30 @@ def test_a_clear_the_redis_server_missed_is_done_before_the_tier_serves_again(
             assert c.lookup(keys) == (0, 0) and redis_server.client().dbsize() == 0
             assert stopped.get("clear_owed") and "clear is owed" in stopped["last_error"]
             assert not c.status()["storage"][0]["clear_owed"]
+    finally:
+        h.stop()
+
+
+def test_an_operator_clears_a_tier_or_all_from_the_cli(run_dir, instance, disk_dir):
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys = keys_for(8, 43)
+    h = start(run_dir, instance, disk_uri(disk_dir))
+
+    def cli(*args):
+        out = subprocess.run([sys.executable, "-m", "kvcached", "clear", "--instance", instance,
+                              "--run-dir", run_dir, *args], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, list(range(8)))
+            assert "cleared 8 blocks" in cli("--tier", "host")
+            assert c.lookup(keys) == (0, 8)
+            assert "cleared 8 blocks" in cli("--weights-update")
+            assert c.lookup(keys) == (0, 0) and c.status()["state"] == "cleared"
+            wait_until(lambda: not files(disk_dir), 5, "the records removed")
     finally:
         h.stop()
 
