@@ -15,6 +15,10 @@ zero-copy batch_get_v1/batch_set_v1 calls, the only ones that page the host pool
 | namespace | "" | a tenant salt: other salts share nothing |
 | weights_version | the checkpoint's identity | a new one voids the cache (weight updates) |
 
+SGLang's own weight version (`--weight-version`, changed by a weight update that names one:
+`update_weights_from_disk/_tensor/_distributed` with `weight_version`) is part of the keys too,
+read at every call: pages stored under one version are never matched under another.
+
 A page's key is a 16-byte digest of the namespace - model, the pool's geometry (layout, page
 size, layers, heads, dtype), tensor-parallel rank and size (not for MLA, whose KV is the same on
 every rank), pipeline and context-parallel shard - and SGLang's page hash (already chained over
@@ -78,17 +82,38 @@ class Settings:
                    str(extra.get("namespace", "")), weights)
 
 
-class PageKeys:
-    """SGLang page hashes -> the daemon's 16-byte keys, under one namespace."""
+_get_serving = None
 
-    def __init__(self, cfg, settings: Settings, kv_layout: str):
+
+def sglang_weight_version() -> str | None:
+    """SGLang's weight version now (its `--weight-version`, "default" unless set, changed by a
+    weight update that names one), or None where this SGLang has none to read."""
+    global _get_serving
+    try:
+        if _get_serving is None:
+            from sglang.srt.runtime_context import get_serving
+            _get_serving = get_serving
+        return str(_get_serving().weight_version)
+    except Exception:  # another SGLang, or its config not published (no server)
+        return None
+
+
+class PageKeys:
+    """SGLang page hashes -> the daemon's 16-byte keys, under one namespace (with SGLang's
+    weight version `version`; its launch default adds nothing, so keys stay as they were)."""
+
+    def __init__(self, cfg, settings: Settings, kv_layout: str, version: str | None = None):
         mla = bool(cfg.is_mla_model)
         shard = (f"pp{cfg.pp_rank}/{cfg.pp_size}|cp{cfg.attn_cp_rank}/{cfg.attn_cp_size}|"
                  f"dcp{getattr(cfg, 'dcp_rank', 0)}/{getattr(cfg, 'dcp_size', 1)}")
+        self.version = version
+        weights = settings.weights_version
+        if version not in (None, "default"):
+            weights += f"|sglang-weight-version:{version}"
         self.namespace = make_namespace(
             cfg.model_name or "", "", f"sglang-hicache|{kv_layout}|{shard}",
             0 if mla else cfg.tp_rank, 1 if mla else cfg.tp_size,
-            tenant=settings.tenant, weights_version=settings.weights_version)
+            tenant=settings.tenant, weights_version=weights)
         self._base = hashlib.blake2b(self.namespace.encode() + b"\0", digest_size=16)
 
     def __call__(self, page_hashes) -> list[bytes]:

@@ -17,6 +17,12 @@ attached again in the background (DaemonLink). An offload SGLang is told failed 
 first (the daemon discards what it copied), and a load whose cancel the daemon has not
 confirmed is waited for until it is, or the daemon is gone - so a page SGLang reuses is never
 written by a late copy.
+
+A weight update that names a version (SGLang's `weight_version`) changes the keys at the next
+call (config.py), so nothing stored before is matched after it. Pages SGLang computed with the
+old weights may still sit in its host pool until it flushes its cache, which follows the update:
+until that flush clears the pool, backups are refused (misses), so no old page is stored under
+the new version's keys.
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ from kvcached_proto import DaemonUnavailable, KvcachedTimeout, TaskStatus
 
 from ..daemon_link import DaemonLink
 from ..host_memory import register_host_memory
-from .config import ConfigError, PageKeys, Settings
+from .config import ConfigError, PageKeys, Settings, sglang_weight_version
 from .pool_layout import describe_host_pool, page_bytes, page_ids
 
 log = logging.getLogger("kvcached.sglang")
@@ -51,8 +57,12 @@ class KvcachedHiCacheStorage(HiCacheStorage):
         self._fds: list[int] = []
         self._said: set[str] = set()
         self._closing = threading.Event()  # close(): unconfirmed loads are waited for no more
+        self._old_pages = False  # the weight version changed; SGLang's pool not cleared since
+        self._pool_version: str | None = None  # the version SGLang's host pool was last cleared at
+        self._keys_lock = threading.Lock()
         self.stats = {"exists_calls": 0, "exists_hits": 0, "get_pages": 0, "got_pages": 0,
-                      "set_pages": 0, "set_ok_pages": 0, "no_daemon": 0, "errors": 0}
+                      "set_pages": 0, "set_ok_pages": 0, "no_daemon": 0, "errors": 0,
+                      "old_weights_refused": 0}
         self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
                          "backup_bandwidth": []}
 
@@ -70,7 +80,9 @@ class KvcachedHiCacheStorage(HiCacheStorage):
         self._layout, self._fds = describe_host_pool(pool)
         self.page_size = pool.page_size
         self._page_bytes = page_bytes(self._layout)
-        self.keys = PageKeys(self.config, self.settings, self._layout["kv_layout"])
+        self._pool_version = sglang_weight_version()
+        self.keys = PageKeys(self.config, self.settings, self._layout["kv_layout"], self._pool_version)
+        self._watch_pool_clear(pool)
         s = self.settings
         self.link = DaemonLink(s.instance, s.run_dir, s.timeout_s, name=f"sglang-{s.instance}",
                                on_connect=self._register, hang_s=s.hang_s)
@@ -84,6 +96,37 @@ class KvcachedHiCacheStorage(HiCacheStorage):
     def _register(self, client) -> None:
         register_host_memory(client, self._layout, self._fds)
 
+    # SGLang's weight version ----------------------------------------------------------
+    def _keys(self) -> PageKeys:
+        """The page keys under SGLang's weight version now (a change re-keys, and fences
+        backups until SGLang clears its host pool)."""
+        version = sglang_weight_version()
+        if version != self.keys.version:
+            with self._keys_lock:
+                if version != self.keys.version:
+                    self.keys = PageKeys(self.config, self.settings, self._layout["kv_layout"], version)
+                    self._old_pages = self._pool_version != version  # not cleared since
+                    log.warning("[sglang] weight version %s: pages are keyed anew%s", version,
+                                ", and backups are refused until SGLang flushes its cache (its "
+                                "host pool holds pages of the old weights)" if self._old_pages else "")
+        return self.keys
+
+    def _watch_pool_clear(self, pool) -> None:
+        """SGLang clears its host pool when it flushes its cache (after a weight update):
+        from then on every page in it is of the weights now."""
+        clear = getattr(pool, "clear", None)
+        if clear is None:
+            return
+
+        def cleared(*args, **kwargs):
+            out = clear(*args, **kwargs)
+            with self._keys_lock:
+                self._pool_version = sglang_weight_version()
+                self._old_pages = self._pool_version != self.keys.version
+            return out
+
+        pool.clear = cleared
+
     # the zero-copy calls ------------------------------------------------------------
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[Any] = None) -> List[bool]:
@@ -95,7 +138,7 @@ class KvcachedHiCacheStorage(HiCacheStorage):
     def _load(self, client, keys, host_indices) -> int:
         pages = page_ids(host_indices, self.page_size, len(keys))
         start = time.perf_counter()
-        task = client.load(self.keys(keys), pages)
+        task = client.load(self._keys()(keys), pages)
         try:
             loaded = task.wait(self.settings.timeout_s)
         except KvcachedTimeout as exc:
@@ -138,9 +181,13 @@ class KvcachedHiCacheStorage(HiCacheStorage):
         return [True] * stored + [False] * (len(keys) - stored)
 
     def _offload(self, client, keys, host_indices) -> int:
+        page_keys = self._keys()
+        if self._old_pages:  # these may be pages of the old weights: not stored
+            self.stats["old_weights_refused"] += len(keys)
+            return 0
         pages = page_ids(host_indices, self.page_size, len(keys))
         start = time.perf_counter()
-        task = client.offload(pages, self.keys(keys))  # revoked by the client if no reply comes
+        task = client.offload(pages, page_keys(keys))  # revoked by the client if no reply comes
         try:
             task.wait(self.settings.timeout_s)
         except BaseException:
@@ -154,7 +201,7 @@ class KvcachedHiCacheStorage(HiCacheStorage):
 
     def batch_exists(self, keys: List[str], extra_info: Optional[Any] = None) -> int:
         self.stats["exists_calls"] += 1
-        host, storage = self._call("lookup", lambda c: c.lookup(self.keys(keys)), (0, 0))
+        host, storage = self._call("lookup", lambda c: c.lookup(self._keys()(keys)), (0, 0))
         hit = min(host + storage, len(keys))
         self.stats["exists_hits"] += hit
         return hit
