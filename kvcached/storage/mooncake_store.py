@@ -97,6 +97,7 @@ class MooncakeBackend(StorageBackend):
         self._healthy = False
         self._late = 0  # calls past their deadline that have not returned
         self._clear_owed = False  # a clear the store has not done yet: nothing is read until it is
+        self._owed_said = False
         self._clear_lock = threading.Lock()
         self._regions: list[tuple[int, int]] = []  # registered (ptr, size)
         self._pending_regions: list[tuple[int, int]] = []  # to register once connected
@@ -201,11 +202,11 @@ class MooncakeBackend(StorageBackend):
             if got and got[0] in RPC_ERRORS:
                 self._failed(f"the master does not answer ({got[0]})")
                 continue
+            if self._clear_owed and not self._clear_now():
+                continue  # down until its clear is done
             if not self._healthy:
                 self._healthy = True
                 log.info("[mooncake] %s healthy again", self.uri)
-            if self._clear_owed:
-                self._clear_now()
 
     def _failed(self, why: str) -> None:
         self.counters["errors"] += 1
@@ -464,27 +465,33 @@ class MooncakeBackend(StorageBackend):
 
     def clear(self) -> int:
         """Every object under the prefix goes now, or once the store answers again (owed)."""
-        self._clear_owed = True  # from here nothing stored before is read
-        return self._clear_now()
+        with self._clear_lock:  # one clear at a time: a request's is never lost to the probe's
+            self._clear_owed = True  # from here nothing stored before is read
+            return self._clear_locked(self._healthy) or 0
 
-    def _clear_now(self) -> int:
-        """The owed clear (the request's, or the probe's once the store is back)."""
+    def _clear_now(self) -> bool:
+        """(The probe, the store answering.) The owed clear; False while it stays owed."""
         with self._clear_lock:
-            if not self._clear_owed:
-                return 0
-            got = None
-            if self._store is not None and self._healthy and not self._late:
-                got = self._call(self._store.remove_by_regex, ("^" + _regex_escape(self.prefix), True),
-                                 self.io_timeout_s, "a clear")
-                if got is not None and got >= 0:
-                    self._clear_owed = False
-                    return got
-                if got is not None:
-                    self._failed(f"a clear failed ({got})")
+            return not self._clear_owed or self._clear_locked(True) is not None
+
+    def _clear_locked(self, reachable: bool) -> int | None:
+        """(Lock held.) How many objects under the prefix were removed; None when the clear
+        stays owed (said once until it is done)."""
+        if reachable and self._store is not None and not self._late:
+            got = self._call(self._store.remove_by_regex, ("^" + _regex_escape(self.prefix), True),
+                             self.io_timeout_s, "a clear")
+            if got is not None and got >= 0:
+                self._clear_owed = self._owed_said = False
+                return got
+            if got is not None:
+                self._failed(f"a clear failed ({got})")
+        if not self.last_error.startswith("a clear is owed"):
             self.last_error = (f"a clear is owed ({self.last_error or 'the store is down'}); "
                                "the tier serves nothing until the store has done it")
+        if not self._owed_said:
+            self._owed_said = True
             log.warning("[mooncake] %s: %s", self.uri, self.last_error)
-            return 0
+        return None
 
     def usage(self) -> dict:
         return {"used_bytes": 0, "capacity_bytes": 0, "blocks": None, "healthy": self.health(),

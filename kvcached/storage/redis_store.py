@@ -86,6 +86,7 @@ class RedisBackend(StorageBackend):
 
         self._healthy = True
         self._clear_owed = False  # a clear the server has not done yet: nothing is read until it is
+        self._owed_said = False
         self._clear_lock = threading.Lock()
         self._closed = threading.Event()
         self._lock = threading.Lock()
@@ -123,12 +124,12 @@ class RedisBackend(StorageBackend):
         except Exception as exc:  # any failure: the tier is down until a ping answers
             self._failed(exc)
             return
+        if self._clear_owed and not self._clear_now():
+            return  # down until its clear is done
         with self._lock:
             back, self._healthy = not self._healthy, True
         if back:
             log.info("[redis] %s healthy again", self.uri)
-        if self._clear_owed:
-            self._clear_now()
 
     def _usable(self) -> bool:
         return self._healthy and not self._clear_owed
@@ -256,32 +257,38 @@ class RedisBackend(StorageBackend):
 
     def clear(self) -> int:
         """Every block under the prefix goes now, or once the server answers again (owed)."""
-        self._clear_owed = True  # from here nothing stored before is read
-        return self._clear_now()
+        with self._clear_lock:  # one clear at a time: a request's is never lost to the probe's
+            self._clear_owed = True  # from here nothing stored before is read
+            return self._clear_locked(self._healthy) or 0
 
-    def _clear_now(self) -> int:
-        """The owed clear (the request's, or the probe's once the server is back)."""
+    def _clear_now(self) -> bool:
+        """(The probe, the server answering.) The owed clear; False while it stays owed."""
         with self._clear_lock:
-            if not self._clear_owed:
-                return 0
-            n = 0
-            if self._healthy:
-                try:
-                    batch = []
-                    for name in self._client.scan_iter(match=self.prefix + b"*", count=1000):
-                        batch.append(name)
-                        if len(batch) >= 1000:
-                            n += self._delete_names(batch)
-                            batch = []
-                    n += self._delete_names(batch)
-                    self._clear_owed = False
-                    return n
-                except self._redis.RedisError as exc:
-                    self._failed(exc)
+            return not self._clear_owed or self._clear_locked(True) is not None
+
+    def _clear_locked(self, reachable: bool) -> int | None:
+        """(Lock held.) How many blocks under the prefix were removed; None when the clear
+        stays owed (said once until it is done)."""
+        if reachable:
+            try:
+                n, batch = 0, []
+                for name in self._client.scan_iter(match=self.prefix + b"*", count=1000):
+                    batch.append(name)
+                    if len(batch) >= 1000:
+                        n += self._delete_names(batch)
+                        batch = []
+                n += self._delete_names(batch)
+                self._clear_owed = self._owed_said = False
+                return n
+            except self._redis.RedisError as exc:
+                self._failed(exc)
+        if not self.last_error.startswith("a clear is owed"):
             self.last_error = (f"a clear is owed ({self.last_error or 'the server is down'}); "
                                "the tier serves nothing until the server has done it")
+        if not self._owed_said:
+            self._owed_said = True
             log.warning("[redis] %s: %s", self.uri, self.last_error)
-            return n
+        return None
 
     def _delete_names(self, names) -> int:
         if not names:
