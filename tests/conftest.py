@@ -215,13 +215,23 @@ def _bindable(port: int) -> bool:
 _taken: set[int] = set()
 
 
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(with_bus: bool = False) -> int:
     """A free loopback port, not handed out before in this run; with_bus also needs port+10000
-    free (a Redis cluster node's bus port)."""
+    free (a Redis cluster node's bus port). Below the kernel's ephemeral range: a port from it
+    could be taken by any outgoing connection between this check and the server's bind."""
     import random
 
+    top = max(12000, _ephemeral_start() - 1 - (10000 if with_bus else 0))
     for _ in range(1000):
-        port = random.randint(20000, 50000)
+        port = random.randint(10000, top)
         if port in _taken or not _bindable(port) or (with_bus and not _bindable(port + 10000)):
             continue
         _taken.add(port)
