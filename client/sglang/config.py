@@ -102,7 +102,8 @@ class PageKeys:
     """SGLang page hashes -> the daemon's 16-byte keys, under one namespace (with SGLang's
     weight version `version`; its launch default adds nothing, so keys stay as they were)."""
 
-    def __init__(self, cfg, settings: Settings, kv_layout: str, version: str | None = None):
+    def __init__(self, cfg, settings: Settings, kv_layout: str, version: str | None = None,
+                 salt: str = ""):
         mla = bool(cfg.is_mla_model)
         shard = (f"pp{cfg.pp_rank}/{cfg.pp_size}|cp{cfg.attn_cp_rank}/{cfg.attn_cp_size}|"
                  f"dcp{getattr(cfg, 'dcp_rank', 0)}/{getattr(cfg, 'dcp_size', 1)}")
@@ -110,6 +111,8 @@ class PageKeys:
         weights = settings.weights_version
         if version not in (None, "default"):
             weights += f"|sglang-weight-version:{version}"
+        if salt:  # a storage flush that could not reach the daemon
+            weights += f"|reset:{salt}"
         self.namespace = make_namespace(
             cfg.model_name or "", "", f"sglang-hicache|{kv_layout}|{shard}",
             0 if mla else cfg.tp_rank, 1 if mla else cfg.tp_size,

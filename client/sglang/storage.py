@@ -27,6 +27,7 @@ the new version's keys.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any, List, Optional
@@ -59,6 +60,7 @@ class KvcachedHiCacheStorage(HiCacheStorage):
         self._closing = threading.Event()  # close(): unconfirmed loads are waited for no more
         self._old_pages = False  # the weight version changed; SGLang's pool not cleared since
         self._pool_version: str | None = None  # the version SGLang's host pool was last cleared at
+        self._salt = ""  # set by a storage flush that could not clear the daemon's tiers
         self._keys_lock = threading.Lock()
         self.stats = {"exists_calls": 0, "exists_hits": 0, "get_pages": 0, "got_pages": 0,
                       "set_pages": 0, "set_ok_pages": 0, "no_daemon": 0, "errors": 0,
@@ -104,7 +106,8 @@ class KvcachedHiCacheStorage(HiCacheStorage):
         if version != self.keys.version:
             with self._keys_lock:
                 if version != self.keys.version:
-                    self.keys = PageKeys(self.config, self.settings, self._layout["kv_layout"], version)
+                    self.keys = PageKeys(self.config, self.settings, self._layout["kv_layout"],
+                                         version, self._salt)
                     self._old_pages = self._pool_version != version  # not cleared since
                     log.warning("[sglang] weight version %s: pages are keyed anew%s", version,
                                 ", and backups are refused until SGLang flushes its cache (its "
@@ -242,8 +245,18 @@ class KvcachedHiCacheStorage(HiCacheStorage):
 
     # the rest of SGLang's interface ---------------------------------------------------
     def clear(self) -> None:
-        """SGLang's flush of its storage: the daemon's tiers are cleared (every engine's)."""
-        self._call("clear", lambda c: c.clear("all"), None)
+        """SGLang's flush of its storage: the daemon's tiers are cleared (every engine's). When
+        that cannot be done (no daemon attached, or it failed), this backend's keys are salted
+        anew instead, so what the tiers hold (a disk tier the daemon finds again) is never
+        matched by it."""
+        if self._call("clear", lambda c: c.clear("all"), None) is not None or self.keys is None:
+            return
+        with self._keys_lock:
+            self._salt = os.urandom(8).hex()
+            self.keys = PageKeys(self.config, self.settings, self._layout["kv_layout"],
+                                 self.keys.version, self._salt)
+        log.warning("[sglang] storage flush: the daemon's tiers could not be cleared; pages are "
+                    "keyed anew, so nothing stored before is matched again")
 
     def close(self) -> None:
         """Detach: the daemon unmaps the pool (unregister, then the connection goes)."""

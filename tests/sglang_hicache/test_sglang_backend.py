@@ -198,6 +198,36 @@ def test_pages_survive_a_daemon_restart_through_the_disk_tier(run_dir, tmp_path)
     sweep_crashed(instance)
 
 
+def test_a_storage_flush_with_no_daemon_keys_pages_anew(run_dir, tmp_path):
+    """SGLang flushes its storage while the daemon is gone: nothing can be cleared, so the
+    backend keys pages anew, and the pages the restarted daemon finds on disk (still there: the
+    control) are no hit."""
+    instance = unique_instance("sg")
+    args = dict(instance=instance, run_dir=run_dir, host_cache_gb=0.05, wait_storage=True,
+                extra_args=["--storage", disk_uri(str(tmp_path / "disk"))])
+    keys = sp.page_hashes(4, seed=9)
+    pool = sp.make_pool("mha", "page_first")
+    sp.fill_random(pool, 9)
+    extra = sp.extra_config(instance, run_dir)
+    with launch(**args):
+        backend = sp.attach(pool, extra)
+        assert backend.batch_set_v1(keys, sp.pages_of(pool, [1, 2, 3, 4])) == [True] * 4
+    sweep_crashed(instance)
+    backend.clear()
+    control = sp.attach(sp.make_pool("mha", "page_first"), extra)  # keys as they were
+    try:
+        with launch(**args):
+            wait_until(lambda: control.batch_exists(keys) == 4, 10, "the pages found on disk")
+            fresh = sp.page_hashes(1, seed=10)
+            wait_until(lambda: backend.batch_set_v1(fresh, sp.pages_of(pool, [5])) == [True], 10,
+                       "the backend attached again")
+            assert backend.batch_exists(fresh) == 1 and backend.batch_exists(keys) == 0
+    finally:
+        backend.close()
+        control.close()
+    sweep_crashed(instance)
+
+
 @pytest.mark.faults
 def test_sglangs_failure_injector_costs_misses_never_wrong_pages(daemon, monkeypatch):
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
