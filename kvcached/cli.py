@@ -143,8 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     clear.add_argument("--tier", choices=["all", "host", "storage"], default="all",
                        help="which tiers (default: %(default)s)")
     clear.add_argument("--weights-update", action="store_true",
-                       help="the status block's state goes CLEARING, then CLEARED (engines that "
-                            "watch it learn that the weights changed)")
+                       help="a weight update: the daemon's state goes CLEARING, then CLEARED "
+                            "(status shows it)")
     clear.add_argument("--timeout", type=float, default=60.0,
                        help="seconds to wait for the daemon (default: %(default)s)")
 
