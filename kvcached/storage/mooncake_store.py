@@ -50,8 +50,9 @@ from urllib.parse import parse_qs, urlparse
 
 
 from .base import StorageBackend
-from .mooncake_buffers import HeaderArena, Staging, pointer
 from .iothreads import IOThreads, run_bounded
+from .mooncake_buffers import HeaderArena, Staging, pointer
+from .owed_clear import OwesClears
 from .record import HEADER_BYTES, BadRecord, check_header, check_payload, gather, nbytes, pack_header, scatter
 from .uris import redact
 
@@ -75,7 +76,9 @@ RPC_ERRORS = (-900, -901, -902)  # the master could not be reached: an outage, n
 NOT_FOUND = -704
 
 
-class MooncakeBackend(StorageBackend):
+class MooncakeBackend(OwesClears, StorageBackend):
+    _LOG_TAG = "mooncake"
+
     def __init__(self, uri: str, on_ready: Callable[[], None] | None = None):
         try:
             from mooncake.store import MooncakeDistributedStore
@@ -96,9 +99,7 @@ class MooncakeBackend(StorageBackend):
         self._lock = threading.Lock()
         self._healthy = False
         self._late = 0  # calls past their deadline that have not returned
-        self._clear_owed = False  # a clear the store has not done yet: nothing is read until it is
-        self._owed_said = False
-        self._clear_lock = threading.Lock()
+        self._clear_lock = threading.Lock()  # owed_clear.py: a clear the store has not done
         self._regions: list[tuple[int, int]] = []  # registered (ptr, size)
         self._pending_regions: list[tuple[int, int]] = []  # to register once connected
         self._headers = HeaderArena()
@@ -463,35 +464,16 @@ class MooncakeBackend(StorageBackend):
                          self.io_timeout_s, "a removal")
         return sum(1 for r in got or () if r == 0)
 
-    def clear(self) -> int:
-        """Every object under the prefix goes now, or once the store answers again (owed)."""
-        with self._clear_lock:  # one clear at a time: a request's is never lost to the probe's
-            self._clear_owed = True  # from here nothing stored before is read
-            return self._clear_locked(self._healthy) or 0
-
-    def _clear_now(self) -> bool:
-        """(The probe, the store answering.) The owed clear; False while it stays owed."""
-        with self._clear_lock:
-            return not self._clear_owed or self._clear_locked(True) is not None
-
-    def _clear_locked(self, reachable: bool) -> int | None:
-        """(Lock held.) How many objects under the prefix were removed; None when the clear
-        stays owed (said once until it is done)."""
-        if reachable and self._store is not None and not self._late:
-            got = self._call(self._store.remove_by_regex, ("^" + _regex_escape(self.prefix), True),
-                             self.io_timeout_s, "a clear")
-            if got is not None and got >= 0:
-                self._clear_owed = self._owed_said = False
-                return got
-            if got is not None:
-                self._failed(f"a clear failed ({got})")
-        if not self.last_error.startswith("a clear is owed"):
-            self.last_error = (f"a clear is owed ({self.last_error or 'the store is down'}); "
-                               "the tier serves nothing until the store has done it")
-        if not self._owed_said:
-            self._owed_said = True
-            log.warning("[mooncake] %s: %s", self.uri, self.last_error)
-        return None
+    def _clear_store(self) -> int | None:
+        """(owed_clear.py) Every object under the prefix removed: how many; None when the
+        store is not there, stuck, or the call failed or was late."""
+        if self._store is None or self._late:
+            return None
+        got = self._call(self._store.remove_by_regex, ("^" + _regex_escape(self.prefix), True),
+                         self.io_timeout_s, "a clear")
+        if got is not None and got < 0:
+            self._failed(f"a clear failed ({got})")
+        return got if got is not None and got >= 0 else None
 
     def usage(self) -> dict:
         return {"used_bytes": 0, "capacity_bytes": 0, "blocks": None, "healthy": self.health(),

@@ -34,6 +34,7 @@ from typing import Sequence
 from urllib.parse import parse_qs, unquote, urlparse
 
 from .base import StorageBackend
+from .owed_clear import OwesClears
 from .record import HEADER_BYTES, BadRecord, nbytes, pack_header, scatter, verify
 from .uris import redact
 
@@ -57,7 +58,9 @@ return n
 SCRIPT_KEYS = 1024  # keys per script call: a script holds the server for its whole run
 
 
-class RedisBackend(StorageBackend):
+class RedisBackend(OwesClears, StorageBackend):
+    _LOG_TAG = "redis"
+
     def __init__(self, uri: str):
         try:
             import redis
@@ -85,9 +88,7 @@ class RedisBackend(StorageBackend):
             return redis.Redis(host=host, port=port, db=db, **common)
 
         self._healthy = True
-        self._clear_owed = False  # a clear the server has not done yet: nothing is read until it is
-        self._owed_said = False
-        self._clear_lock = threading.Lock()
+        self._clear_lock = threading.Lock()  # owed_clear.py: a clear the server has not done
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self.counters = {"puts": 0, "gets": 0, "dropped_puts": 0, "errors": 0, "corrupt": 0,
@@ -255,40 +256,19 @@ class RedisBackend(StorageBackend):
             self._failed(exc)
             return 0
 
-    def clear(self) -> int:
-        """Every block under the prefix goes now, or once the server answers again (owed)."""
-        with self._clear_lock:  # one clear at a time: a request's is never lost to the probe's
-            self._clear_owed = True  # from here nothing stored before is read
-            return self._clear_locked(self._healthy) or 0
-
-    def _clear_now(self) -> bool:
-        """(The probe, the server answering.) The owed clear; False while it stays owed."""
-        with self._clear_lock:
-            return not self._clear_owed or self._clear_locked(True) is not None
-
-    def _clear_locked(self, reachable: bool) -> int | None:
-        """(Lock held.) How many blocks under the prefix were removed; None when the clear
-        stays owed (said once until it is done)."""
-        if reachable:
-            try:
-                n, batch = 0, []
-                for name in self._client.scan_iter(match=self.prefix + b"*", count=1000):
-                    batch.append(name)
-                    if len(batch) >= 1000:
-                        n += self._delete_names(batch)
-                        batch = []
-                n += self._delete_names(batch)
-                self._clear_owed = self._owed_said = False
-                return n
-            except self._redis.RedisError as exc:
-                self._failed(exc)
-        if not self.last_error.startswith("a clear is owed"):
-            self.last_error = (f"a clear is owed ({self.last_error or 'the server is down'}); "
-                               "the tier serves nothing until the server has done it")
-        if not self._owed_said:
-            self._owed_said = True
-            log.warning("[redis] %s: %s", self.uri, self.last_error)
-        return None
+    def _clear_store(self) -> int | None:
+        """(owed_clear.py) Every key under the prefix deleted: how many; None on failure."""
+        try:
+            n, batch = 0, []
+            for name in self._client.scan_iter(match=self.prefix + b"*", count=1000):
+                batch.append(name)
+                if len(batch) >= 1000:
+                    n += self._delete_names(batch)
+                    batch = []
+            return n + self._delete_names(batch)
+        except self._redis.RedisError as exc:
+            self._failed(exc)
+            return None
 
     def _delete_names(self, names) -> int:
         if not names:
