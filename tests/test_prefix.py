@@ -340,6 +340,23 @@ def test_reset_after_a_weight_update_leaves_nothing_readable(daemon):
     mgr.close()
 
 
+def test_a_reset_told_not_to_clear_the_daemon_never_matches_what_it_holds(daemon):
+    """reset(clear_daemon=False): the daemon serves other engines too and keeps its blocks (the
+    control), but this manager never matches them again."""
+    kv = new_kv()
+    mgr = manager(daemon, kv)
+    prompt = toks(4 * BS)
+    SimEngine(mgr, kv).prefill("a", prompt + [1])
+    mgr.release("a")
+    mgr.reset(clear_daemon=False)
+    with daemon.connect() as c:
+        assert c.lookup(BlockHasher(NS).hash_blocks(prompt, BS)) == (4, 0)
+    hit = mgr.match("b", prompt + [2])
+    assert hit.cached_tokens == 0
+    mgr.release("b")
+    mgr.close()
+
+
 def test_a_reset_with_no_daemon_to_clear_never_serves_the_old_weights_kv(run_dir, instance, tmp_path):
     """A weight update while the daemon is gone: no clear reaches its disk tier, so the keys
     are salted anew, and the restarted daemon's old blocks (still there: the control) are

@@ -266,9 +266,10 @@ class PrefixCacheManager:
               timeout: float | None = None) -> None:
         """After a weight update: nothing cached so far is ever matched again. Waits for the
         daemon work in flight, drops every cached GPU block, and clears the daemon's tiers
-        (clear_daemon) or switches to a new namespace. A clear that cannot be done (no daemon
-        attached, or it failed) salts the keys anew instead: a daemon that comes back with the
-        old blocks on disk never serves them. Running requests keep their blocks privately
+        (clear_daemon) or switches to a new namespace. Without either - not asked to clear (the
+        daemon serves other engines too), or a clear that cannot be done (no daemon attached,
+        or it failed) - the keys are salted anew, so what the daemon holds (its disk tier,
+        when it comes back) is never matched. Running requests keep their blocks privately
         until released, and nothing they compute is cached."""
         self.settle(timeout)
         self.drop_gpu_cache()
@@ -276,19 +277,19 @@ class PrefixCacheManager:
             seq.stale = True  # its KV came (partly) from the old weights
         if namespace is not None:
             self.key_scheme.hasher = BlockHasher(namespace)
-        if clear_daemon:
-            cleared = (self.transfers.call(self.client.clear, "all", True)
-                       if self.client is not None else None)
-            if cleared is None and namespace is None:  # no daemon, or its clear failed: what
-                self._salt_anew()  # it holds (its disk tier, when it comes back) stays unmatched
+        attached, cleared = self.client is not None, None
+        if clear_daemon and attached:
+            cleared = self.transfers.call(self.client.clear, "all", True)
+        if namespace is None and cleared is None:  # the old blocks may be there: never match them
+            self._salt_anew("not asked to clear the daemon's tiers" if not clear_daemon else
+                            "no daemon attached to clear" if not attached else "the daemon's clear failed")
 
-    def _salt_anew(self) -> None:
+    def _salt_anew(self, why: str) -> None:
         ns = self.key_scheme.hasher.namespace
         salt = f"|reset:{os.urandom(8).hex()}"
         self.key_scheme.hasher = BlockHasher(ns + salt if isinstance(ns, str) else bytes(ns) + salt.encode())
-        log.warning("[prefix] reset: the daemon's tiers could not be cleared (%s); keys are salted "
-                    "anew, so no block stored before is matched again",
-                    "no daemon attached" if self.client is None else "the clear failed")
+        log.info("[prefix] reset: %s; keys are salted anew, so no block stored before is "
+                    "matched again", why)
 
     def drop_gpu_cache(self) -> int:
         """Forget every cached GPU block (the daemon's tiers keep theirs); blocks in use by
