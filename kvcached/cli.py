@@ -143,8 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     clear.add_argument("--tier", choices=["all", "host", "storage"], default="all",
                        help="which tiers (default: %(default)s)")
     clear.add_argument("--weights-update", action="store_true",
-                       help="a weight update: the daemon's state goes CLEARING, then CLEARED "
-                            "(status shows it)")
+                       help="a weight update: every tier is cleared (whatever --tier says), and "
+                            "the daemon's state goes CLEARING, then CLEARED (status shows it)")
     clear.add_argument("--timeout", type=float, default=60.0,
                        help="seconds to wait for the daemon (default: %(default)s)")
 
@@ -450,7 +450,8 @@ def cmd_clear(args) -> int:
                         role="operator", timeout=args.timeout) as c:
         n = c.clear(args.tier, args.weights_update, timeout=args.timeout)
         owed = [st["uri"] for st in c.status().get("storage", []) if st.get("clear_owed")]
-    print(f"cleared {n} blocks of instance {args.instance} (tier {args.tier})")
+    tier = "all, a weight update" if args.weights_update else args.tier
+    print(f"cleared {n} blocks of instance {args.instance} (tier {tier})")
     for uri in owed:
         print(f"kvcached clear: {uri} is down: it owes the clear and serves nothing until it "
               "is done", file=sys.stderr)

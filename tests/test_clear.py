@@ -86,7 +86,10 @@ def test_an_operator_clears_a_tier_or_all_from_the_cli(run_dir, instance, disk_d
             offload_and_flush(c, kv, keys, list(range(8)))
             assert "cleared 8 blocks" in cli("--tier", "host")
             assert c.lookup(keys) == (0, 8)
-            assert "cleared 8 blocks" in cli("--weights-update")
+            c.load(keys, list(range(20, 28))).wait(10)  # back in the host tier too
+            assert c.lookup(keys) == (8, 0)
+            # a weight update clears every tier, whatever the tier asked
+            assert "cleared 16 blocks" in cli("--tier", "storage", "--weights-update")
             assert c.lookup(keys) == (0, 0) and c.status()["state"] == "cleared"
             wait_until(lambda: not files(disk_dir), 5, "the records removed")
     finally:

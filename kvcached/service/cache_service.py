@@ -308,7 +308,7 @@ class CacheService:
         prior = self.status_block.state
         if weights:
             self.status_block.set_state(State.CLEARING)
-        tier = req.body["tier"]
+        tier = "all" if weights else req.body["tier"]  # old weights' KV is in every tier
         self._drain("clear", cancel_queued=True)
         try:
             freed, stored = [], 0
