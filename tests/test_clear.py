@@ -69,6 +69,34 @@ def test_a_clear_the_redis_server_missed_is_done_before_the_tier_serves_again(
         h.stop()
 
 
+def test_a_clear_owed_when_the_daemon_stops_is_owed_by_the_next_one(run_dir, instance, redis_server):
+    """The server is stopped when the clear comes, and the daemon is stopped before the server
+    answers again: the next daemon on the instance owes the clear (a file in the run dir) and
+    does it before its tier serves."""
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys = keys_for(8, 44)
+    h = start(run_dir, instance, redis_server.uri)
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, list(range(8)))
+            os.kill(redis_server.proc.pid, signal.SIGSTOP)
+            try:
+                wait_until(lambda: not c.status()["storage"][0]["healthy"], 5, "the tier down")
+                c.clear(weights_update=True)
+            finally:
+                h.stop()
+                os.kill(redis_server.proc.pid, signal.SIGCONT)
+        h = start(run_dir, instance, redis_server.uri)
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            wait_until(lambda: c.status()["storage"][0]["healthy"], 5, "the tier back, cleared")
+            assert c.lookup(keys) == (0, 0) and redis_server.client().dbsize() == 0
+        assert not os.path.exists(os.path.join(run_dir, f"{instance}.clears-owed"))
+    finally:
+        h.stop()
+
+
 def test_an_operator_clears_a_tier_or_all_from_the_cli(run_dir, instance, disk_dir):
     kv = small_kv(block_shape=PAGE_SHAPE)
     keys = keys_for(8, 43)

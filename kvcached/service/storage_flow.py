@@ -15,6 +15,7 @@ block stays pinned - until the I/O returns, however late.
 from __future__ import annotations
 
 import itertools
+import os
 import logging
 import threading
 import time
@@ -97,7 +98,8 @@ class StorageFlow:
         self.lent_pins: dict[int, object] = {}  # entries a late write still reads (pinned)
         try:
             self.tiers = StorageTiers(cfg.storage, cfg.storage_write_policy, cfg.storage_writer,
-                                      cfg.selective_hits, self._ready)
+                                      cfg.selective_hits, self._ready,
+                                      os.path.join(cfg.run_dir, f"{cfg.instance}.clears-owed"))
         except ValueError as exc:  # a store that cannot be opened (a disk root not creatable)
             raise StartupError(f"--storage {exc}") from None
         self.counters = {"backups": 0, "backup_dropped": 0, "fetched": 0,

@@ -21,6 +21,7 @@ from typing import Sequence
 
 from .base import StorageBackend
 from .disk import DiskBackend
+from .owed_clear import OwedRecord, OwesClears
 from .record import StoredKeys
 from .uris import redact
 
@@ -62,8 +63,10 @@ def open_backend(uri: str, on_ready=None) -> StorageBackend:
 
 class StorageTiers:
     def __init__(self, uris: Sequence[str], write_policy: str = "write_through",
-                 writer: bool = True, selective_hits: int = 2, on_ready=None):
-        """on_ready() is called once every backend is ready (at once when they all are)."""
+                 writer: bool = True, selective_hits: int = 2, on_ready=None,
+                 owed_path: str | None = None):
+        """on_ready() is called once every backend is ready (at once when they all are);
+        owed_path keeps the clears a remote store owes across a restart (owed_clear.py)."""
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write policy {write_policy!r}: expected one of {WRITE_POLICIES}")
         self.write_policy = write_policy
@@ -79,6 +82,11 @@ class StorageTiers:
         except BaseException:
             self.close()
             raise
+        owing = [b for b in self.backends if isinstance(b, OwesClears)]
+        if owed_path is not None and owing:
+            record = OwedRecord(owed_path)
+            for b in owing:
+                b.owe_clear(record)
         self._opened = True
         self._backend_ready()
 
