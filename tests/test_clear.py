@@ -185,3 +185,4 @@ def test_a_disk_write_begun_before_a_clear_and_landing_after_it_is_void(tmp_path
     finally:
         held.set()
         disk.close()
+

@@ -19,9 +19,11 @@ PROGRESS_EVERY = 100_000
 def list_records(root: str, unusable: set[int]) -> tuple[list, int]:
     """(mtime_ns, key, size) of every record file of this uid in the usable shards, and how
     many other files were removed (temp files of a crashed write, links, FIFOs, another user's
-    files); a directory where a record goes is left alone."""
+    files); a directory where a record goes is left alone, and so is a temp file of this
+    process (a put running beside the listing: removing it failed that put)."""
     found, removed = [], 0
     foreign = 0
+    own_temp = f".kvb.{os.getpid()}."  # disk.py names its temp files {record}.{pid}.{thread}.tmp
     for shard in os.scandir(root):
         if not (shard.is_dir(follow_symlinks=False) and _SHARD_RE.match(shard.name)) \
                 or int(shard.name, 16) in unusable:
@@ -35,6 +37,8 @@ def list_records(root: str, unusable: set[int]) -> tuple[list, int]:
                     log.info("[disk] indexing %s: %d files", root, len(found))
             elif stat.S_ISDIR(st.st_mode):
                 log.warning("[disk] %s: a directory where records go; left alone", entry.path)
+            elif own_temp in entry.name and entry.name.endswith(".tmp") and owned.is_ours(st):
+                continue  # this process's write in progress
             else:  # temp files of a crashed write, links, FIFOs, another user's files
                 foreign += not owned.is_ours(st)
                 os.unlink(entry.path)
