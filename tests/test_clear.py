@@ -3,6 +3,7 @@ weights' KV), whatever was under way: backups queued behind a slow write, a stor
 when the clear comes, a stop before the disk tier's files are gone, a disk write begun before
 the clear that lands after it. Against real daemons and redis-servers; the disk tier's own
 logic in process, on a real directory."""
+import contextlib
 import os
 import signal
 import subprocess
@@ -15,6 +16,18 @@ from kvcached.storage.disk_clear import MARK
 from storage_util import PAGE_SHAPE, files, offload_and_flush, start
 
 GEOMETRY = bytes(range(16))
+
+
+@contextlib.contextmanager
+def _server_stopped(c, redis_server):
+    """The redis-server SIGSTOPped for the block, which begins once c's daemon shows its tier
+    down."""
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: not c.status()["storage"][0]["healthy"], 5, "the tier down")
+        yield
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
 
 
 def test_backups_queued_at_a_clear_never_put_back_what_it_cleared(run_dir, instance, redis_server):
@@ -54,13 +67,9 @@ def test_a_clear_the_redis_server_missed_is_done_before_the_tier_serves_again(
         with h.connect() as c:
             c.register_kv_cache(kv)
             offload_and_flush(c, kv, keys, list(range(8)))
-            os.kill(redis_server.proc.pid, signal.SIGSTOP)
-            try:
-                wait_until(lambda: not c.status()["storage"][0]["healthy"], 5, "the tier down")
+            with _server_stopped(c, redis_server):
                 c.clear(weights_update=True)
                 stopped = c.status()["storage"][0]
-            finally:
-                os.kill(redis_server.proc.pid, signal.SIGCONT)
             wait_until(lambda: c.status()["storage"][0]["healthy"], 5, "the tier back, cleared")
             assert c.lookup(keys) == (0, 0) and redis_server.client().dbsize() == 0
             assert stopped.get("clear_owed") and "clear is owed" in stopped["last_error"]
@@ -80,13 +89,9 @@ def test_a_clear_owed_when_the_daemon_stops_is_owed_by_the_next_one(run_dir, ins
         with h.connect() as c:
             c.register_kv_cache(kv)
             offload_and_flush(c, kv, keys, list(range(8)))
-            os.kill(redis_server.proc.pid, signal.SIGSTOP)
-            try:
-                wait_until(lambda: not c.status()["storage"][0]["healthy"], 5, "the tier down")
+            with _server_stopped(c, redis_server):
                 c.clear(weights_update=True)
-            finally:
-                h.stop()
-                os.kill(redis_server.proc.pid, signal.SIGCONT)
+                h.stop()  # before the server answers again
         h = start(run_dir, instance, redis_server.uri)
         with h.connect() as c:
             c.register_kv_cache(kv)
