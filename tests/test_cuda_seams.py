@@ -258,6 +258,9 @@ class FakeCuda:
     def device(self, _device):
         return contextlib.nullcontext()
 
+    def empty_cache(self):
+        self.log.append(("empty_cache",))
+
     def Stream(self):  # noqa: N802 (torch's name)
         self.made += 1
         cuda, handle = self, 0x1000 * self.made

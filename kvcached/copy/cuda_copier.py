@@ -97,3 +97,7 @@ class CudaCopier(StrategyCopier):
         for stream in self.streams.values():
             stream.synchronize()
         super().close()
+        with self.cuda.device(self.device):
+            # the staging buffers (64 MiB a direction) back to the GPU rather than kept in torch's
+            # cache: an engine that restarts sizes its KV by the free memory it finds
+            self.cuda.empty_cache()
