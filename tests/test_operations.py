@@ -90,6 +90,10 @@ def test_status_json_has_the_contract_keys_and_the_operator_figures(busy_daemon)
     assert {"capacity_bytes", "used_bytes", "evictions"} <= s["host"].keys()
     assert s["bytes"]["d2h"] > 0 and s["bytes"]["h2d"] > 0
     assert s["lookups"]["host_hits"] == 8
+    phases = s["tasks"]["copy_phases"]  # one offload and one load ran, each timed in three phases
+    assert {k: p["tasks"] for k, p in phases.items()} == {"offload": 1, "load": 1}
+    assert all(p[f"{phase}_s"] >= 0 for p in phases.values() for phase in ("wait", "queue", "land"))
+    assert all(p["queue_s"] + p["land_s"] > 0 for p in phases.values())
 
 
 def test_metrics_parse_and_carry_the_expected_names(busy_daemon):
@@ -104,6 +108,10 @@ def test_metrics_parse_and_carry_the_expected_names(busy_daemon):
     assert samples and samples[0].labels["instance"] == busy_daemon.instance and samples[0].value > 0
     ops = {s.labels["op"] for s in families["kvcached_task_duration_seconds"].samples}
     assert {"load", "offload"} <= ops
+    phase = {(s.labels["op"], s.labels["phase"]) for s in families["kvcached_copy_phase_seconds"].samples}
+    assert phase == {(op, p) for op in ("load", "offload") for p in ("wait", "queue", "land")}
+    assert {s.labels["op"]: s.value for s in families["kvcached_copy_tasks"].samples} == \
+        {"load": 1, "offload": 1}
 
 
 def test_json_logs_with_task_lines_and_periodic_stats(busy_daemon):

@@ -174,6 +174,7 @@ def _daemon_runs(device, n: int, repeats: int, baseline: PinnedMemcpy, run_dir: 
                 load_s.append(time.perf_counter() - t0)
                 exact &= loaded == n and _check(kv, dst, src)
                 client.clear()
+            phases = _phases_ms(client.status()["tasks"].get("copy_phases", {}))
             overlap = _overlap(client, kv, num_blocks, device, rng)
     finally:
         daemon.stop()
@@ -182,7 +183,14 @@ def _daemon_runs(device, n: int, repeats: int, baseline: PinnedMemcpy, run_dir: 
     return {"blocks": n, "bytes": nbytes, "strategy": reply.get("copy_strategy"),
             "offload_gbps": round(d2h, 2), "offload_ratio": ratio(d2h, max(baseline.d2h)),
             "load_gbps": round(h2d, 2), "load_ratio": ratio(h2d, max(baseline.h2d)),
-            "bytes_exact": bool(exact), "overlap": overlap}
+            "bytes_exact": bool(exact), "phases_ms": phases, "overlap": overlap}
+
+
+def _phases_ms(copy_phases: dict) -> dict:
+    """The daemon's mean time per offload and load task: waiting for its copy worker, queueing
+    the copies (the CPU's share: CUDA calls), then until they landed (status tasks.copy_phases)."""
+    return {op: {k: round(p[f"{k}_s"] / p["tasks"] * 1e3, 2) for k in ("wait", "queue", "land")}
+            for op, p in copy_phases.items() if p.get("tasks")}
 
 
 def _overlap(client, kv, num_blocks: int, device, rng) -> dict:
@@ -203,7 +211,7 @@ def _overlap(client, kv, num_blocks: int, device, rng) -> dict:
     _fill(kv, dst, salt=1)
     idx = torch.from_numpy(dst).to(device)
     torch.cuda.synchronize()
-    alone, with_load, first_layer, exact = [], [], [], True
+    alone, with_load, first_layer, request, exact = [], [], [], [], True
     for _ in range(3):
         alone.append(_timed(lambda: [fwd.layer(kv[i], idx) for i in range(LAYERS)]))
 
@@ -212,6 +220,7 @@ def _overlap(client, kv, num_blocks: int, device, rng) -> dict:
         def overlapped():
             t0 = time.perf_counter()
             tasks.append(client.load(keys, dst))
+            request.append(time.perf_counter() - t0)
             for i in range(LAYERS):
                 tasks[-1].wait_layer(i, timeout=120)  # counter, then this stream waits on the event
                 if i == 0:
@@ -233,6 +242,7 @@ def _overlap(client, kv, num_blocks: int, device, rng) -> dict:
     return {"tokens": 2048, "layer_ms": round(per_layer * 1e3, 3), "blocks": n,
             "forward_ms": round(min(alone) * 1e3, 2), "with_load_ms": round(min(with_load) * 1e3, 2),
             "first_layer_ms": round(float(np.median(first_layer)) * 1e3, 2),
+            "request_ms": round(float(np.median(request)) * 1e3, 2),
             "ratio": ratio(min(with_load), min(alone)), "bytes_exact": bool(exact),
             "with_offload_ms": round(min(with_offload) * 1e3, 2),
             "offload_ratio": ratio(min(with_offload), min(alone)), "offload_stored": min(stored)}
@@ -294,11 +304,15 @@ def format_result(r: dict) -> str:
         lines += [
             f"daemon ({d['strategy']}): offload {d['offload_gbps']:.1f} GB/s ({d['offload_ratio']:.2f}), "
             f"layer-wise load {d['load_gbps']:.1f} GB/s ({d['load_ratio']:.2f}), exact {d['bytes_exact']}",
+            *(f"  {op} in the daemon: worker took it after {p['wait']} ms, queued the copies in "
+              f"{p['queue']} ms, they landed {p['land']} ms later (mean per task)"
+              for op, p in d.get("phases_ms", {}).items()),
             f"  overlap: forward {o['forward_ms']:.2f} ms, with a {o['blocks']}-block layer-wise load "
             f"{o['with_load_ms']:.2f} ms, ratio {o['ratio']:.3f}; with an offload beside it "
             f"{o.get('with_offload_ms', '?')} ms, ratio {o.get('offload_ratio', '?')} (target <= "
             f"{r['target']['overlap_ratio_max']}), exact {o['bytes_exact']}; CPU saw layer 0 "
-            f"{o.get('first_layer_ms', '?')} ms after the request",
+            f"{o.get('first_layer_ms', '?')} ms after the request"
+            + (f" (its reply after {o['request_ms']} ms)" if "request_ms" in o else ""),
         ]
     p = r["pin"]
     lines += [

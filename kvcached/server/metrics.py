@@ -8,6 +8,10 @@ metrics_http.MetricsServer (one thread, bounded; a rendering shared for MIN_REND
     kvcached_storage_bytes_total{direction="put"|"get"}               counter (blocks x page bytes)
     kvcached_task_duration_seconds{op="load"|"offload"|"prefetch"|...}  histogram
     kvcached_tasks_total{status="completed"|"failed"|"cancelled"}     counter
+    kvcached_copy_phase_seconds_total{op="offload"|"load",phase="wait"|"queue"|"land"}  counter
+                                  (completed copies: waiting for the copy worker, the CPU queueing
+                                  the copies, then until they landed; per task: divided by
+                                  kvcached_copy_tasks_total{op})
     kvcached_hit_blocks_total{tier="host"|"storage"}                  counter (x block tokens = tokens)
     kvcached_lookup_blocks_total                                       counter
     kvcached_loaded_blocks_total{source="host"|"storage"}             counter (what loads served:
@@ -63,6 +67,7 @@ class StatusCollector:
         for status in ("completed", "failed", "cancelled"):
             tasks.add_metric([i, status], s["tasks"].get(status, 0))
         yield tasks
+        yield from self._copy_phases(s["tasks"].get("copy_phases", {}))
         lookups = s.get("lookups", {})
         hits = fam(CounterMetricFamily, "kvcached_hit_blocks", "Leading blocks found by lookups", ["tier"])
         hits.add_metric([i, "host"], lookups.get("host_hits", 0))
@@ -98,6 +103,20 @@ class StatusCollector:
             g = fam(GaugeMetricFamily, name, doc)
             g.add_metric([i], value)
             yield g
+
+
+    def _copy_phases(self, copy_phases: dict):
+        i = self.instance
+        phases = self._family(CounterMetricFamily, "kvcached_copy_phase_seconds",
+                              "Completed copy tasks' time: waiting for the copy worker, queueing "
+                              "the copies, until they landed", ["op", "phase"])
+        copied = self._family(CounterMetricFamily, "kvcached_copy_tasks",
+                              "Completed copy tasks the phases count", ["op"])
+        for op, p in copy_phases.items():
+            for phase in ("wait", "queue", "land"):
+                phases.add_metric([i, op, phase], p[f"{phase}_s"])
+            copied.add_metric([i, op], p["tasks"])
+        return phases, copied
 
 
 class Metrics:

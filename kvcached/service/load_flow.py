@@ -180,6 +180,9 @@ class LoadFlow:
                 task.bytes_moved += copier.load_layer(layer, plan)
                 copier.layer_loaded(task, layer)  # the slot's order word for the layer
                 self.status_block.slot_layer_done(task.slot, layer + 1)
+        queued = time.monotonic_ns()
+        for task, _, _ in plans:
+            task.queued_ns = queued
         for copier in {id(c): c for _, c, _ in plans}.values():
             copier.sync(TaskKind.LOAD)  # every copy landed before the host blocks are unpinned
         for task in self.intact([t for t, _, _ in plans]):

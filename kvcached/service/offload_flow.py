@@ -71,6 +71,7 @@ class OffloadFlow:
                 plan = copier.plan(TaskKind.OFFLOAD, dev_all[start:end], task.host_blocks[start:end])
                 for layer in range(num_layers):
                     task.bytes_moved += copier.offload_layer(layer, plan)
+            task.queued_ns = time.monotonic_ns()
             copier.sync(TaskKind.OFFLOAD)  # the host blocks hold the bytes before they are marked ready
             if self.loads.intact([task]):  # else it failed: its host blocks are discarded
                 self.complete(task)

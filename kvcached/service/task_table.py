@@ -29,6 +29,18 @@ class TaskCounters:
         self.failed = 0
         self.cancelled = 0
         self.bytes = {"d2h": 0, "h2d": 0}
+        # per kind of copied task (offload, load): seconds spent waiting for the copy worker,
+        # queueing the copies (the CPU's share), then until they landed and the task ended
+        self.phases: dict[str, dict[str, float]] = {}
+
+    def add_phases(self, task, end_ns: int) -> None:
+        if not (task.started_ns and task.queued_ns):
+            return
+        p = self.phases.setdefault(task.kind, {"tasks": 0, "wait_s": 0.0, "queue_s": 0.0, "land_s": 0.0})
+        p["tasks"] += 1
+        p["wait_s"] += (task.started_ns - task.created_ns) / 1e9
+        p["queue_s"] += (task.queued_ns - task.started_ns) / 1e9
+        p["land_s"] += (end_ns - task.queued_ns) / 1e9
 
 
 class TaskTable:
@@ -72,6 +84,7 @@ class TaskTable:
                 return
             if status == TaskStatus.DONE:
                 self.counters.completed += 1
+                self.counters.add_phases(task, time.monotonic_ns())
             elif status == TaskStatus.FAILED:
                 self.counters.failed += 1
             else:
@@ -84,8 +97,9 @@ class TaskTable:
         result["bytes"] = task.bytes_moved
         seconds = (time.monotonic_ns() - task.created_ns) / 1e9
         self.on_task_end(task.kind, seconds)
-        log.debug("[task] %d %s %s: %d blocks, %d bytes, %.2f ms", task.task_id, task.kind,
-                  status, task.num_blocks, task.bytes_moved, seconds * 1e3)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("[task] %d %s %s: %d blocks, %d bytes, %.2f ms%s", task.task_id, task.kind,
+                      status, task.num_blocks, task.bytes_moved, seconds * 1e3, _phases(task))
         self.events.emit(task.routing_id, task_event(task.task_id, status, result))
 
     def cancel_client(self, client_id: str) -> None:
@@ -108,4 +122,17 @@ class TaskTable:
         loads and prefetches waiting for another task's fetch of their keys)."""
         return {"queued": queued, "inflight": len(self.tasks) - queued, "parked": parked,
                 "completed": self.counters.completed, "failed": self.counters.failed,
-                "cancelled": self.counters.cancelled, "slots_busy": len(self.slots_busy)}
+                "cancelled": self.counters.cancelled, "slots_busy": len(self.slots_busy),
+                "copy_phases": {k: {n: round(v, 6) for n, v in p.items()}
+                                for k, p in self.counters.phases.items()}}
+
+
+def _phases(task) -> str:
+    """Where a copied task's time went: waiting for the copy worker, queueing its copies (the
+    CPU's share: CUDA launches, or the copies themselves on CPU), then their landing."""
+    if not (task.started_ns and task.queued_ns):
+        return ""
+    now = time.monotonic_ns()
+    return (f" (worker took it after {(task.started_ns - task.created_ns) / 1e6:.2f} ms, queued its"
+            f" copies in {(task.queued_ns - task.started_ns) / 1e6:.2f} ms, ended"
+            f" {(now - task.queued_ns) / 1e6:.2f} ms later)")
