@@ -1,6 +1,7 @@
 """The benchmarks run end to end and report what they measured (no timing assertions here:
 speed is judged from their ratios, recorded in docs/performance.md)."""
 import json
+import re
 import subprocess
 import sys
 
@@ -36,6 +37,24 @@ def test_bench_transfer_moves_the_bytes_it_reports():
 def test_bench_transfer_runs_a_named_copy_strategy():
     r = _bench("transfer", "--copy-strategy", "gather")
     assert r["copy_strategy"] == "gather" and r["bytes_exact"] is True
+
+
+def test_the_cuda_bench_table_prints_a_recorded_run_and_the_daemon_phases():
+    from pathlib import Path
+
+    from kvcached.bench.transfer_cuda import _phases_ms, format_result
+    r = json.loads((Path(__file__).parent / "data" / "bench_transfer_cuda_h100.json").read_text())
+    table = format_result(r)  # a result written before the phases were reported
+    assert re.search(r"cross_layer +dma +53\.6 +0\.97 +53\.4 +0\.97 True", table)
+    assert "ratio 1.178" in table and "in the daemon" not in table and "its reply" not in table
+    r["daemons"][1]["phases_ms"] = _phases_ms(
+        {"load": {"tasks": 4, "wait_s": 0.002, "queue_s": 0.2, "land_s": 0.04},
+         "offload": {"tasks": 0, "wait_s": 0.0, "queue_s": 0.0, "land_s": 0.0}})
+    lines = format_result(r).splitlines()
+    phase = [line for line in lines if "in the daemon" in line]
+    assert phase == ["  load in the daemon: worker took it after 0.5 ms, queued the copies in 50.0 ms, "
+                     "they landed 10.0 ms later (mean per task)"]
+    assert lines.index(phase[0]) == next(i for i, line in enumerate(lines) if "daemon (dma)" in line) + 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="scripts/gpu_check.sh runs it on a GPU")
