@@ -94,6 +94,7 @@ def test_status_json_has_the_contract_keys_and_the_operator_figures(busy_daemon)
     assert {k: p["tasks"] for k, p in phases.items()} == {"offload": 1, "load": 1}
     assert all(p[f"{phase}_s"] >= 0 for p in phases.values() for phase in ("wait", "queue", "land"))
     assert all(p["queue_s"] + p["land_s"] > 0 for p in phases.values())
+    assert phases["load"]["first_layer_s"] > 0 and "first_layer_s" not in phases["offload"]
 
 
 def test_metrics_parse_and_carry_the_expected_names(busy_daemon):

@@ -186,10 +186,16 @@ def _daemon_runs(device, n: int, repeats: int, baseline: PinnedMemcpy, run_dir: 
             "bytes_exact": bool(exact), "phases_ms": phases, "overlap": overlap}
 
 
+def _since(before: dict, after: dict) -> dict:
+    """The copy phases of the tasks that ended between two status readings."""
+    return {op: {k: v - before.get(op, {}).get(k, 0) for k, v in p.items()} for op, p in after.items()}
+
+
 def _phases_ms(copy_phases: dict) -> dict:
     """The daemon's mean time per offload and load task: waiting for its copy worker, queueing
     the copies (the CPU's share: CUDA calls), then until they landed (status tasks.copy_phases)."""
-    return {op: {k: round(p[f"{k}_s"] / p["tasks"] * 1e3, 2) for k in ("wait", "queue", "land")}
+    return {op: {k: round(p[f"{k}_s"] / p["tasks"] * 1e3, 2)
+                 for k in ("wait", "queue", "land", "first_layer") if f"{k}_s" in p}
             for op, p in copy_phases.items() if p.get("tasks")}
 
 
@@ -212,6 +218,7 @@ def _overlap(client, kv, num_blocks: int, device, rng) -> dict:
     idx = torch.from_numpy(dst).to(device)
     torch.cuda.synchronize()
     alone, with_load, first_layer, request, exact = [], [], [], [], True
+    phases_before = client.status()["tasks"].get("copy_phases", {})
     for _ in range(3):
         alone.append(_timed(lambda: [fwd.layer(kv[i], idx) for i in range(LAYERS)]))
 
@@ -228,6 +235,7 @@ def _overlap(client, kv, num_blocks: int, device, rng) -> dict:
                 fwd.layer(kv[i], idx)
         with_load.append(_timed(overlapped))  # the end event follows the last layer's kernels
         exact &= tasks[-1].wait(120) == n
+    in_daemon = _phases_ms(_since(phases_before, client.status()["tasks"].get("copy_phases", {})))
     exact &= _check(kv, dst, src)
     with_offload, stored = [], []
     for _ in range(3):  # an offload of the loaded blocks under new keys, beside the forward
@@ -243,6 +251,7 @@ def _overlap(client, kv, num_blocks: int, device, rng) -> dict:
             "forward_ms": round(min(alone) * 1e3, 2), "with_load_ms": round(min(with_load) * 1e3, 2),
             "first_layer_ms": round(float(np.median(first_layer)) * 1e3, 2),
             "request_ms": round(float(np.median(request)) * 1e3, 2),
+            "load_in_daemon_ms": in_daemon.get("load", {}),
             "ratio": ratio(min(with_load), min(alone)), "bytes_exact": bool(exact),
             "with_offload_ms": round(min(with_offload) * 1e3, 2),
             "offload_ratio": ratio(min(with_offload), min(alone)), "offload_stored": min(stored)}
@@ -306,6 +315,8 @@ def format_result(r: dict) -> str:
             f"layer-wise load {d['load_gbps']:.1f} GB/s ({d['load_ratio']:.2f}), exact {d['bytes_exact']}",
             *(f"  {op} in the daemon: worker took it after {p['wait']} ms, queued the copies in "
               f"{p['queue']} ms, they landed {p['land']} ms later (mean per task)"
+              + (f"; its first layer counted {p['first_layer']} ms after the request"
+                 if "first_layer" in p else "")
               for op, p in d.get("phases_ms", {}).items()),
             f"  overlap: forward {o['forward_ms']:.2f} ms, with a {o['blocks']}-block layer-wise load "
             f"{o['with_load_ms']:.2f} ms, ratio {o['ratio']:.3f}; with an offload beside it "
@@ -313,6 +324,10 @@ def format_result(r: dict) -> str:
             f"{r['target']['overlap_ratio_max']}), exact {o['bytes_exact']}; CPU saw layer 0 "
             f"{o.get('first_layer_ms', '?')} ms after the request"
             + (f" (its reply after {o['request_ms']} ms)" if "request_ms" in o else ""),
+            *([f"  those loads in the daemon: first layer counted "
+               f"{o['load_in_daemon_ms'].get('first_layer', '?')} ms after the request (the worker "
+               f"took it after {o['load_in_daemon_ms']['wait']} ms), every copy queued "
+               f"{o['load_in_daemon_ms']['queue']} ms later"] if o.get("load_in_daemon_ms") else []),
         ]
     p = r["pin"]
     lines += [

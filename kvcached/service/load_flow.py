@@ -180,6 +180,8 @@ class LoadFlow:
                 task.bytes_moved += copier.load_layer(layer, plan)
                 copier.layer_loaded(task, layer)  # the slot's order word for the layer
                 self.status_block.slot_layer_done(task.slot, layer + 1)
+                if layer == 0:
+                    task.first_layer_ns = time.monotonic_ns()
         queued = time.monotonic_ns()
         for task, _, _ in plans:
             task.queued_ns = queued

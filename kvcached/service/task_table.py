@@ -41,6 +41,8 @@ class TaskCounters:
         p["wait_s"] += (task.started_ns - task.created_ns) / 1e9
         p["queue_s"] += (task.queued_ns - task.started_ns) / 1e9
         p["land_s"] += (end_ns - task.queued_ns) / 1e9
+        if task.first_layer_ns:  # a load: from the request to its first layer counted
+            p["first_layer_s"] = p.get("first_layer_s", 0.0) + (task.first_layer_ns - task.created_ns) / 1e9
 
 
 class TaskTable:
