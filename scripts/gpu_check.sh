@@ -9,13 +9,17 @@
 #   ./scripts/gpu_check.sh [--quick] [--only smoke,tests,quick,bench] [cuda:N]
 # The whole run stays under TOTAL_S (560 s: a lent machine's commands end at 600 s): each stage's
 # limit is cut to what is left, and a stage with under 20 s left is skipped (said in the log).
-# --only runs the named stages alone (a second command for the bench, say).
+# --only runs the named stages alone. On an H100 (2026-11-26) the stages took about 10 s, 194 s,
+# 35 s and 65 s: all four fit in one command (a lent machine's first call adds its start).
 # It uses the machine's own python3 and its CUDA build of PyTorch (never pip-installs torch) with
 # this checkout on PYTHONPATH. Python packages the machine lacks (pyzmq, posix_ipc, ...) are
 # installed into a temporary folder from ./.whl only (docs/cuda.md): when a wheel is
 # missing there it stops at once and says which; it never reaches for a package index.
 # Every stage writes its log under $OUT (else a temporary folder, printed) as it runs, so a
-# stage killed at its limit leaves what it wrote; daemons keep their logs in $OUT/daemon-logs.
+# stage killed at its limit leaves what it wrote; daemons keep their logs in $OUT/daemon-logs,
+# packed into daemon-logs.tar.gz at the end. At most 8 files are left under $OUT (what a lent
+# machine sends back): gpu_check.log, setup.log, smoke.log, tests.log, bench.log (quick and full),
+# the two bench JSONs and the daemons' logs.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 QUICK=0
@@ -65,7 +69,7 @@ if [ -n "$missing" ]; then
   fi
   say "installing from .whl into $SITE: $missing"
   timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" \
-    "$ROOT"/.whl/*.whl > "$LOGS/pip.log" 2>&1 || { say "pip from .whl failed: $LOGS/pip.log"; exit 3; }
+    "$ROOT"/.whl/*.whl >> "$LOGS/setup.log" 2>&1 || { say "pip from .whl failed: $LOGS/setup.log"; exit 3; }
 fi
 
 # the C extensions (kvcached/copy/*.c: the SIGBUS guard, the native CPU copies; proto/_keytable.c:
@@ -79,8 +83,8 @@ for src in kvcached/copy/_sigbus.c kvcached/copy/_blockcopy.c proto/_keytable.c;
     ext=$("$PY" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
     inc=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
     timeout 60 cc -O2 -shared -fPIC -I"$inc" "$src" -o "${src%.c}$ext" \
-      > "$LOGS/${mod}_build.log" 2>&1 && say "built ${src%.c}$ext" \
-      || say "$pkg.$mod not built ($LOGS/${mod}_build.log)"
+      >> "$LOGS/setup.log" 2>&1 && say "built ${src%.c}$ext" \
+      || say "$pkg.$mod not built ($LOGS/setup.log)"
   fi
 done
 
@@ -89,18 +93,21 @@ timeout 120 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available()
 timeout 30 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
   2>&1 | tee -a "$LOGS/gpu_check.log" || true
 
-# stage NAME LIMIT_S CMD...: runs CMD under `timeout`, its output to $LOGS/NAME.log as it comes
+# stage NAME LIMIT_S CMD...: runs CMD under `timeout`, its output appended to $LOGS/NAME.log as it
+# comes (quick and bench share bench.log: a lent machine sends back at most 8 files)
 stage() {
   local name="$1" limit="$2"; shift 2
+  local logname="$name"; [ "$name" = quick ] && logname=bench
   local left=$(( END_AT - $(date +%s) ))
   if ! wanted "$name"; then say "$name not asked for (--only $ONLY)"; return 200; fi
   if [ "$left" -lt 20 ]; then say "$name skipped: ${left} s left of TOTAL_S"; return 201; fi
   [ "$limit" -gt "$left" ] && limit="$left"
   say "$name (limit ${limit} s): $*"
-  timeout --kill-after=15 "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  echo "== $name: $*" >> "$LOGS/$logname.log"
+  timeout --kill-after=15 "$limit" "$@" >> "$LOGS/$logname.log" 2>&1
   local rc=$?
   [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && say "$name ran past its ${limit} s limit (exit $rc)"
-  say "$name exit $rc; log $LOGS/$name.log"
+  say "$name exit $rc; log $LOGS/$logname.log"
   return "$rc"
 }
 
@@ -112,7 +119,7 @@ if [ -f "$SMOKE" ]; then
   # the smoke predates the daemon's layer folders: it imports the host pool by its old name
   sed 's/kvcached\.host_pool/kvcached.host.pool/' "$SMOKE" > "$SITE/gpu_smoke.py"
   SMOKE="$SITE/gpu_smoke.py"
-  OUT="$LOGS" SMOKE_DEV="$DEV" stage smoke "${SMOKE_S:-180}" "$PY" -u "$SMOKE"; smoke_rc=$?
+  OUT="$LOGS/daemon-logs" SMOKE_DEV="$DEV" stage smoke "${SMOKE_S:-180}" "$PY" -u "$SMOKE"; smoke_rc=$?
   tail -n 20 "$LOGS/smoke.log"
 fi
 
@@ -140,6 +147,12 @@ for result in bench_transfer_cuda.json bench_transfer_cuda_quick.json; do
     break
   fi
 done
+# the daemons' logs as one file: what comes back from a lent machine is at most 8 files
+if [ -n "$(ls -A "$LOGS/daemon-logs" 2>/dev/null)" ]; then
+  timeout 60 tar -czf "$LOGS/daemon-logs.tar.gz" -C "$LOGS" daemon-logs && rm -rf "$LOGS/daemon-logs"
+else
+  rmdir "$LOGS/daemon-logs" 2>/dev/null
+fi
 say "smoke $smoke_rc, tests $tests_rc, quick bench $quick_rc, bench $bench_rc (200: not asked for, 201: no time left); logs in $LOGS"
 ok() { [ "$1" = 0 ] || [ "$1" = 200 ] || [ "$1" = skipped ]; }
 ok "$tests_rc" && ok "$quick_rc" && ok "$bench_rc"
