@@ -81,6 +81,7 @@ class FlushReply(TypedDict):
 class DeleteReply(TypedDict):
     deleted: int
     storage_deleted: int
+    storage_missed: list  # the tiers that could not delete (down or failing), as status names them
 
 
 class ClearReply(TypedDict):

@@ -73,6 +73,8 @@ class DictStore(StorageBackend):
         self.fail: Exception | None = None
         self.vanish: set[bytes] = set()  # records gone between the lookup and the read
         self.reads = 0
+        self.put_gate, self.putting = threading.Event(), threading.Event()  # writes may wait too
+        self.put_gate.set()
 
     def exists_prefix(self, keys):
         n = 0
@@ -96,6 +98,8 @@ class DictStore(StorageBackend):
         return out
 
     def put(self, keys, pages, geometry, release=None):
+        self.putting.set()
+        assert self.put_gate.wait(10)
         for key, pieces in zip(keys, pages):
             self.pages[key] = b"".join(bytes(p) for p in pieces)
         return [True] * len(keys)
@@ -326,3 +330,31 @@ def test_write_through_backs_up_what_an_offload_stored(flows, spec):
     stored = StoredKeys(keys, loads.storage.host.pool.geometry)
     assert [store.pages[stored[i]] for i in range(3)] == [pages[7], pages[8], pages[9]]
 
+
+
+def test_backups_pending_at_a_delete_never_store_what_it_deleted(flows, spec):
+    """The first offload's backup is writing (held in the store) when the delete comes, the
+    second's is queued behind it. The write lands after the tiers' delete: what it stored of
+    the deleted keys is deleted again; the queued one leaves them out. Before, all four deleted
+    keys were in the store afterwards (storage hits)."""
+    from kvcached.storage.record import StoredKeys
+
+    loads, offloads, store, copier, events, _ = flows
+    first, second = keys_for(4, seed=30), keys_for(4, seed=31)
+    store.put_gate.clear()
+    _offload(offloads, events, copier, first, [0, 1, 2, 3], spec, seed=700)
+    assert store.putting.wait(5)  # the first backup's write is under way
+    _offload(offloads, events, copier, second, [4, 5, 6, 7], spec, seed=710)
+    gone = first[2:] + second[:2]
+    assert loads.storage.delete(gone) == (0, 0, [])  # pinned by their backups: freed once done
+    store.put_gate.set()
+    flush = loads.storage.flush(Client(), Req())
+    assert events.wait(1)[flush["task"]]["status"] == TaskStatus.DONE
+    geometry = loads.storage.host.pool.geometry
+    assert set(store.pages) == set(StoredKeys(first[:2] + second[2:], geometry))
+    assert loads.storage.counters["deleted_again"] == 2
+    assert loads.storage.counters["backup_dropped"] == 2
+    with loads.host.lock:
+        assert loads.host.index.prefix(first, touch=False) == loads.host.index.prefix(first[:2], touch=False)
+    _no_pins(loads)
+    assert loads.storage.delete(first[:2]) == (2, 2, [])  # nothing pending: freed and deleted at once

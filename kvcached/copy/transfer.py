@@ -62,6 +62,7 @@ class CopyTask:
     started_ns: int = 0  # the copy worker took it
     queued_ns: int = 0  # every copy of it queued (CUDA: on the stream, not yet landed)
     first_layer_ns: int = 0  # a load: its first layer queued and counted (the engine may read it)
+    deletes_seen: int = 0  # a backup: the storage flow's deletes when it was queued
     bytes_moved: int = 0
     created_ns: int = field(default_factory=time.monotonic_ns)
     fence: tuple[int, int] | None = None  # the engine's (fence_word, fence) to wait for first

@@ -292,16 +292,8 @@ class CacheService:
         return CancelReply(state="finishing")  # in flight: it stops at the next layer or chunk
 
     def _delete(self, client, req) -> DeleteReply:
-        deleted = 0
-        keys = list(req.body["keys"])
-        with self.host.lock:
-            for key in keys:
-                block = self.host.index.delete(key)
-                if block is not None:
-                    self.host.free([block])
-                    deleted += 1
-        stored = self.storage.tiers.delete(keys, self.host.pool.geometry) if self.storage.tiers else 0
-        return DeleteReply(deleted=deleted, storage_deleted=stored)
+        deleted, stored, missed = self.storage.delete(list(req.body["keys"]))
+        return DeleteReply(deleted=deleted, storage_deleted=stored, storage_missed=missed)
 
     def _clear(self, client, req) -> ClearReply:
         weights = req.body["weights_update"]

@@ -31,6 +31,7 @@ from ..copy.transfer import CopyTask, TaskKind, TransferWorker
 from ..errors import StartupError
 from ..host.index import BACKUP_QUEUED, NOT_STORED, STORED, WRITING
 from ..storage.tiers import StorageTiers
+from .backup_deletes import DeletesSeen
 from .host_tier import HostTier
 from .task_table import TaskTable
 
@@ -102,9 +103,10 @@ class StorageFlow:
                                       os.path.join(cfg.run_dir, f"{cfg.instance}.clears-owed"))
         except ValueError as exc:  # a store that cannot be opened (a disk root not creatable)
             raise StartupError(f"--storage {exc}") from None
-        self.counters = {"backups": 0, "backup_dropped": 0, "fetched": 0,
+        self.counters = {"backups": 0, "backup_dropped": 0, "deleted_again": 0, "fetched": 0,
                          "fetched_bytes": 0, "fetch_failed": 0, "prefetched": 0}
         self.pending_backups = 0
+        self.deletes = DeletesSeen()  # what a backup queued before a delete must not put back
         self.fetcher = TransferWorker(TaskKind.FETCH, self._run_fetches, ends.failed)
         self.backer = TransferWorker(TaskKind.BACKUP, self._run_backups, ends.failed)
         self.fetcher.start()
@@ -239,6 +241,7 @@ class StorageFlow:
         self.pending_backups += len(todo)
         task = CopyTask(self.table.next_id(), TaskKind.BACKUP, "", client_routing, -10,
                         np.zeros(len(todo), np.int64), np.array([e.block for e in todo]), todo)
+        task.deletes_seen = self.deletes.seq
         self.backer.submit(task)
 
     def _queue_backup_payloads(self, keys, pages) -> None:
@@ -250,6 +253,7 @@ class StorageFlow:
         task = CopyTask(self.table.next_id(), TaskKind.BACKUP, "", b"", -10,
                         np.zeros(len(keys), np.int64), np.zeros(len(keys), np.int64), [])
         task.payloads = (keys, pages)
+        task.deletes_seen = self.deletes.seq
         self.backer.submit(task)
 
     def on_evicted(self, evicted) -> None:
@@ -393,13 +397,29 @@ class StorageFlow:
                 continue
             if task.payloads is not None:  # private copies: a late write may keep them
                 (keys, pages), task.payloads = task.payloads, None
+                with self.host.lock:
+                    keep = [i for i, k in enumerate(keys) if not self.deletes.since(k, task.deletes_seen)]
+                    self._backups_done(len(keys) - len(keep), dropped=True)
+                    seen = self.deletes.seq
+                keys, pages = [keys[i] for i in keep], [pages[i] for i in keep]
                 stored, _late = self.tiers.put(keys, pages, self.host.pool.geometry)
                 with self.host.lock:
-                    self.pending_backups -= len(keys)
+                    again = self._deleted_during(keys, stored, seen)
+                    self._backups_done(len(keys))
+                self._delete_again(again)
                 self.counters["backups"] += sum(stored)
                 continue
             while task.entries:  # task.entries: the blocks still pinned for it
-                chunk = task.entries[:IO_CHUNK_BLOCKS]
+                with self.host.lock:
+                    chunk, gone = [], []
+                    for e in task.entries[:IO_CHUNK_BLOCKS]:
+                        (gone if self.deletes.since(e.key, task.deletes_seen) else chunk).append(e)
+                    task.entries = chunk + task.entries[len(chunk) + len(gone):]
+                    for e in gone:
+                        e.stored = NOT_STORED
+                    self.host.unpin(gone)
+                    self._backups_done(len(gone), dropped=True)
+                    seen = self.deletes.seq
                 release, token = self.loans.tokens()
                 # written straight from the host blocks, which stay pinned until it is done
                 ok, late = self.tiers.put([e.key for e in chunk],
@@ -412,8 +432,46 @@ class StorageFlow:
                     done = [e for i, e in enumerate(chunk)
                             if i not in late or not self._lend_pin(token(i), e)]
                     self.host.unpin(done)
-                    self.pending_backups -= len(done)
+                    again = self._deleted_during([e.key for e in chunk], ok, seen)
+                    self._backups_done(len(done))
+                self._delete_again(again)
                 self.counters["backups"] += sum(ok)
+
+    def _backups_done(self, n: int, dropped: bool = False) -> None:
+        """(Lock held.) n pending backups ended (or, dropped, will not run)."""
+        self.pending_backups -= n
+        if dropped:
+            self.counters["backup_dropped"] += n
+        if not self.pending_backups:
+            self.deletes.idle()
+
+    def delete(self, keys: list) -> tuple[int, int, list[str]]:
+        """The keys out of the host tier (blocks in use go when their readers leave) and the
+        storage tiers; no backup pending now stores them afterwards. (host blocks freed, blocks
+        the tiers deleted, the tiers that could not delete them)"""
+        deleted = 0
+        with self.host.lock:
+            self.deletes.note(keys, self.pending_backups > 0)
+            for key in keys:
+                block = self.host.index.delete(key)
+                if block is not None:
+                    self.host.free([block])
+                    deleted += 1
+        stored, missed = self.tiers.delete(keys, self.host.pool.geometry) if self.tiers else (0, [])
+        if missed:
+            log.warning("[delete] %d keys not deleted from %s (down or failing): a store that comes "
+                        "back may serve them", len(keys), ", ".join(missed))
+        return deleted, stored, missed
+
+    def _deleted_during(self, keys, stored, seen: int) -> list:
+        """(Lock held, before the backups are counted done.) Keys a put stored that a delete
+        removed while it ran: the put may have landed after the tiers' delete."""
+        return [k for k, ok in zip(keys, stored) if ok and self.deletes.since(k, seen)]
+
+    def _delete_again(self, keys) -> None:
+        if keys:
+            self.tiers.delete(keys, self.host.pool.geometry)  # a tier down now: see delete()
+            self.counters["deleted_again"] += len(keys)
 
     def drop_queued_backups(self, unpin: bool = False) -> None:
         """(Lock held, workers drained.) The backups not begun are dropped. After a new
@@ -423,8 +481,7 @@ class StorageFlow:
         are given back (their index lives on: a clear)."""
         for task in self.backer.remove_queued(lambda t: t.kind == TaskKind.BACKUP):
             n = len(task.payloads[0]) if task.payloads is not None else len(task.entries)
-            self.pending_backups -= n
-            self.counters["backup_dropped"] += n
+            self._backups_done(n, dropped=True)
             entries, task.entries, task.payloads = task.entries, [], None
             if unpin and entries:
                 for e in entries:
@@ -434,7 +491,7 @@ class StorageFlow:
     def release_backup(self, task: CopyTask) -> None:
         """(Lock held.) A failed backup gives its pins back."""
         if task.entries:
-            self.pending_backups -= len(task.entries)
+            self._backups_done(len(task.entries))
             self.host.unpin(task.entries)
             task.entries = []
 
@@ -445,7 +502,7 @@ class StorageFlow:
             with self.host.lock:
                 if self.lent_pins.pop(id(e), None) is not None:
                     self.host.unpin([e])
-                    self.pending_backups -= 1
+                    self._backups_done(1)
 
         if not self.loans.lend(token, back):
             return False

@@ -419,7 +419,7 @@ class DiskBackend(StorageBackend):
             log.warning("[disk] put %s: %s", key.hex(), self.last_error)
             return False
         with self._lock:
-            void = self._clears.void(gen)  # a clear came since it began: its bytes are old
+            void = self._clears.void(gen, key)  # a clear (or its delete) came since it began
             if key in self._lru:  # the rebuild listed the file meanwhile: counted once
                 self.used_bytes -= size
                 size = 0
@@ -493,6 +493,7 @@ class DiskBackend(StorageBackend):
         gone = []
         with self._lock:
             for key in keys:
+                self._clears.deleted(key)  # a write of it running now lands void
                 size = self._lru.pop(key, None)
                 if size is not None:
                     self.used_bytes -= size

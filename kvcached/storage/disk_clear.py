@@ -10,7 +10,8 @@ record back - after a weight update, the old weights' KV:
   is unlinked and no write begun before it is still running. A tier that starts and finds the
   mark finishes the clear: every record it lists goes, none is indexed.
 - a write begun before the clear that lands after it (a slow or hung filesystem): each clear
-  is a new generation; a write of an older one is void - its file removed, never indexed.
+  is a new generation; a write of an older one is void - its file removed, never indexed. So
+  is a write of a key deleted while it ran (`delete`).
   While a write of a key runs, no other write of that key starts (it could land first and be
   overwritten by the void one between its rename and its removal).
 """
@@ -35,6 +36,7 @@ class DiskClears:
         self.gen = 0  # clears so far
         self._writing: collections.Counter = collections.Counter()  # generation -> writes running
         self._keys: set[bytes] = set()  # keys being written
+        self._deleted: set[bytes] = set()  # of those, the keys deleted since their write began
         self._unlinking = 0  # clears (or a start's finishing one) whose files are not all gone
         self.marked = False  # the mark is on disk (or may be)
 
@@ -48,13 +50,22 @@ class DiskClears:
             self._writing[self.gen] += 1
             return self.gen
 
-    def void(self, gen: int) -> bool:
-        """A clear came after the write of generation gen began: its record must not stay."""
-        return gen != self.gen
+    def void(self, gen: int, key: bytes) -> bool:
+        """A clear came after the write of generation gen began, or a delete of key: its
+        record must not stay."""
+        with self._lock:
+            return gen != self.gen or key in self._deleted
+
+    def deleted(self, key: bytes) -> None:
+        """key is deleted: a write of it running now is void."""
+        with self._lock:
+            if key in self._keys:
+                self._deleted.add(key)
 
     def write_ends(self, key: bytes, gen: int) -> None:
         with self._lock:
             self._keys.discard(key)
+            self._deleted.discard(key)
             self._writing[gen] -= 1
             if not self._writing[gen]:
                 del self._writing[gen]

@@ -171,11 +171,14 @@ class StorageTiers:
         writes.count(late)
         return stored, set(late)
 
-    def delete(self, keys: Sequence[bytes], geometry: bytes | None) -> int:
+    def delete(self, keys: Sequence[bytes], geometry: bytes | None) -> tuple[int, list[str]]:
+        """(blocks deleted, as many as the tier that deleted most; the tiers that could not
+        delete: down, or failing the call)"""
         if geometry is None:
-            return 0
+            return 0, []
         keys = list(StoredKeys(keys, geometry))
-        return max((b.delete(keys) for b in self.backends), default=0)
+        got = [b.delete(keys) for b in self.backends]
+        return max(got, default=0), [b.uri for b in self.backends if not b.health()]
 
     def clear(self) -> int:
         return sum(b.clear() for b in self.backends)
