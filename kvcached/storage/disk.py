@@ -66,6 +66,8 @@ class DiskBackend(StorageBackend):
         self.uri = uri or f"disk://{self.root}"
         self.io_timeout_s = io_timeout_s
         self._lock = threading.Lock()
+        self._evicting = threading.Condition(self._lock)  # victims chosen, files not yet unlinked
+        self._victims_pending = 0
         self._lru: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self.used_bytes = 0
         self.counters = {"puts": 0, "gets": 0, "put_errors": 0, "corrupt": 0, "evicted": 0,
@@ -196,6 +198,7 @@ class DiskBackend(StorageBackend):
                 victims.append(key)
             if victims:
                 self._on_keys(victims, False)
+                self._victims_pending += len(victims)
             fits = self.used_bytes + incoming <= self.limit_bytes
             if fits:
                 self.used_bytes += incoming  # reserved under the lock: parallel puts cannot overshoot
@@ -209,6 +212,10 @@ class DiskBackend(StorageBackend):
                 os.unlink(self._path(key))
             except FileNotFoundError:
                 log.debug("[disk] evicted file already gone")
+            finally:
+                with self._evicting:
+                    self._victims_pending -= 1
+                    self._evicting.notify_all()
         self.counters["evicted"] += len(victims)
 
     def _unlink_later(self, keys, then=()) -> None:
@@ -466,8 +473,19 @@ class DiskBackend(StorageBackend):
 
     def _on_full(self, size: int) -> None:
         """ENOSPC below the limit (the filesystem is smaller, or shared): lower the limit a
-        few blocks under what the tier holds now; the caller evicts down to it and retries."""
+        few blocks under what the tier holds now; the caller evicts down to it and retries.
+        Not when the space was only held by records evicted and not yet unlinked (another
+        put's): once those are gone the filesystem has room (lowering then made the limit
+        fall by a few blocks at each such race, below what the filesystem holds)."""
         self.counters["enospc"] += 1
+        with self._evicting:
+            self._evicting.wait_for(lambda: not self._victims_pending, timeout=1.0)
+        try:
+            st = os.statvfs(self.root)
+            if st.f_bavail * st.f_frsize >= 2 * size and (not st.f_files or st.f_favail > 2):
+                return  # room now (blocks and inodes): the caller retries under the same limit
+        except OSError:
+            pass
         with self._lock:
             first = self.limit_bytes == self.capacity_bytes
             self.limit_bytes = max(0, min(self.limit_bytes, self.used_bytes) - ENOSPC_EVICT_BLOCKS * size)
