@@ -6,6 +6,7 @@ import threading
 
 from conftest import keys_for, small_kv, wait_until
 from kvcached.storage.disk import DiskBackend
+from kvcached.storage.owed_clear import MAX_OWED_DELETES, OwedRecord, OwesClears
 from storage_util import PAGE_SHAPE, files, offload_and_flush, start
 
 GEOMETRY = bytes(range(16))
@@ -70,9 +71,12 @@ def test_a_disk_write_begun_before_a_delete_of_its_key_and_landing_after_it_is_v
         disk.close()
 
 
-def test_a_delete_a_stopped_redis_server_missed_says_so(run_dir, instance, redis_server):
-    """SIGSTOP on the server: the delete cannot reach it, and its reply names the tier (before,
-    it said 0 stored blocks deleted, as for keys never stored)."""
+def test_a_delete_a_stopped_redis_server_missed_is_owed_and_done_before_it_serves(
+        run_dir, instance, redis_server):
+    """SIGSTOP on the server: the delete cannot reach it. Its reply names the tier; the tier
+    owes the deletes, serves nothing meanwhile, and once the server answers its probe deletes
+    them before it serves again (before, the deleted keys were storage hits once it was back).
+    A daemon stopped while they are owed leaves them to the next one (the run dir's record)."""
     import os
     import signal
 
@@ -86,17 +90,59 @@ def test_a_delete_a_stopped_redis_server_missed_says_so(run_dir, instance, redis
             c.register_kv_cache(kv)
             offload_and_flush(c, kv, keys, list(range(4)))
             uri = c.status()["storage"][0]["uri"]
+
             def delete(ks):
                 r = c._request(Op.DELETE, None, keys=pack_keys(ks))
                 return r["deleted"], r["storage_deleted"], r["storage_missed"]
 
-            assert delete(keys[:2]) == (2, 2, [])
+            assert delete(keys[:1]) == (1, 1, [])
             os.kill(redis_server.proc.pid, signal.SIGSTOP)
             try:
                 wait_until(lambda: not c.status()["storage"][0]["healthy"], 5, "the tier down")
-                reply = delete(keys[2:])
+                reply = delete(keys[1:3])
+                stopped = c.status()["storage"][0]
+                h.stop()  # before the server answers again
             finally:
                 os.kill(redis_server.proc.pid, signal.SIGCONT)
             assert reply == (2, 0, [uri])
+            assert stopped["deletes_owed"] == 2 and "2 deletes are owed" in stopped["last_error"]
+        h = start(run_dir, instance, redis_server.uri)
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            wait_until(lambda: c.status()["storage"][0]["healthy"], 5, "the tier back, deletes done")
+            assert c.lookup(keys) == (0, 0) and c.lookup(keys[3:]) == (0, 1)
+            assert redis_server.client().dbsize() == 1 and c.status()["storage"][0]["deletes_owed"] == 0
+        assert not os.path.exists(os.path.join(run_dir, f"{instance}.clears-owed"))
     finally:
         h.stop()
+
+
+class _DownStore(OwesClears):
+    """The owed-work logic alone (a store that never answers)."""
+    uri, last_error, _healthy = "redis://127.0.0.1:1/0", "", False
+
+    def __init__(self):
+        self._clear_lock = threading.Lock()
+
+    def _clear_store(self):
+        return None
+
+    def _delete_store(self, keys):
+        return None
+
+
+def test_owed_deletes_are_recorded_and_past_the_cap_become_an_owed_clear(tmp_path):
+    path = str(tmp_path / "i.clears-owed")
+    store = _DownStore()
+    store.owe_clear(OwedRecord(path))
+    keys = [bytes([i]) * 16 for i in range(3)]
+    assert store.delete(keys[:2]) == 0 and store.delete(keys[1:]) == 0
+    assert store._owed_deletes == set(keys) and not store._clear_owed
+    assert "3 deletes are owed (the store is down)" in store.last_error
+    again = _DownStore()
+    again.owe_clear(OwedRecord(path))  # a daemon started after the first stopped
+    assert again._owed_deletes == set(keys) and not again._clear_owed
+    many = [i.to_bytes(16, "big") for i in range(MAX_OWED_DELETES)]
+    assert again.delete(many) == 0
+    assert again._clear_owed and not again._owed_deletes  # too many to keep: the tier goes
+    assert open(path).read() == f"{store.uri}\n"

@@ -195,6 +195,33 @@ def test_a_master_that_stops_answering_stalls_no_request_beyond_the_deadline(run
 
 
 @pytest.mark.faults
+def test_a_delete_the_stopped_master_missed_is_done_before_the_tier_serves_again(run_dir, instance, store):
+    """SIGSTOP on the master, then a delete: the tier owes it (the deleted blocks were hits once
+    the master answered again); once back, the probe removes them before the tier serves."""
+    kv = small_kv(block_shape=PAGE_SHAPE, seed=6)
+    keys = keys_for(4, 77)
+    h = start(run_dir, instance, _uri(store))
+    try:
+        with h.connect(timeout=1.5) as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, list(range(4)))
+            c.clear(tier="host")
+            store.stop_master(True)
+            try:
+                assert c.lookup(keys) == (0, 0)  # stuck: the lookup's call is late
+                c.delete(keys[:2])
+                assert _tier(c)["deletes_owed"] == 2
+            finally:
+                store.stop_master(False)
+            wait_until(lambda: _tier(c)["healthy"], 40, "the tier back, its deletes done")
+            assert _tier(c)["deletes_owed"] == 0
+            assert c.lookup(keys) == (0, 0) and c.lookup(keys[2:]) == (0, 2)
+    finally:
+        store.stop_master(False)
+        h.stop()
+
+
+@pytest.mark.faults
 def test_a_daemon_started_before_its_master_runs_and_connects_when_it_comes(run_dir, instance, tmp_path):
     """No master yet: the daemon starts and answers (Mooncake's setup would hold the GIL and
     retry for ever: the daemon only calls it once a child process's setup connected), the tier

@@ -459,8 +459,8 @@ class StorageFlow:
                     deleted += 1
         stored, missed = self.tiers.delete(keys, self.host.pool.geometry) if self.tiers else (0, [])
         if missed:
-            log.warning("[delete] %d keys not deleted from %s (down or failing): a store that comes "
-                        "back may serve them", len(keys), ", ".join(missed))
+            log.warning("[delete] %d keys not deleted from %s now (down or failing): owed, done "
+                        "before the tier serves again", len(keys), ", ".join(missed))
         return deleted, stored, missed
 
     def _deleted_during(self, keys, stored, seen: int) -> list:

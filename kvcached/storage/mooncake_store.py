@@ -203,8 +203,8 @@ class MooncakeBackend(OwesClears, StorageBackend):
             if got and got[0] in RPC_ERRORS:
                 self._failed(f"the master does not answer ({got[0]})")
                 continue
-            if self._clear_owed and not self._clear_now():
-                continue  # down until its clear is done
+            if self._owes() and not self._owed_now():
+                continue  # down until its owed clear and deletes are done
             if not self._healthy:
                 self._healthy = True
                 log.info("[mooncake] %s healthy again", self.uri)
@@ -230,7 +230,7 @@ class MooncakeBackend(OwesClears, StorageBackend):
             self._late -= 1
 
     def _usable(self) -> bool:
-        return self._store is not None and self._healthy and not self._late and not self._clear_owed
+        return self._store is not None and self._healthy and not self._late and not self._owes()
 
     def health(self) -> bool:
         return self._usable()
@@ -457,12 +457,18 @@ class MooncakeBackend(OwesClears, StorageBackend):
                 self.counters["put_errors"] += 1
                 self.last_error = f"put refused ({r})"
 
-    def delete(self, keys) -> int:
-        if not keys or not self._usable():
-            return 0
+    def _delete_store(self, keys) -> int | None:
+        """(owed_clear.py) The keys removed: how many were there; None when the store is not
+        there, stuck, or the call failed or was late."""
+        if self._store is None or self._late:
+            return None
         got = self._call(self._store.batch_remove, ([self._name(k) for k in keys], True),
                          self.io_timeout_s, "a removal")
-        return sum(1 for r in got or () if r == 0)
+        if got is None or any(r in RPC_ERRORS for r in got):
+            if got is not None:
+                self._failed("a removal failed (the master does not answer)")
+            return None
+        return sum(1 for r in got if r == 0)
 
     def _clear_store(self) -> int | None:
         """(owed_clear.py) Every object under the prefix removed: how many; None when the
@@ -477,7 +483,8 @@ class MooncakeBackend(OwesClears, StorageBackend):
 
     def usage(self) -> dict:
         return {"used_bytes": 0, "capacity_bytes": 0, "blocks": None, "healthy": self.health(),
-                "stuck": bool(self._late), "clear_owed": self._clear_owed, "segment_bytes": self.segment_bytes,
+                "stuck": bool(self._late), "clear_owed": self._clear_owed,
+                "deletes_owed": len(self._owed_deletes), "segment_bytes": self.segment_bytes,
                 "connected": self._store is not None, "last_error": self.last_error, **self.counters}
 
     def close(self) -> None:

@@ -2,16 +2,19 @@
 
 A clear must leave nothing stored before it readable after it (a weight update's old KV). A
 store that is down, stuck or failing then owes the clear: the backend serves nothing while
-`_clear_owed` is set (its `_usable()` says so), and its probe calls `_clear_now()` once the
+`_clear_owed` is set (its `_usable()` says so), and its probe calls `_owed_now()` once the
 store answers, marking the tier healthy only after the clear is done. Clears run one at a time,
 so a request's clear is never lost to the probe's. The owed state is logged once.
 
-An owed clear outlives the daemon (OwedRecord, a file in its run dir): a daemon stopped or
-killed while it is owed owes it again at its next start.
+A `delete` the store cannot do is owed the same way: the keys are kept, the tier serves
+nothing until its probe has deleted them (past MAX_OWED_DELETES keys it owes a clear instead).
 
-A backend using it sets `_clear_lock` (a Lock) and has `uri`, `last_error`, `_LOG_TAG` and
-`_clear_store()`: how many blocks the store removed, or None when it could not (its failure
-already recorded, e.g. the tier marked down).
+Owed clears and deletes outlive the daemon (OwedRecord, a file in its run dir): a daemon stopped
+or killed while they are owed owes them again at its next start.
+
+A backend using it sets `_clear_lock` (a Lock) and has `uri`, `last_error`, `_healthy`,
+`_LOG_TAG`, `_clear_store()` and `_delete_store(keys)`: how many blocks the store removed, or
+None when it could not (its failure already recorded, e.g. the tier marked down).
 """
 from __future__ import annotations
 
@@ -22,12 +25,18 @@ import threading
 
 log = logging.getLogger(__name__)
 
+MAX_OWED_DELETES = 10_000  # keys (the record file stays under the 1 MiB it reads); past it, a clear
+
 
 class OwesClears:
     _clear_owed = False
+    _owed_deletes: frozenset | set = frozenset()  # keys (as stored) a delete could not remove
     _owed_said = False
     _owed_record: "OwedRecord | None" = None  # set by the tiers: the owed clears on disk
     _LOG_TAG = "storage"
+
+    def _owes(self) -> bool:
+        return self._clear_owed or bool(self._owed_deletes)
 
     def owe_clear(self, record: "OwedRecord") -> None:
         """(At start, before any request.) Keep owed clears in record; one it holds for this
@@ -37,6 +46,11 @@ class OwesClears:
             self._clear_owed = True
             log.warning("[%s] %s: a clear owed before the restart is owed still", self._LOG_TAG,
                         self.uri)
+        deletes = record.deletes(self.uri)
+        if deletes and not self._clear_owed:
+            self._owed_deletes = set(deletes)
+            log.warning("[%s] %s: %d deletes owed before the restart are owed still",
+                        self._LOG_TAG, self.uri, len(deletes))
 
     def clear(self) -> int:
         """Every block under the prefix goes now, or once the store answers again (owed)."""
@@ -44,10 +58,56 @@ class OwesClears:
             self._clear_owed = True  # from here nothing stored before is read
             return self._clear_locked(self._healthy) or 0
 
-    def _clear_now(self) -> bool:
-        """(The probe, the store answering.) The owed clear; False while it stays owed."""
+    def delete(self, keys) -> int:
+        """The keys go now, or once the store answers again (owed; the tier serves nothing
+        until then). Returns how many the store removed now."""
+        if not keys:
+            return 0
         with self._clear_lock:
-            return not self._clear_owed or self._clear_locked(True) is not None
+            if self._clear_owed:
+                return 0  # everything goes with the owed clear
+            got = self._delete_store(keys) if self._healthy else None
+            if got is not None:
+                return got
+            owed = set(self._owed_deletes) | set(keys)
+            if len(owed) > MAX_OWED_DELETES:  # too many to keep: the whole tier goes instead
+                self._owed_deletes = frozenset()
+                self._clear_owed = True
+                self._record_deletes()
+                self._clear_locked(False)
+                return 0
+            self._owed_deletes = owed
+            self._record_deletes()
+            self._say_owed(f"{len(owed)} deletes are owed")
+            return 0
+
+    def _owed_now(self) -> bool:
+        """(The probe, the store answering.) The owed clear, then the owed deletes; False while
+        any stays owed."""
+        with self._clear_lock:
+            if self._clear_owed and self._clear_locked(True) is None:
+                return False
+            if self._owed_deletes:
+                if self._delete_store(list(self._owed_deletes)) is None:
+                    return False
+                self._owed_deletes = frozenset()
+                self._record_deletes()
+                self._owed_said = False
+            return True
+
+    def _record_deletes(self) -> None:
+        if self._owed_record is not None:
+            self._owed_record.note_deletes(self.uri, self._owed_deletes)
+
+    def _say_owed(self, what: str) -> None:
+        cause = self.last_error
+        if " owed (" in cause:  # said before: keep its cause
+            cause = cause.split(" (", 1)[1].rsplit("); the tier", 1)[0]
+        self.last_error = (f"{what} ({cause or 'the store is down'}); the tier serves nothing "
+                           "until the store has done it")
+        if not self._owed_said:
+            self._owed_said = True
+            log.warning("[%s] %s: %s", self._LOG_TAG, self.uri, self.last_error)
 
     def _clear_locked(self, reachable: bool) -> int | None:
         got = self._clear_store() if reachable else None
@@ -58,26 +118,33 @@ class OwesClears:
             return got
         if self._owed_record is not None:
             self._owed_record.note(self.uri, True)
-        if not self.last_error.startswith("a clear is owed"):
-            self.last_error = (f"a clear is owed ({self.last_error or 'the store is down'}); "
-                               "the tier serves nothing until the store has done it")
-        if not self._owed_said:
-            self._owed_said = True
-            log.warning("[%s] %s: %s", self._LOG_TAG, self.uri, self.last_error)
+        self._say_owed("a clear is owed")
         return None
 
 
 class OwedRecord:
-    """Which storage tiers owe a clear, kept in `{run_dir}/{instance}.clears-owed` (one URI per
-    line, as status shows it: no password) for as long as they do, so a daemon stopped or killed
-    meanwhile owes them too when it starts again: a store that comes back after the restart never
-    serves what a clear removed. The run dir is the daemon's own (0700, checked at start); a file
-    there that is no regular file of this user is not read."""
+    """Which storage tiers owe a clear or deletes, kept in `{run_dir}/{instance}.clears-owed`
+    (a line per tier owing a clear: its URI as status shows it, no password; a line per owed
+    delete: the URI, a tab, `delete`, a tab, the stored key in hex) for as long as they do, so a
+    daemon stopped or killed meanwhile owes them too when it starts again: a store that comes
+    back after the restart never serves what a clear or a delete removed. The run dir is the
+    daemon's own (0700, checked at start); a file there that is no regular file of this user is
+    not read."""
 
     def __init__(self, path: str):
         self.path = path
         self._lock = threading.Lock()
-        self._owed = set(self._read())
+        self._owed: set[str] = set()
+        self._deletes: dict[str, set[bytes]] = {}
+        for line in self._read():
+            uri, _, key = line.partition("\tdelete\t")
+            if not key:
+                self._owed.add(line)
+                continue
+            try:
+                self._deletes.setdefault(uri, set()).add(bytes.fromhex(key))
+            except ValueError:
+                log.warning("[storage] %s: a line that is no owed delete skipped", self.path)
 
     def _read(self) -> list[str]:
         try:
@@ -97,24 +164,45 @@ class OwedRecord:
     def owed(self, uri: str) -> bool:
         return uri in self._owed
 
+    def deletes(self, uri: str) -> set[bytes]:
+        return set(self._deletes.get(uri, ()))
+
     def note(self, uri: str, owed: bool) -> None:
         """Record (or drop) a tier's owed clear, on disk before this returns."""
         with self._lock:
             if (uri in self._owed) == owed:
                 return
             (self._owed.add if owed else self._owed.discard)(uri)
-            try:
-                if not self._owed:
-                    os.unlink(self.path)
-                    return
-                tmp = f"{self.path}.tmp"
-                with open(tmp, "w") as f:
-                    f.write("".join(f"{u}\n" for u in sorted(self._owed)))
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.path)
-            except FileNotFoundError:
-                pass  # nothing owed and no file
-            except OSError as exc:  # the clear is still owed in this run; a restart may forget it
-                log.warning("[storage] cannot record the owed clears in %s: %s", self.path,
-                            exc.strerror or exc)
+            self._write()
+
+    def note_deletes(self, uri: str, keys) -> None:
+        """Record a tier's owed deletes (all of them; none: dropped), on disk before this
+        returns."""
+        with self._lock:
+            if set(keys) == self._deletes.get(uri, set()):
+                return
+            if keys:
+                self._deletes[uri] = set(keys)
+            else:
+                self._deletes.pop(uri, None)
+            self._write()
+
+    def _write(self) -> None:
+        lines = [f"{u}\n" for u in sorted(self._owed)]
+        lines += [f"{u}\tdelete\t{k.hex()}\n" for u, keys in sorted(self._deletes.items())
+                  for k in sorted(keys)]
+        try:
+            if not lines:
+                os.unlink(self.path)
+                return
+            tmp = f"{self.path}.tmp"
+            with open(tmp, "w") as f:
+                f.write("".join(lines))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except FileNotFoundError:
+            pass  # nothing owed and no file
+        except OSError as exc:  # still owed in this run; a restart may forget it
+            log.warning("[storage] cannot record the owed clears and deletes in %s: %s",
+                        self.path, exc.strerror or exc)

@@ -125,15 +125,15 @@ class RedisBackend(OwesClears, StorageBackend):
         except Exception as exc:  # any failure: the tier is down until a ping answers
             self._failed(exc)
             return
-        if self._clear_owed and not self._clear_now():
-            return  # down until its clear is done
+        if self._owes() and not self._owed_now():
+            return  # down until its owed clear and deletes are done
         with self._lock:
             back, self._healthy = not self._healthy, True
         if back:
             log.info("[redis] %s healthy again", self.uri)
 
     def _usable(self) -> bool:
-        return self._healthy and not self._clear_owed
+        return self._healthy and not self._owes()
 
     def health(self) -> bool:
         """The last known state: an operation or a probe that fails marks the tier down, a
@@ -245,16 +245,15 @@ class RedisBackend(OwesClears, StorageBackend):
             log.warning("[redis] %s refused %d puts: %s (the tier stays up; lookups and reads go on)",
                         self.uri, len(errors), self.last_error)
 
-    def delete(self, keys) -> int:
-        if not keys or not self._usable():
-            return 0
+    def _delete_store(self, keys) -> int | None:
+        """(owed_clear.py) The keys deleted: how many were there; None on failure."""
         try:
             if self.cluster:  # multi-key DEL must not cross slots
                 return sum(self._client.delete(self._name(k)) for k in keys)
             return int(self._client.delete(*[self._name(k) for k in keys]))
         except self._redis.RedisError as exc:
             self._failed(exc)
-            return 0
+            return None
 
     def _clear_store(self) -> int | None:
         """(owed_clear.py) Every key under the prefix deleted: how many; None on failure."""
@@ -279,7 +278,8 @@ class RedisBackend(OwesClears, StorageBackend):
 
     def usage(self) -> dict:
         return {"used_bytes": 0, "capacity_bytes": 0, "blocks": None, "healthy": self.health(),
-                "clear_owed": self._clear_owed, "last_error": self.last_error, **self.counters}
+                "clear_owed": self._clear_owed, "deletes_owed": len(self._owed_deletes),
+                "last_error": self.last_error, **self.counters}
 
     def close(self) -> None:
         self._closed.set()
