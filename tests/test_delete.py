@@ -146,3 +146,23 @@ def test_owed_deletes_are_recorded_and_past_the_cap_become_an_owed_clear(tmp_pat
     assert again.delete(many) == 0
     assert again._clear_owed and not again._owed_deletes  # too many to keep: the tier goes
     assert open(path).read() == f"{store.uri}\n"
+
+
+def test_a_disk_delete_has_removed_the_files_when_it_returns(tmp_path):
+    """The files of deleted keys are gone when the delete returns (before, they went later on
+    an I/O thread: a daemon stopped right after the answer indexed them at its next start)."""
+    root = str(tmp_path / "disk")
+    keys = [bytes([i]) * 16 for i in range(1, 9)]
+    disk = DiskBackend(root, 1 << 30)
+    try:
+        assert disk.indexed.wait(10)
+        assert disk.put(keys, [_page(i) for i in range(8)], GEOMETRY) == [True] * 8
+        assert disk.delete(keys[:6]) == 6 and len(files(root)) == 2
+    finally:
+        disk.close()
+    disk = DiskBackend(root, 1 << 30)
+    try:
+        assert disk.indexed.wait(10)
+        assert disk.exists_prefix(keys) == 0 and disk.exists_prefix(keys[6:]) == 2
+    finally:
+        disk.close()

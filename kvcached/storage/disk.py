@@ -507,7 +507,9 @@ class DiskBackend(StorageBackend):
             return False
 
     def delete(self, keys) -> int:
-        """Forget the keys now; their files go on an I/O thread (no file I/O on the caller's)."""
+        """Forget the keys now; their files go on an I/O thread (no file I/O on the caller's),
+        waited for up to the tier's deadline: a daemon stopped after the delete's answer would
+        index files still there at its next start."""
         gone = []
         with self._lock:
             for key in keys:
@@ -520,7 +522,11 @@ class DiskBackend(StorageBackend):
                     self._dropped_while_indexing.add(key)
             if gone:
                 self._on_keys(gone, False)
-        self._unlink_later(gone)
+        if gone and not self._stuck():
+            run_bounded(self._io, self._unlink_unless_indexed, [(gone,)], self.io_timeout_s,
+                        self._late_op("a delete's unlinks"), lambda _i: self._late_returned())
+        else:
+            self._unlink_later(gone)
         return len(gone)
 
     def clear(self) -> int:
