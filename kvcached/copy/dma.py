@@ -29,8 +29,10 @@ def rows_of(t) -> Rows:
     return Rows(t.data_ptr(), t.stride(0) * size, t.shape[1] * size)
 
 
-def copy_list(pairs, dev: Rows, host: Rows, to_host: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(dsts, srcs, sizes) as uint64 arrays for runs `(dev id, host id, length)`."""
+def offsets(pairs, dev: Rows, host: Rows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(device offsets, host offsets, sizes) as uint64 arrays for runs `(dev id, host id,
+    length)`: the same for every layer whose rows have these strides and width, so a plan
+    computes them once and each layer adds its bases (`at`)."""
     p = np.asarray(pairs, dtype=np.int64).reshape(-1, 3)
     d, h, n = p[:, 0], p[:, 1], p[:, 2]
     if dev.stride == dev.width and host.stride == host.width:
@@ -40,10 +42,20 @@ def copy_list(pairs, dev: Rows, host: Rows, to_host: bool) -> tuple[np.ndarray, 
         step = np.arange(int(n.sum())) - starts
         d, h = np.repeat(d, n) + step, np.repeat(h, n) + step
         sizes = np.full(len(d), dev.width, dtype=np.int64)
-    dev_addr = dev.base + d * dev.stride
-    host_addr = host.base + h * host.stride
-    dsts, srcs = (host_addr, dev_addr) if to_host else (dev_addr, host_addr)
-    return dsts.astype(np.uint64), srcs.astype(np.uint64), sizes.astype(np.uint64)
+    return ((d * dev.stride).astype(np.uint64), (h * host.stride).astype(np.uint64),
+            sizes.astype(np.uint64))
+
+
+def at(offs, dev: Rows, host: Rows, to_host: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dsts, srcs, sizes): `offsets` placed at the rows' base addresses."""
+    dev_off, host_off, sizes = offs
+    dev_addr, host_addr = dev_off + np.uint64(dev.base), host_off + np.uint64(host.base)
+    return (host_addr, dev_addr, sizes) if to_host else (dev_addr, host_addr, sizes)
+
+
+def copy_list(pairs, dev: Rows, host: Rows, to_host: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dsts, srcs, sizes) as uint64 arrays for runs `(dev id, host id, length)`."""
+    return at(offsets(pairs, dev, host), dev, host, to_host)
 
 
 def concat(lists: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -150,12 +150,19 @@ class StrategyCopier(CopierHooks):
         return moved
 
     def _dma(self, kind: str, layer: int, plan: CopyPlan) -> int:
-        """Every part's copies of the layer in one call to the runtime (dma.py)."""
-        lists = []
+        """Every part's copies of the layer in one call to the runtime (dma.py). The offsets
+        are the plan's, computed once for rows of the same shape (every layer, usually): a
+        layer adds its bases (computing them per layer cost 0.3-0.7 ms of CPU a layer for
+        1,000 scattered blocks)."""
+        lists, known = [], plan.extra.setdefault("dma_offsets", {})
         for part, (dev, host) in enumerate(zip(self.dev[layer], self.host[layer])):
             cuts = self.cuts[layer][part] if self.cuts else ()
-            lists.append(dma.copy_list(cs.split_pairs(plan.extra["pairs"], cuts), dma.rows_of(dev),
-                                       dma.rows_of(host), kind == TaskKind.OFFLOAD))
+            d, h = dma.rows_of(dev), dma.rows_of(host)
+            shape = (tuple(cuts), d.stride, d.width, h.stride, h.width)
+            offs = known.get(shape)
+            if offs is None:
+                offs = known[shape] = dma.offsets(cs.split_pairs(plan.extra["pairs"], cuts), d, h)
+            lists.append(dma.at(offs, d, h, kind == TaskKind.OFFLOAD))
         dsts, srcs, sizes = dma.concat(lists)
         with self._stream(kind):
             self.memcpy.copy(dsts, srcs, sizes, self._stream_handle(kind))
