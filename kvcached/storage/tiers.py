@@ -158,7 +158,7 @@ class StorageTiers:
         whose write missed its deadline in some backend: their buffers stay in use until
         release(i), called once every backend's late write of them returned."""
         stored = [False] * len(keys)
-        if not self.writer or geometry is None:
+        if not keys or not self.writer or geometry is None:  # none: a backup whose keys were all deleted
             return stored, set()
         keys = list(StoredKeys(keys, geometry))
         late: dict[int, int] = {}
