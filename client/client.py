@@ -503,7 +503,7 @@ class Client(SendsNotes):
         reply = self._request(Op.LOAD, timeout, keys=pack_keys(keys),
                               blocks=pack_block_ids(device_blocks), priority=priority,
                               **self._fence(stream), **extra)
-        reply["device_blocks"] = [int(b) for b in list(device_blocks)[: reply["blocks"]]]
+        reply["device_blocks"] = np.asarray(device_blocks)[: reply["blocks"]].astype(np.int64).tolist()
         return LoadTask(self, reply["task"], reply)
 
     def prefetch(self, keys: Sequence[bytes], policy: str = "best_effort", timeout_ms: int = 0,
