@@ -146,6 +146,12 @@ def test_owed_deletes_are_recorded_and_past_the_cap_become_an_owed_clear(tmp_pat
     assert again.delete(many) == 0
     assert again._clear_owed and not again._owed_deletes  # too many to keep: the tier goes
     assert open(path).read() == f"{store.uri}\n"
+    with open(path, "a") as f:  # a record that also lists deletes: the owed clear covers them
+        f.write(f"{store.uri}\tdelete\t{keys[0].hex()}\n")
+    third = _DownStore()
+    third.owe_clear(OwedRecord(path))
+    assert third._clear_owed and not third._owed_deletes
+    assert open(path).read() == f"{store.uri}\n"
 
 
 def test_a_disk_delete_has_removed_the_files_when_it_returns(tmp_path):

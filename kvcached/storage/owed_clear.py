@@ -47,7 +47,9 @@ class OwesClears:
             log.warning("[%s] %s: a clear owed before the restart is owed still", self._LOG_TAG,
                         self.uri)
         deletes = record.deletes(self.uri)
-        if deletes and not self._clear_owed:
+        if deletes and self._clear_owed:  # the clear removes them too
+            record.note_deletes(self.uri, ())
+        elif deletes:
             self._owed_deletes = set(deletes)
             log.warning("[%s] %s: %d deletes owed before the restart are owed still",
                         self._LOG_TAG, self.uri, len(deletes))
@@ -71,10 +73,10 @@ class OwesClears:
                 return got
             owed = set(self._owed_deletes) | set(keys)
             if len(owed) > MAX_OWED_DELETES:  # too many to keep: the whole tier goes instead
-                self._owed_deletes = frozenset()
                 self._clear_owed = True
+                self._clear_locked(False)  # the owed clear on record before the deletes go
+                self._owed_deletes = frozenset()
                 self._record_deletes()
-                self._clear_locked(False)
                 return 0
             self._owed_deletes = owed
             self._record_deletes()
