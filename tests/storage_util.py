@@ -1,13 +1,15 @@
 """What the storage tests share: a daemon with storage tiers, blocks stored on its disk tier only
-(or in any tier only), a record's path, a record hung on a filesystem, the load state."""
+(or in any tier only), a record's path, a record hung on a filesystem, the load state, a
+redis-server stopped, a disk tier's writes held."""
 import contextlib
 import glob
 import os
+import signal
 import threading
 
 import pytest
 
-from conftest import disk_uri, keys_for, scramble, small_kv, snapshot, stored
+from conftest import disk_uri, keys_for, scramble, small_kv, snapshot, stored, wait_until
 from kvcached_client import launch
 
 PAGE_SHAPE = (16, 2, 64)  # 4 layers x (K, V) x 4 KiB = 32 KiB per block
@@ -142,3 +144,32 @@ def load_state(c):
     s = c.status()
     return (s["tasks"]["queued"], s["tasks"]["inflight"], s["host"]["pinned_blocks"],
             s["tasks"]["slots_busy"], c.check())
+
+
+@contextlib.contextmanager
+def redis_stopped(c, redis_server):
+    """The redis-server SIGSTOPped for the block, which begins once c's daemon shows its tier
+    down."""
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: not c.status()["storage"][0]["healthy"], 5, "the tier down")
+        yield
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def writes_held(disk):
+    """A DiskBackend whose record writes wait in the filesystem until the block's event is set
+    (set on leaving the block too)."""
+    held, write = threading.Event(), disk._write
+
+    def slow_write(*args):
+        assert held.wait(10)
+        return write(*args)
+
+    disk._write = slow_write
+    try:
+        yield held
+    finally:
+        held.set()

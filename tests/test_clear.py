@@ -3,31 +3,16 @@ weights' KV), whatever was under way: backups queued behind a slow write, a stor
 when the clear comes, a stop before the disk tier's files are gone, a disk write begun before
 the clear that lands after it. Against real daemons and redis-servers; the disk tier's own
 logic in process, on a real directory."""
-import contextlib
 import os
-import signal
 import subprocess
 import sys
-import threading
 
 from conftest import disk_uri, keys_for, small_kv, wait_until
 from kvcached.storage.disk import DiskBackend
 from kvcached.storage.disk_clear import MARK
-from storage_util import PAGE_SHAPE, files, offload_and_flush, start
+from storage_util import PAGE_SHAPE, files, offload_and_flush, redis_stopped, start, writes_held
 
 GEOMETRY = bytes(range(16))
-
-
-@contextlib.contextmanager
-def _server_stopped(c, redis_server):
-    """The redis-server SIGSTOPped for the block, which begins once c's daemon shows its tier
-    down."""
-    os.kill(redis_server.proc.pid, signal.SIGSTOP)
-    try:
-        wait_until(lambda: not c.status()["storage"][0]["healthy"], 5, "the tier down")
-        yield
-    finally:
-        os.kill(redis_server.proc.pid, signal.SIGCONT)
 
 
 def test_backups_queued_at_a_clear_never_put_back_what_it_cleared(run_dir, instance, redis_server):
@@ -67,7 +52,7 @@ def test_a_clear_the_redis_server_missed_is_done_before_the_tier_serves_again(
         with h.connect() as c:
             c.register_kv_cache(kv)
             offload_and_flush(c, kv, keys, list(range(8)))
-            with _server_stopped(c, redis_server):
+            with redis_stopped(c, redis_server):
                 c.clear(weights_update=True)
                 stopped = c.status()["storage"][0]
             wait_until(lambda: c.status()["storage"][0]["healthy"], 5, "the tier back, cleared")
@@ -89,7 +74,7 @@ def test_a_clear_owed_when_the_daemon_stops_is_owed_by_the_next_one(run_dir, ins
         with h.connect() as c:
             c.register_kv_cache(kv)
             offload_and_flush(c, kv, keys, list(range(8)))
-            with _server_stopped(c, redis_server):
+            with redis_stopped(c, redis_server):
                 c.clear(weights_update=True)
                 h.stop()  # before the server answers again
         h = start(run_dir, instance, redis_server.uri)
@@ -170,24 +155,17 @@ def test_a_disk_write_begun_before_a_clear_and_landing_after_it_is_void(tmp_path
     root = str(tmp_path / "disk")
     key = b"\x07" * 16
     disk = DiskBackend(root, 1 << 30, io_timeout_s=0.2)
-    held, write = threading.Event(), disk._write
-
-    def slow_write(*args):
-        assert held.wait(10)
-        return write(*args)
-
     try:
         assert disk.indexed.wait(10)
-        disk._write = slow_write
-        assert disk.put([key], [_page(1)], GEOMETRY) == [None]  # late: the tier is stuck
-        assert not disk.health()
-        disk.clear()
-        held.set()
-        wait_until(disk.health, 5, "the late write returned")
+        with writes_held(disk) as held:
+            assert disk.put([key], [_page(1)], GEOMETRY) == [None]  # late: the tier is stuck
+            assert not disk.health()
+            disk.clear()
+            held.set()
+            wait_until(disk.health, 5, "the late write returned")
         assert disk.exists_prefix([key]) == 0 and not files(root)
         assert disk.usage()["used_bytes"] == 0
         assert disk.put([key], [_page(2)], GEOMETRY) == [True] and disk.exists_prefix([key]) == 1
     finally:
-        held.set()
         disk.close()
 

@@ -166,16 +166,16 @@ from kvcached.copy.transfer import TaskKind  # noqa: E402
 
 def test_runs_are_one_copy_where_both_sides_rows_are_back_to_back():
     dev, host = dma.Rows(1000, 64, 64), dma.Rows(50_000, 64, 64)
-    dsts, srcs, sizes = dma.copy_list([(2, 7, 3), (9, 0, 1)], dev, host, to_host=True)
+    dsts, srcs, sizes = dma.at(dma.offsets([(2, 7, 3), (9, 0, 1)], dev, host), dev, host, to_host=True)
     assert dsts.tolist() == [50_000 + 7 * 64, 50_000] and srcs.tolist() == [1000 + 128, 1000 + 576]
     assert sizes.tolist() == [192, 64]
-    dsts, srcs, _ = dma.copy_list([(2, 7, 3)], dev, host, to_host=False)
+    dsts, srcs, _ = dma.at(dma.offsets([(2, 7, 3)], dev, host), dev, host, to_host=False)
     assert dsts.tolist() == [1128] and srcs.tolist() == [50_448]
 
 
 def test_strided_rows_take_one_copy_per_block():
     dev, host = dma.Rows(0, 256, 64), dma.Rows(10_000, 64, 64)  # vLLM's strided per-layer view
-    dsts, srcs, sizes = dma.copy_list([(2, 7, 3)], dev, host, to_host=False)
+    dsts, srcs, sizes = dma.at(dma.offsets([(2, 7, 3)], dev, host), dev, host, to_host=False)
     assert dsts.tolist() == [512, 768, 1024]
     assert srcs.tolist() == [10_000 + 7 * 64, 10_000 + 8 * 64, 10_000 + 9 * 64]
     assert sizes.tolist() == [64, 64, 64]

@@ -2,12 +2,14 @@
 writing when it came, a disk write begun before it that lands after it. Against a real daemon
 and redis-server; the disk tier's own logic in process, on a real directory (the storage
 flow's ordering with a held write: tests/test_load_flow.py)."""
+import os
 import threading
 
 from conftest import keys_for, small_kv, wait_until
 from kvcached.storage.disk import DiskBackend
 from kvcached.storage.owed_clear import MAX_OWED_DELETES, OwedRecord, OwesClears
-from storage_util import PAGE_SHAPE, files, offload_and_flush, start
+from kvcached_proto import Op, pack_keys
+from storage_util import PAGE_SHAPE, files, offload_and_flush, redis_stopped, start, writes_held
 
 GEOMETRY = bytes(range(16))
 
@@ -50,24 +52,17 @@ def test_a_disk_write_begun_before_a_delete_of_its_key_and_landing_after_it_is_v
     root = str(tmp_path / "disk")
     key, other = b"\x07" * 16, b"\x08" * 16
     disk = DiskBackend(root, 1 << 30, io_timeout_s=0.2)
-    held, write = threading.Event(), disk._write
-
-    def slow_write(*args):
-        assert held.wait(10)
-        return write(*args)
-
     try:
         assert disk.indexed.wait(10)
-        disk._write = slow_write
-        assert disk.put([key, other], [_page(1), _page(2)], GEOMETRY) == [None, None]  # late
-        assert disk.delete([key]) == 0  # not indexed yet
-        held.set()
-        wait_until(disk.health, 5, "the late writes returned")
+        with writes_held(disk) as held:
+            assert disk.put([key, other], [_page(1), _page(2)], GEOMETRY) == [None, None]  # late
+            assert disk.delete([key]) == 0  # not indexed yet
+            held.set()
+            wait_until(disk.health, 5, "the late writes returned")
         assert disk.exists_prefix([key]) == 0 and disk.exists_prefix([other]) == 1
         assert len(files(root)) == 1 and disk.usage()["blocks"] == 1
         assert disk.put([key], [_page(3)], GEOMETRY) == [True] and disk.exists_prefix([key]) == 1
     finally:
-        held.set()
         disk.close()
 
 
@@ -77,11 +72,6 @@ def test_a_delete_a_stopped_redis_server_missed_is_owed_and_done_before_it_serve
     owes the deletes, serves nothing meanwhile, and once the server answers its probe deletes
     them before it serves again (before, the deleted keys were storage hits once it was back).
     A daemon stopped while they are owed leaves them to the next one (the run dir's record)."""
-    import os
-    import signal
-
-    from kvcached_proto import Op, pack_keys
-
     kv = small_kv(block_shape=PAGE_SHAPE)
     keys = keys_for(4, 52)
     h = start(run_dir, instance, redis_server.uri)
@@ -96,14 +86,10 @@ def test_a_delete_a_stopped_redis_server_missed_is_owed_and_done_before_it_serve
                 return r["deleted"], r["storage_deleted"], r["storage_missed"]
 
             assert delete(keys[:1]) == (1, 1, [])
-            os.kill(redis_server.proc.pid, signal.SIGSTOP)
-            try:
-                wait_until(lambda: not c.status()["storage"][0]["healthy"], 5, "the tier down")
+            with redis_stopped(c, redis_server):
                 reply = delete(keys[1:3])
                 stopped = c.status()["storage"][0]
                 h.stop()  # before the server answers again
-            finally:
-                os.kill(redis_server.proc.pid, signal.SIGCONT)
             assert reply == (2, 0, [uri])
             assert stopped["deletes_owed"] == 2 and "2 deletes are owed" in stopped["last_error"]
         h = start(run_dir, instance, redis_server.uri)

@@ -53,11 +53,6 @@ def at(offs, dev: Rows, host: Rows, to_host: bool) -> tuple[np.ndarray, np.ndarr
     return (host_addr, dev_addr, sizes) if to_host else (dev_addr, host_addr, sizes)
 
 
-def copy_list(pairs, dev: Rows, host: Rows, to_host: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(dsts, srcs, sizes) as uint64 arrays for runs `(dev id, host id, length)`."""
-    return at(offsets(pairs, dev, host), dev, host, to_host)
-
-
 def concat(lists: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One (dsts, srcs, sizes) of several."""
     if not lists:

@@ -104,7 +104,6 @@ class StatusCollector:
             g.add_metric([i], value)
             yield g
 
-
     def _copy_phases(self, copy_phases: dict):
         i = self.instance
         phases = self._family(CounterMetricFamily, "kvcached_copy_phase_seconds",

@@ -33,16 +33,11 @@ class TaskCounters:
         # queueing the copies (the CPU's share), then until they landed and the task ended
         self.phases: dict[str, dict[str, float]] = {}
 
-    def add_phases(self, task, end_ns: int) -> None:
-        if not (task.started_ns and task.queued_ns):
-            return
-        p = self.phases.setdefault(task.kind, {"tasks": 0, "wait_s": 0.0, "queue_s": 0.0, "land_s": 0.0})
+    def add_phases(self, phases: dict[str, float], kind: str) -> None:
+        p = self.phases.setdefault(kind, {"tasks": 0})
         p["tasks"] += 1
-        p["wait_s"] += (task.started_ns - task.created_ns) / 1e9
-        p["queue_s"] += (task.queued_ns - task.started_ns) / 1e9
-        p["land_s"] += (end_ns - task.queued_ns) / 1e9
-        if task.first_layer_ns:  # a load: from the request to its first layer counted
-            p["first_layer_s"] = p.get("first_layer_s", 0.0) + (task.first_layer_ns - task.created_ns) / 1e9
+        for name, seconds in phases.items():
+            p[name] = p.get(name, 0.0) + seconds
 
 
 class TaskTable:
@@ -84,9 +79,11 @@ class TaskTable:
         with self.lock:
             if self.tasks.pop(task.task_id, None) is None:
                 return
+            phases = _phases(task, time.monotonic_ns())
             if status == TaskStatus.DONE:
                 self.counters.completed += 1
-                self.counters.add_phases(task, time.monotonic_ns())
+                if phases:
+                    self.counters.add_phases(phases, task.kind)
             elif status == TaskStatus.FAILED:
                 self.counters.failed += 1
             else:
@@ -100,8 +97,11 @@ class TaskTable:
         seconds = (time.monotonic_ns() - task.created_ns) / 1e9
         self.on_task_end(task.kind, seconds)
         if log.isEnabledFor(logging.DEBUG):
+            said = (f" (worker took it after {phases['wait_s'] * 1e3:.2f} ms, queued its copies in "
+                    f"{phases['queue_s'] * 1e3:.2f} ms, ended {phases['land_s'] * 1e3:.2f} ms later)"
+                    if phases else "")
             log.debug("[task] %d %s %s: %d blocks, %d bytes, %.2f ms%s", task.task_id, task.kind,
-                      status, task.num_blocks, task.bytes_moved, seconds * 1e3, _phases(task))
+                      status, task.num_blocks, task.bytes_moved, seconds * 1e3, said)
         self.events.emit(task.routing_id, task_event(task.task_id, status, result))
 
     def cancel_client(self, client_id: str) -> None:
@@ -129,12 +129,16 @@ class TaskTable:
                                 for k, p in self.counters.phases.items()}}
 
 
-def _phases(task) -> str:
-    """Where a copied task's time went: waiting for the copy worker, queueing its copies (the
-    CPU's share: CUDA launches, or the copies themselves on CPU), then their landing."""
+def _phases(task, end_ns: int) -> dict[str, float]:
+    """Where a copied task's time went, in seconds: waiting for the copy worker, queueing its
+    copies (the CPU's share: CUDA launches, or the copies themselves on CPU), then until they
+    landed and it ended; a load's, also from its request to its first layer counted. Empty for
+    a task that copied nothing."""
     if not (task.started_ns and task.queued_ns):
-        return ""
-    now = time.monotonic_ns()
-    return (f" (worker took it after {(task.started_ns - task.created_ns) / 1e6:.2f} ms, queued its"
-            f" copies in {(task.queued_ns - task.started_ns) / 1e6:.2f} ms, ended"
-            f" {(now - task.queued_ns) / 1e6:.2f} ms later)")
+        return {}
+    out = {"wait_s": (task.started_ns - task.created_ns) / 1e9,
+           "queue_s": (task.queued_ns - task.started_ns) / 1e9,
+           "land_s": (end_ns - task.queued_ns) / 1e9}
+    if task.first_layer_ns:
+        out["first_layer_s"] = (task.first_layer_ns - task.created_ns) / 1e9
+    return out
