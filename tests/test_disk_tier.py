@@ -343,6 +343,35 @@ def test_a_full_disk_evicts_its_oldest_blocks_and_keeps_storing_new_ones(run_dir
         h.stop()
 
 
+def test_puts_that_hit_a_full_filesystem_together_lower_the_limit_once(tmp_path, monkeypatch):
+    """Each put that met ENOSPC lowered the limit a few blocks under the last value: the
+    tier's I/O threads hitting a full 1 MiB filesystem together took its limit to 0, and it
+    stored nothing more (seen once in CI). The limit comes from the filesystem's state: the
+    tier's bytes and what is free, less a few blocks, however many puts ask."""
+    import types
+
+    from kvcached.storage import disk
+
+    tier = disk.DiskBackend(str(tmp_path), capacity_bytes=1 << 30)
+    try:
+        assert tier.indexed.wait(10)
+        size, free = 33 << 10, 40 << 10  # less free than two blocks: the filesystem is full
+        monkeypatch.setattr(disk.os, "statvfs", lambda _p: types.SimpleNamespace(
+            f_blocks=256, f_frsize=4096, f_bavail=free // 4096, f_files=0, f_favail=0))
+        tier.used_bytes = 28 * size  # what the tier holds (a test's stand-in for 28 records)
+        expected = 28 * size + free // 4096 * 4096 - disk.ENOSPC_EVICT_BLOCKS * size
+        threads = [threading.Thread(target=tier._on_full, args=(size,)) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        tier._on_full(size)
+        assert tier.limit_bytes == expected and tier.counters["enospc"] == 9
+    finally:
+        tier.used_bytes = 0
+        tier.close()
+
+
 def test_disk_capacity_is_enforced_with_lru(run_dir, instance, disk_dir):
     kv = small_kv(block_shape=PAGE_SHAPE)
     cap_gb = 10 * (32768 + 48) / 2**30  # room for 10 block files

@@ -472,23 +472,30 @@ class DiskBackend(StorageBackend):
         return None
 
     def _on_full(self, size: int) -> None:
-        """ENOSPC below the limit (the filesystem is smaller, or shared): lower the limit a
-        few blocks under what the tier holds now; the caller evicts down to it and retries.
-        Not when the space was only held by records evicted and not yet unlinked (another
-        put's): once those are gone the filesystem has room (lowering then made the limit
-        fall by a few blocks at each such race, below what the filesystem holds)."""
+        """ENOSPC below the limit (the filesystem is smaller, or shared): lower the limit to what
+        the filesystem holds for the tier (its bytes and the free space) less a few blocks; the
+        caller evicts down to it and retries. From the filesystem's state, not from the limit:
+        puts that hit ENOSPC together each lowered it again (a few blocks under the last
+        value), and four of them took a 1 MiB tier's limit to 0. Not lowered when the space was
+        only held by records evicted and not yet unlinked (another put's): once those are gone
+        the filesystem has room."""
         self.counters["enospc"] += 1
         with self._evicting:
             self._evicting.wait_for(lambda: not self._victims_pending, timeout=1.0)
+        free = 0
         try:
             st = os.statvfs(self.root)
-            if st.f_bavail * st.f_frsize >= 2 * size and (not st.f_files or st.f_favail > 2):
+            free = st.f_bavail * st.f_frsize
+            if free >= 2 * size and (not st.f_files or st.f_favail > 2):
                 return  # room now (blocks and inodes): the caller retries under the same limit
         except OSError:
             pass
         with self._lock:
             first = self.limit_bytes == self.capacity_bytes
-            self.limit_bytes = max(0, min(self.limit_bytes, self.used_bytes) - ENOSPC_EVICT_BLOCKS * size)
+            # used_bytes counts other puts' reservations, written in part at most: the blocks
+            # of margin cover them (IO_THREADS of them at most)
+            fits = self.used_bytes + free - ENOSPC_EVICT_BLOCKS * size
+            self.limit_bytes = max(0, min(self.limit_bytes, fits))
             limit = self.limit_bytes
         if first:
             log.warning("[disk] %s: the filesystem is full at %.3f GiB, below the tier's capacity "
