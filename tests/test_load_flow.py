@@ -358,3 +358,25 @@ def test_backups_pending_at_a_delete_never_store_what_it_deleted(flows, spec):
         assert loads.host.index.prefix(first, touch=False) == loads.host.index.prefix(first[:2], touch=False)
     _no_pins(loads)
     assert loads.storage.delete(first[:2]) == (2, 2, [])  # nothing pending: freed and deleted at once
+
+
+def test_a_loads_and_an_offloads_copies_start_once_the_reply_is_sent(flows, spec):
+    """The daemon sends a load's or an offload's reply before the copy worker may start: a
+    worker started first took the GIL from the thread sending the reply the engine waits for.
+    start() only queues the task's start (the service runs it once the reply is sent)."""
+    loads, offloads, _store, copier, events, _hits = flows
+    queued = []
+    loads.after_reply = offloads.after_reply = queued.append
+    keys = keys_for(4, 7)
+    for i, b in enumerate(range(4)):
+        copier.device[b] = _page(spec, 70 + i)
+    reply = offloads.start(Client(), Req(keys=keys), np.arange(4), None)
+    assert len(queued) == 1 and copier.calls == []
+    queued.pop()()
+    assert events.wait(1)[reply["task"]]["status"] == TaskStatus.DONE
+    reply = loads.start(Client(), Req(keys=keys), np.arange(20, 24), None)
+    assert reply["host_blocks"] == 4 and len(queued) == 1
+    assert [c for c in copier.calls if c[0] == "load"] == []
+    queued.pop()()
+    assert events.wait(1)[reply["task"]]["status"] == TaskStatus.DONE
+    assert [copier.device[b] for b in range(20, 24)] == [copier.device[b] for b in range(4)]

@@ -361,11 +361,15 @@ class Daemon:
         except Exception as exc:  # a bug: report it to the caller and keep serving others
             log.exception("[dispatch] internal error")
             reply = reply_for(_rid_of(msg), exc)
-        if routing_id[:1] == CURVE_TAG:
-            self._send_to(routing_id, encode(reply))
-        else:
-            self._router.send(routing_id, zmq.SNDMORE)  # two sends: cheaper than send_multipart
-            self._router.send(encode(reply))
+        try:
+            if routing_id[:1] == CURVE_TAG:
+                self._send_to(routing_id, encode(reply))
+            else:
+                self._router.send(routing_id, zmq.SNDMORE)  # two sends: cheaper than send_multipart
+                self._router.send(encode(reply))
+        finally:
+            if self.service is not None:
+                self.service.replied()  # the copies the request queued start now
         if costly:
             self.connections.strike(fd)
 

@@ -78,6 +78,9 @@ class CacheService:
         # runs work that may block (a drain) off the request thread; the server sets its
         # control worker's run_later here
         self.defer: Callable[[Callable[[], None]], None] = lambda work: work()
+        # a load's or an offload's copies start once its reply is sent (replied)
+        self._after_reply: list[Callable[[], None]] = []
+        self.loads.after_reply = self.offloads.after_reply = self._after_reply.append
         self._handlers = {
             Op.REGISTER_KV: self._register_kv,
             Op.UNREGISTER_KV: self._unregister_kv,
@@ -101,6 +104,18 @@ class CacheService:
         if OP_SPECS[req.op].needs_kv and self.reg.of(client.client_id).lost:
             raise OpError(ErrorCode.KV_MISMATCH, self.reg.of(client.client_id).lost)
         return self._handlers[req.op](client, req)
+
+    def replied(self) -> None:
+        """(The request thread, once it sent a reply, or failed to.) Start the copies the
+        request queued. Started before the reply, a load's copy worker took the GIL from the
+        thread sending it: a 245-block load's reply took 1.0-1.4 ms, a load of nothing 0.4 ms,
+        and the engine waits for that reply before it can wait on the load's first layer."""
+        while self._after_reply:
+            work = self._after_reply.pop(0)
+            try:
+                work()
+            except Exception:  # noqa: BLE001 - a bug; the next request is served all the same
+                log.exception("[dispatch] starting a task after its reply failed")
 
     def capabilities(self) -> list[str]:
         return ["layerwise_load", "host_tier", f"host_layout:{self.cfg.host_layout}",

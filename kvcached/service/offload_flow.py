@@ -6,13 +6,14 @@ cancelled or the engine revoked the blocks before the copy was confirmed."""
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from kvcached_proto import TaskStatus
 from kvcached_proto.replies import OffloadReply
 
 from ..copy.transfer import SPLIT_BLOCKS, CopyTask, TaskKind, TransferWorker
 from .host_tier import HostTier
-from .load_flow import LoadFlow
+from .load_flow import LoadFlow, run_now
 from .registration import Registered
 from .task_table import TaskTable
 
@@ -24,6 +25,7 @@ class OffloadFlow:
         self.host, self.table, self.reg, self.loads = host, table, registered, loads
         self.worker = TransferWorker(TaskKind.OFFLOAD, self.run, loads.failed)
         self.worker.start()
+        self.after_reply: Callable[[Callable[[], None]], None] = run_now  # the service defers it
 
     def start(self, client, req, blocks, fence) -> OffloadReply:
         """Host entries for req's keys not held yet, and the task that fills them from `blocks`
@@ -51,7 +53,7 @@ class OffloadFlow:
             task = self.table.new(TaskKind.OFFLOAD, client, req, blocks[new_pos], host_ids, entries)
             task.fence = fence
         if entries:
-            self.worker.submit(task)
+            self.after_reply(lambda: self.worker.submit(task))
         else:
             self.table.finish(task, TaskStatus.DONE, {"stored": 0})
         return OffloadReply(task=task.task_id, stored=len(entries), skipped=len(held), accepted=accepted)
