@@ -158,3 +158,46 @@ def test_a_disk_delete_has_removed_the_files_when_it_returns(tmp_path):
         assert disk.exists_prefix(keys) == 0 and disk.exists_prefix(keys[6:]) == 2
     finally:
         disk.close()
+
+
+def test_a_disk_delete_whose_unlinks_hang_is_finished_by_the_next_start(tmp_path, monkeypatch):
+    """The filesystem holds the delete's unlinks past the tier's deadline, and the daemon stops
+    before they return: its next start indexed the files again and served the deleted blocks.
+    The keys are kept in the run dir's record until their files are gone; a start that finds
+    them there never indexes them, removes their files and drops them from the record. A key
+    stored again after is not touched by that."""
+    root, path = str(tmp_path / "disk"), str(tmp_path / "i.clears-owed")
+    keys = [bytes([i]) * 16 for i in range(1, 5)]
+    held, unlink = threading.Event(), os.unlink
+    hang = [1]  # the first unlink of a record hangs until `held`
+
+    def hung_unlink(p, *args, **kwargs):
+        if str(p).endswith(".kvb") and hang[0]:
+            hang[0] = 0
+            assert held.wait(20)
+        return unlink(p, *args, **kwargs)
+
+    first = DiskBackend(root, 1 << 30, io_timeout_s=0.2)
+    second = None
+    try:
+        first.owe_clear(OwedRecord(path))
+        assert first.indexed.wait(10)
+        assert first.put(keys, [_page(i) for i in range(4)], GEOMETRY) == [True] * 4
+        monkeypatch.setattr(os, "unlink", hung_unlink)
+        assert first.delete(keys[:2]) == 2  # answered at the deadline, files still there
+        assert first.usage()["deletes_owed"] == 2 and len(files(root)) == 4
+        assert OwedRecord(path).deletes(first.uri) == set(keys[:2])
+        second = DiskBackend(root, 1 << 30, io_timeout_s=0.2)  # the next start
+        second.owe_clear(OwedRecord(path))
+        assert second.indexed.wait(10)
+        assert second.exists_prefix(keys[:1]) == 0 and second.exists_prefix(keys[1:2]) == 0
+        assert second.exists_prefix(keys[2:]) == 2
+        wait_until(lambda: second.usage()["deletes_owed"] == 0, 5, "the owed deletes done")
+        assert len(files(root)) == 2 and not os.path.exists(path)
+        assert second.put(keys[:1], [_page(9)], GEOMETRY) == [True]  # stored again: kept
+        assert second.exists_prefix(keys[:1]) == 1
+    finally:
+        held.set()
+        first.close()
+        if second is not None:
+            second.close()

@@ -75,6 +75,7 @@ class DictStore(StorageBackend):
         self.reads = 0
         self.put_gate, self.putting = threading.Event(), threading.Event()  # writes may wait too
         self.put_gate.set()
+        self.put_answer = True  # None: each write lands but answers late (it returns at once)
 
     def exists_prefix(self, keys):
         n = 0
@@ -102,7 +103,10 @@ class DictStore(StorageBackend):
         assert self.put_gate.wait(10)
         for key, pieces in zip(keys, pages):
             self.pages[key] = b"".join(bytes(p) for p in pieces)
-        return [True] * len(keys)
+        if self.put_answer is None and release is not None:
+            for i in range(len(keys)):
+                release(i)  # the late write returned
+        return [self.put_answer] * len(keys)
 
     def delete(self, keys):
         return sum(self.pages.pop(k, None) is not None for k in keys)
@@ -358,6 +362,29 @@ def test_backups_pending_at_a_delete_never_store_what_it_deleted(flows, spec):
         assert loads.host.index.prefix(first, touch=False) == loads.host.index.prefix(first[:2], touch=False)
     _no_pins(loads)
     assert loads.storage.delete(first[:2]) == (2, 2, [])  # nothing pending: freed and deleted at once
+
+
+@pytest.mark.parametrize("answer", [None, False], ids=["late", "failed"])
+def test_a_backup_write_that_lands_late_after_a_delete_is_deleted_again(flows, spec, answer):
+    """A remote write past its deadline (or one the client took for failed) may still land
+    after the tiers' delete: its keys were not deleted again (only writes that said they
+    stored), and a deleted block was a storage hit once the write landed."""
+    from kvcached.storage.record import StoredKeys
+
+    loads, offloads, store, copier, events, _ = flows
+    keys = keys_for(4, seed=40)
+    store.put_gate.clear()
+    store.put_answer = answer
+    _offload(offloads, events, copier, keys, [0, 1, 2, 3], spec, seed=720)
+    assert store.putting.wait(5)  # the backup's write is under way
+    assert loads.storage.delete(keys[1:3]) == (0, 0, [])
+    store.put_gate.set()
+    flush = loads.storage.flush(Client(), Req())
+    assert events.wait(1)[flush["task"]]["status"] == TaskStatus.DONE
+    geometry = loads.storage.host.pool.geometry
+    assert set(store.pages) == set(StoredKeys([keys[0], keys[3]], geometry))
+    assert loads.storage.counters["deleted_again"] == 2
+    _no_pins(loads)
 
 
 def test_a_loads_and_an_offloads_copies_start_once_the_reply_is_sent(flows, spec):

@@ -404,7 +404,7 @@ class StorageFlow:
                 keys, pages = [keys[i] for i in keep], [pages[i] for i in keep]
                 stored, _late = self.tiers.put(keys, pages, self.host.pool.geometry)
                 with self.host.lock:
-                    again = self._deleted_during(keys, stored, seen)
+                    again = self._deleted_during(keys, seen)
                     self._backups_done(len(keys))
                 self._delete_again(again)
                 self.counters["backups"] += sum(stored)
@@ -432,7 +432,7 @@ class StorageFlow:
                     done = [e for i, e in enumerate(chunk)
                             if i not in late or not self._lend_pin(token(i), e)]
                     self.host.unpin(done)
-                    again = self._deleted_during([e.key for e in chunk], ok, seen)
+                    again = self._deleted_during([e.key for e in chunk], seen)
                     self._backups_done(len(done))
                 self._delete_again(again)
                 self.counters["backups"] += sum(ok)
@@ -463,10 +463,12 @@ class StorageFlow:
                         "before the tier serves again", len(keys), ", ".join(missed))
         return deleted, stored, missed
 
-    def _deleted_during(self, keys, stored, seen: int) -> list:
-        """(Lock held, before the backups are counted done.) Keys a put stored that a delete
-        removed while it ran: the put may have landed after the tiers' delete."""
-        return [k for k, ok in zip(keys, stored) if ok and self.deletes.since(k, seen)]
+    def _deleted_during(self, keys, seen: int) -> list:
+        """(Lock held, before the backups are counted done.) Keys a delete removed while a put
+        of them ran: the put may have landed after the tiers' delete - also one that said it
+        failed or came back late (a remote write past its deadline lands when it lands; the
+        tier, stuck meanwhile, owes the delete until it returned)."""
+        return [k for k in keys if self.deletes.since(k, seen)]
 
     def _delete_again(self, keys) -> None:
         if keys:

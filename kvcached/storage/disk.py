@@ -9,8 +9,8 @@ it is done, and puts, deletes and clears made meanwhile win over what the listin
 oldest modification first for LRU. Capacity is enforced by evicting the least recently used
 files; a chain put or read together is ordered head-last, so a prefix loses its tail first and
 what stays is still a loadable prefix. A filesystem that fills up below the capacity (ENOSPC:
-it is smaller, or shared) sets a lower limit - a few blocks under what the tier holds then -
-and the tier evicts to stay under it, so new blocks keep coming in; status says `full` with
+it is smaller, or shared) sets a lower limit - a few blocks under what the filesystem holds for
+the tier then - and the tier evicts to stay under it, so new blocks keep coming in; status says `full` with
 `limit_bytes` (logged once), and the probe raises the limit again as the filesystem frees room.
 fsync is off by default (a crash may lose recent blocks, never corrupt one: torn files fail
 their checksum); `?fsync=1` turns it on.
@@ -38,8 +38,10 @@ from . import owned
 from .base import StorageBackend
 from .disk_clear import DiskClears
 from .disk_listing import list_records
+from .disk_owed import OwedUnlinks
+from .disk_write import write_record
 from .iothreads import IOThreads, run_bounded
-from .record import HEADER_BYTES, BadRecord, check_header, check_payload, nbytes, pack_header
+from .record import HEADER_BYTES, BadRecord, check_header, check_payload, nbytes
 from .uris import DISK_IO_TIMEOUT_S, parse_disk_uri
 
 log = logging.getLogger(__name__)
@@ -52,7 +54,6 @@ PROBE_EVERY_S = 1.0
 ENOSPC_EVICT_BLOCKS = 8  # a full filesystem: the limit goes this many blocks under what is held
 FS_SLACK_MAX = 4 << 30  # room left free on the filesystem before the probe raises the limit
 _OPEN_READ = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
-_OPEN_TEMP = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class DiskBackend(StorageBackend):
@@ -79,6 +80,7 @@ class DiskBackend(StorageBackend):
         self._dropped_while_indexing: set[bytes] = set()  # deleted before the index was whole
         self._cleared_while_indexing = False
         self._clears = DiskClears(self.root)  # a clear's mark and generations (disk_clear.py)
+        self._owed = OwedUnlinks(self.uri)  # deletes whose files are not gone yet (disk_owed.py)
         self._probe_since = 0.0  # monotonic start of the probe in progress, 0 when none
         self._probe_error = ""
         self._closed = threading.Event()
@@ -445,31 +447,7 @@ class DiskBackend(StorageBackend):
         return True
 
     def _write(self, key: bytes, pieces, size: int, geometry: bytes) -> OSError | None:
-        """Temp file, then rename; None when the record is in place, else the error (nothing
-        of it is left behind)."""
-        path = self._path(key)
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        try:
-            try:
-                fd = os.open(tmp, _OPEN_TEMP, 0o600)
-            except FileNotFoundError:  # the shard dir was removed under us: make it again
-                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-                fd = os.open(tmp, _OPEN_TEMP, 0o600)
-            try:
-                _write_all(fd, [pack_header(key, pieces, geometry), *pieces], size)
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except OSError as exc:
-            if exc.errno != errno.EEXIST:  # EEXIST: not our file, leave it
-                try:
-                    os.unlink(tmp)
-                except FileNotFoundError:
-                    log.debug("[disk] no temp file to remove after the failed write")
-            return exc
-        return None
+        return write_record(self._path(key), key, pieces, size, geometry, self.fsync)
 
     def _on_full(self, size: int) -> None:
         """ENOSPC below the limit (the filesystem is smaller, or shared): lower the limit to what
@@ -529,12 +507,31 @@ class DiskBackend(StorageBackend):
                     self._dropped_while_indexing.add(key)
             if gone:
                 self._on_keys(gone, False)
+        unlinks = self._owed.begin(gone)
         if gone and not self._stuck():
-            run_bounded(self._io, self._unlink_unless_indexed, [(gone,)], self.io_timeout_s,
-                        self._late_op("a delete's unlinks"), lambda _i: self._late_returned())
+            run_bounded(self._io, self._unlink_unless_indexed, [(gone, [unlinks.done])],
+                        self.io_timeout_s, self._late_op("a delete's unlinks"),
+                        lambda _i: self._late_returned())
         else:
-            self._unlink_later(gone)
+            self._unlink_later(gone, [unlinks.done])
+        self._owed.unconfirmed(unlinks)  # still there: deleted again by a restart
         return len(gone)
+
+    def owe_clear(self, record) -> None:
+        """(At start, from the tiers.) Deletes whose files were not gone yet are kept in record
+        (disk_owed.py); those the last run owed are deleted now: never indexed, and unlinked
+        once the index is whole (unless stored again since)."""
+        unlinks = self._owed.attach(record)
+        if unlinks is None:
+            return
+        log.warning("[disk] %s: %d deletes the last run could not finish are done now",
+                    self.root, len(unlinks.keys))
+        self.delete(unlinks.keys)
+
+        def finish() -> None:
+            self.indexed.wait()
+            self._unlink_unless_indexed(unlinks.keys, [unlinks.done])
+        threading.Thread(target=finish, name="kvcached-disk-owed", daemon=True).start()
 
     def clear(self) -> int:
         """Forget every block now (what the index rebuild still finds goes too, and what a
@@ -566,22 +563,13 @@ class DiskBackend(StorageBackend):
         return {"used_bytes": self.used_bytes, "capacity_bytes": self.capacity_bytes,
                 "limit_bytes": self.limit_bytes, "full": self.limit_bytes < self.capacity_bytes,
                 "blocks": blocks, "ready": self.indexed.is_set(), "stuck": bool(stuck),
+                "deletes_owed": self._owed.count(),
                 "last_error": stuck or self._probe_error or self.last_error, **self.counters}
 
     def close(self) -> None:
         self._closed.set()
         self._rebuild_thread.join(timeout=1.0)
         self._io.shutdown(timeout=self.io_timeout_s)
-
-
-def _write_all(fd: int, pieces, total: int) -> None:
-    """writev, continuing after a short write (a full disk raises ENOSPC from the next call)."""
-    done = os.writev(fd, pieces)
-    if done == total:
-        return
-    flat = memoryview(b"".join(bytes(p) for p in pieces))  # rare: finish the rest plainly
-    while done < total:
-        done += os.write(fd, flat[done:])
 
 
 def _ignore_keys(_names, _held) -> None:

@@ -21,7 +21,7 @@ from typing import Sequence
 
 from .base import StorageBackend
 from .disk import DiskBackend
-from .owed_clear import OwedRecord, OwesClears
+from .owed_clear import OwedRecord
 from .record import StoredKeys
 from .uris import redact
 
@@ -82,7 +82,7 @@ class StorageTiers:
         except BaseException:
             self.close()
             raise
-        owing = [b for b in self.backends if isinstance(b, OwesClears)]
+        owing = [b for b in self.backends if hasattr(b, "owe_clear")]  # remote ones, disk
         if owed_path is not None and owing:
             record = OwedRecord(owed_path)
             for b in owing:

@@ -1,0 +1,74 @@
+"""Disk deletes whose files were not gone when the delete answered: the filesystem hung (the
+tier stuck, or the unlinks past their deadline) or an unlink failed. The keys are forgotten at
+once (never read again by this daemon), but a daemon stopped before the unlinks would index the
+files again at its next start and serve what was deleted. So such keys are kept in the daemon's
+OwedRecord (owed_clear.py: `{run_dir}/{instance}.clears-owed`, not on the hung filesystem) until
+their unlinks are done, and a daemon that finds them there at start deletes them again."""
+from __future__ import annotations
+
+import threading
+
+
+class Unlinks:
+    """One delete's unlinks: `done()` once every file is gone (or the key was stored again)."""
+
+    def __init__(self, owed: "OwedUnlinks", keys):
+        self._owed, self.keys = owed, frozenset(keys)
+        self.finished = self.noted = False
+
+    def done(self) -> None:
+        self._owed._done(self)
+
+
+class OwedUnlinks:
+    def __init__(self, uri: str):
+        self.uri = uri
+        self._lock = threading.Lock()
+        self._record = None
+        self._owed: dict[bytes, int] = {}  # key -> deletes of it not done yet
+
+    def attach(self, record) -> Unlinks | None:
+        """(At start.) Keep owed keys in record; the unlinks the last run still owed, if any
+        (owed until the caller has them done)."""
+        with self._lock:
+            self._record = record
+            keys = record.deletes(self.uri)
+            if not keys:
+                return None
+            unlinks = Unlinks(self, keys)
+            unlinks.noted = True
+            for key in keys:
+                self._owed[key] = self._owed.get(key, 0) + 1
+            return unlinks
+
+    def begin(self, keys) -> Unlinks:
+        return Unlinks(self, keys)
+
+    def unconfirmed(self, unlinks: Unlinks) -> None:
+        """The delete answers: its keys are owed unless their unlinks are done already."""
+        with self._lock:
+            if unlinks.finished or not unlinks.keys:
+                return
+            unlinks.noted = True
+            for key in unlinks.keys:
+                self._owed[key] = self._owed.get(key, 0) + 1
+            self._write()
+
+    def _done(self, unlinks: Unlinks) -> None:
+        with self._lock:
+            unlinks.finished = True
+            if not unlinks.noted:
+                return
+            for key in unlinks.keys:
+                left = self._owed.pop(key) - 1
+                if left:
+                    self._owed[key] = left
+            self._write()
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self._owed)
+
+    def _write(self) -> None:
+        if self._record is not None:
+            self._record.note_deletes(self.uri, self._owed.keys())

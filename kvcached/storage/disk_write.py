@@ -1,0 +1,52 @@
+"""Writing one disk-tier record: a temp file in the key's shard, then os.replace, so a crash
+leaves either the old state or the whole new file, never half a block (disk.py)."""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+
+from .record import pack_header
+
+log = logging.getLogger(__name__)
+
+_OPEN_TEMP = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def write_record(path: str, key: bytes, pieces, size: int, geometry: bytes,
+                 fsync: bool) -> OSError | None:
+    """The record of key at path; None when it is in place, else the error (nothing of it is
+    left behind)."""
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        try:
+            fd = os.open(tmp, _OPEN_TEMP, 0o600)
+        except FileNotFoundError:  # the shard dir was removed under us: make it again
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            fd = os.open(tmp, _OPEN_TEMP, 0o600)
+        try:
+            _write_all(fd, [pack_header(key, pieces, geometry), *pieces], size)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        if exc.errno != errno.EEXIST:  # EEXIST: not our file, leave it
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                log.debug("[disk] no temp file to remove after the failed write")
+        return exc
+    return None
+
+
+def _write_all(fd: int, pieces, total: int) -> None:
+    """writev, continuing after a short write (a full disk raises ENOSPC from the next call)."""
+    done = os.writev(fd, pieces)
+    if done == total:
+        return
+    flat = memoryview(b"".join(bytes(p) for p in pieces))  # rare: finish the rest plainly
+    while done < total:
+        done += os.write(fd, flat[done:])
