@@ -113,6 +113,8 @@ def test_metrics_parse_and_carry_the_expected_names(busy_daemon):
     assert phase == {(op, p) for op in ("load", "offload") for p in ("wait", "queue", "land")}
     assert {s.labels["op"]: s.value for s in families["kvcached_copy_tasks"].samples} == \
         {"load": 1, "offload": 1}
+    first = families["kvcached_load_first_layer_seconds"].samples
+    assert len(first) == 1 and first[0].value > 0
 
 
 def test_json_logs_with_task_lines_and_periodic_stats(busy_daemon):

@@ -206,6 +206,20 @@ def test_tcp_without_curve_keys_does_not_start_loopback_included(run_dir, instan
     assert "Traceback" not in out.stderr
 
 
+def test_a_run_dir_another_user_made_first_is_refused_with_the_way_out(tmp_path, instance):
+    """/tmp is open to all: another user may make the default run dir first. The daemon never
+    uses a run dir it does not own; it says so, and how to give it another one."""
+    other = _other_uid()
+    path = str(tmp_path / "taken")
+    os.mkdir(path, 0o700)
+    os.chown(path, other, other)
+    out = subprocess.run([sys.executable, "-m", "kvcached", "serve", "--instance", instance,
+                          "--run-dir", path], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and f"belongs to uid {other}" in out.stderr, out.stderr
+    assert "--run-dir, $KVCACHED_RUN_DIR, or $XDG_RUNTIME_DIR" in out.stderr
+    assert "Traceback" not in out.stderr and os.listdir(path) == []
+
+
 def test_one_tenants_keys_are_never_served_to_another(daemon):
     kv = small_kv(num_layers=2, num_blocks=16, block_shape=(16, 2, 8))
     tokens = list(range(4 * 16))

@@ -12,6 +12,9 @@ metrics_http.MetricsServer (one thread, bounded; a rendering shared for MIN_REND
                                   (completed copies: waiting for the copy worker, the CPU queueing
                                   the copies, then until they landed; per task: divided by
                                   kvcached_copy_tasks_total{op})
+    kvcached_load_first_layer_seconds_total                            counter (completed loads:
+                                  from the request to their first layer counted; per load:
+                                  divided by kvcached_copy_tasks_total{op="load"})
     kvcached_hit_blocks_total{tier="host"|"storage"}                  counter (x block tokens = tokens)
     kvcached_lookup_blocks_total                                       counter
     kvcached_loaded_blocks_total{source="host"|"storage"}             counter (what loads served:
@@ -111,11 +114,15 @@ class StatusCollector:
                               "the copies, until they landed", ["op", "phase"])
         copied = self._family(CounterMetricFamily, "kvcached_copy_tasks",
                               "Completed copy tasks the phases count", ["op"])
+        first = self._family(CounterMetricFamily, "kvcached_load_first_layer_seconds",
+                             "Completed loads' time from the request to their first layer "
+                             "counted (what an engine waiting layer by layer waits before it)")
         for op, p in copy_phases.items():
             for phase in ("wait", "queue", "land"):
                 phases.add_metric([i, op, phase], p[f"{phase}_s"])
             copied.add_metric([i, op], p["tasks"])
-        return phases, copied
+        first.add_metric([i], copy_phases.get("load", {}).get("first_layer_s", 0.0))
+        return phases, copied, first
 
 
 class Metrics:

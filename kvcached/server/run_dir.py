@@ -38,8 +38,11 @@ def prepare_run_dir(path: str) -> None:
                            f"({os.geteuid()}): another user may have planted it; remove it")
     if not stat.S_ISDIR(st.st_mode):
         raise StartupError(f"--run-dir {path}: not a directory")
-    if st.st_uid != os.geteuid():
-        raise StartupError(f"run dir {path} belongs to uid {st.st_uid}, not to us ({os.geteuid()})")
+    if st.st_uid != os.geteuid():  # (in /tmp anyone may make the default one first)
+        raise StartupError(f"run dir {path} belongs to uid {st.st_uid}, not to us ({os.geteuid()}): "
+                           "remove it, or give this daemon and its engines another one "
+                           "(--run-dir, $KVCACHED_RUN_DIR, or $XDG_RUNTIME_DIR, which only "
+                           "its user can write in)")
     if st.st_mode & 0o077:
         os.chmod(path, 0o700)
 
