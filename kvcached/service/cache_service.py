@@ -11,6 +11,7 @@ from __future__ import annotations
 import array
 import logging
 import os
+import threading
 from typing import Callable
 
 import torch
@@ -80,7 +81,7 @@ class CacheService:
         self.defer: Callable[[Callable[[], None]], None] = lambda work: work()
         # a load's or an offload's copies start once its reply is sent (replied)
         self._after_reply: list[Callable[[], None]] = []
-        self.loads.after_reply = self.offloads.after_reply = self._after_reply.append
+        self.loads.after_reply = self.offloads.after_reply = self._start_after_reply
         self._handlers = {
             Op.REGISTER_KV: self._register_kv,
             Op.UNREGISTER_KV: self._unregister_kv,
@@ -104,6 +105,15 @@ class CacheService:
         if OP_SPECS[req.op].needs_kv and self.reg.of(client.client_id).lost:
             raise OpError(ErrorCode.KV_MISMATCH, self.reg.of(client.client_id).lost)
         return self._handlers[req.op](client, req)
+
+    def _start_after_reply(self, work: Callable[[], None]) -> None:
+        """Work to run once the request's reply is sent: the request thread (the daemon's main
+        thread) sends it, then calls replied(); any other thread runs it now (nothing would run
+        it there)."""
+        if threading.current_thread() is threading.main_thread():
+            self._after_reply.append(work)
+        else:
+            work()
 
     def replied(self) -> None:
         """(The request thread, once it sent a reply, or failed to.) Start the copies the
