@@ -201,3 +201,41 @@ def test_a_disk_delete_whose_unlinks_hang_is_finished_by_the_next_start(tmp_path
         first.close()
         if second is not None:
             second.close()
+
+
+def test_past_the_cap_a_hung_disk_delete_owes_a_clear_that_the_next_start_does(tmp_path, monkeypatch):
+    """More owed disk deletes than the record keeps: the record says the tier owes a clear
+    instead, and the next start clears it (nothing of before is indexed) and drops the note."""
+    from kvcached.storage import disk_owed
+
+    monkeypatch.setattr(disk_owed, "MAX_OWED_DELETES", 2)
+    root, path = str(tmp_path / "disk"), str(tmp_path / "i.clears-owed")
+    keys = [bytes([i]) * 16 for i in range(1, 5)]
+    held, unlink, hang = threading.Event(), os.unlink, [1]
+
+    def hung_unlink(p, *args, **kwargs):
+        if str(p).endswith(".kvb") and hang[0]:
+            hang[0] = 0
+            assert held.wait(20)
+        return unlink(p, *args, **kwargs)
+
+    first = DiskBackend(root, 1 << 30, io_timeout_s=0.2)
+    second = None
+    try:
+        first.owe_clear(OwedRecord(path))
+        assert first.indexed.wait(10)
+        assert first.put(keys, [_page(i) for i in range(4)], GEOMETRY) == [True] * 4
+        monkeypatch.setattr(os, "unlink", hung_unlink)
+        assert first.delete(keys[:3]) == 3
+        assert first.usage()["clear_owed"] and first.usage()["deletes_owed"] == 0
+        assert OwedRecord(path).owed(first.uri) and not OwedRecord(path).deletes(first.uri)
+        second = DiskBackend(root, 1 << 30, io_timeout_s=0.2)
+        second.owe_clear(OwedRecord(path))
+        assert second.indexed.wait(10)
+        assert second.exists_prefix(keys[3:]) == 0 and second.usage()["blocks"] == 0
+        assert not second.usage()["clear_owed"] and not os.path.exists(path)
+    finally:
+        held.set()
+        first.close()
+        if second is not None:
+            second.close()

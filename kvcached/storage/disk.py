@@ -521,7 +521,13 @@ class DiskBackend(StorageBackend):
         """(At start, from the tiers.) Deletes whose files were not gone yet are kept in record
         (disk_owed.py); those the last run owed are deleted now: never indexed, and unlinked
         once the index is whole (unless stored again since)."""
-        unlinks = self._owed.attach(record)
+        clear, unlinks = self._owed.attach(record)
+        if clear:
+            log.warning("[disk] %s: the last run owed more deletes than it could keep; the tier "
+                        "is cleared", self.root)
+            self.clear()
+            self._owed.cleared()
+            return
         if unlinks is None:
             return
         log.warning("[disk] %s: %d deletes the last run could not finish are done now",
@@ -563,7 +569,7 @@ class DiskBackend(StorageBackend):
         return {"used_bytes": self.used_bytes, "capacity_bytes": self.capacity_bytes,
                 "limit_bytes": self.limit_bytes, "full": self.limit_bytes < self.capacity_bytes,
                 "blocks": blocks, "ready": self.indexed.is_set(), "stuck": bool(stuck),
-                "deletes_owed": self._owed.count(),
+                "deletes_owed": self._owed.count(), "clear_owed": self._owed.clear_owed,
                 "last_error": stuck or self._probe_error or self.last_error, **self.counters}
 
     def close(self) -> None:

@@ -3,10 +3,14 @@ tier stuck, or the unlinks past their deadline) or an unlink failed. The keys ar
 once (never read again by this daemon), but a daemon stopped before the unlinks would index the
 files again at its next start and serve what was deleted. So such keys are kept in the daemon's
 OwedRecord (owed_clear.py: `{run_dir}/{instance}.clears-owed`, not on the hung filesystem) until
-their unlinks are done, and a daemon that finds them there at start deletes them again."""
+their unlinks are done, and a daemon that finds them there at start deletes them again. Past
+MAX_OWED_DELETES keys the record says the tier owes a clear instead (as a remote store's
+deletes do), and the next start clears the tier."""
 from __future__ import annotations
 
 import threading
+
+from .owed_clear import MAX_OWED_DELETES
 
 
 class Unlinks:
@@ -26,20 +30,33 @@ class OwedUnlinks:
         self._lock = threading.Lock()
         self._record = None
         self._owed: dict[bytes, int] = {}  # key -> deletes of it not done yet
+        self.clear_owed = False  # too many to keep: the next start clears the tier
 
-    def attach(self, record) -> Unlinks | None:
-        """(At start.) Keep owed keys in record; the unlinks the last run still owed, if any
-        (owed until the caller has them done)."""
+    def attach(self, record) -> tuple[bool, Unlinks | None]:
+        """(At start.) Keep owed keys in record; whether the last run owed a clear (the caller
+        clears the tier, then calls cleared()), and the unlinks it still owed, if any (owed
+        until the caller has them done)."""
         with self._lock:
             self._record = record
+            if record.owed(self.uri):
+                return True, None
             keys = record.deletes(self.uri)
             if not keys:
-                return None
+                return False, None
             unlinks = Unlinks(self, keys)
             unlinks.noted = True
             for key in keys:
                 self._owed[key] = self._owed.get(key, 0) + 1
-            return unlinks
+            return False, unlinks
+
+    def cleared(self) -> None:
+        """The tier was cleared (its own mark keeps that clear whole across a stop)."""
+        with self._lock:
+            self.clear_owed = False
+            self._owed.clear()
+            if self._record is not None:
+                self._record.note_deletes(self.uri, ())
+                self._record.note(self.uri, False)
 
     def begin(self, keys) -> Unlinks:
         return Unlinks(self, keys)
@@ -47,7 +64,14 @@ class OwedUnlinks:
     def unconfirmed(self, unlinks: Unlinks) -> None:
         """The delete answers: its keys are owed unless their unlinks are done already."""
         with self._lock:
-            if unlinks.finished or not unlinks.keys:
+            if unlinks.finished or not unlinks.keys or self.clear_owed:
+                return
+            if len(self._owed.keys() | unlinks.keys) > MAX_OWED_DELETES:
+                self.clear_owed = True  # on record before the keys are dropped from it
+                if self._record is not None:
+                    self._record.note(self.uri, True)
+                self._owed.clear()
+                self._write()
                 return
             unlinks.noted = True
             for key in unlinks.keys:
@@ -60,7 +84,7 @@ class OwedUnlinks:
             if not unlinks.noted:
                 return
             for key in unlinks.keys:
-                left = self._owed.pop(key) - 1
+                left = self._owed.pop(key, 1) - 1  # (gone: an owed clear took them over)
                 if left:
                     self._owed[key] = left
             self._write()
