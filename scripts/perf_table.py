@@ -14,6 +14,10 @@ def table(r: dict) -> str:
         ("64-key lookup round trip, p50", "`kvcached bench ipc`",
          f"{ipc['lookup64']['daemon']['p50_us']:.1f} µs",
          f"bare echo {ipc['lookup64']['bare_echo']['p50_us']:.1f} µs", ipc["lookup64"]["p50_ratio"], "≤ 1.5"),
+        *([("64-block load of host hits, request to reply, p50", "`kvcached bench ipc`",
+            f"{ipc['load64']['daemon']['p50_us']:.1f} µs",
+            f"bare echo {ipc['load64']['bare_echo']['p50_us']:.1f} µs", ipc["load64"]["p50_ratio"], "—")]
+          if "load64" in ipc else []),
         *([("64-key lookup from the key table, p50 / p99", "`kvcached bench ipc`",
              f"{r['ipc']['key_table']['lookup64']['p50_us']:.1f} / {r['ipc']['key_table']['lookup64']['p99_us']:.1f} µs",
              f"lookup op {ipc['lookup64']['daemon']['p50_us']:.1f} µs p50", "—", "≤ 10 / ≤ 50 µs")]

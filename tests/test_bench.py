@@ -19,7 +19,7 @@ def _bench(*args):
 @pytest.mark.slow
 def test_bench_ipc_reports_both_sides():
     r = _bench("ipc")
-    for name in ("ping", "lookup64"):
+    for name in ("ping", "lookup64", "load64"):
         x = r["results"][name]
         assert x["daemon"]["p50_us"] > 0 and x["bare_echo"]["p50_us"] > 0 and x["p50_ratio"] > 0
 

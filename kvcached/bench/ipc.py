@@ -3,6 +3,9 @@
 Both sides use the same encoded frames (a ping and a 64-key lookup) in the same run, timed
 interleaved; the daemon side goes through the real Client (encode, send, wait, decode) and the
 daemon's full request path. The ratio daemon/bare of the p50s is the figure of merit (<= 1.5).
+Then a 64-block load of host hits, from Client.load to its reply (what an engine waits before it
+can wait on the load's first layer; the copies start once the reply is sent and each load's are
+waited for untimed) against the bare echo of a frame of the same size, interleaved.
 Then the same 64-key lookup (64 host hits) through Client.lookup answered from the daemon's key
 table in shared memory (client/key_table.py), back to back: p50 <= 10 us, p99 <= 50 us.
 Then the loaded case (ipc_load.py): lookups idle and while another engine keeps the disk and
@@ -22,7 +25,7 @@ import torch
 import zmq
 
 from kvcached_client import allocate_kv_cache, launch
-from kvcached_proto import Op, encode, make_request, pack_keys
+from kvcached_proto import Op, encode, make_request, pack_block_ids, pack_keys
 
 from .ipc_load import format_loaded, run_loaded
 from .stats import percentiles_us, ratio
@@ -49,6 +52,26 @@ def _bare_call(sock, frame: bytes):
     return call
 
 
+def _load_requests(client, bare, frame: bytes, keys, n: int, warmup: int) -> dict:
+    """Client.load to its reply (each load's copies waited for after, untimed) and the bare
+    echo of a frame of the same size, interleaved."""
+    bare_call, blocks = _bare_call(bare, frame), list(range(len(keys)))
+    samples = {"daemon": [], "bare": []}
+    for i in range(warmup + n):
+        t0 = time.perf_counter()
+        task = client.load(keys, blocks)
+        t1 = time.perf_counter()
+        if task.wait(30) != len(keys):
+            raise RuntimeError("a load of host hits came back short")
+        t2 = time.perf_counter()
+        bare_call()
+        t3 = time.perf_counter()
+        if i >= warmup:
+            samples["daemon"].append(t1 - t0)
+            samples["bare"].append(t3 - t2)
+    return {k: percentiles_us(v) for k, v in samples.items()}
+
+
 def run(quick: bool = False, **_) -> dict:
     n, warmup = (300, 50) if quick else (5000, 500)
     run_dir = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
@@ -57,6 +80,8 @@ def run(quick: bool = False, **_) -> dict:
     frames = {
         "ping": encode(make_request(Op.PING, 1, "bench")),
         "lookup64": encode(make_request(Op.LOOKUP, 1, "bench", keys=pack_keys(keys))),
+        "load64": encode(make_request(Op.LOAD, 1, "bench", keys=pack_keys(keys),
+                                      blocks=pack_block_ids(range(64)))),
     }
     echo_endpoint = f"ipc://{run_dir}/echo.sock"
     echo = subprocess.Popen([sys.executable, "-m", "kvcached.bench.echo", echo_endpoint, "600"],
@@ -81,6 +106,8 @@ def run(quick: bool = False, **_) -> dict:
                 "daemon/lookup64": lambda: client.lookup(keys),
                 "bare/lookup64": _bare_call(bare, frames["lookup64"]),
             }, n, warmup)
+            loads = _load_requests(table_client, bare, frames["load64"], keys, n, warmup)
+            timed.update({"daemon/load64": loads["daemon"], "bare/load64": loads["bare"]})
             # on its own, back to back as a scheduler asks (interleaved with round trips, each
             # would run on a CPU the daemon and the echo just left)
             table = {**_time_interleaved({"table": lambda: table_client.lookup(keys)}, n, warmup)["table"],
