@@ -2,6 +2,7 @@
 writing when it came, a disk write begun before it that lands after it. Against a real daemon
 and redis-server; the disk tier's own logic in process, on a real directory (the storage
 flow's ordering with a held write: tests/test_load_flow.py)."""
+import contextlib
 import os
 import threading
 
@@ -160,55 +161,11 @@ def test_a_disk_delete_has_removed_the_files_when_it_returns(tmp_path):
         disk.close()
 
 
-def test_a_disk_delete_whose_unlinks_hang_is_finished_by_the_next_start(tmp_path, monkeypatch):
-    """The filesystem holds the delete's unlinks past the tier's deadline, and the daemon stops
-    before they return: its next start indexed the files again and served the deleted blocks.
-    The keys are kept in the run dir's record until their files are gone; a start that finds
-    them there never indexes them, removes their files and drops them from the record. A key
-    stored again after is not touched by that."""
-    root, path = str(tmp_path / "disk"), str(tmp_path / "i.clears-owed")
-    keys = [bytes([i]) * 16 for i in range(1, 5)]
-    held, unlink = threading.Event(), os.unlink
-    hang = [1]  # the first unlink of a record hangs until `held`
-
-    def hung_unlink(p, *args, **kwargs):
-        if str(p).endswith(".kvb") and hang[0]:
-            hang[0] = 0
-            assert held.wait(20)
-        return unlink(p, *args, **kwargs)
-
-    first = DiskBackend(root, 1 << 30, io_timeout_s=0.2)
-    second = None
-    try:
-        first.owe_clear(OwedRecord(path))
-        assert first.indexed.wait(10)
-        assert first.put(keys, [_page(i) for i in range(4)], GEOMETRY) == [True] * 4
-        monkeypatch.setattr(os, "unlink", hung_unlink)
-        assert first.delete(keys[:2]) == 2  # answered at the deadline, files still there
-        assert first.usage()["deletes_owed"] == 2 and len(files(root)) == 4
-        assert OwedRecord(path).deletes(first.uri) == set(keys[:2])
-        second = DiskBackend(root, 1 << 30, io_timeout_s=0.2)  # the next start
-        second.owe_clear(OwedRecord(path))
-        assert second.indexed.wait(10)
-        assert second.exists_prefix(keys[:1]) == 0 and second.exists_prefix(keys[1:2]) == 0
-        assert second.exists_prefix(keys[2:]) == 2
-        wait_until(lambda: second.usage()["deletes_owed"] == 0, 5, "the owed deletes done")
-        assert len(files(root)) == 2 and not os.path.exists(path)
-        assert second.put(keys[:1], [_page(9)], GEOMETRY) == [True]  # stored again: kept
-        assert second.exists_prefix(keys[:1]) == 1
-    finally:
-        held.set()
-        first.close()
-        if second is not None:
-            second.close()
-
-
-def test_past_the_cap_a_hung_disk_delete_owes_a_clear_that_the_next_start_does(tmp_path, monkeypatch):
-    """More owed disk deletes than the record keeps: the record says the tier owes a clear
-    instead, and the next start clears it (nothing of before is indexed) and drops the note."""
-    from kvcached.storage import disk_owed
-
-    monkeypatch.setattr(disk_owed, "MAX_OWED_DELETES", 2)
+@contextlib.contextmanager
+def _disk_with_a_hung_unlink(tmp_path, monkeypatch):
+    """(first, the next start's DiskBackend maker, keys stored by first, the record's path):
+    four records on `first`, whose next unlink of a record hangs (a hung filesystem) until the
+    block ends. The next start's tier reads the same record, as the tiers give it."""
     root, path = str(tmp_path / "disk"), str(tmp_path / "i.clears-owed")
     keys = [bytes([i]) * 16 for i in range(1, 5)]
     held, unlink, hang = threading.Event(), os.unlink, [1]
@@ -219,23 +176,54 @@ def test_past_the_cap_a_hung_disk_delete_owes_a_clear_that_the_next_start_does(t
             assert held.wait(20)
         return unlink(p, *args, **kwargs)
 
-    first = DiskBackend(root, 1 << 30, io_timeout_s=0.2)
-    second = None
+    made = [DiskBackend(root, 1 << 30, io_timeout_s=0.2)]
+
+    def next_start() -> DiskBackend:
+        made.append(DiskBackend(root, 1 << 30, io_timeout_s=0.2))
+        made[-1].owe_clear(OwedRecord(path))
+        assert made[-1].indexed.wait(10)
+        return made[-1]
     try:
-        first.owe_clear(OwedRecord(path))
-        assert first.indexed.wait(10)
-        assert first.put(keys, [_page(i) for i in range(4)], GEOMETRY) == [True] * 4
+        made[0].owe_clear(OwedRecord(path))
+        assert made[0].indexed.wait(10)
+        assert made[0].put(keys, [_page(i) for i in range(4)], GEOMETRY) == [True] * 4
         monkeypatch.setattr(os, "unlink", hung_unlink)
+        yield made[0], next_start, keys, path
+    finally:
+        held.set()
+        for disk in made:
+            disk.close()
+
+
+def test_a_disk_delete_whose_unlinks_hang_is_finished_by_the_next_start(tmp_path, monkeypatch):
+    """The filesystem holds the delete's unlinks past the tier's deadline, and the daemon stops
+    before they return: its next start indexed the files again and served the deleted blocks.
+    The keys are kept in the run dir's record until their files are gone; a start that finds
+    them there never indexes them, removes their files and drops them from the record. A key
+    stored again after is not touched by that."""
+    with _disk_with_a_hung_unlink(tmp_path, monkeypatch) as (first, next_start, keys, path):
+        assert first.delete(keys[:2]) == 2  # answered at the deadline, files still there
+        assert first.usage()["deletes_owed"] == 2 and len(files(first.root)) == 4
+        assert OwedRecord(path).deletes(first.uri) == set(keys[:2])
+        second = next_start()
+        assert second.exists_prefix(keys[:1]) == 0 and second.exists_prefix(keys[1:2]) == 0
+        assert second.exists_prefix(keys[2:]) == 2
+        wait_until(lambda: second.usage()["deletes_owed"] == 0, 5, "the owed deletes done")
+        assert len(files(first.root)) == 2 and not os.path.exists(path)
+        assert second.put(keys[:1], [_page(9)], GEOMETRY) == [True]  # stored again: kept
+        assert second.exists_prefix(keys[:1]) == 1
+
+
+def test_past_the_cap_a_hung_disk_delete_owes_a_clear_that_the_next_start_does(tmp_path, monkeypatch):
+    """More owed disk deletes than the record keeps: the record says the tier owes a clear
+    instead, and the next start clears it (nothing of before is indexed) and drops the note."""
+    from kvcached.storage import disk_owed
+
+    monkeypatch.setattr(disk_owed, "MAX_OWED_DELETES", 2)
+    with _disk_with_a_hung_unlink(tmp_path, monkeypatch) as (first, next_start, keys, path):
         assert first.delete(keys[:3]) == 3
         assert first.usage()["clear_owed"] and first.usage()["deletes_owed"] == 0
         assert OwedRecord(path).owed(first.uri) and not OwedRecord(path).deletes(first.uri)
-        second = DiskBackend(root, 1 << 30, io_timeout_s=0.2)
-        second.owe_clear(OwedRecord(path))
-        assert second.indexed.wait(10)
+        second = next_start()
         assert second.exists_prefix(keys[3:]) == 0 and second.usage()["blocks"] == 0
         assert not second.usage()["clear_owed"] and not os.path.exists(path)
-    finally:
-        held.set()
-        first.close()
-        if second is not None:
-            second.close()
