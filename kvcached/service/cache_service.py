@@ -117,9 +117,9 @@ class CacheService:
 
     def replied(self) -> None:
         """(The request thread, once it sent a reply, or failed to.) Start the copies the
-        request queued. Started before the reply, a load's copy worker took the GIL from the
-        thread sending it: a 245-block load's reply took 1.0-1.4 ms, a load of nothing 0.4 ms,
-        and the engine waits for that reply before it can wait on the load's first layer."""
+        request queued. Started before the reply, a load's copy worker could take the GIL from
+        the thread sending it, and the engine waits for that reply before it can wait on the
+        load's first layer (on CPU the difference was within the noise: CHANGELOG)."""
         while self._after_reply:
             work = self._after_reply.pop(0)
             try:

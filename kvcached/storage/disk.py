@@ -10,8 +10,9 @@ oldest modification first for LRU. Capacity is enforced by evicting the least re
 files; a chain put or read together is ordered head-last, so a prefix loses its tail first and
 what stays is still a loadable prefix. A filesystem that fills up below the capacity (ENOSPC:
 it is smaller, or shared) sets a lower limit - a few blocks under what the filesystem holds for
-the tier then - and the tier evicts to stay under it, so new blocks keep coming in; status says `full` with
-`limit_bytes` (logged once), and the probe raises the limit again as the filesystem frees room.
+the tier then - and the tier evicts to stay under it, so new blocks keep coming in; status says
+`full` with `limit_bytes` (logged once), and the probe raises the limit again as the filesystem
+frees room.
 fsync is off by default (a crash may lose recent blocks, never corrupt one: torn files fail
 their checksum); `?fsync=1` turns it on.
 
@@ -51,7 +52,7 @@ log = logging.getLogger(__name__)
 IO_THREADS = max(2, min(8, os.cpu_count() or 2))
 IO_TIMEOUT_S = DISK_IO_TIMEOUT_S
 PROBE_EVERY_S = 1.0
-ENOSPC_EVICT_BLOCKS = 8  # a full filesystem: the limit goes this many blocks under what is held
+ENOSPC_EVICT_BLOCKS = 8  # a full filesystem: the limit goes this many blocks under what it holds
 FS_SLACK_MAX = 4 << 30  # room left free on the filesystem before the probe raises the limit
 _OPEN_READ = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -469,12 +470,12 @@ class DiskBackend(StorageBackend):
         except OSError:
             pass
         with self._lock:
-            first = self.limit_bytes == self.capacity_bytes
+            was = self.limit_bytes
             # used_bytes counts other puts' reservations, written in part at most: the blocks
             # of margin cover them (IO_THREADS of them at most)
             fits = self.used_bytes + free - ENOSPC_EVICT_BLOCKS * size
-            self.limit_bytes = max(0, min(self.limit_bytes, fits))
-            limit = self.limit_bytes
+            self.limit_bytes = limit = max(0, min(was, fits))
+            first = was == self.capacity_bytes > limit
         if first:
             log.warning("[disk] %s: the filesystem is full at %.3f GiB, below the tier's capacity "
                         "(%.3f GiB); the tier now evicts to stay under %.3f GiB", self.root,
