@@ -178,8 +178,8 @@ def _disk_with_a_hung_unlink(tmp_path, monkeypatch):
 
     made = [DiskBackend(root, 1 << 30, io_timeout_s=0.2)]
 
-    def next_start() -> DiskBackend:
-        made.append(DiskBackend(root, 1 << 30, io_timeout_s=0.2))
+    def next_start() -> DiskBackend:  # with another capacity: the record is the root's
+        made.append(DiskBackend(root, 2 << 30, io_timeout_s=0.2, uri=f"disk://{root}?capacity_gb=2"))
         made[-1].owe_clear(OwedRecord(path))
         assert made[-1].indexed.wait(10)
         return made[-1]
@@ -204,7 +204,7 @@ def test_a_disk_delete_whose_unlinks_hang_is_finished_by_the_next_start(tmp_path
     with _disk_with_a_hung_unlink(tmp_path, monkeypatch) as (first, next_start, keys, path):
         assert first.delete(keys[:2]) == 2  # answered at the deadline, files still there
         assert first.usage()["deletes_owed"] == 2 and len(files(first.root)) == 4
-        assert OwedRecord(path).deletes(first.uri) == set(keys[:2])
+        assert OwedRecord(path).deletes(f"disk://{first.root}") == set(keys[:2])
         second = next_start()
         assert second.exists_prefix(keys[:1]) == 0 and second.exists_prefix(keys[1:2]) == 0
         assert second.exists_prefix(keys[2:]) == 2
@@ -223,7 +223,8 @@ def test_past_the_cap_a_hung_disk_delete_owes_a_clear_that_the_next_start_does(t
     with _disk_with_a_hung_unlink(tmp_path, monkeypatch) as (first, next_start, keys, path):
         assert first.delete(keys[:3]) == 3
         assert first.usage()["clear_owed"] and first.usage()["deletes_owed"] == 0
-        assert OwedRecord(path).owed(first.uri) and not OwedRecord(path).deletes(first.uri)
+        at = f"disk://{first.root}"
+        assert OwedRecord(path).owed(at) and not OwedRecord(path).deletes(at)
         second = next_start()
         assert second.exists_prefix(keys[3:]) == 0 and second.usage()["blocks"] == 0
         assert not second.usage()["clear_owed"] and not os.path.exists(path)

@@ -81,7 +81,9 @@ class DiskBackend(StorageBackend):
         self._dropped_while_indexing: set[bytes] = set()  # deleted before the index was whole
         self._cleared_while_indexing = False
         self._clears = DiskClears(self.root)  # a clear's mark and generations (disk_clear.py)
-        self._owed = OwedUnlinks(self.uri)  # deletes whose files are not gone yet (disk_owed.py)
+        # deletes whose files are not gone yet (disk_owed.py), on record under the root alone
+        # (a restart with other options, capacity_gb say, finds them)
+        self._owed = OwedUnlinks(f"disk://{self.root}")
         self._probe_since = 0.0  # monotonic start of the probe in progress, 0 when none
         self._probe_error = ""
         self._closed = threading.Event()
