@@ -161,6 +161,29 @@ def test_a_disk_delete_has_removed_the_files_when_it_returns(tmp_path):
         disk.close()
 
 
+def test_owed_work_is_on_record_under_the_store_not_its_options(tmp_path):
+    """A restart with another option (a TTL, a CA file) still owes what the store owed: the
+    record names a store by where it is and its prefix. A record that named it by its whole
+    URI (an older daemon's) is read, and moved under the store's name."""
+    path = str(tmp_path / "i.clears-owed")
+    keys = [bytes([i]) * 16 for i in range(3)]
+    store = _DownStore()
+    store._store_id = "redis://127.0.0.1:1/0?prefix=kvcached:"
+    store.owe_clear(OwedRecord(path))
+    assert store.delete(keys[:2]) == 0
+    again = _DownStore()
+    again.uri, again._store_id = "redis://127.0.0.1:1/0?ttl_s=60", store._store_id
+    again.owe_clear(OwedRecord(path))
+    assert again._owed_deletes == set(keys[:2])
+    with open(path, "w") as f:  # an older daemon's record: the URI, and a delete under it
+        f.write(f"{again.uri}\n{again.uri}\tdelete\t{keys[2].hex()}\n")
+    third = _DownStore()
+    third.uri, third._store_id = again.uri, store._store_id
+    third.owe_clear(OwedRecord(path))
+    assert third._clear_owed and not third._owed_deletes  # the clear covers the delete
+    assert open(path).read() == f"{store._store_id}\n"
+
+
 @contextlib.contextmanager
 def _disk_with_a_hung_unlink(tmp_path, monkeypatch):
     """(first, the next start's DiskBackend maker, keys stored by first, the record's path):

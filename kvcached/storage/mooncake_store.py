@@ -90,6 +90,7 @@ class MooncakeBackend(OwesClears, StorageBackend):
         self.uri = redact(uri)
         self.opts = opts
         self.prefix = opts["prefix"]
+        self._store_id = f"mooncake://{opts['master']}?prefix={self.prefix}"  # (owed_clear.py)
         self.io_timeout_s = opts["io_timeout_s"]
         self.segment_bytes = opts["segment_bytes"]
         self.counters = {"puts": 0, "gets": 0, "dropped_puts": 0, "errors": 0, "corrupt": 0,

@@ -34,23 +34,38 @@ class OwesClears:
     _owed_said = False
     _owed_record: "OwedRecord | None" = None  # set by the tiers: the owed clears on disk
     _LOG_TAG = "storage"
+    _store_id = ""
 
     def _owes(self) -> bool:
         return self._clear_owed or bool(self._owed_deletes)
 
+    @property
+    def store_id(self) -> str:
+        """What the owed record names this store by: where it is and its prefix, not how it
+        is reached (a restart with another timeout or TLS file still owes what it owed). The
+        backend sets `_store_id`; the URI as status shows it otherwise."""
+        return getattr(self, "_store_id", None) or self.uri
+
     def owe_clear(self, record: "OwedRecord") -> None:
         """(At start, before any request.) Keep owed clears in record; one it holds for this
-        tier (a clear a stopped daemon owed) is owed again, and done by the probe."""
+        tier (a clear a stopped daemon owed) is owed again, and done by the probe. (A record
+        written by a daemon that named tiers by their URI is read too.)"""
         self._owed_record = record
-        if record.owed(self.uri):
+        names = {self.store_id, self.uri}
+        if any(record.owed(n) for n in names):
             self._clear_owed = True
             log.warning("[%s] %s: a clear owed before the restart is owed still", self._LOG_TAG,
                         self.uri)
-        deletes = record.deletes(self.uri)
+            record.note(self.store_id, True)
+        deletes = set().union(*(record.deletes(n) for n in names))
+        for n in names - {self.store_id}:
+            record.note(n, False)
+            record.note_deletes(n, ())
         if deletes and self._clear_owed:  # the clear removes them too
-            record.note_deletes(self.uri, ())
+            record.note_deletes(self.store_id, ())
         elif deletes:
             self._owed_deletes = set(deletes)
+            record.note_deletes(self.store_id, deletes)
             log.warning("[%s] %s: %d deletes owed before the restart are owed still",
                         self._LOG_TAG, self.uri, len(deletes))
 
@@ -99,7 +114,7 @@ class OwesClears:
 
     def _record_deletes(self) -> None:
         if self._owed_record is not None:
-            self._owed_record.note_deletes(self.uri, self._owed_deletes)
+            self._owed_record.note_deletes(self.store_id, self._owed_deletes)
 
     def _say_owed(self, what: str) -> None:
         cause = self.last_error
@@ -116,18 +131,19 @@ class OwesClears:
         if got is not None:
             self._clear_owed = self._owed_said = False
             if self._owed_record is not None:
-                self._owed_record.note(self.uri, False)
+                self._owed_record.note(self.store_id, False)
             return got
         if self._owed_record is not None:
-            self._owed_record.note(self.uri, True)
+            self._owed_record.note(self.store_id, True)
         self._say_owed("a clear is owed")
         return None
 
 
 class OwedRecord:
     """Which storage tiers owe a clear or deletes, kept in `{run_dir}/{instance}.clears-owed`
-    (a line per tier owing a clear: its URI as status shows it, no password; a line per owed
-    delete: the URI, a tab, `delete`, a tab, the stored key in hex) for as long as they do, so a
+    (a line per tier owing a clear: its store_id - address and prefix, no password; a line per
+    owed delete: the store_id, a tab, `delete`, a tab, the stored key in hex) for as long as they
+    do, so a
     daemon stopped or killed meanwhile owes them too when it starts again: a store that comes
     back after the restart never serves what a clear or a delete removed. The run dir is the
     daemon's own (0700, checked at start); a file there that is no regular file of this user is

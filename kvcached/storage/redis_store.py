@@ -76,6 +76,8 @@ class RedisBackend(OwesClears, StorageBackend):
         self.cluster = opts["cluster"]
         self.prefix, self.ttl_s = opts["prefix"], opts["ttl_s"]
         host, port, db = opts["host"], opts["port"], opts["db"]
+        self._store_id = (f"redis{'-cluster' if self.cluster else ''}://{host}:{port}/{db}"
+                          f"?prefix={self.prefix.decode(errors='replace')}")  # (owed_clear.py)
         auth = {"username": opts["username"], "password": opts["password"]}
         if opts["tls"]:
             auth.update(ssl=True, ssl_ca_certs=opts["ca"])
