@@ -361,6 +361,7 @@ def format_status(s: dict) -> str:
         ("tasks", f"queued {tasks['queued']}  inflight {tasks['inflight']}"
                   + (f" ({tasks['parked']} waiting for a shared fetch)" if tasks.get("parked") else "")
                   + f"  completed {tasks['completed']}  failed {tasks['failed']}"),
+        *([("copies", _copies_line(tasks["copy_phases"]))] if tasks.get("copy_phases") else []),
     ]
     for st in s["storage"]:
         used = (f"  {_gib(st['used_bytes'])} / {_gib(st['capacity_bytes'])}"
@@ -375,6 +376,18 @@ def format_status(s: dict) -> str:
         rows.append(("DEGRADED", reason))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _copies_line(phases: dict) -> str:
+    """Per copied task, on average: waiting for the copy worker, queueing the copies, until
+    they landed; a load's first layer after its request."""
+    parts = []
+    for op, p in sorted(phases.items()):
+        n = max(1, p["tasks"])
+        first = f"first layer {p['first_layer_s'] / n * 1e3:.2f} ms, " if "first_layer_s" in p else ""
+        parts.append(f"{op} ({p['tasks']}): {first}wait {p['wait_s'] / n * 1e3:.2f} queue "
+                     f"{p['queue_s'] / n * 1e3:.2f} land {p['land_s'] / n * 1e3:.2f} ms")
+    return "; ".join(parts) + " (a task's average)"
 
 
 def _key_table_line(t: dict) -> str:
