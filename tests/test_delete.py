@@ -184,6 +184,22 @@ def test_owed_work_is_on_record_under_the_store_not_its_options(tmp_path):
     assert open(path).read() == f"{store._store_id}\n"
 
 
+def test_a_record_too_large_to_read_whole_makes_every_tier_owe_a_clear(tmp_path, monkeypatch):
+    """Owed deletes of several tiers with long names could outgrow what the record is read up
+    to; a record cut short lost the deletes past the cut. One not read whole now makes every
+    tier owe a clear (nothing it removed is served), and is written anew."""
+    from kvcached.storage import owed_clear
+
+    monkeypatch.setattr(owed_clear, "MAX_RECORD_BYTES", 1024)
+    path = str(tmp_path / "i.clears-owed")
+    with open(path, "w") as f:
+        f.write("".join(f"disk:///{'x' * 60}\tdelete\t{i:032x}\n" for i in range(20)))
+    store = _DownStore()
+    store.owe_clear(OwedRecord(path))
+    assert store._clear_owed and not store._owed_deletes
+    assert open(path).read() == f"{store.uri}\n"
+
+
 @contextlib.contextmanager
 def _disk_with_a_hung_unlink(tmp_path, monkeypatch):
     """(first, the next start's DiskBackend maker, keys stored by first, the record's path):

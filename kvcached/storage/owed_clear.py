@@ -25,7 +25,8 @@ import threading
 
 log = logging.getLogger(__name__)
 
-MAX_OWED_DELETES = 10_000  # keys (the record file stays under the 1 MiB it reads); past it, a clear
+MAX_OWED_DELETES = 10_000  # keys a tier keeps owed; past it, a clear
+MAX_RECORD_BYTES = 64 << 20  # what the record is read up to; a larger one: every tier owes a clear
 
 
 class OwesClears:
@@ -154,6 +155,7 @@ class OwedRecord:
         self._lock = threading.Lock()
         self._owed: set[str] = set()
         self._deletes: dict[str, set[bytes]] = {}
+        self._all_owe = False  # a record too large to read whole: every tier owes a clear
         for line in self._read():
             uri, _, key = line.partition("\tdelete\t")
             if not key:
@@ -177,10 +179,16 @@ class OwedRecord:
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
                 log.warning("[storage] %s is no file of this user: not read", self.path)
                 return []
-            return [line for line in f.read(1 << 20).decode(errors="replace").splitlines() if line]
+            text = f.read(MAX_RECORD_BYTES + 1)
+            if len(text) > MAX_RECORD_BYTES:  # not read whole: what it owes is not known
+                log.warning("[storage] %s is over %d MiB: every storage tier owes a clear",
+                            self.path, MAX_RECORD_BYTES >> 20)
+                self._all_owe = True
+                return []
+            return [line for line in text.decode(errors="replace").splitlines() if line]
 
     def owed(self, uri: str) -> bool:
-        return uri in self._owed
+        return self._all_owe or uri in self._owed
 
     def deletes(self, uri: str) -> set[bytes]:
         return set(self._deletes.get(uri, ()))
