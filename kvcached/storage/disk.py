@@ -537,9 +537,12 @@ class DiskBackend(StorageBackend):
                     self.root, len(unlinks.keys))
         self.delete(unlinks.keys)
 
-        def finish() -> None:
-            self.indexed.wait()
-            self._unlink_unless_indexed(unlinks.keys, [unlinks.done])
+        def finish() -> None:  # once the index is whole; never after close (owed still)
+            while not self.indexed.wait(PROBE_EVERY_S):
+                if self._closed.is_set():
+                    return
+            if not self._closed.is_set():
+                self._unlink_unless_indexed(unlinks.keys, [unlinks.done])
         threading.Thread(target=finish, name="kvcached-disk-owed", daemon=True).start()
 
     def clear(self) -> int:
