@@ -146,6 +146,14 @@ def load_state(c):
             s["tasks"]["slots_busy"], c.check())
 
 
+def backups_behind_a_paused_server(c, redis_server, first, second) -> None:
+    """The server holds writes for 0.7 s: `first` offloaded from blocks 0-7 (its backup waits
+    on the server), then `second` from blocks 8-15 (its backup is queued behind)."""
+    redis_server.client().execute_command("CLIENT", "PAUSE", 700, "WRITE")
+    c.offload(list(range(8)), first).wait(10)
+    c.offload(list(range(8, 16)), second).wait(10)
+
+
 @contextlib.contextmanager
 def redis_stopped(c, redis_server):
     """The redis-server SIGSTOPped for the block, which begins once c's daemon shows its tier

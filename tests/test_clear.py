@@ -10,7 +10,8 @@ import sys
 from conftest import disk_uri, keys_for, small_kv, wait_until
 from kvcached.storage.disk import DiskBackend
 from kvcached.storage.disk_clear import MARK
-from storage_util import PAGE_SHAPE, files, offload_and_flush, redis_stopped, start, writes_held
+from storage_util import (PAGE_SHAPE, backups_behind_a_paused_server, files, offload_and_flush,
+                          redis_stopped, start, writes_held)
 
 GEOMETRY = bytes(range(16))
 
@@ -25,9 +26,7 @@ def test_backups_queued_at_a_clear_never_put_back_what_it_cleared(run_dir, insta
     try:
         with h.connect() as c:
             c.register_kv_cache(kv)
-            redis_server.client().execute_command("CLIENT", "PAUSE", 700, "WRITE")
-            c.offload(list(range(8)), first).wait(10)  # its backup waits on the server
-            c.offload(list(range(8, 16)), second).wait(10)  # its backup is queued behind
+            backups_behind_a_paused_server(c, redis_server, first, second)
             c.clear(weights_update=True)
             c.flush().wait(10)
             assert c.lookup(first) == (0, 0) and c.lookup(second) == (0, 0)

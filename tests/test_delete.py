@@ -10,7 +10,8 @@ from conftest import keys_for, small_kv, wait_until
 from kvcached.storage.disk import DiskBackend
 from kvcached.storage.owed_clear import MAX_OWED_DELETES, OwedRecord, OwesClears
 from kvcached_proto import Op, pack_keys
-from storage_util import PAGE_SHAPE, files, offload_and_flush, redis_stopped, start, writes_held
+from storage_util import (PAGE_SHAPE, backups_behind_a_paused_server, files, offload_and_flush,
+                          redis_stopped, start, writes_held)
 
 GEOMETRY = bytes(range(16))
 
@@ -25,9 +26,7 @@ def test_backups_queued_at_a_delete_never_put_back_what_it_deleted(run_dir, inst
     try:
         with h.connect() as c:
             c.register_kv_cache(kv)
-            redis_server.client().execute_command("CLIENT", "PAUSE", 700, "WRITE")
-            c.offload(list(range(8)), first).wait(10)  # its backup waits on the server
-            c.offload(list(range(8, 16)), second).wait(10)  # its backup is queued behind
+            backups_behind_a_paused_server(c, redis_server, first, second)
             c.delete(second)
             c.flush().wait(10)
             assert c.lookup(second) == (0, 0) and c.lookup(first) == (8, 0)

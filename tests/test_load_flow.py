@@ -393,7 +393,7 @@ def test_a_loads_and_an_offloads_copies_start_once_the_reply_is_sent(flows, spec
     start() only queues the task's start (the service runs it once the reply is sent)."""
     loads, offloads, _store, copier, events, _hits = flows
     queued = []
-    loads.after_reply = offloads.after_reply = queued.append
+    loads.after_reply = offloads.after_reply = lambda task, start: queued.append(start)
     keys = keys_for(4, 7)
     for i, b in enumerate(range(4)):
         copier.device[b] = _page(spec, 70 + i)
@@ -407,3 +407,28 @@ def test_a_loads_and_an_offloads_copies_start_once_the_reply_is_sent(flows, spec
     queued.pop()()
     assert events.wait(1)[reply["task"]]["status"] == TaskStatus.DONE
     assert [copier.device[b] for b in range(20, 24)] == [copier.device[b] for b in range(4)]
+
+
+def test_a_task_whose_start_fails_after_its_reply_ends_failed(flows, spec, monkeypatch):
+    """The client was told the load began; a start that then raises (a bug) fails the task,
+    with its end event and its pins given back, instead of leaving the client waiting."""
+    import types
+
+    from kvcached.service.cache_service import CacheService
+
+    loads, offloads, _store, copier, events, _hits = flows
+    keys = keys_for(4, 9)
+    _offload(offloads, events, copier, keys, [0, 1, 2, 3], spec, seed=90)
+    service = types.SimpleNamespace(_after_reply=[], loads=loads)
+    loads.after_reply = lambda task, start: service._after_reply.append((task, start))
+
+    def broken(task):
+        raise RuntimeError("a bug in route")
+    monkeypatch.setattr(loads, "route", broken)
+    reply = loads.start(Client(), Req(keys=keys), np.arange(20, 24), None)
+    assert reply["host_blocks"] == 4
+    CacheService.replied(service)
+    ended = events.wait(1)[reply["task"]]
+    assert ended["status"] == TaskStatus.FAILED and "a bug in route" in ended["result"]["error"]
+    assert service._after_reply == []
+    _no_pins(loads)

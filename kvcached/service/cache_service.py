@@ -80,7 +80,7 @@ class CacheService:
         # control worker's run_later here
         self.defer: Callable[[Callable[[], None]], None] = lambda work: work()
         # a load's or an offload's copies start once its reply is sent (replied)
-        self._after_reply: list[Callable[[], None]] = []
+        self._after_reply: list[tuple[CopyTask, Callable[[], None]]] = []
         self.loads.after_reply = self.offloads.after_reply = self._start_after_reply
         self._handlers = {
             Op.REGISTER_KV: self._register_kv,
@@ -106,26 +106,29 @@ class CacheService:
             raise OpError(ErrorCode.KV_MISMATCH, self.reg.of(client.client_id).lost)
         return self._handlers[req.op](client, req)
 
-    def _start_after_reply(self, work: Callable[[], None]) -> None:
-        """Work to run once the request's reply is sent: the request thread (the daemon's main
-        thread) sends it, then calls replied(); any other thread runs it now (nothing would run
-        it there)."""
+    def _start_after_reply(self, task: CopyTask, start: Callable[[], None]) -> None:
+        """`task` starts once the request's reply is sent: the request thread (the daemon's
+        main thread) sends it, then calls replied(); any other thread starts it now (nothing
+        would run it there)."""
         if threading.current_thread() is threading.main_thread():
-            self._after_reply.append(work)
+            self._after_reply.append((task, start))
         else:
-            work()
+            start()
 
     def replied(self) -> None:
-        """(The request thread, once it sent a reply, or failed to.) Start the copies the
-        request queued. Started before the reply, a load's copy worker could take the GIL from
+        """(The request thread, once it sent a reply, or failed to.) Start the tasks the
+        request made. Started before the reply, a load's copy worker could take the GIL from
         the thread sending it, and the engine waits for that reply before it can wait on the
-        load's first layer (on CPU the difference was within the noise: CHANGELOG)."""
+        load's first layer (on CPU the difference was within the noise: CHANGELOG). A start
+        that fails (a bug) fails its task, which ends with an event: its client, told the task
+        began, is not left waiting for it."""
         while self._after_reply:
-            work = self._after_reply.pop(0)
+            task, start = self._after_reply.pop(0)
             try:
-                work()
-            except Exception:  # noqa: BLE001 - a bug; the next request is served all the same
-                log.exception("[dispatch] starting a task after its reply failed")
+                start()
+            except Exception as exc:  # noqa: BLE001 - reported: the task fails with it
+                log.exception("[dispatch] task %d did not start", task.task_id)
+                self.loads.failed([task], exc)
 
     def capabilities(self) -> list[str]:
         return ["layerwise_load", "host_tier", f"host_layout:{self.cfg.host_layout}",

@@ -27,8 +27,8 @@ from .task_table import TaskTable
 log = logging.getLogger(__name__)
 
 
-def run_now(work: Callable[[], None]) -> None:
-    work()
+def run_now(task: CopyTask, start: Callable[[], None]) -> None:
+    start()
 
 
 class LoadFlow:
@@ -36,7 +36,7 @@ class LoadFlow:
                  hits: dict):
         self.host, self.table, self.status_block, self.reg, self.hits = host, table, status_block, registered, hits
         self.parked: list[CopyTask] = []  # loads waiting for another task's fetch of their tail
-        self.after_reply: Callable[[Callable[[], None]], None] = run_now  # the service defers it
+        self.after_reply: Callable[[CopyTask, Callable[[], None]], None] = run_now  # the service defers it
         self.worker = TransferWorker(TaskKind.LOAD, self.run, self.failed)
         self.worker.start()
         self.storage = StorageFlow(cfg, host, table, status_block, self)  # STORAGE_READY once every tier is
@@ -69,7 +69,7 @@ class LoadFlow:
             task.tail, task.fetch, task.tail_pins = tail, own, shared
         num_layers = self.reg.num_layers
         self.status_block.slot_begin(slot, task.task_id, num_layers)
-        self.after_reply(lambda: self.route(task))
+        self.after_reply(task, lambda: self.route(task))
         return LoadReply(task=task.task_id, slot=slot, blocks=n + len(tail), host_blocks=n,
                          storage_blocks=len(tail), num_layers=num_layers)
 

@@ -25,7 +25,7 @@ class OffloadFlow:
         self.host, self.table, self.reg, self.loads = host, table, registered, loads
         self.worker = TransferWorker(TaskKind.OFFLOAD, self.run, loads.failed)
         self.worker.start()
-        self.after_reply: Callable[[Callable[[], None]], None] = run_now  # the service defers it
+        self.after_reply: Callable[[CopyTask, Callable[[], None]], None] = run_now  # the service defers it
 
     def start(self, client, req, blocks, fence) -> OffloadReply:
         """Host entries for req's keys not held yet, and the task that fills them from `blocks`
@@ -53,7 +53,7 @@ class OffloadFlow:
             task = self.table.new(TaskKind.OFFLOAD, client, req, blocks[new_pos], host_ids, entries)
             task.fence = fence
         if entries:
-            self.after_reply(lambda: self.worker.submit(task))
+            self.after_reply(task, lambda: self.worker.submit(task))
         else:
             self.table.finish(task, TaskStatus.DONE, {"stored": 0})
         return OffloadReply(task=task.task_id, stored=len(entries), skipped=len(held), accepted=accepted)

@@ -510,8 +510,10 @@ class DiskBackend(StorageBackend):
                     self._dropped_while_indexing.add(key)
             if gone:
                 self._on_keys(gone, False)
+        if not gone:  # nothing indexed to unlink (a write of it running is void already)
+            return 0
         unlinks = self._owed.begin(gone)
-        if gone and not self._stuck():
+        if not self._stuck():
             run_bounded(self._io, self._unlink_unless_indexed, [(gone, [unlinks.done])],
                         self.io_timeout_s, self._late_op("a delete's unlinks"),
                         lambda _i: self._late_returned())

@@ -45,7 +45,7 @@ class OwesClears:
         """What the owed record names this store by: where it is and its prefix, not how it
         is reached (a restart with another timeout or TLS file still owes what it owed). The
         backend sets `_store_id`; the URI as status shows it otherwise."""
-        return getattr(self, "_store_id", None) or self.uri
+        return self._store_id or self.uri
 
     def owe_clear(self, record: "OwedRecord") -> None:
         """(At start, before any request.) Keep owed clears in record; one it holds for this
@@ -144,11 +144,10 @@ class OwedRecord:
     """Which storage tiers owe a clear or deletes, kept in `{run_dir}/{instance}.clears-owed`
     (a line per tier owing a clear: its store_id - address and prefix, no password; a line per
     owed delete: the store_id, a tab, `delete`, a tab, the stored key in hex) for as long as they
-    do, so a
-    daemon stopped or killed meanwhile owes them too when it starts again: a store that comes
-    back after the restart never serves what a clear or a delete removed. The run dir is the
-    daemon's own (0700, checked at start); a file there that is no regular file of this user is
-    not read."""
+    do, so a daemon stopped or killed meanwhile owes them too when it starts again: a store that
+    comes back after the restart never serves what a clear or a delete removed. The run dir is
+    the daemon's own (0700, checked at start); a file there that is no regular file of this
+    user is not read."""
 
     def __init__(self, path: str):
         self.path = path
