@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from conftest import keys_for, small_kv
+from conftest import keys_for, small_kv, wait_until
 from kvcached.config import DaemonConfig
 from kvcached.copy.transfer import CopyPlan
 from kvcached.service.host_tier import HostTier
@@ -234,8 +234,14 @@ def _stored(store, loads, keys, pages) -> None:
 
 
 def _no_pins(loads) -> None:
+    """No task holds a pin or is parked. The offloads' backups (write_through to the DictStore)
+    pin their blocks until stored, on the backup thread: waited for, bounded (a pin a task
+    leaked never drops)."""
+    def pinned() -> int:
+        with loads.host.lock:
+            return loads.host.index.pinned
+    wait_until(lambda: pinned() == 0, 10, "the pins' release")
     with loads.host.lock:
-        assert loads.host.index.pinned == 0
         assert loads.parked == []
 
 
