@@ -25,6 +25,7 @@ from kvcached_proto.paths import DEFAULT_INSTANCE, check_instance, request_endpo
 from kvcached_proto.order_words import REVOKE_WORD
 from kvcached_proto.version import PROTOCOL_VERSION, check_version
 
+from .holds import KeepsHolds
 from .key_table import KeyTableReader, LookupNotes, SendsNotes
 from .kv_alloc import describe_kv_cache
 from .renamed import Renamed
@@ -42,7 +43,7 @@ BYE_LINGER_MS = 100
 KEY_TABLE_ENV = "KVCACHED_KEY_TABLE"  # "0": every lookup is a message (the key table unused)
 
 
-class Client(SendsNotes):
+class Client(KeepsHolds, SendsNotes):
     """Connect with `Client.connect(instance=..., run_dir=..., timeout=...)`."""
 
     def __init__(self, instance: str = DEFAULT_INSTANCE, run_dir: str | None = None,
@@ -301,63 +302,8 @@ class Client(SendsNotes):
             raise DaemonUnavailable("this connection's order words were released (its daemon "
                                     "was lost past the hang threshold): connect again")
 
-    def hold(self, task_id: int, blocks) -> None:
-        """Hold `blocks` out of reuse until task_id's end event arrives."""
-        if task_id not in self._events:  # an end already read needs no hold
-            self._holds[task_id] = list(blocks)
-
-    def held_blocks(self) -> set[int]:
-        """Device blocks of loads that timed out and whose end the daemon has not confirmed
-        yet: the engine must not reuse them. A method: it reads pending events off the socket
-        (and forgets the holds of a daemon that is gone)."""
-        self._refresh_holds()
-        return {b for blocks in self._holds.values() for b in blocks}
-
-    def held_tasks(self) -> set[int]:
-        """The ids of the tasks whose holds last (read like held_blocks)."""
-        self._refresh_holds()
-        return set(self._holds)
-
-    def _refresh_holds(self) -> None:
-        if self._holds:
-            try:
-                self.poll_events()
-            except DaemonUnavailable:
-                sig = self.status_block
-                gone = sig.gone() if sig is not None else self._gone_after_close()
-                if gone:
-                    self._holds.clear()  # a daemon that is gone writes nothing more
-                # else it may be hung and come back: its writes could still land
-
-    @property
-    def has_holds(self) -> bool:
-        return bool(self._holds)
-
-    @property
-    def held_without_check(self) -> set[int]:
-        """The held device blocks as last known, without reading events."""
-        return {b for blocks in self._holds.values() for b in blocks}
-
-    # earlier names ("fence" names the order words only)
-    fence, fenced_blocks, fenced_tasks = Renamed("hold"), Renamed("held_blocks"), Renamed("held_tasks")
-    has_fences, fenced_without_check = Renamed("has_holds"), Renamed("held_without_check")
+    # earlier name
     signals = Renamed("status_block")
-
-    def take_event(self, task_id: int) -> dict | None:
-        return self._events.pop(task_id, None)
-
-    def wait_event(self, task_id: int, timeout: float | None) -> dict:
-        return self._wait(lambda: self._events.pop(task_id, None), timeout,
-                          f"completion of task {task_id}", "wait(timeout=...)")
-
-    def poll_events(self) -> None:
-        """Read whatever has arrived without blocking (for task.done())."""
-        self._check_daemon()
-        if self._lock.acquire(blocking=False):
-            try:
-                self._pump(0)
-            finally:
-                self._lock.release()
 
     # lifecycle ops --------------------------------------------------------
     def ping(self, timeout: float | None = None) -> float:

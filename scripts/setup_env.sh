@@ -8,7 +8,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${KVCACHED_VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
 STAMP="$VENV/.kvcached-installed"
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$1" ] && [ ! "$ROOT/pyproject.toml" -nt "$STAMP" ] && [ -z "$(find "$ROOT/kvcached/copy" "$ROOT/proto" -name "*.c" -newer "$STAMP")" ]; then
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$1" ] && [ ! "$ROOT/pyproject.toml" -nt "$STAMP" ] && [ -z "$(find "$ROOT/kvcached/copy" "$ROOT/proto" \( -name "*.c" -o -name "*.h" \) -newer "$STAMP")" ]; then
   exit 0
 fi
 START=$SECONDS

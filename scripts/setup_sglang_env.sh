@@ -11,7 +11,7 @@ VENV="${KVCACHED_SGLANG_VENV:-$ROOT/.venv-sglang}"
 PY="${PYTHON:-python3}"
 SGLANG_VERSION="${KVCACHED_SGLANG_VERSION:-0.5.23}"
 STAMP="$VENV/.kvcached-sglang-installed"
-if [ -f "$STAMP" ] && [ ! "$ROOT/pyproject.toml" -nt "$STAMP" ] && [ -z "$(find "$ROOT/kvcached/copy" "$ROOT/proto" -name "*.c" -newer "$STAMP")" ] \
+if [ -f "$STAMP" ] && [ ! "$ROOT/pyproject.toml" -nt "$STAMP" ] && [ -z "$(find "$ROOT/kvcached/copy" "$ROOT/proto" \( -name "*.c" -o -name "*.h" \) -newer "$STAMP")" ] \
    && [ ! "${BASH_SOURCE[0]}" -nt "$STAMP" ]; then
   exit 0
 fi

@@ -9,7 +9,7 @@ VENV="${KVCACHED_VLLM_VENV:-$ROOT/.venv-vllm}"
 PY="${PYTHON:-python3}"
 VLLM_VERSION="${KVCACHED_VLLM_VERSION:-0.32.0}"
 STAMP="$VENV/.kvcached-vllm-installed"
-if [ -f "$STAMP" ] && [ ! "$ROOT/pyproject.toml" -nt "$STAMP" ] && [ -z "$(find "$ROOT/kvcached/copy" "$ROOT/proto" -name "*.c" -newer "$STAMP")" ]; then
+if [ -f "$STAMP" ] && [ ! "$ROOT/pyproject.toml" -nt "$STAMP" ] && [ -z "$(find "$ROOT/kvcached/copy" "$ROOT/proto" \( -name "*.c" -o -name "*.h" \) -newer "$STAMP")" ]; then
   exit 0
 fi
 [ -x "$VENV/bin/python" ] || { echo "[setup-vllm] creating $VENV"; "$PY" -m venv "$VENV"; }

@@ -350,7 +350,7 @@ def test_puts_that_hit_a_full_filesystem_together_lower_the_limit_once(tmp_path,
     tier's bytes and what is free, less a few blocks, however many puts ask."""
     import types
 
-    from kvcached.storage import disk
+    from kvcached.storage import disk, disk_health
 
     tier = disk.DiskBackend(str(tmp_path), capacity_bytes=1 << 30)
     try:
@@ -359,7 +359,7 @@ def test_puts_that_hit_a_full_filesystem_together_lower_the_limit_once(tmp_path,
         monkeypatch.setattr(disk.os, "statvfs", lambda _p: types.SimpleNamespace(
             f_blocks=256, f_frsize=4096, f_bavail=free // 4096, f_files=0, f_favail=0))
         tier.used_bytes = 28 * size  # what the tier holds (a test's stand-in for 28 records)
-        expected = 28 * size + free // 4096 * 4096 - disk.ENOSPC_EVICT_BLOCKS * size
+        expected = 28 * size + free // 4096 * 4096 - disk_health.ENOSPC_EVICT_BLOCKS * size
         threads = [threading.Thread(target=tier._on_full, args=(size,)) for _ in range(8)]
         for t in threads:
             t.start()

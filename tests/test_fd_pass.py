@@ -17,7 +17,7 @@ import pytest
 from conftest import keys_for, small_kv, wait_until
 from test_security import run_as_other_uid
 
-from kvcached.cli import format_status
+from kvcached.server.status_report import format_status
 from kvcached_client.host_memory import register_host_memory
 from kvcached_client.kv_alloc import unlink_kv_cache
 from kvcached_proto import ErrorCode, RequestError, TaskFailed

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import blocks_equal, keys_for, scramble, small_kv, snapshot, stored, unique_instance, wait_until
 from kvcached.bench.mooncake_servers import MooncakeStore, available
-from kvcached.storage.mooncake_store import parse_uri
+from kvcached.storage.uris import parse_mooncake_uri as parse_uri
 from kvcached.storage.record import HEADER_BYTES
 from storage_util import PAGE_SHAPE, offload_and_flush, pings_answered, start
 

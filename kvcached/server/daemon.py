@@ -17,16 +17,8 @@ import time
 
 import zmq
 
-from kvcached_proto import (
-    OP_SPECS,
-    ErrorCode,
-    Op,
-    ProtocolError,
-    decode_request,
-    encode,
-    ok_reply,
-    parse_request,
-)
+from kvcached_proto import (OP_SPECS, ErrorCode, Op, ProtocolError, decode_request, encode, ok_reply,
+                            parse_request)
 from kvcached_proto.errors import CodedError
 from kvcached_proto.liveness import pid_alive
 from kvcached_proto.messages import reply_for
@@ -40,14 +32,15 @@ from ..config import DaemonConfig
 from ..copy import sigbus
 from ..errors import OpError, StartupError
 from ..host import machine
-from ..service.cache_service import DRAIN_TIMEOUT_S, CacheService
+from ..service.cache_service import CacheService
 from .access import ClientInfo, check_admin, check_kv_owner
 from .control import ControlWorker
-from .kv_sweep import sweep_kv_segments, sweep_when_gone
+from .kv_sweep import sweep_kv_segments
 from .connections import ConnectionGuard, connection_cap, raise_files_limit
 from .metrics import Metrics
 from .fd_inbox import FdInbox
-from .run_dir import prepare_run_dir, remove_instance_files, sweep_socket_files, take_instance_lock
+from .daemon_stop import StopsDaemon
+from .run_dir import prepare_run_dir, sweep_socket_files, take_instance_lock
 from .sockets import curve_router, ipc_router
 from .status import StatusThread
 from .status_report import degraded, stats_line
@@ -61,7 +54,6 @@ LOOP_STALL_S = 5.0  # the request loop not turning for this long makes status `d
 CURVE_TAG = b"C"  # ROUTER-made ids start with 0x00: this prefix cannot collide
 CLIENT_REAP_PERIOD_S = 0.25
 KEY_TABLE_REFRESH_S = 0.1  # how soon the key table says a disk tier stopped (or started) answering
-DYING_GRACE_S = 0.5  # at shutdown, for engines whose connection closed to finish dying
 MAX_BATCH = 256  # requests handled per wake before events get their turn
 DEFERRED = object()  # _dispatch's answer for an op the control worker replies to
 # a frame that is no valid request (what a flood of junk gets): counted as refused in status
@@ -70,7 +62,7 @@ REFUSED_CODES = frozenset((ErrorCode.BAD_FRAME, ErrorCode.FRAME_TOO_LARGE, Error
                            ErrorCode.BAD_FIELD, ErrorCode.TOO_MANY_ITEMS))
 
 
-class Daemon:
+class Daemon(StopsDaemon):
     def __init__(self, config: DaemonConfig):
         self.cfg = config
         self.started_ns = time.monotonic_ns()
@@ -173,77 +165,6 @@ class Daemon:
             self.stop_requested.set()
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)
-
-    def _close(self) -> None:
-        """Graceful stop: refuse new work, drain tasks, remove sockets, unlink shm.
-
-        Every step runs even if an earlier one fails; the first failure is re-raised at the end.
-        """
-        errors: list[BaseException] = []
-        owned = self._lock_fd is not None  # a start refused for a running instance stops nothing
-        for step in (self._close_service, self._sweep_dead_engines, self._close_sockets,
-                     self._close_files):
-            try:
-                step()
-            except BaseException as exc:
-                log.exception("[shutdown] %s failed", step.__name__)
-                errors.append(exc)
-        if owned:
-            log.info("[shutdown] instance %s stopped", self.cfg.instance)
-        if errors:
-            raise errors[0]
-
-    def _close_service(self) -> None:
-        if self.status_block is not None:
-            self.status_block.set_state(State.STOPPING)
-        if self.control is not None:
-            self.control.stop(timeout=DRAIN_TIMEOUT_S + 5)
-        if self.service is not None:
-            service, self.service = self.service, None
-            service.close()
-
-    def _sweep_dead_engines(self) -> None:
-        """The reaper sweeps a dead engine's segments on its next turn; a stop that comes
-        first (an operator stopping the daemon right after an engine was killed) sweeps here."""
-        connected = [c.pid for c in self.clients.values() if c.pid_visible]
-        sweep_when_gone(self._gone_pids, connected, DYING_GRACE_S)
-        self._gone_pids.clear()
-        for pid in self._said_bye - set(connected):
-            if not pid_alive(pid):
-                sweep_kv_segments(pid)
-
-    def _close_sockets(self) -> None:
-        for name in ("metrics", "_status_thread", "fd_inbox"):  # each on a thread of its own
-            part = getattr(self, name)
-            if part is not None:
-                part.stop() if name == "_status_thread" else part.close()
-                setattr(self, name, None)
-        if self.events is not None:
-            self.events.close()
-        for mon in self._monitors:
-            mon.close(linger=0)
-        self._monitors = []
-        if self._router is not None:
-            self._router.close(linger=0)
-            self._router = None
-        if self._curve_router is not None:
-            self._curve_router.close(linger=0)
-            self._curve_router = None
-        if self._auth is not None:
-            self._auth.stop()
-            self._auth = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
-
-    def _close_files(self) -> None:
-        if self._lock_fd is None:
-            return  # we never owned this instance's files: leave them to their owner
-        if self.status_block is not None:
-            self.status_block.close()
-            self.status_block = None
-        remove_instance_files(self.cfg.run_dir, self.cfg.instance, self._lock_fd)
-        self._lock_fd = None
 
     # main loop ------------------------------------------------------------
     def _loop(self) -> None:

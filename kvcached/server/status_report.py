@@ -1,5 +1,5 @@
-"""What the daemon's status says beyond its fields: the reasons it is degraded, and the summary
-line logged every --stats-interval-s."""
+"""What the daemon's status says beyond its fields: the reasons it is degraded, the summary
+line logged every --stats-interval-s, and the table `kvcached status` prints."""
 from __future__ import annotations
 
 
@@ -25,3 +25,85 @@ def stats_line(s: dict) -> str:
             f"tasks completed={tasks['completed']} failed={tasks['failed']} queued={tasks['queued']} "
             f"lookup_host_hit={hit:.1f}% loaded_host={host_loads} loaded_storage={storage_loads} d2h={s['bytes']['d2h']} h2d={s['bytes']['h2d']} "
             f"storage_healthy={all(t.get('healthy') for t in s['storage'])}")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 or n == 0 else f"{n / 2**20:.1f} MiB"
+
+
+def _pct(num: int, den: int) -> str:
+    return f"{100.0 * num / den:.1f}%" if den else "-"
+
+
+def format_status(s: dict) -> str:
+    host, tasks, lookups = s["host"], s["tasks"], s.get("lookups", {})
+    moved = s.get("bytes", {})
+    io = s.get("storage_io", {})
+    asked = lookups.get("keys", 0)
+    served = lookups.get("loaded_from_host", 0) + lookups.get("loaded_from_storage", 0)
+    rows = [
+        ("instance", s["instance"]), ("pid", s["pid"]), ("epoch", f"{s['epoch']:x}"),
+        ("state", s["state"]), ("protocol", ".".join(map(str, s["protocol_version"]))),
+        ("device", s.get("device", "?")), ("uptime", f"{s.get('uptime_s', 0):.1f} s"),
+        ("clients", f"{s['clients']}" + (f" ({', '.join(s['client_names'])})"
+                                         if s.get("client_names") else "")),
+        ("kv registered", _kv_line(s["kv"])),
+        ("host tier", f"{_gib(host['used_bytes'])} / {_gib(host['capacity_bytes'])} "
+                      f"({host.get('blocks', 0)} blocks, {host.get('evictions', 0)} evicted)"),
+        ("lookups", f"{lookups.get('lookups', 0)} asking {asked} blocks: host hit "
+                    f"{_pct(lookups.get('host_hits', 0), asked)}, storage hit "
+                    f"{_pct(lookups.get('storage_hits', 0), asked)}; "
+                    f"{_pct(lookups.get('table_lookups', 0), lookups.get('lookups', 0))} from the key table"),
+        ("key table", _key_table_line(s.get("key_table", {}))),
+        ("loaded", f"{served} blocks: {lookups.get('loaded_from_host', 0)} from the host tier, "
+                   f"{lookups.get('loaded_from_storage', 0)} brought in from storage"),
+        ("moved", f"d2h {_gib(moved.get('d2h', 0))}  h2d {_gib(moved.get('h2d', 0))}  "
+                  f"to storage {io.get('backups', 0)} blocks  from storage {io.get('fetched', 0)} blocks"),
+        ("tasks", f"queued {tasks['queued']}  inflight {tasks['inflight']}"
+                  + (f" ({tasks['parked']} waiting for a shared fetch)" if tasks.get("parked") else "")
+                  + f"  completed {tasks['completed']}  failed {tasks['failed']}"),
+        *([("copies", _copies_line(tasks["copy_phases"]))] if tasks.get("copy_phases") else []),
+    ]
+    for st in s["storage"]:
+        used = (f"  {_gib(st['used_bytes'])} / {_gib(st['capacity_bytes'])}"
+                if st.get("capacity_bytes") else "")
+        flags = "".join(f"  {w.replace('_', ' ')}" for w in ("stuck", "full", "clear_owed") if st.get(w))
+        flags += f"  {st['deletes_owed']} deletes owed" if st.get("deletes_owed") else ""
+        flags += "" if st.get("ready", True) else "  indexing"
+        err = f"  last error: {st['last_error']}" if st.get("last_error") else ""
+        rows.append(("storage", f"{st['uri']}  {'healthy' if st['healthy'] else 'UNHEALTHY'}"
+                                f"{used}{flags}{err}"))
+    for reason in s.get("degraded", []):
+        rows.append(("DEGRADED", reason))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _copies_line(phases: dict) -> str:
+    """Per copied task, on average: waiting for the copy worker, queueing the copies, until
+    they landed; a load's first layer after its request."""
+    parts = []
+    for op, p in sorted(phases.items()):
+        n = max(1, p["tasks"])
+        first = f"first layer {p['first_layer_s'] / n * 1e3:.2f} ms, " if "first_layer_s" in p else ""
+        parts.append(f"{op} ({p['tasks']}): {first}wait {p['wait_s'] / n * 1e3:.2f} queue "
+                     f"{p['queue_s'] / n * 1e3:.2f} land {p['land_s'] / n * 1e3:.2f} ms")
+    return "; ".join(parts) + " (a task's average)"
+
+
+def _key_table_line(t: dict) -> str:
+    if not t.get("enabled"):
+        return f"off ({t['why']})" if t.get("why") else "off"
+    if not t.get("segment"):
+        return "none yet (made at the first register_kv)"
+    refused = sum(t.get("refused", {}).values())
+    return (f"{t['keys']} keys in {t['slots']} slots ({_gib(t['bytes'])}), "
+            f"{' '.join(f for f in t['flags'] if f != 'open')}" + (f"; {refused} keys refused (full)" if refused else ""))
+
+
+def _kv_line(kv: dict) -> str:
+    if not kv["registered"]:
+        return "no"
+    engines = kv.get("engines", 1)
+    return (f"yes ({engines} engine{'s' if engines != 1 else ''}' host pools, " if engines > 1 else "yes (") + \
+        f"copy strategy {kv.get('copy_strategy') or '?'})"

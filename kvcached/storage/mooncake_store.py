@@ -39,22 +39,19 @@ memory segment, a transfer engine that moves the bytes over TCP or RDMA.
 from __future__ import annotations
 
 import logging
-import socket
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Sequence
-from urllib.parse import parse_qs, urlparse
-
 
 from .base import StorageBackend
 from .iothreads import IOThreads, run_bounded
 from .mooncake_buffers import HeaderArena, Staging, pointer
 from .owed_clear import OwesClears
 from .record import HEADER_BYTES, BadRecord, check_header, check_payload, gather, nbytes, pack_header, scatter
-from .uris import redact
+from .uris import MOONCAKE_IO_TIMEOUT_S, parse_mooncake_uri as parse_uri, redact
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +63,7 @@ _SETUP_PROBE = ("import sys\n"
                 "host, metadata, protocol, device, master = sys.argv[1:6]\n"
                 "rc = MooncakeDistributedStore().setup(host, metadata, 0, 1 << 20, protocol, device, master)\n"
                 "sys.exit(0 if rc == 0 else 3)\n")
-IO_TIMEOUT_S = 0.5
+IO_TIMEOUT_S = MOONCAKE_IO_TIMEOUT_S
 PUT_TIMEOUT_S = 5.0  # backups wait longer (their pages stay on loan meanwhile)
 IO_THREADS = 2
 BATCH = 256  # keys per store call
@@ -501,51 +498,3 @@ def _regex_escape(text: str) -> str:
     import re
 
     return re.escape(text)
-
-
-def _local_address(host: str, port: int) -> str:
-    """The local address that routes to the master (what other clients reach us at)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, port))
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
-
-
-def parse_uri(uri: str) -> dict:
-    """mooncake://HOST:PORT[?options], checked (nothing connected)."""
-    shown = redact(uri)
-    try:
-        url = urlparse(uri)
-        port = url.port
-    except ValueError:
-        raise ValueError(f"{shown!r}: the port must be an integer in 0..65535") from None
-    if url.scheme != "mooncake" or not url.hostname or not port:
-        raise ValueError(f"{shown!r}: expected mooncake://MASTER_HOST:PORT[?options]")
-    q = parse_qs(url.query)
-    known = {"metadata", "protocol", "device", "host", "segment_gb", "buffer_mb", "prefix", "io_timeout_s"}
-    unknown = set(q) - known
-    if unknown:
-        raise ValueError(f"{shown!r}: unknown option(s) {sorted(unknown)}; known: {', '.join(sorted(known))}")
-
-    def number(name: str, default: float, zero_ok: bool = False) -> float:
-        raw = q.get(name, [str(default)])[0]
-        try:
-            value = float(raw)
-        except ValueError:
-            raise ValueError(f"{shown!r}: {name}={raw!r} is not a number") from None
-        if not (0 <= value if zero_ok else 0 < value) or value == float("inf"):
-            raise ValueError(f"{shown!r}: {name} must be a {'non-negative' if zero_ok else 'positive'} number")
-        return value
-
-    protocol = q.get("protocol", ["tcp"])[0]
-    if protocol not in ("tcp", "rdma"):
-        raise ValueError(f"{shown!r}: protocol={protocol!r}: expected tcp or rdma")
-    return {"master": f"{url.hostname}:{port}", "metadata": q.get("metadata", ["P2PHANDSHAKE"])[0],
-            "protocol": protocol, "device": q.get("device", [""])[0],
-            "host": q.get("host", [None])[0] or _local_address(url.hostname, port),
-            "segment_bytes": int(number("segment_gb", 1.0, zero_ok=True) * (1 << 30)),
-            "buffer_bytes": int(number("buffer_mb", 64.0) * (1 << 20)),
-            "prefix": q.get("prefix", ["kvcached/"])[0],
-            "io_timeout_s": number("io_timeout_s", IO_TIMEOUT_S)}

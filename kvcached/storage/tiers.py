@@ -40,7 +40,7 @@ def parse_uri(uri: str) -> dict:
     elif scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
         from .redis_store import parse_uri as parse
     elif scheme == "mooncake":
-        from .mooncake_store import parse_uri as parse
+        from .uris import parse_mooncake_uri as parse
     else:
         raise ValueError(f"{redact(uri)!r}: expected {EXPECTED}")
     return parse(uri)

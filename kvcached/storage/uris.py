@@ -1,10 +1,13 @@
 """Storage URIs: as they may be shown (a password in one, `redis://user:secret@host`, never
-appears in status, metrics or logs), and the disk tier's, checked without touching anything."""
+appears in status, metrics or logs), and the disk and Mooncake tiers', checked without touching
+anything (mooncake_store.py says what the Mooncake options mean)."""
 from __future__ import annotations
 
+import socket
 from urllib.parse import parse_qs, urlparse, urlsplit, urlunsplit
 
 DISK_IO_TIMEOUT_S = 5.0  # a disk tier's file I/O deadline unless the URI says io_timeout_s
+MOONCAKE_IO_TIMEOUT_S = 0.5  # a Mooncake tier's call deadline unless the URI says io_timeout_s
 
 
 def redact(uri: str) -> str:
@@ -45,3 +48,51 @@ def _number(uri: str, q: dict, name: str, default: float) -> float:
     if not 0 < value < float("inf"):
         raise ValueError(f"{uri!r}: {name} must be a positive, finite number")
     return value
+
+
+def _local_address(host: str, port: int) -> str:
+    """The local address that routes to the master (what other clients reach us at)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def parse_mooncake_uri(uri: str) -> dict:
+    """mooncake://HOST:PORT[?options], checked (nothing connected)."""
+    shown = redact(uri)
+    try:
+        url = urlparse(uri)
+        port = url.port
+    except ValueError:
+        raise ValueError(f"{shown!r}: the port must be an integer in 0..65535") from None
+    if url.scheme != "mooncake" or not url.hostname or not port:
+        raise ValueError(f"{shown!r}: expected mooncake://MASTER_HOST:PORT[?options]")
+    q = parse_qs(url.query)
+    known = {"metadata", "protocol", "device", "host", "segment_gb", "buffer_mb", "prefix", "io_timeout_s"}
+    unknown = set(q) - known
+    if unknown:
+        raise ValueError(f"{shown!r}: unknown option(s) {sorted(unknown)}; known: {', '.join(sorted(known))}")
+
+    def number(name: str, default: float, zero_ok: bool = False) -> float:
+        raw = q.get(name, [str(default)])[0]
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"{shown!r}: {name}={raw!r} is not a number") from None
+        if not (0 <= value if zero_ok else 0 < value) or value == float("inf"):
+            raise ValueError(f"{shown!r}: {name} must be a {'non-negative' if zero_ok else 'positive'} number")
+        return value
+
+    protocol = q.get("protocol", ["tcp"])[0]
+    if protocol not in ("tcp", "rdma"):
+        raise ValueError(f"{shown!r}: protocol={protocol!r}: expected tcp or rdma")
+    return {"master": f"{url.hostname}:{port}", "metadata": q.get("metadata", ["P2PHANDSHAKE"])[0],
+            "protocol": protocol, "device": q.get("device", [""])[0],
+            "host": q.get("host", [None])[0] or _local_address(url.hostname, port),
+            "segment_bytes": int(number("segment_gb", 1.0, zero_ok=True) * (1 << 30)),
+            "buffer_bytes": int(number("buffer_mb", 64.0) * (1 << 20)),
+            "prefix": q.get("prefix", ["kvcached/"])[0],
+            "io_timeout_s": number("io_timeout_s", MOONCAKE_IO_TIMEOUT_S)}

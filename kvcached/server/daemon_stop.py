@@ -1,0 +1,93 @@
+"""The daemon's stop (a part of Daemon, daemon.py): refuse new work, drain the tasks, sweep what
+dead engines left, close the sockets and threads, remove the instance's files. Every step runs
+even if an earlier one fails."""
+from __future__ import annotations
+
+import logging
+
+from kvcached_proto.liveness import pid_alive
+from kvcached_proto.shm_layout import State
+
+from ..service.cache_service import DRAIN_TIMEOUT_S
+from .kv_sweep import sweep_kv_segments, sweep_when_gone
+from .run_dir import remove_instance_files
+
+log = logging.getLogger("kvcached.server.daemon")
+
+DYING_GRACE_S = 0.5  # at shutdown, for engines whose connection closed to finish dying
+
+
+class StopsDaemon:
+    """Daemon's close; it uses the daemon's parts as attributes (service, control, sockets,
+    status block, the instance lock)."""
+
+    def _close(self) -> None:
+        """Graceful stop: refuse new work, drain tasks, remove sockets, unlink shm.
+
+        Every step runs even if an earlier one fails; the first failure is re-raised at the end.
+        """
+        errors: list[BaseException] = []
+        owned = self._lock_fd is not None  # a start refused for a running instance stops nothing
+        for step in (self._close_service, self._sweep_dead_engines, self._close_sockets,
+                     self._close_files):
+            try:
+                step()
+            except BaseException as exc:
+                log.exception("[shutdown] %s failed", step.__name__)
+                errors.append(exc)
+        if owned:
+            log.info("[shutdown] instance %s stopped", self.cfg.instance)
+        if errors:
+            raise errors[0]
+
+    def _close_service(self) -> None:
+        if self.status_block is not None:
+            self.status_block.set_state(State.STOPPING)
+        if self.control is not None:
+            self.control.stop(timeout=DRAIN_TIMEOUT_S + 5)
+        if self.service is not None:
+            service, self.service = self.service, None
+            service.close()
+
+    def _sweep_dead_engines(self) -> None:
+        """The reaper sweeps a dead engine's segments on its next turn; a stop that comes
+        first (an operator stopping the daemon right after an engine was killed) sweeps here."""
+        connected = [c.pid for c in self.clients.values() if c.pid_visible]
+        sweep_when_gone(self._gone_pids, connected, DYING_GRACE_S)
+        self._gone_pids.clear()
+        for pid in self._said_bye - set(connected):
+            if not pid_alive(pid):
+                sweep_kv_segments(pid)
+
+    def _close_sockets(self) -> None:
+        for name in ("metrics", "_status_thread", "fd_inbox"):  # each on a thread of its own
+            part = getattr(self, name)
+            if part is not None:
+                part.stop() if name == "_status_thread" else part.close()
+                setattr(self, name, None)
+        if self.events is not None:
+            self.events.close()
+        for mon in self._monitors:
+            mon.close(linger=0)
+        self._monitors = []
+        if self._router is not None:
+            self._router.close(linger=0)
+            self._router = None
+        if self._curve_router is not None:
+            self._curve_router.close(linger=0)
+            self._curve_router = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def _close_files(self) -> None:
+        if self._lock_fd is None:
+            return  # we never owned this instance's files: leave them to their owner
+        if self.status_block is not None:
+            self.status_block.close()
+            self.status_block = None
+        remove_instance_files(self.cfg.run_dir, self.cfg.instance, self._lock_fd)
+        self._lock_fd = None

@@ -1,0 +1,118 @@
+"""The disk tier's health and room (a part of DiskBackend, disk.py): I/O past its deadline, the
+probe that stats the root once a second, and the limit a filesystem that fills up below the
+tier's capacity sets (lowered at ENOSPC, raised again by the probe as the filesystem frees
+room)."""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import time
+
+log = logging.getLogger("kvcached.storage.disk")
+
+PROBE_EVERY_S = 1.0
+ENOSPC_EVICT_BLOCKS = 8  # a full filesystem: the limit goes this many blocks under what it holds
+FS_SLACK_MAX = 4 << 30  # room left free on the filesystem before the probe raises the limit
+
+
+class DiskHealth:
+    """DiskBackend's methods for its health and its limit; they use its lock, counters and
+    byte counts (`_lock`, `_evicting`, `_victims_pending`, `_late`, `_probe_since`,
+    `_probe_error`, `used_bytes`, `limit_bytes`, `capacity_bytes`, `_block_bytes`)."""
+
+    def _late_op(self, what: str):
+        def on_late(_i: int) -> None:
+            with self._lock:
+                first = self._late == 0
+                self._late += 1
+            self.counters["late_io"] += 1
+            self.last_error = (f"{what} has not returned in {self.io_timeout_s:g} s "
+                               "(a hung filesystem?); the tier is stuck until it does")
+            if first:
+                log.error("[disk] %s: %s", self.root, self.last_error)
+                self._on_health()
+        return on_late
+
+    def _late_returned(self) -> None:
+        with self._lock:
+            self._late -= 1
+            done = self._late == 0
+        if done:
+            log.warning("[disk] %s: every late I/O operation returned; the tier serves again", self.root)
+            self._on_health()
+
+    def _probe(self) -> None:
+        while not self._closed.wait(PROBE_EVERY_S):
+            self._probe_since = time.monotonic()
+            try:
+                st = os.stat(self.root)
+                if not stat.S_ISDIR(st.st_mode) or not os.access(self.root, os.W_OK):
+                    raise OSError(errno.EACCES, "not a writable directory")
+                if self._probe_error:
+                    self._probe_error = ""
+                    self._on_health()
+                if self.limit_bytes < self.capacity_bytes:
+                    self._regrow(os.statvfs(self.root))
+            except OSError as exc:
+                first = not self._probe_error
+                self._probe_error = f"{self.root}: {exc.strerror or exc}"
+                if first:
+                    self._on_health()
+            self._probe_since = 0.0
+
+    def _regrow(self, fs) -> None:
+        """Raise a limit the filesystem set, by what it has free beyond a slack."""
+        total, free = fs.f_blocks * fs.f_frsize, fs.f_bavail * fs.f_frsize
+        slack = min(FS_SLACK_MAX, max(total // 20, 16 * self._block_bytes))
+        if free <= slack:
+            return
+        with self._lock:
+            self.limit_bytes = min(self.capacity_bytes, self.limit_bytes + free - slack)
+            room = self.limit_bytes == self.capacity_bytes
+        if room:
+            log.info("[disk] %s has room for the tier's whole capacity again", self.root)
+
+    def _stuck(self) -> str:
+        """Why the tier takes no I/O now ("" when it does); never waits on the filesystem."""
+        if self._late:
+            return f"{self._late} I/O operations past their {self.io_timeout_s:g} s deadline"
+        since = self._probe_since
+        if since and time.monotonic() - since > self.io_timeout_s:
+            return f"a stat of {self.root} has not returned in {self.io_timeout_s:g} s"
+        return ""
+
+    def health(self) -> bool:
+        return not self._stuck() and not self._probe_error
+
+    def _on_full(self, size: int) -> None:
+        """ENOSPC below the limit (the filesystem is smaller, or shared): lower the limit to what
+        the filesystem holds for the tier (its bytes and the free space) less a few blocks; the
+        caller evicts down to it and retries. From the filesystem's state, not from the limit:
+        puts that hit ENOSPC together each lowered it again (a few blocks under the last
+        value), and four of them took a 1 MiB tier's limit to 0. Not lowered when the space was
+        only held by records evicted and not yet unlinked (another put's): once those are gone
+        the filesystem has room."""
+        self.counters["enospc"] += 1
+        with self._evicting:
+            self._evicting.wait_for(lambda: not self._victims_pending, timeout=1.0)
+        free = 0
+        try:
+            st = os.statvfs(self.root)
+            free = st.f_bavail * st.f_frsize
+            if free >= 2 * size and (not st.f_files or st.f_favail > 2):
+                return  # room now (blocks and inodes): the caller retries under the same limit
+        except OSError:
+            pass
+        with self._lock:
+            was = self.limit_bytes
+            # used_bytes counts other puts' reservations, written in part at most: the blocks
+            # of margin cover them (IO_THREADS of them at most)
+            fits = self.used_bytes + free - ENOSPC_EVICT_BLOCKS * size
+            self.limit_bytes = limit = max(0, min(was, fits))
+            first = was == self.capacity_bytes > limit
+        if first:
+            log.warning("[disk] %s: the filesystem is full at %.3f GiB, below the tier's capacity "
+                        "(%.3f GiB); the tier now evicts to stay under %.3f GiB", self.root,
+                        self.used_bytes / 2**30, self.capacity_bytes / 2**30, limit / 2**30)
