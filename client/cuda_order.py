@@ -43,6 +43,7 @@ from .kv_alloc import _shared_cpu_buffer
 
 log = logging.getLogger("kvcached.client")
 GUARD_PERIOD_S = 0.02
+IDLE_WAIT_S = 1.0  # the guard with nothing to watch looks again at least this often
 CLOSED_RELEASE_S = 10.0  # after close, pending waits are released this late at most
 REFUSED_PAUSE_S = (0.5, 60.0)  # after CUDA refused the order words: first pause, longest pause
 
@@ -228,7 +229,7 @@ class EngineOrder:
         while True:
             with self._cv:
                 while not self._pending and self._closed_at is None:
-                    self._cv.wait()
+                    self._cv.wait(IDLE_WAIT_S)  # woken by a new wait or the close; bounded all the same
             if not self.pending():
                 if self._closed_at is not None:
                     self._free()

@@ -116,10 +116,10 @@ def test_the_guard_releases_waits_only_when_the_daemon_is_lost(monkeypatch):
         time.sleep(0.1)
         assert order.pending() == 1 and not order.released  # the daemon lives: its write will come
         order.words[load_word(3, 1, 2)] = 41  # the daemon's stream wrote it
-        wait_until(lambda: order.pending() == 0, 2)
+        wait_until(lambda: order.pending() == 0, 10)
         order.wait_loaded(slot=4, layer=0, task_id=42, stream=FakeStream())
         lost["now"] = True
-        wait_until(lambda: order.released, 2)
+        wait_until(lambda: order.released, 10)
         assert order.pending() == 0 and (order.words[FENCE_WORDS:] == RELEASED).all()
     finally:
         order.close()
@@ -171,7 +171,7 @@ def test_the_words_are_registered_and_unregistered_on_the_engines_thread_only(mo
     assert ops.unregistered and made2[0].thread == threading.get_ident()
     nxt.words[load_word(0, 0, 2)] = 1  # the daemon wrote it
     nxt.close()  # the guard frees it once the wait passed: deferred to this thread
-    wait_until(lambda: cuda_order._deferred, 2)
+    wait_until(lambda: cuda_order._deferred, 10)
     assert not made2[0].unregistered
     cuda_order._undo_deferred()
     assert made2[0].unregistered
@@ -376,7 +376,7 @@ def test_a_released_wait_fails_its_load_and_spends_the_connection(monkeypatch, d
     try:
         order.wait_loaded(slot=1, layer=0, task_id=42, stream=FakeStream())
         lost["now"] = True
-        wait_until(lambda: order.released, 2)
+        wait_until(lambda: order.released, 10)
         assert order.released_loads == {42}
     finally:
         order.close()
