@@ -18,9 +18,8 @@ FS_SLACK_MAX = 4 << 30  # room left free on the filesystem before the probe rais
 
 
 class DiskHealth:
-    """DiskBackend's methods for its health and its limit; they use its lock, counters and
-    byte counts (`_lock`, `_evicting`, `_victims_pending`, `_late`, `_probe_since`,
-    `_probe_error`, `used_bytes`, `limit_bytes`, `capacity_bytes`, `_block_bytes`)."""
+    """DiskBackend's methods for its health and its limit, on the state its __init__ makes (its
+    lock and eviction condition, the late-I/O and probe fields, the byte counts and limit)."""
 
     def _late_op(self, what: str):
         def on_late(_i: int) -> None:
