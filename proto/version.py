@@ -13,11 +13,11 @@ PROTOCOL_FLOOR = (1, 6)
 def check_version(theirs, speaker: str) -> None:
     """ProtocolError UNSUPPORTED_VERSION unless `theirs` ([major, minor], what `speaker` - "client"
     or "the daemon" - speaks) is of this major and not below the floor."""
-    from .errors import ProtocolError
-    from .ops import ErrorCode
-
     theirs = tuple(theirs)
     if theirs[:1] != PROTOCOL_VERSION[:1] or theirs < PROTOCOL_FLOOR:
+        from .errors import ProtocolError  # here: every request checks, few fail (and no cycle)
+        from .ops import ErrorCode
+
         ours = f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}"
         raise ProtocolError(
             ErrorCode.UNSUPPORTED_VERSION,
