@@ -1,7 +1,8 @@
-"""A client's task events and holds: the events read for a task, and device blocks of tasks that timed out, or whose daemon hung, that the
-daemon may still write until it confirms the task's end (hold_keeper.py keeps them out of an
-engine's free list). A part of Client (client.py): it uses the client's `_holds`, `_events`,
-`_lock`, `_pump`, `_wait`, `_check_daemon`, `status_block` and `_gone_after_close`."""
+"""A client's task events and holds: the events read for each task, and the device blocks of
+tasks that timed out, or whose daemon hung, which the daemon may still write until it confirms
+the task's end (hold_keeper.py keeps them out of an engine's free list). A part of Client
+(client.py): it uses the client's `_holds`, `_events`, `_lock`, `_pump`, `_wait`,
+`_check_daemon`, `status_block` and `_gone_after_close`."""
 from __future__ import annotations
 
 from kvcached_proto import DaemonUnavailable
