@@ -32,7 +32,10 @@ def table(r: dict) -> str:
     target = r["storage"].get("target", {})
     for x in st:
         mooncake = x["tier"] == "mooncake"
-        layout = (" (layer_first, staged)" if "layer_first" in x.get("note", "") else " (page_first)") \
+        # host_layout: in the results since 2026-11-27 (an older file says it in its note only)
+        host_layout = x.get("host_layout") or ("page_first" if "page_first" in x.get("note", "")
+                                               else "layer_first")
+        layout = {"page_first": " (page_first)", "layer_first": " (layer_first, staged)"}[host_layout] \
             if mooncake else ""
         rows.append((f"{x['tier']} tier put / get{layout}", "`kvcached bench storage`",
                      f"{x['put_gbps']:.2f} / {x['get_gbps']:.2f} GB/s",

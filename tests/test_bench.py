@@ -72,6 +72,7 @@ def test_bench_storage_covers_disk_and_redis_when_installed():
     tiers = {x["tier"] for x in r["results"]}
     assert "disk" in tiers and (("redis" in tiers) == bool(shutil.which("redis-server")))
     assert all(x["put_ratio"] > 0 and x["get_ratio"] > 0 for x in r["results"])
+    assert {x["host_layout"] for x in r["results"] if x["tier"] != "mooncake"} == {"layer_first"}
 
 
 @pytest.mark.slow

@@ -166,8 +166,8 @@ def _raw_mooncake(port: int, n: int, repeats: int) -> dict:
     return {"put_gbps": nbytes / min(put_s) / 1e9, "get_gbps": nbytes / min(get_s) / 1e9}
 
 
-def _pair(name: str, daemon: dict, raw: dict, note: str) -> dict:
-    return {"tier": name, "note": note,
+def _pair(name: str, daemon: dict, raw: dict, note: str, host_layout: str = "layer_first") -> dict:
+    return {"tier": name, "note": note, "host_layout": host_layout,
             **{f"{k}": round(v, 3) for k, v in daemon.items()},
             **{f"raw_{k}": round(v, 3) for k, v in raw.items()},
             "put_ratio": ratio(daemon["put_gbps"], raw["put_gbps"]),
@@ -210,7 +210,7 @@ def run(quick: bool = False, **_) -> dict:
                 # page_first: a page is one buffer (a layer_first page of 64 pieces is staged first)
                 got = _through_daemon(work, uri, n, repeats, ["--host-layout", "page_first"])
                 results.append(_pair("mooncake", got, raw, "loopback TCP, one memory-only client, "
-                                                           "--host-layout page_first"))
+                                                           "--host-layout page_first", "page_first"))
                 got = _through_daemon(work, uri, n, repeats)
                 results.append(_pair("mooncake", got, raw, "the same, layer_first: 64 pieces a page, staged"))
             finally:

@@ -12,7 +12,7 @@ from ..service.cache_service import DRAIN_TIMEOUT_S
 from .kv_sweep import sweep_kv_segments, sweep_when_gone
 from .run_dir import remove_instance_files
 
-log = logging.getLogger("kvcached.server.daemon")
+log = logging.getLogger("kvcached.server.daemon")  # the daemon's logger, as before the split
 
 DYING_GRACE_S = 0.5  # at shutdown, for engines whose connection closed to finish dying
 

@@ -10,7 +10,7 @@ import os
 import stat
 import time
 
-log = logging.getLogger("kvcached.storage.disk")
+log = logging.getLogger("kvcached.storage.disk")  # the tier's logger, as before the split
 
 PROBE_EVERY_S = 1.0
 ENOSPC_EVICT_BLOCKS = 8  # a full filesystem: the limit goes this many blocks under what it holds
