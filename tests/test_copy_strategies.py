@@ -31,10 +31,9 @@ def host_views(layout: str, num_layers: int, parts: int, n: int, row: int):
     return views
 
 
-def check_round_trip(copier, dev, host, rng, ids: str, num_host: int, grouped: bool = False) -> None:
+def check_round_trip(copier, dev, host, rng, ids: str, num_host: int) -> None:
     """17 blocks offloaded (scattered ids, or runs) land in their host rows byte for byte; loaded
-    back into other device blocks of zeroed KV, they come back and nothing else is written.
-    grouped: copied in the copier's layer ranges, as the daemon's flows drive it."""
+    back into other device blocks of zeroed KV, they come back and nothing else is written."""
     layers, parts, (num_dev, row) = len(dev), len(dev[0]), dev[0][0].shape
     original = [[t.clone() for t in r] for r in dev]
     n = 17
@@ -43,11 +42,7 @@ def check_round_trip(copier, dev, host, rng, ids: str, num_host: int, grouped: b
     else:
         src, hid = np.arange(5, 5 + n), np.concatenate([np.arange(20, 30), np.arange(2, 9)])
     plan = copier.plan(TaskKind.OFFLOAD, src.astype(np.int64), hid.astype(np.int64))
-    if grouped:
-        moved = sum(copier.offload_layers(lo, hi, plan)
-                    for lo, hi in copier.layer_groups(TaskKind.OFFLOAD, layers))
-    else:
-        moved = sum(copier.offload_layer(layer, plan) for layer in range(layers))
+    moved = sum(copier.offload_layer(layer, plan) for layer in range(layers))
     assert moved == n * row * layers * parts
     for layer in range(layers):
         for p in range(parts):
@@ -58,12 +53,8 @@ def check_round_trip(copier, dev, host, rng, ids: str, num_host: int, grouped: b
             t.fill_(0)
     dst = rng.permutation(num_dev)[:n].astype(np.int64)
     plan = copier.plan(TaskKind.LOAD, dst, hid.astype(np.int64))
-    if grouped:
-        assert sum(copier.load_layers(lo, hi, plan)
-                   for lo, hi in copier.layer_groups(TaskKind.LOAD, layers)) == moved
-    else:
-        for layer in range(layers):
-            copier.load_layer(layer, plan)
+    for layer in range(layers):
+        copier.load_layer(layer, plan)
     untouched = np.setdiff1d(np.arange(num_dev), dst)
     for layer in range(layers):
         for p in range(parts):
@@ -85,54 +76,6 @@ def test_strategy_round_trip_is_byte_exact(layout, strategy, ids, monkeypatch):
             for _ in range(parts)] for _ in range(layers)]
     host = host_views(layout, layers, parts, num_host, row)
     check_round_trip(StrategyCopier(dev, host, strategy), dev, host, rng, ids, num_host)
-
-
-def one_allocation(rng, layers: int, parts: int, num_dev: int, row: int):
-    """Device KV carved layer by layer from one buffer, as allocate_kv_cache and vLLM carve it:
-    every (layer, part)'s rows a constant pitch apart."""
-    flat = torch.from_numpy(rng.integers(0, 256, layers * parts * num_dev * row, dtype=np.uint8))
-    views = flat.view(layers, parts, num_dev, row)
-    return [[views[i, p] for p in range(parts)] for i in range(layers)]
-
-
-@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-@pytest.mark.parametrize("ids", ["scattered", "runs"])
-@pytest.mark.parametrize("layers", [1, 6])
-def test_dma_spans_over_layers_are_byte_exact(layout, ids, layers):
-    """One device allocation and one host buffer: dma copies a block's rows over a range of
-    layers as one 2-D copy (an offload over all of them, a load its first layer and then
-    LOAD_GROUP layers a range); the bytes are those of the layer-by-layer copies."""
-    rng = np.random.default_rng(sum(map(ord, layout + ids)) + layers)
-    parts, num_dev, num_host, row = 2, 40, 50, 96
-    dev = one_allocation(rng, layers, parts, num_dev, row)
-    host = host_views(layout, layers, parts, num_host, row)
-    copier = StrategyCopier(dev, host, "dma")
-    assert copier.layer_span() is not None
-    if layers > 1:
-        assert copier.layer_groups(TaskKind.OFFLOAD, layers) == [(0, layers)]
-        assert copier.layer_groups(TaskKind.LOAD, layers) == [(0, 1), (1, 5), (5, 6)]
-    check_round_trip(copier, dev, host, rng, ids, num_host, grouped=True)
-
-
-def test_dma_takes_no_span_where_rows_are_not_evenly_spaced_or_in_one_allocation():
-    rng = np.random.default_rng(3)
-    host = host_views("layer_first", 3, 2, 50, 96)
-    apart = [[torch.zeros(40, 96, dtype=torch.uint8) for _ in range(2)] for _ in range(3)]
-    assert StrategyCopier(apart, host, "dma").layer_span() is None  # three allocations
-    flat = torch.zeros(3 * 2 * 40 * 96 + 96, dtype=torch.uint8)
-    uneven = [[flat[(i * 2 + p) * 3840 + 96 * (i == 2):][:3840].view(40, 96) for p in range(2)]
-              for i in range(3)]
-    assert StrategyCopier(uneven, host, "dma").layer_span() is None
-    even = one_allocation(rng, 3, 2, 40, 96)
-    assert StrategyCopier(even, host, "dma").layer_span() == (3840, 4800)
-    for cuts in ([[[], []]] * 3, [[[7], []]] + [[[], []]] * 2):  # a part may start at a region
-        assert StrategyCopier(even, host, "dma", cuts=cuts).layer_span() is None, \
-            "a host pool registered in parts: a 2-D copy may not span two registrations"
-    assert StrategyCopier(even, host, "runs").layer_span() is None
-    copier = StrategyCopier(even, host, "dma")
-    copier.memcpy.max_pitch = 4799  # the host pitch is over the device's limit
-    assert copier.layer_span() is None
-    assert copier.layer_groups(TaskKind.LOAD, 3) == [(0, 1), (1, 2), (2, 3)]
 
 
 def test_auto_picks_runs_for_long_runs_and_gather_for_scattered_ids():

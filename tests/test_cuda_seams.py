@@ -185,20 +185,11 @@ class RecordingRuntime:
     """The CUDA runtime's copy calls, done as host memmoves (the fake of tests/test_cudart.py's
     kind): counts calls, so a layer's copies are seen to go in one batched call."""
 
-    def __init__(self, batched, max_pitch=1 << 31):
-        self.batched, self.calls, self.pitch_limit = batched, [], max_pitch
+    def __init__(self, batched):
+        self.batched, self.calls = batched, []
 
     def has_memcpy_batch(self):
         return self.batched
-
-    def max_pitch(self, device):
-        return self.pitch_limit
-
-    def memcpy_2d_async(self, dst, dpitch, src, spitch, width, height, stream):
-        assert width <= min(dpitch, spitch) and max(dpitch, spitch) <= self.pitch_limit
-        self.calls.append(("2d", height, stream))
-        dma.HostMemcpy().copy_2d(np.array([dst], np.uint64), dpitch, np.array([src], np.uint64),
-                                 spitch, np.array([width], np.uint64), height, stream)
 
     def memcpy_batch_async(self, dsts, srcs, sizes, stream):
         self.calls.append(("batch", len(sizes), stream))
@@ -345,69 +336,3 @@ def test_a_cuda_load_waits_for_the_fence_copies_on_its_stream_then_writes_each_l
     assert log == expect
     assert offload_stream != load_stream
     copier.close()
-
-
-def test_dma_over_one_allocation_queues_a_2d_copy_per_block_and_each_layers_word_after_it(monkeypatch):
-    """KV carved from one allocation (rows a constant pitch apart): an offload is one 2-D copy
-    per block over every layer and part; a load copies its first layer alone and then four
-    layers a copy, and each layer's progress word is written on the load stream after the
-    copy that holds it (what the load flow does with `layer_groups`)."""
-    log = []
-    cuda = FakeCuda(log)
-    monkeypatch.setattr(CudaCopier, "cuda", cuda)
-    monkeypatch.setattr(CudaCopier, "runtime", staticmethod(lambda: RecordingRuntime(batched=True)))
-    layers, parts, blocks, row = 6, 2, 16, 8
-    rng = np.random.default_rng(11)
-    flat = torch.from_numpy(rng.integers(0, 1 << 62, layers * parts * blocks * row))
-    dev = [[flat.view(layers, parts, blocks, row)[i, p] for p in range(parts)] for i in range(layers)]
-    host_flat = torch.zeros(layers * parts * 20 * row, dtype=torch.int64)
-    host = [[host_flat.view(layers, parts, 20, row)[i, p] for p in range(parts)] for i in range(layers)]
-
-    class Pool:
-        views, block_cuts = host, None
-
-    words = np.zeros(4096, dtype=np.int64)
-    order = DaemonOrder(words, layers, "cuda:0", ops_factory=lambda d, a, n: RecordingOps(log))
-    copier = cuda_copier.make_copier("cuda:0", "dma", dev, Pool, layers, order)
-    copier.memcpy.rt.calls = log
-    offload_stream, load_stream = (copier.streams[k].cuda_stream for k in (TaskKind.OFFLOAD, TaskKind.LOAD))
-    src, hid = np.array([9, 2, 14]), np.array([4, 0, 17])
-    plan = copier.plan(TaskKind.OFFLOAD, src, hid)
-    log.clear()
-    for lo, hi in copier.layer_groups(TaskKind.OFFLOAD, layers):
-        copier.offload_layers(lo, hi, plan)
-    assert log == [("2d", layers * parts, offload_stream)] * 3
-    expected = flat.view(layers, parts, blocks, row)[:, :, torch.from_numpy(src)]
-    assert torch.equal(host_flat.view(layers, parts, 20, row)[:, :, torch.from_numpy(hid)], expected)
-    flat.zero_()
-    task = CopyTask(task_id=5, kind=TaskKind.LOAD, client_id="c", routing_id=b"c", priority=0,
-                    dev_blocks=np.array([1, 3, 6]), host_blocks=hid, entries=[], slot=1, fence=(9, 2))
-    plan = copier.plan(TaskKind.LOAD, task.dev_blocks, task.host_blocks)
-    log.clear()
-    for lo, hi in copier.layer_groups(TaskKind.LOAD, layers):
-        copier.load_layers(lo, hi, plan)
-        for layer in range(lo, hi):
-            copier.layer_loaded(task, layer)
-    words_of = [("write", load_stream, load_word(1, layer, layers), 5) for layer in range(layers)]
-    single = ("batch", 3 * parts, load_stream)  # one layer: one batched call
-    assert log == ([single] + words_of[:1] + [("2d", 4 * parts, load_stream)] * 3
-                   + words_of[1:5] + [single] + words_of[5:])
-    assert torch.equal(flat.view(layers, parts, blocks, row)[:, :, torch.from_numpy(task.dev_blocks)], expected)
-    copier.close()
-
-
-def test_a_batch_copies_in_the_ranges_every_copier_can_take():
-    from kvcached.copy.transfer import common_groups
-
-    class Groups:
-        def __init__(self, groups):
-            self.groups = groups
-
-        def layer_groups(self, kind, num_layers):
-            return self.groups
-
-    spans, per_layer = Groups([(0, 1), (1, 5), (5, 6)]), Groups([(i, i + 1) for i in range(6)])
-    assert common_groups([spans], TaskKind.LOAD, 6) == [(0, 1), (1, 5), (5, 6)]
-    assert common_groups([spans, per_layer], TaskKind.LOAD, 6) == [(i, i + 1) for i in range(6)]
-    assert common_groups([spans, Groups([(0, 3), (3, 6)])], TaskKind.LOAD, 6) == [
-        (0, 1), (1, 3), (3, 5), (5, 6)]

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import keys_for, small_kv, wait_until
 from kvcached.config import DaemonConfig
-from kvcached.copy.transfer import CopierHooks, CopyPlan
+from kvcached.copy.transfer import CopyPlan
 from kvcached.service.host_tier import HostTier
 from kvcached.service.load_flow import LoadFlow
 from kvcached.service.offload_flow import OffloadFlow
@@ -130,7 +130,7 @@ def _write_pieces(pieces, data: bytes) -> None:
         at += len(p)
 
 
-class DictCopier(CopierHooks):
+class DictCopier:
     """A copier whose device is a dict of block -> page bytes; records (kind, layer, dev, host)."""
 
     strategy = "dict"

@@ -2,11 +2,10 @@
 
 Every figure is a ratio to a contiguous pinned cudaMemcpy of the same bytes, measured in the
 same run (best of the repeats, timed with CUDA events):
-1. strategies side by side (runs, gather, zero_copy, dma, and dma_layer: dma's per-layer copy
-   lists without its 2-D copies over layers) in process, through the daemon's own copier and
-   pinned host pool, each task queued as the daemon queues it, for two cases: 7B-like
-   per-layer blocks (32 layers x (K, V) x 32 KiB, scattered device ids) and cross-layer
-   contiguous blocks (one 2 MiB tensor row per block); bytes checked after every strategy;
+1. strategies side by side (runs, gather, zero_copy, dma) in process, through the daemon's own
+   copier and pinned host pool, for two cases: 7B-like per-layer blocks (32 layers x (K, V)
+   x 32 KiB, scattered device ids) and cross-layer contiguous blocks (one 2 MiB tensor row
+   per block); bytes checked after every strategy;
 2. the real daemon (`--device cuda:N`), once per daemon strategy (auto, dma), offloading and
    loading layer by layer from this process's CUDA KV, bytes checked;
 3. overlap, per daemon strategy: a synthetic 32-layer forward (matmuls sized like a 7B layer)
@@ -94,19 +93,20 @@ def _strategies(device, n: int, repeats: int, baseline: PinnedMemcpy) -> list[di
         host_ids = np.arange(n, dtype=np.int64)  # what a fresh allocator hands out
         src_idx, back_idx = torch.from_numpy(dev_ids).to(device), torch.from_numpy(back_ids).to(device)
         nbytes = n * spec.page_bytes
-        for strategy in (*STRATEGIES, "dma_layer"):
-            copier = CudaCopier(dev_views, pool, strategy.removesuffix("_layer"), str(device),
-                                spec.num_layers)
-            copier.spans &= strategy == "dma"  # dma_layer: dma's per-layer lists, for comparison
+        for strategy in STRATEGIES:
+            copier = CudaCopier(dev_views, pool, strategy, str(device), spec.num_layers)
             for row in dev_views:
                 for a in row:
                     a[back_idx] = 0  # what an earlier strategy loaded there must not count
             off, load = [], []
             for _ in range(repeats):
                 baseline.measure()
-                for kind, ids, out in ((TaskKind.OFFLOAD, dev_ids, off), (TaskKind.LOAD, back_ids, load)):
-                    out.append(_timed(lambda: _copy_all(copier, kind, ids, host_ids, spec.num_layers),
-                                      copier.streams[kind]))
+                plan = copier.plan(TaskKind.OFFLOAD, dev_ids, host_ids)
+                off.append(_timed(lambda: [copier.offload_layer(i, plan) for i in range(spec.num_layers)],
+                                  copier.streams[TaskKind.OFFLOAD]))
+                plan = copier.plan(TaskKind.LOAD, back_ids, host_ids)
+                load.append(_timed(lambda: [copier.load_layer(i, plan) for i in range(spec.num_layers)],
+                                   copier.streams[TaskKind.LOAD]))
             exact = all(torch.equal(a[back_idx], a[src_idx]) for row in dev_views for a in row)
             copier.close()
             d2h, h2d = nbytes / min(off) / 1e9, nbytes / min(load) / 1e9
@@ -118,15 +118,6 @@ def _strategies(device, n: int, repeats: int, baseline: PinnedMemcpy) -> list[di
         del kv, dev_views
         torch.cuda.empty_cache()
     return rows
-
-
-def _copy_all(copier, kind: str, dev_ids, host_ids, num_layers: int) -> None:
-    """One task's copies as the daemon's flows queue them: a plan, then the copier's layer
-    ranges (one layer each, or several where dma copies a block's rows over layers at once)."""
-    plan = copier.plan(kind, dev_ids, host_ids)
-    copy = copier.offload_layers if kind == TaskKind.OFFLOAD else copier.load_layers
-    for lo, hi in copier.layer_groups(kind, num_layers):
-        copy(lo, hi, plan)
 
 
 class Forward:

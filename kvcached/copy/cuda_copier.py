@@ -64,7 +64,7 @@ class CudaCopier(StrategyCopier):
         if strategy == "zero_copy":
             self.host_view = host_pool.device_views(self.device, widen=cs.widen)
         if strategy == "dma":
-            self.memcpy = dma.CudaMemcpy(self.runtime(), self.device.index or 0)
+            self.memcpy = dma.CudaMemcpy(self.runtime())
 
     def _stream(self, kind: str):
         stack = contextlib.ExitStack()

@@ -16,7 +16,6 @@ from . import strategies as cs
 from .transfer import CopierHooks, CopyPlan, TaskKind
 
 STAGING_BYTES = 64 << 20  # per direction: bounds the device memory taken from the engine
-LOAD_GROUP = 4  # dma with spans: a load's layers per 2-D copy after its first layer (alone)
 
 
 class StrategyCopier(CopierHooks):
@@ -36,8 +35,6 @@ class StrategyCopier(CopierHooks):
         self.host_contiguous = all(cs.rows_contiguous(t) for t in host_views[0])
         self._staging: dict[str, torch.Tensor] = {}
         self.memcpy = dma.HostMemcpy()  # the dma strategy's copies (CudaCopier: the runtime's)
-        self.spans = strategy == "dma"  # may a block's rows over several layers be one copy
-        self._span: tuple[int, int] | None = None
 
     def _stream(self, kind: str):
         return contextlib.nullcontext()
@@ -125,44 +122,6 @@ class StrategyCopier(CopierHooks):
                 (cs.offload_zero_copy if out else cs.load_zero_copy)(
                     dev, stand_in, ids, ids, self.staging(kind, like))  # dma: no kernel to warm
 
-    def layer_span(self) -> tuple[int, int] | None:
-        """dma: (device pitch, host pitch) when every (layer, part)'s rows lie a constant pitch
-        apart on both sides, within one device allocation and one host-pool registration (a 2-D
-        copy's rows must be: the runtime checks its whole extent), else None (dma.span)."""
-        if not self.spans or self.cuts:
-            return None
-        if self._span is None:
-            dev = [t for row in self.dev for t in row]
-            host = [t for row in self.host for t in row]
-            one = all(len({t.untyped_storage().data_ptr() for t in side}) == 1 for side in (dev, host))
-            found = one and dma.span([dma.rows_of(t) for t in dev], [dma.rows_of(t) for t in host],
-                                     self.memcpy.max_pitch)
-            self._span = found or (0, 0)
-        return self._span if self._span[0] else None
-
-    def layer_groups(self, kind: str, num_layers: int) -> list[tuple[int, int]]:
-        """dma with spans: an offload in one range (one 2-D copy per block), a load its first
-        layer alone (what the engine waits for first) and then LOAD_GROUP layers a range."""
-        if self.layer_span() is None:
-            return super().layer_groups(kind, num_layers)
-        if kind == TaskKind.OFFLOAD:
-            return [(0, num_layers)]
-        return [(0, min(1, num_layers))] + [(lo, min(lo + LOAD_GROUP, num_layers))
-                                            for lo in range(1, num_layers, LOAD_GROUP)]
-
-    def offload_layers(self, lo: int, hi: int, plan: CopyPlan) -> int:
-        if hi - lo > 1 and plan.extra["strategy"] == "dma" and self.layer_span() is not None:
-            return self._dma_span(TaskKind.OFFLOAD, lo, hi, plan)
-        return super().offload_layers(lo, hi, plan)
-
-    def load_layers(self, lo: int, hi: int, plan: CopyPlan) -> int:
-        """A single layer stays one batched call where the runtime has one (the first layer is
-        what the engine waits for first: one call, not one per block)."""
-        if (plan.extra["strategy"] == "dma" and self.layer_span() is not None
-                and (hi - lo > 1 or not self.memcpy.batched)):
-            return self._dma_span(TaskKind.LOAD, lo, hi, plan)
-        return super().load_layers(lo, hi, plan)
-
     def offload_layer(self, layer: int, plan: CopyPlan) -> int:
         return self._layer(TaskKind.OFFLOAD, layer, plan)
 
@@ -191,44 +150,23 @@ class StrategyCopier(CopierHooks):
         return moved
 
     def _dma(self, kind: str, layer: int, plan: CopyPlan) -> int:
-        """Every part's copies of the layer in one call to the runtime (dma.py)."""
-        lists = []
+        """Every part's copies of the layer in one call to the runtime (dma.py). The offsets
+        are the plan's, computed once for rows of the same shape (every layer, usually): a
+        layer adds its bases (computing them per layer cost 0.3-0.7 ms of CPU a layer for
+        1,000 scattered blocks)."""
+        lists, known = [], plan.extra.setdefault("dma_offsets", {})
         for part, (dev, host) in enumerate(zip(self.dev[layer], self.host[layer])):
             cuts = self.cuts[layer][part] if self.cuts else ()
             d, h = dma.rows_of(dev), dma.rows_of(host)
-            lists.append(dma.at(self._offsets(plan, cuts, d, h), d, h, kind == TaskKind.OFFLOAD))
+            shape = (tuple(cuts), d.stride, d.width, h.stride, h.width)
+            offs = known.get(shape)
+            if offs is None:
+                offs = known[shape] = dma.offsets(cs.split_pairs(plan.extra["pairs"], cuts), d, h)
+            lists.append(dma.at(offs, d, h, kind == TaskKind.OFFLOAD))
         dsts, srcs, sizes = dma.concat(lists)
         with self._stream(kind):
             self.memcpy.copy(dsts, srcs, sizes, self._stream_handle(kind))
         return int(sizes.sum())
-
-    def _dma_span(self, kind: str, lo: int, hi: int, plan: CopyPlan) -> int:
-        """Layers [lo, hi), every part: one 2-D copy per run of blocks, its rows the (layer,
-        part)s (`layer_span`). A run wider than a pitch (rows that would overlap) goes layer by
-        layer instead."""
-        dev_pitch, host_pitch = self.layer_span()
-        d, h = dma.rows_of(self.dev[lo][0]), dma.rows_of(self.host[lo][0])
-        to_host = kind == TaskKind.OFFLOAD
-        dsts, srcs, widths = dma.at(self._offsets(plan, (), d, h), d, h, to_host)
-        if len(widths) and int(widths.max()) > min(dev_pitch, host_pitch):
-            return sum(self._dma(kind, layer, plan) for layer in range(lo, hi))
-        height = (hi - lo) * len(self.dev[lo])
-        dpitch, spitch = (host_pitch, dev_pitch) if to_host else (dev_pitch, host_pitch)
-        with self._stream(kind):
-            self.memcpy.copy_2d(dsts, dpitch, srcs, spitch, widths, height, self._stream_handle(kind))
-        return int(widths.sum()) * height
-
-    @staticmethod
-    def _offsets(plan: CopyPlan, cuts, d: dma.Rows, h: dma.Rows):
-        """The plan's copy offsets for rows of this shape, computed once (every layer has the
-        same, usually): a layer adds its bases (computing them per layer cost 0.3-0.7 ms of CPU
-        a layer for 1,000 scattered blocks)."""
-        known = plan.extra.setdefault("dma_offsets", {})
-        shape = (tuple(cuts), d.stride, d.width, h.stride, h.width)
-        offs = known.get(shape)
-        if offs is None:
-            offs = known[shape] = dma.offsets(cs.split_pairs(plan.extra["pairs"], cuts), d, h)
-        return offs
 
     def close(self) -> None:
         self._staging.clear()

@@ -120,17 +120,6 @@ class CopierHooks:
     def registration_reply(self) -> dict:
         return {}
 
-    def layer_groups(self, kind: str, num_layers: int) -> list[tuple[int, int]]:
-        """The layer ranges [lo, hi) a task's copies go in, in order (`offload_layers`,
-        `load_layers`): one layer each here; a load counts each layer once its range is queued."""
-        return [(layer, layer + 1) for layer in range(num_layers)]
-
-    def offload_layers(self, lo: int, hi: int, plan: CopyPlan) -> int:
-        return sum(self.offload_layer(layer, plan) for layer in range(lo, hi))
-
-    def load_layers(self, lo: int, hi: int, plan: CopyPlan) -> int:
-        return sum(self.load_layer(layer, plan) for layer in range(lo, hi))
-
     def begin_offload(self, task: CopyTask) -> None:
         pass
 
@@ -146,16 +135,6 @@ class CopierHooks:
 
     def close(self) -> None:
         pass
-
-
-def common_groups(copiers, kind: str, num_layers: int) -> list[tuple[int, int]]:
-    """Layer ranges every copier of a batch can take (a load counts a layer for all its tasks
-    at once): where any copier's ranges end, the batch's end too."""
-    edges = {0, num_layers}
-    for copier in copiers:
-        edges.update(x for group in copier.layer_groups(kind, num_layers) for x in group)
-    edges = sorted(edges)
-    return list(zip(edges, edges[1:]))
 
 
 class CpuCopier(CopierHooks):

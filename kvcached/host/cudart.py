@@ -1,6 +1,6 @@
 """The few CUDA runtime calls the daemon needs that torch does not bind: host registration with
 rollback, the device address of registered memory, clearing a sticky error, and the copy-engine
-strategy's copies (cudaMemcpyAsync, cudaMemcpyBatchAsync, cudaMemcpy2DAsync: kvcached/copy/dma.py).
+strategy's copies (cudaMemcpyAsync, cudaMemcpyBatchAsync: kvcached/copy/dma.py).
 
 The calls go to the libcudart that torch has already loaded into this process (found in
 /proc/self/maps), so they act on the same runtime and context as torch's own calls; ctypes,
@@ -20,7 +20,6 @@ CUDA_HOST_REGISTER_MAPPED = 0x02
 CUDA_MEMCPY_DEFAULT = 4  # the direction from the pointers (unified addressing)
 SRC_ACCESS_ORDER_STREAM = 0x1  # cudaMemcpySrcAccessOrderStream
 PREFER_OVERLAP_WITH_COMPUTE = 0x1  # cudaMemcpyFlagPreferOverlapWithCompute
-DEV_ATTR_MAX_PITCH = 11  # cudaDevAttrMaxPitch: the largest pitch a 2-D copy takes
 BATCH_SINCE = 12080  # cudaMemcpyBatchAsync: CUDA 12.8 (with a failIdx argument until 13.0)
 
 
@@ -71,13 +70,8 @@ class LibCudart:
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                                         ctypes.c_int, ctypes.c_void_p]
-        lib.cudaMemcpy2DAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
-                                          ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t,
-                                          ctypes.c_int, ctypes.c_void_p]
-        lib.cudaDeviceGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
         for name in ("cudaHostRegister", "cudaHostUnregister", "cudaHostGetDevicePointer",
-                     "cudaGetLastError", "cudaMemcpyAsync", "cudaMemcpy2DAsync",
-                     "cudaDeviceGetAttribute", "cudaRuntimeGetVersion"):
+                     "cudaGetLastError", "cudaMemcpyAsync", "cudaRuntimeGetVersion"):
             getattr(lib, name).restype = ctypes.c_int
         version = ctypes.c_int(0)
         lib.cudaRuntimeGetVersion(ctypes.byref(version))
@@ -113,21 +107,6 @@ class LibCudart:
                                         CUDA_MEMCPY_DEFAULT, ctypes.c_void_p(stream))
         if err:
             self._raise("cudaMemcpyAsync", err)
-
-    def memcpy_2d_async(self, dst: int, dpitch: int, src: int, spitch: int, width: int,
-                        height: int, stream: int) -> None:
-        err = self._lib.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height,
-                                          CUDA_MEMCPY_DEFAULT, stream)
-        if err:
-            self._raise(f"cudaMemcpy2DAsync of {height} rows of {width} bytes", err)
-
-    def max_pitch(self, device: int) -> int:
-        """The device's largest 2-D copy pitch; 0 (no 2-D copies) when the runtime will not say."""
-        out = ctypes.c_int(0)
-        if self._lib.cudaDeviceGetAttribute(ctypes.byref(out), DEV_ATTR_MAX_PITCH, device):
-            self.get_last_error()
-            return 0
-        return out.value
 
     def memcpy_batch_async(self, dsts, srcs, sizes, stream: int) -> None:
         """dsts, srcs, sizes: contiguous uint64 numpy arrays, read during the call."""

@@ -17,7 +17,7 @@ import numpy as np
 from kvcached_proto import TaskStatus
 from kvcached_proto.replies import LoadReply
 
-from ..copy.transfer import CopyTask, TaskKind, TransferWorker, common_groups
+from ..copy.transfer import CopyTask, TaskKind, TransferWorker
 from ..host.index import READY, WRITING
 from .host_tier import HostTier
 from .registration import KVLost, Registered
@@ -179,21 +179,19 @@ class LoadFlow:
             self.status_block.slot_set_valid(task.slot, task.num_blocks)
             plans.append((task, copier, copier.plan(TaskKind.LOAD, task.dev_blocks, task.host_blocks)))
             copier.begin_load(task)  # the copies wait for the engine's fence
-        copiers = {id(c): c for _, c, _ in plans}.values()
-        for lo, hi in common_groups(copiers, TaskKind.LOAD, self.reg.num_layers) if plans else ():
+        for layer in range(self.reg.num_layers if plans else 0):
             for task, copier, plan in plans:
                 if task.cancelled:
                     continue
-                task.bytes_moved += copier.load_layers(lo, hi, plan)
-                for layer in range(lo, hi):
-                    copier.layer_loaded(task, layer)  # the slot's order word for the layer
-                self.status_block.slot_layer_done(task.slot, hi)
-                if lo == 0:
+                task.bytes_moved += copier.load_layer(layer, plan)
+                copier.layer_loaded(task, layer)  # the slot's order word for the layer
+                self.status_block.slot_layer_done(task.slot, layer + 1)
+                if layer == 0:
                     task.first_layer_ns = time.monotonic_ns()
         queued = time.monotonic_ns()
         for task, _, _ in plans:
             task.queued_ns = queued
-        for copier in copiers:
+        for copier in {id(c): c for _, c, _ in plans}.values():
             copier.sync(TaskKind.LOAD)  # every copy landed before the host blocks are unpinned
         for task in self.intact([t for t, _, _ in plans]):
             self.complete(task)

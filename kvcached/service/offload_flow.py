@@ -71,8 +71,8 @@ class OffloadFlow:
                     break
                 end = min(start + SPLIT_BLOCKS, task.num_blocks)
                 plan = copier.plan(TaskKind.OFFLOAD, dev_all[start:end], task.host_blocks[start:end])
-                for lo, hi in copier.layer_groups(TaskKind.OFFLOAD, num_layers):
-                    task.bytes_moved += copier.offload_layers(lo, hi, plan)
+                for layer in range(num_layers):
+                    task.bytes_moved += copier.offload_layer(layer, plan)
             task.queued_ns = time.monotonic_ns()
             copier.sync(TaskKind.OFFLOAD)  # the host blocks hold the bytes before they are marked ready
             if self.loads.intact([task]):  # else it failed: its host blocks are discarded
