@@ -55,6 +55,16 @@ def test_the_cuda_bench_table_prints_a_recorded_run_and_the_daemon_phases():
     assert phase == ["  load in the daemon: worker took it after 0.5 ms, queued the copies in 50.0 ms, "
                      "they landed 10.0 ms later (mean per task)"]
     assert lines.index(phase[0]) == next(i for i, line in enumerate(lines) if "daemon (dma)" in line) + 1
+    r["daemons"][1]["phases_ms"] = _phases_ms(
+        {"load": {"tasks": 4, "wait_s": 0.002, "queue_s": 0.2, "prepare_s": 0.004, "land_s": 0.04,
+                  "first_layer_s": 0.008}})
+    r["daemons"][1]["overlap"].update(request_ms=1.4, layer0_wait_ms=1.3, layer0_wake_ms=0.05)
+    table = format_result(r)
+    assert ("load in the daemon: worker took it after 0.5 ms, queued the copies in 50.0 ms (1.0 ms "
+            "of it before the first copy), they landed 10.0 ms later (mean per task); its first "
+            "layer counted 2.0 ms after the request") in table
+    assert ("(its reply after 1.4 ms); in wait_layer(0) 1.3 ms, 0.05 ms of it from the daemon's "
+            "count to this process seeing it") in table
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="scripts/gpu_check.sh runs it on a GPU")

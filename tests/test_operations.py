@@ -95,11 +95,14 @@ def test_status_json_has_the_contract_keys_and_the_operator_figures(busy_daemon)
     assert all(p[f"{phase}_s"] >= 0 for p in phases.values() for phase in ("wait", "queue", "land"))
     assert all(p["queue_s"] + p["land_s"] > 0 for p in phases.values())
     assert phases["load"]["first_layer_s"] > 0 and "first_layer_s" not in phases["offload"]
+    assert 0 <= phases["load"]["prepare_s"] <= phases["load"]["queue_s"]
+    assert "prepare_s" not in phases["offload"]
     table = subprocess.run([sys.executable, "-m", "kvcached", "status", "--instance",
                             busy_daemon.instance, "--run-dir", busy_daemon.run_dir],
                            capture_output=True, text=True, timeout=30).stdout
     copies = next(line for line in table.splitlines() if line.startswith("copies"))
     assert "load (1): first layer " in copies and "offload (1): wait " in copies, table
+    assert "(plan and fence " in copies.split("offload")[0], table
 
 
 def test_metrics_parse_and_carry_the_expected_names(busy_daemon):

@@ -195,7 +195,7 @@ def _phases_ms(copy_phases: dict) -> dict:
     """The daemon's mean time per offload and load task: waiting for its copy worker, queueing
     the copies (the CPU's share: CUDA calls), then until they landed (status tasks.copy_phases)."""
     return {op: {k: round(p[f"{k}_s"] / p["tasks"] * 1e3, 2)
-                 for k in ("wait", "queue", "land", "first_layer") if f"{k}_s" in p}
+                 for k in ("wait", "queue", "prepare", "land", "first_layer") if f"{k}_s" in p}
             for op, p in copy_phases.items() if p.get("tasks")}
 
 
@@ -217,7 +217,7 @@ def _overlap(client, kv, num_blocks: int, device, rng) -> dict:
     _fill(kv, dst, salt=1)
     idx = torch.from_numpy(dst).to(device)
     torch.cuda.synchronize()
-    alone, with_load, first_layer, request, exact = [], [], [], [], True
+    alone, with_load, first_layer, request, layer0, wake0, exact = [], [], [], [], [], [], True
     phases_before = client.status()["tasks"].get("copy_phases", {})
     for _ in range(3):
         alone.append(_timed(lambda: [fwd.layer(kv[i], idx) for i in range(LAYERS)]))
@@ -229,9 +229,13 @@ def _overlap(client, kv, num_blocks: int, device, rng) -> dict:
             tasks.append(client.load(keys, dst))
             request.append(time.perf_counter() - t0)
             for i in range(LAYERS):
+                t1, woken = time.perf_counter(), len(tasks[-1].layer_wake_ns)
                 tasks[-1].wait_layer(i, timeout=120)  # counter, then this stream waits on the event
                 if i == 0:
                     first_layer.append(time.perf_counter() - t0)
+                    layer0.append(first_layer[-1] - (t1 - t0))
+                    # the daemon's count to this process seeing it (when the wait began first)
+                    wake0.extend(tasks[-1].layer_wake_ns[woken:])
                 fwd.layer(kv[i], idx)
         with_load.append(_timed(overlapped))  # the end event follows the last layer's kernels
         exact &= tasks[-1].wait(120) == n
@@ -251,6 +255,9 @@ def _overlap(client, kv, num_blocks: int, device, rng) -> dict:
             "forward_ms": round(min(alone) * 1e3, 2), "with_load_ms": round(min(with_load) * 1e3, 2),
             "first_layer_ms": round(float(np.median(first_layer)) * 1e3, 2),
             "request_ms": round(float(np.median(request)) * 1e3, 2),
+            # in wait_layer(0), and of that from the daemon's count to this process seeing it
+            "layer0_wait_ms": round(float(np.median(layer0)) * 1e3, 2),
+            "layer0_wake_ms": round(float(np.median(wake0)) / 1e6, 3) if wake0 else None,
             "load_in_daemon_ms": in_daemon.get("load", {}),
             "ratio": ratio(min(with_load), min(alone)), "bytes_exact": bool(exact),
             "with_offload_ms": round(min(with_offload) * 1e3, 2),
@@ -314,7 +321,9 @@ def format_result(r: dict) -> str:
             f"daemon ({d['strategy']}): offload {d['offload_gbps']:.1f} GB/s ({d['offload_ratio']:.2f}), "
             f"layer-wise load {d['load_gbps']:.1f} GB/s ({d['load_ratio']:.2f}), exact {d['bytes_exact']}",
             *(f"  {op} in the daemon: worker took it after {p['wait']} ms, queued the copies in "
-              f"{p['queue']} ms, they landed {p['land']} ms later (mean per task)"
+              f"{p['queue']} ms" + (f" ({p['prepare']} ms of it before the first copy)"
+                                    if "prepare" in p else "")
+              + f", they landed {p['land']} ms later (mean per task)"
               + (f"; its first layer counted {p['first_layer']} ms after the request"
                  if "first_layer" in p else "")
               for op, p in d.get("phases_ms", {}).items()),
@@ -323,7 +332,9 @@ def format_result(r: dict) -> str:
             f"{o.get('with_offload_ms', '?')} ms, ratio {o.get('offload_ratio', '?')} (target <= "
             f"{r['target']['overlap_ratio_max']}), exact {o['bytes_exact']}; CPU saw layer 0 "
             f"{o.get('first_layer_ms', '?')} ms after the request"
-            + (f" (its reply after {o['request_ms']} ms)" if "request_ms" in o else ""),
+            + (f" (its reply after {o['request_ms']} ms)" if "request_ms" in o else "")
+            + (f"; in wait_layer(0) {o['layer0_wait_ms']} ms, {o.get('layer0_wake_ms')} ms of it "
+               "from the daemon's count to this process seeing it" if "layer0_wait_ms" in o else ""),
             *([f"  those loads in the daemon: first layer counted "
                f"{o['load_in_daemon_ms'].get('first_layer', '?')} ms after the request (the worker "
                f"took it after {o['load_in_daemon_ms']['wait']} ms), every copy queued "

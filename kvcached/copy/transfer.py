@@ -60,6 +60,7 @@ class CopyTask:
     slot: int = -1
     cancelled: bool = False
     started_ns: int = 0  # the copy worker took it
+    ready_ns: int = 0  # a load: its plan made and its fence wait queued (its copies may start)
     queued_ns: int = 0  # every copy of it queued (CUDA: on the stream, not yet landed)
     first_layer_ns: int = 0  # a load: its first layer queued and counted (the engine may read it)
     deletes_seen: int = 0  # a backup: the storage flow's deletes when it was queued

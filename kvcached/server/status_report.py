@@ -86,8 +86,9 @@ def _copies_line(phases: dict) -> str:
     for op, p in sorted(phases.items()):
         n = max(1, p["tasks"])
         first = f"first layer {p['first_layer_s'] / n * 1e3:.2f} ms, " if "first_layer_s" in p else ""
+        prepare = (f" (plan and fence {p['prepare_s'] / n * 1e3:.2f})" if "prepare_s" in p else "")
         parts.append(f"{op} ({p['tasks']}): {first}wait {p['wait_s'] / n * 1e3:.2f} queue "
-                     f"{p['queue_s'] / n * 1e3:.2f} land {p['land_s'] / n * 1e3:.2f} ms")
+                     f"{p['queue_s'] / n * 1e3:.2f}{prepare} land {p['land_s'] / n * 1e3:.2f} ms")
     return "; ".join(parts) + " (a task's average)"
 
 

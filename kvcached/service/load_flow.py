@@ -179,6 +179,7 @@ class LoadFlow:
             self.status_block.slot_set_valid(task.slot, task.num_blocks)
             plans.append((task, copier, copier.plan(TaskKind.LOAD, task.dev_blocks, task.host_blocks)))
             copier.begin_load(task)  # the copies wait for the engine's fence
+            task.ready_ns = time.monotonic_ns()
         for layer in range(self.reg.num_layers if plans else 0):
             for task, copier, plan in plans:
                 if task.cancelled:

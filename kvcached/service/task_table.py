@@ -132,13 +132,16 @@ class TaskTable:
 def _phases(task, end_ns: int) -> dict[str, float]:
     """Where a copied task's time went, in seconds: waiting for the copy worker, queueing its
     copies (the CPU's share: CUDA launches, or the copies themselves on CPU), then until they
-    landed and it ended; a load's, also from its request to its first layer counted. Empty for
-    a task that copied nothing."""
+    landed and it ended; a load's, also the part of queueing before its first copy (its plan,
+    the fence wait) and from its request to its first layer counted. Empty for a task that
+    copied nothing."""
     if not (task.started_ns and task.queued_ns):
         return {}
     out = {"wait_s": (task.started_ns - task.created_ns) / 1e9,
            "queue_s": (task.queued_ns - task.started_ns) / 1e9,
            "land_s": (end_ns - task.queued_ns) / 1e9}
+    if task.ready_ns:
+        out["prepare_s"] = (task.ready_ns - task.started_ns) / 1e9
     if task.first_layer_ns:
         out["first_layer_s"] = (task.first_layer_ns - task.created_ns) / 1e9
     return out
