@@ -4,13 +4,15 @@
 #                layer-wise load, byte check)                               SMOKE_S (180 s)
 #   2. tests     tests/gpu, each test under a thread-method timeout (a hung CUDA call cannot
 #                be interrupted by a signal)                  TEST_S per test (120), TESTS_S (420)
-#   3. quick     kvcached bench transfer --device cuda:N --quick         QUICK_S (300 s)
-#   4. bench     the same at full sizes (skipped with --quick)           BENCH_S (540 s)
-#   ./scripts/gpu_check.sh [--quick] [--only smoke,tests,quick,bench] [cuda:N]
+#   3. probe     scripts/gpu_dma_probe.py: what limits the dma strategy    PROBE_S (90 s)
+#   4. quick     kvcached bench transfer --device cuda:N --quick         QUICK_S (300 s)
+#   5. bench     the same at full sizes (skipped with --quick)           BENCH_S (540 s)
+#   ./scripts/gpu_check.sh [--quick] [--only smoke,tests,probe,quick,bench] [cuda:N]
 # The whole run stays under TOTAL_S (560 s: a lent machine's commands end at 600 s): each stage's
 # limit is cut to what is left, and a stage with under 20 s left is skipped (said in the log).
-# --only runs the named stages alone. On an H100 (2026-11-26) the stages took about 10 s, 194 s,
-# 35 s and 65 s: all four fit in one command (a lent machine's first call adds its start).
+# --only runs the named stages alone. On an H100 (2026-11-27) smoke, tests, quick and bench took
+# about 10 s, 183 s, 35 s and 60 s: all fit in one command (a lent machine's first call adds its
+# start; the probe is newer, written for about 20 s).
 # It uses the machine's own python3 and its CUDA build of PyTorch (never pip-installs torch) with
 # this checkout on PYTHONPATH. Python packages the machine lacks (pyzmq, posix_ipc, ...) are
 # installed into a temporary folder from ./.whl only (docs/cuda.md): when a wheel is
@@ -18,12 +20,12 @@
 # Every stage writes its log under $OUT (else a temporary folder, printed) as it runs, so a
 # stage killed at its limit leaves what it wrote; daemons keep their logs in $OUT/daemon-logs,
 # packed into daemon-logs.tar.gz at the end. At most 8 files are left under $OUT (what a lent
-# machine sends back): gpu_check.log, setup.log, smoke.log, tests.log, bench.log (quick and full),
+# machine sends back): gpu_check.log, setup.log, smoke.log, tests.log, bench.log (probe, quick, full),
 # the two bench JSONs and the daemons' logs.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 QUICK=0
-ONLY="smoke,tests,quick,bench"
+ONLY="smoke,tests,probe,quick,bench"
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1; shift ;;
@@ -94,10 +96,10 @@ timeout 30 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,
   2>&1 | tee -a "$LOGS/gpu_check.log" || true
 
 # stage NAME LIMIT_S CMD...: runs CMD under `timeout`, its output appended to $LOGS/NAME.log as it
-# comes (quick and bench share bench.log: a lent machine sends back at most 8 files)
+# comes (probe, quick and bench share bench.log: a lent machine sends back at most 8 files)
 stage() {
   local name="$1" limit="$2"; shift 2
-  local logname="$name"; [ "$name" = quick ] && logname=bench
+  local logname="$name"; { [ "$name" = quick ] || [ "$name" = probe ]; } && logname=bench
   local left=$(( END_AT - $(date +%s) ))
   if ! wanted "$name"; then say "$name not asked for (--only $ONLY)"; return 200; fi
   if [ "$left" -lt 20 ]; then say "$name skipped: ${left} s left of TOTAL_S"; return 201; fi
@@ -128,6 +130,8 @@ stage tests "${TESTS_S:-420}" "$PY" -m pytest tests/gpu -v -p no:cacheprovider -
 tests_rc=$?
 tail -n 5 "$LOGS/tests.log" 2>/dev/null
 
+stage probe "${PROBE_S:-90}" "$PY" -u scripts/gpu_dma_probe.py
+probe_rc=$?
 stage quick "${QUICK_S:-300}" "$PY" -u -m kvcached bench transfer --device "$DEV" --quick \
   --json --out "$LOGS/bench_transfer_cuda_quick.json"
 quick_rc=$?
@@ -153,6 +157,6 @@ if [ -n "$(ls -A "$LOGS/daemon-logs" 2>/dev/null)" ]; then
 else
   rmdir "$LOGS/daemon-logs" 2>/dev/null
 fi
-say "smoke $smoke_rc, tests $tests_rc, quick bench $quick_rc, bench $bench_rc (200: not asked for, 201: no time left); logs in $LOGS"
+say "smoke $smoke_rc, tests $tests_rc, probe $probe_rc, quick bench $quick_rc, bench $bench_rc (200: not asked for, 201: no time left); logs in $LOGS"
 ok() { [ "$1" = 0 ] || [ "$1" = 200 ] || [ "$1" = skipped ]; }
-ok "$tests_rc" && ok "$quick_rc" && ok "$bench_rc"
+ok "$tests_rc" && ok "$probe_rc" && ok "$quick_rc" && ok "$bench_rc"

@@ -336,3 +336,30 @@ def test_a_cuda_load_waits_for_the_fence_copies_on_its_stream_then_writes_each_l
     assert log == expect
     assert offload_stream != load_stream
     copier.close()
+
+
+def test_the_dma_probe_builds_the_copy_lists_dma_would():
+    """scripts/gpu_dma_probe.py (run on a GPU by gpu_check.sh): its per-layer lists, run as
+    host memmoves over CPU tensors, move each block's K and V rows of every layer."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "scripts" / "gpu_dma_probe.py"
+    spec = importlib.util.spec_from_file_location("gpu_dma_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    row, layers = 64, probe.LAYERS
+    probe.ROW = row  # small rows (this copy of the module only): the same arithmetic
+    rng = np.random.default_rng(5)
+    dev = torch.from_numpy(rng.integers(0, 256, (2 * layers, 12, row), dtype=np.uint8))
+    host = torch.zeros((2 * layers, 5, row), dtype=torch.uint8)
+    src, hid = np.array([7, 0, 11, 3, 9]), np.arange(5)
+    lists = probe._lists(dev, host, src, hid, to_host=True)
+    assert len(lists) == layers and all(len(sizes) == 2 * 5 for _, _, sizes in lists)
+    for dsts, srcs, sizes in lists:
+        dma.HostMemcpy().copy(dsts, srcs, sizes, 0)
+    assert torch.equal(host, dev[:, torch.from_numpy(src)])
+    dev[:, torch.from_numpy(src)] = 0
+    for dsts, srcs, sizes in probe._lists(dev, host, src, hid, to_host=False):
+        dma.HostMemcpy().copy(dsts, srcs, sizes, 0)
+    assert torch.equal(dev[:, torch.from_numpy(src)], host)
