@@ -446,7 +446,10 @@ class DiskBackend(DiskHealth, StorageBackend):
                 if self._closed.is_set():
                     return
             if not self._closed.is_set():
-                self._unlink_unless_indexed(unlinks.keys, [unlinks.done])
+                try:
+                    self._unlink_unless_indexed(unlinks.keys, [unlinks.done])
+                except Exception:  # owed still (kept in record): a restart deletes them again
+                    log.exception("[disk] %s: the deletes the last run owed failed", self.root)
         threading.Thread(target=finish, name="kvcached-disk-owed", daemon=True).start()
 
     def clear(self) -> int:
