@@ -74,6 +74,38 @@ def _queue(rt, lists, threads: int) -> tuple[float, float]:
     return queued, time.perf_counter() - start
 
 
+def _contiguous_gbps(nbytes: int, device, repeats: int) -> dict:
+    """The baseline: GB/s of one contiguous pinned copy of `nbytes`, each direction."""
+    flat_dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    flat_host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    base = {}
+    for name, dst, src in (("d2h", flat_host, flat_dev), ("h2d", flat_dev, flat_host)):
+        best = float("inf")
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        base[name] = nbytes / best / 1e9
+    return base
+
+
+def _row(direction: str, threads: int, order: str, flags: str, queued: float, total: float,
+         nbytes: int, base_gbps: float, exact: bool) -> dict:
+    """One variant's figures, printed as a line."""
+    gbps = nbytes / total / 1e9
+    row = {"direction": direction, "threads": threads, "src_order": order, "flags": flags,
+           "queue_ms": round(queued * 1e3, 2), "total_ms": round(total * 1e3, 2),
+           "us_per_copy": round(queued / (nbytes // ROW) * 1e6, 3),
+           "gbps": round(gbps, 2), "ratio": round(gbps / base_gbps, 3), "bytes_exact": bool(exact)}
+    print(f"{direction} threads {threads} order {order:<6} flags {flags:<7} queued in "
+          f"{row['queue_ms']:7.2f} ms ({row['us_per_copy']:.3f} us a copy), landed after "
+          f"{row['total_ms']:7.2f} ms: {gbps:5.1f} GB/s, {row['ratio']:.2f} of the contiguous "
+          f"copy, exact {exact}", flush=True)
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--blocks", type=int, default=1000)
@@ -96,19 +128,7 @@ def main() -> int:
     src, back = perm[:n], perm[n:2 * n]
     host_ids = np.arange(n, dtype=np.int64)
     nbytes = 2 * LAYERS * n * ROW
-    flat_dev = torch.empty(nbytes, dtype=torch.uint8, device=dev_name)
-    flat_host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    base = {}
-    for name, dst, srct in (("d2h", flat_host, flat_dev), ("h2d", flat_dev, flat_host)):
-        best = float("inf")
-        for _ in range(args.repeats):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            dst.copy_(srct, non_blocking=True)
-            torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t0)
-        base[name] = nbytes / best / 1e9
-    del flat_dev, flat_host
+    base = _contiguous_gbps(nbytes, dev_name, args.repeats)
     print(f"{torch.cuda.get_device_name(dev_name)}, runtime {rt.version}: {n} blocks, "
           f"{2 * LAYERS * n} copies of {ROW} bytes a direction; contiguous pinned copy "
           f"D2H {base['d2h']:.1f} GB/s, H2D {base['h2d']:.1f} GB/s")
@@ -126,23 +146,14 @@ def main() -> int:
                 host.zero_()  # what an earlier variant copied must not count
             else:
                 dev[:, back_idx] = 0
-            runs = [_queue(rt, lists, threads) for _ in range(args.repeats)]
-            queued, total = min(runs, key=lambda r: r[1])
+            queued, total = min((_queue(rt, lists, threads) for _ in range(args.repeats)),
+                                 key=lambda r: r[1])
             if to_host:
                 exact = torch.equal(host.to(dev_name), dev[:, src_idx])
             else:
                 exact = torch.equal(dev[:, back_idx], dev[:, src_idx])
-            gbps = nbytes / total / 1e9
-            row = {"direction": direction, "threads": threads, "src_order": order, "flags": flags,
-                   "queue_ms": round(queued * 1e3, 2), "total_ms": round(total * 1e3, 2),
-                   "us_per_copy": round(queued / (2 * LAYERS * n) * 1e6, 3),
-                   "gbps": round(gbps, 2), "ratio": round(gbps / base[direction], 3),
-                   "bytes_exact": bool(exact)}
-            results.append(row)
-            print(f"{direction} threads {threads} order {order:<6} flags {flags:<7} queued in "
-                  f"{row['queue_ms']:7.2f} ms ({row['us_per_copy']:.3f} us a copy), landed after "
-                  f"{row['total_ms']:7.2f} ms: {gbps:5.1f} GB/s, {row['ratio']:.2f} of the "
-                  f"contiguous copy, exact {exact}", flush=True)
+            results.append(_row(direction, threads, order, flags, queued, total, nbytes,
+                                base[direction], exact))
     out = {"gpu": torch.cuda.get_device_name(dev_name), "runtime": rt.version, "blocks": n,
            "memcpy_gbps": base, "results": results}
     print(json.dumps(out))

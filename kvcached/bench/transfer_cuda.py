@@ -241,16 +241,7 @@ def _overlap(client, kv, num_blocks: int, device, rng) -> dict:
         exact &= tasks[-1].wait(120) == n
     in_daemon = _phases_ms(_since(phases_before, client.status()["tasks"].get("copy_phases", {})))
     exact &= _check(kv, dst, src)
-    with_offload, stored = [], []
-    for _ in range(3):  # an offload of the loaded blocks under new keys, beside the forward
-        keys_out = [os.urandom(16) for _ in range(n)]
-
-        def beside():
-            tasks.append(client.offload(dst, keys_out))  # its copies wait for the queued work
-            for i in range(LAYERS):
-                fwd.layer(kv[i], idx)
-        with_offload.append(_timed(beside))
-        stored.append(tasks[-1].wait(120).get("stored", 0))
+    with_offload, stored = _beside_offload(client, fwd, kv, dst, idx)
     return {"tokens": 2048, "layer_ms": round(per_layer * 1e3, 3), "blocks": n,
             "forward_ms": round(min(alone) * 1e3, 2), "with_load_ms": round(min(with_load) * 1e3, 2),
             "first_layer_ms": round(float(np.median(first_layer)) * 1e3, 2),
@@ -262,6 +253,23 @@ def _overlap(client, kv, num_blocks: int, device, rng) -> dict:
             "ratio": ratio(min(with_load), min(alone)), "bytes_exact": bool(exact),
             "with_offload_ms": round(min(with_offload) * 1e3, 2),
             "offload_ratio": ratio(min(with_offload), min(alone)), "offload_stored": min(stored)}
+
+
+def _beside_offload(client, fwd, kv, dst, idx) -> tuple[list, list]:
+    """(forward times, blocks stored): the forward while an offload of the loaded blocks under
+    new keys runs beside it, three times."""
+    with_offload, stored = [], []
+    for _ in range(3):
+        keys_out = [os.urandom(16) for _ in range(len(dst))]
+        tasks = []
+
+        def beside():
+            tasks.append(client.offload(dst, keys_out))  # its copies wait for the queued work
+            for i in range(LAYERS):
+                fwd.layer(kv[i], idx)
+        with_offload.append(_timed(beside))
+        stored.append(tasks[-1].wait(120).get("stored", 0))
+    return with_offload, stored
 
 
 def _pin_time(device, gib: float) -> dict:
@@ -316,33 +324,38 @@ def format_result(r: dict) -> str:
         lines.append(f"{s['case']:<12} {s['strategy']:<10} {s['d2h_gbps']:>9.1f} {s['d2h_ratio']:>6.2f} "
                      f"{s['h2d_gbps']:>9.1f} {s['h2d_ratio']:>6.2f} {s['bytes_exact']}")
     for d in r.get("daemons", [r["daemon"]]):
-        o = d["overlap"]
-        lines += [
-            f"daemon ({d['strategy']}): offload {d['offload_gbps']:.1f} GB/s ({d['offload_ratio']:.2f}), "
-            f"layer-wise load {d['load_gbps']:.1f} GB/s ({d['load_ratio']:.2f}), exact {d['bytes_exact']}",
-            *(f"  {op} in the daemon: worker took it after {p['wait']} ms, queued the copies in "
-              f"{p['queue']} ms" + (f" ({p['prepare']} ms of it before the first copy)"
-                                    if "prepare" in p else "")
-              + f", they landed {p['land']} ms later (mean per task)"
-              + (f"; its first layer counted {p['first_layer']} ms after the request"
-                 if "first_layer" in p else "")
-              for op, p in d.get("phases_ms", {}).items()),
-            f"  overlap: forward {o['forward_ms']:.2f} ms, with a {o['blocks']}-block layer-wise load "
-            f"{o['with_load_ms']:.2f} ms, ratio {o['ratio']:.3f}; with an offload beside it "
-            f"{o.get('with_offload_ms', '?')} ms, ratio {o.get('offload_ratio', '?')} (target <= "
-            f"{r['target']['overlap_ratio_max']}), exact {o['bytes_exact']}; CPU saw layer 0 "
-            f"{o.get('first_layer_ms', '?')} ms after the request"
-            + (f" (its reply after {o['request_ms']} ms)" if "request_ms" in o else "")
-            + (f"; in wait_layer(0) {o['layer0_wait_ms']} ms, {o.get('layer0_wake_ms')} ms of it "
-               "from the daemon's count to this process seeing it" if "layer0_wait_ms" in o else ""),
-            *([f"  those loads in the daemon: first layer counted "
-               f"{o['load_in_daemon_ms'].get('first_layer', '?')} ms after the request (the worker "
-               f"took it after {o['load_in_daemon_ms']['wait']} ms), every copy queued "
-               f"{o['load_in_daemon_ms']['queue']} ms later"] if o.get("load_in_daemon_ms") else []),
-        ]
+        lines += _daemon_lines(d, r["target"])
     p = r["pin"]
     lines += [
         f"pin {p['gib']:.0f} GiB: {p['seconds']:.2f} s (NUMA node {p['numa_node']})",
         f"targets: ratio >= {r['target']['ratio_min']} for both cases",
     ]
     return "\n".join(lines)
+
+
+def _daemon_lines(d: dict, target: dict) -> list[str]:
+    """One daemon strategy's lines: end to end, where its tasks' time went, the overlap."""
+    o = d["overlap"]
+    return [
+        f"daemon ({d['strategy']}): offload {d['offload_gbps']:.1f} GB/s ({d['offload_ratio']:.2f}), "
+        f"layer-wise load {d['load_gbps']:.1f} GB/s ({d['load_ratio']:.2f}), exact {d['bytes_exact']}",
+        *(f"  {op} in the daemon: worker took it after {p['wait']} ms, queued the copies in "
+          f"{p['queue']} ms" + (f" ({p['prepare']} ms of it before the first copy)"
+                                if "prepare" in p else "")
+          + f", they landed {p['land']} ms later (mean per task)"
+          + (f"; its first layer counted {p['first_layer']} ms after the request"
+             if "first_layer" in p else "")
+          for op, p in d.get("phases_ms", {}).items()),
+        f"  overlap: forward {o['forward_ms']:.2f} ms, with a {o['blocks']}-block layer-wise load "
+        f"{o['with_load_ms']:.2f} ms, ratio {o['ratio']:.3f}; with an offload beside it "
+        f"{o.get('with_offload_ms', '?')} ms, ratio {o.get('offload_ratio', '?')} (target <= "
+        f"{target['overlap_ratio_max']}), exact {o['bytes_exact']}; CPU saw layer 0 "
+        f"{o.get('first_layer_ms', '?')} ms after the request"
+        + (f" (its reply after {o['request_ms']} ms)" if "request_ms" in o else "")
+        + (f"; in wait_layer(0) {o['layer0_wait_ms']} ms, {o.get('layer0_wake_ms')} ms of it "
+           "from the daemon's count to this process seeing it" if "layer0_wait_ms" in o else ""),
+        *([f"  those loads in the daemon: first layer counted "
+           f"{o['load_in_daemon_ms'].get('first_layer', '?')} ms after the request (the worker "
+           f"took it after {o['load_in_daemon_ms']['wait']} ms), every copy queued "
+           f"{o['load_in_daemon_ms']['queue']} ms later"] if o.get("load_in_daemon_ms") else []),
+    ]
