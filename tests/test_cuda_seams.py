@@ -339,8 +339,9 @@ def test_a_cuda_load_waits_for_the_fence_copies_on_its_stream_then_writes_each_l
 
 
 def test_the_dma_probe_builds_the_copy_lists_dma_would():
-    """scripts/gpu_dma_probe.py (run on a GPU by gpu_check.sh): its per-layer lists, run as
-    host memmoves over CPU tensors, move each block's K and V rows of every layer."""
+    """scripts/gpu_dma_probe.py (run on a GPU by gpu_check.sh): its per-layer lists, cut into
+    calls of N copies, run as host memmoves over CPU tensors, move each block's K and V rows of
+    every layer; the whole task in one call is the same copies."""
     import importlib.util
     from pathlib import Path
 
@@ -356,7 +357,11 @@ def test_the_dma_probe_builds_the_copy_lists_dma_would():
     src, hid = np.array([7, 0, 11, 3, 9]), np.arange(5)
     lists = probe._lists(dev, host, src, hid, to_host=True)
     assert len(lists) == layers and all(len(sizes) == 2 * 5 for _, _, sizes in lists)
-    for dsts, srcs, sizes in lists:
+    task, fours = probe._calls(lists, "task"), probe._calls(lists, "4")
+    assert probe._calls(lists, "layer") is lists and [len(c[2]) for c in task] == [2 * 5 * layers]
+    assert [len(c[2]) for c in fours] == [4, 4, 2] * layers
+    assert all((np.concatenate([c[i] for c in fours]) == task[0][i]).all() for i in range(3))
+    for dsts, srcs, sizes in fours:
         dma.HostMemcpy().copy(dsts, srcs, sizes, 0)
     assert torch.equal(host, dev[:, torch.from_numpy(src)])
     dev[:, torch.from_numpy(src)] = 0
