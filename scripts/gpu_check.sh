@@ -130,7 +130,7 @@ stage tests "${TESTS_S:-420}" "$PY" -m pytest tests/gpu -v -p no:cacheprovider -
 tests_rc=$?
 tail -n 5 "$LOGS/tests.log" 2>/dev/null
 
-stage probe "${PROBE_S:-90}" "$PY" -u scripts/gpu_dma_probe.py
+stage probe "${PROBE_S:-90}" "$PY" -u scripts/gpu_dma_probe.py --device "$DEV"
 probe_rc=$?
 stage quick "${QUICK_S:-300}" "$PY" -u -m kvcached bench transfer --device "$DEV" --quick \
   --json --out "$LOGS/bench_transfer_cuda_quick.json"

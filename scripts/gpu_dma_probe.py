@@ -1,9 +1,10 @@
 """What limits the `dma` copy strategy on a GPU (docs/cuda.md, third run: its speed was the host
 CPU's, 0.6-1.3 us of it a copy). A 1,000-block task of 32 KiB per-layer blocks is 64,000 copies
 (32 layers x (K, V), scattered device ids), queued as `dma` queues them: one
-cudaMemcpyBatchAsync a layer through kvcached.host.cudart. Each variant prints the CPU time to
-queue them, the time until they landed, GB/s and its ratio to one contiguous pinned copy of the
-same bytes measured in the same run (best of --repeats), and whether the bytes are right:
+cudaMemcpyBatchAsync a layer through kvcached.host.cudart. Each variant prints the time the
+submitting threads took to queue them, the time until they landed, GB/s and its ratio to one
+contiguous pinned copy of the same bytes measured in the same run (best of --repeats), and
+whether the bytes are right:
 - threads 1, 2, 4: each layer's list split between that many submitting threads, each on its own
   stream (does the runtime take copies from several threads at once?);
 - srcAccessOrder stream (what `dma` uses) against any; the prefer-overlap-with-compute flag
@@ -12,8 +13,8 @@ same bytes measured in the same run (best of --repeats), and whether the bytes a
 - host memory mapped and registered with cudaHostRegister (as the daemon's pool is) against
   torch's pinned allocation;
 both directions. Run on a GPU machine with the checkout on PYTHONPATH:
-`python3 scripts/gpu_dma_probe.py [--blocks N] [--repeats R] [--json FILE]`; scripts/gpu_check.sh
-runs it as its `probe` stage. Measures; changes nothing."""
+`python3 scripts/gpu_dma_probe.py [--device cuda:N] [--blocks N] [--repeats R] [--json FILE]`;
+scripts/gpu_check.sh runs it as its `probe` stage. Measures; changes nothing."""
 from __future__ import annotations
 
 import argparse
@@ -72,11 +73,13 @@ def _registered_host(rt, shape) -> tuple[torch.Tensor, mmap.mmap]:
 def _queue(rt, lists, threads: int) -> tuple[float, float]:
     """(seconds to queue every list, seconds until the copies landed): each list split between
     `threads` submitting threads, each on its own stream."""
+    device = torch.cuda.current_device()
     streams = [torch.cuda.Stream() for _ in range(threads)]
     errors: list[BaseException] = []
-    gate = threading.Barrier(threads + 1)
+    gate = threading.Barrier(threads + 1, timeout=60)  # a thread that never starts ends the wait
 
     def submit(t: int) -> None:
+        torch.cuda.set_device(device)  # the runtime's device is per thread
         gate.wait()
         try:
             for dsts, srcs, sizes in lists:
@@ -172,6 +175,7 @@ def _variants(rt, dev, hosts: dict, src, back, base: dict, repeats: int) -> list
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--blocks", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", help="also write the results to this file")
@@ -179,9 +183,11 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_dma_probe: this torch sees no CUDA device", file=sys.stderr)
         return 1
-    dev_name = torch.device("cuda:0")
+    dev_name = torch.device(args.device)
+    torch.cuda.set_device(dev_name)
     n, num_dev = args.blocks, 2 * args.blocks + 8
-    dev = torch.empty((2 * LAYERS, num_dev, ROW), dtype=torch.uint8, device=dev_name).random_(0, 256)
+    dev = torch.empty((2 * LAYERS, num_dev, ROW), dtype=torch.uint8, device=dev_name)
+    dev.random_(0, 256)
     rt = cudart.LibCudart()
     if not rt.has_memcpy_batch():
         print(f"gpu_dma_probe: runtime {rt.version} has no cudaMemcpyBatchAsync", file=sys.stderr)

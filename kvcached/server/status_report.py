@@ -80,8 +80,9 @@ def format_status(s: dict) -> str:
 
 
 def _copies_line(phases: dict) -> str:
-    """Per copied task, on average: waiting for the copy worker, queueing the copies, until
-    they landed; a load's first layer after its request."""
+    """Per copied task, on average: waiting for the copy worker, queueing the copies (a load's
+    plan and fence wait, the part before its first copy), until they landed; a load's first
+    layer after its request."""
     parts = []
     for op, p in sorted(phases.items()):
         n = max(1, p["tasks"])
