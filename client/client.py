@@ -71,6 +71,8 @@ class Client(KeepsHolds, SendsNotes):
         self._kv_tensors = None
         self.order = None  # EngineOrder while KV is registered (cuda_order.py)
         self._holds: dict[int, list[int]] = {}  # task id -> device blocks it may still write
+        self._unanswered: dict[int, int] = {}  # rid of a load whose reply did not come -> its hold
+        self._late_loads: dict[int, int] = {}  # task id of such a load, once it came -> its hold
         if key_table is None:
             key_table = os.environ.get(KEY_TABLE_ENV, "1") != "0"
         self._use_key_table = key_table
@@ -220,7 +222,11 @@ class Client(KeepsHolds, SendsNotes):
         return rid
 
     def _request(self, op: Op, timeout: float | None = None, **fields) -> dict:
-        rid = self._send(op, fields)
+        return self._checked(self._reply(self._send(op, fields), op, timeout))
+
+    def _reply(self, rid: int, op: Op, timeout: float | None) -> dict:
+        """The reply to request `rid`, whatever it says. One that does not come in time is
+        dropped when it comes later (the error raised is the caller's answer)."""
         replies = self._replies
         # fast path: one blocking poll usually brings the reply
         if self._lock.acquire(timeout=POLL_SLICE_MS / 1000):
@@ -230,7 +236,15 @@ class Client(KeepsHolds, SendsNotes):
                 self._lock.release()
         reply = replies.pop(rid, None)
         if reply is None:
-            reply = self._wait(lambda: replies.pop(rid, None), timeout, op, "Client(timeout=...)")
+            try:
+                reply = self._wait(lambda: replies.pop(rid, None), timeout, op, "Client(timeout=...)")
+            except KvcachedError:
+                self._discard.add(rid)
+                raise
+        return reply
+
+    @staticmethod
+    def _checked(reply: dict) -> dict:
         if not reply.get("ok"):
             err = reply.get("error") or {}
             raise request_error(err.get("code", 0), err.get("message", "no message"))
@@ -274,8 +288,9 @@ class Client(KeepsHolds, SendsNotes):
             except ProtocolError as exc:
                 raise KvcachedError(f"undecodable frame from the daemon: {exc}") from None
             if "event" in msg:
-                self._events[msg.get("task", 0)] = msg
-                self._holds.pop(msg.get("task", 0), None)  # the task ended: its hold lifts
+                self._ended(msg)
+            elif msg.get("rid", 0) in self._unanswered:
+                self._late_load(msg)
             elif msg.get("rid", 0) in self._discard:
                 self._discard.discard(msg.get("rid", 0))  # a note's reply: nobody waits for it
             else:
@@ -387,16 +402,6 @@ class Client(KeepsHolds, SendsNotes):
             return {}
         return self.order.fence(stream, self.timeout)
 
-    def revoke(self, task: Task) -> None:
-        """The engine reuses an offload's blocks before the task ended (e.g. a preempted
-        request): the daemon discards it, and this registration's earlier offloads that have
-        not completed, rather than store what it read. Shared memory: works with a hung daemon."""
-        self._revoke(task.reply.get("fence", 0))
-
-    def _revoke(self, fence: int) -> None:
-        if self.order is not None and fence:
-            self.order.revoke(fence)
-
     def offload(self, device_blocks: Sequence[int] | np.ndarray, keys: Sequence[bytes],
                 priority: int = 0, timeout: float | None = None, stream=None) -> Task:
         """Copy `device_blocks` to the host tier under `keys`. CUDA KV: the daemon's copies
@@ -444,11 +449,17 @@ class Client(KeepsHolds, SendsNotes):
         """Copy the host blocks of the leading keys found into `device_blocks`. CUDA KV: the
         daemon's copies wait (on the GPU) for the work queued so far on `stream` (default: the
         current stream; e.g. the engine zeroing newly allocated blocks). host_only: plan the
-        host tier's leading blocks only, never a storage read."""
+        host tier's leading blocks only, never a storage read. A load sent whose reply does
+        not come (KvcachedTimeout, DaemonUnavailable) may still be taken by a daemon that only
+        hung: its device blocks are held (the error's `.held_blocks`, `held_blocks()`) until
+        the daemon's late reply refuses it, the load it made ends, or the daemon is gone."""
         extra = {"host_only": True} if host_only else {}
-        reply = self._request(Op.LOAD, timeout, keys=pack_keys(keys),
-                              blocks=pack_block_ids(device_blocks), priority=priority,
-                              **self._fence(stream), **extra)
+        rid = self._send(Op.LOAD, dict(keys=pack_keys(keys), blocks=pack_block_ids(device_blocks),
+                                       priority=priority, **self._fence(stream), **extra))
+        try:
+            reply = self._checked(self._reply(rid, Op.LOAD, timeout))
+        except (KvcachedTimeout, DaemonUnavailable) as exc:  # sent, and no reply came
+            raise self._hold_unanswered(rid, device_blocks, exc) from None
         reply["device_blocks"] = np.asarray(device_blocks)[: reply["blocks"]].astype(np.int64).tolist()
         return LoadTask(self, reply["task"], reply)
 

@@ -315,14 +315,28 @@ class GroupClient:
 
     def load(self, keys: Sequence[bytes], device_blocks, priority: int = 0,
              timeout: float | None = None, host_only: bool = False) -> GroupLoadTask:
+        """A rank whose load raised (e.g. BUSY) fails the whole load, raised once the other
+        ranks' loads, which still write the blocks, are held (a rank whose reply never came
+        holds its own); a missing rank makes a load of 0 blocks."""
         blocks = [int(b) for b in device_blocks]
-        tasks = self._fan(lambda r, c: c.load(self._keys(keys, r), blocks, priority, timeout,
-                                              host_only=host_only)) \
-            if self._ready() else {}
-        planned = min((t.num_blocks for t in tasks.values()), default=0) if not self.missing else 0
+        failed: list[KvcachedError] = []
+
+        def one(rank: int, client: Client):
+            try:
+                return client.load(self._keys(keys, rank), blocks, priority, timeout, host_only=host_only)
+            except DaemonUnavailable:
+                raise  # the rank is lost (_fan)
+            except KvcachedError as exc:
+                failed.append(exc)
+
+        tasks = {r: t for r, t in self._fan(one).items() if t is not None} if self._ready() else {}
+        planned = min((t.num_blocks for t in tasks.values()), default=0)
+        planned = 0 if self.missing or failed else planned
         for rank, task in tasks.items():
             if task.num_blocks > planned and task.result is None:  # it writes past the common prefix
                 task.client.hold(task.id, blocks[planned:task.num_blocks])
+        if failed:
+            raise failed[0]
         reply = {"blocks": planned, "device_blocks": blocks[:planned],
                  "host_blocks": min((t.reply.get("host_blocks", 0) for t in tasks.values()), default=0)}
         num_layers = max((t.num_layers for t in tasks.values()), default=0)

@@ -1,13 +1,15 @@
-"""A client's task events and holds: the events read for each task, and the device blocks of
-tasks that timed out, or whose daemon hung, which the daemon may still write until it confirms
-the task's end (hold_keeper.py keeps them out of an engine's free list). A part of Client
-(client.py): it uses the client's `_holds`, `_events`, `_lock`, `_pump`, `_wait`,
-`_check_daemon`, `status_block` and `_gone_after_close`."""
+"""A client's task events, holds and revokes: the events read for each task, and the device
+blocks of tasks that timed out, or whose daemon hung, which the daemon may still write until it
+confirms the task's end (hold_keeper.py keeps them out of an engine's free list); a load whose
+reply never came is held the same way, under its request id. A part of Client (client.py): it
+uses the client's `_holds`, `_unanswered`, `_late_loads`, `_events`, `_discard`, `_lock`,
+`_pump`, `_wait`, `_check_daemon`, `order`, `status_block` and `_gone_after_close`."""
 from __future__ import annotations
 
-from kvcached_proto import DaemonUnavailable
+from kvcached_proto import DaemonUnavailable, KvcachedError
 
 from .renamed import Renamed
+from .tasks import UnansweredLoad
 
 
 class KeepsHolds:
@@ -26,6 +28,54 @@ class KeepsHolds:
                 self._pump(0)
             finally:
                 self._lock.release()
+
+    def _ended(self, event: dict) -> None:
+        """File a task's end event; the task's hold lifts (a late load's: nobody waits for it)."""
+        task = event.get("task", 0)
+        self._holds.pop(task, None)
+        key = self._late_loads.pop(task, None)
+        if key is None:
+            self._events[task] = event
+        else:
+            self._holds.pop(key, None)
+
+    def _hold_unanswered(self, rid: int, blocks, exc: KvcachedError) -> KvcachedError:
+        """A load was sent and its reply did not come: a daemon that only hung may still take
+        it when it wakes and write `blocks`. They are held under -rid until its late reply
+        refuses it or the task it made ends (`_late_load`), or the daemon is gone."""
+        self._discard.discard(rid)
+        sig = self.status_block
+        blocks = [int(b) for b in blocks]
+        if sig is None or sig.gone():  # (closed: no late reply could be read either)
+            exc.held_blocks = exc.fenced_blocks = []
+            return exc
+        self._unanswered[rid] = -rid
+        self._holds[-rid] = blocks
+        exc.held_blocks = exc.fenced_blocks = blocks
+        exc.unanswered = UnansweredLoad(self, -rid)
+        exc.args = (f"{exc.args[0]}; the load was sent and a daemon that wakes may still take it: "
+                    f"device blocks {blocks[:8]}{'...' if len(blocks) > 8 else ''} stay held",)
+        return exc
+
+    def _late_load(self, reply: dict) -> None:
+        """The reply to a load the caller no longer waits for: a load refused writes nothing
+        (the hold lifts); one accepted keeps its hold until its end event."""
+        key = self._unanswered.pop(reply.get("rid", 0))
+        task = reply.get("task", 0) if reply.get("ok") else 0
+        if task and task not in self._events:
+            self._late_loads[task] = key
+        else:
+            self._holds.pop(key, None)
+
+    def revoke(self, task) -> None:
+        """The engine reuses an offload's blocks before the task ended (e.g. a preempted
+        request): the daemon discards it, and this registration's earlier offloads that have
+        not completed, rather than store what it read. Shared memory: works with a hung daemon."""
+        self._revoke(task.reply.get("fence", 0))
+
+    def _revoke(self, fence: int) -> None:
+        if self.order is not None and fence:
+            self.order.revoke(fence)
 
     def hold(self, task_id: int, blocks) -> None:
         """Hold `blocks` out of reuse until task_id's end event arrives."""
@@ -51,8 +101,10 @@ class KeepsHolds:
             except DaemonUnavailable:
                 sig = self.status_block
                 gone = sig.gone() if sig is not None else self._gone_after_close()
-                if gone:
-                    self._holds.clear()  # a daemon that is gone writes nothing more
+                if gone:  # a daemon that is gone writes nothing more
+                    self._holds.clear()
+                    self._unanswered.clear()
+                    self._late_loads.clear()
                 # else it may be hung and come back: its writes could still land
 
     @property

@@ -234,6 +234,9 @@ class KVWorker:
                                        host_only=self.host_only_loads)
                 except KvcachedError as exc:
                     self._daemon_failed(exc)
+                    late = getattr(exc, "unanswered", None)  # sent, unanswered: the client holds
+                    if late is not None and self.mode == "direct":  # its blocks (staging: the
+                        self._held.append(_Held(load.req_id, late, client, "load"))  # keeper)
             planned = task.num_blocks if task is not None else 0
             self._holds.free(staging[planned:])
             self._fail_blocks(load.block_ids[planned:])

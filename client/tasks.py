@@ -182,3 +182,24 @@ class LoadTask(Task):
             return
         raise TaskFailed(f"load task {self.id} ended ({self.status}) before layer {layer}: "
                          f"{loaded} of {self.num_blocks} blocks valid", self.result)
+
+
+class UnansweredLoad:
+    """A load sent whose reply did not come (`.unanswered` on the error Client.load raised):
+    the client holds its device blocks under `id` (negative: no task id) until the daemon's late
+    reply refuses it, the task it made ends, or the daemon is gone. `done()` says the hold
+    lifted; it never raises for a daemon that is hung."""
+
+    kind = "load"
+    result = None
+
+    def __init__(self, client, key: int):
+        self.client = client
+        self.id = key
+
+    def done(self) -> bool:
+        return self.id not in self.client.held_tasks()
+
+    def collect(self) -> bool:
+        """Whether the hold lifted, as last read (no I/O)."""
+        return self.id not in self.client._holds

@@ -174,6 +174,41 @@ def test_without_a_daemon_loads_fail_saves_are_skipped_and_requests_still_finish
         worker.close()
 
 
+@pytest.mark.parametrize("mode", ["direct", "staging"])
+def test_a_load_whose_reply_never_came_keeps_its_blocks_until_the_daemon_ends_it(
+        daemon, monkeypatch, mode):
+    """The daemon hangs with the load request on its socket: the step fails the load, and the
+    blocks the daemon would copy into when it wakes (the request's own in direct mode, staging
+    blocks in staging mode) are not handed back until the load it takes late has ended."""
+    monkeypatch.setenv("KVCACHED_HANG_S", "0.5")
+    raw, kv = make_kv("LBNHC")
+    fill(kv, seed=31)
+    worker, got_mode = make_worker(daemon, kv, direct=(mode == "direct"))
+    assert got_mode == mode
+    keys = keys_for(len(SRC), seed=33)
+    try:
+        step(worker, saves=[BlockTransfer("s", keys, SRC)])
+        saved(worker, "s", keys)
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            _, errors = step(worker, loads=[BlockTransfer("l", keys, DST)])
+            assert errors == set(DST)
+            if mode == "direct":
+                assert worker.finished({"l"}) == set(), "its blocks reported free to reuse"
+            else:
+                assert len(worker._holds.parked) == len(DST), "staging blocks handed back"
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        finish(worker, "l")
+        wait_until(lambda: not worker._holds.holding() or worker._holds.release(), 20,
+                   "the staging blocks given back")
+        if mode == "direct":  # the daemon did take it late: the test is not vacuous
+            for got, exp in zip(blocks_of(kv, DST), blocks_of(kv, SRC)):
+                assert torch.equal(got, exp)
+    finally:
+        worker.close()
+
+
 def test_a_revoke_word_other_than_the_last_fence_word_is_refused():
     from kvcached_proto.errors import ProtocolError
     from kvcached_proto.layout import parse_layout

@@ -141,7 +141,12 @@ class KvcachedHiCacheStorage(HiCacheStorage):
     def _load(self, client, keys, host_indices) -> int:
         pages = page_ids(host_indices, self.page_size, len(keys))
         start = time.perf_counter()
-        task = client.load(self._keys()(keys), pages)
+        try:
+            task = client.load(self._keys()(keys), pages)
+        except (KvcachedTimeout, DaemonUnavailable) as exc:
+            if getattr(exc, "unanswered", None) is not None:  # sent, unanswered: a daemon that
+                self._await_release(client, exc.unanswered)   # wakes may still take it
+            raise
         try:
             loaded = task.wait(self.settings.timeout_s)
         except KvcachedTimeout as exc:
@@ -152,7 +157,8 @@ class KvcachedHiCacheStorage(HiCacheStorage):
         return loaded
 
     def _await_release(self, client, task) -> None:
-        """A load the daemon did not confirm cancelled may still write its pages. SGLang frees
+        """A load the daemon did not confirm cancelled, or never answered (`task` is then the
+        error's `.unanswered`), may still write its pages. SGLang frees
         a prefetch's pages only after this call returned (its last ack), so this waits until
         the load ends, the daemon's process is gone or the backend closes - however long: a
         copy landing late in a page SGLang reused would be wrong KV. A daemon frozen past
@@ -168,9 +174,10 @@ class KvcachedHiCacheStorage(HiCacheStorage):
                 pass  # hung: it may wake and write, so wait on
             if said_at is not None and time.monotonic() > said_at:
                 said_at = None
-                log.error("[sglang] the daemon has not ended load %d in %.0f s: this prefetch "
+                log.error("[sglang] the daemon has not ended %s in %.0f s: this prefetch "
                           "waits until it does or its process is gone (a late copy must not land "
-                          "in a page SGLang reused); restart a daemon that is stuck", task.id,
+                          "in a page SGLang reused); restart a daemon that is stuck",
+                          f"load {task.id}" if task.id > 0 else "a load it never answered",
                           RELEASE_SAY_S)
             time.sleep(0.05)
 

@@ -452,3 +452,44 @@ def test_a_load_the_daemon_froze_under_is_waited_for_until_it_ends(run_dir, monk
             backend.close()
         d.stop()
         sweep_crashed(instance)
+
+
+def test_a_load_sent_to_a_frozen_daemon_is_waited_for_until_the_daemon_ends_it(run_dir, monkeypatch):
+    """The daemon is SIGSTOPped before the load request reaches it: the request gets no reply,
+    yet the daemon reads it when it wakes and copies into the pages. batch_get_v1 returns only
+    once that late load ended (it returned at the hang threshold, and SGLang could reuse pages
+    the late copy then landed in)."""
+    monkeypatch.setenv("KVCACHED_HANG_S", "0.5")
+    instance = unique_instance("sg")
+    pool = sp.make_pool("mha", "page_first", device_tokens=2048)
+    sp.fill_random(pool, 14)
+    keys = sp.page_hashes(8, seed=15)
+    src, dst = list(range(1, 9)), list(range(100, 108))
+    d = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.1)
+    stopped, backend = False, None
+    try:
+        backend = sp.attach(pool, sp.extra_config(instance, run_dir, timeout_s=5))
+        assert backend.batch_set_v1(keys, sp.pages_of(pool, src)) == [True] * 8
+        want = _snapshot(pool, src)
+        os.kill(d.pid, signal.SIGSTOP)
+        stopped = True
+        result = {}
+        caller = threading.Thread(target=lambda: result.update(
+            got=backend.batch_get_v1(keys, sp.pages_of(pool, dst))))
+        caller.start()
+        caller.join(2.0)  # four hang thresholds
+        assert caller.is_alive(), "batch_get_v1 returned while the daemon could still take the load"
+        os.kill(d.pid, signal.SIGCONT)
+        stopped = False
+        caller.join(10)
+        assert not caller.is_alive()
+        assert result["got"] == [False] * 8  # not loaded as far as SGLang knows
+        # the daemon did take it late (the test is not vacuous): the copy landed before return
+        assert [sp.page_bytes(pool, p) for p in dst] == want
+    finally:
+        if stopped:
+            os.kill(d.pid, signal.SIGCONT)
+        if backend is not None:
+            backend.close()
+        d.stop()
+        sweep_crashed(instance)

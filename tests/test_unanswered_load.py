@@ -1,0 +1,184 @@
+"""A load sent whose reply never came: the daemon hung after the request left (SIGSTOP), and
+the client gave up on it at the hang threshold. A daemon that wakes still reads the request and
+copies into the blocks the engine named, so those blocks stay held until the daemon's late reply
+refuses the load, the load it made ends, or the daemon is gone. Without the hold, the engine
+handed the blocks to another request and the late copy overwrote its KV."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from conftest import keys_for, small_kv, sweep_crashed, unique_instance, wait_until
+from kvcached_client import DaemonUnavailable, GroupClient, PrefixCacheManager, launch
+from kvcached_proto import KvcachedError
+
+SRC, DST = [0, 1, 2, 3], [8, 9, 10, 11]
+
+
+def _fill(kv, blocks, value) -> None:
+    for k, v in kv:
+        k[blocks] = value
+        v[blocks] = value
+
+
+def _all(kv, blocks, value) -> bool:
+    return all(bool((k[blocks] == value).all()) and bool((v[blocks] == value).all()) for k, v in kv)
+
+
+def _stopped_load(daemon, c, keys, blocks):
+    """Send a load to the stopped daemon; returns the error it raised (the daemon stays stopped)."""
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(DaemonUnavailable) as e:
+            c.load(keys, blocks)
+    except BaseException:
+        os.kill(daemon.pid, signal.SIGCONT)
+        raise
+    return e.value
+
+
+def test_its_blocks_stay_held_until_the_load_the_daemon_took_late_ends(daemon):
+    kv = small_kv(num_layers=2, num_blocks=16)
+    keys = keys_for(len(SRC), 41)
+    with daemon.connect(timeout=30, hang_s=0.5) as c:
+        c.register_kv_cache(kv)
+        _fill(kv, SRC, 3)
+        c.offload(SRC, keys).wait(10)
+        _fill(kv, DST, 5)
+        try:
+            err = _stopped_load(daemon, c, keys, DST)
+            assert err.held_blocks == DST and "stay held" in str(err)
+            assert c.held_blocks() == set(DST), "a load that may still be taken is not held"
+            assert not err.unanswered.done()
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        wait_until(lambda: err.unanswered.done(), 20, "the late load's end")
+        # the daemon did take it: the copy landed in the blocks while they were held
+        assert _all(kv, DST, 3), "the late load did not run (the test proves nothing)"
+        assert c.held_blocks() == set() and not c._unanswered and not c._late_loads
+        assert not c._events, "the late load's end event is nobody's: not kept"
+        _fill(kv, DST, 7)  # now the engine reuses them: nothing overwrites them
+        assert c.status()["tasks"]["inflight"] == 0 and _all(kv, DST, 7)
+
+
+def test_a_late_refusal_lifts_the_hold_at_once(daemon):
+    kv = small_kv(num_layers=2, num_blocks=16)
+    with daemon.connect(timeout=30, hang_s=0.5) as c:
+        c.register_kv_cache(kv)
+        try:  # block 99 is past the registered 16: the daemon refuses it when it wakes
+            err = _stopped_load(daemon, c, keys_for(2, 43), [8, 99])
+            assert c.held_blocks() == {8, 99}
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        wait_until(lambda: err.unanswered.done(), 20, "the refusal read")
+        assert not c._events and not c._replies, "the late refusal is nobody's: not kept"
+
+
+def test_a_daemon_gone_lifts_the_hold(run_dir):
+    instance = unique_instance("ul")
+    handle = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05)
+    try:
+        kv = small_kv(num_layers=2, num_blocks=16)
+        c = handle.connect(timeout=30, hang_s=0.5)
+        try:
+            c.register_kv_cache(kv)
+            _stopped_load(handle, c, keys_for(2, 45), [8, 9])
+            assert c.held_blocks() == {8, 9}
+            os.kill(handle.pid, signal.SIGKILL)
+            handle.proc.wait(10)
+            assert c.held_blocks() == set(), "a daemon that is gone writes nothing"
+        finally:
+            c.close()
+    finally:
+        handle.stop()
+        sweep_crashed(instance)
+
+
+def test_a_group_holds_what_the_other_ranks_still_write_when_one_refuses(run_dir):
+    """Rank 1 refuses the load (its KV has fewer blocks) while rank 0's runs: the error is
+    raised with rank 0's blocks held until its load ended (they were handed back at once)."""
+    names = [unique_instance(f"ug{r}-") for r in range(2)]
+    handles = [launch(instance=n, run_dir=run_dir, host_cache_gb=0.05) for n in names]
+    try:
+        kv = [small_kv(num_layers=2, num_blocks=32), small_kv(num_layers=2, num_blocks=8)]
+        keys = keys_for(4, 47)
+        with GroupClient.connect(names, run_dir=run_dir, timeout=10) as g, \
+                handles[0].connect(role="operator") as op:
+            g.register_kv_cache(kv)
+            g.offload(SRC, keys).wait(10)
+            op.pause()  # rank 0's load stays queued: still to write its blocks
+            with pytest.raises(KvcachedError, match="block"):
+                g.load(keys, [20, 21, 22, 23])
+            assert g.held_blocks() >= {20, 21, 22, 23}
+            op.resume()
+            wait_until(lambda: not g.held_blocks(), 20, "rank 0's load ending")
+    finally:
+        for h in handles:
+            h.stop()
+        for n in names:
+            sweep_crashed(n)
+
+
+def test_a_group_keeps_holding_a_hung_ranks_unanswered_load(run_dir):
+    names = [unique_instance(f"uh{r}-") for r in range(2)]
+    handles = [launch(instance=n, run_dir=run_dir, host_cache_gb=0.05) for n in names]
+    try:
+        kv = [small_kv(num_layers=2, num_blocks=32, seed=r) for r in range(2)]
+        keys = keys_for(4, 49)
+        with GroupClient.connect(names, run_dir=run_dir, timeout=30, hang_s=0.5) as g:
+            g.register_kv_cache(kv)
+            g.offload(SRC, keys).wait(10)
+            os.kill(handles[1].pid, signal.SIGSTOP)
+            try:
+                task = g.load(keys, [20, 21, 22, 23])
+                assert task.num_blocks == 0 and list(g.missing) == [1]
+                assert g.held_blocks() >= {20, 21, 22, 23}, "the hung rank may still write them"
+            finally:
+                os.kill(handles[1].pid, signal.SIGCONT)
+            wait_until(lambda: not g.held_blocks(), 20, "both ranks' loads ending")
+            for r in range(2):
+                assert all(torch.equal(kv[r][i][j][SRC], kv[r][i][j][[20, 21, 22, 23]])
+                           for i in range(2) for j in range(2)), "the late load did not run"
+    finally:
+        for h in handles:
+            h.stop()
+        for n in names:
+            sweep_crashed(n)
+
+
+def test_the_prefix_manager_does_not_hand_out_an_unanswered_loads_blocks(daemon):
+    """The daemon hangs between the manager's lookup and its load request."""
+    bs = 16
+    kv = small_kv(num_layers=2, num_blocks=12, block_shape=(bs, 2, 8))
+    prompt = list(range(300, 300 + 3 * bs))
+    client = daemon.connect(timeout=30.0, hang_s=0.5)
+    mgr = PrefixCacheManager(12, bs, client=client, namespace="ul", kv_caches=kv)
+    try:
+        mgr.match("a", prompt + [1])
+        mgr.allocate("a", len(prompt) + 1)
+        mgr.commit("a", len(prompt) + 1)
+        mgr.release("a")
+        mgr.settle(10)
+        mgr.drop_gpu_cache()
+        lookup = client.lookup
+
+        def lookup_then_hang(keys, timeout=None):
+            found = lookup(keys, timeout)
+            os.kill(daemon.pid, signal.SIGSTOP)
+            return found
+
+        client.lookup = lookup_then_hang
+        try:
+            hit = mgr.match("b", prompt + [2])
+            assert hit.host_tokens == 0 and not mgr.attached
+            held = mgr.blocks.holds.held()
+            assert len(held) == 3, "the blocks the load named are handed out"
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        wait_until(lambda: not mgr.blocks.holds.held(), 20, "the late load's end")
+        mgr.release("b")
+    finally:
+        mgr.close()
