@@ -27,11 +27,12 @@ from kvcached_proto.version import PROTOCOL_VERSION, check_version
 
 from .holds import KeepsHolds
 from .key_table import KeyTableReader, LookupNotes, SendsNotes
+from .loads import SendsLoads
 from .kv_alloc import describe_kv_cache
 from .renamed import Renamed
 from .run_dir_hint import check_run_dir
 from .status_block import StatusReader, hang_threshold
-from .tasks import LoadTask, Task
+from .tasks import Task
 
 if TYPE_CHECKING:
     from .reattach import Reattacher
@@ -43,7 +44,7 @@ BYE_LINGER_MS = 100
 KEY_TABLE_ENV = "KVCACHED_KEY_TABLE"  # "0": every lookup is a message (the key table unused)
 
 
-class Client(KeepsHolds, SendsNotes):
+class Client(KeepsHolds, SendsNotes, SendsLoads):
     """Connect with `Client.connect(instance=..., run_dir=..., timeout=...)`."""
 
     def __init__(self, instance: str = DEFAULT_INSTANCE, run_dir: str | None = None,
@@ -228,13 +229,14 @@ class Client(KeepsHolds, SendsNotes):
         """The reply to request `rid`, whatever it says. One that does not come in time is
         dropped when it comes later (the error raised is the caller's answer)."""
         replies = self._replies
+        reply = replies.pop(rid, None)  # read already while waiting for an earlier request
         # fast path: one blocking poll usually brings the reply
-        if self._lock.acquire(timeout=POLL_SLICE_MS / 1000):
+        if reply is None and self._lock.acquire(timeout=POLL_SLICE_MS / 1000):
             try:
                 self._pump(POLL_SLICE_MS / 1000)
             finally:
                 self._lock.release()
-        reply = replies.pop(rid, None)
+            reply = replies.pop(rid, None)
         if reply is None:
             try:
                 reply = self._wait(lambda: replies.pop(rid, None), timeout, op, "Client(timeout=...)")
@@ -442,26 +444,6 @@ class Client(KeepsHolds, SendsNotes):
                     return host, storage
         reply = self._request(Op.LOOKUP, timeout, keys=pack_keys(keys))
         return reply["host"], reply["storage"]
-
-    def load(self, keys: Sequence[bytes], device_blocks: Sequence[int] | np.ndarray,
-             priority: int = 0, timeout: float | None = None, stream=None,
-             host_only: bool = False) -> LoadTask:
-        """Copy the host blocks of the leading keys found into `device_blocks`. CUDA KV: the
-        daemon's copies wait (on the GPU) for the work queued so far on `stream` (default: the
-        current stream; e.g. the engine zeroing newly allocated blocks). host_only: plan the
-        host tier's leading blocks only, never a storage read. A load sent whose reply does
-        not come (KvcachedTimeout, DaemonUnavailable) may still be taken by a daemon that only
-        hung: its device blocks are held (the error's `.held_blocks`, `held_blocks()`) until
-        the daemon's late reply refuses it, the load it made ends, or the daemon is gone."""
-        extra = {"host_only": True} if host_only else {}
-        rid = self._send(Op.LOAD, dict(keys=pack_keys(keys), blocks=pack_block_ids(device_blocks),
-                                       priority=priority, **self._fence(stream), **extra))
-        try:
-            reply = self._checked(self._reply(rid, Op.LOAD, timeout))
-        except (KvcachedTimeout, DaemonUnavailable) as exc:  # sent, and no reply came
-            raise self._hold_unanswered(rid, device_blocks, exc) from None
-        reply["device_blocks"] = np.asarray(device_blocks)[: reply["blocks"]].astype(np.int64).tolist()
-        return LoadTask(self, reply["task"], reply)
 
     def prefetch(self, keys: Sequence[bytes], policy: str = "best_effort", timeout_ms: int = 0,
                  block_tokens: int = 1, priority: int = 0, timeout: float | None = None) -> Task:

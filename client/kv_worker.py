@@ -218,31 +218,44 @@ class KVWorker:
 
     # -------------------------------------------------------------- loads
     def start_loads(self, loads: list[BlockTransfer]) -> None:
+        """The step's loads, sent together (one round trip for all, `Client.load_batch`)."""
+        client = self.link.get()
+        plans = []  # (load, blocks to load, staging blocks)
         for load in loads:
             self._transfer_reqs.add(load.req_id)
-            client = self.link.get()
-            n = len(load.keys)
+            n = len(load.keys) if client is not None else 0
             staging = []
-            if client is not None and self.mode == "staging":
+            if n and self.mode == "staging":
                 staging = self._take_staging(n)
                 n = len(staging)
+            plans.append((load, n, staging))
+        sent = [p for p in plans if p[1]]
+        results = []
+        if sent:
+            try:
+                results = client.load_batch(
+                    [(self.keys_for_daemon(load.keys[:n]), staging or load.block_ids[:n])
+                     for load, n, staging in sent], host_only=self.host_only_loads)
+            except KvcachedError as exc:  # none was sent (e.g. no fence word free)
+                results = [exc] * len(sent)
+        got = {id(p): r for p, r in zip(sent, results)}
+        for p in plans:
+            self._planned(client, *p, got.get(id(p)))
+
+    def _planned(self, client, load: BlockTransfer, n: int, staging: list[int], task) -> None:
+        """One load of the step as the daemon answered it: a task, an error or nothing sent."""
+        if isinstance(task, KvcachedError):
+            self._daemon_failed(task)
+            late = getattr(task, "unanswered", None)  # sent, unanswered: the client holds its
+            if late is not None and self.mode == "direct":  # blocks (staging: the keeper)
+                self._held.append(_Held(load.req_id, late, client, "load"))
             task = None
-            if client is not None and n:
-                try:
-                    task = client.load(self.keys_for_daemon(load.keys[:n]),
-                                       staging or load.block_ids[:n],
-                                       host_only=self.host_only_loads)
-                except KvcachedError as exc:
-                    self._daemon_failed(exc)
-                    late = getattr(exc, "unanswered", None)  # sent, unanswered: the client holds
-                    if late is not None and self.mode == "direct":  # its blocks (staging: the
-                        self._held.append(_Held(load.req_id, late, client, "load"))  # keeper)
-            planned = task.num_blocks if task is not None else 0
-            self._holds.free(staging[planned:])
-            self._fail_blocks(load.block_ids[planned:])
-            if planned:
-                self._loads.append(_Load(load.req_id, task, client, load.block_ids[:planned],
-                                         staging[:planned], planned))
+        planned = task.num_blocks if task is not None else 0
+        self._holds.free(staging[planned:])
+        self._fail_blocks(load.block_ids[planned:])
+        if planned:
+            self._loads.append(_Load(load.req_id, task, client, load.block_ids[:planned],
+                                     staging[:planned], planned))
 
     def layer_ready(self, layer: int) -> None:
         """Layer `layer` of every load of the step is in the engine's blocks (CUDA: ordered on

@@ -22,6 +22,8 @@ def test_bench_ipc_reports_both_sides():
     for name in ("ping", "lookup64", "load64"):
         x = r["results"][name]
         assert x["daemon"]["p50_us"] > 0 and x["bare_echo"]["p50_us"] > 0 and x["p50_ratio"] > 0
+    step = r["step_loads"]  # (every load of both kinds came back whole, or the bench raised)
+    assert step["one_by_one"]["p50_us"] > 0 and step["batch"]["p50_us"] > 0 and step["p50_ratio"] > 0
 
 
 @pytest.mark.slow

@@ -175,6 +175,43 @@ def test_without_a_daemon_loads_fail_saves_are_skipped_and_requests_still_finish
 
 
 @pytest.mark.parametrize("mode", ["direct", "staging"])
+def test_a_steps_loads_go_out_together_and_each_lands_as_the_daemon_answered_it(daemon, mode):
+    """Three requests load in one step (one round trip, Client.load_batch): one whole, one whose
+    last two blocks the daemon does not hold (load errors), one it refuses (every block a load
+    error, its blocks untouched)."""
+    raw, kv = make_kv("LBNHC")
+    fill(kv, seed=35)
+    worker, got_mode = make_worker(daemon, kv, direct=(mode == "direct"))
+    assert got_mode == mode
+    keys = keys_for(len(SRC), seed=37)
+    try:
+        step(worker, saves=[BlockTransfer("s", keys, SRC)])
+        saved(worker, "s", keys)
+        want = blocks_of(kv, SRC)
+        refused = [21, 22]
+        before = blocks_of(kv, refused)
+        sent = []
+        batch = worker.link.get().load_batch
+        worker.link.get().load_batch = lambda loads, **kw: sent.append(len(loads)) or batch(
+            [(k, b if i != 2 else [21, 10 ** 6]) for i, (k, b) in enumerate(loads)], **kw)
+        _, errors = step(worker, loads=[BlockTransfer("a", keys, DST),
+                                        BlockTransfer("b", keys[:4] + keys_for(2, 39), [14, 15, 16, 18, 19, 23]),
+                                        BlockTransfer("c", keys[:2], refused)])
+        assert sent == [3], "the step's loads were not sent together"
+        assert errors == {19, 23} | set(refused)
+        for got, exp in zip(blocks_of(kv, DST), want):
+            assert torch.equal(got, exp)
+        for got, exp in zip(blocks_of(kv, [14, 15, 16, 18]), blocks_of(kv, DST[:4])):
+            assert torch.equal(got, exp)
+        for got, exp in zip(blocks_of(kv, refused), before):
+            assert torch.equal(got, exp)
+        for req in "abc":
+            finish(worker, req)
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("mode", ["direct", "staging"])
 def test_a_load_whose_reply_never_came_keeps_its_blocks_until_the_daemon_ends_it(
         daemon, monkeypatch, mode):
     """The daemon hangs with the load request on its socket: the step fails the load, and the

@@ -6,6 +6,8 @@ daemon's full request path. The ratio daemon/bare of the p50s is the figure of m
 Then a 64-block load of host hits, from Client.load to its reply (what an engine waits before it
 can wait on the load's first layer; the copies start once the reply is sent and each load's are
 waited for untimed) against the bare echo of a frame of the same size, interleaved.
+Then a step's 8 loads of 8 host hits, sent one after another's reply against sent together
+(Client.load_batch), to the last reply: the ratio batch/one-by-one.
 Then the same 64-key lookup (64 host hits) through Client.lookup answered from the daemon's key
 table in shared memory (client/key_table.py), back to back: p50 <= 10 us, p99 <= 50 us.
 Then the loaded case (ipc_load.py): lookups idle and while another engine keeps the disk and
@@ -72,6 +74,32 @@ def _load_requests(client, bare, frame: bytes, keys, n: int, warmup: int) -> dic
     return {k: percentiles_us(v) for k, v in samples.items()}
 
 
+STEP_LOADS, STEP_BLOCKS = 8, 8
+
+
+def _step_loads(client, keys, n: int, warmup: int) -> dict:
+    """A step that loads for 8 requests, 8 host hits each: sent each after the last one's reply
+    (Client.load) against sent together (Client.load_batch), interleaved; timed to the last
+    reply, each step's copies waited for after, untimed."""
+    reqs = [(keys[i * STEP_BLOCKS:(i + 1) * STEP_BLOCKS], list(range(i * STEP_BLOCKS, (i + 1) * STEP_BLOCKS)))
+            for i in range(STEP_LOADS)]
+    calls = {"one_by_one": lambda: [client.load(k, b) for k, b in reqs],
+             "batch": lambda: client.load_batch(reqs)}
+    samples = {name: [] for name in calls}
+    for i in range(warmup + n):
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            tasks = call()
+            t1 = time.perf_counter()
+            if any(isinstance(t, Exception) or t.wait(30) != STEP_BLOCKS for t in tasks):
+                raise RuntimeError(f"a step's load ({name}) failed or came back short")
+            if i >= warmup:
+                samples[name].append(t1 - t0)
+    out = {name: percentiles_us(v) for name, v in samples.items()}
+    out["p50_ratio"] = ratio(out["batch"]["p50_us"], out["one_by_one"]["p50_us"])
+    return out
+
+
 def run(quick: bool = False, **_) -> dict:
     n, warmup = (300, 50) if quick else (5000, 500)
     run_dir = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
@@ -108,6 +136,7 @@ def run(quick: bool = False, **_) -> dict:
             }, n, warmup)
             loads = _load_requests(table_client, bare, frames["load64"], keys, n, warmup)
             timed.update({"daemon/load64": loads["daemon"], "bare/load64": loads["bare"]})
+            step = _step_loads(table_client, keys, n // 5, warmup // 5)
             # on its own, back to back as a scheduler asks (interleaved with round trips, each
             # would run on a CPU the daemon and the echo just left)
             table = {**_time_interleaved({"table": lambda: table_client.lookup(keys)}, n, warmup)["table"],
@@ -120,17 +149,18 @@ def run(quick: bool = False, **_) -> dict:
         echo.terminate()
         echo.wait(10)
         shutil.rmtree(run_dir, ignore_errors=True)
-    results = {}
-    for name in frames:
-        results[name] = {
-            "daemon": timed[f"daemon/{name}"], "bare_echo": timed[f"bare/{name}"],
-            "p50_ratio": ratio(timed[f"daemon/{name}"]["p50_us"], timed[f"bare/{name}"]["p50_us"]),
-            "p99_ratio": ratio(timed[f"daemon/{name}"]["p99_us"], timed[f"bare/{name}"]["p99_us"]),
-            "frame_bytes": len(frames[name]),
-        }
+    results = {name: _against_bare(timed, name, len(frame)) for name, frame in frames.items()}
     return {"bench": "ipc", "results": results, "target": {"p50_ratio_max": 1.5},
             "key_table": {"lookup64": table, "target": {"p50_us_max": 10, "p99_us_max": 50}},
+            "step_loads": dict(step, loads=STEP_LOADS, blocks=STEP_BLOCKS),
             "loaded": run_loaded(quick)}
+
+
+def _against_bare(timed: dict, name: str, frame_bytes: int) -> dict:
+    daemon, bare = timed[f"daemon/{name}"], timed[f"bare/{name}"]
+    return {"daemon": daemon, "bare_echo": bare, "frame_bytes": frame_bytes,
+            "p50_ratio": ratio(daemon["p50_us"], bare["p50_us"]),
+            "p99_ratio": ratio(daemon["p99_us"], bare["p99_us"])}
 
 
 def format_result(r: dict) -> str:
@@ -147,6 +177,12 @@ def format_result(r: dict) -> str:
         lines.append(f"lookup64 from the key table (no message): p50 {t['p50_us']:.1f}us p99 "
                      f"{t['p99_us']:.1f}us, {t['answered']} answered, {t['asked']} sent to the daemon "
                      f"(target p50 <= {goal['p50_us_max']}us, p99 <= {goal['p99_us_max']}us)")
+    if "step_loads" in r:
+        st = r["step_loads"]
+        lines.append(f"a step's {st['loads']} loads of {st['blocks']} host hits, to the last reply: "
+                     f"one by one p50 {st['one_by_one']['p50_us']:.1f}us p99 "
+                     f"{st['one_by_one']['p99_us']:.1f}us, load_batch p50 {st['batch']['p50_us']:.1f}us "
+                     f"p99 {st['batch']['p99_us']:.1f}us (ratio p50 {st['p50_ratio']:.2f})")
     if "loaded" in r:
         lines.append(format_loaded(r["loaded"]))
     return "\n".join(lines)

@@ -4,7 +4,8 @@
 What one connection may have queued in the daemon: RECV_HWM frames of at most RECV_MAX_BYTES
 (zmq stops reading a connection whose queue is full, so a flood waits in the flooder's own
 memory); frames a little over MAX_FRAME_BYTES get FRAME_TOO_LARGE, zmq drops a peer that sends
-more. Clients wait for each reply, so a few frames in flight per connection is plenty. A peer
+more. A client has a few frames in flight at most (a step's loads, sent together, wait past the
+fourth in the client's own queue, which costs them nothing the replies do not). A peer
 that has not finished its handshake in HANDSHAKE_MS is closed; ZMTP heartbeats close one that
 stops answering (a hung host, a cut network: no FIN ever comes), which the disconnect monitor
 turns into a dead client.

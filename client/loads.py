@@ -1,0 +1,65 @@
+"""Client's loads (a mixin of Client: it uses the client's `_send`, `_reply`, `_checked`,
+`_fence`, `_hold_unanswered` and `timeout`): one load, or several sent at once whose replies are
+collected after, so a step that loads for many requests waits one round trip, not one each."""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+
+from kvcached_proto import DaemonUnavailable, KvcachedError, KvcachedTimeout, Op, pack_block_ids, pack_keys
+
+from .tasks import LoadTask
+
+
+class SendsLoads:
+    def load(self, keys: Sequence[bytes], device_blocks: Sequence[int] | np.ndarray,
+             priority: int = 0, timeout: float | None = None, stream=None,
+             host_only: bool = False) -> LoadTask:
+        """Copy the host blocks of the leading keys found into `device_blocks`. CUDA KV: the
+        daemon's copies wait (on the GPU) for the work queued so far on `stream` (default: the
+        current stream; e.g. the engine zeroing newly allocated blocks). host_only: plan the
+        host tier's leading blocks only, never a storage read. A load sent whose reply does
+        not come (KvcachedTimeout, DaemonUnavailable) may still be taken by a daemon that only
+        hung: its device blocks are held (the error's `.held_blocks`, `held_blocks()`) until
+        the daemon's late reply refuses it, the load it made ends, or the daemon is gone."""
+        got = self.load_batch([(keys, device_blocks)], priority, timeout, stream, host_only)[0]
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    def load_batch(self, loads: Sequence[tuple[Sequence[bytes], Sequence[int] | np.ndarray]],
+                   priority: int = 0, timeout: float | None = None, stream=None,
+                   host_only: bool = False) -> list[LoadTask | KvcachedError]:
+        """Several loads, each (keys, device_blocks) as load() takes them, sent before any
+        reply is awaited: one round trip for all of them. Returns, in order, each one's
+        LoadTask or the KvcachedError it got (nothing is raised for one load; an unanswered one
+        holds its blocks as load() says). Keys or blocks that cannot be sent raise before any
+        load is sent. `timeout` bounds the wait for all the replies together; all the loads
+        are ordered after the same point of `stream`."""
+        extra = {"host_only": True} if host_only else {}
+        frames = [dict(keys=pack_keys(keys), blocks=pack_block_ids(blocks), priority=priority, **extra)
+                  for keys, blocks in loads]
+        fence = self._fence(stream) if frames else {}
+        sent: list[int | KvcachedError] = []
+        for fields in frames:
+            try:
+                sent.append(self._send(Op.LOAD, dict(fields, **fence)))
+            except KvcachedError as exc:  # not sent (the daemon is unreachable): nor the rest
+                sent.extend([exc] * (len(frames) - len(sent)))
+                break
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        return [self._load_reply(rid, blocks, deadline) for rid, (_, blocks) in zip(sent, loads)]
+
+    def _load_reply(self, rid: int | KvcachedError, blocks, deadline: float) -> LoadTask | KvcachedError:
+        if isinstance(rid, KvcachedError):
+            return rid
+        try:
+            reply = self._checked(self._reply(rid, Op.LOAD, max(0.0, deadline - time.monotonic())))
+        except (KvcachedTimeout, DaemonUnavailable) as exc:  # sent, and no reply came
+            return self._hold_unanswered(rid, blocks, exc)
+        except KvcachedError as exc:  # the daemon refused it
+            return exc
+        reply["device_blocks"] = np.asarray(blocks)[: reply["blocks"]].astype(np.int64).tolist()
+        return LoadTask(self, reply["task"], reply)
