@@ -18,6 +18,11 @@ def table(r: dict) -> str:
             f"{ipc['load64']['daemon']['p50_us']:.1f} µs",
             f"bare echo {ipc['load64']['bare_echo']['p50_us']:.1f} µs", ipc["load64"]["p50_ratio"], "—")]
           if "load64" in ipc else []),
+        *([("a step's 8 loads of 8 host hits, to the last reply, p50", "`kvcached bench ipc`",
+            f"{r['ipc']['step_loads']['batch']['p50_us']:.1f} µs (load_batch)",
+            f"one by one {r['ipc']['step_loads']['one_by_one']['p50_us']:.1f} µs",
+            r["ipc"]["step_loads"]["p50_ratio"], "—")]
+          if "step_loads" in r["ipc"] else []),
         *([("64-key lookup from the key table, p50 / p99", "`kvcached bench ipc`",
              f"{r['ipc']['key_table']['lookup64']['p50_us']:.1f} / {r['ipc']['key_table']['lookup64']['p99_us']:.1f} µs",
              f"lookup op {ipc['lookup64']['daemon']['p50_us']:.1f} µs p50", "—", "≤ 10 / ≤ 50 µs")]
