@@ -225,9 +225,10 @@ class Client(KeepsHolds, SendsNotes, SendsLoads):
     def _request(self, op: Op, timeout: float | None = None, **fields) -> dict:
         return self._checked(self._reply(self._send(op, fields), op, timeout))
 
-    def _reply(self, rid: int, op: Op, timeout: float | None) -> dict:
+    def _reply(self, rid: int, op: Op, timeout: float | None, forget: bool = True) -> dict:
         """The reply to request `rid`, whatever it says. One that does not come in time is
-        dropped when it comes later (the error raised is the caller's answer)."""
+        dropped when it comes later (the error raised is the caller's answer); forget=False
+        leaves that to the caller (a load's: `_hold_unanswered`)."""
         replies = self._replies
         reply = replies.pop(rid, None)  # read already while waiting for an earlier request
         # fast path: one blocking poll usually brings the reply
@@ -241,7 +242,10 @@ class Client(KeepsHolds, SendsNotes, SendsLoads):
             try:
                 reply = self._wait(lambda: replies.pop(rid, None), timeout, op, "Client(timeout=...)")
             except KvcachedError:
-                self._discard.add(rid)
+                if forget:
+                    if len(self._discard) > 4096:  # a daemon that stopped answering: forget the oldest
+                        self._discard.clear()
+                    self._discard.add(rid)
                 raise
         return reply
 

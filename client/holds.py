@@ -2,7 +2,7 @@
 blocks of tasks that timed out, or whose daemon hung, which the daemon may still write until it
 confirms the task's end (hold_keeper.py keeps them out of an engine's free list); a load whose
 reply never came is held the same way, under its request id. A part of Client (client.py): it
-uses the client's `_holds`, `_unanswered`, `_late_loads`, `_events`, `_discard`, `_lock`,
+uses the client's `_holds`, `_unanswered`, `_late_loads`, `_events`, `_replies`, `_lock`,
 `_pump`, `_wait`, `_check_daemon`, `order`, `status_block` and `_gone_after_close`."""
 from __future__ import annotations
 
@@ -43,14 +43,17 @@ class KeepsHolds:
         """A load was sent and its reply did not come: a daemon that only hung may still take
         it when it wakes and write `blocks`. They are held under -rid until its late reply
         refuses it or the task it made ends (`_late_load`), or the daemon is gone."""
-        self._discard.discard(rid)
         sig = self.status_block
         blocks = [int(b) for b in blocks]
         if sig is None or sig.gone():  # (closed: no late reply could be read either)
             exc.held_blocks = exc.fenced_blocks = []
             return exc
-        self._unanswered[rid] = -rid
-        self._holds[-rid] = blocks
+        with self._lock:  # no pump files rid's reply meanwhile; one filed before: read here
+            self._unanswered[rid] = -rid
+            self._holds[-rid] = blocks
+            came = self._replies.pop(rid, None)
+            if came is not None:
+                self._late_load(came)
         exc.held_blocks = exc.fenced_blocks = blocks
         exc.unanswered = UnansweredLoad(self, -rid)
         exc.args = (f"{exc.args[0]}; the load was sent and a daemon that wakes may still take it: "
@@ -60,7 +63,9 @@ class KeepsHolds:
     def _late_load(self, reply: dict) -> None:
         """The reply to a load the caller no longer waits for: a load refused writes nothing
         (the hold lifts); one accepted keeps its hold until its end event."""
-        key = self._unanswered.pop(reply.get("rid", 0))
+        key = self._unanswered.pop(reply.get("rid", 0), None)
+        if key is None:  # (the daemon gone meanwhile: its holds were cleared)
+            return
         task = reply.get("task", 0) if reply.get("ok") else 0
         if task and task not in self._events:
             self._late_loads[task] = key

@@ -426,8 +426,9 @@ class KVWorker:
                 log.warning("[kv] save task %d of preempted request %s did not end in time: "
                             "revoked", h.task_id, h.req_id)
             else:
-                log.error("[kv] load task %d of preempted request %s is not confirmed ended; its "
-                          "blocks are reused now", h.task_id, h.req_id)
+                log.error("[kv] load %s of preempted request %s is not confirmed ended; its "
+                          "blocks are reused now",
+                          f"task {h.task_id}" if h.task_id > 0 else "(sent, never answered)", h.req_id)
         self._reap_held()
 
     def finished(self, finished_req_ids) -> set[str]:

@@ -35,20 +35,29 @@ class SendsLoads:
         """Several loads, each (keys, device_blocks) as load() takes them, sent before any
         reply is awaited: one round trip for all of them. Returns, in order, each one's
         LoadTask or the KvcachedError it got (nothing is raised for one load; an unanswered one
-        holds its blocks as load() says). Keys or blocks that cannot be sent raise before any
-        load is sent. `timeout` bounds the wait for all the replies together; all the loads
+        holds its blocks as load() says; keys or blocks that cannot be sent are a ProtocolError,
+        and that load is not sent). `timeout` bounds the wait for all the replies together; all the loads
         are ordered after the same point of `stream`."""
         extra = {"host_only": True} if host_only else {}
-        frames = [dict(keys=pack_keys(keys), blocks=pack_block_ids(blocks), priority=priority, **extra)
-                  for keys, blocks in loads]
-        fence = self._fence(stream) if frames else {}
+        frames: list[dict | KvcachedError] = []
+        for keys, blocks in loads:
+            try:
+                frames.append(dict(keys=pack_keys(keys), blocks=pack_block_ids(blocks),
+                                   priority=priority, **extra))
+            except KvcachedError as exc:  # this one cannot be sent: its answer (ProtocolError)
+                frames.append(exc)
+        fence = self._fence(stream) if any(isinstance(f, dict) for f in frames) else {}
         sent: list[int | KvcachedError] = []
+        unreachable: KvcachedError | None = None
         for fields in frames:
+            if isinstance(fields, KvcachedError) or unreachable is not None:
+                sent.append(fields if isinstance(fields, KvcachedError) else unreachable)
+                continue
             try:
                 sent.append(self._send(Op.LOAD, dict(fields, **fence)))
             except KvcachedError as exc:  # not sent (the daemon is unreachable): nor the rest
-                sent.extend([exc] * (len(frames) - len(sent)))
-                break
+                unreachable = exc
+                sent.append(exc)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         return [self._load_reply(rid, blocks, deadline) for rid, (_, blocks) in zip(sent, loads)]
 
@@ -56,7 +65,8 @@ class SendsLoads:
         if isinstance(rid, KvcachedError):
             return rid
         try:
-            reply = self._checked(self._reply(rid, Op.LOAD, max(0.0, deadline - time.monotonic())))
+            reply = self._checked(self._reply(rid, Op.LOAD, max(0.0, deadline - time.monotonic()),
+                                              forget=False))
         except (KvcachedTimeout, DaemonUnavailable) as exc:  # sent, and no reply came
             return self._hold_unanswered(rid, blocks, exc)
         except KvcachedError as exc:  # the daemon refused it

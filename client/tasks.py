@@ -203,3 +203,16 @@ class UnansweredLoad:
     def collect(self) -> bool:
         """Whether the hold lifted, as last read (no I/O)."""
         return self.id not in self.client._holds
+
+    def wait_end(self, timeout: float | None = None) -> None:
+        """Wait until the hold lifts (as Task.wait_end waits for the end event); KvcachedTimeout
+        if it has not within `timeout`."""
+        timeout = self.client.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        backoff = MIN_BACKOFF_S
+        while not self.done():
+            if time.monotonic() >= deadline:
+                raise KvcachedTimeout(f"a load sent to the daemon (request {-self.id}) is neither "
+                                      f"answered nor ended within {timeout:.3g} s")
+            time.sleep(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF_S)

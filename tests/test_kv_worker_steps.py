@@ -246,6 +246,30 @@ def test_a_load_whose_reply_never_came_keeps_its_blocks_until_the_daemon_ends_it
         worker.close()
 
 
+def test_preempting_a_request_whose_load_went_unanswered_waits_for_it_then_goes_on(
+        daemon, monkeypatch, caplog):
+    """preempt() waits for a held load's end: for one whose reply never came it has no task to
+    wait on (it raised AttributeError), so it waits for the hold to lift, up to the timeout."""
+    monkeypatch.setenv("KVCACHED_HANG_S", "0.5")
+    raw, kv = make_kv("LBNHC")
+    fill(kv, seed=41)
+    worker, mode = make_worker(daemon, kv, direct=True, timeout=1.0)
+    keys = keys_for(len(SRC), seed=43)
+    try:
+        step(worker, saves=[BlockTransfer("s", keys, SRC)])
+        saved(worker, "s", keys)
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            step(worker, loads=[BlockTransfer("l", keys, DST)])
+            worker.preempt(["l"])
+            assert "not confirmed ended" in caplog.text
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        finish(worker, "l")
+    finally:
+        worker.close()
+
+
 def test_a_revoke_word_other_than_the_last_fence_word_is_refused():
     from kvcached_proto.errors import ProtocolError
     from kvcached_proto.layout import parse_layout

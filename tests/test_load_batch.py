@@ -12,7 +12,7 @@ import torch
 from conftest import keys_for, small_kv, wait_until
 from kvcached_client import DaemonUnavailable
 from kvcached_client.tasks import LoadTask
-from kvcached_proto import KvcachedError, Op
+from kvcached_proto import KvcachedError, Op, ProtocolError
 
 
 def _same(kv, a, b) -> bool:
@@ -38,14 +38,21 @@ def test_each_load_of_a_batch_gets_its_own_answer(daemon):
         assert c.held_blocks() == set()
 
 
-def test_keys_that_cannot_be_sent_refuse_the_whole_batch_before_anything_is_sent(daemon):
+def test_a_load_that_cannot_be_sent_is_its_own_error_and_the_others_go(daemon):
     kv = small_kv(num_layers=2, num_blocks=16)
+    keys = keys_for(2, 1)
     with daemon.connect(timeout=10) as c:
         c.register_kv_cache(kv)
+        c.offload([0, 1], keys).wait(10)
         handled = c.status()["requests"]["handled"]
-        with pytest.raises((ValueError, KvcachedError)):
-            c.load_batch([(keys_for(2, 1), [0, 1]), ([b"short"], [2])])
-        assert c.status()["requests"]["handled"] == handled + 1, "a load of it was sent"
+        got = c.load_batch([([b"short"], [2]), (keys, [4, 5]), (keys, [-1, 6])])
+        assert isinstance(got[0], ProtocolError) and "keys[0]" in str(got[0])
+        assert isinstance(got[2], ProtocolError) and "block ids" in str(got[2])
+        assert got[1].wait(10) == 2 and _same(kv, [0, 1], [4, 5])
+        # the status call and the one load: the two that could not be sent never were
+        assert c.status()["requests"]["handled"] == handled + 2
+        with pytest.raises(ProtocolError):
+            c.load([b"short"], [2])  # a batch of one raises it
 
 
 def test_a_batch_sent_to_a_hung_daemon_holds_every_loads_blocks(daemon):

@@ -64,6 +64,33 @@ def test_its_blocks_stay_held_until_the_load_the_daemon_took_late_ends(daemon):
         assert c.status()["tasks"]["inflight"] == 0 and _all(kv, DST, 7)
 
 
+def test_a_reply_read_by_another_thread_before_the_hold_is_made_is_not_lost(daemon):
+    """The reply comes just after the wait gave up, and a pump files it before the client
+    registers the hold: the hold must still follow it (it stayed forever: blocks lost)."""
+    kv = small_kv(num_layers=2, num_blocks=16)
+    keys = keys_for(len(SRC), 51)
+    with daemon.connect(timeout=30, hang_s=0.5) as c:
+        c.register_kv_cache(kv)
+        c.offload(SRC, keys).wait(10)
+        hold = c._hold_unanswered
+
+        def reply_meanwhile(rid, blocks, exc):
+            wait_until(lambda: (c._pump(0.01), rid in c._replies)[1], 10, "the late reply")
+            return hold(rid, blocks, exc)
+
+        c._hold_unanswered = reply_meanwhile
+        real_reply = c._reply
+
+        def give_up(rid, op, timeout, forget=True):  # the wait ends before the reply is read
+            raise DaemonUnavailable("gave up")
+        c._reply = give_up
+        with pytest.raises(DaemonUnavailable) as e:
+            c.load(keys, DST)
+        c._reply = real_reply
+        wait_until(lambda: e.value.unanswered.done(), 10, "the load's end")
+        assert c.held_blocks() == set() and not c._replies
+
+
 def test_a_late_refusal_lifts_the_hold_at_once(daemon):
     kv = small_kv(num_layers=2, num_blocks=16)
     with daemon.connect(timeout=30, hang_s=0.5) as c:
