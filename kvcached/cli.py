@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "numpy or native (CPU), one of runs, gather, zero_copy "
                             "(torch ops, on CPU too), or dma (copy engines only, no kernel: one "
                             "batched cudaMemcpy per layer; memmove on CPU) (default: auto)")
+    serve.add_argument("--dma-threads", type=int, default=S,
+                       help="--copy-strategy dma: threads that queue each layer's copies, each "
+                            "its share on a stream of its own, 1..8 (default: 1; where the "
+                            "runtime takes copies from several threads at once this divides "
+                            "the CPU time a layer takes to queue; not yet run on a GPU)")
     serve.add_argument("--metrics-port", type=int, default=S,
                        help="serve Prometheus /metrics on this port (default: 0 = off)")
     serve.add_argument("--metrics-addr", default=S, help="address for /metrics (default: 127.0.0.1)")
@@ -184,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--copy-strategy", default="auto",
                        choices=list(COPY_STRATEGIES),
                        help="transfer on CPU: the daemon's --copy-strategy (default: auto)")
+    bench.add_argument("--dma-threads", type=int, default=4,
+                       help="transfer on CUDA: also run the daemon with --copy-strategy dma "
+                            "--dma-threads N (1: not; default 4)")
     bench.add_argument("--kv-layout", default="kvcached", choices=["kvcached", *BLOCK_CONTIGUOUS],
                        help="transfer on CPU: the engine's KV layout: kvcached's allocate_kv_cache "
                             "or a vLLM 0.32 one-allocation layout (strided per-layer views)")
@@ -395,6 +403,8 @@ def cmd_bench(args) -> int:
     from . import bench
 
     kwargs = {"pin_gb": args.pin_gb} if args.pin_gb is not None else {}
+    if args.what == "transfer" and args.device != "cpu":
+        kwargs["dma_threads"] = args.dma_threads
     if args.what == "transfer" and args.device == "cpu":
         kwargs["copy_strategy"] = args.copy_strategy
         kwargs["kv_layout"] = args.kv_layout

@@ -41,6 +41,7 @@ class DaemonConfig:
     prefetch_max_share: float = 0.5
     copy_threads: int = 0  # 0: half the cores (at least 1, at most 4), the rest stay the engine's
     copy_strategy: str = "auto"  # one of COPY_STRATEGIES
+    dma_threads: int = 1  # dma: threads that queue a layer's copies, each on a stream of its own
     metrics_port: int = 0  # 0: no /metrics endpoint
     metrics_addr: str = "127.0.0.1"
     log_level: str = "INFO"
@@ -82,6 +83,8 @@ class DaemonConfig:
         if self.copy_strategy in ("numpy", "native") and self.device != "cpu":
             raise StartupError(f"--copy-strategy {self.copy_strategy} moves CPU KV only; a CUDA "
                                "daemon takes auto, runs, gather, zero_copy or dma")
+        if not 1 <= self.dma_threads <= 8:
+            raise StartupError(f"--dma-threads {self.dma_threads}: expected 1..8")
         if self.max_queued_tasks < 1:
             raise StartupError("--max-queued-tasks must be >= 1")
         if self.max_connections < 1 or self.max_connections_per_peer < 1:

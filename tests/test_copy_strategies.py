@@ -1,5 +1,7 @@
 """The torch copy strategies (the CUDA copier's code) on CPU tensors, byte for byte, and through
 a real daemon started with --copy-strategy."""
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -78,6 +80,31 @@ def test_strategy_round_trip_is_byte_exact(layout, strategy, ids, monkeypatch):
     check_round_trip(StrategyCopier(dev, host, strategy), dev, host, rng, ids, num_host)
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("ids", ["scattered", "runs"])
+def test_dma_split_between_threads_is_byte_exact(layout, ids, monkeypatch):
+    """--dma-threads 4: each layer's copy list is cut in shares queued by 4 threads (here at 2
+    copies a thread and more); the bytes are those of one thread, and the shares cover the list."""
+    monkeypatch.setattr("kvcached.copy.strategy_copier.DMA_SPLIT_MIN", 2)
+    rng = np.random.default_rng(sum(map(ord, layout + ids)))
+    layers, parts, num_dev, num_host, row = 3, 2, 40, 50, 96
+    dev = [[torch.from_numpy(rng.integers(0, 256, (num_dev, row), dtype=np.uint8))
+            for _ in range(parts)] for _ in range(layers)]
+    host = host_views(layout, layers, parts, num_host, row)
+    copier = StrategyCopier(dev, host, "dma", dma_threads=4)
+    calls = []
+    copy = copier.memcpy.copy
+    copier.memcpy.copy = lambda d, s, n, stream: (calls.append((threading.current_thread().name, len(n))),
+                                                  copy(d, s, n, stream))
+    check_round_trip(copier, dev, host, rng, ids, num_host)
+    threads = {name for name, _ in calls}
+    per_layer = len(calls) / (2 * layers)
+    if ids == "scattered" or layout == "page_first":  # 34 copies a layer: 4 shares
+        assert per_layer == 4 and "MainThread" in threads and len(threads) > 1, calls
+    copier.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvcached-dma")]
+
+
 def test_auto_picks_runs_for_long_runs_and_gather_for_scattered_ids():
     dev = [[torch.zeros(64, 16, dtype=torch.uint8)]]
     copier = StrategyCopier(dev, host_views("layer_first", 1, 1, 64, 16), "auto")
@@ -100,6 +127,41 @@ def test_host_runs_split_for_strided_rows():
     runs = [(0, 3, 10), (3, 4, 2)]
     assert cs.host_runs_for(runs, True) == runs
     assert cs.host_runs_for(runs, False) == [(0, 1, 10), (1, 2, 11), (2, 3, 12), (3, 4, 2)]
+
+
+def test_a_daemon_with_dma_threads_round_trips_a_large_scattered_task(run_dir):
+    """--dma-threads 4 through a real daemon: 500 scattered blocks, 1,000 copies a layer, queued
+    by 4 threads; offload and layer-wise load are byte-exact and nothing else is written."""
+    h = launch(instance=unique_instance("cs"), run_dir=run_dir, host_cache_gb=0.1,
+               extra_args=["--copy-strategy", "dma", "--dma-threads", "4"])
+    try:
+        kv = small_kv(num_layers=3, num_blocks=1100)
+        for layer in kv:
+            for t in layer:
+                t.copy_(torch.randn(t.shape).to(t.dtype))
+        rng = np.random.default_rng(3)
+        src, dst = rng.permutation(550)[:500].tolist(), (550 + rng.permutation(550)[:500]).tolist()
+        with h.connect() as c:
+            assert c.register_kv_cache(kv)["copy_strategy"] == "dma"
+            assert c.status()["kv"]["dma_threads"] == 4
+            keys = HASHER.hash_blocks(list(range(16 * 500)), 16)
+            expected = [[t[src].clone() for t in layer] for layer in kv]
+            assert c.offload(src, keys).wait(30)["stored"] == 500
+            for layer in kv:
+                for t in layer:
+                    t.fill_(0)
+            task = c.load(keys, dst)
+            for layer in range(3):
+                task.wait_layer(layer, timeout=30)
+            assert task.wait(30) == 500
+            rest = sorted(set(range(1100)) - set(dst))
+            for i, layer in enumerate(kv):
+                for j, t in enumerate(layer):
+                    assert torch.equal(t[dst], expected[i][j]), f"layer {i} part {j}"
+                    assert not t[rest].any(), "a block not asked for was written"
+            assert c.check() == "ok"
+    finally:
+        h.stop()
 
 
 @pytest.mark.parametrize("strategy,layout", [("runs", "page_first"), ("gather", "layer_first"),

@@ -270,7 +270,21 @@ class FakeCuda:
 
             def synchronize(self):
                 cuda.log.append(("sync", self.cuda_stream))
+
+            def wait_event(self, event):
+                cuda.log.append(("wait_event", self.cuda_stream, event.number))
         return Stream()
+
+    def Event(self):  # noqa: N802 (torch's name)
+        self.events = getattr(self, "events", 0) + 1
+        cuda, number = self, self.events
+
+        class Event:
+            def record(self, stream):
+                cuda.log.append(("record", stream.cuda_stream, number))
+        event = Event()
+        event.number = number
+        return event
 
     @contextlib.contextmanager
     def stream(self, s):
@@ -336,6 +350,65 @@ def test_a_cuda_load_waits_for_the_fence_copies_on_its_stream_then_writes_each_l
     assert log == expect
     assert offload_stream != load_stream
     copier.close()
+
+
+def test_a_dma_layer_split_between_threads_is_fenced_then_joined_before_its_word(monkeypatch):
+    """--dma-threads 3: each layer's copies go in 3 shares, the first on the load stream, the
+    others from helper threads on helper streams; the helpers start after the load stream's
+    fence wait (an event) and the load stream waits for each helper (events) before the layer's
+    word is written. The bytes land as with one thread."""
+    import kvcached.copy.strategy_copier as sc
+
+    monkeypatch.setattr(sc, "DMA_SPLIT_MIN", 1)
+    log = []
+    cuda = FakeCuda(log)
+    monkeypatch.setattr(CudaCopier, "cuda", cuda)
+    monkeypatch.setattr(CudaCopier, "runtime", staticmethod(lambda: RecordingRuntime(batched=True)))
+    layers = 2
+    dev = [[torch.arange(16 * 4, dtype=torch.int64).view(16, 4) + 1000 * i] for i in range(layers)]
+    host = [[torch.arange(16 * 4, dtype=torch.int64).view(16, 4) * -1 - 1 - 1000 * i] for i in range(layers)]
+
+    class Pool:
+        views, block_cuts = host, None
+
+    words = np.zeros(4096, dtype=np.int64)
+    order = DaemonOrder(words, layers, "cuda:0", ops_factory=lambda d, a, n: RecordingOps(log))
+    copier = cuda_copier.make_copier("cuda:0", "dma", dev, Pool, layers, order, dma_threads=3)
+    load = copier.streams[TaskKind.LOAD].cuda_stream
+    copier.memcpy.rt.calls = log
+    log.clear()
+    dst, hid = np.array([9, 2, 14, 5, 11, 7]), np.array([3, 12, 0, 8, 1, 15])
+    task = CopyTask(task_id=5, kind=TaskKind.LOAD, client_id="c", routing_id=b"c", priority=0,
+                    dev_blocks=dst, host_blocks=hid, entries=[], slot=1, fence=(4, 19))
+    copier.begin_load(task)
+    plan = copier.plan(TaskKind.LOAD, dst, hid)
+    for layer in range(layers):
+        copier.load_layer(layer, plan)
+        copier.layer_loaded(task, layer)
+    assert log[0] == ("wait", load, 4, 19)
+    helpers = [s.cuda_stream for s in copier.helper_streams[TaskKind.LOAD]]
+    assert len(helpers) == 2 and load not in helpers
+    writes = [i for i, e in enumerate(log) if e[0] == "write"]
+    start = 1
+    for layer, end in enumerate(writes):
+        seg = log[start:end]
+        fork = seg[0]
+        assert fork[:2] == ("record", load)
+        assert [e for e in seg if e[0] == "wait_event" and e[1] in helpers] == \
+            [("wait_event", h, fork[2]) for h in helpers], "a helper not started after the fence"
+        copies = [e for e in seg if e[0] == "batch"]
+        assert sorted(e[2] for e in copies) == sorted([load, *helpers]) and sum(e[1] for e in copies) == 6
+        joins = [e for e in seg if e[0] == "wait_event" and e[1] == load]
+        recorded = {e[2]: e[1] for e in seg if e[0] == "record" and e[1] in helpers}
+        assert sorted(recorded.get(e[2]) for e in joins) == sorted(helpers), "a helper not joined"
+        last_copy = max(i for i, e in enumerate(seg) if e[0] == "batch")
+        assert all(seg.index(e) > last_copy for e in joins)
+        assert log[end] == ("write", load, load_word(1, layer, layers), 5)
+        start = end + 1
+    for i in range(layers):
+        assert torch.equal(dev[i][0][torch.from_numpy(dst)], host[i][0][torch.from_numpy(hid)])
+    copier.close()
+    assert {("sync", h) for h in helpers} <= set(log)
 
 
 def test_the_dma_probe_builds_the_copy_lists_dma_would():

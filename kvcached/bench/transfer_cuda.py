@@ -6,7 +6,8 @@ same run (best of the repeats, timed with CUDA events):
    copier and pinned host pool, for two cases: 7B-like per-layer blocks (32 layers x (K, V)
    x 32 KiB, scattered device ids) and cross-layer contiguous blocks (one 2 MiB tensor row
    per block); bytes checked after every strategy;
-2. the real daemon (`--device cuda:N`), once per daemon strategy (auto, dma), offloading and
+2. the real daemon (`--device cuda:N`), once per daemon strategy (auto, dma, and dma with
+   `--dma-threads` 4 unless `kvcached bench --dma-threads 1`), offloading and
    loading layer by layer from this process's CUDA KV, bytes checked;
 3. overlap, per daemon strategy: a synthetic 32-layer forward (matmuls sized like a 7B layer)
    that waits for each layer's load (counter + stream wait on the order word) against the same
@@ -142,14 +143,14 @@ class Forward:
 
 
 def _daemon_runs(device, n: int, repeats: int, baseline: PinnedMemcpy, run_dir: str,
-                 strategy: str) -> dict:
+                 strategy: str, dma_threads: int = 1) -> dict:
     rng = np.random.default_rng(1)
     num_blocks = n + n // 4
     page = LAYERS * 2 * int(np.prod(BLOCK_SHAPE)) * 2
     # room for every block of the KV (the overlap case loads up to num_blocks of them)
-    daemon = launch(instance=f"bench-cuda-{os.getpid()}-{strategy}", run_dir=run_dir,
+    daemon = launch(instance=f"bench-cuda-{os.getpid()}-{strategy}-{dma_threads}", run_dir=run_dir,
                     host_cache_gb=(num_blocks + 8) * page / 2**30, device=str(device),
-                    extra_args=["--copy-strategy", strategy])
+                    extra_args=["--copy-strategy", strategy, "--dma-threads", str(dma_threads)])
     try:
         with daemon.connect(name="bench-transfer-cuda", timeout=300) as client:
             kv = allocate_kv_cache(LAYERS, num_blocks, BLOCK_SHAPE, DTYPE, device=device)
@@ -180,7 +181,7 @@ def _daemon_runs(device, n: int, repeats: int, baseline: PinnedMemcpy, run_dir: 
         daemon.stop()
     nbytes = n * page
     d2h, h2d = nbytes / min(off_s) / 1e9, nbytes / min(load_s) / 1e9
-    return {"blocks": n, "bytes": nbytes, "strategy": reply.get("copy_strategy"),
+    return {"blocks": n, "bytes": nbytes, "strategy": reply.get("copy_strategy"), "dma_threads": dma_threads,
             "offload_gbps": round(d2h, 2), "offload_ratio": ratio(d2h, max(baseline.d2h)),
             "load_gbps": round(h2d, 2), "load_ratio": ratio(h2d, max(baseline.h2d)),
             "bytes_exact": bool(exact), "phases_ms": phases, "overlap": overlap}
@@ -289,7 +290,8 @@ def _driver() -> str:
         return "?"
 
 
-def run(quick: bool = False, device: str = "cuda:0", pin_gb: float | None = None, **_) -> dict:
+def run(quick: bool = False, device: str = "cuda:0", pin_gb: float | None = None,
+        dma_threads: int = 4, **_) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit(f"bench transfer --device {device}: this torch sees no CUDA device")
     device = torch.device(device)
@@ -300,7 +302,8 @@ def run(quick: bool = False, device: str = "cuda:0", pin_gb: float | None = None
     run_dir = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
     try:
         strategies = _strategies(device, n, repeats, baseline)
-        daemons = [_daemon_runs(device, n, repeats, baseline, run_dir, s) for s in ("auto", "dma")]
+        runs = [("auto", 1), ("dma", 1)] + ([("dma", dma_threads)] if dma_threads > 1 else [])
+        daemons = [_daemon_runs(device, n, repeats, baseline, run_dir, s, t) for s, t in runs]
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     pin = _pin_time(device, pin_gb if pin_gb is not None else (2.0 if quick else 32.0))
@@ -337,7 +340,9 @@ def _daemon_lines(d: dict, target: dict) -> list[str]:
     """One daemon strategy's lines: end to end, where its tasks' time went, the overlap."""
     o = d["overlap"]
     return [
-        f"daemon ({d['strategy']}): offload {d['offload_gbps']:.1f} GB/s ({d['offload_ratio']:.2f}), "
+        f"daemon ({d['strategy']}"
+        + (f", {d['dma_threads']} threads" if d.get("dma_threads", 1) > 1 else "")
+        + f"): offload {d['offload_gbps']:.1f} GB/s ({d['offload_ratio']:.2f}), "
         f"layer-wise load {d['load_gbps']:.1f} GB/s ({d['load_ratio']:.2f}), exact {d['bytes_exact']}",
         *(f"  {op} in the daemon: worker took it after {p['wait']} ms, queued the copies in "
           f"{p['queue']} ms" + (f" ({p['prepare']} ms of it before the first copy)"

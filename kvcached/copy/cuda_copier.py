@@ -29,7 +29,8 @@ from .strategy_copier import StrategyCopier
 from .transfer import CopyTask, CpuCopier, TaskKind
 
 
-def make_copier(device: str, strategy: str, dev_views, host_pool, num_layers: int, order=None):
+def make_copier(device: str, strategy: str, dev_views, host_pool, num_layers: int, order=None,
+                dma_threads: int = 1):
     if device == "cpu" and strategy in ("auto", "native") and native.available():
         copier = NativeCopier(dev_views, host_pool.views)
     elif device == "cpu" and strategy in ("auto", "numpy", "native"):  # native: not built here
@@ -37,9 +38,9 @@ def make_copier(device: str, strategy: str, dev_views, host_pool, num_layers: in
     elif strategy in ("numpy", "native"):
         raise OpError(ErrorCode.KV_MISMATCH, f"--copy-strategy {strategy} is for CPU KV only")
     elif device == "cpu":
-        copier = StrategyCopier(dev_views, host_pool.views, strategy)
+        copier = StrategyCopier(dev_views, host_pool.views, strategy, dma_threads=dma_threads)
     else:
-        copier = CudaCopier(dev_views, host_pool, strategy, device, num_layers)
+        copier = CudaCopier(dev_views, host_pool, strategy, device, num_layers, dma_threads)
     if isinstance(copier, StrategyCopier):
         copier.warm_up()  # every kernel loaded before a copy waits behind a fence
     copier.order = order
@@ -54,13 +55,15 @@ class CudaCopier(StrategyCopier):
     cuda = torch.cuda
     runtime = cudart.LibCudart
 
-    def __init__(self, dev_views, host_pool, strategy: str, device: str, num_layers: int):
+    def __init__(self, dev_views, host_pool, strategy: str, device: str, num_layers: int,
+                 dma_threads: int = 1):
         if not self.cuda.is_available():
             raise OpError(ErrorCode.KV_MISMATCH, "CUDA KV registered but this daemon sees no CUDA device")
-        super().__init__(dev_views, host_pool.views, strategy, host_pool.block_cuts)
+        super().__init__(dev_views, host_pool.views, strategy, host_pool.block_cuts, dma_threads)
         self.num_layers = num_layers
         with self.cuda.device(self.device):
             self.streams = {TaskKind.OFFLOAD: self.cuda.Stream(), TaskKind.LOAD: self.cuda.Stream()}
+        self.helper_streams: dict[str, list] = {TaskKind.OFFLOAD: [], TaskKind.LOAD: []}
         if strategy == "zero_copy":
             self.host_view = host_pool.device_views(self.device, widen=cs.widen)
         if strategy == "dma":
@@ -86,6 +89,35 @@ class CudaCopier(StrategyCopier):
             with self.cuda.device(self.device):
                 self.order.wait(self.streams[kind], task.fence)
 
+    # dma split between threads (StrategyCopier._queue): a helper's stream starts after the
+    # direction's stream's work so far, which waits for each helper's copies (events)
+    def _helpers(self, kind: str, n: int) -> list:
+        streams = self.helper_streams[kind]
+        while len(streams) < n:
+            with self.cuda.device(self.device):
+                streams.append(self.cuda.Stream())
+        return streams[:n]
+
+    def _fork(self, kind: str, n: int) -> None:
+        with self.cuda.device(self.device):
+            event = self.cuda.Event()
+            event.record(self.streams[kind])
+            for stream in self._helpers(kind, n):
+                stream.wait_event(event)
+
+    def _join(self, kind: str, n: int) -> None:
+        with self.cuda.device(self.device):
+            for stream in self._helpers(kind, n):
+                event = self.cuda.Event()
+                event.record(stream)
+                self.streams[kind].wait_event(event)
+
+    def _helper_handle(self, kind: str, i: int) -> int:
+        return self.helper_streams[kind][i].cuda_stream
+
+    def _helper_device(self):
+        return self.cuda.device(self.device)
+
     def layer_loaded(self, task: CopyTask, layer: int) -> None:
         with self.cuda.device(self.device):
             self.order.loaded(self.streams[TaskKind.LOAD], task.slot, layer, task.task_id)
@@ -94,7 +126,7 @@ class CudaCopier(StrategyCopier):
         self.streams[kind].synchronize()
 
     def close(self) -> None:
-        for stream in self.streams.values():
+        for stream in [*self.streams.values(), *(s for h in self.helper_streams.values() for s in h)]:
             stream.synchronize()
         super().close()
         with self.cuda.device(self.device):

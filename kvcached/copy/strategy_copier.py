@@ -5,6 +5,7 @@ the streams and the order words."""
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -16,6 +17,7 @@ from . import strategies as cs
 from .transfer import CopierHooks, CopyPlan, TaskKind
 
 STAGING_BYTES = 64 << 20  # per direction: bounds the device memory taken from the engine
+DMA_SPLIT_MIN = 64  # dma: copies per thread under which a layer is queued by one thread
 
 
 class StrategyCopier(CopierHooks):
@@ -23,10 +25,13 @@ class StrategyCopier(CopierHooks):
 
     non_blocking = False
 
-    def __init__(self, dev_views, host_views, strategy: str, cuts=None):
+    def __init__(self, dev_views, host_views, strategy: str, cuts=None, dma_threads: int = 1):
         """cuts: per layer and part, the host block ids at which a later host-pool
-        registration starts (a pool registered in several calls); runs are split there."""
+        registration starts (a pool registered in several calls); runs are split there.
+        dma_threads: threads that queue a dma layer's copies, each its share (`_queue`)."""
         self.strategy = strategy
+        self.dma_threads = max(1, int(dma_threads))
+        self._dma_pools: dict[str, ThreadPoolExecutor] = {}
         self.cuts = cuts or None
         self.dev = [[cs.widen(t) for t in row] for row in dev_views]
         self.host = [[cs.widen(t) for t in row] for row in host_views]
@@ -164,10 +169,58 @@ class StrategyCopier(CopierHooks):
                 offs = known[shape] = dma.offsets(cs.split_pairs(plan.extra["pairs"], cuts), d, h)
             lists.append(dma.at(offs, d, h, kind == TaskKind.OFFLOAD))
         dsts, srcs, sizes = dma.concat(lists)
-        with self._stream(kind):
-            self.memcpy.copy(dsts, srcs, sizes, self._stream_handle(kind))
+        self._queue(kind, dsts, srcs, sizes)
         return int(sizes.sum())
 
+    def _queue(self, kind: str, dsts, srcs, sizes) -> None:
+        """A layer's copies on the direction's stream; with dma_threads > 1 (and at least
+        DMA_SPLIT_MIN copies a thread) cut in shares, the first queued by this thread, each
+        other by a helper thread on a stream of its own that starts after the direction's
+        stream's work so far (its fence wait), and the direction's stream waits for them all
+        before what comes next (the layer's word): the runtime's per-copy CPU cost is paid in
+        parallel where the runtime takes calls from several threads at once."""
+        n = min(self.dma_threads, len(sizes) // DMA_SPLIT_MIN)
+        if n <= 1:
+            with self._stream(kind):
+                self.memcpy.copy(dsts, srcs, sizes, self._stream_handle(kind))
+            return
+        cuts = np.linspace(0, len(sizes), n + 1).astype(np.int64).tolist()
+        shares = [(dsts[a:b], srcs[a:b], sizes[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
+        pool = self._dma_pools.get(kind)
+        if pool is None:
+            pool = self._dma_pools[kind] = ThreadPoolExecutor(
+                self.dma_threads - 1, thread_name_prefix=f"kvcached-dma-{kind}")
+        self._fork(kind, n - 1)
+        futures = [pool.submit(self._helper_copy, kind, i, *share) for i, share in enumerate(shares[1:])]
+        try:
+            with self._stream(kind):
+                self.memcpy.copy(*shares[0], self._stream_handle(kind))
+        finally:  # whatever the helpers queued is waited for before the task's end
+            errors = [f.exception() for f in futures]
+            self._join(kind, n - 1)
+        if any(errors):
+            raise next(e for e in errors if e is not None)
+
+    def _helper_copy(self, kind: str, i: int, dsts, srcs, sizes) -> None:
+        with self._helper_device():
+            self.memcpy.copy(dsts, srcs, sizes, self._helper_handle(kind, i))
+
+    # the helper threads' streams: none on CPU (CudaCopier: one a helper and direction)
+    def _fork(self, kind: str, n: int) -> None:
+        pass
+
+    def _join(self, kind: str, n: int) -> None:
+        pass
+
+    def _helper_handle(self, kind: str, i: int) -> int:
+        return 0
+
+    def _helper_device(self):
+        return contextlib.nullcontext()
+
     def close(self) -> None:
+        for pool in self._dma_pools.values():
+            pool.shutdown(wait=True)
+        self._dma_pools.clear()
         self._staging.clear()
         self.dev = self.host = self.host_view = []  # the registration can be unmapped now

@@ -187,7 +187,7 @@ class CacheService:
                 kept = len(self.host.index)
                 try:
                     copier = make_copier(spec.device, self.cfg.copy_strategy, reg.views,
-                                         self.host.pool, spec.num_layers, reg.order)
+                                         self.host.pool, spec.num_layers, reg.order, self.cfg.dma_threads)
                 finally:  # the client's old registration goes either way (a CUDA error leaves
                     # none), and those of engines that are gone (one engine per instance)
                     retired = [kv.owner for kv in self.reg.all_kv() if kv.retired or new_geometry]

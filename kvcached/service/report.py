@@ -74,6 +74,7 @@ def status_of(svc) -> dict:
                 "owner": kv.owner if kv else None,
                 "engines": len(svc.reg.all_kv()),  # host pools side by side (fd_pass): several
                 "copy_strategy": svc.reg.copier_of(kv.owner).strategy if kv else None,
+                "dma_threads": getattr(svc.reg.copier_of(kv.owner), "dma_threads", 1) if kv else None,
                 "lost": kv.lost if kv else None,
                 "num_layers": kv.spec.num_layers if kv else 0,
                 "num_blocks": kv.spec.num_blocks if kv else 0,

@@ -69,15 +69,20 @@ def cuda_daemon(run_dir):
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-@pytest.mark.parametrize("strategy", ["runs", "gather", "zero_copy", "dma", "auto"])
-def test_copier_strategies_are_byte_exact(strategy, layout):
+@pytest.mark.parametrize("strategy", ["runs", "gather", "zero_copy", "dma", "auto", "dma4"])
+def test_copier_strategies_are_byte_exact(strategy, layout, monkeypatch):
+    """dma4: --dma-threads 4, each layer's 80 copies in 4 shares (helper threads and streams)."""
+    import kvcached.copy.strategy_copier as sc
+
+    monkeypatch.setattr(sc, "DMA_SPLIT_MIN", 8)
     kv = allocate_kv_cache(4, 96, SHAPE, torch.bfloat16, device=DEV)
     randomize(kv, 1)
     spec = parse_layout(describe_kv_cache(kv))
     pool = HostPool(spec.page_bytes * 64, DEV, layout)
     pool.configure(spec)
     dev_views = [[t.view(torch.uint8).view(96, -1) for t in layer] for layer in kv]
-    copier = CudaCopier(dev_views, pool, strategy, DEV, 4)
+    threads = 4 if strategy == "dma4" else 1
+    copier = CudaCopier(dev_views, pool, strategy.rstrip("4"), DEV, 4, threads)
     rng = np.random.default_rng(2)
     perm = rng.permutation(96).astype(np.int64)
     src, dst = perm[:40], perm[40:80]
