@@ -231,10 +231,11 @@ class Client(KeepsHolds, SendsNotes, SendsLoads):
         leaves that to the caller (a load's: `_hold_unanswered`)."""
         replies = self._replies
         reply = replies.pop(rid, None)  # read already while waiting for an earlier request
-        # fast path: one blocking poll usually brings the reply
-        if reply is None and self._lock.acquire(timeout=POLL_SLICE_MS / 1000):
+        # fast path: one blocking poll usually brings the reply (none past the timeout)
+        slice_s = POLL_SLICE_MS / 1000 if timeout is None else max(0.0, min(POLL_SLICE_MS / 1000, timeout))
+        if reply is None and self._lock.acquire(timeout=slice_s):
             try:
-                self._pump(POLL_SLICE_MS / 1000)
+                self._pump(slice_s)
             finally:
                 self._lock.release()
             reply = replies.pop(rid, None)

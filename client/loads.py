@@ -59,7 +59,11 @@ class SendsLoads:
                 unreachable = exc
                 sent.append(exc)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        return [self._load_reply(rid, blocks, deadline) for rid, (_, blocks) in zip(sent, loads)]
+        out: list[LoadTask | KvcachedError] = []
+        for rid, (_, blocks) in zip(sent, loads):  # once the daemon is seen down, the rest take
+            down = any(isinstance(e, DaemonUnavailable) for e in out)  # what already came only
+            out.append(self._load_reply(rid, blocks, time.monotonic() if down else deadline))
+        return out
 
     def _load_reply(self, rid: int | KvcachedError, blocks, deadline: float) -> LoadTask | KvcachedError:
         if isinstance(rid, KvcachedError):

@@ -62,10 +62,17 @@ def test_a_batch_sent_to_a_hung_daemon_holds_every_loads_blocks(daemon):
         c.register_kv_cache(kv)
         for i, ks in enumerate(sets):
             c.offload(range(2 * i, 2 * i + 2), ks).wait(10)
+        pumped = []
+        pump = c._pump
+        c._pump = lambda wait_s: (pumped.append(wait_s), pump(wait_s))[1]
         os.kill(daemon.pid, signal.SIGSTOP)
         try:
-            got = c.load_batch([(ks, [20 + 2 * i, 21 + 2 * i]) for i, ks in enumerate(sets)])
+            got = c.load_batch([(ks, [20 + 2 * i, 21 + 2 * i]) for i, ks in enumerate(sets)], timeout=1.0)
+            c._pump = pump
             assert all(isinstance(e, DaemonUnavailable) for e in got)
+            # the first reply's wait saw the hang; the others' found the time gone: they polled
+            # without waiting (each waited a 20 ms slice for nothing)
+            assert pumped[-2:] == [0.0, 0.0], pumped[-4:]
             assert c.held_blocks() == set(range(20, 26))
         finally:
             os.kill(daemon.pid, signal.SIGCONT)
