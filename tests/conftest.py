@@ -5,6 +5,7 @@ outlives the suite; the daemons' logs are kept under pytest's base temp dir.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
@@ -363,3 +364,21 @@ def stored(key: bytes, kv) -> bytes:
     from kvcached.storage.record import stored_key
 
     return stored_key(key, geometry_of(kv))
+
+
+@contextlib.contextmanager
+def ranks(run_dir, n, extra=lambda rank: ()):
+    """n daemons, one per tensor-parallel rank: (instance names, handles); stopped and swept
+    after."""
+    names = [unique_instance(f"r{r}-") for r in range(n)]
+    handles = []
+    try:
+        for r, name in enumerate(names):
+            handles.append(launch(instance=name, run_dir=run_dir, host_cache_gb=0.05,
+                                  extra_args=list(extra(r)), wait_storage=True))
+        yield names, handles
+    finally:
+        for h in handles:
+            h.stop()
+        for name in names:
+            sweep_crashed(name)

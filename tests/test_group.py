@@ -1,14 +1,13 @@
 """GroupClient: tensor-parallel ranks, one real daemon each, answers agreed on the minimum."""
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
 
 import pytest
 import torch
-from conftest import disk_uri, keys_for, small_kv, sweep_crashed, unique_instance, wait_until
+from conftest import disk_uri, keys_for, ranks, small_kv, sweep_crashed, unique_instance, wait_until
 
 from kvcached_client import GroupClient, PrefixCacheManager, launch
 from kvcached_client import rank_keys
@@ -17,22 +16,6 @@ from kvcached_proto import KvcachedError
 
 BS = 16
 NBLK = 8
-
-
-@contextlib.contextmanager
-def ranks(run_dir, n, extra=lambda rank: ()):
-    names = [unique_instance(f"r{r}-") for r in range(n)]
-    handles = []
-    try:
-        for r, name in enumerate(names):
-            handles.append(launch(instance=name, run_dir=run_dir, host_cache_gb=0.05,
-                                  extra_args=list(extra(r)), wait_storage=True))
-        yield names, handles
-    finally:
-        for h in handles:
-            h.stop()
-        for name in names:
-            sweep_crashed(name)
 
 
 def shards(n, seed=0):

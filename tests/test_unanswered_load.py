@@ -11,7 +11,7 @@ import signal
 import pytest
 import torch
 
-from conftest import keys_for, small_kv, sweep_crashed, unique_instance, wait_until
+from conftest import keys_for, ranks, small_kv, sweep_crashed, unique_instance, wait_until
 from kvcached_client import DaemonUnavailable, GroupClient, PrefixCacheManager, launch
 from kvcached_proto import KvcachedError
 
@@ -127,9 +127,7 @@ def test_a_daemon_gone_lifts_the_hold(run_dir):
 def test_a_group_holds_what_the_other_ranks_still_write_when_one_refuses(run_dir):
     """Rank 1 refuses the load (its KV has fewer blocks) while rank 0's runs: the error is
     raised with rank 0's blocks held until its load ended (they were handed back at once)."""
-    names = [unique_instance(f"ug{r}-") for r in range(2)]
-    handles = [launch(instance=n, run_dir=run_dir, host_cache_gb=0.05) for n in names]
-    try:
+    with ranks(run_dir, 2) as (names, handles):
         kv = [small_kv(num_layers=2, num_blocks=32), small_kv(num_layers=2, num_blocks=8)]
         keys = keys_for(4, 47)
         with GroupClient.connect(names, run_dir=run_dir, timeout=10) as g, \
@@ -142,17 +140,10 @@ def test_a_group_holds_what_the_other_ranks_still_write_when_one_refuses(run_dir
             assert g.held_blocks() >= {20, 21, 22, 23}
             op.resume()
             wait_until(lambda: not g.held_blocks(), 20, "rank 0's load ending")
-    finally:
-        for h in handles:
-            h.stop()
-        for n in names:
-            sweep_crashed(n)
 
 
 def test_a_group_keeps_holding_a_hung_ranks_unanswered_load(run_dir):
-    names = [unique_instance(f"uh{r}-") for r in range(2)]
-    handles = [launch(instance=n, run_dir=run_dir, host_cache_gb=0.05) for n in names]
-    try:
+    with ranks(run_dir, 2) as (names, handles):
         kv = [small_kv(num_layers=2, num_blocks=32, seed=r) for r in range(2)]
         keys = keys_for(4, 49)
         with GroupClient.connect(names, run_dir=run_dir, timeout=30, hang_s=0.5) as g:
@@ -169,11 +160,6 @@ def test_a_group_keeps_holding_a_hung_ranks_unanswered_load(run_dir):
             for r in range(2):
                 assert all(torch.equal(kv[r][i][j][SRC], kv[r][i][j][[20, 21, 22, 23]])
                            for i in range(2) for j in range(2)), "the late load did not run"
-    finally:
-        for h in handles:
-            h.stop()
-        for n in names:
-            sweep_crashed(n)
 
 
 def test_the_prefix_manager_does_not_hand_out_an_unanswered_loads_blocks(daemon):
