@@ -5,6 +5,20 @@ import json
 import sys
 
 
+def _step_rows(st: dict | None) -> list:
+    """`kvcached bench ipc`'s step of 8 loads, one by one against load_batch (since 2026-11-27)."""
+    if st is None:
+        return []
+    rows = [("a step's 8 loads of 8 host hits, to the last reply, p50", "`kvcached bench ipc`",
+             f"{st['batch']['p50_us']:.1f} µs (load_batch)", f"one by one {st['one_by_one']['p50_us']:.1f} µs",
+             st["p50_ratio"], "—")]
+    if "layer0_p50_ratio" in st:
+        rows.append(("a step's 8 loads, to layer 0 of every load, p50", "`kvcached bench ipc`",
+                     f"{st['batch_layer0']['p50_us']:.1f} µs (load_batch)",
+                     f"one by one {st['one_by_one_layer0']['p50_us']:.1f} µs", st["layer0_p50_ratio"], "—"))
+    return rows
+
+
 def table(r: dict) -> str:
     m = r["machine"]
     ipc, tr, st, idx = r["ipc"]["results"], r["transfer"], r["storage"]["results"], r["disk_index"]
@@ -18,11 +32,7 @@ def table(r: dict) -> str:
             f"{ipc['load64']['daemon']['p50_us']:.1f} µs",
             f"bare echo {ipc['load64']['bare_echo']['p50_us']:.1f} µs", ipc["load64"]["p50_ratio"], "—")]
           if "load64" in ipc else []),
-        *([("a step's 8 loads of 8 host hits, to the last reply, p50", "`kvcached bench ipc`",
-            f"{r['ipc']['step_loads']['batch']['p50_us']:.1f} µs (load_batch)",
-            f"one by one {r['ipc']['step_loads']['one_by_one']['p50_us']:.1f} µs",
-            r["ipc"]["step_loads"]["p50_ratio"], "—")]
-          if "step_loads" in r["ipc"] else []),
+        *_step_rows(r["ipc"].get("step_loads")),
         *([("64-key lookup from the key table, p50 / p99", "`kvcached bench ipc`",
              f"{r['ipc']['key_table']['lookup64']['p50_us']:.1f} / {r['ipc']['key_table']['lookup64']['p99_us']:.1f} µs",
              f"lookup op {ipc['lookup64']['daemon']['p50_us']:.1f} µs p50", "—", "≤ 10 / ≤ 50 µs")]

@@ -24,6 +24,7 @@ def test_bench_ipc_reports_both_sides():
         assert x["daemon"]["p50_us"] > 0 and x["bare_echo"]["p50_us"] > 0 and x["p50_ratio"] > 0
     step = r["step_loads"]  # (every load of both kinds came back whole, or the bench raised)
     assert step["one_by_one"]["p50_us"] > 0 and step["batch"]["p50_us"] > 0 and step["p50_ratio"] > 0
+    assert step["batch_layer0"]["p50_us"] >= step["batch"]["p50_us"] and step["layer0_p50_ratio"] > 0
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ Then a 64-block load of host hits, from Client.load to its reply (what an engine
 can wait on the load's first layer; the copies start once the reply is sent and each load's are
 waited for untimed) against the bare echo of a frame of the same size, interleaved.
 Then a step's 8 loads of 8 host hits, sent one after another's reply against sent together
-(Client.load_batch), to the last reply: the ratio batch/one-by-one.
+(Client.load_batch), to the last reply and to layer 0 of every load: the ratios batch/one-by-one.
 Then the same 64-key lookup (64 host hits) through Client.lookup answered from the daemon's key
 table in shared memory (client/key_table.py), back to back: p50 <= 10 us, p99 <= 50 us.
 Then the loaded case (ipc_load.py): lookups idle and while another engine keeps the disk and
@@ -80,23 +80,31 @@ STEP_LOADS, STEP_BLOCKS = 8, 8
 def _step_loads(client, keys, n: int, warmup: int) -> dict:
     """A step that loads for 8 requests, 8 host hits each: sent each after the last one's reply
     (Client.load) against sent together (Client.load_batch), interleaved; timed to the last
-    reply, each step's copies waited for after, untimed."""
+    reply, and to layer 0 of every load in place (what an engine's forward waits for before its
+    first layer), each step's copies waited for after, untimed."""
     reqs = [(keys[i * STEP_BLOCKS:(i + 1) * STEP_BLOCKS], list(range(i * STEP_BLOCKS, (i + 1) * STEP_BLOCKS)))
             for i in range(STEP_LOADS)]
     calls = {"one_by_one": lambda: [client.load(k, b) for k, b in reqs],
              "batch": lambda: client.load_batch(reqs)}
-    samples = {name: [] for name in calls}
+    samples = {f"{name}{what}": [] for name in calls for what in ("", "_layer0")}
     for i in range(warmup + n):
         for name, call in calls.items():
             t0 = time.perf_counter()
             tasks = call()
             t1 = time.perf_counter()
-            if any(isinstance(t, Exception) or t.wait(30) != STEP_BLOCKS for t in tasks):
-                raise RuntimeError(f"a step's load ({name}) failed or came back short")
+            if any(isinstance(t, Exception) for t in tasks):
+                raise RuntimeError(f"a step's load ({name}) failed: {tasks}")
+            for t in tasks:
+                t.wait_layer(0, timeout=30)
+            t2 = time.perf_counter()
+            if any(t.wait(30) != STEP_BLOCKS for t in tasks):
+                raise RuntimeError(f"a step's load ({name}) came back short")
             if i >= warmup:
                 samples[name].append(t1 - t0)
+                samples[f"{name}_layer0"].append(t2 - t0)
     out = {name: percentiles_us(v) for name, v in samples.items()}
     out["p50_ratio"] = ratio(out["batch"]["p50_us"], out["one_by_one"]["p50_us"])
+    out["layer0_p50_ratio"] = ratio(out["batch_layer0"]["p50_us"], out["one_by_one_layer0"]["p50_us"])
     return out
 
 
@@ -183,6 +191,11 @@ def format_result(r: dict) -> str:
                      f"one by one p50 {st['one_by_one']['p50_us']:.1f}us p99 "
                      f"{st['one_by_one']['p99_us']:.1f}us, load_batch p50 {st['batch']['p50_us']:.1f}us "
                      f"p99 {st['batch']['p99_us']:.1f}us (ratio p50 {st['p50_ratio']:.2f})")
+        if "layer0_p50_ratio" in st:
+            a, b = st["one_by_one_layer0"], st["batch_layer0"]
+            lines.append(f"  to layer 0 of every load in place: one by one p50 {a['p50_us']:.1f}us p99 "
+                         f"{a['p99_us']:.1f}us, load_batch p50 {b['p50_us']:.1f}us p99 {b['p99_us']:.1f}us "
+                         f"(ratio p50 {st['layer0_p50_ratio']:.2f})")
     if "loaded" in r:
         lines.append(format_loaded(r["loaded"]))
     return "\n".join(lines)
