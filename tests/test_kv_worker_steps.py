@@ -226,6 +226,7 @@ def test_a_load_whose_reply_never_came_keeps_its_blocks_until_the_daemon_ends_it
     try:
         step(worker, saves=[BlockTransfer("s", keys, SRC)])
         saved(worker, "s", keys)
+        worker._reap_staged(wait=True)  # the save's staging blocks back (else a hang holds them too)
         os.kill(daemon.pid, signal.SIGSTOP)
         try:
             _, errors = step(worker, loads=[BlockTransfer("l", keys, DST)])
