@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="--copy-strategy dma: threads that queue each layer's copies, each "
                             "its share on a stream of its own, 1..8 (default: 1; where the "
                             "runtime takes copies from several threads at once this divides "
-                            "the CPU time a layer takes to queue; not yet run on a GPU)")
+                            "the CPU time a layer takes to queue; not yet run on a GPU; refused "
+                            "above 1 with another strategy)")
     serve.add_argument("--metrics-port", type=int, default=S,
                        help="serve Prometheus /metrics on this port (default: 0 = off)")
     serve.add_argument("--metrics-addr", default=S, help="address for /metrics (default: 127.0.0.1)")

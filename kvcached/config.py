@@ -85,6 +85,9 @@ class DaemonConfig:
                                "daemon takes auto, runs, gather, zero_copy or dma")
         if not 1 <= self.dma_threads <= 8:
             raise StartupError(f"--dma-threads {self.dma_threads}: expected 1..8")
+        if self.dma_threads > 1 and self.copy_strategy != "dma":
+            raise StartupError(f"--dma-threads {self.dma_threads} splits the copies of --copy-strategy "
+                               f"dma only (this daemon's is {self.copy_strategy})")
         if self.max_queued_tasks < 1:
             raise StartupError("--max-queued-tasks must be >= 1")
         if self.max_connections < 1 or self.max_connections_per_peer < 1:

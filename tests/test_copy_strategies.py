@@ -200,7 +200,7 @@ def test_daemon_with_copy_strategy_round_trips(strategy, layout, run_dir):
         h.stop()
 
 
-def test_numpy_strategy_is_refused_for_cuda_daemons(run_dir):
+def test_numpy_strategy_is_refused_for_cuda_daemons_and_dma_threads_need_dma(run_dir):
     from kvcached.config import DaemonConfig
     from kvcached.errors import StartupError
 
@@ -209,6 +209,12 @@ def test_numpy_strategy_is_refused_for_cuda_daemons(run_dir):
             DaemonConfig(device="cuda:0", copy_strategy=strategy, run_dir=run_dir).validate()
     with pytest.raises(StartupError, match="copy-strategy"):
         DaemonConfig(copy_strategy="fast", run_dir=run_dir).validate()
+    for threads in (0, 9):
+        with pytest.raises(StartupError, match="expected 1..8"):
+            DaemonConfig(copy_strategy="dma", dma_threads=threads, run_dir=run_dir).validate()
+    with pytest.raises(StartupError, match="dma only .this daemon's is auto"):
+        DaemonConfig(dma_threads=4, run_dir=run_dir).validate()  # a flag that would do nothing
+    assert DaemonConfig(copy_strategy="dma", dma_threads=4, run_dir=run_dir).validate().dma_threads == 4
 
 
 def test_a_protocol_1_2_offload_event_is_refused_and_changes_nothing(daemon):
