@@ -15,7 +15,8 @@ from kv_layouts import fill, make_kv, parts_of
 from kvcached_client import DaemonUnavailable, launch
 from kvcached_client.kv_alloc import describe_kv_cache
 from kvcached_client.kv_worker import BlockTransfer, KVWorker, _Load
-from worker_util import DST, SRC, blocks_of, finish, load_misses, make_worker, saved, step
+from worker_util import (DST, SRC, blocks_of, finish, load_misses, make_worker, saved, step,
+                         worker_with_saved)
 
 
 def test_a_finished_request_is_held_while_its_save_runs(daemon):
@@ -179,14 +180,7 @@ def test_a_steps_loads_go_out_together_and_each_lands_as_the_daemon_answered_it(
     """Three requests load in one step (one round trip, Client.load_batch): one whole, one whose
     last two blocks the daemon does not hold (load errors), one it refuses (every block a load
     error, its blocks untouched)."""
-    raw, kv = make_kv("LBNHC")
-    fill(kv, seed=35)
-    worker, got_mode = make_worker(daemon, kv, direct=(mode == "direct"))
-    assert got_mode == mode
-    keys = keys_for(len(SRC), seed=37)
-    try:
-        step(worker, saves=[BlockTransfer("s", keys, SRC)])
-        saved(worker, "s", keys)
+    with worker_with_saved(daemon, 35, mode) as (kv, worker, keys):
         want = blocks_of(kv, SRC)
         refused = [21, 22]
         before = blocks_of(kv, refused)
@@ -207,8 +201,6 @@ def test_a_steps_loads_go_out_together_and_each_lands_as_the_daemon_answered_it(
             assert torch.equal(got, exp)
         for req in "abc":
             finish(worker, req)
-    finally:
-        worker.close()
 
 
 @pytest.mark.parametrize("mode", ["direct", "staging"])
@@ -218,15 +210,7 @@ def test_a_load_whose_reply_never_came_keeps_its_blocks_until_the_daemon_ends_it
     blocks the daemon would copy into when it wakes (the request's own in direct mode, staging
     blocks in staging mode) are not handed back until the load it takes late has ended."""
     monkeypatch.setenv("KVCACHED_HANG_S", "0.5")
-    raw, kv = make_kv("LBNHC")
-    fill(kv, seed=31)
-    worker, got_mode = make_worker(daemon, kv, direct=(mode == "direct"))
-    assert got_mode == mode
-    keys = keys_for(len(SRC), seed=33)
-    try:
-        step(worker, saves=[BlockTransfer("s", keys, SRC)])
-        saved(worker, "s", keys)
-        worker._reap_staged(wait=True)  # the save's staging blocks back (else a hang holds them too)
+    with worker_with_saved(daemon, 31, mode) as (kv, worker, keys):
         os.kill(daemon.pid, signal.SIGSTOP)
         try:
             _, errors = step(worker, loads=[BlockTransfer("l", keys, DST)])
@@ -243,8 +227,6 @@ def test_a_load_whose_reply_never_came_keeps_its_blocks_until_the_daemon_ends_it
         if mode == "direct":  # the daemon did take it late: the test is not vacuous
             for got, exp in zip(blocks_of(kv, DST), blocks_of(kv, SRC)):
                 assert torch.equal(got, exp)
-    finally:
-        worker.close()
 
 
 def test_preempting_a_request_whose_load_went_unanswered_waits_for_it_then_goes_on(
@@ -252,13 +234,7 @@ def test_preempting_a_request_whose_load_went_unanswered_waits_for_it_then_goes_
     """preempt() waits for a held load's end: for one whose reply never came it has no task to
     wait on (it raised AttributeError), so it waits for the hold to lift, up to the timeout."""
     monkeypatch.setenv("KVCACHED_HANG_S", "0.5")
-    raw, kv = make_kv("LBNHC")
-    fill(kv, seed=41)
-    worker, mode = make_worker(daemon, kv, direct=True, timeout=1.0)
-    keys = keys_for(len(SRC), seed=43)
-    try:
-        step(worker, saves=[BlockTransfer("s", keys, SRC)])
-        saved(worker, "s", keys)
+    with worker_with_saved(daemon, 41, "direct", timeout=1.0) as (kv, worker, keys):
         os.kill(daemon.pid, signal.SIGSTOP)
         try:
             step(worker, loads=[BlockTransfer("l", keys, DST)])
@@ -267,8 +243,6 @@ def test_preempting_a_request_whose_load_went_unanswered_waits_for_it_then_goes_
         finally:
             os.kill(daemon.pid, signal.SIGCONT)
         finish(worker, "l")
-    finally:
-        worker.close()
 
 
 def test_a_revoke_word_other_than_the_last_fence_word_is_refused():

@@ -2,10 +2,13 @@
 and the blocks' bytes to compare."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from conftest import wait_until
-from kv_layouts import parts_of
+from conftest import keys_for
+from kv_layouts import fill, make_kv, parts_of
 from kvcached_client.daemon_link import DaemonLink
 from kvcached_client.kv_worker import BlockTransfer, KVWorker
 
@@ -64,3 +67,21 @@ def load_misses(worker, kv, keys, why: str) -> None:
     assert errors == set(DST), why
     for got, exp in zip(blocks_of(kv, DST), before):
         assert torch.equal(got, exp), why
+
+
+@contextlib.contextmanager
+def worker_with_saved(daemon, seed: int, mode: str, timeout: float = 10.0):
+    """A worker in `mode` over random LBNHC KV whose SRC blocks one save stored under keys of
+    its own (its staging, if any, back): yields (kv, worker, keys); the worker is closed after."""
+    raw, kv = make_kv("LBNHC")
+    fill(kv, seed=seed)
+    worker, got_mode = make_worker(daemon, kv, direct=(mode == "direct"), timeout=timeout)
+    assert got_mode == mode
+    keys = keys_for(len(SRC), seed=seed + 2)
+    try:
+        step(worker, saves=[BlockTransfer("s", keys, SRC)])
+        saved(worker, "s", keys)
+        worker._reap_staged(wait=True)  # the save's staging blocks back (else a hang holds them too)
+        yield kv, worker, keys
+    finally:
+        worker.close()

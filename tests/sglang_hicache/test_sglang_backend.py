@@ -6,6 +6,7 @@ through the disk tier across a daemon restart); a killed daemon costs misses, ne
 or a wrong page. Runs in .venv-sglang (./scripts/test.sh --with-sglang)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -407,6 +408,39 @@ def test_a_non_writer_mla_rank_stores_nothing_and_says_done(daemon):
     rank1.close()
 
 
+@contextlib.contextmanager
+def _stored_pages(run_dir, n: int, seed: int, timeout_s: float):
+    """A daemon and an attached backend that stored n pages (1..n) of a random pool; yields
+    (daemon, pool, backend, keys, target pages 100.., the stored pages' bytes). The daemon is
+    sent SIGCONT at the end whatever the test left it in."""
+    instance = unique_instance("sg")
+    pool = sp.make_pool("mha", "page_first", device_tokens=2048)
+    sp.fill_random(pool, seed)
+    keys = sp.page_hashes(n, seed=seed + 1)
+    src, dst = list(range(1, n + 1)), list(range(100, 100 + n))
+    d = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.1)
+    backend = None
+    try:
+        backend = sp.attach(pool, sp.extra_config(instance, run_dir, timeout_s=timeout_s))
+        assert backend.batch_set_v1(keys, sp.pages_of(pool, src)) == [True] * n
+        yield d, pool, backend, keys, dst, _snapshot(pool, src)
+    finally:
+        os.kill(d.pid, signal.SIGCONT)  # (harmless on a running one)
+        if backend is not None:
+            backend.close()
+        d.stop()
+        sweep_crashed(instance)
+
+
+def _get_in_thread(backend, pool, keys, dst):
+    """batch_get_v1 on a thread of its own (as SGLang's prefetch thread calls it): (thread, result)."""
+    result = {}
+    caller = threading.Thread(target=lambda: result.update(
+        got=backend.batch_get_v1(keys, sp.pages_of(pool, dst))))
+    caller.start()
+    return caller, result
+
+
 def test_a_load_the_daemon_froze_under_is_waited_for_until_it_ends(run_dir, monkeypatch):
     """The daemon is SIGSTOPped with a load queued: the load's wait runs out and its cancel is
     not answered, so the daemon may still write the pages when it wakes. batch_get_v1 returns
@@ -416,42 +450,20 @@ def test_a_load_the_daemon_froze_under_is_waited_for_until_it_ends(run_dir, monk
     from kvcached_client.sglang import storage as sglang_storage
 
     monkeypatch.setattr(sglang_storage, "RELEASE_SAY_S", 0.3)
-    instance = unique_instance("sg")
-    pool = sp.make_pool("mha", "page_first", device_tokens=2048)
-    sp.fill_random(pool, 12)
-    keys = sp.page_hashes(16, seed=13)
-    src, dst = list(range(1, 17)), list(range(100, 116))
-    d = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.1)
-    stopped, backend = False, None
-    try:
-        backend = sp.attach(pool, sp.extra_config(instance, run_dir, timeout_s=0.5))
-        assert backend.batch_set_v1(keys, sp.pages_of(pool, src)) == [True] * 16
-        want = _snapshot(pool, src)
+    with _stored_pages(run_dir, 16, 12, timeout_s=0.5) as (d, pool, backend, keys, dst, want):
         with d.connect(role="operator") as owner:
             owner.pause()  # the load stays queued
-            result = {}
-            caller = threading.Thread(target=lambda: result.update(
-                got=backend.batch_get_v1(keys, sp.pages_of(pool, dst))))
-            caller.start()
+            caller, result = _get_in_thread(backend, pool, keys, dst)
             wait_until(lambda: owner.status()["tasks"]["queued"] >= 1, 5, "the load queued")
             os.kill(d.pid, signal.SIGSTOP)
-            stopped = True
             caller.join(2.0)
             assert caller.is_alive(), "batch_get_v1 returned while the daemon could still copy"
             os.kill(d.pid, signal.SIGCONT)
-            stopped = False
             owner.resume()
             caller.join(10)
             assert not caller.is_alive()
         for ok, page, w in zip(result["got"], dst, want):
             assert not ok or sp.page_bytes(pool, page) == w
-    finally:
-        if stopped:
-            os.kill(d.pid, signal.SIGCONT)
-        if backend is not None:
-            backend.close()
-        d.stop()
-        sweep_crashed(instance)
 
 
 def test_a_load_sent_to_a_frozen_daemon_is_waited_for_until_the_daemon_ends_it(run_dir, monkeypatch):
@@ -460,36 +472,14 @@ def test_a_load_sent_to_a_frozen_daemon_is_waited_for_until_the_daemon_ends_it(r
     once that late load ended (it returned at the hang threshold, and SGLang could reuse pages
     the late copy then landed in)."""
     monkeypatch.setenv("KVCACHED_HANG_S", "0.5")
-    instance = unique_instance("sg")
-    pool = sp.make_pool("mha", "page_first", device_tokens=2048)
-    sp.fill_random(pool, 14)
-    keys = sp.page_hashes(8, seed=15)
-    src, dst = list(range(1, 9)), list(range(100, 108))
-    d = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.1)
-    stopped, backend = False, None
-    try:
-        backend = sp.attach(pool, sp.extra_config(instance, run_dir, timeout_s=5))
-        assert backend.batch_set_v1(keys, sp.pages_of(pool, src)) == [True] * 8
-        want = _snapshot(pool, src)
+    with _stored_pages(run_dir, 8, 14, timeout_s=5) as (d, pool, backend, keys, dst, want):
         os.kill(d.pid, signal.SIGSTOP)
-        stopped = True
-        result = {}
-        caller = threading.Thread(target=lambda: result.update(
-            got=backend.batch_get_v1(keys, sp.pages_of(pool, dst))))
-        caller.start()
+        caller, result = _get_in_thread(backend, pool, keys, dst)
         caller.join(2.0)  # four hang thresholds
         assert caller.is_alive(), "batch_get_v1 returned while the daemon could still take the load"
         os.kill(d.pid, signal.SIGCONT)
-        stopped = False
         caller.join(10)
         assert not caller.is_alive()
         assert result["got"] == [False] * 8  # not loaded as far as SGLang knows
         # the daemon did take it late (the test is not vacuous): the copy landed before return
         assert [sp.page_bytes(pool, p) for p in dst] == want
-    finally:
-        if stopped:
-            os.kill(d.pid, signal.SIGCONT)
-        if backend is not None:
-            backend.close()
-        d.stop()
-        sweep_crashed(instance)
