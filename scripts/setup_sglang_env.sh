@@ -23,9 +23,11 @@ echo "[setup-sglang] installing torch==2.13.0, sglang==$SGLANG_VERSION (no deps)
 "$VPY" -m pip install -q --upgrade pip packaging
 "$VPY" -m pip install -q "torch==2.13.0"
 "$VPY" -m pip install -q --no-deps "sglang==$SGLANG_VERSION"
-# what `import sglang.srt.mem_cache.pool_host.mha` and the storage factory reach on CPU
+# what `import sglang.srt.mem_cache.pool_host.mha` and the storage factory reach on CPU, and
+# (openai ... fastapi) what its scheduler's weight updater does (the weight-update tests)
 "$VPY" -m pip install -q -c "$CONSTRAINTS" orjson psutil pybase64 requests pillow starlette msgspec \
-  aiohttp dill apache-tvm-ffi ipython sentencepiece compressed-tensors gguf triton
+  aiohttp dill apache-tvm-ffi ipython sentencepiece compressed-tensors gguf triton \
+  openai partial_json_parser setproctitle einops uvicorn fastapi
 "$VPY" -m pip uninstall -q -y kvcached >/dev/null 2>&1 || true  # the distribution's old name
 "$VPY" -m pip install -q -c "$CONSTRAINTS" -e "$ROOT[test]"
 "$VPY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" \

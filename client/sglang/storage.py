@@ -19,10 +19,11 @@ confirmed is waited for until it is, or the daemon is gone - so a page SGLang re
 written by a late copy.
 
 A weight update that names a version (SGLang's `weight_version`) changes the keys at the next
-call (config.py), so nothing stored before is matched after it. Pages SGLang computed with the
+call (config.py), so nothing stored before is matched after it; one that names none keys the
+pages under a new salt when it returns (weight_updates.py). Pages SGLang computed with the
 old weights may still sit in its host pool until it flushes its cache, which follows the update:
 until that flush clears the pool, backups are refused (misses), so no old page is stored under
-the new version's keys.
+the new keys.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from kvcached_proto import DaemonUnavailable, KvcachedTimeout, TaskStatus
 
 from ..daemon_link import DaemonLink
 from ..host_memory import register_host_memory
+from . import weight_updates
 from .config import ConfigError, PageKeys, Settings, sglang_weight_version
 from .pool_layout import describe_host_pool, page_bytes, page_ids
 
@@ -60,7 +62,9 @@ class KvcachedHiCacheStorage(HiCacheStorage):
         self._closing = threading.Event()  # close(): unconfirmed loads are waited for no more
         self._old_pages = False  # the weight version changed; SGLang's pool not cleared since
         self._pool_version: str | None = None  # the version SGLang's host pool was last cleared at
-        self._salt = ""  # set by a storage flush that could not clear the daemon's tiers
+        self._salt = ""  # set by a storage flush that could not clear the daemon's tiers, and
+        # by a weight update that kept the version
+        self.pool_clears = 0  # how often SGLang cleared its host pool
         self._keys_lock = threading.Lock()
         self.stats = {"exists_calls": 0, "exists_hits": 0, "get_pages": 0, "got_pages": 0,
                       "set_pages": 0, "set_ok_pages": 0, "no_daemon": 0, "errors": 0,
@@ -83,8 +87,14 @@ class KvcachedHiCacheStorage(HiCacheStorage):
         self.page_size = pool.page_size
         self._page_bytes = page_bytes(self._layout)
         self._pool_version = sglang_weight_version()
-        self.keys = PageKeys(self.config, self.settings, self._layout["kv_layout"], self._pool_version)
+        watching = weight_updates.watch(self)
+        self._salt = weight_updates.salt()  # weights updated in this process before the attach
+        self.keys = PageKeys(self.config, self.settings, self._layout["kv_layout"],
+                             self._pool_version, self._salt)
         self._watch_pool_clear(pool)
+        if not watching:
+            log.warning("[sglang] this SGLang's weight updates cannot be watched: one that names "
+                        "no weight_version keeps the keys (name one, or clear the storage)")
         s = self.settings
         self.link = DaemonLink(s.instance, s.run_dir, s.timeout_s, name=f"sglang-{s.instance}",
                                on_connect=self._register, hang_s=s.hang_s)
@@ -124,11 +134,27 @@ class KvcachedHiCacheStorage(HiCacheStorage):
         def cleared(*args, **kwargs):
             out = clear(*args, **kwargs)
             with self._keys_lock:
+                self.pool_clears += 1
                 self._pool_version = sglang_weight_version()
                 self._old_pages = self._pool_version != self.keys.version
             return out
 
         pool.clear = cleared
+
+    def weights_replaced(self, version: str | None, salt: str, pool_cleared: bool) -> None:
+        """A weight update returned (weight_updates.py): pages are keyed under SGLang's weight
+        version now, with `salt` (a new one where the update kept the version), and backups
+        are refused until SGLang's host pool is cleared, unless the update's own flush cleared
+        it already."""
+        with self._keys_lock:
+            self._salt = salt
+            if self.keys is None or self._closing.is_set():
+                return
+            self.keys = PageKeys(self.config, self.settings, self._layout["kv_layout"], version, salt)
+            self._old_pages = not pool_cleared
+        log.warning("[sglang] weight update (weight version %s%s): pages are keyed anew%s", version,
+                    ", kept" if salt else "", "" if pool_cleared else ", and backups are refused "
+                    "until SGLang flushes its cache (its host pool holds pages of the old weights)")
 
     # the zero-copy calls ------------------------------------------------------------
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,

@@ -119,41 +119,6 @@ def test_sglangs_storage_flush_clears_the_daemons_tiers(daemon):
     backend.close()
 
 
-@pytest.fixture
-def sglang_serving():
-    """SGLang's runtime config published, as its scheduler has it (the weight version lives
-    there); reset afterwards."""
-    from sglang.srt.runtime_context import get_context, reset_context
-    from sglang.srt.server_args import ServerArgs
-
-    get_context().set_server_args(ServerArgs(model_path="test-org/test-model", device="cpu"))
-    yield get_context()
-    reset_context()
-
-
-def test_a_weight_update_naming_a_version_never_matches_the_old_weights_pages(daemon, sglang_serving):
-    """SGLang records a new weight version as its weight updates do: the pages stored before are
-    no hit after it. Pages of the old weights still in its host pool are not backed up until
-    SGLang's flush clears the pool; then backups are stored, under the new version."""
-    pool = sp.make_pool("mha", "page_first")
-    sp.fill_random(pool, 7)
-    backend = sp.attach(pool, sp.extra_config(daemon.instance, daemon.run_dir))
-    keys = sp.page_hashes(4, seed=42)
-    assert backend.batch_set_v1(keys, sp.pages_of(pool, [1, 2, 3, 4])) == [True] * 4
-    assert backend.batch_exists(keys) == 4
-    # scheduler.record_weight_version_change, after update_weights_from_disk/_tensor/_distributed
-    sglang_serving.override("scheduler.weight_version", weight_version="step-1")
-    assert backend.batch_exists(keys) == 0
-    assert backend.batch_get_v1(keys, sp.pages_of(pool, [5, 6, 7, 8])) == [False] * 4
-    assert backend.batch_set_v1(keys, sp.pages_of(pool, [1, 2, 3, 4])) == [False] * 4
-    assert backend.stats["old_weights_refused"] == 4 and backend.batch_exists(keys) == 0
-    pool.clear()  # SGLang's flush_cache after the update (tree_cache.reset)
-    sp.fill_random(pool, 8)  # what the new weights compute
-    assert backend.batch_set_v1(keys, sp.pages_of(pool, [1, 2, 3, 4])) == [True] * 4
-    assert backend.batch_exists(keys) == 4
-    backend.close()
-
-
 def test_config_values_that_are_no_numbers_fail_the_attach(run_dir):
     extra = sp.extra_config("x", run_dir, timeout_s="soon")
     with pytest.raises(ValueError, match="timeout_s"):
