@@ -23,9 +23,9 @@ def toks(n, seed=0):
     return [rng.randrange(1000) for _ in range(n)]
 
 
-def step(mgr, rid, tokens, mm=None):
+def step(mgr, rid, tokens, mm=None, **match):
     """What an engine does for one prefill: match, wait, allocate, compute, commit."""
-    hit = mgr.match(rid, tokens, mm)
+    hit = mgr.match(rid, tokens, mm, **match)
     computed = mgr.wait_loaded(rid)
     table = mgr.allocate(rid, len(tokens) - computed)
     mgr.commit(rid, len(tokens))
@@ -127,6 +127,23 @@ def test_multimodal_blocks_carry_item_hashes():
     assert hit.gpu_tokens == BS  # equal tokens, but blocks 1.. hold a different image
     hit, _, _ = step(mgr, "cat2", prompt, [MMItem(BS, 8, b"cat.png")])
     assert hit.gpu_tokens == 3 * BS
+
+
+def test_adapters_and_cache_salts_keep_prefixes_apart():
+    """Equal tokens under another LoRA adapter hold other KV, and another cache salt is another
+    tenant: neither matches; the same adapter and salt do, and a request with neither keeps the
+    keys of its tokens alone."""
+    mgr = PrefixCacheManager(64, BS, namespace=NS)
+    prompt = toks(4 * BS)
+    step(mgr, "lora-a", prompt, adapter="a@v1")
+    assert step(mgr, "lora-b", prompt, adapter="b@v1")[0].gpu_tokens == 0
+    assert step(mgr, "base", prompt)[0].gpu_tokens == 0
+    assert step(mgr, "lora-a2", prompt, adapter="a@v1")[0].gpu_tokens == 3 * BS
+    assert step(mgr, "salt-x", prompt, cache_salt="x")[0].gpu_tokens == 0
+    assert step(mgr, "salt-y", prompt, cache_salt="y")[0].gpu_tokens == 0
+    assert step(mgr, "salt-x2", prompt, cache_salt="x")[0].gpu_tokens == 3 * BS
+    assert step(mgr, "base2", prompt)[0].gpu_tokens == 3 * BS
+    assert mgr._seqs["base2"].keys == BlockHasher(NS).hash_blocks(prompt, BS)
 
 
 def test_reset_forgets_everything_cached():

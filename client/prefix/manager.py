@@ -28,7 +28,7 @@ from kvcached_proto.errors import DaemonUnavailable, KvcachedError, KvcachedTime
 
 from ..daemon_link import DaemonLink
 from ..hashing import BlockHasher
-from ..key_scheme import KeyScheme
+from ..key_scheme import KeyScheme, request_parts
 from ..mm_keys import MMItem
 from ..reattach import reconnector
 from .blocks import GpuBlocks
@@ -105,14 +105,18 @@ class PrefixCacheManager:
         self.transfers.hold_and_fail(client, exc)
 
     # request lifecycle ------------------------------------------------------
-    def match(self, request_id, token_ids: Sequence[int], mm_items: Sequence[MMItem] | None = None) -> Match:
+    def match(self, request_id, token_ids: Sequence[int], mm_items: Sequence[MMItem] | None = None,
+              adapter: str | None = None, cache_salt: str | None = None) -> Match:
         """Find the request's cached prefix: GPU hits are referenced at once; host and storage
         hits get GPU blocks and a load (see wait_loaded / wait_layer). At least the last token
-        is left to compute, so the engine has logits."""
+        is left to compute, so the engine has logits. `adapter` names what else changes the
+        request's KV (a LoRA adapter: its name and version), `cache_salt` keeps prefixes apart
+        (one tenant's from another's): blocks of other adapters or salts are never matched."""
         if request_id in self._seqs:
             raise KvcachedError(f"request {request_id!r} is already matched; release it first")
         self._poll()
-        seq = _Seq(request_id, list(token_ids), list(mm_items) if mm_items else None)
+        seq = _Seq(request_id, list(token_ids), list(mm_items) if mm_items else None,
+                   parts=request_parts(adapter, cache_salt))
         self._extend_keys(seq)
         limit = min(len(seq.keys), max(len(seq.tokens) - 1, 0) // self.block_size)
         parent = None
@@ -320,7 +324,8 @@ class PrefixCacheManager:
         return seq
 
     def _extend_keys(self, seq: _Seq) -> None:
-        self.key_scheme.extend(seq.keys, seq.tokens, self.block_size, len(seq.tokens), seq.mm_items)
+        self.key_scheme.extend(seq.keys, seq.tokens, self.block_size, len(seq.tokens), seq.mm_items,
+                               seq.parts)
 
     def _take_blocks(self, n: int, partial: bool = False) -> list[int]:
         self._poll()

@@ -3,6 +3,7 @@ daemon loads and offloads in flight."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..mm_keys import MMItem
 from .tree import Node
@@ -49,3 +50,4 @@ class _Seq:
     num_computed: int = 0
     cached_blocks: int = 0   # leading blocks already in the tree (or known there)
     stale: bool = False      # running across a reset: none of its KV may be cached
+    parts: Callable[[int], tuple] | None = None  # block key parts beyond tokens (an adapter, a salt)

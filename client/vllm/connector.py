@@ -71,6 +71,7 @@ from ..daemon_link import DaemonLink
 from ..group import GroupLink
 from ..hashing import BlockHasher, make_namespace, weights_identity
 from ..key_scheme import KeyScheme
+from .request_keys import request_parts
 from ..kv_worker import BlockTransfer, KVWorker
 from ..lookup_gate import LookupGate
 from ..mm_keys import MMItem
@@ -260,7 +261,8 @@ class KvcachedConnector(KVConnectorBase_V1):
         if len(state.keys) < num_blocks:
             items = [MMItem(f.mm_position.offset, f.mm_position.length, f.identifier)
                      for f in getattr(state.request, "mm_features", None) or []]
-            self.key_scheme.extend(state.keys, tokens, self.block_size, num_blocks, items)
+            self.key_scheme.extend(state.keys, tokens, self.block_size, num_blocks, items,
+                                   request_parts(state.request, self.block_size))
         return state.keys[:num_blocks]
 
     # ------------------------------------------------------------- scheduler

@@ -1,0 +1,46 @@
+"""What besides its tokens and multimodal items decides a vLLM request's KV, as vLLM's own prefix
+cache keys its blocks (`generate_block_hash_extra_keys` in vllm/v1/core/kv_cache_utils.py):
+
+- its LoRA adapter, name and path (every block): an adapter on the K and V projections
+  changes every layer's KV after the first;
+- its cache salt (the first block, so every block after it too: keys are chained), which is
+  how vLLM keeps one tenant's prefixes from another's;
+- its prompt embeddings (each block, the hash of its rows): such a prompt's token ids are
+  placeholders, so two of one length have the same tokens and different KV.
+
+Without these the connector served a LoRA request the base model's KV (or another adapter's),
+and shared prefixes across cache salts and across prompt-embedding requests. A request with none
+of them is keyed by its tokens (and items) alone, as before.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Callable
+
+from ..key_scheme import request_parts as key_parts
+
+
+def request_parts(request, block_size: int) -> Callable[[int], tuple] | None:
+    """block i -> the parts of its key beyond tokens and multimodal items (KeyScheme.extend's
+    `block_parts`), for a vLLM `Request` in blocks of `block_size` tokens; None when there are
+    none."""
+    lora = getattr(request, "lora_request", None)
+    embeds = getattr(request, "prompt_embeds", None)
+    adapter = f"lora\0{lora.lora_name}\0{getattr(lora, 'lora_path', '') or ''}" if lora else None
+    def embeds_of(i: int) -> tuple:
+        return (embeds_hash(embeds, i * block_size, (i + 1) * block_size),)
+
+    return key_parts(adapter, getattr(request, "cache_salt", None),
+                     embeds_of if embeds is not None else None)
+
+
+def embeds_hash(embeds, start: int, end: int) -> bytes:
+    """The hash of rows [start, end) of a prompt-embedding tensor: their dtype, shape and bytes."""
+    import torch
+
+    rows = embeds[start:end].detach().to("cpu").contiguous()
+    h = hashlib.blake2b(digest_size=16, person=b"kvcached-embed")
+    h.update(f"{rows.dtype}|{tuple(rows.shape)}".encode())
+    if rows.numel():
+        h.update(rows.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return b"prompt_embeds\0" + h.digest()

@@ -1,0 +1,94 @@
+"""The connector keys a request's blocks apart exactly where vLLM's own prefix cache does: with
+vLLM's own Request and LoRARequest objects and its block hasher, two requests' i-th blocks get
+equal kvcached keys if and only if vLLM gives them equal block hashes - across LoRA adapters
+(name and path), cache salts, prompt embeddings and tokens. Before, the connector keyed tokens
+(and multimodal items) alone: a LoRA request was served the base model's KV, and prefixes were
+shared across cache salts. Runs in .venv-vllm (./scripts/test.sh --with-vllm)."""
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is installed in .venv-vllm: ./scripts/test.sh --with-vllm")
+
+import torch  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from kvcached_client import BlockHasher  # noqa: E402
+from kvcached_client.key_scheme import KeyScheme  # noqa: E402
+from kvcached_client.vllm.connector import KvcachedConnector, _ReqState  # noqa: E402
+
+BS, BLOCKS, HIDDEN = 16, 4, 8
+TOKENS = [(i * 37 + 11) % 1000 for i in range(BS * BLOCKS + 5)]
+
+
+def _embeds(seed: int, change_block: int | None = None) -> torch.Tensor:
+    e = torch.randn(len(TOKENS), HIDDEN, generator=torch.Generator().manual_seed(seed))
+    if change_block is not None:
+        e[change_block * BS] += 1.0
+    return e.to(torch.bfloat16)
+
+
+def _requests() -> dict[str, Request]:
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BS, sha256)
+    lora = lambda name, path, i: LoRARequest(name, i, path)  # noqa: E731
+    other_tokens = TOKENS[:2 * BS] + [t + 1 for t in TOKENS[2 * BS:]]
+    cases = {
+        "base": {}, "base again": {}, "tokens differ from block 2": {"tokens": other_tokens},
+        "lora a": {"lora_request": lora("a", "/adapters/a", 1)},
+        "lora a again": {"lora_request": lora("a", "/adapters/a", 7)},
+        "lora b": {"lora_request": lora("b", "/adapters/b", 2)},
+        "lora a, another path": {"lora_request": lora("a", "/adapters/a2", 1)},
+        "salt x": {"cache_salt": "x"}, "salt x again": {"cache_salt": "x"},
+        "salt y": {"cache_salt": "y"},
+        "salt x, lora a": {"cache_salt": "x", "lora_request": lora("a", "/adapters/a", 1)},
+        "embeds 1": {"prompt_embeds": _embeds(1)}, "embeds 1 again": {"prompt_embeds": _embeds(1)},
+        "embeds 2": {"prompt_embeds": _embeds(2)},
+        "embeds 1, block 2 differs": {"prompt_embeds": _embeds(1, change_block=2)},
+    }
+    out = {}
+    for n, (name, kw) in enumerate(cases.items()):
+        tokens = kw.pop("tokens", TOKENS)
+        if "prompt_embeds" in kw:
+            tokens = None  # a prompt of embeddings: its token ids are placeholders
+        out[name] = Request(f"r{n}", tokens, SamplingParams(max_tokens=1), None,
+                            block_hasher=hasher, **kw)
+    return out
+
+
+def _connector_keys(request: Request) -> list[bytes]:
+    """The keys the connector's scheduler side makes for the request (its own `_keys`)."""
+    conn = SimpleNamespace(key_scheme=KeyScheme(BlockHasher("test-model|bf16")), block_size=BS)
+    return KvcachedConnector._keys(conn, _ReqState(request), BLOCKS)
+
+
+def test_the_connector_keys_blocks_apart_where_vllms_prefix_cache_does():
+    reqs = _requests()
+    vllm = {name: list(r.block_hashes[:BLOCKS]) for name, r in reqs.items()}
+    ours = {name: _connector_keys(r) for name, r in reqs.items()}
+    assert all(len(v) == BLOCKS for v in vllm.values()) and all(len(k) == BLOCKS for k in ours.values())
+    wrong = [(a, b, i) for a, b in itertools.combinations(reqs, 2) for i in range(BLOCKS)
+             if (vllm[a][i] == vllm[b][i]) != (ours[a][i] == ours[b][i])]
+    assert not wrong, wrong
+    # the cases do differ where they should (else the check above proves little)
+    assert ours["base"] == ours["base again"] and ours["lora a"] == ours["lora a again"]
+    assert ours["base"][:2] == ours["tokens differ from block 2"][:2]
+    assert ours["base"][2] != ours["tokens differ from block 2"][2]
+    assert ours["embeds 1"][:2] == ours["embeds 1, block 2 differs"][:2]
+    assert ours["embeds 1"][2] != ours["embeds 1, block 2 differs"][2]
+    assert all(ours["base"][i] != ours[name][i] for i in range(BLOCKS)
+               for name in ("lora a", "lora b", "lora a, another path", "salt x", "salt y", "embeds 1"))
+
+
+def test_a_plain_request_keeps_the_keys_it_had():
+    """No adapter, salt or embeddings: the keys are the tokens' alone, as before and as the
+    PrefixCacheManager and other engines make them, so what is stored stays a hit."""
+    plain = _requests()["base"]
+    assert _connector_keys(plain) == BlockHasher("test-model|bf16").hash_blocks(TOKENS, BS)[:BLOCKS]
