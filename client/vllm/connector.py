@@ -33,7 +33,7 @@ daemon under rank-derived keys (rank-free for MLA, whose KV is the same on every
 but one daemon with --no-storage-writer). A rank whose load falls short reports those blocks as
 load errors; vLLM gathers them from every worker and all ranks recompute them.
 
-Refused at start-up, by name: pipeline parallelism, a model with several KV cache groups (or
+Refused at start-up, by name: pipeline and context parallelism, a model with several KV cache groups (or
 none), and layers whose KV blocks differ in shape or dtype (the worker core's register).
 
 kv_connector_extra_config: instance (default "default") or instances, run_dir, timeout_s (5),
@@ -139,12 +139,19 @@ def check_one_kv_cache_group(kv_cache_config) -> None:
 
 def check_parallelism(parallel) -> None:
     """Refuse what the connector cannot page correctly, at start. Pipeline parallelism: a rank
-    holds some layers only. Micro-batching (`--enable-dbo`, `ubatch_size` > 1): each
+    holds some layers only. Context parallelism (decode or prefill): a rank holds some of each
+    block's tokens. Micro-batching (`--enable-dbo`, `ubatch_size` > 1): each
     micro-batch runs every attention layer on a thread and CUDA stream of its own, so a layer's
     load would be waited for on the first micro-batch's stream only, and the second could read
     KV still on its way - wrong KV, silently."""
     if parallel.pipeline_parallel_size > 1:
         raise ValueError("KvcachedConnector does not run with pipeline parallelism")
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if int(getattr(parallel, name, 1) or 1) > 1:  # each rank holds a share of a block's
+            # tokens, and MLA's ranks no longer hold the same KV: its shared keys would be wrong
+            raise ValueError(f"KvcachedConnector does not run with context parallelism ({name} "
+                             f"{getattr(parallel, name)}: each rank holds a share of every block's "
+                             "tokens); run without it")
     if getattr(parallel, "enable_dbo", False) or int(getattr(parallel, "ubatch_size", 0) or 0) > 1:
         raise ValueError("KvcachedConnector does not run with micro-batching (enable_dbo or "
                          "ubatch_size > 1: each micro-batch reads the KV on a CUDA stream of its "

@@ -196,7 +196,8 @@ def test_one_daemon_per_rank_is_named_or_refused_clearly():
 
 def test_micro_batching_and_pipeline_parallelism_are_refused_at_start():
     """vLLM's own ParallelConfig: with micro-batching each micro-batch reads the KV on a stream
-    of its own that the layer waits would not cover (wrong KV); both are refused by name."""
+    of its own that the layer waits would not cover (wrong KV); with pipeline or context
+    parallelism a rank holds part of the layers or of the tokens. Each is refused by name."""
     from vllm.config import ParallelConfig
 
     from kvcached_client.vllm.connector import check_parallelism
@@ -208,6 +209,12 @@ def test_micro_batching_and_pipeline_parallelism_are_refused_at_start():
             check_parallelism(ParallelConfig(**bad))
     with pytest.raises(ValueError, match="pipeline parallelism"):
         check_parallelism(ParallelConfig(pipeline_parallel_size=2))
+    check_parallelism(ParallelConfig(tensor_parallel_size=2))
+    # a rank holds a share of every block's tokens: MLA's rank-shared keys would load rank 0's
+    for bad in ({"decode_context_parallel_size": 2, "tensor_parallel_size": 2},
+                {"prefill_context_parallel_size": 2}):
+        with pytest.raises(ValueError, match="context parallelism"):
+            check_parallelism(ParallelConfig(**bad))
 
 
 def test_sleep_mode_is_declined_so_vllm_refuses_it_at_start():
