@@ -27,7 +27,7 @@ them (the connector sets kv_load_failure_policy="recompute"); a missing or faili
 ever costs the cache, never the generation.
 
 Tensor parallelism: one daemon per rank. `instances` lists them by rank (or `instance` holds
-"{rank}", e.g. "gpu{rank}"). The scheduler asks every rank through a GroupClient and takes the
+"{rank}", e.g. "gpu{rank}"; "{dp_rank}" is vLLM's data-parallel rank). The scheduler asks every rank through a GroupClient and takes the
 shortest hit, so all ranks load the same prefix; each worker loads and saves on its own rank's
 daemon under rank-derived keys (rank-free for MLA, whose KV is the same on every rank: start all
 but one daemon with --no-storage-writer). A rank whose load falls short reports those blocks as
@@ -158,22 +158,28 @@ def check_parallelism(parallel) -> None:
                          "own, which the connector's layer waits do not cover); run without it")
 
 
-def rank_instances(extra: dict, tp_size: int) -> list[str]:
-    """The daemon of every tensor-parallel rank, from kv_connector_extra_config."""
+def rank_instances(extra: dict, tp_size: int, dp_rank: int = 0, dp_size: int = 1) -> list[str]:
+    """The daemon of every tensor-parallel rank, from kv_connector_extra_config. "{dp_rank}" in
+    a name is this engine's data-parallel rank (vLLM's DP: one engine per DP rank, each on GPUs
+    of its own, so on one host each needs daemons of its own)."""
     if "instances" in extra:
-        instances = [str(i) for i in extra["instances"]]
+        instances = [str(i).replace("{dp_rank}", str(dp_rank)) for i in extra["instances"]]
         if len(instances) != tp_size:
             raise ValueError(f"kv_connector_extra_config instances lists {len(instances)} daemons "
                              f"for tensor_parallel_size {tp_size}: one per rank")
-        return instances
-    instance = str(extra.get("instance", "default"))
-    if tp_size == 1:
-        return [instance.replace("{rank}", "0")]
-    if "{rank}" not in instance:
-        raise ValueError(f"tensor_parallel_size {tp_size} needs one kvcached daemon per rank: give "
-                         "kv_connector_extra_config 'instances' (by rank) or an 'instance' with "
-                         "{rank} in it")
-    return [instance.replace("{rank}", str(r)) for r in range(tp_size)]
+    else:
+        instance = str(extra.get("instance", "default")).replace("{dp_rank}", str(dp_rank))
+        if tp_size > 1 and "{rank}" not in instance:
+            raise ValueError(f"tensor_parallel_size {tp_size} needs one kvcached daemon per rank: "
+                             "give kv_connector_extra_config 'instances' (by rank) or an "
+                             "'instance' with {rank} in it")
+        instances = [instance.replace("{rank}", str(r)) for r in range(tp_size)]
+    template = str(extra.get("instance", "")) + "".join(str(i) for i in extra.get("instances", ()))
+    if dp_size > 1 and "{dp_rank}" not in template:
+        log.warning("[vllm] data_parallel_size %d: every DP rank uses daemon(s) %s; on one host "
+                    "each DP rank's GPUs need daemons of their own: put {dp_rank} in the "
+                    "instance name", dp_size, ", ".join(instances))
+    return instances
 
 
 @dataclass(eq=False)
@@ -214,7 +220,8 @@ class KvcachedConnector(KVConnectorBase_V1):
         self.mla = bool(getattr(model, "use_mla", False))
         # block keys; the kernel factor is the workers' (set_xfer_handshake_metadata), or the worker's own
         self.key_scheme = KeyScheme(BlockHasher(self.namespace), self.tp_size, self.mla)
-        instances = rank_instances(extra, self.tp_size)
+        instances = rank_instances(extra, self.tp_size, int(parallel.data_parallel_rank or 0),
+                                   int(parallel.data_parallel_size or 1))
         link_args = dict(run_dir=extra.get("run_dir"), timeout=float(extra.get("timeout_s", 5.0)),
                          hang_s=float(extra["hang_s"]) if "hang_s" in extra else None)
         self.counters = {"lookups": 0, "hit_tokens": 0, "daemon_errors": 0}

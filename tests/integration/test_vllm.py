@@ -192,6 +192,10 @@ def test_one_daemon_per_rank_is_named_or_refused_clearly():
         rank_instances({"instances": ["a"]}, 2)
     with pytest.raises(ValueError, match="needs one kvcached daemon per rank"):
         rank_instances({"instance": "gpu0"}, 2)
+    # vLLM's data parallelism: an engine per DP rank, each on GPUs of its own
+    assert rank_instances({"instance": "dp{dp_rank}-gpu{rank}"}, 2, dp_rank=3, dp_size=4) == \
+        ["dp3-gpu0", "dp3-gpu1"]
+    assert rank_instances({"instances": ["a{dp_rank}", "b{dp_rank}"]}, 2, 1, 2) == ["a1", "b1"]
 
 
 def test_micro_batching_and_pipeline_parallelism_are_refused_at_start():
