@@ -71,7 +71,7 @@ from ..daemon_link import DaemonLink
 from ..group import GroupLink
 from ..hashing import BlockHasher, make_namespace, weights_identity
 from ..key_scheme import KeyScheme
-from .request_keys import request_parts
+from .request_keys import model_factors, request_parts
 from ..kv_worker import BlockTransfer, KVWorker
 from ..lookup_gate import LookupGate
 from ..mm_keys import MMItem
@@ -204,7 +204,8 @@ class KvcachedConnector(KVConnectorBase_V1):
         # the KV dtype (fp8 e4m3 and e5m2 blocks are the same size) and the layout vLLM resolved
         # (a block's bytes are in its memory order, in both worker modes) are in the namespace
         layout = getattr(kv_cache_config, "kv_cache_layout", None) or "default"
-        engine = f"vllm-bs{self.block_size}-kv:{vllm_config.cache_config.cache_dtype}-layout:{layout}"
+        engine = (f"vllm-bs{self.block_size}-kv:{vllm_config.cache_config.cache_dtype}-layout:{layout}"
+                  + model_factors(model))  # weights quantized at load, config overrides
         # the checkpoint's identity, not only its path: a new checkpoint written where the old
         # one was gets other keys (extra config weights_version pins it instead)
         weights = str(extra.get("weights_version", "")) or weights_identity(

@@ -44,3 +44,21 @@ def embeds_hash(embeds, start: int, end: int) -> bytes:
     if rows.numel():
         h.update(rows.reshape(-1).view(torch.uint8).numpy().tobytes())
     return b"prompt_embeds\0" + h.digest()
+
+
+def model_factors(model) -> str:
+    """What of vLLM's ModelConfig changes the KV beyond the checkpoint (whose identity and
+    config.json the namespace has) and the dtypes: weights quantized at load (`quantization`)
+    and config overrides (`hf_overrides`, e.g. another RoPE scaling), as the overridden config's
+    digest. "" when neither is set, so the keys of a plain deployment stay as they were."""
+    out = ""
+    quant = getattr(model, "quantization", None)
+    if quant:
+        out += f"-q:{quant}"
+    if getattr(model, "hf_overrides", None):
+        config = model.hf_config
+        text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") \
+            else repr(config)
+        out += "-ov:" + hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    return out
+

@@ -92,3 +92,27 @@ def test_a_plain_request_keeps_the_keys_it_had():
     PrefixCacheManager and other engines make them, so what is stored stays a hit."""
     plain = _requests()["base"]
     assert _connector_keys(plain) == BlockHasher("test-model|bf16").hash_blocks(TOKENS, BS)[:BLOCKS]
+
+
+def test_weights_quantized_at_load_and_config_overrides_change_the_namespace(tmp_path):
+    """vLLM's own ModelConfig of one checkpoint: quantized at load, or with its config
+    overridden (another RoPE base), it computes other KV, so its namespace differs; the same
+    overrides give the same one, and a plain config adds nothing (its keys stay as they were)."""
+    import os
+    import sys
+
+    from vllm.config import ModelConfig
+
+    from kvcached_client.vllm.request_keys import model_factors
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    from vllm_model import write_model
+
+    path = write_model(str(tmp_path / "model"))
+    plain = ModelConfig(model=path)
+    rope = [ModelConfig(model=path, hf_overrides={"rope_theta": 500000.0}) for _ in range(2)]
+    other = ModelConfig(model=path, hf_overrides={"rope_theta": 250000.0})
+    fp8 = ModelConfig(model=path, quantization="fp8")
+    assert model_factors(plain) == ""
+    assert model_factors(rope[0]) == model_factors(rope[1]) != model_factors(other)
+    assert model_factors(rope[0]).startswith("-ov:") and model_factors(fp8) == "-q:fp8"
