@@ -21,8 +21,9 @@ read at every call: pages stored under one version are never matched under anoth
 
 A page's key is a 16-byte digest of the namespace - model, the pool's geometry (layout, page
 size, layers, heads, dtype), tensor-parallel rank and size (not for MLA, whose KV is the same on
-every rank), pipeline and context-parallel shard - and SGLang's page hash (already chained over
-the prefix), so two SGLang servers of one model and layout share pages through the daemon's
+every rank), pipeline and context-parallel shard, what of SGLang's server args computes other KV
+from the same checkpoint (`--dtype`, `--quantization`, `--revision`, `--json-model-override-args`,
+where set) - and SGLang's page hash (already chained over the prefix), so two SGLang servers of one model and layout share pages through the daemon's
 tiers, and a restarted one finds its prefixes.
 """
 from __future__ import annotations
@@ -98,6 +99,27 @@ def sglang_weight_version() -> str | None:
         return None
 
 
+def sglang_model_factors() -> str:
+    """What of SGLang's server args makes other KV from the same checkpoint: the compute dtype,
+    weights quantized at load, a hub revision, config overrides (as their digest). "" where
+    each is SGLang's default, or where no server args are published (no server)."""
+    try:
+        from sglang.srt.runtime_context import get_context
+
+        args = get_context().server_args
+    except Exception:
+        return ""
+    out = ""
+    for name, default in (("dtype", "auto"), ("quantization", None), ("revision", None)):
+        value = getattr(args, name, default)
+        if value not in (default, None, ""):
+            out += f"|{name}:{value}"
+    overrides = getattr(args, "json_model_override_args", "{}") or "{}"
+    if overrides.strip() not in ("", "{}"):
+        out += "|override:" + hashlib.blake2b(overrides.encode(), digest_size=8).hexdigest()
+    return out
+
+
 class PageKeys:
     """SGLang page hashes -> the daemon's 16-byte keys, under one namespace (with SGLang's
     weight version `version`; its launch default adds nothing, so keys stay as they were)."""
@@ -114,7 +136,7 @@ class PageKeys:
         if salt:  # a storage flush that could not reach the daemon
             weights += f"|reset:{salt}"
         self.namespace = make_namespace(
-            cfg.model_name or "", "", f"sglang-hicache|{kv_layout}|{shard}",
+            cfg.model_name or "", "", f"sglang-hicache|{kv_layout}|{shard}{sglang_model_factors()}",
             0 if mla else cfg.tp_rank, 1 if mla else cfg.tp_size,
             tenant=settings.tenant, weights_version=weights)
         self._base = hashlib.blake2b(self.namespace.encode() + b"\0", digest_size=16)
