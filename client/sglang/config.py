@@ -29,9 +29,15 @@ tiers, and a restarted one finds its prefixes.
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 
+from ..extra_keys import unknown_keys
 from ..hashing import make_namespace, weights_identity
+
+log = logging.getLogger("kvcached.sglang")
+EXTRA_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "allocator", "instance",
+              "instances", "run_dir", "timeout_s", "hang_s", "namespace", "weights_version")
 
 
 class ConfigError(ValueError):
@@ -64,6 +70,8 @@ class Settings:
     def of(cls, cfg) -> "Settings":
         """From SGLang's HiCacheStorageConfig; ConfigError names the key that is wrong."""
         extra = dict(cfg.extra_config or {})
+        for message in unknown_keys(extra, EXTRA_KEYS, all_unknown=False):  # SGLang reads
+            log.warning("[sglang] %s", message)  # this extra-config too: near misses only
         if not bool(extra.get("interface_v1", 0)):  # as SGLang reads it
             raise ConfigError("kvcached pages SGLang's host pool in place: add \"interface_v1\": 1 "
                               "to --hicache-storage-backend-extra-config")

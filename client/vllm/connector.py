@@ -68,13 +68,14 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvcached_proto.errors import KvcachedError
 
 from ..daemon_link import DaemonLink
+from ..extra_keys import unknown_keys
 from ..group import GroupLink
 from ..hashing import BlockHasher, make_namespace, weights_identity
 from ..key_scheme import KeyScheme
-from .request_keys import model_factors, request_parts
 from ..kv_worker import BlockTransfer, KVWorker
 from ..lookup_gate import LookupGate
 from ..mm_keys import MMItem
+from .request_keys import model_factors, request_parts
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -84,6 +85,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+EXTRA_KEYS = ("instance", "instances", "run_dir", "timeout_s", "hang_s", "staging_blocks", "mode",
+              "storage_hits", "prefetch_timeout_s", "namespace", "weights_version")
 
 
 def _log_to_stderr() -> None:
@@ -199,6 +202,8 @@ class KvcachedConnector(KVConnectorBase_V1):
         check_one_kv_cache_group(kv_cache_config)
         _log_to_stderr()
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        for message in unknown_keys(extra, EXTRA_KEYS):
+            log.warning("[vllm] %s", message)
         self.block_size = vllm_config.cache_config.block_size
         model = vllm_config.model_config
         # the KV dtype (fp8 e4m3 and e5m2 blocks are the same size) and the layout vLLM resolved

@@ -198,6 +198,18 @@ def test_one_daemon_per_rank_is_named_or_refused_clearly():
     assert rank_instances({"instances": ["a{dp_rank}", "b{dp_rank}"]}, 2, 1, 2) == ["a1", "b1"]
 
 
+def test_every_extra_config_key_the_connector_reads_is_known():
+    """A key outside EXTRA_KEYS is warned about at start (a typo takes the default silently):
+    every key the connector reads must be in it."""
+    import inspect
+    import re
+
+    from kvcached_client.vllm import connector
+
+    read = set(re.findall(r'extra(?:\.get\(|\[)"([a-z_]+)"', inspect.getsource(connector)))
+    assert len(read) >= 10 and read <= set(connector.EXTRA_KEYS), read - set(connector.EXTRA_KEYS)
+
+
 def test_micro_batching_and_pipeline_parallelism_are_refused_at_start():
     """vLLM's own ParallelConfig: with micro-batching each micro-batch reads the KV on a stream
     of its own that the layer waits would not cover (wrong KV); with pipeline or context

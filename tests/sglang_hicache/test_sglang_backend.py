@@ -149,10 +149,17 @@ def test_servers_that_compute_other_kv_from_one_checkpoint_share_no_pages(daemon
         reset_context()
 
 
-def test_config_values_that_are_no_numbers_fail_the_attach(run_dir):
+def test_config_values_that_are_no_numbers_fail_the_attach(run_dir, caplog):
     extra = sp.extra_config("x", run_dir, timeout_s="soon")
     with pytest.raises(ValueError, match="timeout_s"):
         sp.attach(sp.make_pool("mha", "page_first"), extra)
+    # a misspelt key is named (SGLang's own keys of its extra-config are not)
+    extra = sp.extra_config("x", run_dir, namespce="tenant-a", prefetch_threshold=256, timeout_s="soon")
+    with pytest.raises(ValueError):
+        sp.attach(sp.make_pool("mha", "page_first"), extra)
+    said = [r.getMessage() for r in caplog.records if "not read by kvcached" in r.getMessage()]
+    assert said == ["[sglang] extra-config key 'namespce' is not read by kvcached; did you mean "
+                    "'namespace'?"]
 
 
 def test_batch_exists_counts_leading_pages_with_prefix_keys(daemon):
