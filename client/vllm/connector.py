@@ -34,7 +34,7 @@ but one daemon with --no-storage-writer). A rank whose load falls short reports 
 load errors; vLLM gathers them from every worker and all ranks recompute them.
 
 Refused at start-up, by name: pipeline and context parallelism, a model with several KV cache groups (or
-none), and layers whose KV blocks differ in shape or dtype (the worker core's register).
+none) or one whose attention is not full (sliding-window, chunked-local), and layers whose KV blocks differ in shape or dtype (the worker core's register).
 
 kv_connector_extra_config: instance (default "default") or instances, run_dir, timeout_s (5),
 hang_s (the hang threshold, default $KVCACHED_HANG_S or 2), staging_blocks (512), mode (auto:
@@ -123,12 +123,26 @@ def agreed_kernel_factor(metadata: dict) -> int | None:
     return factors.pop() if len(factors) == 1 else (None if factors else 1)
 
 
+KEPT_WHOLE = {"FullAttentionSpec", "MLAAttentionSpec"}  # vLLM keeps a running request's blocks
+
+
 def check_one_kv_cache_group(kv_cache_config) -> None:
     """The connector pages the block ids of one KV cache group (`get_block_ids()[0]`) in every
     layer. A model with several (cross-attention, Mamba state or layers of another spec in
     groups of their own, each numbering its blocks apart) is refused by name: group 0's ids
-    in another group's layers would be wrong KV, saved and served."""
+    in another group's layers would be wrong KV, saved and served. So is one group of sliding-
+    window, chunked-local or other attention whose blocks vLLM frees while the request runs: a
+    save (asynchronous) could read a block vLLM already gave to another request."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if groups is not None and len(groups) == 1:
+        spec = groups[0].kv_cache_spec
+        specs = list(getattr(spec, "kv_cache_specs", {}).values()) or [spec]  # uniform-type groups
+        kinds = sorted({type(s).__name__ for s in specs} - KEPT_WHOLE)
+        if kinds:
+            raise ValueError(f"KvcachedConnector pages full attention only; this model's KV is "
+                             f"{', '.join(kinds)}: vLLM frees such blocks while their request runs "
+                             "(outside its window), under a save still reading them: run it "
+                             "without the connector")
     if groups is None or len(groups) == 1:
         return
     if not groups:

@@ -306,3 +306,15 @@ def test_a_model_with_several_kv_cache_groups_or_none_is_refused_by_name():
         check_one_kv_cache_group(KVCacheConfig(64, [], [full, cross]))
     with pytest.raises(ValueError, match="no KV cache"):
         check_one_kv_cache_group(KVCacheConfig(64, [], []))
+    # one group, but vLLM frees its blocks outside the window while the request runs (a save
+    # still reading one would store another request's KV)
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    kw = dict(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    check_one_kv_cache_group(KVCacheConfig(64, [], [KVCacheGroupSpec(["l.0"], MLAAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16))]))
+    for spec in (SlidingWindowSpec(sliding_window=128, **kw),
+                 ChunkedLocalAttentionSpec(attention_chunk_size=64, **kw)):
+        with pytest.raises(ValueError, match=f"full attention only; this model's KV is "
+                                             f"{type(spec).__name__}"):
+            check_one_kv_cache_group(KVCacheConfig(64, [], [KVCacheGroupSpec(["l.0"], spec)]))
