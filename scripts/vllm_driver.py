@@ -9,10 +9,11 @@ OffloadingConnector (CUDA only: --offload-gb of CPU memory) or none, then runs t
 on stdin, answering one marked JSON line per step on stdout:
 --tp N runs N tensor-parallel CPU workers (their CPUs split between them) and, with the
 kvcached connector, an --instance holding "{rank}" names one daemon per rank.
-  gen NAME   greedy-generate prompt NAME (A, B, C: a shared prefix, different suffixes; D: the
+  gen NAME [SALT]  greedy-generate prompt NAME (A, B, C: a shared prefix, different suffixes; D: the
              prefix's first half only; X: B with one prefix token changed, the control) after
-             reset_prefix_cache(); answers tokens, num_cached_tokens, seconds and reset (whether
-             the reset took: it fails while a finished request's blocks are still held).
+             reset_prefix_cache(), with vLLM's cache_salt SALT if given; answers tokens,
+             num_cached_tokens, seconds and reset (whether the reset took: it fails while a
+             finished request's blocks are still held).
   ttft NAME  the same with one output token: the time to first token.
   genk NAME K  gen NAME with its first K blocks in vLLM's own prefix cache (a prompt sharing
              only those run first): the output of a K-block hit as vLLM itself computes it
@@ -127,8 +128,8 @@ class EngineProcess:
         self.send(cmd, name)
         return self._answer()
 
-    def gen(self, name: str) -> dict:
-        return self.step("gen", name)
+    def gen(self, name: str, salt: str = "") -> dict:
+        return self.step("gen", f"{name} {salt}".strip())
 
     def ttft(self, name: str) -> float:
         return self.step("ttft", name)["seconds"]
@@ -267,8 +268,11 @@ def main() -> int:
             say({"name": cmd[1], "tokens": list(out.outputs[0].token_ids),
                  "num_cached_tokens": out.num_cached_tokens or 0, "reset": reset})
         elif cmd[0] in ("gen", "ttft"):
-            out = llm.generate([TokensPrompt(prompt_token_ids=prompt_ids[cmd[1]])],
-                               params if cmd[0] == "gen" else first_token, use_tqdm=False)[0]
+            prompt = TokensPrompt(prompt_token_ids=prompt_ids[cmd[1]])
+            if len(cmd) > 2:
+                prompt["cache_salt"] = cmd[2]  # vLLM's per-request salt (a tenant's)
+            out = llm.generate([prompt], params if cmd[0] == "gen" else first_token,
+                               use_tqdm=False)[0]
             say({"name": cmd[1], "tokens": list(out.outputs[0].token_ids),
                  "num_cached_tokens": out.num_cached_tokens or 0,
                  "seconds": time.perf_counter() - start, "reset": reset})

@@ -82,6 +82,11 @@ def test_prefixes_come_back_from_kvcached_and_faults_only_cost_recomputation(
         x = eng.gen("X")  # the control: one prefix token changed, the blocks after it miss
         assert x["num_cached_tokens"] == 3 * vllm_driver.BLOCK, x
         assert x["tokens"] == reference["X@3"] != b["tokens"]
+        # vLLM's cache salt keeps tenants apart: B under salt x finds nothing A stored unsalted,
+        # then finds its own blocks; under salt y nothing
+        assert eng.gen("B", "tenant-x")["num_cached_tokens"] == 0
+        assert eng.gen("B", "tenant-x")["num_cached_tokens"] >= len(vllm_driver.PREFIX)
+        assert eng.gen("B", "tenant-y")["num_cached_tokens"] == 0
         assert b["reset"], "A's blocks are still held: its save was never reported finished"
         with daemon.connect() as c:
             # the scheduler's lookups were answered from the key table; the daemon hears of
