@@ -27,23 +27,33 @@ def request_parts(request, block_size: int) -> Callable[[int], tuple] | None:
     lora = getattr(request, "lora_request", None)
     embeds = getattr(request, "prompt_embeds", None)
     adapter = f"lora\0{lora.lora_name}\0{getattr(lora, 'lora_path', '') or ''}" if lora else None
+
     def embeds_of(i: int) -> tuple:
-        return (embeds_hash(embeds, i * block_size, (i + 1) * block_size),)
+        return (b"prompt_embeds\0" + embeds_hash(request, i * block_size, (i + 1) * block_size),)
 
     return key_parts(adapter, getattr(request, "cache_salt", None),
                      embeds_of if embeds is not None else None)
 
 
-def embeds_hash(embeds, start: int, end: int) -> bytes:
-    """The hash of rows [start, end) of a prompt-embedding tensor: their dtype, shape and bytes."""
+def embeds_hash(request, start: int, end: int) -> bytes:
+    """sha256 of the bytes of rows [start, end) of the request's prompt embeddings, as vLLM's
+    block hash has it: taken from the request's own cache of them where vLLM made it (a long
+    prompt's embeddings are hashed once), else made and kept there."""
+    cache = getattr(request, "_prompt_embeds_per_block_hashes", None)
+    found = cache.get((start, end)) if isinstance(cache, dict) else None
+    if found is None:
+        rows = request.prompt_embeds[start:end].detach().to("cpu").contiguous()
+        found = hashlib.sha256(rows.reshape(-1).view(_uint8()).numpy().tobytes()
+                               if rows.numel() else b"").digest()
+        if isinstance(cache, dict):
+            cache[(start, end)] = found
+    return found
+
+
+def _uint8():
     import torch
 
-    rows = embeds[start:end].detach().to("cpu").contiguous()
-    h = hashlib.blake2b(digest_size=16, person=b"kvcached-embed")
-    h.update(f"{rows.dtype}|{tuple(rows.shape)}".encode())
-    if rows.numel():
-        h.update(rows.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return b"prompt_embeds\0" + h.digest()
+    return torch.uint8
 
 
 def model_factors(model) -> str:

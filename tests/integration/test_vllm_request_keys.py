@@ -116,3 +116,19 @@ def test_weights_quantized_at_load_and_config_overrides_change_the_namespace(tmp
     assert model_factors(plain) == ""
     assert model_factors(rope[0]) == model_factors(rope[1]) != model_factors(other)
     assert model_factors(rope[0]).startswith("-ov:") and model_factors(fp8) == "-q:fp8"
+
+
+def test_prompt_embeddings_are_hashed_as_vllm_hashes_them_and_once():
+    """A block's embedding hash is vLLM's own (taken from the request's cache of them where
+    vLLM's block hasher made it, else made the same way and kept there)."""
+    from vllm.v1.core.kv_cache_utils import _gen_prompt_embeds_extra_hash_keys
+
+    from kvcached_client.vllm.request_keys import embeds_hash
+
+    fresh = Request("e", None, SamplingParams(max_tokens=1), None, prompt_embeds=_embeds(3))
+    assert fresh._prompt_embeds_per_block_hashes == {}
+    mine = embeds_hash(fresh, BS, 2 * BS)  # made, and kept in the request's cache
+    assert fresh._prompt_embeds_per_block_hashes == {(BS, 2 * BS): mine}
+    fresh._prompt_embeds_per_block_hashes.clear()
+    assert _gen_prompt_embeds_extra_hash_keys(fresh, BS, 2 * BS) == [("prompt_embeds", mine)]
+    assert embeds_hash(fresh, 0, BS) != mine
