@@ -15,8 +15,11 @@ class MMItem:
 
 
 def block_extra_keys(num_blocks: int, block_size: int, items: Sequence[MMItem] | None) -> list | None:
-    """Per block, the content hashes of the items whose token span overlaps it. Spans are
-    half-open: an item ending exactly at a block's first token does not belong to it."""
+    """Per block, for each item whose token span overlaps it, the item's content hash and where
+    it starts relative to the block's first token ("@-5": five tokens before it): equal
+    placeholder tokens with the same item at another position hold other KV (vLLM keys its
+    blocks the same way). Spans are half-open: an item ending exactly at a block's first token
+    does not belong to it."""
     if not items:
         return None
     out: list = [None] * num_blocks
@@ -26,5 +29,5 @@ def block_extra_keys(num_blocks: int, block_size: int, items: Sequence[MMItem] |
         first = item.offset // block_size
         last = (item.offset + item.length - 1) // block_size
         for b in range(first, min(last, num_blocks - 1) + 1):
-            out[b] = (out[b] or ()) + (item.content_hash,)
+            out[b] = (out[b] or ()) + (item.content_hash, f"@{item.offset - b * block_size}")
     return out

@@ -117,9 +117,10 @@ def test_release_in_any_order_with_shared_nodes_keeps_the_books():
 
 
 def test_multimodal_blocks_carry_item_hashes():
-    assert block_extra_keys(3, BS, [MMItem(0, BS, b"img")]) == [(b"img",), None, None]
-    assert block_extra_keys(3, BS, [MMItem(0, BS + 1, b"img")]) == [(b"img",), (b"img",), None]
-    assert block_extra_keys(3, BS, [MMItem(BS + 4, 2 * BS, "v")]) == [None, ("v",), ("v",)]
+    assert block_extra_keys(3, BS, [MMItem(0, BS, b"img")]) == [(b"img", "@0"), None, None]
+    assert block_extra_keys(3, BS, [MMItem(0, BS + 1, b"img")]) == [
+        (b"img", "@0"), (b"img", f"@{-BS}"), None]
+    assert block_extra_keys(3, BS, [MMItem(BS + 4, 2 * BS, "v")]) == [None, ("v", "@4"), ("v", f"@{4 - BS}")]
     mgr = PrefixCacheManager(32, BS, namespace=NS)
     prompt = toks(4 * BS)
     step(mgr, "cat", prompt, [MMItem(BS, 8, b"cat.png")])
@@ -127,6 +128,8 @@ def test_multimodal_blocks_carry_item_hashes():
     assert hit.gpu_tokens == BS  # equal tokens, but blocks 1.. hold a different image
     hit, _, _ = step(mgr, "cat2", prompt, [MMItem(BS, 8, b"cat.png")])
     assert hit.gpu_tokens == 3 * BS
+    hit, _, _ = step(mgr, "cat-moved", prompt, [MMItem(BS + 2, 8, b"cat.png")])
+    assert hit.gpu_tokens == BS  # the same image two tokens later: other KV from block 1 on
 
 
 def test_adapters_and_cache_salts_keep_prefixes_apart():

@@ -35,6 +35,14 @@ def _embeds(seed: int, change_block: int | None = None) -> torch.Tensor:
     return e.to(torch.bfloat16)
 
 
+def _image(identifier: str, offset: int, length: int):
+    """vLLM's record of one image in a prompt (its content hash and placeholder span)."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    return MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,
+                                 mm_position=PlaceholderRange(offset=offset, length=length))
+
+
 def _requests() -> dict[str, Request]:
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BS, sha256)
@@ -52,6 +60,11 @@ def _requests() -> dict[str, Request]:
         "embeds 1": {"prompt_embeds": _embeds(1)}, "embeds 1 again": {"prompt_embeds": _embeds(1)},
         "embeds 2": {"prompt_embeds": _embeds(2)},
         "embeds 1, block 2 differs": {"prompt_embeds": _embeds(1, change_block=2)},
+        "image a at 20": {"mm_features": [_image("a", 20, 24)]},
+        "image a at 20 again": {"mm_features": [_image("a", 20, 24)]},
+        "image b at 20": {"mm_features": [_image("b", 20, 24)]},
+        "image a at 22": {"mm_features": [_image("a", 22, 24)]},
+        "images a, b": {"mm_features": [_image("a", 5, 8), _image("b", 40, 8)]},
     }
     out = {}
     for n, (name, kw) in enumerate(cases.items()):
@@ -85,6 +98,8 @@ def test_the_connector_keys_blocks_apart_where_vllms_prefix_cache_does():
     assert ours["embeds 1"][2] != ours["embeds 1, block 2 differs"][2]
     assert all(ours["base"][i] != ours[name][i] for i in range(BLOCKS)
                for name in ("lora a", "lora b", "lora a, another path", "salt x", "salt y", "embeds 1"))
+    assert ours["image a at 20"] == ours["image a at 20 again"] and ours["base"][0] == ours["image a at 20"][0]
+    assert ours["image a at 20"][1] != ours["image a at 22"][1]  # the same image two tokens later
 
 
 def test_a_plain_request_keeps_the_keys_it_had():
