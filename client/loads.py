@@ -60,9 +60,10 @@ class SendsLoads:
                 sent.append(exc)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         out: list[LoadTask | KvcachedError] = []
-        for rid, (_, blocks) in zip(sent, loads):  # once the daemon is seen down, the rest take
-            down = any(isinstance(e, DaemonUnavailable) for e in out)  # what already came only
+        down = False  # once the daemon is seen down, the rest take what already came only
+        for rid, (_, blocks) in zip(sent, loads):
             out.append(self._load_reply(rid, blocks, time.monotonic() if down else deadline))
+            down = down or isinstance(out[-1], DaemonUnavailable)
         return out
 
     def _load_reply(self, rid: int | KvcachedError, blocks, deadline: float) -> LoadTask | KvcachedError:

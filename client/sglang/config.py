@@ -23,8 +23,9 @@ A page's key is a 16-byte digest of the namespace - model, the pool's geometry (
 size, layers, heads, dtype), tensor-parallel rank and size (not for MLA, whose KV is the same on
 every rank), pipeline and context-parallel shard, what of SGLang's server args computes other KV
 from the same checkpoint (`--dtype`, `--quantization`, `--revision`, `--json-model-override-args`,
-where set) - and SGLang's page hash (already chained over the prefix), so two SGLang servers of one model and layout share pages through the daemon's
-tiers, and a restarted one finds its prefixes.
+where set) - and SGLang's page hash (already chained over the prefix), so two SGLang servers of
+one model, args and layout share pages through the daemon's tiers, and a restarted one finds its
+prefixes.
 """
 from __future__ import annotations
 
@@ -141,7 +142,8 @@ class PageKeys:
         weights = settings.weights_version
         if version not in (None, "default"):
             weights += f"|sglang-weight-version:{version}"
-        if salt:  # a storage flush that could not reach the daemon
+        if salt:  # a storage flush that could not reach the daemon, a weight update that kept
+            # the version (weight_updates.py)
             weights += f"|reset:{salt}"
         self.namespace = make_namespace(
             cfg.model_name or "", "", f"sglang-hicache|{kv_layout}|{shard}{sglang_model_factors()}",

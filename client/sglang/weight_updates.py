@@ -23,6 +23,7 @@ what an earlier run stored after an update.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 import threading
@@ -58,8 +59,6 @@ def salt() -> str:
 
 def _install() -> bool:
     try:
-        import importlib
-
         cls = importlib.import_module(UPDATER).SchedulerWeightUpdaterManager
     except Exception as exc:  # another SGLang: its updater is elsewhere, or missing
         log.info("[sglang] weight updater not found (%s: %s)", type(exc).__name__, exc)

@@ -27,14 +27,15 @@ them (the connector sets kv_load_failure_policy="recompute"); a missing or faili
 ever costs the cache, never the generation.
 
 Tensor parallelism: one daemon per rank. `instances` lists them by rank (or `instance` holds
-"{rank}", e.g. "gpu{rank}"; "{dp_rank}" is vLLM's data-parallel rank). The scheduler asks every rank through a GroupClient and takes the
-shortest hit, so all ranks load the same prefix; each worker loads and saves on its own rank's
+"{rank}", e.g. "gpu{rank}"; "{dp_rank}" is vLLM's data-parallel rank). The scheduler asks every
+rank through a GroupClient and takes the shortest hit, so all ranks load the same prefix; each worker loads and saves on its own rank's
 daemon under rank-derived keys (rank-free for MLA, whose KV is the same on every rank: start all
 but one daemon with --no-storage-writer). A rank whose load falls short reports those blocks as
 load errors; vLLM gathers them from every worker and all ranks recompute them.
 
-Refused at start-up, by name: pipeline and context parallelism, a model with several KV cache groups (or
-none) or one whose attention is not full (sliding-window, chunked-local), and layers whose KV blocks differ in shape or dtype (the worker core's register).
+Refused at start-up, by name: pipeline and context parallelism, a model with several KV cache
+groups (or none) or one whose attention is not full (sliding-window, chunked-local), and layers
+whose KV blocks differ in shape or dtype (the worker core's register).
 
 kv_connector_extra_config: instance (default "default") or instances, run_dir, timeout_s (5),
 hang_s (the hang threshold, default $KVCACHED_HANG_S or 2), staging_blocks (512), mode (auto:
@@ -134,7 +135,9 @@ def check_one_kv_cache_group(kv_cache_config) -> None:
     window, chunked-local or other attention whose blocks vLLM frees while the request runs: a
     save (asynchronous) could read a block vLLM already gave to another request."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
-    if groups is not None and len(groups) == 1:
+    if groups is None:  # an older vLLM that hands the connector no config
+        return
+    if len(groups) == 1:
         spec = groups[0].kv_cache_spec
         specs = list(getattr(spec, "kv_cache_specs", {}).values()) or [spec]  # uniform-type groups
         kinds = sorted({type(s).__name__ for s in specs} - KEPT_WHOLE)
@@ -143,7 +146,6 @@ def check_one_kv_cache_group(kv_cache_config) -> None:
                              f"{', '.join(kinds)}: vLLM frees such blocks while their request runs "
                              "(outside its window), under a save still reading them: run it "
                              "without the connector")
-    if groups is None or len(groups) == 1:
         return
     if not groups:
         raise ValueError("KvcachedConnector: this model has no KV cache (attention-free); "

@@ -17,6 +17,8 @@ from __future__ import annotations
 import hashlib
 from typing import Callable
 
+import torch
+
 from ..key_scheme import request_parts as key_parts
 
 
@@ -43,17 +45,11 @@ def embeds_hash(request, start: int, end: int) -> bytes:
     found = cache.get((start, end)) if isinstance(cache, dict) else None
     if found is None:
         rows = request.prompt_embeds[start:end].detach().to("cpu").contiguous()
-        found = hashlib.sha256(rows.reshape(-1).view(_uint8()).numpy().tobytes()
+        found = hashlib.sha256(rows.reshape(-1).view(torch.uint8).numpy().tobytes()
                                if rows.numel() else b"").digest()
         if isinstance(cache, dict):
             cache[(start, end)] = found
     return found
-
-
-def _uint8():
-    import torch
-
-    return torch.uint8
 
 
 def model_factors(model) -> str:
