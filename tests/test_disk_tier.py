@@ -372,6 +372,43 @@ def test_puts_that_hit_a_full_filesystem_together_lower_the_limit_once(tmp_path,
         tier.close()
 
 
+def test_a_put_whose_retry_meets_enospc_again_tries_again(tmp_path, monkeypatch):
+    """A put that met ENOSPC found room (another put's victims were unlinked meanwhile) and
+    wrote again, but a write on the other I/O thread had taken that room: the second ENOSPC
+    failed the put (a flake of the full-disk test above). A put goes on making room and
+    writing while the filesystem says ENOSPC, a few times; then it fails."""
+    import errno
+    import types
+
+    from kvcached.storage import disk, disk_health
+
+    monkeypatch.setattr(disk.os, "statvfs", lambda _p: types.SimpleNamespace(
+        f_blocks=1 << 20, f_frsize=4096, f_bavail=1 << 19, f_files=0, f_favail=0))
+    tier = disk.DiskBackend(str(tmp_path), capacity_bytes=1 << 30)
+    try:
+        assert tier.indexed.wait(10)
+        real, calls = tier._write, []
+
+        def write(key, *rest):  # ENOSPC for the first tries of each key, then the real write
+            calls.append(key)
+            if calls.count(key) < disk_health.ENOSPC_TRIES:
+                return OSError(errno.ENOSPC, "No space left on device")
+            return real(key, *rest)
+
+        tier._write = write
+        page = [memoryview(bytes([7]) * 4096)]
+        assert tier.put([b"\x01" * 16], [page], bytes(16)) == [True]
+        assert tier.exists_prefix([b"\x01" * 16]) == 1 and tier.counters["enospc"] >= 2
+        calls.clear()
+        tier._write = lambda key, *rest: (calls.append(key),
+                                          OSError(errno.ENOSPC, "No space left on device"))[1]
+        assert tier.put([b"\x02" * 16], [page], bytes(16)) == [False]  # never room: it ends
+        assert len(calls) == disk_health.ENOSPC_TRIES and tier.counters["put_errors"] == 1
+        assert tier.used_bytes == len(files(str(tmp_path))) * (4096 + disk.HEADER_BYTES)
+    finally:
+        tier.close()
+
+
 def test_disk_capacity_is_enforced_with_lru(run_dir, instance, disk_dir):
     kv = small_kv(block_shape=PAGE_SHAPE)
     cap_gb = 10 * (32768 + 48) / 2**30  # room for 10 block files

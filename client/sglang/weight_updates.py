@@ -18,7 +18,8 @@ group SGLang's updater uses for its own barriers; every rank runs the same updat
 a group (one rank) the salt is drawn locally, and a broadcast that fails leaves each rank its
 own (then MLA's other ranks miss; nothing is served wrong). A salt is random, never repeated: a
 server restarted on its checkpoint matches what was stored under the checkpoint's keys, never
-what an earlier run stored after an update.
+what an earlier run stored after an update. A backend that cannot re-key is closed (it
+serves nothing more) rather than let the error into SGLang's update call.
 """
 from __future__ import annotations
 
@@ -84,10 +85,25 @@ def _watched(fn):
             after = sglang_weight_version()
             _salt = shared_salt(getattr(self, "tp_cpu_group", None)) if after == before else ""
             for backend, n in zip(backends, clears):
-                backend.weights_replaced(after, _salt, pool_cleared=backend.pool_clears != n)
+                _tell(backend, after, _salt, backend.pool_clears != n)
 
     update._kvcached_watched = True
     return update
+
+
+def _tell(backend, version, salt, cleared: bool) -> None:
+    """Re-key one backend. One that fails to is closed (every page a miss, no backups from
+    then on) rather than left keying new weights' pages as the old ones', and SGLang's update
+    call never sees the error."""
+    try:
+        backend.weights_replaced(version, salt, pool_cleared=cleared)
+    except Exception as exc:
+        log.error("[sglang] re-keying after a weight update failed (%s: %s): this backend is "
+                  "closed, so it serves no page of the old weights", type(exc).__name__, exc)
+        try:
+            backend.close()  # drops its link first: from then on every call is a miss
+        except Exception as err:
+            log.error("[sglang] closing the backend: %s: %s", type(err).__name__, err)
 
 
 def shared_salt(group) -> str:

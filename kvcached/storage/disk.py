@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 from . import owned
 from .base import StorageBackend
 from .disk_clear import DiskClears
-from .disk_health import PROBE_EVERY_S, DiskHealth
+from .disk_health import ENOSPC_TRIES, PROBE_EVERY_S, DiskHealth
 from .disk_listing import list_records
 from .disk_owed import OwedUnlinks
 from .disk_write import write_record
@@ -348,14 +348,14 @@ class DiskBackend(DiskHealth, StorageBackend):
         self._block_bytes = size
         if size > self.capacity_bytes or not self._evict_over_capacity(size):
             return False
-        err = self._write(key, pieces, size, geometry)
-        if err is not None and err.errno == errno.ENOSPC:
-            with self._lock:
+        err, tries = self._write(key, pieces, size, geometry), 1
+        while err is not None and err.errno == errno.ENOSPC and tries < ENOSPC_TRIES:
+            with self._lock:  # another I/O thread's write may take the room a retry found
                 self.used_bytes -= size  # the reservation, taken again under the new limit
             self._on_full(size)
             if not self._evict_over_capacity(size):
                 return False
-            err = self._write(key, pieces, size, geometry)
+            err, tries = self._write(key, pieces, size, geometry), tries + 1
         if err is not None:
             with self._lock:
                 self.used_bytes -= size  # the reservation

@@ -14,6 +14,7 @@ log = logging.getLogger("kvcached.storage.disk")  # the tier's logger, as before
 
 PROBE_EVERY_S = 1.0
 ENOSPC_EVICT_BLOCKS = 8  # a full filesystem: the limit goes this many blocks under what it holds
+ENOSPC_TRIES = 4  # writes of one block that may meet ENOSPC (room made before each retry)
 FS_SLACK_MAX = 4 << 30  # room left free on the filesystem before the probe raises the limit
 
 

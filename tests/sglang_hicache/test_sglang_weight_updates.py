@@ -133,6 +133,35 @@ def test_an_update_naming_a_new_version_keys_pages_by_it_alone(daemon, sglang_se
     backend.close()
 
 
+def test_a_backend_that_cannot_re_key_is_closed_and_the_update_goes_on(daemon, sglang_serving, monkeypatch):
+    """Re-keying raised inside the wrapped update (here: the page keys cannot be made): the
+    error went into SGLang's update call, and the backend kept its old keys - the old weights'
+    pages would be hits under the new weights. The update returns as SGLang's own does; the
+    backend is closed, so every page is a miss and nothing is stored; another backend re-keys."""
+    pool, other_pool = sp.make_pool("mha", "page_first"), sp.make_pool("mha", "page_first")
+    sp.fill_random(pool, 13)
+    backend = sp.attach(pool, sp.extra_config(daemon.instance, daemon.run_dir))
+    other = sp.attach(other_pool, sp.extra_config(daemon.instance, daemon.run_dir))
+    keys = sp.page_hashes(3, seed=46)
+    _stored(backend, pool, keys, [1, 2, 3])
+    assert other.batch_exists(keys) == 3  # the control: both serve the old weights' pages
+
+    def cannot(*_args, **_kw):
+        raise RuntimeError("no page keys")
+
+    monkeypatch.setattr(backend, "weights_replaced", cannot)
+    mgr = su.updater(pool)
+    assert su.update_from_disk(mgr, None) is not None and mgr.scheduler.flushes == 1
+    assert backend.batch_exists(keys) == 0 and other.batch_exists(keys) == 0
+    assert backend.batch_get_v1(keys, sp.pages_of(pool, [5, 6, 7])) == [False] * 3
+    assert backend.batch_set_v1(keys, sp.pages_of(pool, [1, 2, 3])) == [False] * 3
+    other_pool.clear()  # its server's flush after the update
+    sp.fill_random(other_pool, 14)
+    _stored(other, other_pool, keys, [1, 2, 3])  # the other backend re-keyed and serves
+    other.close()
+    backend.close()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
