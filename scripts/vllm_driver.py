@@ -8,7 +8,8 @@ change the shape), starts LLM(...) with the KvcachedConnector, vLLM's ExampleCon
 OffloadingConnector (CUDA only: --offload-gb of CPU memory) or none, then runs the steps given
 on stdin, answering one marked JSON line per step on stdout:
 --tp N runs N tensor-parallel CPU workers (their CPUs split between them) and, with the
-kvcached connector, an --instance holding "{rank}" names one daemon per rank.
+kvcached connector, an --instance holding "{rank}" names one daemon per rank. --eagle DIR adds
+speculative decoding with an EAGLE drafter (random weights) written to DIR.
   gen NAME [SALT]  greedy-generate prompt NAME (A, B, C: a shared prefix, different suffixes; D: the
              prefix's first half only; X: B with one prefix token changed, the control) after
              reset_prefix_cache(), with vLLM's cache_salt SALT if given; answers tokens,
@@ -32,7 +33,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_model import CONFIG, config_for, write_model  # noqa: E402
+from vllm_model import CONFIG, config_for, write_eagle_draft, write_model  # noqa: E402
 
 BLOCK = 32
 PREFIX_BLOCKS = 14
@@ -181,6 +182,8 @@ def _args():
                          "large shapes, where writing a checkpoint would cost more than it tells)")
     ap.add_argument("--storage-hits", choices=["prefetch", "inline"], default="prefetch",
                     help="the connector's storage_hits")
+    ap.add_argument("--eagle", default="", help="speculative decoding with an EAGLE drafter "
+                    "(2 tokens) written to this directory (random weights, the model's shape)")
     return ap.parse_args()
 
 
@@ -218,7 +221,9 @@ def _engine(args):
                enforce_eager=not args.cuda_graphs, block_size=args.block, seed=0,
                max_model_len=max(1024, (args.prefix_blocks + 4) * args.block),
                dtype="bfloat16", kv_transfer_config=kv, gpu_memory_utilization=args.gpu_mem,
-               tensor_parallel_size=args.tp)
+               tensor_parallel_size=args.tp,
+               speculative_config={"method": "eagle", "model": args.eagle,
+                                   "num_speculative_tokens": 2} if args.eagle else None)
 
 
 def main() -> int:
@@ -233,6 +238,8 @@ def main() -> int:
             json.dump(config, f)
     else:
         write_model(args.model_dir, config)
+    if args.eagle:
+        write_eagle_draft(args.eagle, config)
     # vLLM's CPU backend reserves one more core when any connector is configured, which changes
     # float results on a small machine: reserve alike with and without one
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(args.tp))

@@ -72,3 +72,32 @@ def write_model(model_dir: str, config: dict | None = None, seed: int = 0) -> st
     with open(path, "w") as f:
         json.dump(config, f)
     return model_dir
+
+
+def write_eagle_draft(model_dir: str, config: dict | None = None, seed: int = 1) -> str:
+    """An EAGLE drafter for the model of `config`: one decoder layer of its shape, its embedding
+    and the `fc` that joins a token's embedding to the target's hidden state, named as EAGLE
+    checkpoints name them (no `model.` prefix; no input norm in its layer, no final norm or
+    lm_head: vLLM shares the target's)."""
+    from safetensors.torch import save_file
+
+    config = dict(config or CONFIG, num_hidden_layers=1, kvcached_test_seed=seed)
+    os.makedirs(model_dir, exist_ok=True)
+    path = os.path.join(model_dir, "config.json")
+    if os.path.exists(path) and os.path.exists(os.path.join(model_dir, "model.safetensors")):
+        with open(path) as f:
+            if json.load(f) == config:  # written already (its identity, mtimes too, kept)
+                return model_dir
+    full = _weights(config, seed)
+    weights = {name.removeprefix("model."): w for name, w in full.items()
+               if name.startswith(("model.layers.", "model.embed_tokens."))
+               and not name.endswith("layers.0.input_layernorm.weight")}  # EAGLE has none
+    import torch
+
+    h = config["hidden_size"]
+    gen = torch.Generator().manual_seed(seed + 1000)
+    weights["fc.weight"] = (torch.randn(h, 2 * h, generator=gen) * 0.05).to(torch.bfloat16)
+    save_file(weights, os.path.join(model_dir, "model.safetensors"))
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return model_dir

@@ -76,7 +76,7 @@ from ..key_scheme import KeyScheme
 from ..kv_worker import BlockTransfer, KVWorker
 from ..lookup_gate import LookupGate
 from ..mm_keys import MMItem
-from .request_keys import model_factors, request_parts
+from .request_keys import drops_last_block, model_factors, request_parts
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -226,7 +226,9 @@ class KvcachedConnector(KVConnectorBase_V1):
         # (a block's bytes are in its memory order, in both worker modes) are in the namespace
         layout = getattr(kv_cache_config, "kv_cache_layout", None) or "default"
         engine = (f"vllm-bs{self.block_size}-kv:{vllm_config.cache_config.cache_dtype}-layout:{layout}"
-                  + model_factors(model))  # weights quantized at load, config overrides
+                  + model_factors(model, vllm_config.speculative_config))  # quantized at load,
+        # config overrides, a drafter's KV (whose last slot of a block is the next token's)
+        self.drop_last = int(drops_last_block(vllm_config.speculative_config))
         # the checkpoint's identity, not only its path: a new checkpoint written where the old
         # one was gets other keys (extra config weights_version pins it instead)
         weights = str(extra.get("weights_version", "")) or weights_identity(
@@ -327,6 +329,7 @@ class KvcachedConnector(KVConnectorBase_V1):
             return 0, False
         if hit is None:  # its storage hit is being brought into the host tier: ask again later
             return None, False
+        hit = max(hit - self.drop_last, 0)  # EAGLE: as vLLM's own hits (drops_last_block)
         self.counters["lookups"] += 1
         state.ext_tokens = hit * bs
         state.storage_tokens = min(hit, self.gate.from_storage.get(request.request_id, 0)) * bs

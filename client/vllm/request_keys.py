@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from ..hashing import weights_identity
 from ..key_scheme import request_parts as key_parts
 
 
@@ -52,11 +53,13 @@ def embeds_hash(request, start: int, end: int) -> bytes:
     return found
 
 
-def model_factors(model) -> str:
+def model_factors(model, speculative=None) -> str:
     """What of vLLM's ModelConfig changes the KV beyond the checkpoint (whose identity and
     config.json the namespace has) and the dtypes: weights quantized at load (`quantization`)
     and config overrides (`hf_overrides`, e.g. another RoPE scaling), as the overridden config's
-    digest. "" when neither is set, so the keys of a plain deployment stay as they were."""
+    digest; and a speculative decoder whose layers have KV in the blocks (EAGLE, a draft model:
+    their KV is the draft's, so another draft, or none, pages other bytes). "" when none is
+    set, so the keys of a plain deployment stay as they were."""
     out = ""
     quant = getattr(model, "quantization", None)
     if quant:
@@ -65,6 +68,23 @@ def model_factors(model) -> str:
         config = model.hf_config
         text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") \
             else repr(config)
-        out += "-ov:" + hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+        out += "-ov:" + _digest(text)
+    draft = getattr(speculative, "draft_model_config", None)
+    if draft is not None and getattr(speculative, "uses_draft_kv_cache", lambda: True)():
+        out += "-sd:" + _digest("\0".join((
+            str(speculative.method), str(draft.model), str(draft.dtype),
+            weights_identity(str(draft.model), getattr(draft, "revision", None)),
+            model_factors(draft))))
     return out
 
+
+def drops_last_block(speculative) -> bool:
+    """EAGLE-style decoding writes a block's last slot of the drafter's KV with the token after
+    the block (a lookahead), which another request sharing the block need not have: vLLM's own
+    prefix cache drops the last block of every hit then (`use_eagle_block_drop`), and so does
+    the connector's."""
+    return bool(getattr(speculative, "use_eagle_block_drop", lambda: False)())
+
+
+def _digest(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
