@@ -15,6 +15,7 @@ of them is keyed by its tokens (and items) alone, as before.
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Callable
 
 import torch
@@ -55,20 +56,31 @@ def embeds_hash(request, start: int, end: int) -> bytes:
 
 def model_factors(model, speculative=None) -> str:
     """What of vLLM's ModelConfig changes the KV beyond the checkpoint (whose identity and
-    config.json the namespace has) and the dtypes: weights quantized at load (`quantization`)
-    and config overrides (`hf_overrides`, e.g. another RoPE scaling), as the overridden config's
-    digest; and a speculative decoder whose layers have KV in the blocks (EAGLE, a draft model:
-    their KV is the draft's, so another draft, or none, pages other bytes). "" when none is
-    set, so the keys of a plain deployment stay as they were."""
+    config.json the namespace has) and the dtypes: weights quantized at load (`quantization`,
+    `quantization_config`), a config other than the checkpoint's (`hf_overrides`, e.g. another
+    RoPE scaling, or `hf_config_path`: the config's digest), other model classes
+    (`model_class_overrides`), another revision of a model's own code (`code_revision`) and
+    weights from elsewhere (`model_weights`); and a speculative decoder whose layers have KV in
+    the blocks (EAGLE, a draft model: their KV is the draft's, so another draft, or none,
+    pages other bytes). "" when none is set, so the keys of a plain deployment stay as they
+    were."""
     out = ""
     quant = getattr(model, "quantization", None)
     if quant:
         out += f"-q:{quant}"
-    if getattr(model, "hf_overrides", None):
+    if getattr(model, "quantization_config", None):
+        out += "-qc:" + _digest(_text(model.quantization_config))
+    if getattr(model, "hf_overrides", None) or getattr(model, "hf_config_path", None):
         config = model.hf_config
         text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") \
             else repr(config)
         out += "-ov:" + _digest(text)
+    if getattr(model, "model_class_overrides", None):
+        out += "-cls:" + _digest(_text(model.model_class_overrides))
+    if getattr(model, "code_revision", None):
+        out += f"-code:{model.code_revision}"
+    if getattr(model, "model_weights", None):
+        out += "-w:" + _digest(str(model.model_weights))
     draft = getattr(speculative, "draft_model_config", None)
     if draft is not None and getattr(speculative, "uses_draft_kv_cache", lambda: True)():
         out += "-sd:" + _digest("\0".join((
@@ -88,3 +100,11 @@ def drops_last_block(speculative) -> bool:
 
 def _digest(text: str) -> str:
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def _text(value) -> str:
+    """A setting as text that is the same for equal settings (a dict's keys sorted)."""
+    try:
+        return json.dumps(value, sort_keys=True, default=repr)
+    except (TypeError, ValueError):
+        return repr(value)

@@ -112,7 +112,9 @@ def test_a_plain_request_keeps_the_keys_it_had():
 def test_weights_quantized_at_load_and_config_overrides_change_the_namespace(tmp_path):
     """vLLM's own ModelConfig of one checkpoint: quantized at load, or with its config
     overridden (another RoPE base), it computes other KV, so its namespace differs; the same
-    overrides give the same one, and a plain config adds nothing (its keys stay as they were)."""
+    overrides give the same one, and a plain config adds nothing (its keys stay as they were).
+    So does each other setting that changes the weights or the config."""
+    import json
     import os
     import sys
 
@@ -131,6 +133,21 @@ def test_weights_quantized_at_load_and_config_overrides_change_the_namespace(tmp
     assert model_factors(plain) == ""
     assert model_factors(rope[0]) == model_factors(rope[1]) != model_factors(other)
     assert model_factors(rope[0]).startswith("-ov:") and model_factors(fp8) == "-q:fp8"
+    # a config from elsewhere (another RoPE base), other model classes, another revision of the model's code, weights from another place,
+    # another quantization config: each its own namespace, each the same again when repeated
+    elsewhere = str(tmp_path / "config")
+    os.makedirs(elsewhere)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(elsewhere, "config.json"), "w") as f:
+        json.dump(dict(config, rope_theta=500000.0), f)
+    llama = {"LlamaForCausalLM": "vllm.model_executor.models.llama:LlamaForCausalLM"}
+    variants = [dict(hf_config_path=elsewhere), dict(model_class_overrides=llama),
+                dict(code_revision="v2"), dict(model_weights="s3://bucket/other"),
+                dict(quantization="fp8", quantization_config={"activation_scheme": "dynamic"})]
+    factors = [model_factors(ModelConfig(model=path, **kw)) for kw in variants]
+    assert len({"", *factors, model_factors(fp8)}) == len(variants) + 2, factors
+    assert factors == [model_factors(ModelConfig(model=path, **kw)) for kw in variants]
 
 
 def test_prompt_embeddings_are_hashed_as_vllm_hashes_them_and_once():
