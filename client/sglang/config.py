@@ -23,7 +23,7 @@ A page's key is a 16-byte digest of the namespace - model, the pool's geometry (
 size, layers, heads, dtype), tensor-parallel rank and size (not for MLA, whose KV is the same on
 every rank), pipeline and context-parallel shard, what of SGLang's server args computes other KV
 from the same checkpoint (`--dtype`, `--quantization`, `--revision`, `--json-model-override-args`,
-where set) - and SGLang's page hash (already chained over the prefix), so two SGLang servers of
+`--load-format`, `--modelopt-quant`, `--quantization-param-path` and the like, where set) - and SGLang's page hash (already chained over the prefix), so two SGLang servers of
 one model, args and layout share pages through the daemon's tiers, and a restarted one finds its
 prefixes.
 """
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from dataclasses import dataclass
 
 from ..extra_keys import unknown_keys
@@ -110,8 +111,12 @@ def sglang_weight_version() -> str | None:
 
 def sglang_model_factors() -> str:
     """What of SGLang's server args makes other KV from the same checkpoint: the compute dtype,
-    weights quantized at load, a hub revision, config overrides (as their digest). "" where
-    each is SGLang's default, or where no server args are published (no server)."""
+    weights quantized at load (`--quantization`, `--modelopt-quant`, a restored ModelOpt
+    checkpoint, a FlashRL profile), weights loaded otherwise (`--load-format` other than auto:
+    `dummy` weights are random), a hub revision, config overrides (as their digest) and fp8 KV
+    scales from a file (`--quantization-param-path`). A file or directory counts by its path,
+    size and modification time. "" where each is SGLang's default, or where no server args are
+    published (no server)."""
     try:
         from sglang.srt.runtime_context import get_context
 
@@ -119,14 +124,33 @@ def sglang_model_factors() -> str:
     except Exception:
         return ""
     out = ""
-    for name, default in (("dtype", "auto"), ("quantization", None), ("revision", None)):
+    for name, default in (("dtype", "auto"), ("quantization", None), ("revision", None),
+                          ("load_format", "auto"), ("modelopt_quant", None)):
         value = getattr(args, name, default)
         if value not in (default, None, ""):
             out += f"|{name}:{value}"
     overrides = getattr(args, "json_model_override_args", "{}") or "{}"
     if overrides.strip() not in ("", "{}"):
-        out += "|override:" + hashlib.blake2b(overrides.encode(), digest_size=8).hexdigest()
+        out += "|override:" + _digest(overrides)
+    for name in ("quantization_param_path", "modelopt_checkpoint_restore_path", "rl_quant_profile"):
+        path = getattr(args, name, None)
+        if path:
+            out += f"|{name}:" + _digest(_file_identity(str(path)))
     return out
+
+
+def _file_identity(path: str) -> str:
+    if os.path.isdir(path):
+        return f"{path}|{weights_identity(path)}"
+    try:
+        st = os.stat(path)
+        return f"{path}:{st.st_size}:{st.st_mtime_ns}"
+    except OSError:
+        return path
+
+
+def _digest(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
 class PageKeys:

@@ -226,8 +226,8 @@ class KvcachedConnector(KVConnectorBase_V1):
         # (a block's bytes are in its memory order, in both worker modes) are in the namespace
         layout = getattr(kv_cache_config, "kv_cache_layout", None) or "default"
         engine = (f"vllm-bs{self.block_size}-kv:{vllm_config.cache_config.cache_dtype}-layout:{layout}"
-                  + model_factors(model, vllm_config.speculative_config))  # quantized at load,
-        # config overrides, a drafter's KV (whose last slot of a block is the next token's)
+                  + model_factors(model, vllm_config.speculative_config, vllm_config.load_config))
+        # (weights quantized at load, config overrides, a drafter's KV: request_keys.py)
         self.drop_last = int(drops_last_block(vllm_config.speculative_config))
         # the checkpoint's identity, not only its path: a new checkpoint written where the old
         # one was gets other keys (extra config weights_version pins it instead)

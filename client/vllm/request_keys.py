@@ -54,16 +54,17 @@ def embeds_hash(request, start: int, end: int) -> bytes:
     return found
 
 
-def model_factors(model, speculative=None) -> str:
+def model_factors(model, speculative=None, load=None) -> str:
     """What of vLLM's ModelConfig changes the KV beyond the checkpoint (whose identity and
     config.json the namespace has) and the dtypes: weights quantized at load (`quantization`,
     `quantization_config`), a config other than the checkpoint's (`hf_overrides`, e.g. another
     RoPE scaling, or `hf_config_path`: the config's digest), other model classes
-    (`model_class_overrides`), another revision of a model's own code (`code_revision`) and
-    weights from elsewhere (`model_weights`); and a speculative decoder whose layers have KV in
-    the blocks (EAGLE, a draft model: their KV is the draft's, so another draft, or none,
-    pages other bytes). "" when none is set, so the keys of a plain deployment stay as they
-    were."""
+    (`model_class_overrides`), another revision of a model's own code (`code_revision`),
+    weights from elsewhere (`model_weights`) or loaded otherwise (LoadConfig's `load_format`
+    other than "auto": `dummy` weights are random, `bitsandbytes` quantizes); and a speculative
+    decoder whose layers have KV in the blocks (EAGLE, a draft model: their KV is the draft's,
+    so another draft, or none, pages other bytes). "" when none is set, so the keys of a plain
+    deployment stay as they were."""
     out = ""
     quant = getattr(model, "quantization", None)
     if quant:
@@ -81,6 +82,9 @@ def model_factors(model, speculative=None) -> str:
         out += f"-code:{model.code_revision}"
     if getattr(model, "model_weights", None):
         out += "-w:" + _digest(str(model.model_weights))
+    load_format = str(getattr(load, "load_format", "auto") or "auto")
+    if load_format != "auto":
+        out += f"-load:{load_format}"
     draft = getattr(speculative, "draft_model_config", None)
     if draft is not None and getattr(speculative, "uses_draft_kv_cache", lambda: True)():
         out += "-sd:" + _digest("\0".join((

@@ -118,7 +118,7 @@ def test_weights_quantized_at_load_and_config_overrides_change_the_namespace(tmp
     import os
     import sys
 
-    from vllm.config import ModelConfig
+    from vllm.config import LoadConfig, ModelConfig
 
     from kvcached_client.vllm.request_keys import model_factors
 
@@ -148,6 +148,9 @@ def test_weights_quantized_at_load_and_config_overrides_change_the_namespace(tmp
     factors = [model_factors(ModelConfig(model=path, **kw)) for kw in variants]
     assert len({"", *factors, model_factors(fp8)}) == len(variants) + 2, factors
     assert factors == [model_factors(ModelConfig(model=path, **kw)) for kw in variants]
+    # weights loaded otherwise: vLLM's dummy (random) weights are not the checkpoint's
+    assert model_factors(plain, None, LoadConfig()) == ""
+    assert model_factors(plain, None, LoadConfig(load_format="dummy")) == "-load:dummy"
 
 
 def test_prompt_embeddings_are_hashed_as_vllm_hashes_them_and_once():
