@@ -188,7 +188,7 @@ def test_tensor_parallel_ranks_agree_on_the_shortest_hit(tmp_path, run_dir, inst
 
 
 def test_one_daemon_per_rank_is_named_or_refused_clearly():
-    from kvcached_client.vllm.connector import rank_instances
+    from kvcached_client.vllm.checks import rank_instances
 
     assert rank_instances({"instance": "gpu0"}, 1) == ["gpu0"]
     assert rank_instances({"instance": "gpu{rank}"}, 2) == ["gpu0", "gpu1"]
@@ -209,10 +209,11 @@ def test_every_extra_config_key_the_connector_reads_is_known():
     import inspect
     import re
 
-    from kvcached_client.vllm import connector
+    from kvcached_client.vllm import checks, connector
 
-    read = set(re.findall(r'extra(?:\.get\(|\[)"([a-z_]+)"', inspect.getsource(connector)))
-    assert len(read) >= 10 and read <= set(connector.EXTRA_KEYS), read - set(connector.EXTRA_KEYS)
+    source = inspect.getsource(connector) + inspect.getsource(checks)
+    read = set(re.findall(r'extra(?:\.get\(|\[)"([a-z_]+)"', source))
+    assert len(read) >= 11 and read <= set(connector.EXTRA_KEYS), read - set(connector.EXTRA_KEYS)
 
 
 def test_micro_batching_and_pipeline_parallelism_are_refused_at_start():
@@ -221,7 +222,7 @@ def test_micro_batching_and_pipeline_parallelism_are_refused_at_start():
     parallelism a rank holds part of the layers or of the tokens. Each is refused by name."""
     from vllm.config import ParallelConfig
 
-    from kvcached_client.vllm.connector import check_parallelism
+    from kvcached_client.vllm.checks import check_parallelism
 
     check_parallelism(ParallelConfig())
     check_parallelism(ParallelConfig(ubatch_size=1))
@@ -298,7 +299,7 @@ def test_a_model_with_several_kv_cache_groups_or_none_is_refused_by_name():
         KVCacheGroupSpec,
     )
 
-    from kvcached_client.vllm.connector import check_one_kv_cache_group
+    from kvcached_client.vllm.checks import check_one_kv_cache_group
 
     full = KVCacheGroupSpec(["layers.0", "layers.1"], FullAttentionSpec(
         block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16))
