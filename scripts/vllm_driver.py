@@ -20,6 +20,8 @@ speculative decoding with an EAGLE drafter (random weights) written to DIR.
              only those run first): the output of a K-block hit as vLLM itself computes it
              (its split of the prefill changes bf16 results, so a K-block hit from kvcached is
              compared with this, not with the full prefill).
+  rpc METHOD  LLM.collective_rpc(METHOD) (reload_weights: the weights loaded again in place).
+  version V  LLM.update_weight_version(V).
   batch      greedy-generate the batch of batch_prompts() (12 prompts over 4 shared prefixes) in
              one generate call after reset_prefix_cache(); answers every prompt's tokens,
              num_cached_tokens and the batch's seconds.
@@ -226,10 +228,8 @@ def _engine(args):
                                    "num_speculative_tokens": 2} if args.eagle else None)
 
 
-def main() -> int:
-    import time
-
-    args = _args()
+def _write_checkpoints(args) -> None:
+    """The model's checkpoint (its config alone for dummy weights) and the EAGLE drafter's."""
     config = config_for(args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate,
                         args.vocab)
     if args.dummy_weights:
@@ -240,6 +240,13 @@ def main() -> int:
         write_model(args.model_dir, config)
     if args.eagle:
         write_eagle_draft(args.eagle, config)
+
+
+def main() -> int:
+    import time
+
+    args = _args()
+    _write_checkpoints(args)
     # vLLM's CPU backend reserves one more core when any connector is configured, which changes
     # float results on a small machine: reserve alike with and without one
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(args.tp))
@@ -274,6 +281,12 @@ def main() -> int:
                                use_tqdm=False)[0]
             say({"name": cmd[1], "tokens": list(out.outputs[0].token_ids),
                  "num_cached_tokens": out.num_cached_tokens or 0, "reset": reset})
+        elif cmd[0] == "rpc":  # e.g. reload_weights: vLLM's weights changed in place
+            llm.collective_rpc(cmd[1])
+            say({"rpc": cmd[1], "reset": reset})
+        elif cmd[0] == "version":
+            llm.update_weight_version(cmd[1])
+            say({"version": llm.get_weight_version(), "reset": reset})
         elif cmd[0] in ("gen", "ttft"):
             prompt = TokensPrompt(prompt_token_ids=prompt_ids[cmd[1]])
             if len(cmd) > 2:

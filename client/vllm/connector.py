@@ -45,6 +45,9 @@ under its --prefetch-threshold-tokens, is recomputed; or inline: the load reads 
 the step), prefetch_timeout_s (5: a prefetch not ended by then, plus timeout_s, gives no hit),
 namespace (a salt, e.g. a tenant), weights_version.
 
+Weights changed in place (vLLM's RL API, reload_weights, an RL framework's worker extension)
+key the blocks anew, under the weight version set or a new salt (weight_updates.py).
+
 A daemon fault costs at most one step: no step waits to (re)connect (a background thread
 reattaches, and re-registers the staging cache, once a daemon is there; until then lookups miss
 and saves are skipped), a killed daemon is seen at once, and a hung one after the hang threshold
@@ -77,6 +80,7 @@ from ..kv_worker import BlockTransfer, KVWorker
 from ..lookup_gate import LookupGate
 from ..mm_keys import MMItem
 from .checks import check_one_kv_cache_group, check_parallelism, rank_instances
+from . import weight_updates
 from .request_keys import drops_last_block, model_factors, request_parts
 
 if TYPE_CHECKING:
@@ -194,6 +198,8 @@ class KvcachedConnector(KVConnectorBase_V1):
                      if self.tp_size > 1 else
                      DaemonLink(instances[0], name="vllm-scheduler", **link_args))
         self.link.attach_now()
+        self.disabled = False  # set where re-keying after a weight update failed: no hit, no save
+        weight_updates.watch(self)
 
     def _init_worker(self, instances: list[str], link_args: dict, extra: dict) -> None:
         self.rank = 0
@@ -239,7 +245,7 @@ class KvcachedConnector(KVConnectorBase_V1):
         state.saved_blocks = start
         if limit <= start:
             return 0, False
-        client = self.link.get()
+        client = None if self.disabled else self.link.get()
         if client is None:
             return 0, False
         if self.key_scheme.kernel_factor is None:
@@ -301,7 +307,7 @@ class KvcachedConnector(KVConnectorBase_V1):
 
     def _add_save(self, meta: KvcachedConnectorMetadata, state: _ReqState, computed: int) -> None:
         full = min(computed // self.block_size, len(state.block_ids))
-        if full <= state.saved_blocks:
+        if full <= state.saved_blocks or self.disabled:
             return
         keys = self._keys(state, full)
         full = len(keys)
@@ -343,12 +349,28 @@ class KvcachedConnector(KVConnectorBase_V1):
         with clear_cache, the step before a weight update): keys are salted anew from here on,
         so no block stored before is ever matched again (the daemon's tiers age them out)."""
         self.resets += 1
-        self.key_scheme.hasher = BlockHasher(f"{self.namespace}|reset:{os.urandom(8).hex()}")
-        for state in self._reqs.values():
-            state.keys = []  # computed again under the new salt
-        self.gate.forget_all()
+        self._rekey(f"reset:{os.urandom(8).hex()}")
         log.info("[vllm] cache reset %d: blocks stored before are never matched again", self.resets)
         return True
+
+    def weights_replaced(self, version: str | None, what: str) -> None:
+        """vLLM's weights may have changed in place (weight_updates.py): blocks are keyed under
+        the weight `version` set, else under a new salt, as at a reset."""
+        self._rekey(f"vllm-weight-version:{version}" if version is not None
+                    else f"reset:{os.urandom(8).hex()}")
+        log.warning("[vllm] %s: blocks are keyed anew (%s)", what,
+                    f"weight version {version}" if version is not None else "a new salt")
+
+    def close_link(self) -> None:
+        """Serve and store nothing more (re-keying failed: the keys may be the old weights')."""
+        self.disabled = True
+        self.link.close()
+
+    def _rekey(self, part: str) -> None:
+        self.key_scheme.hasher = BlockHasher(f"{self.namespace}|{part}")
+        for state in self._reqs.values():
+            state.keys = []  # computed again under the new keys
+        self.gate.forget_all()
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
         """The hit split by where the daemon had it: its host tier, or a storage tier (disk,

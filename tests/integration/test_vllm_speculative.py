@@ -15,15 +15,6 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is installed in .venv-vllm: ./scripts/test.sh --with-vllm")
 
 from conftest import small_kv, sweep_crashed  # noqa: E402
-from vllm.config import (  # noqa: E402
-    CacheConfig,
-    KVTransferConfig,
-    ModelConfig,
-    ParallelConfig,
-    SpeculativeConfig,
-    VllmConfig,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
@@ -32,6 +23,7 @@ from kvcached_client.vllm.connector import KvcachedConnector, _ReqState  # noqa:
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 import vllm_driver  # noqa: E402
+from vllm_configs import scheduler_connector  # noqa: E402
 from vllm_model import write_model  # noqa: E402
 
 BS = 16
@@ -46,17 +38,7 @@ def models(tmp_path_factory):
 
 def _connector(models, instance="unused", run_dir="/nonexistent", **spec) -> KvcachedConnector:
     """The connector's scheduler side under vLLM's own config (method and draft as given)."""
-    target, parallel = ModelConfig(model=models[0]), ParallelConfig()
-    speculative = None
-    if spec:
-        speculative = SpeculativeConfig(num_speculative_tokens=2, target_model_config=target,
-                                        target_parallel_config=parallel, **spec)
-    transfer = KVTransferConfig(kv_connector="KvcachedConnector", kv_role="kv_both",
-                                kv_connector_module_path="kvcached_client.vllm.connector",
-                                kv_connector_extra_config={"instance": instance, "run_dir": run_dir})
-    config = VllmConfig(model_config=target, parallel_config=parallel, cache_config=CacheConfig(block_size=BS),
-                        speculative_config=speculative, kv_transfer_config=transfer)
-    return KvcachedConnector(config, KVConnectorRole.SCHEDULER, None)
+    return scheduler_connector(models[0], instance, run_dir, BS, **spec)
 
 
 def test_a_drafter_with_kv_in_the_blocks_has_a_namespace_of_its_own(models):

@@ -1,0 +1,107 @@
+"""vLLM's weights changed in place (its RL API, `reload_weights`, an RL framework's worker
+extension) and the daemon's blocks: with a real vLLM engine (CPU), real random weights and a
+real daemon. vLLM does not reset the connector for an update, and an RL loop resets vLLM's own
+prefix cache only (`reset_prefix_cache()`): nothing stored before an update may be a hit after
+it. Runs in .venv-vllm (./scripts/test.sh --with-vllm)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is installed in .venv-vllm: ./scripts/test.sh --with-vllm")
+pytestmark = pytest.mark.timeout(600)
+
+from conftest import sweep_crashed  # noqa: E402
+
+from kvcached_client import launch  # noqa: E402
+from kvcached_client.vllm import weight_updates  # noqa: E402
+from kvcached_client.vllm.weight_updates import changes_weights  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+import vllm_driver  # noqa: E402
+from vllm_configs import scheduler_connector  # noqa: E402
+from vllm_model import write_model  # noqa: E402
+
+
+def test_which_collective_rpcs_may_change_the_weights():
+    """vLLM's RL calls and RL frameworks' worker extensions change weights; reads of them and
+    other RPCs do not; a function may do anything, so it counts as a change."""
+    for method in ("start_weight_update", "update_weights", "finish_weight_update",
+                   "start_draft_weight_update", "reload_weights", "update_weights_from_ipc",
+                   "update_weight", "load_model", "update_config", "reset_weights", print):
+        assert changes_weights(method), method
+    for method in ("compute_weight_checksums", "get_weight_version", "init_weight_transfer_engine",
+                   "shutdown_weight_transfer_engine", "check_weights_changed", "synchronize_device",
+                   "update_max_model_len", "reset_encoder_cache"):
+        assert not changes_weights(method), method
+
+
+def test_after_weights_change_in_place_nothing_stored_before_is_a_hit(tmp_path, run_dir, instance):
+    """A stored the shared prefix; then the weights were loaded again in place
+    (`collective_rpc("reload_weights")`) and vLLM's own cache reset as an RL loop resets it:
+    B found none of it in kvcached (448 tokens before). What B stored after the update is a hit
+    (A: 448), and B's output from a 448-token hit equals the one before the update (the same
+    weights were loaded: the control of a connector still serving). Then a weight version set
+    (`update_weight_version`): again nothing stored before is a hit, and what is stored under
+    it is."""
+    daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2)
+    eng = vllm_driver.EngineProcess(str(tmp_path / "model"), "--connector", "kvcached",
+                                    "--instance", instance, "--run-dir", run_dir)
+    hit = vllm_driver.PREFIX_BLOCKS * vllm_driver.BLOCK
+    try:
+        vllm_driver.wait_attached(daemon)
+        assert eng.gen("A")["num_cached_tokens"] == 0
+        before = eng.gen("B")
+        assert before["reset"] and before["num_cached_tokens"] == hit, before  # the control
+        assert eng.step("rpc", "reload_weights")["rpc"] == "reload_weights"
+        after = eng.gen("B")
+        assert after["reset"] and after["num_cached_tokens"] == 0, after
+        assert eng.gen("A")["num_cached_tokens"] == hit  # B stored the prefix after the update
+        again = eng.gen("B")
+        assert again["num_cached_tokens"] == hit and again["tokens"] == before["tokens"], again
+        assert eng.step("version", "step-1")["version"] == "step-1"
+        assert eng.gen("B")["num_cached_tokens"] == 0
+        assert eng.gen("A")["num_cached_tokens"] == hit
+    finally:
+        eng.close()
+        daemon.stop()
+        sweep_crashed(instance)
+
+
+def test_a_connector_that_cannot_re_key_serves_and_stores_nothing(tmp_path, daemon, monkeypatch):
+    """Re-keying raised after an update (here: its own method): the connector is closed - no
+    hit, no save - rather than keep the old weights' keys, and the error stays out of vLLM's
+    call. Another connector in the process re-keys as before."""
+    from types import SimpleNamespace
+
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    model = write_model(str(tmp_path / "model"))
+    broken = scheduler_connector(model, daemon.instance, daemon.run_dir)
+    other = scheduler_connector(model, daemon.instance, daemon.run_dir)
+    try:
+        def cannot(*_args):
+            raise RuntimeError("no keys")
+
+        monkeypatch.setattr(broken, "weights_replaced", cannot)
+        namespace = other.key_scheme.hasher.namespace
+        weight_updates._tell_all(None, "update_weights")
+        assert broken.disabled and not other.disabled
+        assert other.key_scheme.hasher.namespace != namespace
+        saves = {}
+        for name, conn in (("broken", broken), ("other", other)):
+            request = Request("r", list(range(100, 180)), SamplingParams(max_tokens=1), None)
+            assert conn.get_num_new_matched_tokens(request, 0) == (0, False)
+            state = conn._reqs["r"]
+            state.block_ids = list(range(5))
+            meta = SimpleNamespace(saves=[])
+            conn._add_save(meta, state, 80)
+            saves[name] = meta.saves
+        assert saves["broken"] == []  # nothing stored under keys that may be the old weights'
+        assert len(saves["other"]) == 1  # the control: the same request's 5 blocks to save
+    finally:
+        for conn in (broken, other):
+            conn.link.close()
