@@ -79,8 +79,8 @@ from ..key_scheme import KeyScheme
 from ..kv_worker import BlockTransfer, KVWorker
 from ..lookup_gate import LookupGate
 from ..mm_keys import MMItem
-from .checks import check_one_kv_cache_group, check_parallelism, rank_instances
 from . import weight_updates
+from .checks import check_one_kv_cache_group, check_parallelism, rank_instances
 from .request_keys import drops_last_block, model_factors, request_parts
 
 if TYPE_CHECKING:
@@ -358,8 +358,8 @@ class KvcachedConnector(KVConnectorBase_V1):
         the weight `version` set, else under a new salt, as at a reset."""
         self._rekey(f"vllm-weight-version:{version}" if version is not None
                     else f"reset:{os.urandom(8).hex()}")
-        log.warning("[vllm] %s: blocks are keyed anew (%s)", what,
-                    f"weight version {version}" if version is not None else "a new salt")
+        log.info("[vllm] %s: blocks are keyed anew (%s)", what,  # each chunk of an update
+                 f"weight version {version}" if version is not None else "a new salt")
 
     def close_link(self) -> None:
         """Serve and store nothing more (re-keying failed: the keys may be the old weights')."""

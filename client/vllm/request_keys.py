@@ -11,6 +11,9 @@ cache keys its blocks (`generate_block_hash_extra_keys` in vllm/v1/core/kv_cache
 Without these the connector served a LoRA request the base model's KV (or another adapter's),
 and shared prefixes across cache salts and across prompt-embedding requests. A request with none
 of them is keyed by its tokens (and items) alone, as before.
+
+What of a deployment (beyond the checkpoint and the dtypes) changes every block's KV goes into
+the namespace (`model_factors`); EAGLE's last block of a hit is dropped (`drops_last_block`).
 """
 from __future__ import annotations
 
