@@ -114,8 +114,9 @@ def sglang_model_factors() -> str:
     weights quantized at load (`--quantization`, `--modelopt-quant`, a restored ModelOpt
     checkpoint, a FlashRL profile), weights loaded otherwise (`--load-format` other than auto:
     `dummy` weights are random), a hub revision, config overrides (as their digest) and fp8 KV
-    scales from a file (`--quantization-param-path`). A file or directory counts by its path,
-    size and modification time. "" where each is SGLang's default, or where no server args are
+    scales from a file (`--quantization-param-path`), and a speculative drafter (its algorithm
+    and checkpoint: SGLang's HiCache may carry its layers in the target's pages). A file or
+    directory counts by its path, size and modification time. "" where each is SGLang's default, or where no server args are
     published (no server)."""
     try:
         from sglang.srt.runtime_context import get_context
@@ -136,6 +137,12 @@ def sglang_model_factors() -> str:
         path = getattr(args, name, None)
         if path:
             out += f"|{name}:" + _digest(_file_identity(str(path)))
+    draft = getattr(args, "speculative_draft_model_path", None)
+    if getattr(args, "speculative_algorithm", None) and draft:  # its layers may ride in the pages
+        revision = getattr(args, "speculative_draft_model_revision", None)
+        out += "|draft:" + _digest("\0".join((
+            str(args.speculative_algorithm), str(draft), weights_identity(str(draft), revision),
+            str(getattr(args, "speculative_draft_model_quantization", None)))))
     return out
 
 
