@@ -172,8 +172,9 @@ class KvcachedConnector(KVConnectorBase_V1):
         self.mla = bool(getattr(model, "use_mla", False))
         # block keys; the kernel factor is the workers' (set_xfer_handshake_metadata), or the worker's own
         self.key_scheme = KeyScheme(BlockHasher(self.namespace), self.tp_size, self.mla)
+        warn_dp = role == KVConnectorRole.SCHEDULER  # said once per engine, not by each worker
         instances = rank_instances(extra, self.tp_size, int(parallel.data_parallel_rank or 0),
-                                   int(parallel.data_parallel_size or 1))
+                                   int(parallel.data_parallel_size or 1) if warn_dp else 1)
         link_args = dict(run_dir=extra.get("run_dir"), timeout=float(extra.get("timeout_s", 5.0)),
                          hang_s=float(extra["hang_s"]) if "hang_s" in extra else None)
         self.counters = {"lookups": 0, "hit_tokens": 0, "daemon_errors": 0}

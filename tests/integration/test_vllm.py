@@ -203,6 +203,25 @@ def test_one_daemon_per_rank_is_named_or_refused_clearly():
     assert rank_instances({"instances": ["a{dp_rank}", "b{dp_rank}"]}, 2, 1, 2) == ["a1", "b1"]
 
 
+def test_a_dp_deployment_without_dp_rank_in_its_daemon_names_is_warned_about_once(tmp_path, caplog):
+    """vLLM's own VllmConfig with data_parallel_size 2 and one daemon name for every DP rank:
+    the scheduler's connector says so; its workers (one connector each) say nothing more."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm_configs import vllm_config
+    from vllm_model import write_model
+
+    from kvcached_client.vllm.connector import KvcachedConnector
+
+    config = vllm_config(write_model(str(tmp_path / "model")), data_parallel_size=2)
+    said = []
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER, KVConnectorRole.WORKER):
+        caplog.clear()
+        conn = KvcachedConnector(config, role, None)
+        said.append(sum("{dp_rank}" in r.getMessage() for r in caplog.records))
+        (conn.link if role == KVConnectorRole.SCHEDULER else conn.worker.link).close()
+    assert said == [1, 0, 0]
+
+
 def test_every_extra_config_key_the_connector_reads_is_known():
     """A key outside EXTRA_KEYS is warned about at start (a typo takes the default silently):
     every key the connector reads must be in it."""
