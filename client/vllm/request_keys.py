@@ -2,7 +2,9 @@
 cache keys its blocks (`generate_block_hash_extra_keys` in vllm/v1/core/kv_cache_utils.py):
 
 - its LoRA adapter, name and path (every block): an adapter on the K and V projections
-  changes every layer's KV after the first;
+  changes every layer's KV after the first; a local adapter directory's files too (names, sizes,
+  mtimes), so a retrained adapter written over the old one is not served the old one's KV
+  after a restart;
 - its cache salt (the first block, so every block after it too: keys are chained), which is
   how vLLM keeps one tenant's prefixes from another's;
 - its prompt embeddings (each block, the hash of its rows): such a prompt's token ids are
@@ -17,8 +19,10 @@ the namespace (`model_factors`); EAGLE's last block of a hit is dropped (`drops_
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
 from typing import Callable
 
 import torch
@@ -33,13 +37,25 @@ def request_parts(request, block_size: int) -> Callable[[int], tuple] | None:
     none."""
     lora = getattr(request, "lora_request", None)
     embeds = getattr(request, "prompt_embeds", None)
-    adapter = f"lora\0{lora.lora_name}\0{getattr(lora, 'lora_path', '') or ''}" if lora else None
+    adapter = None
+    if lora:
+        path = str(getattr(lora, "lora_path", "") or "")
+        adapter = f"lora\0{lora.lora_name}\0{path}" + adapter_identity(path)
 
     def embeds_of(i: int) -> tuple:
         return (b"prompt_embeds\0" + embeds_hash(request, i * block_size, (i + 1) * block_size),)
 
     return key_parts(adapter, getattr(request, "cache_salt", None),
                      embeds_of if embeds is not None else None)
+
+
+@functools.lru_cache(maxsize=1024)
+def adapter_identity(path: str) -> str:
+    """A local adapter directory's identity (its files' names, sizes and mtimes), read once per
+    process: an adapter retrained and written where the old one was gets other keys at the next
+    start, so the daemon's tiers never serve it the old adapter's KV. "" for a path that is no
+    directory (a hub id, an adapter in memory): its keys stay as they were."""
+    return "\0" + weights_identity(path) if path and os.path.isdir(path) else ""
 
 
 def embeds_hash(request, start: int, end: int) -> bytes:

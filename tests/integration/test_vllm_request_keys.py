@@ -7,6 +7,7 @@ shared across cache salts. Runs in .venv-vllm (./scripts/test.sh --with-vllm).""
 from __future__ import annotations
 
 import itertools
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -167,3 +168,30 @@ def test_prompt_embeddings_are_hashed_as_vllm_hashes_them_and_once():
     fresh._prompt_embeds_per_block_hashes.clear()
     assert _gen_prompt_embeds_extra_hash_keys(fresh, BS, 2 * BS) == [("prompt_embeds", mine)]
     assert embeds_hash(fresh, 0, BS) != mine
+
+
+def test_an_adapter_rewritten_in_place_gets_other_keys_at_the_next_start(tmp_path):
+    """A LoRA adapter directory retrained and written where the old one was: a process started
+    after it (here: the identity cache cleared) keys the adapter's blocks otherwise, so the
+    daemon's disk or Redis tier never serves it the old adapter's KV; the same files keep
+    their keys, and a path that is no directory keys as before."""
+    from kvcached_client.vllm import request_keys
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    weights = adapter / "adapter_model.safetensors"
+    weights.write_bytes(b"\x01" * 64)
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+
+    def keys() -> list[bytes]:
+        return _connector_keys(Request("l", TOKENS, SamplingParams(max_tokens=1), None,
+                                       lora_request=LoRARequest("a", 1, str(adapter))))
+
+    first = keys()
+    request_keys.adapter_identity.cache_clear()
+    assert keys() == first  # the same files: the same keys, in any process
+    os.utime(weights, ns=(1, 1))  # rewritten in place (the same size, another mtime)
+    assert keys() == first  # this process read the adapter once: as vLLM, which loaded it once
+    request_keys.adapter_identity.cache_clear()
+    assert keys() != first
+    assert _connector_keys(_requests()["lora a"]) == _connector_keys(_requests()["lora a again"])
