@@ -79,6 +79,7 @@ def write_eagle_draft(model_dir: str, config: dict | None = None, seed: int = 1)
     and the `fc` that joins a token's embedding to the target's hidden state, named as EAGLE
     checkpoints name them (no `model.` prefix; no input norm in its layer, no final norm or
     lm_head: vLLM shares the target's)."""
+    import torch
     from safetensors.torch import save_file
 
     config = dict(config or CONFIG, num_hidden_layers=1, kvcached_test_seed=seed)
@@ -92,8 +93,6 @@ def write_eagle_draft(model_dir: str, config: dict | None = None, seed: int = 1)
     weights = {name.removeprefix("model."): w for name, w in full.items()
                if name.startswith(("model.layers.", "model.embed_tokens."))
                and not name.endswith("layers.0.input_layernorm.weight")}  # EAGLE has none
-    import torch
-
     h = config["hidden_size"]
     gen = torch.Generator().manual_seed(seed + 1000)
     weights["fc.weight"] = (torch.randn(h, 2 * h, generator=gen) * 0.05).to(torch.bfloat16)

@@ -23,7 +23,8 @@ A page's key is a 16-byte digest of the namespace - model, the pool's geometry (
 size, layers, heads, dtype), tensor-parallel rank and size (not for MLA, whose KV is the same on
 every rank), pipeline and context-parallel shard, what of SGLang's server args computes other KV
 from the same checkpoint (`--dtype`, `--quantization`, `--revision`, `--json-model-override-args`,
-`--load-format`, `--modelopt-quant`, `--quantization-param-path` and the like, where set) - and SGLang's page hash (already chained over the prefix), so two SGLang servers of
+`--load-format`, `--modelopt-quant`, `--quantization-param-path` and the like, where set) - and
+SGLang's page hash (already chained over the prefix), so two SGLang servers of
 one model, args and layout share pages through the daemon's tiers, and a restarted one finds its
 prefixes.
 """
@@ -116,8 +117,8 @@ def sglang_model_factors() -> str:
     `dummy` weights are random), a hub revision, config overrides (as their digest) and fp8 KV
     scales from a file (`--quantization-param-path`), and a speculative drafter (its algorithm
     and checkpoint: SGLang's HiCache may carry its layers in the target's pages). A file or
-    directory counts by its path, size and modification time. "" where each is SGLang's default, or where no server args are
-    published (no server)."""
+    directory counts by its path, size and modification time. "" where each is SGLang's
+    default, or where no server args are published (no server)."""
     try:
         from sglang.srt.runtime_context import get_context
 

@@ -45,7 +45,7 @@ def test_a_drafter_with_kv_in_the_blocks_has_a_namespace_of_its_own(models):
     """EAGLE with draft a, EAGLE with draft b, draft a as a draft model, and no drafter page
     other bytes: four namespaces. The same drafter again gives the same one; n-gram proposals
     have no KV and leave the namespace as it is without speculation."""
-    target, a, b = models
+    _target, a, b = models
     made = []
 
     def namespace(**spec) -> str:
@@ -70,7 +70,7 @@ def test_an_eagle_hit_drops_its_last_block_as_vllms_own_hits_do(models, daemon):
     (the fourth block's last drafter slot holds the token after it, which this request need
     not have); with vLLM's block drop turned off (`disable_eagle_block_drop`, the same
     namespace) all four - the control; a draft model (KV of tokens alone) all four too."""
-    target, a, _b = models
+    _target, a, _b = models
     eagle = _connector(models, daemon.instance, daemon.run_dir, method="eagle", model=a)
     kept = _connector(models, daemon.instance, daemon.run_dir, method="eagle", model=a,
                       disable_eagle_block_drop=True)
