@@ -6,6 +6,7 @@ carries content hashes of images or videos whose tokens fall in block i.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -41,7 +42,7 @@ def weights_identity(model: str, revision: str | None = None) -> str:
                     st = os.stat(os.path.join(root, f))
                     entries.append(f"{os.path.relpath(os.path.join(root, f), model)}:{st.st_size}:"
                                    f"{st.st_mtime_ns}")
-        return "files:" + hashlib.blake2b("\n".join(sorted(entries)).encode(), digest_size=8).hexdigest()
+        return "files:" + short_digest("\n".join(sorted(entries)))
     try:
         from huggingface_hub import try_to_load_from_cache
 
@@ -51,6 +52,25 @@ def weights_identity(model: str, revision: str | None = None) -> str:
     except Exception as exc:  # no hub library, or an id it cannot parse: the revision is all
         log.debug("[keys] no cached commit for %s: %s", model, exc)  # there is to go by
     return f"revision:{revision or 'main'}"
+
+
+def short_digest(text: str) -> str:
+    """8 bytes of blake2b in hex: a setting's part of a namespace (a config, a path's identity)."""
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+@functools.lru_cache(maxsize=1024)
+def path_identity(path: str) -> str:
+    """A local directory's or file's identity, read once per process (as an engine reads it once,
+    at start): a directory's weight files (`weights_identity`), a file's size and modification
+    time; "" for a path that is neither (a hub id, an adapter held in memory)."""
+    if os.path.isdir(path):
+        return weights_identity(path)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ""
+    return f"file:{st.st_size}:{st.st_mtime_ns}"
 
 
 def _encode_extra(extra) -> bytes:

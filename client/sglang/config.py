@@ -32,11 +32,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from dataclasses import dataclass
 
 from ..extra_keys import unknown_keys
-from ..hashing import make_namespace, weights_identity
+from ..hashing import make_namespace, path_identity, short_digest, weights_identity
 
 log = logging.getLogger("kvcached.sglang")
 EXTRA_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "allocator", "instance",
@@ -117,7 +116,7 @@ def sglang_model_factors() -> str:
     `dummy` weights are random), a hub revision, config overrides (as their digest) and fp8 KV
     scales from a file (`--quantization-param-path`), and a speculative drafter (its algorithm
     and checkpoint: SGLang's HiCache may carry its layers in the target's pages). A file or
-    directory counts by its path, size and modification time. "" where each is SGLang's
+    directory counts by its path, size and modification time, read once per process. "" where each is SGLang's
     default, or where no server args are published (no server)."""
     try:
         from sglang.srt.runtime_context import get_context
@@ -133,32 +132,19 @@ def sglang_model_factors() -> str:
             out += f"|{name}:{value}"
     overrides = getattr(args, "json_model_override_args", "{}") or "{}"
     if overrides.strip() not in ("", "{}"):
-        out += "|override:" + _digest(overrides)
+        out += "|override:" + short_digest(overrides)
     for name in ("quantization_param_path", "modelopt_checkpoint_restore_path", "rl_quant_profile"):
         path = getattr(args, name, None)
         if path:
-            out += f"|{name}:" + _digest(_file_identity(str(path)))
+            out += f"|{name}:" + short_digest(f"{path}|{path_identity(str(path))}")
     draft = getattr(args, "speculative_draft_model_path", None)
     if getattr(args, "speculative_algorithm", None) and draft:  # its layers may ride in the pages
         revision = getattr(args, "speculative_draft_model_revision", None)
-        out += "|draft:" + _digest("\0".join((
-            str(args.speculative_algorithm), str(draft), weights_identity(str(draft), revision),
+        out += "|draft:" + short_digest("\0".join((
+            str(args.speculative_algorithm), str(draft),
+            path_identity(str(draft)) or weights_identity(str(draft), revision),
             str(getattr(args, "speculative_draft_model_quantization", None)))))
     return out
-
-
-def _file_identity(path: str) -> str:
-    if os.path.isdir(path):
-        return f"{path}|{weights_identity(path)}"
-    try:
-        st = os.stat(path)
-        return f"{path}:{st.st_size}:{st.st_mtime_ns}"
-    except OSError:
-        return path
-
-
-def _digest(text: str) -> str:
-    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
 class PageKeys:

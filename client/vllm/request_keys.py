@@ -19,15 +19,13 @@ the namespace (`model_factors`); EAGLE's last block of a hit is dropped (`drops_
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-import os
 from typing import Callable
 
 import torch
 
-from ..hashing import weights_identity
+from ..hashing import path_identity, short_digest, weights_identity
 from ..key_scheme import request_parts as key_parts
 
 
@@ -49,13 +47,13 @@ def request_parts(request, block_size: int) -> Callable[[int], tuple] | None:
                      embeds_of if embeds is not None else None)
 
 
-@functools.lru_cache(maxsize=1024)
 def adapter_identity(path: str) -> str:
     """A local adapter directory's identity (its files' names, sizes and mtimes), read once per
-    process: an adapter retrained and written where the old one was gets other keys at the next
-    start, so the daemon's tiers never serve it the old adapter's KV. "" for a path that is no
-    directory (a hub id, an adapter in memory): its keys stay as they were."""
-    return "\0" + weights_identity(path) if path and os.path.isdir(path) else ""
+    process (`path_identity`): an adapter retrained and written where the old one was gets other
+    keys at the next start, so the daemon's tiers never serve it the old adapter's KV. "" for a
+    path that is no directory (a hub id, an adapter in memory): its keys stay as they were."""
+    ident = path_identity(path) if path else ""
+    return "\0" + ident if ident.startswith("files:") else ""
 
 
 def embeds_hash(request, start: int, end: int) -> bytes:
@@ -89,24 +87,24 @@ def model_factors(model, speculative=None, load=None) -> str:
     if quant:
         out += f"-q:{quant}"
     if getattr(model, "quantization_config", None):
-        out += "-qc:" + _digest(_text(model.quantization_config))
+        out += "-qc:" + short_digest(_text(model.quantization_config))
     if getattr(model, "hf_overrides", None) or getattr(model, "hf_config_path", None):
         config = model.hf_config
         text = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") \
             else repr(config)
-        out += "-ov:" + _digest(text)
+        out += "-ov:" + short_digest(text)
     if getattr(model, "model_class_overrides", None):
-        out += "-cls:" + _digest(_text(model.model_class_overrides))
+        out += "-cls:" + short_digest(_text(model.model_class_overrides))
     if getattr(model, "code_revision", None):
         out += f"-code:{model.code_revision}"
     if getattr(model, "model_weights", None):
-        out += "-w:" + _digest(str(model.model_weights))
+        out += "-w:" + short_digest(str(model.model_weights))
     load_format = str(getattr(load, "load_format", "auto") or "auto")
     if load_format != "auto":
         out += f"-load:{load_format}"
     draft = getattr(speculative, "draft_model_config", None)
     if draft is not None and getattr(speculative, "uses_draft_kv_cache", lambda: True)():
-        out += "-sd:" + _digest("\0".join((
+        out += "-sd:" + short_digest("\0".join((
             str(speculative.method), str(draft.model), str(draft.dtype),
             weights_identity(str(draft.model), getattr(draft, "revision", None)),
             model_factors(draft))))
@@ -119,10 +117,6 @@ def drops_last_block(speculative) -> bool:
     prefix cache drops the last block of every hit then (`use_eagle_block_drop`), and so does
     the connector's."""
     return bool(getattr(speculative, "use_eagle_block_drop", lambda: False)())
-
-
-def _digest(text: str) -> str:
-    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
 def _text(value) -> str:

@@ -175,7 +175,7 @@ def test_an_adapter_rewritten_in_place_gets_other_keys_at_the_next_start(tmp_pat
     after it (here: the identity cache cleared) keys the adapter's blocks otherwise, so the
     daemon's disk or Redis tier never serves it the old adapter's KV; the same files keep
     their keys, and a path that is no directory keys as before."""
-    from kvcached_client.vllm import request_keys
+    from kvcached_client import hashing
 
     adapter = tmp_path / "adapter"
     adapter.mkdir()
@@ -188,10 +188,10 @@ def test_an_adapter_rewritten_in_place_gets_other_keys_at_the_next_start(tmp_pat
                                        lora_request=LoRARequest("a", 1, str(adapter))))
 
     first = keys()
-    request_keys.adapter_identity.cache_clear()
+    hashing.path_identity.cache_clear()
     assert keys() == first  # the same files: the same keys, in any process
     os.utime(weights, ns=(1, 1))  # rewritten in place (the same size, another mtime)
     assert keys() == first  # this process read the adapter once: as vLLM, which loaded it once
-    request_keys.adapter_identity.cache_clear()
+    hashing.path_identity.cache_clear()
     assert keys() != first
     assert _connector_keys(_requests()["lora a"]) == _connector_keys(_requests()["lora a again"])

@@ -13,6 +13,8 @@ pytestmark = pytest.mark.timeout(300)
 
 import sglang_pools as sp  # noqa: E402
 
+from kvcached_client import hashing  # noqa: E402
+
 
 def test_servers_that_compute_other_kv_from_one_checkpoint_share_no_pages(daemon, tmp_path):
     """SGLang's server args of two servers of one checkpoint and pool geometry: another compute
@@ -57,6 +59,8 @@ def test_servers_that_compute_other_kv_from_one_checkpoint_share_no_pages(daemon
         assert attached().batch_exists(keys) == 3
         with open(scales, "w") as f:  # other fp8 KV scales under the same path: other KV
             f.write('{"kv_cache": {"scaling_factor": {"0": {"0": 0.5}}}}')
+        os.utime(scales, ns=(1, 1))  # another mtime, however soon after the first write
+        hashing.path_identity.cache_clear()  # read once per process: a server started after it
         again = attached(quantization_param_path=scales)
         sp.fill_random(again.mem_pool_host, 53)
         assert again.batch_set_v1(keys, sp.pages_of(again.mem_pool_host, [1, 2, 3])) == [True] * 3
