@@ -70,7 +70,7 @@ class LoadTask(Task):
         self.slot = reply["slot"]
         self.num_blocks = reply["blocks"]  # leading blocks the daemon is loading
         self.num_layers = reply["num_layers"]
-        self.layer_wake_ns: list[int] = []  # counter write -> this waiter saw it, per layer waited
+        self.layer_wake_ns: list[int] = []  # latest counter write -> this waiter saw it, per wait
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait for the end of the load; returns the number of leading blocks loaded (every
@@ -136,8 +136,10 @@ class LoadTask(Task):
                 done = view.slot_layers_done(slot)
                 if view.slot_task(slot) == self.id:
                     if done > layer:
-                        if waited and done == layer + 1:
-                            self.layer_wake_ns.append(time.monotonic_ns() - view.slot_layer_ns(slot))
+                        if waited:  # the latest count was written after this wait began
+                            # (a starved waiter may see several at once: it saw the latest)
+                            self.layer_wake_ns.append(
+                                max(time.monotonic_ns() - view.slot_layer_ns(slot), 0))
                         order = self.client.order
                         if order is not None:
                             if order.cuda or order.released:  # a wait for a daemon gone would
