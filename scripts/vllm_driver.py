@@ -20,7 +20,12 @@ speculative decoding with an EAGLE drafter (random weights) written to DIR.
              only those run first): the output of a K-block hit as vLLM itself computes it
              (its split of the prefill changes bf16 results, so a K-block hit from kvcached is
              compared with this, not with the full prefill).
-  rpc METHOD  LLM.collective_rpc(METHOD) (reload_weights: the weights loaded again in place).
+  rpc METHOD [PATH]  LLM.collective_rpc(METHOD) (reload_weights: the weights loaded again in
+             place; with PATH, reload_weights(weights_path=PATH): another checkpoint's).
+  start NAME K  (--inproc) add prompt NAME (greedy, K tokens) and step the engine until it has
+             its first token: a request in flight across what the next steps do.
+  finish     (--inproc) step until every request started is done; answers their tokens, and
+             each NAME's prompt followed by its output becomes prompt NAME+ (a next turn).
   version V  LLM.update_weight_version(V).
   batch      greedy-generate the batch of batch_prompts() (12 prompts over 4 shared prefixes) in
              one generate call after reset_prefix_cache(); answers every prompt's tokens,
@@ -184,6 +189,8 @@ def _args():
                          "large shapes, where writing a checkpoint would cost more than it tells)")
     ap.add_argument("--storage-hits", choices=["prefetch", "inline"], default="prefetch",
                     help="the connector's storage_hits")
+    ap.add_argument("--inproc", action="store_true", help="the engine core in this process "
+                    "(VLLM_ENABLE_V1_MULTIPROCESSING=0): start and finish step it one by one")
     ap.add_argument("--eagle", default="", help="speculative decoding with an EAGLE drafter "
                     "(2 tokens) written to this directory (random weights, the model's shape)")
     return ap.parse_args()
@@ -242,6 +249,39 @@ def _write_checkpoints(args) -> None:
         write_eagle_draft(args.eagle, config)
 
 
+def _reset(llm, inproc: bool) -> bool:
+    """reset_prefix_cache(): False while a finished request holds blocks (the connector's
+    transfers are reported at a later step: in this process, this steps the engine for them)."""
+    for _ in range(20 if inproc else 1):
+        if llm.reset_prefix_cache():
+            return True
+        if inproc and not llm.llm_engine.has_unfinished_requests():
+            llm.llm_engine.step()
+    return False
+
+
+def _in_flight(llm, cmd: list[str], prompt_ids: dict) -> dict:
+    """start NAME K / finish: requests stepped one engine step at a time (--inproc)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    if cmd[0] == "start":
+        engine.add_request(cmd[1], TokensPrompt(prompt_token_ids=prompt_ids[cmd[1]]),
+                           SamplingParams(temperature=0.0, max_tokens=int(cmd[2]), detokenize=False))
+        while not any(o.request_id == cmd[1] and o.outputs[0].token_ids for o in engine.step()):
+            pass
+        return {"started": cmd[1]}
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+    for name, tokens in outputs.items():
+        prompt_ids[name + "+"] = prompt_ids[name] + tokens
+    return {"outputs": outputs}
+
+
 def main() -> int:
     import time
 
@@ -250,6 +290,8 @@ def main() -> int:
     # vLLM's CPU backend reserves one more core when any connector is configured, which changes
     # float results on a small machine: reserve alike with and without one
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(args.tp))
+    if args.inproc:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     prompt_ids = prompts(args.prefix_blocks, args.block)
     _bind_cpus(args.tp)
     from vllm import SamplingParams
@@ -266,7 +308,7 @@ def main() -> int:
             continue
         if cmd[0] == "quit":
             break
-        reset = bool(llm.reset_prefix_cache())  # False while a finished request holds blocks
+        reset = _reset(llm, args.inproc)
         start = time.perf_counter()
         if cmd[0] == "batch":
             outs = llm.generate(batch, params, use_tqdm=False)
@@ -282,8 +324,10 @@ def main() -> int:
             say({"name": cmd[1], "tokens": list(out.outputs[0].token_ids),
                  "num_cached_tokens": out.num_cached_tokens or 0, "reset": reset})
         elif cmd[0] == "rpc":  # e.g. reload_weights: vLLM's weights changed in place
-            llm.collective_rpc(cmd[1])
+            llm.collective_rpc(cmd[1], kwargs={"weights_path": cmd[2]} if len(cmd) > 2 else None)
             say({"rpc": cmd[1], "reset": reset})
+        elif cmd[0] in ("start", "finish"):
+            say(dict(_in_flight(llm, cmd, prompt_ids), reset=reset))
         elif cmd[0] == "version":
             llm.update_weight_version(cmd[1])
             say({"version": llm.get_weight_version(), "reset": reset})

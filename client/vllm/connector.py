@@ -138,6 +138,7 @@ class _ReqState:
     ext_tokens: int = 0
     storage_tokens: int = 0  # of ext_tokens, those a storage tier supplied
     saved_blocks: int = 0
+    stale: bool = False  # its KV was computed on KV of weights older than the keys: never saved
 
 
 class KvcachedConnector(KVConnectorBase_V1):
@@ -177,7 +178,7 @@ class KvcachedConnector(KVConnectorBase_V1):
                                    int(parallel.data_parallel_size or 1) if warn_dp else 1)
         link_args = dict(run_dir=extra.get("run_dir"), timeout=float(extra.get("timeout_s", 5.0)),
                          hang_s=float(extra["hang_s"]) if "hang_s" in extra else None)
-        self.counters = {"lookups": 0, "hit_tokens": 0, "daemon_errors": 0}
+        self.counters = {"lookups": 0, "hit_tokens": 0, "daemon_errors": 0, "stale_blocks": 0}
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler(instances, link_args, extra)
         else:
@@ -200,6 +201,10 @@ class KvcachedConnector(KVConnectorBase_V1):
                      DaemonLink(instances[0], name="vllm-scheduler", **link_args))
         self.link.attach_now()
         self.disabled = False  # set where re-keying after a weight update failed: no hit, no save
+        # vLLM's own prefix cache: whether it computed anything since it was last emptied, and
+        # whether it may hold blocks of weights older than the keys (a request that hits them
+        # computes on their KV: what it computes is not stored under the new weights' keys)
+        self.local_used = self.local_stale = False
         weight_updates.watch(self)
 
     def _init_worker(self, instances: list[str], link_args: dict, extra: dict) -> None:
@@ -244,6 +249,7 @@ class KvcachedConnector(KVConnectorBase_V1):
         limit = max(len(request.prompt_token_ids or ()) - 1, 0) // bs
         start = num_computed_tokens // bs
         state.saved_blocks = start
+        state.stale = self.local_stale and start > 0
         if limit <= start:
             return 0, False
         client = None if self.disabled else self.link.get()
@@ -286,6 +292,7 @@ class KvcachedConnector(KVConnectorBase_V1):
         meta.preempted = sorted(set(getattr(scheduler_output, "preempted_req_ids", None) or ())
                                 & self._transfer_reqs)
         scheduled = scheduler_output.num_scheduled_tokens
+        self.local_used |= bool(scheduled)
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
             if state is not None:
@@ -309,6 +316,10 @@ class KvcachedConnector(KVConnectorBase_V1):
     def _add_save(self, meta: KvcachedConnectorMetadata, state: _ReqState, computed: int) -> None:
         full = min(computed // self.block_size, len(state.block_ids))
         if full <= state.saved_blocks or self.disabled:
+            return
+        if state.stale:  # computed on KV of the old weights (weights_replaced)
+            self.counters["stale_blocks"] += full - state.saved_blocks
+            state.saved_blocks = full
             return
         keys = self._keys(state, full)
         full = len(keys)
@@ -356,11 +367,25 @@ class KvcachedConnector(KVConnectorBase_V1):
 
     def weights_replaced(self, version: str | None, what: str) -> None:
         """vLLM's weights may have changed in place (weight_updates.py): blocks are keyed under
-        the weight `version` set, else under a new salt, as at a reset."""
+        the weight `version` set, else under a new salt, as at a reset. What vLLM computed
+        before stays in its own cache until it is emptied (`pause(mode="keep")` keeps requests
+        running on it): a request running now, or one that hits vLLM's own cache before it is
+        emptied, computes on the old weights' KV, and its blocks are not stored (stale)."""
         self._rekey(f"vllm-weight-version:{version}" if version is not None
                     else f"reset:{os.urandom(8).hex()}")
-        log.info("[vllm] %s: blocks are keyed anew (%s)", what,  # each chunk of an update
-                 f"weight version {version}" if version is not None else "a new salt")
+        if self.local_used:
+            self.local_stale = True
+            for state in self._reqs.values():
+                state.stale = True
+        log.info("[vllm] %s: blocks are keyed anew (%s)%s", what,  # each chunk of an update
+                 f"weight version {version}" if version is not None else "a new salt",
+                 "; until vLLM's own cache is emptied, what is computed on it is not stored"
+                 if self.local_stale else "")
+
+    def local_cache_emptied(self) -> None:
+        """vLLM emptied its own prefix cache (a reset_prefix_cache that took): every block it
+        holds from now on is computed under the current weights."""
+        self.local_used = self.local_stale = False
 
     def close_link(self) -> None:
         """Serve and store nothing more (re-keying failed: the keys may be the old weights')."""

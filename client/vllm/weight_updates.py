@@ -17,6 +17,11 @@ new random salt, as at a cache reset; after a weight version is set (`finish_wei
 weight_version=...)`, `update_weight_version`), under that version, which every engine updated
 to it shares. A connector that cannot re-key is closed (it serves nothing more); the error
 never reaches vLLM's call.
+
+What vLLM computed before an update stays in its own prefix cache until that is emptied, and
+`pause(mode="keep")` keeps requests running on it: blocks computed on the old weights' KV are
+not stored under the new keys. `EngineCore.reset_prefix_cache` is watched too: once one takes,
+vLLM's cache holds only what the current weights computed (`local_cache_emptied`).
 """
 from __future__ import annotations
 
@@ -58,7 +63,8 @@ def _install() -> bool:
         log.info("[vllm] engine core not found (%s: %s): weight updates are not watched",
                  type(exc).__name__, exc)
         return False
-    for name, after in (("collective_rpc", _after_rpc), ("set_weight_version", _after_version)):
+    for name, after in (("collective_rpc", _after_rpc), ("set_weight_version", _after_version),
+                        ("reset_prefix_cache", _after_reset)):
         fn = getattr(cls, name, None)
         if fn is not None and not getattr(fn, "_kvcached_watched", False):
             setattr(cls, name, _watched(fn, after))
@@ -66,26 +72,36 @@ def _install() -> bool:
 
 
 def _watched(fn, after):
-    """fn, then `after` with its arguments, whether fn returned or raised (a failed update may
-    have loaded part of the weights)."""
+    """fn, then `after` with what it returned (None where it raised) and its arguments, whether
+    fn returned or raised (a failed update may have loaded part of the weights)."""
     @functools.wraps(fn)  # vLLM reads the signature of a utility call's method: fn's
     def watched(self, *args, **kwargs):
+        result = None
         try:
-            return fn(self, *args, **kwargs)
+            result = fn(self, *args, **kwargs)
+            return result
         finally:
-            after(*args, **kwargs)
+            after(result, *args, **kwargs)
 
     watched._kvcached_watched = True
     return watched
 
 
-def _after_rpc(method=None, *_args, **_kwargs) -> None:
+def _after_rpc(_result, method=None, *_args, **_kwargs) -> None:
     if changes_weights(method):
         _tell_all(None, getattr(method, "__name__", str(method)))
 
 
-def _after_version(weight_version=None, *_args, **_kwargs) -> None:
+def _after_version(_result, weight_version=None, *_args, **_kwargs) -> None:
     _tell_all(str(weight_version), "set_weight_version")
+
+
+def _after_reset(result, *_args, **_kwargs) -> None:
+    """vLLM's reset_prefix_cache: True once its own cache is empty (False: blocks still in use,
+    nothing was dropped)."""
+    if result is True:
+        for connector in list(_connectors):
+            connector.local_cache_emptied()
 
 
 def _tell_all(version: str | None, what: str) -> None:

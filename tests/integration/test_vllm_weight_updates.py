@@ -105,3 +105,77 @@ def test_a_connector_that_cannot_re_key_serves_and_stores_nothing(tmp_path, daem
     finally:
         for conn in (broken, other):
             conn.link.close()
+
+
+def test_what_a_request_computes_on_the_old_weights_kv_is_not_stored(tmp_path, run_dir, instance):
+    """A's prefill ran on the checkpoint; other weights were loaded in place while A ran
+    (`reload_weights(weights_path=...)`, as an RL loop with `pause(mode="keep")` leaves a request
+    running on its old KV); A's blocks completed after the update were computed on the old
+    weights' KV and are not stored under the new weights' keys. After the update `gen A` stores
+    the prompt's 15 blocks; A's prompt followed by its output then finds those 15 and no more
+    (before the fix: 21, six of them from A's run across the update), and its output equals
+    vLLM's own 15-block hit. The control that the weights changed: A's output differs."""
+    write_model(str(tmp_path / "other"), seed=1)
+    daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2)
+    eng = vllm_driver.EngineProcess(str(tmp_path / "model"), "--connector", "kvcached", "--inproc",
+                                    "--instance", instance, "--run-dir", run_dir)
+    prompt = 15 * vllm_driver.BLOCK  # A's whole blocks (488 tokens)
+    try:
+        vllm_driver.wait_attached(daemon)
+        before = eng.gen("A")
+        eng.step("start", "A 200")  # A's prefill: its 15 blocks stored under the checkpoint's keys
+        assert eng.step("rpc", f"reload_weights {tmp_path / 'other'}")["rpc"] == "reload_weights"
+        assert len(eng.step("finish", "")["outputs"]["A"]) == 200  # A+: 688 tokens, 21 blocks
+        after = eng.gen("A")
+        assert after["reset"] and after["num_cached_tokens"] == 0, after
+        assert after["tokens"] != before["tokens"]  # the control: other weights
+        turn = eng.gen("A+")
+        assert turn["reset"] and turn["num_cached_tokens"] == prompt, turn
+        assert turn["tokens"] == eng.step("genk", "A+ 15")["tokens"]
+    finally:
+        eng.close()
+        daemon.stop()
+        sweep_crashed(instance)
+
+
+def test_after_an_update_blocks_on_vllms_own_old_blocks_wait_for_its_reset(tmp_path, daemon):
+    """Blocks computed since vLLM's cache was last emptied may be the old weights': after an
+    update, a request that hits vLLM's own cache is not stored (a request without such a hit is),
+    until a reset_prefix_cache takes (through vLLM's EngineCore, watched); one that does not
+    take changes nothing. An update with nothing computed since the last reset stales nothing."""
+    from types import SimpleNamespace
+
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.request import Request
+
+    model = write_model(str(tmp_path / "model"))
+    conn = scheduler_connector(model, daemon.instance, daemon.run_dir)
+
+    def saves(name, local_tokens):
+        request = Request(name, list(range(100, 180)), SamplingParams(max_tokens=1), None)
+        conn.get_num_new_matched_tokens(request, local_tokens)
+        new = SimpleNamespace(req_id=name, block_ids=(list(range(5)),), num_computed_tokens=local_tokens)
+        cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
+        out = SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
+                              num_scheduled_tokens={name: 80 - local_tokens}, preempted_req_ids=set())
+        return sum(len(t.keys) for t in conn.build_connector_meta(out).saves)
+
+    def reset(took: bool):
+        core = SimpleNamespace(scheduler=SimpleNamespace(reset_prefix_cache=lambda *a: took))
+        assert EngineCore.reset_prefix_cache(core) is took
+
+    try:
+        assert saves("r0", 0) == 5
+        weight_updates._tell_all(None, "update_weights")
+        assert saves("r1", 32) == 0 and saves("r2", 0) == 5  # a hit on vLLM's own blocks; none
+        reset(False)
+        assert saves("r3", 32) == 0  # the reset did not take: vLLM's old blocks are still there
+        reset(True)
+        assert saves("r4", 32) == 3  # the control: the same hit once vLLM's cache was emptied
+        reset(True)
+        weight_updates._tell_all(None, "update_weights")  # nothing computed since the reset
+        assert saves("r5", 32) == 3
+        assert conn.counters["stale_blocks"] == 6
+    finally:
+        conn.link.close()
