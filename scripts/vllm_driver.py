@@ -189,6 +189,9 @@ def _args():
                          "large shapes, where writing a checkpoint would cost more than it tells)")
     ap.add_argument("--storage-hits", choices=["prefetch", "inline"], default="prefetch",
                     help="the connector's storage_hits")
+    ap.add_argument("--layer-types", default="", help="comma-separated 'sliding' or 'full' per "
+                    "layer (the config's layer_types: sliding-window layers of --sliding-window)")
+    ap.add_argument("--sliding-window", type=int, default=64)
     ap.add_argument("--inproc", action="store_true", help="the engine core in this process "
                     "(VLLM_ENABLE_V1_MULTIPROCESSING=0): start and finish step it one by one")
     ap.add_argument("--eagle", default="", help="speculative decoding with an EAGLE drafter "
@@ -239,6 +242,9 @@ def _write_checkpoints(args) -> None:
     """The model's checkpoint (its config alone for dummy weights) and the EAGLE drafter's."""
     config = config_for(args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate,
                         args.vocab)
+    if args.layer_types:  # as interleaved models (GPT-OSS, Gemma 3) name theirs
+        config.update(layer_types=[f"{t}_attention" for t in args.layer_types.split(",")],
+                      sliding_window=args.sliding_window)
     if args.dummy_weights:
         os.makedirs(args.model_dir, exist_ok=True)
         with open(os.path.join(args.model_dir, "config.json"), "w") as f:
