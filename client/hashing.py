@@ -6,7 +6,6 @@ carries content hashes of images or videos whose tokens fall in block i.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
@@ -59,18 +58,28 @@ def short_digest(text: str) -> str:
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
-@functools.lru_cache(maxsize=1024)
-def path_identity(path: str) -> str:
+_identities: dict[str, str] = {}
+
+
+def path_identity(path: str, fresh: bool = False) -> str:
     """A local directory's or file's identity, read once per process (as an engine reads it once,
-    at start): a directory's weight files (`weights_identity`), a file's size and modification
-    time; "" for a path that is neither (a hub id, an adapter held in memory)."""
-    if os.path.isdir(path):
-        return weights_identity(path)
-    try:
-        st = os.stat(path)
-    except OSError:
-        return ""
-    return f"file:{st.st_size}:{st.st_mtime_ns}"
+    at start) unless `fresh` (the engine loads it again now: read again, and kept): a
+    directory's weight files (`weights_identity`), a file's size and modification time; "" for
+    a path that is neither (a hub id, an adapter held in memory)."""
+    if fresh or path not in _identities:
+        if os.path.isdir(path):
+            ident = weights_identity(path)
+        else:
+            try:
+                st = os.stat(path)
+                ident = f"file:{st.st_size}:{st.st_mtime_ns}"
+            except OSError:
+                ident = ""
+        _identities[path] = ident
+    return _identities[path]
+
+
+path_identity.cache_clear = _identities.clear  # what a process started later would read
 
 
 def _encode_extra(extra) -> bytes:

@@ -81,6 +81,7 @@ from ..lookup_gate import LookupGate
 from ..mm_keys import MMItem
 from . import weight_updates
 from .checks import check_one_kv_cache_group, check_parallelism, rank_instances
+from .freshness import Freshness
 from .request_keys import drops_last_block, model_factors, request_parts
 
 if TYPE_CHECKING:
@@ -138,7 +139,8 @@ class _ReqState:
     ext_tokens: int = 0
     storage_tokens: int = 0  # of ext_tokens, those a storage tier supplied
     saved_blocks: int = 0
-    stale: bool = False  # its KV was computed on KV of weights older than the keys: never saved
+    stale: bool = False  # computed on KV of weights or an adapter older than its keys: never saved
+    adapter_ident: str | None = None  # its load_inplace adapter's files when it was looked up
 
 
 class KvcachedConnector(KVConnectorBase_V1):
@@ -201,10 +203,7 @@ class KvcachedConnector(KVConnectorBase_V1):
                      DaemonLink(instances[0], name="vllm-scheduler", **link_args))
         self.link.attach_now()
         self.disabled = False  # set where re-keying after a weight update failed: no hit, no save
-        # vLLM's own prefix cache: whether it computed anything since it was last emptied, and
-        # whether it may hold blocks of weights older than the keys (a request that hits them
-        # computes on their KV: what it computes is not stored under the new weights' keys)
-        self.local_used = self.local_stale = False
+        self.fresh = Freshness()  # which requests' blocks may be stored (freshness.py)
         weight_updates.watch(self)
 
     def _init_worker(self, instances: list[str], link_args: dict, extra: dict) -> None:
@@ -236,7 +235,8 @@ class KvcachedConnector(KVConnectorBase_V1):
             items = [MMItem(f.mm_position.offset, f.mm_position.length, f.identifier)
                      for f in getattr(state.request, "mm_features", None) or []]
             self.key_scheme.extend(state.keys, tokens, self.block_size, num_blocks, items,
-                                   request_parts(state.request, self.block_size))
+                                   request_parts(state.request, self.block_size,
+                                                 self.fresh.adapter_salts))
         return state.keys[:num_blocks]
 
     # ------------------------------------------------------------- scheduler
@@ -249,7 +249,7 @@ class KvcachedConnector(KVConnectorBase_V1):
         limit = max(len(request.prompt_token_ids or ()) - 1, 0) // bs
         start = num_computed_tokens // bs
         state.saved_blocks = start
-        state.stale = self.local_stale and start > 0
+        self.fresh.at_lookup(state, start)
         if limit <= start:
             return 0, False
         client = None if self.disabled else self.link.get()
@@ -292,7 +292,7 @@ class KvcachedConnector(KVConnectorBase_V1):
         meta.preempted = sorted(set(getattr(scheduler_output, "preempted_req_ids", None) or ())
                                 & self._transfer_reqs)
         scheduled = scheduler_output.num_scheduled_tokens
-        self.local_used |= bool(scheduled)
+        self.fresh.scheduled(bool(scheduled))
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
             if state is not None:
@@ -317,7 +317,7 @@ class KvcachedConnector(KVConnectorBase_V1):
         full = min(computed // self.block_size, len(state.block_ids))
         if full <= state.saved_blocks or self.disabled:
             return
-        if state.stale:  # computed on KV of the old weights (weights_replaced)
+        if not self.fresh.may_save(state):  # computed on KV of old weights or an old adapter
             self.counters["stale_blocks"] += full - state.saved_blocks
             state.saved_blocks = full
             return
@@ -373,19 +373,27 @@ class KvcachedConnector(KVConnectorBase_V1):
         emptied, computes on the old weights' KV, and its blocks are not stored (stale)."""
         self._rekey(f"vllm-weight-version:{version}" if version is not None
                     else f"reset:{os.urandom(8).hex()}")
-        if self.local_used:
-            self.local_stale = True
-            for state in self._reqs.values():
-                state.stale = True
+        self.fresh.weights_replaced(self._reqs.values())
         log.info("[vllm] %s: blocks are keyed anew (%s)%s", what,  # each chunk of an update
                  f"weight version {version}" if version is not None else "a new salt",
                  "; until vLLM's own cache is emptied, what is computed on it is not stored"
-                 if self.local_stale else "")
+                 if self.fresh.local_stale else "")
 
     def local_cache_emptied(self) -> None:
         """vLLM emptied its own prefix cache (a reset_prefix_cache that took): every block it
         holds from now on is computed under the current weights."""
-        self.local_used = self.local_stale = False
+        self.fresh.emptied()
+
+    def adapter_loaded(self, lora) -> None:
+        """vLLM's add_lora loaded LoRA adapter `lora`; loaded again, its blocks are keyed anew
+        and what runs on its old KV is not stored (freshness.py)."""
+        if self.fresh.adapter_loaded(lora, self._reqs.values()):
+            for state in self._reqs.values():
+                adapter = getattr(state.request, "lora_request", None)
+                if getattr(adapter, "lora_name", None) == lora.lora_name:
+                    state.keys = []
+                    self.gate.forget(state.request.request_id)
+            log.info("[vllm] LoRA adapter %r loaded again: its blocks are keyed anew", lora.lora_name)
 
     def close_link(self) -> None:
         """Serve and store nothing more (re-keying failed: the keys may be the old weights')."""

@@ -4,7 +4,9 @@ cache keys its blocks (`generate_block_hash_extra_keys` in vllm/v1/core/kv_cache
 - its LoRA adapter, name and path (every block): an adapter on the K and V projections
   changes every layer's KV after the first; a local adapter directory's files too (names, sizes,
   mtimes), so a retrained adapter written over the old one is not served the old one's KV
-  after a restart;
+  after a restart; read again where vLLM loads the adapter again (`load_inplace`, or
+  `add_lora` of a name it had: freshness.py), and for an adapter that is no directory, a
+  salt drawn at each such reload;
 - its cache salt (the first block, so every block after it too: keys are chained), which is
   how vLLM keeps one tenant's prefixes from another's;
 - its prompt embeddings (each block, the hash of its rows): such a prompt's token ids are
@@ -29,16 +31,21 @@ from ..hashing import path_identity, short_digest, weights_identity
 from ..key_scheme import request_parts as key_parts
 
 
-def request_parts(request, block_size: int) -> Callable[[int], tuple] | None:
+def request_parts(request, block_size: int, adapter_salts: dict | None = None
+                  ) -> Callable[[int], tuple] | None:
     """block i -> the parts of its key beyond tokens and multimodal items (KeyScheme.extend's
     `block_parts`), for a vLLM `Request` in blocks of `block_size` tokens; None when there are
-    none."""
+    none. `adapter_salts`: an adapter name's salt since vLLM last loaded it again."""
     lora = getattr(request, "lora_request", None)
     embeds = getattr(request, "prompt_embeds", None)
     adapter = None
     if lora:
         path = str(getattr(lora, "lora_path", "") or "")
-        adapter = f"lora\0{lora.lora_name}\0{path}" + adapter_identity(path)
+        adapter = f"lora\0{lora.lora_name}\0{path}" + adapter_identity(
+            path, fresh=bool(getattr(lora, "load_inplace", False)))
+        salt = (adapter_salts or {}).get(lora.lora_name)
+        if salt:
+            adapter += "\0reloaded:" + salt
 
     def embeds_of(i: int) -> tuple:
         return (b"prompt_embeds\0" + embeds_hash(request, i * block_size, (i + 1) * block_size),)
@@ -47,12 +54,13 @@ def request_parts(request, block_size: int) -> Callable[[int], tuple] | None:
                      embeds_of if embeds is not None else None)
 
 
-def adapter_identity(path: str) -> str:
+def adapter_identity(path: str, fresh: bool = False) -> str:
     """A local adapter directory's identity (its files' names, sizes and mtimes), read once per
-    process (`path_identity`): an adapter retrained and written where the old one was gets other
-    keys at the next start, so the daemon's tiers never serve it the old adapter's KV. "" for a
-    path that is no directory (a hub id, an adapter in memory): its keys stay as they were."""
-    ident = path_identity(path) if path else ""
+    process (`path_identity`) unless `fresh` (vLLM loads it again: `load_inplace`): an adapter
+    retrained and written where the old one was gets other keys at the next start or load, so
+    the daemon's tiers never serve it the old adapter's KV. "" for a path that is no directory
+    (a hub id, an adapter in memory): its keys stay as they were."""
+    ident = path_identity(path, fresh) if path else ""
     return "\0" + ident if ident.startswith("files:") else ""
 
 

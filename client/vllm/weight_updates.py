@@ -21,7 +21,9 @@ never reaches vLLM's call.
 What vLLM computed before an update stays in its own prefix cache until that is emptied, and
 `pause(mode="keep")` keeps requests running on it: blocks computed on the old weights' KV are
 not stored under the new keys. `EngineCore.reset_prefix_cache` is watched too: once one takes,
-vLLM's cache holds only what the current weights computed (`local_cache_emptied`).
+vLLM's cache holds only what the current weights computed (`local_cache_emptied`). So is
+`EngineCore.add_lora`: an adapter loaded again in place keys its blocks anew
+(`adapter_loaded`, freshness.py).
 """
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ def _install() -> bool:
                  type(exc).__name__, exc)
         return False
     for name, after in (("collective_rpc", _after_rpc), ("set_weight_version", _after_version),
-                        ("reset_prefix_cache", _after_reset)):
+                        ("reset_prefix_cache", _after_reset), ("add_lora", _after_add_lora)):
         fn = getattr(cls, name, None)
         if fn is not None and not getattr(fn, "_kvcached_watched", False):
             setattr(cls, name, _watched(fn, after))
@@ -104,10 +106,21 @@ def _after_reset(result, *_args, **_kwargs) -> None:
             connector.local_cache_emptied()
 
 
-def _tell_all(version: str | None, what: str) -> None:
+def _after_add_lora(result, lora_request=None, *_args, **_kwargs) -> None:
+    """vLLM's add_lora (the server's /v1/load_lora_adapter, LLM.llm_engine.add_lora): an adapter
+    loaded again in place changes its blocks' KV (one that raised may have)."""
+    if lora_request is not None and result is not False:
+        _tell_all(None, f"add_lora({lora_request.lora_name!r})",
+                  lambda connector: connector.adapter_loaded(lora_request))
+
+
+def _tell_all(version: str | None, what: str, call=None) -> None:
     for connector in list(_connectors):
         try:
-            connector.weights_replaced(version, what)
+            if call is None:
+                connector.weights_replaced(version, what)
+            else:
+                call(connector)
         except Exception as exc:
             log.error("[vllm] re-keying after %s failed (%s: %s): the connector is closed, so it "
                       "serves no block of the old weights", what, type(exc).__name__, exc)

@@ -24,6 +24,7 @@ from vllm.v1.request import Request  # noqa: E402
 from kvcached_client import BlockHasher  # noqa: E402
 from kvcached_client.key_scheme import KeyScheme  # noqa: E402
 from kvcached_client.vllm.connector import KvcachedConnector, _ReqState  # noqa: E402
+from kvcached_client.vllm.freshness import Freshness  # noqa: E402
 
 BS, BLOCKS, HIDDEN = 16, 4, 8
 TOKENS = [(i * 37 + 11) % 1000 for i in range(BS * BLOCKS + 5)]
@@ -79,7 +80,8 @@ def _requests() -> dict[str, Request]:
 
 def _connector_keys(request: Request) -> list[bytes]:
     """The keys the connector's scheduler side makes for the request (its own `_keys`)."""
-    conn = SimpleNamespace(key_scheme=KeyScheme(BlockHasher("test-model|bf16")), block_size=BS)
+    conn = SimpleNamespace(key_scheme=KeyScheme(BlockHasher("test-model|bf16")), block_size=BS,
+                           fresh=Freshness())
     return KvcachedConnector._keys(conn, _ReqState(request), BLOCKS)
 
 

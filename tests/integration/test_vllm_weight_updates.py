@@ -138,6 +138,35 @@ def test_what_a_request_computes_on_the_old_weights_kv_is_not_stored(tmp_path, r
         sweep_crashed(instance)
 
 
+def _saves(conn, name: str, local_tokens: int = 0, lora=None, then=None) -> int:
+    """A request of 80 tokens (5 blocks of 16) scheduled from waiting with `local_tokens` hit in
+    vLLM's own cache, computed in two steps (one block, then the rest; `then` done in between):
+    how many blocks the connector sends to be stored."""
+    from types import SimpleNamespace
+
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    request = Request(name, list(range(100, 180)), SamplingParams(max_tokens=1), None,
+                      lora_request=lora)
+    conn.get_num_new_matched_tokens(request, local_tokens)
+    first = local_tokens + 16
+    new = SimpleNamespace(req_id=name, block_ids=(list(range(5)),), num_computed_tokens=local_tokens)
+    none = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
+    steps = [SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=none,
+                             num_scheduled_tokens={name: 16}, preempted_req_ids=set()),
+             SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={name: 80 - first},
+                             scheduled_cached_reqs=SimpleNamespace(
+                                 req_ids=[name], new_block_ids=[None], num_computed_tokens=[first],
+                                 resumed_req_ids=set()), preempted_req_ids=set())]
+    saved = 0
+    for i, out in enumerate(steps):
+        saved += sum(len(t.keys) for t in conn.build_connector_meta(out).saves)
+        if i == 0 and then is not None:
+            then()
+    return saved
+
+
 def test_after_an_update_blocks_on_vllms_own_old_blocks_wait_for_its_reset(tmp_path, daemon):
     """Blocks computed since vLLM's cache was last emptied may be the old weights': after an
     update, a request that hits vLLM's own cache is not stored (a request without such a hit is),
@@ -145,37 +174,89 @@ def test_after_an_update_blocks_on_vllms_own_old_blocks_wait_for_its_reset(tmp_p
     take changes nothing. An update with nothing computed since the last reset stales nothing."""
     from types import SimpleNamespace
 
-    from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.core import EngineCore
-    from vllm.v1.request import Request
 
-    model = write_model(str(tmp_path / "model"))
-    conn = scheduler_connector(model, daemon.instance, daemon.run_dir)
-
-    def saves(name, local_tokens):
-        request = Request(name, list(range(100, 180)), SamplingParams(max_tokens=1), None)
-        conn.get_num_new_matched_tokens(request, local_tokens)
-        new = SimpleNamespace(req_id=name, block_ids=(list(range(5)),), num_computed_tokens=local_tokens)
-        cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
-        out = SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
-                              num_scheduled_tokens={name: 80 - local_tokens}, preempted_req_ids=set())
-        return sum(len(t.keys) for t in conn.build_connector_meta(out).saves)
+    conn = scheduler_connector(write_model(str(tmp_path / "model")), daemon.instance, daemon.run_dir)
 
     def reset(took: bool):
         core = SimpleNamespace(scheduler=SimpleNamespace(reset_prefix_cache=lambda *a: took))
         assert EngineCore.reset_prefix_cache(core) is took
 
     try:
-        assert saves("r0", 0) == 5
+        assert _saves(conn, "r0") == 5
         weight_updates._tell_all(None, "update_weights")
-        assert saves("r1", 32) == 0 and saves("r2", 0) == 5  # a hit on vLLM's own blocks; none
+        assert _saves(conn, "r1", 32) == 0 and _saves(conn, "r2") == 5  # a hit on vLLM's own blocks; none
         reset(False)
-        assert saves("r3", 32) == 0  # the reset did not take: vLLM's old blocks are still there
+        assert _saves(conn, "r3", 32) == 0  # the reset did not take: vLLM's old blocks are still there
         reset(True)
-        assert saves("r4", 32) == 3  # the control: the same hit once vLLM's cache was emptied
+        assert _saves(conn, "r4", 32) == 3  # the control: the same hit once vLLM's cache was emptied
         reset(True)
         weight_updates._tell_all(None, "update_weights")  # nothing computed since the reset
-        assert saves("r5", 32) == 3
+        assert _saves(conn, "r5", 32) == 3
         assert conn.counters["stale_blocks"] == 6
     finally:
         conn.link.close()
+
+
+def test_an_adapter_loaded_again_in_place_keys_its_blocks_anew(tmp_path, daemon):
+    """vLLM's add_lora (watched on its EngineCore) of a name it had, or with load_inplace: a
+    directory's files are read again (rewritten: other keys; the same files: the same keys, so
+    engines share them), an adapter that is no directory gets a new salt, and a request running
+    with it stores nothing after it (1 block of 5) while one with another adapter does (the
+    control). A request whose adapter vLLM reloads at every step (load_inplace) stores nothing
+    once its files change under it. A first add_lora keeps the keys."""
+    from types import SimpleNamespace
+
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.engine.core import EngineCore
+
+    from kvcached_client import hashing
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    weights = adapter / "adapter_model.safetensors"
+    weights.write_bytes(b"\x01" * 64)
+    hashing.path_identity.cache_clear()
+    conn = scheduler_connector(write_model(str(tmp_path / "model")), daemon.instance, daemon.run_dir)
+    core = SimpleNamespace(model_executor=SimpleNamespace(add_lora=lambda lora: True))
+    on_disk, in_memory = (lambda inplace=False: LoRARequest("a", 1, str(adapter), load_inplace=inplace),
+                          lambda: LoRARequest("m", 2, "/nonexistent/held-in-memory"))
+
+    def keys(lora) -> list[bytes]:
+        return _saves_keys(conn, lora)
+
+    try:
+        first, memory = keys(on_disk()), keys(in_memory())
+        EngineCore.add_lora(core, on_disk())
+        EngineCore.add_lora(core, in_memory())
+        assert keys(on_disk()) == first and keys(in_memory()) == memory  # first loads
+        os.utime(weights, ns=(1, 1))  # retrained and written where it was
+        assert keys(on_disk()) == first  # vLLM has not loaded it again
+        EngineCore.add_lora(core, on_disk(inplace=True))
+        second = keys(on_disk())
+        assert second != first
+        EngineCore.add_lora(core, on_disk(inplace=True))
+        assert keys(on_disk()) == second  # the same files again: the same keys
+        EngineCore.add_lora(core, in_memory())
+        assert keys(in_memory()) != memory
+        reload = lambda: EngineCore.add_lora(core, on_disk(inplace=True))  # noqa: E731
+        assert _saves(conn, "x", lora=on_disk(), then=reload) == 1  # ran across the reload
+        other = LoRARequest("b", 3, "/nonexistent/b")
+        assert _saves(conn, "y", lora=other, then=reload) == 5  # the control: another adapter
+        rewrite = lambda: os.utime(weights, ns=(2, 2))  # noqa: E731
+        assert _saves(conn, "z", lora=on_disk(inplace=True), then=rewrite) == 1
+        assert _saves(conn, "w", lora=on_disk(inplace=True)) == 5  # the control: files unchanged
+    finally:
+        conn.link.close()
+        hashing.path_identity.cache_clear()
+
+
+def _saves_keys(conn, lora) -> list[bytes]:
+    """The keys the scheduler connector makes for an 80-token request with adapter `lora`."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    from kvcached_client.vllm.connector import _ReqState
+
+    return conn._keys(_ReqState(Request("k", list(range(100, 180)), SamplingParams(max_tokens=1),
+                                        None, lora_request=lora)), 5)
