@@ -22,6 +22,9 @@ speculative decoding with an EAGLE drafter (random weights) written to DIR.
              compared with this, not with the full prefill).
   rpc METHOD [PATH]  LLM.collective_rpc(METHOD) (reload_weights: the weights loaded again in
              place; with PATH, reload_weights(weights_path=PATH): another checkpoint's).
+  counters   the worker-side connector's counters (loaded_blocks, load_errors, saved_blocks,
+             ...), through collective_rpc of a function (the scheduler re-keys after it, as
+             after any function: ask at the end).
   start NAME K  (--inproc) add prompt NAME (greedy, K tokens) and step the engine until it has
              its first token: a request in flight across what the next steps do.
   finish     (--inproc) step until every request started is done; answers their tokens, and
@@ -123,6 +126,11 @@ class EngineProcess:
             if at >= 0:
                 return json.JSONDecoder().raw_decode(line[at + len(MARK):])[0]
         raise RuntimeError("the engine exited:\n" + "".join(self.log[-60:]))
+
+    def connector_log(self, last: int = 20) -> list[str]:
+        """The engine's last lines from the connector and the client (what to show when a hit
+        comes out otherwise than a test expects)."""
+        return [line.rstrip() for line in self.log if "[vllm]" in line or "[kv" in line][-last:]
 
     def send(self, cmd: str, name: str = "") -> None:
         """Start a step; answer() reads its result (a caller may act in between)."""
@@ -255,6 +263,13 @@ def _write_checkpoints(args) -> None:
         write_eagle_draft(args.eagle, config)
 
 
+def _worker_counters(_worker) -> dict:
+    """In a worker: its connector's counters (what its loads and saves did)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return dict(getattr(get_kv_transfer_group(), "counters", {}))
+
+
 def _reset(llm, inproc: bool) -> bool:
     """reset_prefix_cache(): False while a finished request holds blocks (the connector's
     transfers are reported at a later step: in this process, this steps the engine for them)."""
@@ -298,6 +313,7 @@ def main() -> int:
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(args.tp))
     if args.inproc:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # counters: a function RPC
     prompt_ids = prompts(args.prefix_blocks, args.block)
     _bind_cpus(args.tp)
     from vllm import SamplingParams
@@ -332,6 +348,8 @@ def main() -> int:
         elif cmd[0] == "rpc":  # e.g. reload_weights: vLLM's weights changed in place
             llm.collective_rpc(cmd[1], kwargs={"weights_path": cmd[2]} if len(cmd) > 2 else None)
             say({"rpc": cmd[1], "reset": reset})
+        elif cmd[0] == "counters":
+            say({"counters": llm.collective_rpc(_worker_counters)})
         elif cmd[0] in ("start", "finish"):
             say(dict(_in_flight(llm, cmd, prompt_ids), reset=reset))
         elif cmd[0] == "version":

@@ -46,11 +46,17 @@ def test_an_interleaved_sliding_window_model_gets_vllms_own_outputs_from_kvcache
         assert any(WHOLE in line for line in eng.log)
         assert eng.gen("A")["num_cached_tokens"] == 0
         b = eng.gen("B")
-        assert b["reset"] and b["num_cached_tokens"] == vllm_driver.PREFIX_BLOCKS * vllm_driver.BLOCK, b
+        with daemon.connect(role="operator") as c:
+            held = c.status()["lookups"]
+        assert b["reset"] and b["num_cached_tokens"] == vllm_driver.PREFIX_BLOCKS * vllm_driver.BLOCK, \
+            (b, held, eng.connector_log())
         assert b["tokens"] == reference["B"]
         d = eng.gen("D")
         assert d["reset"] and d["num_cached_tokens"] == vllm_driver.PREFIX_BLOCKS // 2 * vllm_driver.BLOCK, d
         assert d["tokens"] == reference["D"]
+        # the hits were loaded into vLLM's blocks, not recomputed after a failed load
+        counters = eng.step("counters", "")["counters"][0]
+        assert counters["loaded_blocks"] == 21 and counters["load_errors"] == 0, counters
     finally:
         eng.close()
         daemon.stop()

@@ -128,6 +128,10 @@ def test_an_eagle_engines_hit_is_one_block_short_and_its_output_is_vllms_own(tmp
         b = eng.gen("B")
         assert b["reset"] and b["num_cached_tokens"] == (blocks - 1) * block, b
         assert b["tokens"] == own["tokens"]
+        # loaded, not recomputed: the drafter's layer waited for its load too (vLLM defers the
+        # connector's end of step until the drafter ran; a layer never waited fails the load)
+        counters = eng.step("counters", "")["counters"][0]
+        assert counters["loaded_blocks"] == blocks - 1 and counters["load_errors"] == 0, counters
     finally:
         eng.close()
         daemon.stop()
