@@ -301,6 +301,8 @@ def test_one_kv_head_per_eight_query_heads_with_64_token_blocks_and_a_partial_hi
         d = eng.gen("D")
         assert d["reset"] and d["num_cached_tokens"] == 3 * 64, d
         assert d["tokens"] == reference["D"]
+        counters = eng.step("counters", "")["counters"][0]  # loaded, not recomputed
+        assert counters["loaded_blocks"] == 9 and counters["load_errors"] == 0, counters
     finally:
         eng.close()
         daemon.stop()
