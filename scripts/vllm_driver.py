@@ -281,6 +281,19 @@ def _reset(llm, inproc: bool) -> bool:
     return False
 
 
+def _control(llm, cmd: list[str], prompt_ids: dict) -> dict:
+    """rpc, counters, start, finish, version: the engine told or asked something."""
+    if cmd[0] == "rpc":  # e.g. reload_weights: vLLM's weights changed in place
+        llm.collective_rpc(cmd[1], kwargs={"weights_path": cmd[2]} if len(cmd) > 2 else None)
+        return {"rpc": cmd[1]}
+    if cmd[0] == "counters":
+        return {"counters": llm.collective_rpc(_worker_counters)}
+    if cmd[0] == "version":
+        llm.update_weight_version(cmd[1])
+        return {"version": llm.get_weight_version()}
+    return _in_flight(llm, cmd, prompt_ids)
+
+
 def _in_flight(llm, cmd: list[str], prompt_ids: dict) -> dict:
     """start NAME K / finish: requests stepped one engine step at a time (--inproc)."""
     from vllm import SamplingParams
@@ -345,16 +358,8 @@ def main() -> int:
                                use_tqdm=False)[0]
             say({"name": cmd[1], "tokens": list(out.outputs[0].token_ids),
                  "num_cached_tokens": out.num_cached_tokens or 0, "reset": reset})
-        elif cmd[0] == "rpc":  # e.g. reload_weights: vLLM's weights changed in place
-            llm.collective_rpc(cmd[1], kwargs={"weights_path": cmd[2]} if len(cmd) > 2 else None)
-            say({"rpc": cmd[1], "reset": reset})
-        elif cmd[0] == "counters":
-            say({"counters": llm.collective_rpc(_worker_counters)})
-        elif cmd[0] in ("start", "finish"):
-            say(dict(_in_flight(llm, cmd, prompt_ids), reset=reset))
-        elif cmd[0] == "version":
-            llm.update_weight_version(cmd[1])
-            say({"version": llm.get_weight_version(), "reset": reset})
+        elif cmd[0] in ("rpc", "counters", "start", "finish", "version"):
+            say(dict(_control(llm, cmd, prompt_ids), reset=reset))
         elif cmd[0] in ("gen", "ttft"):
             prompt = TokensPrompt(prompt_token_ids=prompt_ids[cmd[1]])
             if len(cmd) > 2:

@@ -83,6 +83,7 @@ from . import weight_updates
 from .checks import check_one_kv_cache_group, check_parallelism, rank_instances
 from .freshness import Freshness
 from .request_keys import drops_last_block, model_factors, request_parts
+from .stats import KvcachedConnectorStats, KvcachedPromMetrics, interval
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -181,6 +182,7 @@ class KvcachedConnector(KVConnectorBase_V1):
         link_args = dict(run_dir=extra.get("run_dir"), timeout=float(extra.get("timeout_s", 5.0)),
                          hang_s=float(extra["hang_s"]) if "hang_s" in extra else None)
         self.counters = {"lookups": 0, "hit_tokens": 0, "daemon_errors": 0, "stale_blocks": 0}
+        self._reported: dict = {}  # the counters as last reported to vLLM (stats.py)
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler(instances, link_args, extra)
         else:
@@ -470,6 +472,19 @@ class KvcachedConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker.finished(finished_req_ids) or None, None
+
+    def get_kv_connector_stats(self) -> KvcachedConnectorStats | None:
+        """After each step (workers and the scheduler): the counters' gains since (vLLM sums them
+        into its log and /metrics: stats.py)."""
+        return interval(self.counters, self._reported)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None) -> KvcachedConnectorStats:
+        return KvcachedConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KvcachedPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.role == KVConnectorRole.WORKER:

@@ -170,6 +170,10 @@ def test_the_openai_server_as_the_readme_runs_it(model, reference, tmp_path, run
         tokens, cached = server.complete("X")  # the control: the blocks past its change miss
         assert cached == 3 * BLOCK and tokens == reference["X@3"] != reference["B@hit"]
         assert server.metric("vllm:prompt_tokens_cached_by_source", source="host") >= PREFIX
+        # the connector's own counters (stats.py): B's and X's hits loaded, none recomputed
+        assert server.metric("vllm:kvcached_loaded_blocks") == PREFIX // BLOCK + 3
+        assert server.metric("vllm:kvcached_saved_blocks") >= PREFIX // BLOCK
+        assert server.metric("vllm:kvcached_load_errors") == 0
         with daemon.connect() as c:
             c.flush().wait(30)
         daemon.stop()
