@@ -114,10 +114,12 @@ def sglang_model_factors() -> str:
     weights quantized at load (`--quantization`, `--modelopt-quant`, a restored ModelOpt
     checkpoint, a FlashRL profile), weights loaded otherwise (`--load-format` other than auto:
     `dummy` weights are random), a hub revision, config overrides (as their digest) and fp8 KV
-    scales from a file (`--quantization-param-path`), and a speculative drafter (its algorithm
-    and checkpoint: SGLang's HiCache may carry its layers in the target's pages). A file or
-    directory counts by its path, size and modification time, read once per process. "" where each is SGLang's
-    default, or where no server args are published (no server)."""
+    scales from a file (`--quantization-param-path`), a speculative drafter (its algorithm and
+    checkpoint: SGLang's HiCache may carry its layers in the target's pages), and the files of
+    the local `--lora-paths` adapters (SGLang keys their pages by name and path alone, the same
+    at every start: an adapter retrained where it was would be served the old one's pages).
+    A file or directory counts by its path, size and modification time, read once per process.
+    "" where each is SGLang's default, or where no server args are published (no server)."""
     try:
         from sglang.srt.runtime_context import get_context
 
@@ -137,6 +139,7 @@ def sglang_model_factors() -> str:
         path = getattr(args, name, None)
         if path:
             out += f"|{name}:" + short_digest(f"{path}|{path_identity(str(path))}")
+    out += _lora_factor(getattr(args, "lora_paths", None))
     draft = getattr(args, "speculative_draft_model_path", None)
     if getattr(args, "speculative_algorithm", None) and draft:  # its layers may ride in the pages
         revision = getattr(args, "speculative_draft_model_revision", None)
@@ -145,6 +148,24 @@ def sglang_model_factors() -> str:
             path_identity(str(draft)) or weights_identity(str(draft), revision),
             str(getattr(args, "speculative_draft_model_quantization", None)))))
     return out
+
+
+def _lora_factor(lora_paths) -> str:
+    """The files of the `--lora-paths` adapters that are local directories (as given: "name=path"
+    or a path, a dict, or SGLang's parsed LoRARef). Adapters loaded at run time need none: SGLang
+    gives each load an id of its own."""
+    idents = []
+    for item in lora_paths or ():
+        if isinstance(item, str):
+            name, _, path = item.partition("=") if "=" in item else (item, "", item)
+        elif isinstance(item, dict):
+            name, path = str(item.get("lora_name", "")), str(item.get("lora_path", ""))
+        else:
+            name, path = str(getattr(item, "lora_name", "")), str(getattr(item, "lora_path", ""))
+        ident = path_identity(path) if path else ""
+        if ident.startswith("files:"):
+            idents.append(f"{name}\0{path}\0{ident}")
+    return "|lora:" + short_digest("\n".join(sorted(idents))) if idents else ""
 
 
 class PageKeys:

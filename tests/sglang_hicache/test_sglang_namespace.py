@@ -70,3 +70,48 @@ def test_servers_that_compute_other_kv_from_one_checkpoint_share_no_pages(daemon
         for b in backends:
             b.close()
         reset_context()
+
+
+def test_a_lora_adapter_retrained_where_it_was_does_not_get_the_old_ones_pages(daemon, tmp_path):
+    """SGLang keys a `--lora-paths` adapter's pages by its name and path (the same id at every
+    start): a server started after the adapter was retrained and written where it was finds none
+    of the pages the old one's server stored, while a server of the same files finds them all,
+    in each form SGLang takes the paths in (the control). A path that is no directory (a hub id)
+    keys as before."""
+    from sglang.srt.lora.lora_registry import LoRARef
+    from sglang.srt.runtime_context import get_context, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    keys = sp.page_hashes(3, seed=61)
+    extra = sp.extra_config(daemon.instance, daemon.run_dir)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    weights = adapter / "adapter_model.safetensors"
+    weights.write_bytes(b"\x01" * 64)
+    backends = []
+
+    def attached(lora_paths):
+        hashing.path_identity.cache_clear()  # each server a process of its own
+        get_context().set_server_args(ServerArgs(model_path="test-org/test-model", device="cpu",
+                                                 lora_paths=lora_paths))
+        backends.append(sp.attach(sp.make_pool("mha", "page_first"), extra))
+        return backends[-1]
+
+    try:
+        old = attached([f"a={adapter}"])
+        sp.fill_random(old.mem_pool_host, 62)
+        assert old.batch_set_v1(keys, sp.pages_of(old.mem_pool_host, [1, 2, 3])) == [True] * 3
+        same = [attached([f"a={adapter}"]), attached([{"lora_name": "a", "lora_path": str(adapter)}]),
+                attached([LoRARef(lora_name="a", lora_path=str(adapter))])]
+        assert [b.batch_exists(keys) for b in same] == [3, 3, 3]  # the control
+        plain = attached(None)
+        assert plain.batch_exists(keys) == 0  # the adapter's files are in its servers' namespace
+        assert plain.batch_set_v1(keys, sp.pages_of(old.mem_pool_host, [1, 2, 3])) == [True] * 3
+        assert attached(["hub-org/some-adapter"]).batch_exists(keys) == 3  # keyed as before
+        os.utime(weights, ns=(1, 1))  # retrained and written where it was
+        assert attached([f"a={adapter}"]).batch_exists(keys) == 0
+    finally:
+        for b in backends:
+            b.close()
+        reset_context()
+        hashing.path_identity.cache_clear()
