@@ -237,8 +237,7 @@ class KvcachedConnector(KVConnectorBase_V1):
             items = [MMItem(f.mm_position.offset, f.mm_position.length, f.identifier)
                      for f in getattr(state.request, "mm_features", None) or []]
             self.key_scheme.extend(state.keys, tokens, self.block_size, num_blocks, items,
-                                   request_parts(state.request, self.block_size,
-                                                 self.fresh.adapter_salts))
+                                   request_parts(state.request, self.block_size, self.fresh))
         return state.keys[:num_blocks]
 
     # ------------------------------------------------------------- scheduler

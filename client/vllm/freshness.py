@@ -22,15 +22,6 @@ def _adapter(request):
     return getattr(request, "lora_request", None)
 
 
-def _inplace_identity(request) -> str | None:
-    """The files of an adapter vLLM reloads at every step (`load_inplace`, a directory), read
-    now; None for any other request."""
-    lora = _adapter(request)
-    if lora is None or not getattr(lora, "load_inplace", False):
-        return None
-    return adapter_identity(str(getattr(lora, "lora_path", "") or ""), fresh=True) or None
-
-
 class Freshness:
     """The scheduler connector's record of what vLLM's own cache may hold, and the salts of
     adapters loaded again (request_parts' `adapter_salts`)."""
@@ -40,9 +31,28 @@ class Freshness:
         self.local_used = self.local_stale = False
         self.adapter_salts: dict[str, str] = {}
         self.adapters_added: set[str] = set()
+        self._step_idents: dict[str, str] = {}  # load_inplace adapters' files, read this step
+
+    def identity(self, path: str) -> str:
+        """A directory vLLM reloads at every step (`load_inplace`), read once per step (a batch
+        of its requests reads it once)."""
+        if path not in self._step_idents:
+            self._step_idents[path] = path_identity(path, fresh=True)
+        return self._step_idents[path]
+
+    def _inplace_identity(self, request) -> str | None:
+        """The files of the adapter vLLM reloads at every step (`load_inplace`, a directory)
+        this step; None for any other request."""
+        lora = _adapter(request)
+        if lora is None or not getattr(lora, "load_inplace", False):
+            return None
+        return adapter_identity(str(getattr(lora, "lora_path", "") or ""), self.identity) or None
 
     def scheduled(self, any_tokens: bool) -> None:
+        """A step's connector metadata is being built (its saves next): read the load_inplace
+        adapters' files anew."""
         self.local_used |= any_tokens
+        self._step_idents.clear()
 
     def emptied(self) -> None:
         """A reset_prefix_cache took: all vLLM holds from now on is computed as the keys say."""
@@ -51,11 +61,11 @@ class Freshness:
     def at_lookup(self, state, local_tokens: int) -> None:
         """A request scheduled from waiting: stale if it starts on vLLM's own old blocks."""
         state.stale = self.local_stale and local_tokens > 0
-        state.adapter_ident = _inplace_identity(state.request)
+        state.adapter_ident = self._inplace_identity(state.request)
 
     def may_save(self, state) -> bool:
         if not state.stale and state.adapter_ident is not None \
-                and _inplace_identity(state.request) != state.adapter_ident:
+                and self._inplace_identity(state.request) != state.adapter_ident:
             state.stale = True  # its adapter's files changed while vLLM reloaded them
         return not state.stale
 
@@ -72,6 +82,7 @@ class Freshness:
         if not again:
             return False
         path = str(getattr(lora, "lora_path", "") or "")
+        self._step_idents.pop(path, None)
         files = path_identity(path, fresh=True).startswith("files:") if path else False
         self.adapter_salts[name] = "" if files else os.urandom(8).hex()
         self._changed([s for s in states if getattr(_adapter(s.request), "lora_name", None) == name])

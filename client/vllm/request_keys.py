@@ -31,19 +31,20 @@ from ..hashing import path_identity, short_digest, weights_identity
 from ..key_scheme import request_parts as key_parts
 
 
-def request_parts(request, block_size: int, adapter_salts: dict | None = None
-                  ) -> Callable[[int], tuple] | None:
+def request_parts(request, block_size: int, adapters=None) -> Callable[[int], tuple] | None:
     """block i -> the parts of its key beyond tokens and multimodal items (KeyScheme.extend's
     `block_parts`), for a vLLM `Request` in blocks of `block_size` tokens; None when there are
-    none. `adapter_salts`: an adapter name's salt since vLLM last loaded it again."""
+    none. `adapters` (freshness.Freshness): the files of an adapter vLLM reloads at every step
+    as read this step, and an adapter's salt since vLLM last loaded it again."""
     lora = getattr(request, "lora_request", None)
     embeds = getattr(request, "prompt_embeds", None)
     adapter = None
     if lora:
         path = str(getattr(lora, "lora_path", "") or "")
+        inplace = adapters is not None and bool(getattr(lora, "load_inplace", False))
         adapter = f"lora\0{lora.lora_name}\0{path}" + adapter_identity(
-            path, fresh=bool(getattr(lora, "load_inplace", False)))
-        salt = (adapter_salts or {}).get(lora.lora_name)
+            path, adapters.identity if inplace else path_identity)
+        salt = adapters.adapter_salts.get(lora.lora_name) if adapters is not None else None
         if salt:
             adapter += "\0reloaded:" + salt
 
@@ -54,13 +55,13 @@ def request_parts(request, block_size: int, adapter_salts: dict | None = None
                      embeds_of if embeds is not None else None)
 
 
-def adapter_identity(path: str, fresh: bool = False) -> str:
+def adapter_identity(path: str, read=path_identity) -> str:
     """A local adapter directory's identity (its files' names, sizes and mtimes), read once per
-    process (`path_identity`) unless `fresh` (vLLM loads it again: `load_inplace`): an adapter
-    retrained and written where the old one was gets other keys at the next start or load, so
-    the daemon's tiers never serve it the old adapter's KV. "" for a path that is no directory
-    (a hub id, an adapter in memory): its keys stay as they were."""
-    ident = path_identity(path, fresh) if path else ""
+    process (`path_identity`) or as `read` has it (vLLM loads it again: freshness.py): an
+    adapter retrained and written where the old one was gets other keys at the next start or
+    load, so the daemon's tiers never serve it the old adapter's KV. "" for a path that is no
+    directory (a hub id, an adapter in memory): its keys stay as they were."""
+    ident = read(path) if path else ""
     return "\0" + ident if ident.startswith("files:") else ""
 
 
