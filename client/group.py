@@ -17,144 +17,20 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-from kvcached_proto.errors import DaemonUnavailable, KvcachedError, KvcachedTimeout, TaskFailed
-from kvcached_proto.messages import TaskStatus
+from kvcached_proto.errors import DaemonUnavailable, KvcachedError
 from kvcached_proto.paths import resolve_run_dir
 
 from .client import DEFAULT_TIMEOUT_S, Client
 from .key_scheme import KeyScheme
 from .renamed import Renamed
 from .daemon_link import DaemonLink
+from .group_tasks import GroupLoadTask, GroupOffloadTask, GroupPrefetchTask, GroupTask
 
 log = logging.getLogger(__name__)
-
-
-class GroupTask:
-    """A task on every present rank; `wait` returns the ranks' results by rank."""
-
-    kind = "task"
-
-    def __init__(self, group: "GroupClient", tasks: dict[int, object], reply: dict):
-        self.group = group
-        self.id = next(group._task_ids)
-        self.tasks = tasks  # rank -> Task
-        self.reply = reply
-        self.status: str | None = None
-        self.result: dict | None = None
-
-    def done(self) -> bool:
-        if self.result is None and all(self._rank_done(r, t) for r, t in self.tasks.items()):
-            self.wait(0)
-        return self.result is not None
-
-    def _rank_done(self, rank: int, task) -> bool:
-        try:
-            return task.done()
-        except DaemonUnavailable as exc:
-            self.group._lost(rank, exc)
-            return True
-
-    def wait(self, timeout: float | None = None) -> dict:
-        if self.result is None:
-            per_rank, failed = {}, []
-            deadline = time.monotonic() + (self.group.timeout if timeout is None else timeout)
-            for rank, task in self.tasks.items():
-                try:
-                    per_rank[rank] = task.wait(max(0.0, deadline - time.monotonic()))
-                except DaemonUnavailable as exc:
-                    self.group._lost(rank, exc)
-                    failed.append(rank)
-                except TaskFailed as exc:
-                    per_rank[rank] = exc.result
-                    failed.append(rank)
-            self.status = TaskStatus.FAILED if failed else TaskStatus.DONE
-            self.result = {"ranks": per_rank, "failed_ranks": failed}
-            self.group._forget(self)
-        if self.status == TaskStatus.FAILED:
-            raise TaskFailed(f"group {self.kind} task {self.id} failed on ranks "
-                             f"{self.result['failed_ranks']}", self.result)
-        return self.result
-
-    def cancel(self) -> str:
-        for rank, task in self.tasks.items():
-            try:
-                task.cancel()
-            except DaemonUnavailable as exc:
-                self.group._lost(rank, exc)
-        return "finishing"
-
-
-class GroupOffloadTask(GroupTask):
-    kind = "offload"
-
-
-class GroupPrefetchTask(GroupTask):
-    """A prefetch on every rank; `prefetched` is the minimum over ranks (0 when one is
-    missing), as a load would find the blocks on every rank."""
-
-    kind = "prefetch"
-
-    def wait(self, timeout: float | None = None) -> dict:
-        result = super().wait(timeout)
-        if "prefetched" not in result:
-            counts = [int(r.get("prefetched", 0)) for r in result["ranks"].values()]
-            full = len(counts) == self.group.tp_size
-            result["prefetched"] = min(counts) if counts and full else 0
-        return result
-
-
-class GroupLoadTask(GroupTask):
-    """A load on every rank; its count is the minimum over ranks."""
-
-    kind = "load"
-
-    def __init__(self, group, tasks, reply, num_layers: int):
-        super().__init__(group, tasks, reply)
-        self.num_blocks = reply["blocks"]
-        self.num_layers = num_layers
-
-    def wait(self, timeout: float | None = None) -> int:
-        """Leading blocks every rank loaded. A rank that timed out, failed or went away counts
-        0 (its blocks stay held by its client until its daemon confirms the end)."""
-        if self.result is None:
-            loaded = {}
-            deadline = time.monotonic() + (self.group.timeout if timeout is None else timeout)
-            for rank, task in self.tasks.items():
-                try:
-                    loaded[rank] = task.wait(max(0.0, deadline - time.monotonic()))
-                except KvcachedTimeout as exc:
-                    log.warning("[group] rank %d: %s", rank, str(exc))
-                    loaded[rank] = 0
-                except DaemonUnavailable as exc:
-                    self.group._lost(rank, exc)
-                    self.group._hold_rank(rank, task, task.reply.get("device_blocks", ()))
-                    loaded[rank] = 0
-            self.result = {"loaded": min(loaded.values(), default=0), "ranks": loaded}
-            self.status = TaskStatus.DONE
-            self.group._forget(self)
-        return min(int(self.result["loaded"]), self.num_blocks)
-
-    def wait_layer(self, layer: int, timeout: float | None = None) -> None:
-        """Waits on the local rank (each worker waits on its own daemon); layer 0 also waits on
-        every rank, so that `valid_blocks` (the minimum) is known."""
-        ranks = self.tasks if layer == 0 else {self.group.local_rank: self.tasks.get(self.group.local_rank)}
-        for rank, task in ranks.items():
-            if task is None:
-                raise TaskFailed(f"group load {self.id}: rank {rank} has no load", {"loaded": 0})
-            try:
-                task.wait_layer(layer, timeout)
-            except DaemonUnavailable as exc:
-                self.group._lost(rank, exc)
-                raise TaskFailed(f"group load {self.id}: rank {rank} went away", {"loaded": 0}) from None
-
-    @property
-    def valid_blocks(self) -> int:
-        return min([t.valid_blocks for t in self.tasks.values()] + [self.num_blocks])
 
 
 class GroupClient:
@@ -330,6 +206,39 @@ class GroupClient:
                 failed.append(exc)
 
         tasks = {r: t for r, t in self._fan(one).items() if t is not None} if self._ready() else {}
+        return self._group_load(blocks, tasks, failed)
+
+    def load_batch(self, loads: Sequence[tuple[Sequence[bytes], Sequence[int]]], priority: int = 0,
+                   timeout: float | None = None, host_only: bool = False
+                   ) -> list[GroupLoadTask | KvcachedError]:
+        """Client.load_batch on every rank (the ranks in parallel, one round trip each): each
+        load, in order, as load() makes it, or the KvcachedError a rank gave it (that load's
+        blocks held on the other ranks, as load() holds them)."""
+        loads = [(list(keys), [int(b) for b in blocks]) for keys, blocks in loads]
+        per_rank = self._fan(lambda r, c: c.load_batch(
+            [(self._keys(keys, r), blocks) for keys, blocks in loads], priority, timeout,
+            host_only=host_only)) if self._ready() else {}
+        out: list[GroupLoadTask | KvcachedError] = []
+        for i, (_, blocks) in enumerate(loads):
+            tasks, failed = {}, []
+            for rank, results in per_rank.items():
+                got = results[i]
+                if isinstance(got, DaemonUnavailable):
+                    self._lost(rank, got)  # its other loads, already sent, hold their blocks
+                elif isinstance(got, KvcachedError):
+                    failed.append(got)
+                else:
+                    tasks[rank] = got
+            try:
+                out.append(self._group_load(blocks, tasks, failed))
+            except KvcachedError as exc:
+                out.append(exc)
+        return out
+
+    def _group_load(self, blocks: list[int], tasks: dict, failed: list) -> GroupLoadTask:
+        """One load from its ranks' tasks: the blocks every rank loads (none where a rank is
+        missing or one failed; what a rank writes past them stays held). Raises the first
+        rank's error where one failed."""
         planned = min((t.num_blocks for t in tasks.values()), default=0)
         planned = 0 if self.missing or failed else planned
         for rank, task in tasks.items():

@@ -96,6 +96,37 @@ def test_mla_only_the_writer_rank_puts_to_shared_storage_and_every_rank_reads(ru
             assert same(kv[0], i, 16 + i)
 
 
+def test_a_batch_of_loads_agrees_on_each_loads_shortest_prefix(run_dir):
+    """GroupClient.load_batch: each load of the batch is the load() of it - the prefix every
+    rank holds, bytes exact on every rank - or the error a rank gave it, while the others go;
+    what a rank would write past a load's common prefix stays held until its load ends; with
+    a rank's daemon gone, every load is of 0 blocks."""
+    sets = [keys_for(4, 80 + i) for i in range(3)]
+    kv = shards(2, seed=7)
+    with ranks(run_dir, 2) as (names, handles), \
+            GroupClient.connect(names, run_dir=run_dir, timeout=2.0) as g:
+        g.register_kv_cache(kv)
+        for i, keys in enumerate(sets):
+            g.offload(range(4 * i, 4 * i + 4), keys).wait(10)
+        with handles[1].connect() as c:  # rank 1 loses block 2 of the second prefix
+            assert c.delete(rank_keys(sets[1][2:3], 1, 2)) == 1
+        got = g.load_batch([(sets[0], [16, 17, 18, 19]), (sets[1], [20, 21, 22, 23]),
+                            (sets[2], [24, 25, 26, 99])])  # block 99 is past the 32: refused
+        assert isinstance(got[2], KvcachedError) and "99" in str(got[2])
+        assert [t.num_blocks for t in got[:2]] == [4, 2]
+        assert got[0].wait(10) == 4 and got[1].wait(10) == 2
+        for shard in kv:
+            assert all(same(shard, i, 16 + i) for i in range(4))
+            assert all(same(shard, 4 + i, 20 + i) for i in range(2))
+        assert not any(same(kv[0], 8 + i, 24 + i) for i in range(3)), "the refused load wrote"
+        wait_until(lambda: not g.held_blocks(), 5, "rank 0's blocks past the common prefix freed")
+        os.kill(handles[1].proc.pid, signal.SIGKILL)
+        handles[1].proc.wait(10)
+        got = g.load_batch([(sets[0], [16, 17, 18, 19]), (sets[2], [24, 25, 26, 27])])
+        assert [t.num_blocks for t in got] == [0, 0] and [t.wait(2) for t in got] == [0, 0]
+        assert list(g.missing) == [1]
+
+
 def test_a_killed_rank_means_zero_hits_and_is_named_within_the_timeout(run_dir):
     keys = keys_for(4)
     with ranks(run_dir, 2) as (names, handles), \
