@@ -23,8 +23,9 @@ def _adapter(request):
 
 
 class Freshness:
-    """The scheduler connector's record of what vLLM's own cache may hold, and the salts of
-    adapters loaded again (request_parts' `adapter_salts`)."""
+    """The scheduler connector's record of what vLLM's own cache may hold, the salts of adapters
+    loaded again, and the files of load_inplace adapters as read this step (request_parts takes
+    it as `adapters`)."""
 
     def __init__(self):
         # vLLM's own cache: computed anything since it was last emptied; may hold old KV
