@@ -303,9 +303,10 @@ def _in_flight(llm, cmd: list[str], prompt_ids: dict) -> dict:
     if cmd[0] == "start":
         engine.add_request(cmd[1], TokensPrompt(prompt_token_ids=prompt_ids[cmd[1]]),
                            SamplingParams(temperature=0.0, max_tokens=int(cmd[2]), detokenize=False))
-        while not any(o.request_id == cmd[1] and o.outputs[0].token_ids for o in engine.step()):
-            pass
-        return {"started": cmd[1]}
+        started = False  # (a request that ends without a token ends the loop too)
+        while not started and engine.has_unfinished_requests():
+            started = any(o.request_id == cmd[1] and o.outputs[0].token_ids for o in engine.step())
+        return {"started": cmd[1] if started else None}
     outputs = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -388,12 +388,12 @@ class KvcachedConnector(KVConnectorBase_V1):
     def adapter_loaded(self, lora) -> None:
         """vLLM's add_lora loaded LoRA adapter `lora`; loaded again, its blocks are keyed anew
         and what runs on its old KV is not stored (freshness.py)."""
-        if self.fresh.adapter_loaded(lora, self._reqs.values()):
-            for state in self._reqs.values():
-                adapter = getattr(state.request, "lora_request", None)
-                if getattr(adapter, "lora_name", None) == lora.lora_name:
-                    state.keys = []
-                    self.gate.forget(state.request.request_id)
+        mine = [s for s in self._reqs.values()
+                if getattr(getattr(s.request, "lora_request", None), "lora_name", None) == lora.lora_name]
+        if self.fresh.adapter_loaded(lora, mine):
+            for state in mine:
+                state.keys = []
+                self.gate.forget(state.request.request_id)
             log.info("[vllm] LoRA adapter %r loaded again: its blocks are keyed anew", lora.lora_name)
 
     def close_link(self) -> None:

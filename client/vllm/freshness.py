@@ -18,10 +18,6 @@ from ..hashing import path_identity
 from .request_keys import adapter_identity
 
 
-def _adapter(request):
-    return getattr(request, "lora_request", None)
-
-
 class Freshness:
     """The scheduler connector's record of what vLLM's own cache may hold, the salts of adapters
     loaded again, and the files of load_inplace adapters as read this step (request_parts takes
@@ -44,7 +40,7 @@ class Freshness:
     def _inplace_identity(self, request) -> str | None:
         """The files of the adapter vLLM reloads at every step (`load_inplace`, a directory)
         this step; None for any other request."""
-        lora = _adapter(request)
+        lora = getattr(request, "lora_request", None)
         if lora is None or not getattr(lora, "load_inplace", False):
             return None
         return adapter_identity(str(getattr(lora, "lora_path", "") or ""), self.identity) or None
@@ -73,10 +69,10 @@ class Freshness:
     def weights_replaced(self, states) -> None:
         self._changed(states)
 
-    def adapter_loaded(self, lora, states) -> bool:
+    def adapter_loaded(self, lora, running) -> bool:
         """vLLM's add_lora loaded `lora`. Loaded again under a name it had (or in place), its
         keys change: its directory's files are read again, and an adapter that is no directory
-        gets a new salt; the requests running with it are stale. True where it re-keyed."""
+        gets a new salt; `running` (the requests with it) are stale. True where it re-keyed."""
         name = lora.lora_name
         again = name in self.adapters_added or bool(getattr(lora, "load_inplace", False))
         self.adapters_added.add(name)
@@ -86,7 +82,7 @@ class Freshness:
         self._step_idents.pop(path, None)
         files = path_identity(path, fresh=True).startswith("files:") if path else False
         self.adapter_salts[name] = "" if files else os.urandom(8).hex()
-        self._changed([s for s in states if getattr(_adapter(s.request), "lora_name", None) == name])
+        self._changed(running)
         return True
 
     def _changed(self, running) -> None:

@@ -91,36 +91,36 @@ def _watched(fn, after):
 
 def _after_rpc(_result, method=None, *_args, **_kwargs) -> None:
     if changes_weights(method):
-        _tell_all(None, getattr(method, "__name__", str(method)))
+        what = getattr(method, "__name__", str(method))
+        _tell_all(what, lambda connector: connector.weights_replaced(None, what))
 
 
 def _after_version(_result, weight_version=None, *_args, **_kwargs) -> None:
-    _tell_all(str(weight_version), "set_weight_version")
+    _tell_all("set_weight_version",
+              lambda connector: connector.weights_replaced(str(weight_version), "set_weight_version"))
 
 
 def _after_reset(result, *_args, **_kwargs) -> None:
     """vLLM's reset_prefix_cache: True once its own cache is empty (False: blocks still in use,
     nothing was dropped)."""
     if result is True:
-        for connector in list(_connectors):
-            connector.local_cache_emptied()
+        _tell_all("reset_prefix_cache", lambda connector: connector.local_cache_emptied())
 
 
 def _after_add_lora(result, lora_request=None, *_args, **_kwargs) -> None:
     """vLLM's add_lora (the server's /v1/load_lora_adapter, LLM.llm_engine.add_lora): an adapter
     loaded again in place changes its blocks' KV (one that raised may have)."""
     if lora_request is not None and result is not False:
-        _tell_all(None, f"add_lora({lora_request.lora_name!r})",
+        _tell_all(f"add_lora({lora_request.lora_name!r})",
                   lambda connector: connector.adapter_loaded(lora_request))
 
 
-def _tell_all(version: str | None, what: str, call=None) -> None:
+def _tell_all(what: str, call) -> None:
+    """call(connector) for every connector; one that raises is closed, and the error never
+    reaches the vLLM call watched (it runs in that call's `finally`)."""
     for connector in list(_connectors):
         try:
-            if call is None:
-                connector.weights_replaced(version, what)
-            else:
-                call(connector)
+            call(connector)
         except Exception as exc:
             log.error("[vllm] re-keying after %s failed (%s: %s): the connector is closed, so it "
                       "serves no block of the old weights", what, type(exc).__name__, exc)

@@ -88,7 +88,7 @@ def test_a_connector_that_cannot_re_key_serves_and_stores_nothing(tmp_path, daem
 
         monkeypatch.setattr(broken, "weights_replaced", cannot)
         namespace = other.key_scheme.hasher.namespace
-        weight_updates._tell_all(None, "update_weights")
+        weight_updates._after_rpc(None, "update_weights")
         assert broken.disabled and not other.disabled
         assert other.key_scheme.hasher.namespace != namespace
         saves = {}
@@ -123,7 +123,7 @@ def test_what_a_request_computes_on_the_old_weights_kv_is_not_stored(tmp_path, r
     try:
         vllm_driver.wait_attached(daemon)
         before = eng.gen("A")
-        eng.step("start", "A 200")  # A's prefill: its 15 blocks stored under the checkpoint's keys
+        assert eng.step("start", "A 200")["started"] == "A"  # A's prefill: its 15 blocks stored
         assert eng.step("rpc", f"reload_weights {tmp_path / 'other'}")["rpc"] == "reload_weights"
         assert len(eng.step("finish", "")["outputs"]["A"]) == 200  # A+: 688 tokens, 21 blocks
         after = eng.gen("A")
@@ -184,14 +184,14 @@ def test_after_an_update_blocks_on_vllms_own_old_blocks_wait_for_its_reset(tmp_p
 
     try:
         assert _saves(conn, "r0") == 5
-        weight_updates._tell_all(None, "update_weights")
+        weight_updates._after_rpc(None, "update_weights")
         assert _saves(conn, "r1", 32) == 0 and _saves(conn, "r2") == 5  # a hit on vLLM's own blocks; none
         reset(False)
         assert _saves(conn, "r3", 32) == 0  # the reset did not take: vLLM's old blocks are still there
         reset(True)
         assert _saves(conn, "r4", 32) == 3  # the control: the same hit once vLLM's cache was emptied
         reset(True)
-        weight_updates._tell_all(None, "update_weights")  # nothing computed since the reset
+        weight_updates._after_rpc(None, "update_weights")  # nothing computed since the reset
         assert _saves(conn, "r5", 32) == 3
         assert conn.counters["stale_blocks"] == 6
     finally:
