@@ -58,6 +58,9 @@ def short_digest(text: str) -> str:
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
+# Not bounded, on purpose: an entry dropped would be read again, and an adapter's files changed
+# since would key the KV of the adapter vLLM still holds in memory under the new files. One
+# entry per local model, drafter or adapter path the engine was given: a few hundred bytes each.
 _identities: dict[str, str] = {}
 
 

@@ -30,6 +30,11 @@ speculative decoding with an EAGLE drafter (random weights) written to DIR.
   finish     (--inproc) step until every request started is done; answers their tokens, and
              each NAME's prompt followed by its output becomes prompt NAME+ (a next turn).
   version V  LLM.update_weight_version(V).
+  adapter DIR [inplace]  (--lora) the LoRA adapter in DIR (named after it) for the gen, genk,
+             ttft and start steps that follow; with "inplace", vLLM's load_inplace (it loads the
+             adapter's files again at every step); "adapter -": none.
+  addlora DIR  (--lora) LLM.llm_engine.add_lora of DIR's adapter with load_inplace (the server's
+             /v1/load_lora_adapter with load_inplace: true): its files loaded again now.
   batch      greedy-generate the batch of batch_prompts() (12 prompts over 4 shared prefixes) in
              one generate call after reset_prefix_cache(); answers every prompt's tokens,
              num_cached_tokens and the batch's seconds.
@@ -202,6 +207,7 @@ def _args():
     ap.add_argument("--sliding-window", type=int, default=64)
     ap.add_argument("--inproc", action="store_true", help="the engine core in this process "
                     "(VLLM_ENABLE_V1_MULTIPROCESSING=0): start and finish step it one by one")
+    ap.add_argument("--lora", action="store_true", help="enable_lora (rank <= 8, 2 at once)")
     ap.add_argument("--eagle", default="", help="speculative decoding with an EAGLE drafter "
                     "(2 tokens) written to this directory (random weights, the model's shape)")
     return ap.parse_args()
@@ -241,7 +247,8 @@ def _engine(args):
                enforce_eager=not args.cuda_graphs, block_size=args.block, seed=0,
                max_model_len=max(1024, (args.prefix_blocks + 4) * args.block),
                dtype="bfloat16", kv_transfer_config=kv, gpu_memory_utilization=args.gpu_mem,
-               tensor_parallel_size=args.tp,
+               tensor_parallel_size=args.tp, enable_lora=args.lora,
+               **({"max_lora_rank": 8, "max_loras": 2} if args.lora else {}),
                speculative_config={"method": "eagle", "model": args.eagle,
                                    "num_speculative_tokens": 2} if args.eagle else None)
 
@@ -281,8 +288,25 @@ def _reset(llm, inproc: bool) -> bool:
     return False
 
 
-def _control(llm, cmd: list[str], prompt_ids: dict) -> dict:
-    """rpc, counters, start, finish, version: the engine told or asked something."""
+_ADAPTER_IDS: dict[str, int] = {}  # an adapter's lora_int_id, by name: the same for each use
+
+
+def _lora(path: str, inplace: bool = False):
+    from vllm.lora.request import LoRARequest
+
+    name = os.path.basename(os.path.normpath(path))
+    return LoRARequest(name, _ADAPTER_IDS.setdefault(name, len(_ADAPTER_IDS) + 1), path,
+                       load_inplace=inplace)
+
+
+def _control(llm, cmd: list[str], prompt_ids: dict, adapter: dict) -> dict:
+    """rpc, counters, start, finish, version, adapter, addlora: the engine told or asked
+    something."""
+    if cmd[0] == "adapter":
+        adapter["lora"] = None if cmd[1] == "-" else _lora(cmd[1], cmd[2:] == ["inplace"])
+        return {"adapter": cmd[1:]}
+    if cmd[0] == "addlora":
+        return {"added": llm.llm_engine.add_lora(_lora(cmd[1], inplace=True))}
     if cmd[0] == "rpc":  # e.g. reload_weights: vLLM's weights changed in place
         llm.collective_rpc(cmd[1], kwargs={"weights_path": cmd[2]} if len(cmd) > 2 else None)
         return {"rpc": cmd[1]}
@@ -291,10 +315,10 @@ def _control(llm, cmd: list[str], prompt_ids: dict) -> dict:
     if cmd[0] == "version":
         llm.update_weight_version(cmd[1])
         return {"version": llm.get_weight_version()}
-    return _in_flight(llm, cmd, prompt_ids)
+    return _in_flight(llm, cmd, prompt_ids, adapter["lora"])
 
 
-def _in_flight(llm, cmd: list[str], prompt_ids: dict) -> dict:
+def _in_flight(llm, cmd: list[str], prompt_ids: dict, lora) -> dict:
     """start NAME K / finish: requests stepped one engine step at a time (--inproc)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -302,7 +326,8 @@ def _in_flight(llm, cmd: list[str], prompt_ids: dict) -> dict:
     engine = llm.llm_engine
     if cmd[0] == "start":
         engine.add_request(cmd[1], TokensPrompt(prompt_token_ids=prompt_ids[cmd[1]]),
-                           SamplingParams(temperature=0.0, max_tokens=int(cmd[2]), detokenize=False))
+                           SamplingParams(temperature=0.0, max_tokens=int(cmd[2]), detokenize=False),
+                           lora_request=lora)
         started = False  # (a request that ends without a token ends the loop too)
         while not started and engine.has_unfinished_requests():
             started = any(o.request_id == cmd[1] and o.outputs[0].token_ids for o in engine.step())
@@ -338,6 +363,7 @@ def main() -> int:
     first_token = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     say({"ready": True})
     batch = [TokensPrompt(prompt_token_ids=p) for p in batch_prompts(args.prefix_blocks)]
+    adapter = {"lora": None}  # the LoRA adapter of the steps that follow (the adapter step)
     for line in sys.stdin:
         cmd = line.split()
         if not cmd:
@@ -354,19 +380,20 @@ def main() -> int:
         elif cmd[0] == "genk":
             k = int(cmd[2]) * args.block
             head = prompt_ids[cmd[1]][:k] + [7] * 40
-            llm.generate([TokensPrompt(prompt_token_ids=head)], first_token, use_tqdm=False)
+            llm.generate([TokensPrompt(prompt_token_ids=head)], first_token, use_tqdm=False,
+                         lora_request=adapter["lora"])
             out = llm.generate([TokensPrompt(prompt_token_ids=prompt_ids[cmd[1]])], params,
-                               use_tqdm=False)[0]
+                               use_tqdm=False, lora_request=adapter["lora"])[0]
             say({"name": cmd[1], "tokens": list(out.outputs[0].token_ids),
                  "num_cached_tokens": out.num_cached_tokens or 0, "reset": reset})
-        elif cmd[0] in ("rpc", "counters", "start", "finish", "version"):
-            say(dict(_control(llm, cmd, prompt_ids), reset=reset))
+        elif cmd[0] in ("rpc", "counters", "start", "finish", "version", "adapter", "addlora"):
+            say(dict(_control(llm, cmd, prompt_ids, adapter), reset=reset))
         elif cmd[0] in ("gen", "ttft"):
             prompt = TokensPrompt(prompt_token_ids=prompt_ids[cmd[1]])
             if len(cmd) > 2:
                 prompt["cache_salt"] = cmd[2]  # vLLM's per-request salt (a tenant's)
             out = llm.generate([prompt], params if cmd[0] == "gen" else first_token,
-                               use_tqdm=False)[0]
+                               use_tqdm=False, lora_request=adapter["lora"])[0]
             say({"name": cmd[1], "tokens": list(out.outputs[0].token_ids),
                  "num_cached_tokens": out.num_cached_tokens or 0,
                  "seconds": time.perf_counter() - start, "reset": reset})

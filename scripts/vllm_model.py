@@ -100,3 +100,32 @@ def write_eagle_draft(model_dir: str, config: dict | None = None, seed: int = 1)
     with open(path, "w") as f:
         json.dump(config, f)
     return model_dir
+
+
+def write_lora(adapter_dir: str, config: dict | None = None, seed: int = 1, rank: int = 8) -> str:
+    """A PEFT LoRA adapter for the model of `config` (adapter_config.json +
+    adapter_model.safetensors, as PEFT saves one) on every attention projection, A and B of
+    std 0.1 at alpha 2r: a delta of about a third of the base q/k weights, so it changes every
+    layer's KV after the first and the greedy output (the tests' controls check that). Written
+    every time (an adapter retrained in place: other files, new mtimes)."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = config or CONFIG
+    gen = torch.Generator().manual_seed(seed)
+    h = config["hidden_size"]
+    kv = config["num_key_value_heads"] * (h // config["num_attention_heads"])
+    outs = {"q_proj": h, "k_proj": kv, "v_proj": kv, "o_proj": h}
+    weights = {}
+    for i in range(config["num_hidden_layers"]):
+        for module, out in outs.items():
+            p = f"base_model.model.model.layers.{i}.self_attn.{module}."
+            weights[p + "lora_A.weight"] = (torch.randn(rank, h, generator=gen) * 0.1).to(torch.bfloat16)
+            weights[p + "lora_B.weight"] = (torch.randn(out, rank, generator=gen) * 0.1).to(torch.bfloat16)
+    os.makedirs(adapter_dir, exist_ok=True)
+    save_file(weights, os.path.join(adapter_dir, "adapter_model.safetensors"))
+    with open(os.path.join(adapter_dir, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank,
+                   "lora_alpha": 2 * rank, "target_modules": list(outs), "bias": "none",
+                   "kvcached_test_seed": seed}, f)
+    return adapter_dir
