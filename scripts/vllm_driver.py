@@ -121,7 +121,8 @@ class EngineProcess:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True)
         self.log: list[str] = []
-        if not self._answer().get("ready"):
+        self.ready = self._answer()  # {"ready": True, "async_scheduling": ...}
+        if not self.ready.get("ready"):
             raise RuntimeError("the engine did not start")
 
     def _answer(self) -> dict:
@@ -207,6 +208,8 @@ def _args():
     ap.add_argument("--sliding-window", type=int, default=64)
     ap.add_argument("--inproc", action="store_true", help="the engine core in this process "
                     "(VLLM_ENABLE_V1_MULTIPROCESSING=0): start and finish step it one by one")
+    ap.add_argument("--async-scheduling", action="store_true", help="(--inproc) vLLM's async "
+                    "scheduling, its default on CUDA (its CPU platform turns it off)")
     ap.add_argument("--lora", action="store_true", help="enable_lora (rank <= 8, 2 at once)")
     ap.add_argument("--eagle", default="", help="speculative decoding with an EAGLE drafter "
                     "(2 tokens) written to this directory (random weights, the model's shape)")
@@ -221,6 +224,22 @@ def _bind_cpus(tp: int) -> None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
             f"{cpus[min(r * per, len(cpus) - 1)]}-{cpus[min((r + 1) * per, len(cpus)) - 1]}"
             for r in range(tp))
+
+
+def _keep_async_scheduling() -> None:
+    """vLLM's CPU platform turns async scheduling off; on CUDA it is on by default. Kept on here,
+    for an engine core in this process (--inproc), so the connector runs as it does on CUDA:
+    a step scheduled before the last one's tokens are known."""
+    from vllm.platforms import current_platform
+
+    cls = type(current_platform)
+    check = cls.check_and_update_config.__func__
+
+    def keep(klass, vllm_config):
+        check(klass, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    cls.check_and_update_config = classmethod(keep)
 
 
 def _engine(args):
@@ -242,7 +261,10 @@ def _engine(args):
     elif args.connector == "offloading":
         kv = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                               kv_connector_extra_config={"cpu_bytes_to_use": int(args.offload_gb * 2**30)})
+    if args.async_scheduling:
+        _keep_async_scheduling()
     return LLM(model=args.model_dir, skip_tokenizer_init=True,
+               async_scheduling=True if args.async_scheduling else None,
                load_format="dummy" if args.dummy_weights else "auto",
                enforce_eager=not args.cuda_graphs, block_size=args.block, seed=0,
                max_model_len=max(1024, (args.prefix_blocks + 4) * args.block),
@@ -352,6 +374,8 @@ def main() -> int:
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(args.tp))
     if args.inproc:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    elif args.async_scheduling:
+        raise SystemExit("--async-scheduling needs --inproc (the engine core in this process)")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # counters: a function RPC
     prompt_ids = prompts(args.prefix_blocks, args.block)
     _bind_cpus(args.tp)
@@ -361,7 +385,8 @@ def main() -> int:
     llm = _engine(args)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False)
     first_token = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
-    say({"ready": True})
+    say({"ready": True,
+         "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling})
     batch = [TokensPrompt(prompt_token_ids=p) for p in batch_prompts(args.prefix_blocks)]
     adapter = {"lora": None}  # the LoRA adapter of the steps that follow (the adapter step)
     for line in sys.stdin:
