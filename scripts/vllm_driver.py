@@ -37,7 +37,10 @@ speculative decoding with an EAGLE drafter (random weights) written to DIR.
              /v1/load_lora_adapter with load_inplace: true): its files loaded again now.
   batch      greedy-generate the batch of batch_prompts() (12 prompts over 4 shared prefixes) in
              one generate call after reset_prefix_cache(); answers every prompt's tokens,
-             num_cached_tokens and the batch's seconds.
+             num_cached_tokens, the batch's seconds and (--inproc) how many times vLLM's
+             scheduler preempted a request since the engine started.
+  turns      the same for the next turn of each prompt of the last batch (the prompt followed by
+             its output).
   quit
 """
 from __future__ import annotations
@@ -194,6 +197,11 @@ def _args():
     ap.add_argument("--intermediate", type=int, default=0, help="MLP width (0: hidden * 11 / 4)")
     ap.add_argument("--vocab", type=int, default=CONFIG["vocab_size"])
     ap.add_argument("--gpu-mem", type=float, default=0.2, help="gpu_memory_utilization")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--num-blocks", type=int, default=0,
+                    help="num_gpu_blocks_override: a KV pool this small preempts requests")
+    ap.add_argument("--max-batched-tokens", type=int, default=0,
+                    help="max_num_batched_tokens: prompts longer are prefilled in chunks")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="let vLLM capture CUDA graphs (default: enforce_eager)")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (one worker per rank)")
@@ -268,7 +276,9 @@ def _engine(args):
                load_format="dummy" if args.dummy_weights else "auto",
                enforce_eager=not args.cuda_graphs, block_size=args.block, seed=0,
                max_model_len=max(1024, (args.prefix_blocks + 4) * args.block),
-               dtype="bfloat16", kv_transfer_config=kv, gpu_memory_utilization=args.gpu_mem,
+               dtype=args.dtype, kv_transfer_config=kv,
+               num_gpu_blocks_override=args.num_blocks or None,
+               **({"max_num_batched_tokens": args.max_batched_tokens} if args.max_batched_tokens else {}), gpu_memory_utilization=args.gpu_mem,
                tensor_parallel_size=args.tp, enable_lora=args.lora,
                **({"max_lora_rank": 8, "max_loras": 2} if args.lora else {}),
                speculative_config={"method": "eagle", "model": args.eagle,
@@ -297,6 +307,19 @@ def _worker_counters(_worker) -> dict:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     return dict(getattr(get_kv_transfer_group(), "counters", {}))
+
+
+def _count_preemptions(llm) -> dict:
+    """(--inproc) {"n": how many times the scheduler preempted a request}, counted from now."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    preempt, count = scheduler._preempt_request, {"n": 0}
+
+    def counted(*args, **kwargs):
+        count["n"] += 1
+        return preempt(*args, **kwargs)
+
+    scheduler._preempt_request = counted
+    return count
 
 
 def _reset(llm, inproc: bool) -> bool:
@@ -364,11 +387,8 @@ def _in_flight(llm, cmd: list[str], prompt_ids: dict, lora) -> dict:
     return {"outputs": outputs}
 
 
-def main() -> int:
-    import time
-
-    args = _args()
-    _write_checkpoints(args)
+def _environment(args) -> None:
+    """vLLM's environment settings for this engine, set before it starts."""
     # vLLM's CPU backend reserves one more core when any connector is configured, which changes
     # float results on a small machine: reserve alike with and without one
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(args.tp))
@@ -377,8 +397,16 @@ def main() -> int:
     elif args.async_scheduling:
         raise SystemExit("--async-scheduling needs --inproc (the engine core in this process)")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # counters: a function RPC
-    prompt_ids = prompts(args.prefix_blocks, args.block)
     _bind_cpus(args.tp)
+
+
+def main() -> int:
+    import time
+
+    args = _args()
+    _write_checkpoints(args)
+    _environment(args)
+    prompt_ids = prompts(args.prefix_blocks, args.block)
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -387,8 +415,9 @@ def main() -> int:
     first_token = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
     say({"ready": True,
          "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling})
-    batch = [TokensPrompt(prompt_token_ids=p) for p in batch_prompts(args.prefix_blocks)]
+    batch = {"batch": [TokensPrompt(prompt_token_ids=p) for p in batch_prompts(args.prefix_blocks)]}
     adapter = {"lora": None}  # the LoRA adapter of the steps that follow (the adapter step)
+    preempted = _count_preemptions(llm) if args.inproc else {"n": None}
     for line in sys.stdin:
         cmd = line.split()
         if not cmd:
@@ -397,11 +426,16 @@ def main() -> int:
             break
         reset = _reset(llm, args.inproc)
         start = time.perf_counter()
-        if cmd[0] == "batch":
-            outs = llm.generate(batch, params, use_tqdm=False)
+        if cmd[0] in ("batch", "turns"):
+            outs = llm.generate(batch[cmd[0]], params, use_tqdm=False)
+            if cmd[0] == "batch":  # each prompt followed by its output: the next turns
+                batch["turns"] = [TokensPrompt(prompt_token_ids=p["prompt_token_ids"]
+                                               + list(o.outputs[0].token_ids))
+                                  for p, o in zip(batch["batch"], outs)]
             say({"tokens": [list(o.outputs[0].token_ids) for o in outs],
                  "num_cached_tokens": [o.num_cached_tokens or 0 for o in outs],
-                 "seconds": time.perf_counter() - start, "reset": reset})
+                 "seconds": time.perf_counter() - start, "reset": reset,
+                 "preemptions": preempted["n"]})
         elif cmd[0] == "genk":
             k = int(cmd[2]) * args.block
             head = prompt_ids[cmd[1]][:k] + [7] * 40

@@ -1,0 +1,78 @@
+"""A real vLLM engine (CPU) under KV pressure: a pool of 40 blocks, so vLLM preempts running
+requests (frees their blocks, hands them to others, and runs them again later), and prompts
+prefilled in chunks of 96 tokens, synchronous and with async scheduling (vLLM's default on
+CUDA). A batch of 12 prompts over 4 shared prefixes, 64 tokens each, gives the outputs of an
+engine without the connector under the same pressure, when it stores and when it is served
+from kvcached. Float32, so the outputs do not depend on how a prefill is split (a hit splits it
+otherwise than the reference). Runs in .venv-vllm (./scripts/test.sh --with-vllm)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is installed in .venv-vllm: ./scripts/test.sh --with-vllm")
+pytestmark = pytest.mark.timeout(600)
+
+from conftest import sweep_crashed  # noqa: E402
+
+from kvcached_client import launch  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+import vllm_driver  # noqa: E402
+
+PRESSURE = ["--inproc", "--dtype", "float32", "--num-blocks", "40", "--max-batched-tokens", "96",
+            "--max-tokens", "64"]
+# a next turn's hit: the full blocks of its prompt and of the KV computed of its 64-token output
+TURN_HITS = [(len(p) + 63) // vllm_driver.BLOCK * vllm_driver.BLOCK
+             for p in vllm_driver.batch_prompts()]
+
+
+@pytest.fixture(scope="module")
+def model_and_reference(tmp_path_factory):
+    """The checkpoint, and the batch's outputs from an engine without the connector."""
+    model = str(tmp_path_factory.mktemp("pressure") / "model")
+    ref = vllm_driver.EngineProcess(model, "--connector", "none", *PRESSURE)
+    try:
+        out = ref.step("batch", "")
+        turns = ref.step("turns", "")
+    finally:
+        ref.close()
+    assert out["preemptions"] > 0  # the pool is small enough
+    assert len({tuple(t) for t in out["tokens"]}) == 12  # the control: every prompt its own output
+    return model, out["tokens"], turns["tokens"]
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_preempted_and_chunked_requests_store_and_are_served_the_right_kv(
+        scheduling, model_and_reference, run_dir, instance):
+    model, reference, next_turns = model_and_reference
+    daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2)
+    extra = ["--async-scheduling"] if scheduling == "async" else []
+    eng = vllm_driver.EngineProcess(model, "--connector", "kvcached", "--instance", instance,
+                                    "--run-dir", run_dir, *PRESSURE, *extra)
+    try:
+        assert eng.ready["async_scheduling"] is (scheduling == "async")
+        vllm_driver.wait_attached(daemon)
+        first = eng.step("batch", "")  # stores, prompts and outputs, while vLLM preempts
+        assert first["preemptions"] > 0, first
+        assert first["tokens"] == reference
+        # every prompt's next turn, vLLM's own cache emptied: the blocks of each prompt and of
+        # its output (computed, some of them, after the request was preempted and run again)
+        # come from kvcached
+        turns = eng.step("turns", "")
+        assert turns["reset"], turns
+        assert turns["num_cached_tokens"] == TURN_HITS, (turns["num_cached_tokens"],
+                                                         eng.connector_log())
+        assert turns["tokens"] == next_turns
+        counters = eng.step("counters", "")["counters"][0]
+        # from kvcached: every turn's blocks past its group's prefix, and each of the 4 prefixes
+        # at least once (the group's two others may find it in vLLM's own cache by then)
+        least = sum(TURN_HITS) // vllm_driver.BLOCK - 8 * vllm_driver.PREFIX_BLOCKS
+        assert counters["loaded_blocks"] >= least, counters
+        assert counters["load_errors"] == 0, counters
+    finally:
+        eng.close()
+        daemon.stop()
+        sweep_crashed(instance)
