@@ -25,8 +25,10 @@ speculative decoding with an EAGLE drafter (random weights) written to DIR.
   counters   the worker-side connector's counters (loaded_blocks, load_errors, saved_blocks,
              ...), through collective_rpc of a function (the scheduler re-keys after it, as
              after any function: ask at the end).
-  start NAME K  (--inproc) add prompt NAME (greedy, K tokens) and step the engine until it has
-             its first token: a request in flight across what the next steps do.
+  start NAME K [STEPS]  (--inproc) add prompt NAME (greedy, K tokens) and step the engine until
+             it has its first token (or STEPS steps: a prefill in chunks stopped part way): a
+             request in flight across what the next steps do.
+  abort NAME  (--inproc) abort request NAME (a client gone).
   finish     (--inproc) step until every request started is done; answers their tokens, and
              each NAME's prompt followed by its output becomes prompt NAME+ (a next turn).
   version V  LLM.update_weight_version(V).
@@ -364,18 +366,24 @@ def _control(llm, cmd: list[str], prompt_ids: dict, adapter: dict) -> dict:
 
 
 def _in_flight(llm, cmd: list[str], prompt_ids: dict, lora) -> dict:
-    """start NAME K / finish: requests stepped one engine step at a time (--inproc)."""
+    """start NAME K [STEPS] / abort NAME / finish: requests stepped one engine step at a time
+    (--inproc)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
+    if cmd[0] == "abort":  # (its end is reported at later steps: the next reset steps for it)
+        engine.abort_request([cmd[1]])
+        return {"aborted": cmd[1]}
     if cmd[0] == "start":
         engine.add_request(cmd[1], TokensPrompt(prompt_token_ids=prompt_ids[cmd[1]]),
                            SamplingParams(temperature=0.0, max_tokens=int(cmd[2]), detokenize=False),
                            lora_request=lora)
-        started = False  # (a request that ends without a token ends the loop too)
-        while not started and engine.has_unfinished_requests():
-            started = any(o.request_id == cmd[1] and o.outputs[0].token_ids for o in engine.step())
+        started, steps = False, int(cmd[3]) if len(cmd) > 3 else None
+        while engine.has_unfinished_requests() and (not started if steps is None else steps > 0):
+            # (a request that ends without a token ends the loop too)
+            started |= any(o.request_id == cmd[1] and o.outputs[0].token_ids for o in engine.step())
+            steps = steps - 1 if steps is not None else None
         return {"started": cmd[1] if started else None}
     outputs = {}
     while engine.has_unfinished_requests():
@@ -445,7 +453,7 @@ def main() -> int:
                                use_tqdm=False, lora_request=adapter["lora"])[0]
             say({"name": cmd[1], "tokens": list(out.outputs[0].token_ids),
                  "num_cached_tokens": out.num_cached_tokens or 0, "reset": reset})
-        elif cmd[0] in ("rpc", "counters", "start", "finish", "version", "adapter", "addlora"):
+        elif cmd[0] in ("rpc", "counters", "start", "abort", "finish", "version", "adapter", "addlora"):
             say(dict(_control(llm, cmd, prompt_ids, adapter), reset=reset))
         elif cmd[0] in ("gen", "ttft"):
             prompt = TokensPrompt(prompt_token_ids=prompt_ids[cmd[1]])
