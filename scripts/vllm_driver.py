@@ -324,6 +324,18 @@ def _count_preemptions(llm) -> dict:
     return count
 
 
+def _ready(llm, inproc: bool) -> dict:
+    """The engine's answer once it started: how it schedules, and (--inproc) whether its
+    scheduler drops a preempted request's in-flight output (its connector's
+    requires_kv_delivery)."""
+    out = {"ready": True,
+           "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling}
+    if inproc:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        out["requires_kv_delivery"] = scheduler.requires_kv_delivery
+    return out
+
+
 def _reset(llm, inproc: bool) -> bool:
     """reset_prefix_cache(): False while a finished request holds blocks (the connector's
     transfers are reported at a later step: in this process, this steps the engine for them)."""
@@ -421,8 +433,7 @@ def main() -> int:
     llm = _engine(args)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False)
     first_token = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
-    say({"ready": True,
-         "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling})
+    say(_ready(llm, args.inproc))
     batch = {"batch": [TokensPrompt(prompt_token_ids=p) for p in batch_prompts(args.prefix_blocks)]}
     adapter = {"lora": None}  # the LoRA adapter of the steps that follow (the adapter step)
     preempted = _count_preemptions(llm) if args.inproc else {"n": None}

@@ -357,6 +357,12 @@ class KvcachedConnector(KVConnectorBase_V1):
         vLLM then refuses the combination at start with its own message."""
         return False
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """No (vLLM's default for kv_both is yes): a save a preemption cuts short is a later miss,
+        so vLLM keeps the in-flight output of a request it preempts instead of computing it again."""
+        return False
+
     def reset_cache(self) -> bool:
         """vLLM drops its prefix cache (POST /reset_prefix_cache?reset_external=true; a pause
         with clear_cache, the step before a weight update): keys are salted anew from here on,
