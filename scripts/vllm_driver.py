@@ -200,6 +200,8 @@ def _args():
     ap.add_argument("--vocab", type=int, default=CONFIG["vocab_size"])
     ap.add_argument("--gpu-mem", type=float, default=0.2, help="gpu_memory_utilization")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="enable_prefix_caching=False (vLLM keeps no prefix cache of its own)")
     ap.add_argument("--num-blocks", type=int, default=0,
                     help="num_gpu_blocks_override: a KV pool this small preempts requests")
     ap.add_argument("--max-batched-tokens", type=int, default=0,
@@ -280,6 +282,7 @@ def _engine(args):
                max_model_len=max(1024, (args.prefix_blocks + 4) * args.block),
                dtype=args.dtype, kv_transfer_config=kv,
                num_gpu_blocks_override=args.num_blocks or None,
+               enable_prefix_caching=not args.no_prefix_caching,
                **({"max_num_batched_tokens": args.max_batched_tokens} if args.max_batched_tokens else {}), gpu_memory_utilization=args.gpu_mem,
                tensor_parallel_size=args.tp, enable_lora=args.lora,
                **({"max_lora_rank": 8, "max_loras": 2} if args.lora else {}),

@@ -130,6 +130,30 @@ def test_prefixes_come_back_from_kvcached_and_faults_only_cost_recomputation(
         sweep_crashed(instance)
 
 
+def test_with_vllms_own_prefix_cache_off_every_hit_comes_from_kvcached(
+        reference, tmp_path, run_dir, instance):
+    """--no-enable-prefix-caching (common beside an external cache): vLLM keeps no hit of its
+    own, so B's prefix comes from kvcached each time, with vLLM's own 14-block hit's output."""
+    daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2)
+    eng = Engine(tmp_path, "--connector", "kvcached", "--instance", instance, "--run-dir", run_dir,
+                 "--no-prefix-caching")
+    try:
+        vllm_driver.wait_attached(daemon)
+        a = eng.gen("A")
+        assert a["num_cached_tokens"] == 0 and a["tokens"] == reference["A"]
+        for _ in range(2):
+            b = eng.gen("B")
+            assert b["num_cached_tokens"] == len(vllm_driver.PREFIX), (b, eng.connector_log())
+            assert b["tokens"] == reference[f"B@{vllm_driver.PREFIX_BLOCKS}"]
+        counters = eng.step("counters", "")["counters"][0]
+        assert counters["loaded_blocks"] == 2 * vllm_driver.PREFIX_BLOCKS, counters
+        assert counters["load_errors"] == 0, counters
+    finally:
+        eng.close()
+        daemon.stop()
+        sweep_crashed(instance)
+
+
 def _said(eng, text: str) -> bool:
     return any(text in line for line in eng.log)
 
