@@ -199,7 +199,8 @@ def _args():
     ap.add_argument("--intermediate", type=int, default=0, help="MLP width (0: hidden * 11 / 4)")
     ap.add_argument("--vocab", type=int, default=CONFIG["vocab_size"])
     ap.add_argument("--gpu-mem", type=float, default=0.2, help="gpu_memory_utilization")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="bfloat16", help="the model's dtype (float32: outputs "
+                    "that do not depend on how a prefill is split)")
     ap.add_argument("--no-prefix-caching", action="store_true",
                     help="enable_prefix_caching=False (vLLM keeps no prefix cache of its own)")
     ap.add_argument("--num-blocks", type=int, default=0,
@@ -280,10 +281,10 @@ def _engine(args):
                load_format="dummy" if args.dummy_weights else "auto",
                enforce_eager=not args.cuda_graphs, block_size=args.block, seed=0,
                max_model_len=max(1024, (args.prefix_blocks + 4) * args.block),
-               dtype=args.dtype, kv_transfer_config=kv,
+               dtype=args.dtype, kv_transfer_config=kv, gpu_memory_utilization=args.gpu_mem,
                num_gpu_blocks_override=args.num_blocks or None,
                enable_prefix_caching=not args.no_prefix_caching,
-               **({"max_num_batched_tokens": args.max_batched_tokens} if args.max_batched_tokens else {}), gpu_memory_utilization=args.gpu_mem,
+               max_num_batched_tokens=args.max_batched_tokens or None,
                tensor_parallel_size=args.tp, enable_lora=args.lora,
                **({"max_lora_rank": 8, "max_loras": 2} if args.lora else {}),
                speculative_config={"method": "eagle", "model": args.eagle,
@@ -314,9 +315,14 @@ def _worker_counters(_worker) -> dict:
     return dict(getattr(get_kv_transfer_group(), "counters", {}))
 
 
+def _scheduler(llm):
+    """(--inproc) vLLM's scheduler, in this process."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
 def _count_preemptions(llm) -> dict:
     """(--inproc) {"n": how many times the scheduler preempted a request}, counted from now."""
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    scheduler = _scheduler(llm)
     preempt, count = scheduler._preempt_request, {"n": 0}
 
     def counted(*args, **kwargs):
@@ -334,8 +340,7 @@ def _ready(llm, inproc: bool) -> dict:
     out = {"ready": True,
            "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling}
     if inproc:
-        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-        out["requires_kv_delivery"] = scheduler.requires_kv_delivery
+        out["requires_kv_delivery"] = _scheduler(llm).requires_kv_delivery
     return out
 
 
@@ -362,7 +367,7 @@ def _lora(path: str, inplace: bool = False):
 
 
 def _control(llm, cmd: list[str], prompt_ids: dict, adapter: dict) -> dict:
-    """rpc, counters, start, finish, version, adapter, addlora: the engine told or asked
+    """rpc, counters, start, abort, finish, version, adapter, addlora: the engine told or asked
     something."""
     if cmd[0] == "adapter":
         adapter["lora"] = None if cmd[1] == "-" else _lora(cmd[1], cmd[2:] == ["inplace"])

@@ -22,7 +22,7 @@ import vllm_driver  # noqa: E402
 
 BS, PREFIX = vllm_driver.BLOCK, vllm_driver.PREFIX_BLOCKS
 OUTPUT = 200  # A's output: 488 + 200 tokens, the KV of 687 computed: 21 full blocks
-TURN = (14 * BS + 40 + OUTPUT - 1) // BS
+TURN = (len(vllm_driver.prompts()["A"]) + OUTPUT - 1) // BS
 
 
 def _reference(model: str) -> dict:
