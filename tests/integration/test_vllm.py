@@ -33,7 +33,7 @@ def Engine(tmp, *args):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Greedy outputs of the same engine and prompts with no connector."""
-    eng = Engine(tmp_path_factory.mktemp("ref"), "--connector", "none")
+    eng = Engine(tmp_path_factory.mktemp("ref"), "--connector", "none", "--inproc")
     try:
         out = {name: eng.gen(name)["tokens"] for name in ("A", "B", "C", "X")}
         # a hit of k blocks as vLLM's own cache gives it: what a k-block kvcached hit must match
@@ -308,7 +308,7 @@ def test_one_kv_head_per_eight_query_heads_with_64_token_blocks_and_a_partial_hi
     own prefix cache hit the same blocks, for a full-prefix hit (B after A) and a partial one (D
     shares A's first half)."""
     shape = ["--heads", "8", "--kv-heads", "1", "--block", "64", "--prefix-blocks", "6"]
-    ref = Engine(tmp_path / "ref", "--connector", "none", *shape)
+    ref = Engine(tmp_path / "ref", "--connector", "none", "--inproc", *shape)
     try:
         reference = {name: ref.step("genk", f"{name} {k}")["tokens"] for name, k in (("B", 6), ("D", 3))}
     finally:

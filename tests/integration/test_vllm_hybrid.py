@@ -31,7 +31,8 @@ def test_an_interleaved_sliding_window_model_gets_vllms_own_outputs_from_kvcache
     7-block hit from kvcached give the outputs of vLLM's own hits of as many blocks (an engine
     without the connector), and vLLM kept every layer's KV whole (its warning). The control:
     B with one prefix token changed (X) generates otherwise in this model."""
-    ref = vllm_driver.EngineProcess(str(tmp_path / "model"), "--connector", "none", *HYBRID)
+    ref = vllm_driver.EngineProcess(str(tmp_path / "model"), "--connector", "none", "--inproc",
+                                    *HYBRID)
     try:
         reference = {name: ref.step("genk", f"{name} {k}")["tokens"]
                      for name, k in (("B", vllm_driver.PREFIX_BLOCKS), ("D", vllm_driver.PREFIX_BLOCKS // 2))}

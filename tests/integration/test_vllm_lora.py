@@ -37,7 +37,7 @@ def _reference(model: str, one, two) -> dict:
     """An engine without the connector: B's outputs with adapter `one`, with `two` and with
     none; "k": after a 14-block hit in vLLM's own cache (its split of the prefill changes bf16
     results), "full": prefilled whole."""
-    ref = vllm_driver.EngineProcess(model, "--connector", "none", "--lora")
+    ref = vllm_driver.EngineProcess(model, "--connector", "none", "--inproc", "--lora")
     try:
         out = {"base": ref.gen("B")["tokens"]}
         for name, path in (("one", one), ("two", two)):

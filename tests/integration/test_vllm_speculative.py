@@ -111,7 +111,8 @@ def test_an_eagle_engines_hit_is_one_block_short_and_its_output_is_vllms_own(tmp
     drops that block too: 13 blocks), while the one-token-changed control X differs."""
     blocks, block = vllm_driver.PREFIX_BLOCKS, vllm_driver.BLOCK
     draft = str(tmp_path / "eagle")
-    ref = vllm_driver.EngineProcess(str(tmp_path / "ref"), "--connector", "none", "--eagle", draft)
+    ref = vllm_driver.EngineProcess(str(tmp_path / "ref"), "--connector", "none", "--inproc",
+                                    "--eagle", draft)
     try:
         own = ref.step("genk", f"B {blocks}")
         control = ref.gen("X")["tokens"]
