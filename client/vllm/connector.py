@@ -312,6 +312,7 @@ class KvcachedConnector(KVConnectorBase_V1):
             self._add_save(meta, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         self._transfer_reqs.update(t.req_id for t in meta.loads)
         self._transfer_reqs.update(t.req_id for t in meta.saves)
+        self.fresh.saves_built()
         return meta
 
     def _add_save(self, meta: KvcachedConnectorMetadata, state: _ReqState, computed: int) -> None:

@@ -28,11 +28,15 @@ class Freshness:
         self.local_used = self.local_stale = False
         self.adapter_salts: dict[str, str] = {}
         self.adapters_added: set[str] = set()
-        self._step_idents: dict[str, str] = {}  # load_inplace adapters' files, read this step
+        # load_inplace adapters' files as read for this step's saves (None outside them: each
+        # lookup reads them, so none keys on a read from before the engine idled)
+        self._step_idents: dict[str, str] | None = None
 
     def identity(self, path: str) -> str:
-        """A directory vLLM reloads at every step (`load_inplace`), read once per step (a batch
-        of its requests reads it once)."""
+        """A directory vLLM reloads at every step (`load_inplace`): read once for a step's
+        saves (a batch of its requests reads it once), else at each call."""
+        if self._step_idents is None:
+            return path_identity(path, fresh=True)
         if path not in self._step_idents:
             self._step_idents[path] = path_identity(path, fresh=True)
         return self._step_idents[path]
@@ -47,9 +51,13 @@ class Freshness:
 
     def scheduled(self, any_tokens: bool) -> None:
         """A step's connector metadata is being built (its saves next): read the load_inplace
-        adapters' files anew."""
+        adapters' files anew, once for all of them."""
         self.local_used |= any_tokens
-        self._step_idents.clear()
+        self._step_idents = {}
+
+    def saves_built(self) -> None:
+        """The step's saves are chosen: what was read for them is not kept past the step."""
+        self._step_idents = None
 
     def emptied(self) -> None:
         """A reset_prefix_cache took: all vLLM holds from now on is computed as the keys say."""
@@ -79,7 +87,8 @@ class Freshness:
         if not again:
             return False
         path = str(getattr(lora, "lora_path", "") or "")
-        self._step_idents.pop(path, None)
+        if self._step_idents is not None:
+            self._step_idents.pop(path, None)
         files = path_identity(path, fresh=True).startswith("files:") if path else False
         self.adapter_salts[name] = "" if files else os.urandom(8).hex()
         self._changed(running)

@@ -245,7 +245,10 @@ def test_an_adapter_loaded_again_in_place_keys_its_blocks_anew(tmp_path, daemon)
         assert _saves(conn, "y", lora=other, then=reload) == 5  # the control: another adapter
         rewrite = lambda: os.utime(weights, ns=(2, 2))  # noqa: E731
         assert _saves(conn, "z", lora=on_disk(inplace=True), then=rewrite) == 1
+        at_two = keys(on_disk(inplace=True))
         assert _saves(conn, "w", lora=on_disk(inplace=True)) == 5  # the control: files unchanged
+        os.utime(weights, ns=(3, 3))  # rewritten while the engine idles after that step
+        assert keys(on_disk(inplace=True)) != at_two  # the next request keys the new files
     finally:
         conn.link.close()
         hashing.path_identity.cache_clear()
