@@ -210,6 +210,8 @@ def _args():
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="let vLLM capture CUDA graphs (default: enforce_eager)")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (one worker per rank)")
+    ap.add_argument("--kv-role", choices=["kv_both", "kv_producer", "kv_consumer"], default="kv_both",
+                    help="(kvcached) the connector's kv_role: kv_consumer stores nothing")
     ap.add_argument("--hang-s", type=float, default=0.0, help="the connector's hang_s (0: default)")
     ap.add_argument("--dummy-weights", action="store_true",
                     help="vLLM's load_format=dummy instead of real random weights (benchmarks of "
@@ -266,7 +268,7 @@ def _engine(args):
         if args.hang_s:
             extra["hang_s"] = args.hang_s
         kv = KVTransferConfig(kv_connector="KvcachedConnector",
-                              kv_connector_module_path="kvcached_client.vllm", kv_role="kv_both",
+                              kv_connector_module_path="kvcached_client.vllm", kv_role=args.kv_role,
                               kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
     elif args.connector == "example":
         kv = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",

@@ -1,8 +1,12 @@
 """What the vLLM connector checks at start-up (connector.py): the KV cache groups and the
-parallelism it can page correctly (others are refused by name), and the daemon of each rank."""
+parallelism it can page correctly (others are refused by name), the daemon of each rank, and
+how the workers split their blocks (their handshakes)."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 
 log = logging.getLogger("kvcached_client.vllm.connector")  # the connector's logger, as before the split
 
@@ -82,3 +86,18 @@ def rank_instances(extra: dict, tp_size: int, dp_rank: int = 0, dp_size: int = 1
                     "each DP rank's GPUs need daemons of their own: put {dp_rank} in the "
                     "instance name", dp_size, ", ".join(instances))
     return instances
+
+
+@dataclass
+class KvcachedHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells the scheduler once its KV is registered (vLLM hands it over before the
+    first request): the keys of its blocks depend on how it splits them into kernel blocks."""
+    kernel_factor: int
+    mode: str
+
+
+def agreed_kernel_factor(metadata: dict) -> int | None:
+    """The workers' kernel blocks per block, from their handshakes (1 where none came: a worker
+    splitting its blocks then only misses); None where ranks differ (nothing can hit)."""
+    factors = {m.kernel_factor for m in metadata.values() if isinstance(m, KvcachedHandshake)}
+    return factors.pop() if len(factors) == 1 else (None if factors else 1)

@@ -26,6 +26,10 @@ blocks a load did not fill are reported by `get_block_ids_with_load_errors` and 
 them (the connector sets kv_load_failure_policy="recompute"); a missing or failing daemon only
 ever costs the cache, never the generation.
 
+kv_role: kv_both and kv_producer look blocks up and store them; kv_consumer (the decode instances
+of a disaggregated deployment, whose daemons share the prefill instances' storage tier) only
+looks up and loads.
+
 Tensor parallelism: one daemon per rank. `instances` lists them by rank (or `instance` holds
 "{rank}", e.g. "gpu{rank}"; "{dp_rank}" is vLLM's data-parallel rank). The scheduler asks every
 rank through a GroupClient and takes the shortest hit, so all ranks load the same prefix; each worker loads and saves on its own rank's
@@ -63,7 +67,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
-    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
 )
@@ -80,7 +83,13 @@ from ..kv_worker import BlockTransfer, KVWorker
 from ..lookup_gate import LookupGate
 from ..mm_keys import MMItem
 from . import weight_updates
-from .checks import check_one_kv_cache_group, check_parallelism, rank_instances
+from .checks import (
+    KvcachedHandshake,
+    agreed_kernel_factor,
+    check_one_kv_cache_group,
+    check_parallelism,
+    rank_instances,
+)
 from .freshness import Freshness
 from .request_keys import drops_last_block, model_factors, request_parts
 from .stats import KvcachedConnectorStats, KvcachedPromMetrics, interval
@@ -114,21 +123,6 @@ class KvcachedConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)  # requests whose transfers end first
-
-
-@dataclass
-class KvcachedHandshake(KVConnectorHandshakeMetadata):
-    """What a worker tells the scheduler once its KV is registered (vLLM hands it over before the
-    first request): the keys of its blocks depend on how it splits them into kernel blocks."""
-    kernel_factor: int
-    mode: str
-
-
-def agreed_kernel_factor(metadata: dict) -> int | None:
-    """The workers' kernel blocks per block, from their handshakes (1 where none came: a worker
-    splitting its blocks then only misses); None where ranks differ (nothing can hit)."""
-    factors = {m.kernel_factor for m in metadata.values() if isinstance(m, KvcachedHandshake)}
-    return factors.pop() if len(factors) == 1 else (None if factors else 1)
 
 
 @dataclass(eq=False)
@@ -205,6 +199,8 @@ class KvcachedConnector(KVConnectorBase_V1):
                      DaemonLink(instances[0], name="vllm-scheduler", **link_args))
         self.link.attach_now()
         self.disabled = False  # set where re-keying after a weight update failed: no hit, no save
+        # kv_consumer (a disaggregated deployment's decode instance) loads what others stored
+        self.stores = self._kv_transfer_config.kv_role != "kv_consumer"
         self.fresh = Freshness()  # which requests' blocks may be stored (freshness.py)
         weight_updates.watch(self)
 
@@ -317,7 +313,7 @@ class KvcachedConnector(KVConnectorBase_V1):
 
     def _add_save(self, meta: KvcachedConnectorMetadata, state: _ReqState, computed: int) -> None:
         full = min(computed // self.block_size, len(state.block_ids))
-        if full <= state.saved_blocks or self.disabled:
+        if full <= state.saved_blocks or self.disabled or not self.stores:
             return
         if not self.fresh.may_save(state):  # computed on KV of old weights or an old adapter
             self.counters["stale_blocks"] += full - state.saved_blocks

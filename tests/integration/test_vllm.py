@@ -16,7 +16,7 @@ pytest.importorskip("vllm", reason="vLLM is installed in .venv-vllm: ./scripts/t
 # the suite-wide 120 s per test is too short for them
 pytestmark = pytest.mark.timeout(600)
 
-from conftest import disk_uri, sweep_crashed, wait_until  # noqa: E402
+from conftest import disk_uri, sweep_crashed, unique_instance, wait_until  # noqa: E402
 
 from kvcached_client import BlockHasher, launch  # noqa: E402
 
@@ -152,6 +152,48 @@ def test_with_vllms_own_prefix_cache_off_every_hit_comes_from_kvcached(
         eng.close()
         daemon.stop()
         sweep_crashed(instance)
+
+
+def test_a_kv_consumer_loads_what_a_kv_producer_stored_and_stores_nothing(
+        reference, tmp_path, run_dir, redis_server):
+    """Disaggregated prefill: a prefill instance (kv_role kv_producer) and a decode instance
+    (kv_consumer), each beside a daemon of its own, the daemons sharing one redis tier. The
+    consumer's hit comes from what the producer stored, with vLLM's own hit's output; what the
+    consumer computes is stored nowhere, so neither it nor the producer finds it after."""
+    names = {role: unique_instance(role) for role in ("producer", "consumer")}
+    daemons = {role: launch(instance=n, run_dir=run_dir, host_cache_gb=0.2, wait_storage=True,
+                            extra_args=["--storage", redis_server.uri]) for role, n in names.items()}
+    engines = {}
+    try:
+        for role, extra in (("producer", ()), ("consumer", ("--inproc",))):
+            engines[role] = Engine(tmp_path, "--connector", "kvcached", "--kv-role", f"kv_{role}",
+                                   "--instance", names[role], "--run-dir", run_dir, *extra)
+            vllm_driver.wait_attached(daemons[role])
+        producer, consumer = engines["producer"], engines["consumer"]
+        assert producer.gen("A")["tokens"] == reference["A"]
+        with daemons["producer"].connect() as c:
+            c.flush().wait(30)  # A's blocks are in redis
+            assert c.status()["bytes"]["d2h"] > 0
+        b = consumer.gen("B")  # the shared prefix, from redis through the consumer's daemon
+        assert b["num_cached_tokens"] == len(vllm_driver.PREFIX), (b, consumer.connector_log())
+        assert b["tokens"] == reference[f"B@{vllm_driver.PREFIX_BLOCKS}"]
+        block = vllm_driver.BLOCK
+        for _ in range(2):  # X's blocks after the third differ from the prefix: never stored
+            x = consumer.gen("X")
+            assert x["num_cached_tokens"] == 3 * block and x["tokens"] == reference["X@3"], x
+        with daemons["consumer"].connect() as c:
+            c.flush().wait(30)
+            s = c.status()
+        assert s["bytes"].get("d2h", 0) == 0 and s["storage_io"]["prefetched"] > 0, s
+        assert producer.gen("X")["num_cached_tokens"] == 3 * block  # not in redis either
+        # the control: the producer stores what it computes, so its X now hits whole
+        assert producer.gen("X")["num_cached_tokens"] == len(vllm_driver.PREFIX)
+    finally:
+        for eng in engines.values():
+            eng.close()
+        for role, daemon in daemons.items():
+            daemon.stop()
+            sweep_crashed(names[role])
 
 
 def _said(eng, text: str) -> bool:
@@ -291,7 +333,7 @@ def test_sleep_mode_is_declined_so_vllm_refuses_it_at_start():
 
 
 def test_the_scheduler_takes_the_workers_kernel_factor_only_when_they_agree():
-    from kvcached_client.vllm.connector import KvcachedHandshake, agreed_kernel_factor
+    from kvcached_client.vllm.checks import KvcachedHandshake, agreed_kernel_factor
 
     assert agreed_kernel_factor({}) == 1, "no handshake: unsplit keys (a splitting worker misses)"
     assert agreed_kernel_factor({0: KvcachedHandshake(2, "direct"),
