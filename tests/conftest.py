@@ -38,7 +38,7 @@ class _RecordedPopen(subprocess.Popen):
 subprocess.Popen = _RecordedPopen
 
 
-def _our_segments() -> set[str]:
+def our_segments() -> set[str]:
     """Segments of this test session: KV segments this process and its children made, and the
     status blocks and key tables of its daemons (instance names carry this pid:
     unique_instance). Others' are not ours to count (a benchmark or a second test run on the
@@ -58,7 +58,7 @@ def _note_segment_births(request):
     """Names, for the leak check's message, the test that made each segment (a leak seen only
     at the session's end otherwise points at whichever test ran last)."""
     yield
-    for name in _our_segments():
+    for name in our_segments():
         _born_in.setdefault(name, request.node.nodeid)
 
 
@@ -74,12 +74,12 @@ def daemon_logs(tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def no_leftovers():
-    before = _our_segments()
+    before = our_segments()
     yield
     import gc
 
     gc.collect()  # KV segments are unlinked when their tensors are collected
-    leaked = _our_segments() - before
+    leaked = our_segments() - before
     for name in leaked:  # reported below; removed so that one failing run leaves none behind
         try:
             posix_ipc.unlink_shared_memory("/" + name)

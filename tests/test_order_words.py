@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import keys_for, wait_until
+from conftest import keys_for, our_segments, wait_until
 from kvcached_client import DaemonUnavailable, RequestError
 from kvcached_client import cuda_order
 from kvcached_client.cuda_order import EngineOrder
@@ -334,12 +334,12 @@ def test_cuda_refusing_the_order_words_pauses_registrations_not_every_step(monke
     assert pauses == [0.2, 0.4, 0.5]  # doubling, up to the longest
     layout = describe_kv_cache(small_kv())
     layout["device"] = "cuda:0"
-    before = {n for n in os.listdir("/dev/shm") if n.startswith("kvcached")}
+    before = our_segments()  # (other workers' tests make segments meanwhile)
     with daemon.connect() as c:
         with pytest.raises(DaemonUnavailable, match="refused the order words 3 time"):
             c.register_layout(dict(layout))  # paused: nothing is sent, no segment made
         assert c.order is None
-        assert {n for n in os.listdir("/dev/shm") if n.startswith("kvcached")} == before
+        assert our_segments() == before
         time.sleep(0.55)
         with pytest.raises(RequestError):  # the pause is over: the daemon is asked (a CPU
             c.register_layout(dict(layout))  # daemon refuses CUDA KV, which is the daemon's say)
