@@ -136,7 +136,7 @@ def test_with_vllms_own_prefix_cache_off_every_hit_comes_from_kvcached(
     own, so B's prefix comes from kvcached each time, with vLLM's own 14-block hit's output."""
     daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2)
     eng = Engine(tmp_path, "--connector", "kvcached", "--instance", instance, "--run-dir", run_dir,
-                 "--no-prefix-caching")
+                 "--no-prefix-caching", "--inproc")
     try:
         vllm_driver.wait_attached(daemon)
         a = eng.gen("A")
@@ -357,7 +357,7 @@ def test_one_kv_head_per_eight_query_heads_with_64_token_blocks_and_a_partial_hi
         ref.close()
     daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2)
     eng = Engine(tmp_path, "--connector", "kvcached", "--instance", instance, "--run-dir", run_dir,
-                 *shape)
+                 "--inproc", *shape)
     try:
         vllm_driver.wait_attached(daemon)
         assert eng.gen("A")["num_cached_tokens"] == 0

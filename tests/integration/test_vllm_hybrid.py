@@ -41,7 +41,7 @@ def test_an_interleaved_sliding_window_model_gets_vllms_own_outputs_from_kvcache
         ref.close()
     daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2)
     eng = vllm_driver.EngineProcess(str(tmp_path / "model"), "--connector", "kvcached",
-                                    "--instance", instance, "--run-dir", run_dir, *HYBRID)
+                                    "--instance", instance, "--run-dir", run_dir, "--inproc", *HYBRID)
     try:
         vllm_driver.wait_attached(daemon)
         assert any(WHOLE in line for line in eng.log)
@@ -72,7 +72,7 @@ def test_a_model_of_sliding_window_layers_only_is_refused_at_start(tmp_path, run
     try:
         with pytest.raises(RuntimeError, match="the engine exited") as err:
             vllm_driver.EngineProcess(str(tmp_path / "model"), "--connector", "kvcached",
-                                      "--instance", instance, "--run-dir", run_dir,
+                                      "--instance", instance, "--run-dir", run_dir, "--inproc",
                                       "--layer-types", "sliding,sliding,sliding,sliding")
         assert "pages full attention only; this model's KV is SlidingWindowSpec" in str(err.value)
     finally:

@@ -121,7 +121,7 @@ def test_an_eagle_engines_hit_is_one_block_short_and_its_output_is_vllms_own(tmp
     assert own["num_cached_tokens"] == (blocks - 1) * block, own  # vLLM's own EAGLE drop
     assert control != own["tokens"]
     daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2)
-    eng = vllm_driver.EngineProcess(str(tmp_path / "model"), "--connector", "kvcached",
+    eng = vllm_driver.EngineProcess(str(tmp_path / "model"), "--connector", "kvcached", "--inproc",
                                     "--instance", instance, "--run-dir", run_dir, "--eagle", draft)
     try:
         vllm_driver.wait_attached(daemon)
