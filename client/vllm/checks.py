@@ -101,3 +101,40 @@ def agreed_kernel_factor(metadata: dict) -> int | None:
     splitting its blocks then only misses); None where ranks differ (nothing can hit)."""
     factors = {m.kernel_factor for m in metadata.values() if isinstance(m, KvcachedHandshake)}
     return factors.pop() if len(factors) == 1 else (None if factors else 1)
+
+
+def check_multi_connector_policy(own) -> None:
+    """Inside vLLM's MultiConnector the scheduler takes kv_load_failure_policy from the
+    MultiConnector's config, which the connector's scheduler side cannot reach (it sees only its
+    own sub-config): under vLLM's default, "fail", a load the daemon could not finish fails its
+    request instead of being recomputed. Said at start, from a worker (which sees the engine's
+    config), with the key to set."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    top = getattr(get_current_vllm_config_or_none(), "kv_transfer_config", None)
+    if top is None or top is own or top.kv_connector != "MultiConnector":
+        return
+    if top.kv_load_failure_policy != "recompute":
+        log.warning("[vllm] KvcachedConnector runs inside a MultiConnector whose "
+                    "kv_load_failure_policy is %r: a load the daemon cannot finish (a daemon "
+                    "restarted, hung or gone) fails its request instead of being recomputed; "
+                    "set \"kv_load_failure_policy\": \"recompute\" in the MultiConnector's own "
+                    "kv-transfer-config", top.kv_load_failure_policy)
+
+
+def handshakes_heard(metadata: dict) -> int | None:
+    """The scheduler's kernel factor from the workers' handshakes (agreed_kernel_factor), said
+    in the log: the workers' modes, ranks that disagree (no hits), or a handshake that is another
+    connector's (vLLM's MultiConnector passes only the first sub-connector's that has one)."""
+    factor = agreed_kernel_factor(metadata)
+    if metadata and not any(isinstance(m, KvcachedHandshake) for m in metadata.values()):
+        log.warning("[vllm] the workers' handshake is another connector's (a MultiConnector "
+                    "passes the first one's only): kvcached assumes its workers do not split "
+                    "blocks into kernel blocks; a worker that does gives no hits")
+    elif factor is None:
+        log.error("[vllm] the workers split their KV blocks differently (%s): kvcached gives "
+                  "no hits", {r: getattr(m, "kernel_factor", "?") for r, m in metadata.items()})
+    else:
+        log.info("[vllm] workers registered their KV: %s, %d kernel block(s) per block",
+                 {rank: getattr(m, "mode", "?") for rank, m in sorted(metadata.items())}, factor)
+    return factor

@@ -30,6 +30,9 @@ kv_role: kv_both and kv_producer look blocks up and store them; kv_consumer (the
 of a disaggregated deployment, whose daemons share the prefill instances' storage tier) only
 looks up and loads.
 
+Inside vLLM's MultiConnector the MultiConnector's own config must set kv_load_failure_policy
+"recompute" (checks.py warns at start); list kvcached after a connector with a handshake.
+
 Tensor parallelism: one daemon per rank. `instances` lists them by rank (or `instance` holds
 "{rank}", e.g. "gpu{rank}"; "{dp_rank}" is vLLM's data-parallel rank). The scheduler asks every
 rank through a GroupClient and takes the shortest hit, so all ranks load the same prefix; each worker loads and saves on its own rank's
@@ -85,9 +88,10 @@ from ..mm_keys import MMItem
 from . import weight_updates
 from .checks import (
     KvcachedHandshake,
-    agreed_kernel_factor,
+    check_multi_connector_policy,
     check_one_kv_cache_group,
     check_parallelism,
+    handshakes_heard,
     rank_instances,
 )
 from .freshness import Freshness
@@ -221,6 +225,8 @@ class KvcachedConnector(KVConnectorBase_V1):
                                direct={"auto": None, "staging": False, "direct": True}[mode],
                                counters=self.counters,
                                host_only_loads=storage_hits == "prefetch")
+        if self.rank == 0:
+            check_multi_connector_policy(self._kv_transfer_config)
         self.worker.link = DaemonLink(instances[self.rank], name=f"vllm-worker-tp{self.rank}",
                                       on_connect=self.worker.on_connect,
                                       retire=self.worker.retire, **link_args)
@@ -338,14 +344,7 @@ class KvcachedConnector(KVConnectorBase_V1):
     def set_xfer_handshake_metadata(self, metadata: dict) -> None:
         """Scheduler: the workers' handshakes, once their KV is registered. Lookups then use the
         keys the workers store under; ranks that disagree get no hits (logged)."""
-        self.key_scheme.kernel_factor = agreed_kernel_factor(metadata)
-        modes = {rank: getattr(m, "mode", "?") for rank, m in sorted(metadata.items())}
-        if self.key_scheme.kernel_factor is None:
-            log.error("[vllm] the workers split their KV blocks differently (%s): kvcached gives "
-                      "no hits", {r: getattr(m, "kernel_factor", "?") for r, m in metadata.items()})
-        else:
-            log.info("[vllm] workers registered their KV: %s, %d kernel block(s) per block",
-                     modes, self.key_scheme.kernel_factor)
+        self.key_scheme.kernel_factor = handshakes_heard(metadata)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config=None) -> bool:

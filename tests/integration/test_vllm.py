@@ -332,8 +332,8 @@ def test_sleep_mode_is_declined_so_vllm_refuses_it_at_start():
     assert KvcachedConnector.supports_sleep_mode(None) is False
 
 
-def test_the_scheduler_takes_the_workers_kernel_factor_only_when_they_agree():
-    from kvcached_client.vllm.checks import KvcachedHandshake, agreed_kernel_factor
+def test_the_scheduler_takes_the_workers_kernel_factor_only_when_they_agree(caplog):
+    from kvcached_client.vllm.checks import KvcachedHandshake, agreed_kernel_factor, handshakes_heard
 
     assert agreed_kernel_factor({}) == 1, "no handshake: unsplit keys (a splitting worker misses)"
     assert agreed_kernel_factor({0: KvcachedHandshake(2, "direct"),
@@ -341,6 +341,10 @@ def test_the_scheduler_takes_the_workers_kernel_factor_only_when_they_agree():
     assert agreed_kernel_factor({0: KvcachedHandshake(2, "direct"),
                                  1: KvcachedHandshake(4, "direct")}) is None, "ranks disagree"
     assert agreed_kernel_factor({0: object(), 1: KvcachedHandshake(2, "staging")}) == 2
+    # in a MultiConnector whose other connector's handshake went out instead: said, and unsplit
+    with caplog.at_level("WARNING", logger="kvcached_client.vllm.connector"):
+        assert handshakes_heard({0: object()}) == 1
+    assert "the workers' handshake is another connector's" in caplog.text
 
 
 def test_one_kv_head_per_eight_query_heads_with_64_token_blocks_and_a_partial_hit(

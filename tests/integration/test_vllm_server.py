@@ -203,3 +203,53 @@ def test_the_openai_server_as_the_readme_runs_it(model, reference, tmp_path, run
     ours = [line for line in server.log().splitlines()  # a traceback through kvcached's code
             if f'File "{root}/client/' in line or f'File "{root}/kvcached/' in line]
     assert not ours, ours
+
+
+def test_inside_vllms_multiconnector_the_server_keeps_serving_and_hits_come_from_kvcached(
+        model, reference, tmp_path, run_dir, instance):
+    """kvcached, configured as README says, beside vLLM's ExampleConnector in a MultiConnector.
+    Before, the API server could not rebuild the connector's stats by name (vLLM registers no
+    name for a connector given by module path): the first request got a 500 and the server
+    died. Now B's prefix comes from kvcached with vLLM's own hit's output, the connector's
+    counters reach /metrics, and a warning at start names the MultiConnector's
+    kv_load_failure_policy, which only the MultiConnector's own config sets."""
+    daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2)
+    server = None
+    try:
+        server = Server(model, str(tmp_path / "server.log"), {
+            "kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
+                "connectors": [
+                    {"kv_connector": "KvcachedConnector", "kv_connector_module_path": "kvcached_client.vllm",
+                     "kv_role": "kv_both",
+                     "kv_connector_extra_config": {"instance": instance, "run_dir": run_dir}},
+                    {"kv_connector": "ExampleConnector", "kv_role": "kv_both", "kv_connector_extra_config":
+                        {"shared_storage_path": str(tmp_path / "example")}}]}})
+        _wait_attached(daemon)
+        assert "runs inside a MultiConnector whose kv_load_failure_policy is 'fail'" in server.log()
+        assert server.complete("A") == (reference["A"], 0)
+        for _ in range(2):  # the first reply's stats reached the server's stat loggers meanwhile
+            tokens, cached = server.complete("B")
+            assert tokens == reference["B@hit"] and cached == PREFIX, (cached, server.log()[-3000:])
+        assert server.metric("vllm:kvcached_loaded_blocks") == 2 * PREFIX // BLOCK
+        assert server.metric("vllm:kvcached_load_errors") == 0
+        assert server._healthy()
+    finally:
+        code = server.stop() if server is not None else None
+        daemon.stop()
+        sweep_crashed(instance)
+    assert code is not None
+    errors = [line for line in server.log().splitlines() if " ERROR " in line]
+    assert not errors, errors[:20]
+
+
+def test_vllms_plugin_loading_names_the_connector_in_its_factory():
+    """Each vLLM process loads the vllm.general_plugins entry points: KvcachedConnector is then
+    a name vLLM knows (a fresh process that never imported kvcached_client)."""
+    code = ("import sys\n"
+            "from vllm.plugins import load_general_plugins\n"
+            "load_general_plugins()\n"
+            "assert 'kvcached_client.vllm.connector' not in sys.modules\n"
+            "from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory\n"
+            "print(KVConnectorFactory.get_connector_class_by_name('KvcachedConnector').__module__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "kvcached_client.vllm.connector", out.stderr
