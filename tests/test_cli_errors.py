@@ -142,7 +142,11 @@ def test_the_distribution_is_kvcached_sidecar_and_the_names_users_type_stay():
     from importlib.metadata import distribution
 
     dist = distribution("kvcached-sidecar")
-    assert [ep.value for ep in dist.entry_points if ep.name == "kvcached"] == ["kvcached.cli:main"]
+    scripts = [ep.value for ep in dist.entry_points if ep.group == "console_scripts"]
+    assert scripts == ["kvcached.cli:main"]
+    # and vLLM's plugin group (client/vllm/plugin.py): the connector's name in vLLM's factory
+    assert [ep.value for ep in dist.entry_points if ep.group == "vllm.general_plugins"] == \
+        ["kvcached_client.vllm.plugin:register"]
     import kvcached
     import kvcached_client
     import kvcached_proto
