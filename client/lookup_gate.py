@@ -16,6 +16,11 @@ one fetch serves them all (the daemon too fetches a key on its way only once, an
 ends only once the keys it waits on arrived or went).
 
 storage_hits: "prefetch" (the above) or "inline" (the load reads storage in the step).
+
+expect_s (a disaggregated deployment's decode instance, vLLM's kv_consumer): the prefill
+instance stored the prompt's blocks, but its last ones may still be on their way to the shared
+tier when the decode request comes. A hit short of every block asked for is asked for again at
+later steps (None) for up to expect_s from the request's first lookup, then taken as it is.
 """
 from __future__ import annotations
 
@@ -48,17 +53,20 @@ def _ended(task) -> bool:
 
 class LookupGate:
     def __init__(self, block_tokens: int, storage_hits: str = "prefetch", timeout_s: float = 5.0,
-                 grace_s: float = 2.0, counters: dict | None = None):
+                 grace_s: float = 2.0, counters: dict | None = None, expect_s: float = 0.0):
         if storage_hits not in ("prefetch", "inline"):
             raise ValueError(f"storage_hits {storage_hits!r}: expected prefetch or inline")
         if timeout_s <= 0:
             raise ValueError(f"prefetch timeout {timeout_s}: expected > 0 seconds")
         self.block_tokens = block_tokens
         self.storage_hits = storage_hits
-        self.timeout_s, self.grace_s = timeout_s, grace_s
+        if expect_s < 0:
+            raise ValueError(f"consumer wait {expect_s}: expected >= 0 seconds")
+        self.timeout_s, self.grace_s, self.expect_s = timeout_s, grace_s, expect_s
+        self._expecting: dict[str, float] = {}  # request -> its first lookup (expect_s)
         self.counters = counters if counters is not None else {}
         for name in ("prefetches", "prefetch_deferrals", "prefetch_timeouts",
-                     "prefetch_refusals", "storage_blocks_recomputed"):
+                     "prefetch_refusals", "storage_blocks_recomputed", "expected_deferrals"):
             self.counters.setdefault(name, 0)
         self._pending: dict[str, _Pending] = {}
         self._running: list[_Prefetch] = []  # until it ended or its deadline passed
@@ -87,6 +95,8 @@ class LookupGate:
             self.from_storage[req_id] = max(0, host - pending.host)
             return host
         host, storage = client.lookup(keys)
+        if host + storage < len(keys) and self._still_expected(req_id):
+            return None
         self.from_storage[req_id] = storage if self.storage_hits == "inline" else 0
         if storage == 0 or self.storage_hits == "inline":
             return host + storage
@@ -117,6 +127,17 @@ class LookupGate:
         self.counters["prefetches"] += 1
         return None
 
+    def _still_expected(self, req_id: str) -> bool:
+        """expect_s: whether a short hit is asked for again (within expect_s of the request's
+        first lookup; the first lookup time is kept, so it waits once)."""
+        if self.expect_s <= 0:
+            return False
+        now = time.monotonic()
+        if now - self._expecting.setdefault(req_id, now) >= self.expect_s:
+            return False
+        self.counters["expected_deferrals"] += 1
+        return True
+
     def _reap(self) -> None:
         """Prefetches that ended (their events taken) or are past their deadline stop being
         waited for by later requests."""
@@ -135,11 +156,13 @@ class LookupGate:
         blocks it brings serve later requests)."""
         self._pending.pop(req_id, None)
         self.from_storage.pop(req_id, None)
+        self._expecting.pop(req_id, None)
 
     def forget_all(self) -> None:
         """A cache reset: what was being matched is keyed under the old salt."""
         self._pending.clear()
         self.from_storage.clear()
+        self._expecting.clear()
 
     @property
     def pending(self) -> int:

@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from conftest import blocks_equal, wait_until
+from conftest import blocks_equal, keys_for, wait_until
 from storage_util import start, stored_on_disk_only, stored_with_one_record_hung
 
 from kvcached_client import BlockHasher, Client
@@ -165,5 +165,34 @@ def test_a_prefetch_refused_with_busy_keeps_the_host_part_of_the_hit(run_dir, in
             assert load.reply["storage_blocks"] == 0 and load.wait(10) == 4
             assert blocks_equal(kv, list(range(20, 24)), expected, upto=4)
             assert c.status()["storage_io"]["fetched"] == 4  # the test's own prefetch alone
+    finally:
+        h.stop()
+
+
+def test_a_consumers_short_hit_is_asked_for_again_until_the_rest_arrives_or_its_wait_ends(
+        run_dir, instance, disk_dir):
+    """expect_s (vLLM's kv_consumer): a prefill instance's last blocks may still be on their way
+    to the shared tier when the decode request looks up. A short hit is deferred (every call
+    answers at once) until the rest is there - then the whole hit - or expect_s has passed -
+    then the hit as it is, without waiting again. Without expect_s the short hit comes at once."""
+    h, kv, keys, _ = _stored(run_dir, instance, disk_dir)
+    late, never = keys_for(4, seed=7), keys_for(4, seed=8)
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            # the control, without expect_s: the 8 blocks there (prefetched from disk), not 12
+            assert _poll(LookupGate(BLOCK_TOKENS), "now", c, keys + late) == 8
+            gate = LookupGate(BLOCK_TOKENS, expect_s=0.6)
+            assert gate.match("r1", c, keys + late) is None  # 8 of 12: the rest is expected
+            c.offload(list(range(40, 44)), late).wait(10)  # the producer's last blocks land
+            assert _poll(gate, "r1", c, keys + late) == 12
+            assert gate.counters["expected_deferrals"] >= 1
+            start = time.monotonic()
+            assert _poll(gate, "r2", c, keys + never) == 8  # the wait ends: the hit it had
+            assert time.monotonic() - start >= 0.6
+            assert gate.match("r2", c, keys + never) == 8  # asked again: no second wait
+            gate.forget("r2")
+            with pytest.raises(ValueError, match="consumer wait"):
+                LookupGate(BLOCK_TOKENS, expect_s=-1)
     finally:
         h.stop()

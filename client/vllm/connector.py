@@ -28,7 +28,7 @@ ever costs the cache, never the generation.
 
 kv_role: kv_both and kv_producer look blocks up and store them; kv_consumer (the decode instances
 of a disaggregated deployment, whose daemons share the prefill instances' storage tier) only
-looks up and loads.
+looks up and loads, asking again for up to consumer_wait_s (0.5) while its hit is short.
 
 Inside vLLM's MultiConnector the MultiConnector's own config must set kv_load_failure_policy
 "recompute" (checks.py warns at start); list kvcached after a connector with a handshake.
@@ -107,7 +107,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 EXTRA_KEYS = ("instance", "instances", "run_dir", "timeout_s", "hang_s", "staging_blocks", "mode",
-              "storage_hits", "prefetch_timeout_s", "namespace", "weights_version")
+              "storage_hits", "prefetch_timeout_s", "namespace", "weights_version", "consumer_wait_s")
 
 
 def _log_to_stderr() -> None:
@@ -195,16 +195,17 @@ class KvcachedConnector(KVConnectorBase_V1):
         self._reqs: dict[str, _ReqState] = {}
         self._loads: dict[str, BlockTransfer] = {}
         self._transfer_reqs: set[str] = set()  # sent a load or a save; held at finish until reported
+        consumer = self._kv_transfer_config.kv_role == "kv_consumer"  # loads what others stored
         self.gate = LookupGate(self.block_size, str(extra.get("storage_hits", "prefetch")),
                                float(extra.get("prefetch_timeout_s", 5.0)),
-                               grace_s=link_args["timeout"], counters=self.counters)
+                               grace_s=link_args["timeout"], counters=self.counters,
+                               expect_s=float(extra.get("consumer_wait_s", 0.5)) if consumer else 0.0)
         self.link = (GroupLink(instances, name="vllm-scheduler", mla=self.mla, **link_args)
                      if self.tp_size > 1 else
                      DaemonLink(instances[0], name="vllm-scheduler", **link_args))
         self.link.attach_now()
         self.disabled = False  # set where re-keying after a weight update failed: no hit, no save
-        # kv_consumer (a disaggregated deployment's decode instance) loads what others stored
-        self.stores = self._kv_transfer_config.kv_role != "kv_consumer"
+        self.stores = not consumer
         self.fresh = Freshness()  # which requests' blocks may be stored (freshness.py)
         weight_updates.watch(self)
 

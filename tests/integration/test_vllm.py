@@ -37,7 +37,8 @@ def reference(tmp_path_factory):
     try:
         out = {name: eng.gen(name)["tokens"] for name in ("A", "B", "C", "X")}
         # a hit of k blocks as vLLM's own cache gives it: what a k-block kvcached hit must match
-        for name, k in (("B", vllm_driver.PREFIX_BLOCKS), ("B", 5), ("X", 3)):
+        for name, k in (("B", vllm_driver.PREFIX_BLOCKS), ("B", 5), ("X", 3),
+                        ("D", vllm_driver.PREFIX_BLOCKS)):
             hit = eng.step("genk", f"{name} {k}")
             assert hit["num_cached_tokens"] == k * vllm_driver.BLOCK, hit
             out[f"{name}@{k}"] = hit["tokens"]
@@ -159,10 +160,15 @@ def test_a_kv_consumer_loads_what_a_kv_producer_stored_and_stores_nothing(
     """Disaggregated prefill: a prefill instance (kv_role kv_producer) and a decode instance
     (kv_consumer), each beside a daemon of its own, the daemons sharing one redis tier. The
     consumer's hit comes from what the producer stored, with vLLM's own hit's output; what the
-    consumer computes is stored nowhere, so neither it nor the producer finds it after."""
+    consumer computes is stored nowhere, so neither it nor the producer finds it after. A
+    decode request sent right after its prefill gets every block the prefill stored."""
     names = {role: unique_instance(role) for role in ("producer", "consumer")}
+    # the decode side's daemon prefetches every stored block (its default skips a storage hit
+    # under 256 tokens, which the decode instance would compute again)
     daemons = {role: launch(instance=n, run_dir=run_dir, host_cache_gb=0.2, wait_storage=True,
-                            extra_args=["--storage", redis_server.uri]) for role, n in names.items()}
+                            extra_args=["--storage", redis_server.uri]
+                            + (["--prefetch-threshold-tokens", "0"] if role == "consumer" else []))
+               for role, n in names.items()}
     engines = {}
     try:
         for role, extra in (("producer", ()), ("consumer", ("--inproc",))):
@@ -188,6 +194,12 @@ def test_a_kv_consumer_loads_what_a_kv_producer_stored_and_stores_nothing(
         assert producer.gen("X")["num_cached_tokens"] == 3 * block  # not in redis either
         # the control: the producer stores what it computes, so its X now hits whole
         assert producer.gen("X")["num_cached_tokens"] == len(vllm_driver.PREFIX)
+        # a decode request right after its prefill, as a proxy sends it (no flush): D's last 7
+        # blocks, stored by the producer just now, come from redis (a 224-token storage hit)
+        assert producer.gen("D")["num_cached_tokens"] == len(vllm_driver.PREFIX) // 2
+        d = consumer.gen("D")
+        assert d["num_cached_tokens"] == len(vllm_driver.PREFIX), (d, consumer.connector_log())
+        assert d["tokens"] == reference[f"D@{vllm_driver.PREFIX_BLOCKS}"]
     finally:
         for eng in engines.values():
             eng.close()
