@@ -238,7 +238,10 @@ def test_inside_vllms_multiconnector_the_server_keeps_serving_and_hits_come_from
         daemon.stop()
         sweep_crashed(instance)
     assert code is not None
-    errors = [line for line in server.log().splitlines() if " ERROR " in line]
+    # no error while it served (at SIGTERM vLLM's own teardown may log an EngineDeadError: it
+    # kills the engine core at once, under the API server's output handler)
+    serving = server.log().split("[shutdown]", 1)[0]
+    errors = [line for line in serving.splitlines() if " ERROR " in line]
     assert not errors, errors[:20]
 
 
