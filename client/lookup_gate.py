@@ -24,6 +24,7 @@ later steps (None) for up to expect_s from the request's first lookup, then take
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -58,10 +59,10 @@ class LookupGate:
             raise ValueError(f"storage_hits {storage_hits!r}: expected prefetch or inline")
         if timeout_s <= 0:
             raise ValueError(f"prefetch timeout {timeout_s}: expected > 0 seconds")
+        if not 0 <= expect_s < math.inf:  # (NaN or inf: every short hit deferred for ever)
+            raise ValueError(f"consumer wait {expect_s}: expected a finite number of seconds >= 0")
         self.block_tokens = block_tokens
         self.storage_hits = storage_hits
-        if expect_s < 0:
-            raise ValueError(f"consumer wait {expect_s}: expected >= 0 seconds")
         self.timeout_s, self.grace_s, self.expect_s = timeout_s, grace_s, expect_s
         self._expecting: dict[str, float] = {}  # request -> its first lookup (expect_s)
         self.counters = counters if counters is not None else {}
