@@ -122,6 +122,48 @@ def test_a_full_redis_fails_puts_and_keeps_serving_what_it_holds(run_dir, instan
         server.close()
 
 
+@pytest.mark.faults
+def test_writes_paused_on_the_server_cost_backups_not_lookups_or_loads(run_dir, instance, redis_server):
+    """CLIENT PAUSE WRITE (what a failover does while the replica catches up): reads go on.
+    Before, the lookup script (a script may write, so it was paused too) timed out and marked
+    the tier down, as did a backup's timed-out SET: the stored blocks were misses for the whole
+    pause. Now every lookup meanwhile finds them, they load byte-exact, the backups made meanwhile
+    are dropped and counted with the tier up, and once writes go on backups are stored again."""
+    kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=32, seed=9)
+    keys, src = keys_for(4, 37), list(range(4))
+    expected = snapshot(kv, src)
+    h = start(run_dir, instance, redis_server.uri)
+    try:
+        with h.connect(timeout=1.0) as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, src)
+            c.clear(tier="host")
+            redis_server.client().execute_command("CLIENT", "PAUSE", 4000, "WRITE")
+            c.offload(list(range(4, 8)), keys_for(4, 38)).wait(10)  # its backup meets the pause
+            deadline = time.monotonic() + 2.5  # the backup's SET and its retry time out meanwhile
+            while time.monotonic() < deadline:
+                assert c.lookup(keys) == (0, 4), c.status()["storage"][0]["last_error"]
+                time.sleep(0.05)
+            c.flush().wait(10)
+            tier = c.status()["storage"][0]
+            assert tier["healthy"] and tier["writes_held"] and tier["dropped_puts"] >= 4, tier
+            assert "writes" in tier["last_error"], tier
+            assert c.lookup(keys) == (0, 4)
+            scramble(kv, 3)
+            assert c.load(keys, list(range(10, 14))).wait(10) == 4
+            assert blocks_equal(kv, range(10, 14), expected)
+            redis_server.client().execute_command("CLIENT", "UNPAUSE")
+            wait_until(lambda: not c.status()["storage"][0]["writes_held"], 5, "writes going on")
+            fresh = keys_for(4, 39)
+            offload_and_flush(c, kv, fresh, list(range(16, 20)))
+            c.clear(tier="host")
+            assert c.lookup(fresh) == (0, 4)
+            assert c.status()["storage"][0]["healthy"]
+    finally:
+        redis_server.client().execute_command("CLIENT", "UNPAUSE")
+        h.stop()
+
+
 def test_redis_tier_round_trip(run_dir, instance, redis_server):
     keys, dst = keys_for(10, 14), list(range(20, 30))
     with in_storage_only(run_dir, instance, redis_server.uri, keys) as (c, kv, expected, _):
@@ -157,10 +199,10 @@ def test_a_redis_lookup_counts_the_leading_keys_present_with_or_without_scripts(
             # past one script call's keys (SCRIPT_KEYS): 2,500 present, a hole at 1,100
             r, many = redis.Redis(port=server.port), keys_for(2500, 36)
             r.mset({name(k): b"x" for k in many})
-            calls = r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+            calls = r.info("commandstats").get("cmdstat_eval", {}).get("calls", 0)
             assert c.lookup(many) == (0, 2500)
             if scripts == "allowed":  # 1,024 + 1,024 + 452 keys: no call holds redis for all
-                assert r.info("commandstats")["cmdstat_evalsha"]["calls"] - calls == 3
+                assert r.info("commandstats")["cmdstat_eval"]["calls"] - calls == 3
             r.delete(name(many[1100]))
             assert c.lookup(many) == (0, 1100)
             assert c.status()["storage"][0]["healthy"]
@@ -169,6 +211,39 @@ def test_a_redis_lookup_counts_the_leading_keys_present_with_or_without_scripts(
             assert warned == (1 if scripts == "refused" else 0)
     finally:
         server.close()
+
+
+def test_a_server_that_cannot_compile_the_no_writes_flag_gets_the_script_without_it(redis_server, caplog):
+    """Redis 6 has no script flags: its Lua sees `#!lua flags=no-writes` as a syntax error.
+    (Here the real server's EVAL refuses a script with the flag, with Redis 6's message.) The
+    tier takes the script without the flag from then on, one call per lookup still, and says so
+    once; no lookup comes back short for it."""
+    import redis
+
+    from kvcached.storage.redis_store import RedisBackend
+
+    tier = RedisBackend(redis_server.uri)
+    try:
+        sent, real = [], tier._lookup_client.eval
+
+        def like_redis6(script, numkeys, *keys):
+            sent.append(script)
+            if script.startswith("#!"):
+                raise redis.exceptions.ResponseError("Error compiling script (new function): "
+                                                     "user_script:1: unexpected symbol near '#'")
+            return real(script, numkeys, *keys)
+
+        tier._lookup_client.eval = like_redis6
+        keys = [bytes([i]) * 16 for i in range(6)]
+        redis_server.client().mset({tier._name(k): b"x" for k in keys[:4]})
+        with caplog.at_level("INFO", logger="kvcached.storage.redis_store"):
+            assert tier.exists_prefix(keys) == 4
+            assert tier.exists_prefix(keys[:3]) == 3
+        assert [s.startswith("#!") for s in sent] == [True, False, False]
+        assert caplog.text.count("no-writes flag is refused") == 1
+        assert "lookup script is refused" not in caplog.text and tier.health()
+    finally:
+        tier.close()
 
 
 @pytest.mark.faults

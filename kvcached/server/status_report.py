@@ -67,7 +67,7 @@ def format_status(s: dict) -> str:
     for st in s["storage"]:
         used = (f"  {_gib(st['used_bytes'])} / {_gib(st['capacity_bytes'])}"
                 if st.get("capacity_bytes") else "")
-        flags = "".join(f"  {w.replace('_', ' ')}" for w in ("stuck", "full", "clear_owed") if st.get(w))
+        flags = "".join(f"  {w.replace('_', ' ')}" for w in ("stuck", "full", "clear_owed", "writes_held") if st.get(w))
         flags += f"  {st['deletes_owed']} deletes owed" if st.get("deletes_owed") else ""
         flags += "" if st.get("ready", True) else "  indexing"
         err = f"  last error: {st['last_error']}" if st.get("last_error") else ""

@@ -18,7 +18,13 @@ block stored before a clear (a weight update's old KV) is read after it.
 
 A command the server refuses (a full server's OOM on SET, a READONLY replica) fails the puts it
 was for, counted as `put_errors`; only a connection that fails or times out marks the tier
-down. A probe thread pings the server every PROBE_EVERY_S on its own connection, whether the daemon
+down - except a backup whose SET times out: writes are held (`writes_held`), backups are dropped
+(counted) for HOLD_WRITES_S and then tried again, and the tier stays up for lookups and reads.
+That is a server whose writes are paused (CLIENT PAUSE WRITE: a failover's last seconds, while
+the replica catches up); a server that hangs altogether fails the probe's ping and goes down.
+The lookup script is flagged `no-writes` (Redis 7, Valkey): a write pause does not hold it, and
+a read-only replica runs it. A server that refuses the flag (Redis 6) gets it without; one that
+refuses scripts gets one EXISTS per key. A probe thread pings the server every PROBE_EVERY_S on its own connection, whether the daemon
 is busy or idle, so status shows a server gone (or back) within PROBE_EVERY_S +
 PROBE_TIMEOUT_S. Lookups run on the daemon's request thread: their connection has a short
 timeout (LOOKUP_TIMEOUT_S) and no retries, so a server that dies or is blackholed costs one
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Sequence
 from urllib.parse import parse_qs, unquote, urlparse
 
@@ -47,7 +54,7 @@ LOOKUP_TIMEOUT_S = 0.25
 WORKER_RETRY_BACKOFF_S = 0.05
 # A lookup's presence check in one command with a one-integer reply: the leading keys present.
 # (A pipeline of one EXISTS per key costs the request thread a command and a reply per key.)
-PREFIX_SCRIPT = """
+PREFIX_SCRIPT = """#!lua flags=no-writes
 local n = 0
 for _, key in ipairs(KEYS) do
   if redis.call('EXISTS', key) == 0 then break end
@@ -56,6 +63,7 @@ end
 return n
 """
 SCRIPT_KEYS = 1024  # keys per script call: a script holds the server for its whole run
+HOLD_WRITES_S = 1.0  # backups dropped after a SET timed out, before the next is tried
 
 
 class RedisBackend(OwesClears, StorageBackend):
@@ -94,13 +102,17 @@ class RedisBackend(OwesClears, StorageBackend):
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self.counters = {"puts": 0, "gets": 0, "dropped_puts": 0, "errors": 0, "corrupt": 0,
-                         "put_errors": 0}
+                         "put_errors": 0, "write_timeouts": 0}
         self._refusal_said = ""  # the last refusal logged (a full server refuses every SET alike)
+        self._writes_held_until = 0.0  # monotonic: backups are dropped until then (a write pause)
         self.last_error = ""
         self._client = connect(SOCKET_TIMEOUT_S, 1)
         self._lookup_client = connect(LOOKUP_TIMEOUT_S, 0)
         # a cluster's keys lie in different slots, which one script may not touch: pipelined
-        self._prefix_script = None if self.cluster else self._lookup_client.register_script(PREFIX_SCRIPT)
+        # The flag first, without it where the server refuses it (Redis 6 cannot compile it).
+        # Sent whole (EVAL), never loaded: SCRIPT LOAD waits out a write pause, and a server
+        # after a failover or a restart has no script loaded.
+        self._prefix_scripts = [] if self.cluster else [PREFIX_SCRIPT, PREFIX_SCRIPT.split("\n", 1)[1]]
         self._probe_client = connect(PROBE_TIMEOUT_S, 0)
         self._probe_once()
         self._prober = threading.Thread(target=self._probe, name="kvcached-redis-probe", daemon=True)
@@ -158,14 +170,17 @@ class RedisBackend(OwesClears, StorageBackend):
 
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
         """On the request thread: the lookup connection (short timeout, no retry)."""
-        script = self._prefix_script
-        if script is not None and keys and self._usable():
+        while self._prefix_scripts and keys and self._usable():
             try:
-                return self._script_prefix(script, keys)
-            except self._redis.exceptions.ResponseError as exc:  # scripts refused (ACL, a
+                return self._script_prefix(self._prefix_scripts[0], keys)
+            except self._redis.exceptions.ResponseError as exc:  # refused: the flag (Redis 6),
+                self._prefix_scripts.pop(0)  # or scripts (an ACL, a managed service)
+                if self._prefix_scripts:
+                    log.info("[redis] %s: the no-writes flag is refused (%s); the lookup script "
+                             "runs without it", self.uri, exc)
+                    continue
                 log.warning("[redis] %s: the lookup script is refused (%s); lookups pipeline "
-                            "one EXISTS per key from now on", self.uri, exc)  # managed service)
-                self._prefix_script = None
+                            "one EXISTS per key from now on", self.uri, exc)
             except self._redis.RedisError as exc:
                 self._failed(exc)
                 return 0
@@ -179,13 +194,13 @@ class RedisBackend(OwesClears, StorageBackend):
             n += 1
         return n
 
-    def _script_prefix(self, script, keys: Sequence[bytes]) -> int:
+    def _script_prefix(self, script: str, keys: Sequence[bytes]) -> int:
         """The leading keys present, SCRIPT_KEYS per call (a 65,536-key lookup in one call
         would keep every other client of the server waiting while it runs)."""
         n = 0
         for start in range(0, len(keys), SCRIPT_KEYS):
             part = keys[start:start + SCRIPT_KEYS]
-            found = int(script(keys=[self._name(k) for k in part]))
+            found = int(self._lookup_client.eval(script, len(part), *[self._name(k) for k in part]))
             n += found
             if found < len(part):
                 break
@@ -217,7 +232,7 @@ class RedisBackend(OwesClears, StorageBackend):
     def put(self, keys, buffers, geometry, release=None) -> list[bool]:
         if not keys:
             return []
-        if not self._usable():
+        if not self._usable() or time.monotonic() < self._writes_held_until:
             self.counters["dropped_puts"] += len(keys)
             return [False] * len(keys)
         try:
@@ -227,6 +242,10 @@ class RedisBackend(OwesClears, StorageBackend):
                 # NX: a key already stored is not rewritten
                 pipe.set(self._name(key), value, ex=self.ttl_s, nx=True)
             results = pipe.execute(raise_on_error=False)  # a refused command is that key's
+        except self._redis.exceptions.TimeoutError as exc:  # writes held; the ping says if
+            self._hold_writes(exc)  # the whole server hangs
+            self.counters["dropped_puts"] += len(keys)
+            return [False] * len(keys)
         except self._redis.RedisError as exc:  # the connection failed: the tier is down
             self._failed(exc)
             self.counters["dropped_puts"] += len(keys)
@@ -237,6 +256,18 @@ class RedisBackend(OwesClears, StorageBackend):
         if refused:
             self._refused(refused)
         return stored
+
+    def _hold_writes(self, exc: Exception) -> None:
+        """A backup's SET timed out: a server whose writes are paused (a failover), or one that
+        hangs (the probe's ping marks that down). Backups wait HOLD_WRITES_S; reads go on."""
+        self.counters["write_timeouts"] += 1
+        held = time.monotonic() < self._writes_held_until + HOLD_WRITES_S  # held just before
+        self._writes_held_until = time.monotonic() + HOLD_WRITES_S
+        self.last_error = (f"writes time out ({type(exc).__name__}: {exc}; a CLIENT PAUSE WRITE, "
+                           f"a failover?): backups are dropped for {HOLD_WRITES_S:g} s at a time; "
+                           "lookups and reads go on")
+        if not held:
+            log.warning("[redis] %s: %s", self.uri, self.last_error)
 
     def _refused(self, errors: list) -> None:
         """Commands the server refused (OOM when full): failed puts, not an outage."""
@@ -281,6 +312,7 @@ class RedisBackend(OwesClears, StorageBackend):
     def usage(self) -> dict:
         return {"used_bytes": 0, "capacity_bytes": 0, "blocks": None, "healthy": self.health(),
                 "clear_owed": self._clear_owed, "deletes_owed": len(self._owed_deletes),
+                "writes_held": time.monotonic() < self._writes_held_until,
                 "last_error": self.last_error, **self.counters}
 
     def close(self) -> None:
