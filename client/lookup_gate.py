@@ -21,6 +21,8 @@ expect_s (a disaggregated deployment's decode instance, vLLM's kv_consumer): the
 instance stored the prompt's blocks, but its last ones may still be on their way to the shared
 tier when the decode request comes. A hit short of every block asked for is asked for again at
 later steps (None) for up to expect_s from the request's first lookup, then taken as it is.
+Meanwhile the storage part it has is prefetched (in "prefetch" mode), so a wait that runs out
+finds it in the host tier rather than starting its prefetch then.
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ class _Prefetch:
 class _Pending:
     waits: list[_Prefetch]  # its own prefetch and those of requests it overlaps
     deadline: float
-    host: int = 0  # the leading blocks the host tier had before the prefetch
+    host: int = 0  # the leading blocks the host tier had before the prefetch (or the wait)
 
 
 def _ended(task) -> bool:
@@ -64,10 +66,11 @@ class LookupGate:
         self.block_tokens = block_tokens
         self.storage_hits = storage_hits
         self.timeout_s, self.grace_s, self.expect_s = timeout_s, grace_s, expect_s
-        self._expecting: dict[str, float] = {}  # request -> its first lookup (expect_s)
+        self._expecting: dict[str, tuple[float, int]] = {}  # request -> its first lookup's
+        # time and host hit (expect_s: blocks that reached the host tier since came from storage)
         self.counters = counters if counters is not None else {}
-        for name in ("prefetches", "prefetch_deferrals", "prefetch_timeouts",
-                     "prefetch_refusals", "storage_blocks_recomputed", "expected_deferrals"):
+        for name in ("prefetches", "prefetch_deferrals", "prefetch_timeouts", "prefetch_refusals",
+                     "storage_blocks_recomputed", "expected_deferrals", "expected_prefetches"):
             self.counters.setdefault(name, 0)
         self._pending: dict[str, _Pending] = {}
         self._running: list[_Prefetch] = []  # until it ended or its deadline passed
@@ -96,45 +99,57 @@ class LookupGate:
             self.from_storage[req_id] = max(0, host - pending.host)
             return host
         host, storage = client.lookup(keys)
-        if host + storage < len(keys) and self._still_expected(req_id):
+        if host + storage < len(keys) and self._still_expected(req_id, host):
+            if storage and self.storage_hits == "prefetch":  # what it has comes in meanwhile
+                if self._prefetch(client, keys, keys[host:host + storage]) is not None:
+                    self.counters["expected_prefetches"] += 1
             return None
-        self.from_storage[req_id] = storage if self.storage_hits == "inline" else 0
+        first = min(host, self._expecting.get(req_id, (0.0, host))[1])  # (prefetched meanwhile)
+        self.from_storage[req_id] = host - first + (storage if self.storage_hits == "inline" else 0)
         if storage == 0 or self.storage_hits == "inline":
             return host + storage
-        return self._start(req_id, client, keys, host, storage)
+        return self._start(req_id, client, keys, host, storage, first)
 
-    def _start(self, req_id: str, client, keys, host: int, storage: int) -> int | None:
+    def _start(self, req_id: str, client, keys, host: int, storage: int, first: int) -> int | None:
         wanted = keys[host:host + storage]
         waits = list({id(p): p for k in wanted if (p := self._inflight.get(k)) is not None}.values())
-        new = [k for k in wanted if k not in self._inflight]
-        deadline = time.monotonic() + self.timeout_s + self.grace_s
-        if new:  # (every key on its way already: the others' prefetches are all it waits for)
-            try:
-                task = client.prefetch(keys, policy="timeout",
-                                       timeout_ms=int(self.timeout_s * 1000),
-                                       block_tokens=self.block_tokens)
-            except RequestError:  # refused (BUSY: queues full): the host hit stands, the
-                self.counters["prefetch_refusals"] += 1  # storage part is recomputed
-                task = None
-            if task is not None and task.result is None:  # started (else: skipped, refused)
-                own = _Prefetch(task, new, deadline)
-                self._running.append(own)
-                self._inflight.update((k, own) for k in new)
-                waits.append(own)
+        own = self._prefetch(client, keys, wanted)
+        if own is not None:
+            waits.append(own)
         if not waits:
             self.counters["storage_blocks_recomputed"] += storage
             return host
-        self._pending[req_id] = _Pending(waits, deadline, host)
+        self._pending[req_id] = _Pending(waits, time.monotonic() + self.timeout_s + self.grace_s, first)
         self.counters["prefetches"] += 1
         return None
 
-    def _still_expected(self, req_id: str) -> bool:
+    def _prefetch(self, client, keys, wanted) -> _Prefetch | None:
+        """A prefetch of `keys` past the host prefix for those of `wanted` not on their way
+        already (in flight: later requests wait for it); None when there are none, or the
+        daemon skipped or refused it."""
+        new = [k for k in wanted if k not in self._inflight]
+        if not new:
+            return None
+        try:
+            task = client.prefetch(keys, policy="timeout", timeout_ms=int(self.timeout_s * 1000),
+                                   block_tokens=self.block_tokens)
+        except RequestError:  # refused (BUSY: queues full): the host hit stands, the
+            self.counters["prefetch_refusals"] += 1  # storage part is recomputed
+            return None
+        if task is None or task.result is not None:  # skipped (under the threshold), refused
+            return None
+        own = _Prefetch(task, new, time.monotonic() + self.timeout_s + self.grace_s)
+        self._running.append(own)
+        self._inflight.update((k, own) for k in new)
+        return own
+
+    def _still_expected(self, req_id: str, host: int) -> bool:
         """expect_s: whether a short hit is asked for again (within expect_s of the request's
-        first lookup; the first lookup time is kept, so it waits once)."""
+        first lookup; the first lookup is kept, so it waits once)."""
         if self.expect_s <= 0:
             return False
         now = time.monotonic()
-        if now - self._expecting.setdefault(req_id, now) >= self.expect_s:
+        if now - self._expecting.setdefault(req_id, (now, host))[0] >= self.expect_s:
             return False
         self.counters["expected_deferrals"] += 1
         return True

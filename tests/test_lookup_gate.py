@@ -196,3 +196,32 @@ def test_a_consumers_short_hit_is_asked_for_again_until_the_rest_arrives_or_its_
                     LookupGate(BLOCK_TOKENS, expect_s=bad)
     finally:
         h.stop()
+
+
+def test_a_consumers_wait_brings_in_the_stored_part_of_its_hit_meanwhile(run_dir, instance, disk_dir):
+    """While a short hit waits for the rest (expect_s), the part it has in storage is
+    prefetched: the host tier holds it before the wait is over, so the answer at the end needs
+    no prefetch of its own. One prefetch: a second request over the same blocks starts none."""
+    h, kv, keys, expected = _stored(run_dir, instance, disk_dir)
+    late = keys_for(4, seed=9)
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            assert c.lookup(keys) == (0, 8)
+            gate = LookupGate(BLOCK_TOKENS, expect_s=30.0)
+            assert gate.match("r1", c, keys + late) is None  # 8 of 12: the rest is expected
+            assert gate.counters["expected_prefetches"] == 1
+            assert gate.match("r2", c, keys + keys_for(2, seed=10)) is None
+            wait_until(lambda: c.lookup(keys) == (8, 0), 10, "the stored part in the host tier")
+            assert gate.match("r1", c, keys + late) is None  # still waiting for the rest
+            assert gate.counters["expected_prefetches"] == 1
+            c.offload(list(range(40, 44)), late).wait(10)  # the producer's last blocks land
+            assert gate.match("r1", c, keys + late) == 12  # at once: nothing left to prefetch
+            assert gate.counters["prefetches"] == 0
+            # what reached the host tier during the wait counts as storage's in the statistics
+            # (a consumer's blocks come from the shared tier; here the last 4 were put there)
+            assert gate.from_storage["r1"] == 12
+            assert c.load(keys, list(range(20, 28))).wait(10) == 8
+            assert blocks_equal(kv, range(20, 28), expected)
+    finally:
+        h.stop()
