@@ -87,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="storage tier, repeatable, searched in order: "
                             "disk:///abs/path?capacity_gb=F[&io_timeout_s=F][&fsync=1], "
                             "redis://host:port/db, redis+cluster://host:port, "
+                            "redis+sentinel://host:port[,host:port...]/db?service=NAME, "
                             "mooncake://master_host:port[?segment_gb=F&host=ADDR&protocol=tcp|rdma]")
     serve.add_argument("--storage-write-policy", default=S,
                        choices=["write_through", "write_through_selective", "write_back"],

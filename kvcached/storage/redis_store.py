@@ -4,6 +4,14 @@
     rediss://...[&ca=/path/ca.pem]                                     the same over TLS
     redis+cluster://[[user]:password@]host:port[?prefix=P&ttl_s=N]   a cluster (any node as
     rediss+cluster://...                                               the entry point), or over TLS
+    redis+sentinel://[[user]:password@]host:port[,host:port...]/db?service=NAME[&sentinel_auth=1]
+    rediss+sentinel://...                          a primary the sentinels name (and replicas)
+
+With sentinels, every new connection asks them where the primary is: after a failover the tier
+reaches the promoted replica (the connections to the old primary fail once, or are refused as
+READONLY, and the probe's next ping finds the new one). The user and password are the data
+nodes'; sentinel_auth=1 sends them to the sentinels too (sentinels with requirepass). A
+sentinel's port is 26379 unless given.
 
 The password is used to authenticate (AUTH, with the user for an ACL user) and shown nowhere:
 status, metrics and logs carry the URI with it replaced by *** (uris.redact).
@@ -38,12 +46,11 @@ import logging
 import threading
 import time
 from typing import Sequence
-from urllib.parse import parse_qs, unquote, urlparse
 
 from .base import StorageBackend
 from .owed_clear import OwesClears
 from .record import HEADER_BYTES, BadRecord, nbytes, pack_header, scatter, verify
-from .uris import redact
+from .uris import parse_redis_uri, redact
 
 log = logging.getLogger(__name__)
 
@@ -73,28 +80,35 @@ class RedisBackend(OwesClears, StorageBackend):
         try:
             import redis
             import redis.cluster
+            from redis.sentinel import Sentinel
             from redis.backoff import ConstantBackoff, NoBackoff
             from redis.retry import Retry
         except ImportError:
             raise ValueError(f"{uri!r}: the redis tier needs redis-py: pip install "
                              "'kvcached-sidecar[redis]'") from None
         self._redis = redis
-        opts = parse_uri(uri)
+        opts = parse_redis_uri(uri)
         self.uri = redact(uri)
         self.cluster = opts["cluster"]
         self.prefix, self.ttl_s = opts["prefix"], opts["ttl_s"]
-        host, port, db = opts["host"], opts["port"], opts["db"]
-        self._store_id = (f"redis{'-cluster' if self.cluster else ''}://{host}:{port}/{db}"
+        host, port, db, sentinels = opts["host"], opts["port"], opts["db"], opts["sentinels"]
+        where = (f"{opts['service']}@{','.join(f'{h}:{p}' for h, p in sentinels)}" if sentinels
+                 else f"{host}:{port}")
+        kind = "-cluster" if self.cluster else "-sentinel" if sentinels else ""
+        self._store_id = (f"redis{kind}://{where}/{db}"
                           f"?prefix={self.prefix.decode(errors='replace')}")  # (owed_clear.py)
         auth = {"username": opts["username"], "password": opts["password"]}
-        if opts["tls"]:
-            auth.update(ssl=True, ssl_ca_certs=opts["ca"])
+        tls = dict(ssl=True, ssl_ca_certs=opts["ca"]) if opts["tls"] else {}
 
         def connect(timeout: float, retries: int):
             retry = Retry(ConstantBackoff(WORKER_RETRY_BACKOFF_S) if retries else NoBackoff(), retries)
-            common = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=retry, **auth)
+            common = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=retry, **auth, **tls)
             if self.cluster:
                 return redis.cluster.RedisCluster(host=host, port=port, **common)
+            if sentinels:  # each new connection asks the sentinels for the primary
+                asked = dict(socket_timeout=timeout, socket_connect_timeout=timeout, **tls,
+                             **(auth if opts["sentinel_auth"] else {}))
+                return Sentinel(sentinels, sentinel_kwargs=asked).master_for(opts["service"], db=db, **common)
             return redis.Redis(host=host, port=port, db=db, **common)
 
         self._healthy = True
@@ -114,6 +128,11 @@ class RedisBackend(OwesClears, StorageBackend):
         # after a failover or a restart has no script loaded.
         self._prefix_scripts = [] if self.cluster else [PREFIX_SCRIPT, PREFIX_SCRIPT.split("\n", 1)[1]]
         self._probe_client = connect(PROBE_TIMEOUT_S, 0)
+        # sentinels: the probe asks them for the primary, and a new one (a failover) drops the
+        # idle connections to the old (which takes writes until the sentinels demote it)
+        self._sentinel_pools = ([c.connection_pool for c in (self._client, self._lookup_client,
+                                                             self._probe_client)] if sentinels else [])
+        self._primary = None
         self._probe_once()
         self._prober = threading.Thread(target=self._probe, name="kvcached-redis-probe", daemon=True)
         self._prober.start()
@@ -135,6 +154,13 @@ class RedisBackend(OwesClears, StorageBackend):
 
     def _probe_once(self) -> None:
         try:
+            for pool in self._sentinel_pools:
+                primary = pool.get_master_address()  # (drops its idle connections if it moved)
+            if self._sentinel_pools and primary != self._primary:
+                if self._primary is not None:
+                    log.warning("[redis] %s: the sentinels name a new primary, %s:%s (was %s:%s)",
+                                self.uri, *primary, *self._primary)
+                self._primary = primary
             self._probe_client.ping()
         except Exception as exc:  # any failure: the tier is down until a ping answers
             self._failed(exc)
@@ -313,6 +339,7 @@ class RedisBackend(OwesClears, StorageBackend):
         return {"used_bytes": 0, "capacity_bytes": 0, "blocks": None, "healthy": self.health(),
                 "clear_owed": self._clear_owed, "deletes_owed": len(self._owed_deletes),
                 "writes_held": time.monotonic() < self._writes_held_until,
+                **({"primary": "%s:%s" % self._primary if self._primary else None} if self._sentinel_pools else {}),
                 "last_error": self.last_error, **self.counters}
 
     def close(self) -> None:
@@ -320,39 +347,3 @@ class RedisBackend(OwesClears, StorageBackend):
         self._prober.join(PROBE_TIMEOUT_S + PROBE_EVERY_S)
         for client in (self._client, self._lookup_client, self._probe_client):
             client.close()
-
-
-SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
-
-
-def parse_uri(uri: str) -> dict:
-    """The URI's parts and options, checked (no connection is made). Messages show the URI
-    without its password."""
-    shown = redact(uri)
-    try:
-        url = urlparse(uri)
-        port = url.port or 6379
-    except ValueError:
-        raise ValueError(f"{shown!r}: the port must be an integer in 0..65535") from None
-    if url.scheme not in SCHEMES or not url.hostname:
-        raise ValueError(f"{shown!r}: expected redis[s]://[[user]:password@]host:port/db or "
-                         "redis[s]+cluster://[[user]:password@]host:port")
-    q = parse_qs(url.query)
-    unknown = set(q) - {"prefix", "ttl_s", "ca"}
-    if unknown:
-        raise ValueError(f"{shown!r}: unknown option(s) {sorted(unknown)}; known: prefix, ttl_s, ca")
-    tls = url.scheme.startswith("rediss")
-    if "ca" in q and not tls:
-        raise ValueError(f"{shown!r}: ca= is for TLS (rediss://)")
-    try:
-        db = int(url.path.strip("/") or 0)
-        ttl_s = int(q.get("ttl_s", ["0"])[0])
-    except ValueError:
-        raise ValueError(f"{shown!r}: the port, the db number and ttl_s must be integers") from None
-    if ttl_s < 0 or db < 0:
-        raise ValueError(f"{shown!r}: ttl_s and the db number must not be negative")
-    return {"cluster": url.scheme.endswith("+cluster"), "host": url.hostname, "port": port,
-            "db": db, "prefix": q.get("prefix", ["kvcached:"])[0].encode(), "ttl_s": ttl_s or None,
-            "username": unquote(url.username) if url.username else None,
-            "password": unquote(url.password) if url.password is not None else None,
-            "tls": tls, "ca": q.get("ca", [None])[0]}

@@ -23,13 +23,13 @@ from .base import StorageBackend
 from .disk import DiskBackend
 from .owed_clear import OwedRecord
 from .record import StoredKeys
-from .uris import redact
+from .uris import REDIS_SCHEMES, redact
 
 log = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-EXPECTED = ("disk:///path, redis[s]://host:port/db, redis[s]+cluster://host:port or "
-            "mooncake://master_host:port")
+EXPECTED = ("disk:///path, redis[s]://host:port/db, redis[s]+cluster://host:port, "
+            "redis[s]+sentinel://host:port[,host:port...]/db?service=NAME or mooncake://master_host:port")
 
 
 def parse_uri(uri: str) -> dict:
@@ -37,8 +37,8 @@ def parse_uri(uri: str) -> dict:
     scheme = uri.split("://", 1)[0] if "://" in uri else ""
     if scheme == "disk":
         from .uris import parse_disk_uri as parse
-    elif scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
-        from .redis_store import parse_uri as parse
+    elif scheme in REDIS_SCHEMES:
+        from .uris import parse_redis_uri as parse
     elif scheme == "mooncake":
         from .uris import parse_mooncake_uri as parse
     else:
@@ -50,7 +50,7 @@ def open_backend(uri: str, on_ready=None) -> StorageBackend:
     scheme = uri.split("://", 1)[0] if "://" in uri else ""
     if scheme == "disk":
         return DiskBackend.from_uri(uri, on_ready)
-    if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
+    if scheme in REDIS_SCHEMES:
         from .redis_store import RedisBackend
 
         return RedisBackend(uri)

@@ -1,10 +1,10 @@
 """Storage URIs: as they may be shown (a password in one, `redis://user:secret@host`, never
-appears in status, metrics or logs), and the disk and Mooncake tiers', checked without touching
-anything (mooncake_store.py says what the Mooncake options mean)."""
+appears in status, metrics or logs), and the disk, Redis and Mooncake tiers', checked without
+touching anything (redis_store.py and mooncake_store.py say what their options mean)."""
 from __future__ import annotations
 
 import socket
-from urllib.parse import parse_qs, urlparse, urlsplit, urlunsplit
+from urllib.parse import parse_qs, unquote, urlparse, urlsplit, urlunsplit
 
 DISK_IO_TIMEOUT_S = 5.0  # a disk tier's file I/O deadline unless the URI says io_timeout_s
 MOONCAKE_IO_TIMEOUT_S = 0.5  # a Mooncake tier's call deadline unless the URI says io_timeout_s
@@ -96,3 +96,71 @@ def parse_mooncake_uri(uri: str) -> dict:
             "buffer_bytes": int(number("buffer_mb", 64.0) * (1 << 20)),
             "prefix": q.get("prefix", ["kvcached/"])[0],
             "io_timeout_s": number("io_timeout_s", MOONCAKE_IO_TIMEOUT_S)}
+
+
+REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel")
+SENTINEL_PORT = 26379
+
+
+def parse_redis_uri(uri: str) -> dict:
+    """A Redis tier's URI (redis_store.py says what they mean), its parts and options checked
+    (no connection is made). Messages show the URI without its password."""
+    shown = redact(uri)
+    scheme = uri.split("://", 1)[0] if "://" in uri else ""
+    sentinel = scheme.endswith("+sentinel")
+    try:
+        url = urlparse(uri)
+        port = None if sentinel else (url.port or 6379)
+    except ValueError:
+        raise ValueError(f"{shown!r}: the port must be an integer in 0..65535") from None
+    hosts = url.netloc.rpartition("@")[2]
+    if scheme not in REDIS_SCHEMES or not hosts or (not sentinel and not url.hostname):
+        raise ValueError(f"{shown!r}: expected redis[s]://[[user]:password@]host:port/db, "
+                         "redis[s]+cluster://[[user]:password@]host:port or "
+                         "redis[s]+sentinel://[[user]:password@]host:port[,host:port...]/db?service=NAME")
+    q = parse_qs(url.query)
+    known = {"prefix", "ttl_s", "ca"} | ({"service", "sentinel_auth"} if sentinel else set())
+    unknown = set(q) - known
+    if unknown:
+        raise ValueError(f"{shown!r}: unknown option(s) {sorted(unknown)}; known: {', '.join(sorted(known))}")
+    tls = scheme.startswith("rediss")
+    if "ca" in q and not tls:
+        raise ValueError(f"{shown!r}: ca= is for TLS (rediss://)")
+    try:
+        db = int(url.path.strip("/") or 0)
+        ttl_s = int(q.get("ttl_s", ["0"])[0])
+    except ValueError:
+        raise ValueError(f"{shown!r}: the port, the db number and ttl_s must be integers") from None
+    if ttl_s < 0 or db < 0:
+        raise ValueError(f"{shown!r}: ttl_s and the db number must not be negative")
+    out = {"cluster": scheme.endswith("+cluster"), "host": url.hostname, "port": port,
+           "db": db, "prefix": q.get("prefix", ["kvcached:"])[0].encode(), "ttl_s": ttl_s or None,
+           "username": unquote(url.username) if url.username else None,
+           "password": unquote(url.password) if url.password is not None else None,
+           "tls": tls, "ca": q.get("ca", [None])[0], "sentinels": None}
+    if sentinel:
+        service = q.get("service", [""])[0]
+        if not service:
+            raise ValueError(f"{shown!r}: service=NAME (the name the sentinels monitor the primary by) "
+                             "is needed")
+        auth = q.get("sentinel_auth", ["0"])[0]
+        if auth not in ("0", "1"):
+            raise ValueError(f"{shown!r}: sentinel_auth is 0 or 1")
+        out.update(sentinels=_host_ports(hosts, shown), service=service, sentinel_auth=auth == "1",
+                   host=None)
+    return out
+
+
+def _host_ports(hosts: str, shown: str) -> list[tuple[str, int]]:
+    """host:port[,host:port...] (a sentinel's port is 26379 unless given)."""
+    out = []
+    for part in hosts.split(","):
+        one = urlsplit("//" + part)
+        try:
+            port = one.port or SENTINEL_PORT
+        except ValueError:
+            raise ValueError(f"{shown!r}: {part!r}: the port must be an integer in 0..65535") from None
+        if not one.hostname:
+            raise ValueError(f"{shown!r}: {part!r} is no host:port")
+        out.append((one.hostname, port))
+    return out

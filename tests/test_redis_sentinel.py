@@ -1,0 +1,162 @@
+"""The Redis tier behind Redis Sentinel (redis+sentinel://), through real processes on loopback:
+a primary, its replica and a sentinel monitoring them. After a failover - asked for, or the
+primary killed - the tier reaches the promoted replica: what the old primary held (replicated)
+is still a hit and loads byte-exact, and new backups are written to the new primary."""
+import os
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+
+from conftest import RedisServer, blocks_equal, free_port, keys_for, scramble, small_kv, snapshot, stored, wait_until
+from kvcached.storage.tiers import parse_uri
+from storage_util import PAGE_SHAPE, offload_and_flush, start
+
+SECRET = "s3nt-Pa55"
+
+
+class SentinelServer:
+    """A redis-server in sentinel mode monitoring `primary` as `mymaster` (quorum 1, the
+    primary deemed down after 1 s without an answer)."""
+
+    def __init__(self, primary: RedisServer, password: str | None = None):
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="kvsentinel-", dir="/tmp")
+        conf = os.path.join(self.dir, "sentinel.conf")
+        with open(conf, "w") as f:  # (sentinel rewrites it as it learns)
+            f.write(f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\n"
+                    f"sentinel monitor mymaster 127.0.0.1 {primary.port} 1\n"
+                    "sentinel down-after-milliseconds mymaster 1000\n"
+                    "sentinel failover-timeout mymaster 10000\n")
+            if password is not None:
+                f.write(f"sentinel auth-pass mymaster {password}\nrequirepass {password}\n")
+        self.password = password
+        self.proc = subprocess.Popen([shutil.which("redis-server"), conf, "--sentinel"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_until(lambda: self._answers(), 10, "the sentinel up")
+
+    def _answers(self) -> bool:
+        import redis
+
+        try:
+            return bool(self.client().ping())
+        except redis.RedisError:
+            assert self.proc.poll() is None, "the sentinel exited"
+            return False
+
+    def client(self):
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=1.0,
+                           decode_responses=True)
+
+    def primary_port(self) -> int:
+        return int(self.client().execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", "mymaster")[1])
+
+    def knows_replica(self, port: int) -> bool:
+        replicas = [r if isinstance(r, dict) else dict(zip(r[::2], r[1::2]))
+                    for r in self.client().execute_command("SENTINEL", "REPLICAS", "mymaster")]
+        return any(int(r["port"]) == port and "s_down" not in r["flags"] for r in replicas)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class _Pair:
+    def __init__(self, password):
+        self.password = password
+        auth = ["--masterauth", password] if password else []
+        self.primary = RedisServer(extra=auth, password=password)
+        self.replica = RedisServer(extra=auth + ["--replicaof", "127.0.0.1", str(self.primary.port)],
+                                   password=password)
+        self.sentinel = SentinelServer(self.primary, password)
+
+    def close(self):
+        for s in (self.sentinel, self.replica, self.primary):
+            s.close()
+
+
+def _names(kv, keys):
+    return [b"kvcached:" + stored(k, kv).hex().encode() for k in keys]
+
+
+def _tier(c) -> dict:
+    return c.status()["storage"][0]
+
+
+def test_a_sentinel_uri_is_checked_before_anything_is_opened():
+    got = parse_uri("redis+sentinel://:pw@10.0.0.1,10.0.0.2:26380/2?service=kv&sentinel_auth=1&prefix=p:")
+    assert got["sentinels"] == [("10.0.0.1", 26379), ("10.0.0.2", 26380)]
+    assert got["service"] == "kv" and got["db"] == 2 and got["sentinel_auth"] and got["password"] == "pw"
+    assert parse_uri("rediss+sentinel://h:1/0?service=kv&ca=/c.pem")["tls"]
+    for bad, says in (("redis+sentinel://h:1/0", "service=NAME"),
+                      ("redis+sentinel://:pw@h:1,h:x/0?service=kv", r"'h:x': the port"),
+                      ("redis+sentinel://h:1,/0?service=kv", "no host:port"),
+                      ("redis+sentinel://h:1/0?service=kv&sentinel_auth=yes", "sentinel_auth is 0 or 1"),
+                      ("redis://h:1/0?service=kv", "unknown option")):
+        with pytest.raises(ValueError, match=says) as err:
+            parse_uri(bad)
+        assert "pw" not in str(err.value)
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("how", ["asked", "primary-killed"])
+def test_after_a_failover_the_tier_serves_and_stores_through_the_promoted_replica(run_dir, instance, how):
+    """asked: SENTINEL FAILOVER (a planned switch), with passwords on the data nodes and the
+    sentinel (sentinel_auth=1). primary-killed: the primary dies; the sentinel promotes the
+    replica once it has been down 1 s. Either way the blocks the old primary held are hits
+    through the new one, byte-exact, and the next backups land on the new primary."""
+    pair = _Pair(SECRET if how == "asked" else None)
+    h = None
+    try:
+        wait_until(lambda: pair.sentinel.knows_replica(pair.replica.port), 20, "the sentinel knows the replica")
+        auth = f":{SECRET}@" if pair.password else ""
+        uri = (f"redis+sentinel://{auth}127.0.0.1:{pair.sentinel.port}/0?service=mymaster"
+               + ("&sentinel_auth=1" if pair.password else ""))
+        kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=32, seed=11)
+        keys, src = keys_for(4, 41), list(range(4))
+        expected = snapshot(kv, src)
+        h = start(run_dir, instance, uri)
+        with h.connect(timeout=2.0) as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, src)
+            assert pair.primary.client().exists(*_names(kv, keys)) == 4
+            wait_until(lambda: pair.replica.client().exists(*_names(kv, keys)) == 4, 10, "replicated")
+            c.clear(tier="host")
+            assert _tier(c)["primary"] == f"127.0.0.1:{pair.primary.port}"
+            if how == "asked":
+                pair.sentinel.client().execute_command("SENTINEL", "FAILOVER", "mymaster")
+            else:
+                pair.primary.stop()
+            wait_until(lambda: pair.sentinel.primary_port() == pair.replica.port, 30, "the replica promoted")
+            # the probe asks the sentinels: the tier leaves the old primary (which takes writes
+            # until the sentinels demote it, seconds later, and loses them then)
+            wait_until(lambda: _tier(c)["primary"] == f"127.0.0.1:{pair.replica.port}", 5, "the new primary")
+            wait_until(lambda: _tier(c)["healthy"] and c.lookup(keys) == (0, 4), 10,
+                       "the blocks found through the new primary")
+            scramble(kv, 5)
+            assert c.load(keys, list(range(10, 14))).wait(10) == 4
+            assert blocks_equal(kv, range(10, 14), expected)
+            # backups made before the sentinel demoted the old primary went to it and were lost
+            # with its data (Redis's own window, as for any client): new keys each time
+            seeds = iter(range(42, 1000))
+
+            def new_backup_landed():
+                nonlocal fresh
+                fresh = keys_for(4, next(seeds))
+                offload_and_flush(c, kv, fresh, list(range(16, 20)))
+                return pair.replica.client().exists(*_names(kv, fresh)) == 4
+
+            fresh = None
+            wait_until(new_backup_landed, 30, "a backup on the new primary")
+            c.clear(tier="host")
+            assert c.lookup(fresh) == (0, 4) and _tier(c)["healthy"]
+            assert "***" in _tier(c)["uri"] or not pair.password
+            assert SECRET not in str(c.status())
+    finally:
+        if h is not None:
+            h.stop()
+        pair.close()
