@@ -103,6 +103,36 @@ def test_a_sentinel_uri_is_checked_before_anything_is_opened():
 
 
 @pytest.mark.faults
+def test_sentinels_that_do_not_answer_are_an_unhealthy_tier_that_says_so(run_dir, instance):
+    """No sentinel listening: the tier is down with a short reason naming the sentinels (the
+    client library's own text repeats every sentinel client's settings), the daemon serves, and
+    the owed-clear record names the store alike whatever the sentinels' order."""
+    from kvcached.storage.redis_store import RedisBackend
+
+    a, b = free_port(), free_port()
+    tiers = [RedisBackend(f"redis+sentinel://127.0.0.1:{x},127.0.0.1:{y}/0?service=kv") for x, y in ((a, b), (b, a))]
+    try:
+        assert tiers[0].store_id == tiers[1].store_id
+    finally:
+        for t in tiers:
+            t.close()
+    kv = small_kv(block_shape=PAGE_SHAPE, seed=12)
+    h = start(run_dir, instance, f"redis+sentinel://127.0.0.1:{a},127.0.0.1:{b}/0?service=kv")
+    try:
+        with h.connect(timeout=2.0) as c:
+            c.register_kv_cache(kv)
+            keys = keys_for(4, 43)
+            offload_and_flush(c, kv, keys, list(range(4)))
+            assert c.lookup(keys) == (4, 0)  # the host tier serves
+            tier = _tier(c)
+            assert not tier["healthy"] and tier["dropped_puts"] >= 4, tier
+            sentinels = ",".join(sorted(f"127.0.0.1:{p}" for p in (a, b)))
+            assert tier["last_error"] == f"MasterNotFoundError: no sentinel of {sentinels} names a primary for the service"
+    finally:
+        h.stop()
+
+
+@pytest.mark.faults
 @pytest.mark.parametrize("how", ["asked", "primary-killed"])
 def test_after_a_failover_the_tier_serves_and_stores_through_the_promoted_replica(run_dir, instance, how):
     """asked: SENTINEL FAILOVER (a planned switch), with passwords on the data nodes and the

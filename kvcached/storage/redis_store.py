@@ -71,6 +71,7 @@ return n
 """
 SCRIPT_KEYS = 1024  # keys per script call: a script holds the server for its whole run
 HOLD_WRITES_S = 1.0  # backups dropped after a SET timed out, before the next is tried
+MAX_ERROR_CHARS = 300  # of an error shown in status and the log
 
 
 class RedisBackend(OwesClears, StorageBackend):
@@ -92,8 +93,8 @@ class RedisBackend(OwesClears, StorageBackend):
         self.cluster = opts["cluster"]
         self.prefix, self.ttl_s = opts["prefix"], opts["ttl_s"]
         host, port, db, sentinels = opts["host"], opts["port"], opts["db"], opts["sentinels"]
-        where = (f"{opts['service']}@{','.join(f'{h}:{p}' for h, p in sentinels)}" if sentinels
-                 else f"{host}:{port}")
+        where = (f"{opts['service']}@{','.join(sorted(f'{h}:{p}' for h, p in sentinels))}" if sentinels
+                 else f"{host}:{port}")  # (the sentinels in any order: the same store)
         kind = "-cluster" if self.cluster else "-sentinel" if sentinels else ""
         self._store_id = (f"redis{kind}://{where}/{db}"
                           f"?prefix={self.prefix.decode(errors='replace')}")  # (owed_clear.py)
@@ -107,7 +108,8 @@ class RedisBackend(OwesClears, StorageBackend):
                 return redis.cluster.RedisCluster(host=host, port=port, **common)
             if sentinels:  # each new connection asks the sentinels for the primary
                 asked = dict(socket_timeout=timeout, socket_connect_timeout=timeout, **tls,
-                             **(auth if opts["sentinel_auth"] else {}))
+                             retry=Retry(NoBackoff(), 0),  # (by default each sentinel is asked
+                             **(auth if opts["sentinel_auth"] else {}))  # 3 times, with backoff)
                 return Sentinel(sentinels, sentinel_kwargs=asked).master_for(opts["service"], db=db, **common)
             return redis.Redis(host=host, port=port, db=db, **common)
 
@@ -142,7 +144,11 @@ class RedisBackend(OwesClears, StorageBackend):
 
     def _failed(self, exc: Exception) -> None:
         self.counters["errors"] += 1
-        self.last_error = f"{type(exc).__name__}: {exc}"
+        text = str(exc)
+        if isinstance(exc, self._redis.sentinel.MasterNotFoundError):  # (its text: every
+            sentinels = self._store_id.split("@", 1)[1].split("/", 1)[0]  # sentinel client's repr)
+            text = f"no sentinel of {sentinels} names a primary for the service"
+        self.last_error = f"{type(exc).__name__}: {text}"[:MAX_ERROR_CHARS]
         with self._lock:
             if self._healthy:
                 log.warning("[redis] %s unhealthy: %s", self.uri, self.last_error)
