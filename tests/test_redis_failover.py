@@ -1,7 +1,9 @@
-"""The Redis tier behind Redis Sentinel (redis+sentinel://), through real processes on loopback:
-a primary, its replica and a sentinel monitoring them. After a failover - asked for, or the
-primary killed - the tier reaches the promoted replica: what the old primary held (replicated)
-is still a hit and loads byte-exact, and new backups are written to the new primary."""
+"""The Redis tier through failovers, with real processes on loopback. Behind Redis Sentinel
+(redis+sentinel://): a primary, its replica and a sentinel monitoring them; after a failover -
+asked for, or the primary killed - the tier reaches the promoted replica: what the old primary
+held (replicated) is still a hit and loads byte-exact, and new backups are written to the new
+primary. A Redis cluster (redis+cluster://) with a replica per primary: after every replica
+took over, the same."""
 import os
 import shutil
 import subprocess
@@ -190,3 +192,83 @@ def test_after_a_failover_the_tier_serves_and_stores_through_the_promoted_replic
         if h is not None:
             h.stop()
         pair.close()
+
+
+def _cluster_roles(port: int) -> dict[int, str]:
+    """port -> master or slave, as the node at `port` sees the cluster."""
+    out = subprocess.run(["redis-cli", "-p", str(port), "cluster", "nodes"], capture_output=True,
+                         text=True, timeout=5).stdout
+    roles = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) > 2 and "fail" not in parts[2]:
+            roles[int(parts[1].split("@")[0].rsplit(":", 1)[1])] = "master" if "master" in parts[2] else "slave"
+    return roles
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("how", ["asked", "primary-killed"])
+def test_after_a_cluster_failover_the_tier_serves_and_stores(run_dir, instance, how):
+    """Three primaries with a replica each. asked: CLUSTER FAILOVER on every replica (a planned
+    switch, as a rolling upgrade does). primary-killed: one primary dies, its replica takes over
+    once the others have not heard from it for 1 s (cluster-node-timeout). The blocks stored
+    before are hits through the new primaries (the cluster client follows the MOVED replies and
+    refreshes its slot map), byte-exact, and new backups are stored and found."""
+    if shutil.which("redis-cli") is None:
+        pytest.skip("redis-cli is not installed")
+    ports = [free_port(with_bus=True) for _ in range(6)]
+    nodes = []
+    try:
+        for p in ports:
+            nodes.append(RedisServer(p, extra=["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{p}.conf",
+                                               "--cluster-node-timeout", "1000"]))
+        r = subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+                            "--cluster-replicas", "1", "--cluster-yes"], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stdout + r.stderr
+        wait_until(lambda: sorted(_cluster_roles(ports[0]).values()) == ["master"] * 3 + ["slave"] * 3
+                   and all(_cluster_ok(p) for p in ports), 20, "the cluster formed")
+        kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=64, seed=13)
+        keys = keys_for(12, 44)
+        expected = snapshot(kv, list(range(12)))
+        h = start(run_dir, instance, f"redis+cluster://127.0.0.1:{ports[0]}")
+        try:
+            with h.connect(timeout=2.0) as c:
+                c.register_kv_cache(kv)
+                offload_and_flush(c, kv, keys, list(range(12)))
+                c.clear(tier="host")
+                assert c.lookup(keys) == (0, 12)
+                replicas = [p for p, role in _cluster_roles(ports[0]).items() if role == "slave"]
+                if how == "asked":
+                    for p in replicas:  # (a manual failover waits for the replica to catch up)
+                        nodes[ports.index(p)].client().execute_command("CLUSTER", "FAILOVER")
+                else:  # the primary the daemon was pointed at
+                    nodes[0].stop()
+                    replicas = [p for p in replicas if _replica_of(p) == ports[0]]
+                alive = [p for n, p in zip(nodes, ports) if n.proc is not None]
+                wait_until(lambda: all(_cluster_roles(p).get(p) == "master" for p in replicas)
+                           and all(_cluster_ok(p) for p in alive), 30, "the replicas primaries")
+                wait_until(lambda: c.lookup(keys) == (0, 12), 10, "the blocks found through the new primaries")
+                scramble(kv, 3)
+                assert c.load(keys, list(range(20, 32))).wait(10) == 12
+                assert blocks_equal(kv, list(range(20, 32)), expected)
+                fresh = keys_for(12, 45)
+                offload_and_flush(c, kv, fresh, list(range(32, 44)))
+                c.clear(tier="host")
+                assert c.lookup(fresh) == (0, 12) and _tier(c)["healthy"], _tier(c)
+        finally:
+            h.stop()
+    finally:
+        for n in nodes:
+            n.close()
+
+
+def _replica_of(port: int) -> int:
+    """The port of the primary the replica at `port` follows."""
+    info = subprocess.run(["redis-cli", "-p", str(port), "info", "replication"], capture_output=True,
+                          text=True, timeout=5).stdout
+    return int(next(line for line in info.splitlines() if line.startswith("master_port:")).split(":")[1])
+
+
+def _cluster_ok(port: int) -> bool:
+    r = subprocess.run(["redis-cli", "-p", str(port), "cluster", "info"], capture_output=True, text=True, timeout=5)
+    return "cluster_state:ok" in r.stdout
