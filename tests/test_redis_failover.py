@@ -12,6 +12,7 @@ import tempfile
 import pytest
 
 from conftest import RedisServer, blocks_equal, free_port, keys_for, scramble, small_kv, snapshot, stored, wait_until
+from kvcached.server.status_report import format_status
 from kvcached.storage.tiers import parse_uri
 from storage_util import PAGE_SHAPE, offload_and_flush, start
 
@@ -167,6 +168,7 @@ def test_after_a_failover_the_tier_serves_and_stores_through_the_promoted_replic
             # the probe asks the sentinels: the tier leaves the old primary (which takes writes
             # until the sentinels demote it, seconds later, and loses them then)
             wait_until(lambda: _tier(c)["primary"] == f"127.0.0.1:{pair.replica.port}", 5, "the new primary")
+            assert f"healthy  primary 127.0.0.1:{pair.replica.port}" in format_status(c.status())
             wait_until(lambda: _tier(c)["healthy"] and c.lookup(keys) == (0, 4), 10,
                        "the blocks found through the new primary")
             scramble(kv, 5)
