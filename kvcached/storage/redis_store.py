@@ -206,7 +206,9 @@ class RedisBackend(OwesClears, StorageBackend):
             try:
                 return self._script_prefix(self._prefix_scripts[0], keys)
             except self._redis.exceptions.ResponseError as exc:  # refused: the flag (Redis 6),
-                self._prefix_scripts.pop(0)  # or scripts (an ACL, a managed service)
+                if not _refusal(exc):  # or scripts (an ACL, a managed service); else passing
+                    break  # (BUSY: another client's script): this lookup pipelines EXISTS
+                self._prefix_scripts.pop(0)
                 if self._prefix_scripts:
                     log.info("[redis] %s: the no-writes flag is refused (%s); the lookup script "
                              "runs without it", self.uri, exc)
@@ -353,3 +355,14 @@ class RedisBackend(OwesClears, StorageBackend):
         self._prober.join(PROBE_TIMEOUT_S + PROBE_EVERY_S)
         for client in (self._client, self._lookup_client, self._probe_client):
             client.close()
+
+
+_REFUSALS = ("unknown command", "noperm", "no permissions", "compil", "shebang", "flag",
+             "disabled", "not allowed")
+
+
+def _refusal(exc: Exception) -> bool:
+    """Whether a script's error says the server will not run it (Redis 6 cannot compile the
+    flag; EVAL renamed away or denied by an ACL), not that it could not this time."""
+    text = str(exc).lower()
+    return any(word in text for word in _REFUSALS)
