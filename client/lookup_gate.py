@@ -68,6 +68,7 @@ class LookupGate:
         self.timeout_s, self.grace_s, self.expect_s = timeout_s, grace_s, expect_s
         self._expecting: dict[str, tuple[float, int]] = {}  # request -> its first lookup's
         # time and host hit (expect_s: blocks that reached the host tier since came from storage)
+        self._warmed: dict[str, int] = {}  # request -> the storage hit prefetched during its wait
         self.counters = counters if counters is not None else {}
         for name in ("prefetches", "prefetch_deferrals", "prefetch_timeouts", "prefetch_refusals",
                      "storage_blocks_recomputed", "expected_deferrals", "expected_prefetches"):
@@ -100,8 +101,9 @@ class LookupGate:
             return host
         host, storage = client.lookup(keys)
         if host + storage < len(keys) and self._still_expected(req_id, host):
-            if storage and self.storage_hits == "prefetch":  # what it has comes in meanwhile
-                if self._prefetch(client, keys, keys[host:host + storage]) is not None:
+            if storage > self._warmed.get(req_id, 0) and self.storage_hits == "prefetch":
+                self._warmed[req_id] = storage  # what it has comes in meanwhile (asked again only
+                if self._prefetch(client, keys, keys[host:host + storage]) is not None:  # for more)
                     self.counters["expected_prefetches"] += 1
             return None
         first = min(host, self._expecting.get(req_id, (0.0, host))[1])  # (prefetched meanwhile)
@@ -173,12 +175,14 @@ class LookupGate:
         self._pending.pop(req_id, None)
         self.from_storage.pop(req_id, None)
         self._expecting.pop(req_id, None)
+        self._warmed.pop(req_id, None)
 
     def forget_all(self) -> None:
         """A cache reset: what was being matched is keyed under the old salt."""
         self._pending.clear()
         self.from_storage.clear()
         self._expecting.clear()
+        self._warmed.clear()
 
     @property
     def pending(self) -> int:

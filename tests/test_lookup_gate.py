@@ -225,3 +225,31 @@ def test_a_consumers_wait_brings_in_the_stored_part_of_its_hit_meanwhile(run_dir
             assert blocks_equal(kv, range(20, 28), expected)
     finally:
         h.stop()
+
+
+def test_a_wait_asks_the_daemon_for_a_prefetch_once_however_many_steps_it_takes(run_dir, instance, disk_dir):
+    """A daemon that skips the prefetch (by default a storage hit under 256 tokens is
+    recomputed: these 8 blocks are 128) is asked once per wait, not at every step of it; the
+    stored blocks stay where they are."""
+    h, kv, keys, _ = _stored(run_dir, instance, disk_dir, extra=())
+    late = keys_for(4, seed=11)
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            calls = []
+
+            class Counted:  # the real client, its prefetch calls counted
+                lookup = staticmethod(c.lookup)
+
+                @staticmethod
+                def prefetch(*args, **kwargs):
+                    calls.append(args)
+                    return c.prefetch(*args, **kwargs)
+
+            gate = LookupGate(BLOCK_TOKENS, expect_s=30.0)
+            for _ in range(20):
+                assert gate.match("r", Counted, keys + late) is None
+            assert len(calls) == 1 and gate.counters["expected_prefetches"] == 0
+            assert c.lookup(keys) == (0, 8)
+    finally:
+        h.stop()
