@@ -11,7 +11,8 @@ import tempfile
 
 import pytest
 
-from conftest import RedisServer, blocks_equal, free_port, keys_for, scramble, small_kv, snapshot, stored, wait_until
+from conftest import (RedisServer, blocks_equal, free_port, keys_for, make_tls_files, scramble, small_kv, snapshot,
+                      stored, wait_until)
 from kvcached.server.status_report import format_status
 from kvcached.storage.tiers import parse_uri
 from storage_util import PAGE_SHAPE, offload_and_flush, start
@@ -23,12 +24,16 @@ class SentinelServer:
     """A redis-server in sentinel mode monitoring `primary` as `mymaster` (quorum 1, the
     primary deemed down after 1 s without an answer)."""
 
-    def __init__(self, primary: RedisServer, password: str | None = None):
+    def __init__(self, primary: RedisServer, password: str | None = None, tls: dict | None = None):
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="kvsentinel-", dir="/tmp")
+        self.tls = tls
         conf = os.path.join(self.dir, "sentinel.conf")
         with open(conf, "w") as f:  # (sentinel rewrites it as it learns)
-            f.write(f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\n"
+            ports = (f"port 0\ntls-port {self.port}\ntls-cert-file {tls['cert']}\ntls-key-file {tls['key']}\n"
+                     f"tls-ca-cert-file {tls['ca']}\ntls-auth-clients no\ntls-replication yes\n"
+                     if tls else f"port {self.port}\n")
+            f.write(f"{ports}bind 127.0.0.1\ndir {self.dir}\n"
                     f"sentinel monitor mymaster 127.0.0.1 {primary.port} 1\n"
                     "sentinel down-after-milliseconds mymaster 1000\n"
                     "sentinel failover-timeout mymaster 10000\n")
@@ -51,8 +56,9 @@ class SentinelServer:
     def client(self):
         import redis
 
+        tls = {"ssl": True, "ssl_ca_certs": self.tls["ca"]} if self.tls else {}
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=1.0,
-                           decode_responses=True)
+                           decode_responses=True, **tls)
 
     def primary_port(self) -> int:
         return int(self.client().execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", "mymaster")[1])
@@ -69,13 +75,13 @@ class SentinelServer:
 
 
 class _Pair:
-    def __init__(self, password):
-        self.password = password
-        auth = ["--masterauth", password] if password else []
-        self.primary = RedisServer(extra=auth, password=password)
+    def __init__(self, password, tls=None):
+        self.password, self.tls = password, tls
+        auth = (["--masterauth", password] if password else []) + (["--tls-replication", "yes"] if tls else [])
+        self.primary = RedisServer(extra=auth, password=password, tls=tls)
         self.replica = RedisServer(extra=auth + ["--replicaof", "127.0.0.1", str(self.primary.port)],
-                                   password=password)
-        self.sentinel = SentinelServer(self.primary, password)
+                                   password=password, tls=tls)
+        self.sentinel = SentinelServer(self.primary, password, tls)
 
     def close(self):
         for s in (self.sentinel, self.replica, self.primary):
@@ -136,19 +142,24 @@ def test_sentinels_that_do_not_answer_are_an_unhealthy_tier_that_says_so(run_dir
 
 
 @pytest.mark.faults
-@pytest.mark.parametrize("how", ["asked", "primary-killed"])
-def test_after_a_failover_the_tier_serves_and_stores_through_the_promoted_replica(run_dir, instance, how):
+@pytest.mark.parametrize("how", ["asked", "asked-tls", "primary-killed"])
+def test_after_a_failover_the_tier_serves_and_stores_through_the_promoted_replica(run_dir, instance, how,
+                                                                                   tmp_path):
     """asked: SENTINEL FAILOVER (a planned switch), with passwords on the data nodes and the
-    sentinel (sentinel_auth=1). primary-killed: the primary dies; the sentinel promotes the
-    replica once it has been down 1 s. Either way the blocks the old primary held are hits
-    through the new one, byte-exact, and the next backups land on the new primary."""
-    pair = _Pair(SECRET if how == "asked" else None)
+    sentinel (sentinel_auth=1); asked-tls: the same with every process speaking TLS only
+    (rediss+sentinel://). primary-killed: the primary dies; the sentinel promotes the replica
+    once it has been down 1 s. Either way the blocks the old primary held are hits through the
+    new one, byte-exact, and the next backups land on the new primary."""
+    tls = make_tls_files(str(tmp_path)) if how == "asked-tls" else None
+    if how == "asked-tls" and tls is None:
+        pytest.skip("openssl is not installed")
+    pair = _Pair(SECRET if how.startswith("asked") else None, tls)
     h = None
     try:
         wait_until(lambda: pair.sentinel.knows_replica(pair.replica.port), 20, "the sentinel knows the replica")
         auth = f":{SECRET}@" if pair.password else ""
-        uri = (f"redis+sentinel://{auth}127.0.0.1:{pair.sentinel.port}/0?service=mymaster"
-               + ("&sentinel_auth=1" if pair.password else ""))
+        uri = (f"{'rediss' if tls else 'redis'}+sentinel://{auth}127.0.0.1:{pair.sentinel.port}/0?service=mymaster"
+               + ("&sentinel_auth=1" if pair.password else "") + (f"&ca={tls['ca']}" if tls else ""))
         kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=32, seed=11)
         keys, src = keys_for(4, 41), list(range(4))
         expected = snapshot(kv, src)
@@ -160,7 +171,7 @@ def test_after_a_failover_the_tier_serves_and_stores_through_the_promoted_replic
             wait_until(lambda: pair.replica.client().exists(*_names(kv, keys)) == 4, 10, "replicated")
             c.clear(tier="host")
             assert _tier(c)["primary"] == f"127.0.0.1:{pair.primary.port}"
-            if how == "asked":
+            if how.startswith("asked"):
                 pair.sentinel.client().execute_command("SENTINEL", "FAILOVER", "mymaster")
             else:
                 pair.primary.stop()
