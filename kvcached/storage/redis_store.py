@@ -81,9 +81,7 @@ class RedisBackend(OwesClears, StorageBackend):
         try:
             import redis
             import redis.cluster
-            from redis.sentinel import Sentinel
-            from redis.backoff import ConstantBackoff, NoBackoff
-            from redis.retry import Retry
+            import redis.sentinel
         except ImportError:
             raise ValueError(f"{uri!r}: the redis tier needs redis-py: pip install "
                              "'kvcached-sidecar[redis]'") from None
@@ -98,21 +96,7 @@ class RedisBackend(OwesClears, StorageBackend):
         kind = "-cluster" if self.cluster else "-sentinel" if sentinels else ""
         self._store_id = (f"redis{kind}://{where}/{db}"
                           f"?prefix={self.prefix.decode(errors='replace')}")  # (owed_clear.py)
-        auth = {"username": opts["username"], "password": opts["password"]}
-        tls = dict(ssl=True, ssl_ca_certs=opts["ca"]) if opts["tls"] else {}
-
-        def connect(timeout: float, retries: int):
-            retry = Retry(ConstantBackoff(WORKER_RETRY_BACKOFF_S) if retries else NoBackoff(), retries)
-            common = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=retry, **auth, **tls)
-            if self.cluster:
-                return redis.cluster.RedisCluster(host=host, port=port, **common)
-            if sentinels:  # each new connection asks the sentinels for the primary
-                asked = dict(socket_timeout=timeout, socket_connect_timeout=timeout, **tls,
-                             retry=Retry(NoBackoff(), 0),  # (by default each sentinel is asked
-                             **(auth if opts["sentinel_auth"] else {}))  # 3 times, with backoff)
-                return Sentinel(sentinels, sentinel_kwargs=asked).master_for(opts["service"], db=db, **common)
-            return redis.Redis(host=host, port=port, db=db, **common)
-
+        connect = _connector(redis, opts)
         self._healthy = True
         self._clear_lock = threading.Lock()  # owed_clear.py: a clear the server has not done
         self._closed = threading.Event()
@@ -355,6 +339,30 @@ class RedisBackend(OwesClears, StorageBackend):
         self._prober.join(PROBE_TIMEOUT_S + PROBE_EVERY_S)
         for client in (self._client, self._lookup_client, self._probe_client):
             client.close()
+
+
+def _connector(redis, opts: dict):
+    """connect(timeout, retries): a client of the URI's server, cluster or sentinels' primary
+    (each new connection asks the sentinels where it is)."""
+    from redis.backoff import ConstantBackoff, NoBackoff
+    from redis.retry import Retry
+
+    auth = {"username": opts["username"], "password": opts["password"]}
+    tls = dict(ssl=True, ssl_ca_certs=opts["ca"]) if opts["tls"] else {}
+
+    def connect(timeout: float, retries: int):
+        retry = Retry(ConstantBackoff(WORKER_RETRY_BACKOFF_S) if retries else NoBackoff(), retries)
+        common = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=retry, **auth, **tls)
+        if opts["cluster"]:
+            return redis.cluster.RedisCluster(host=opts["host"], port=opts["port"], **common)
+        if opts["sentinels"]:
+            asked = dict(socket_timeout=timeout, socket_connect_timeout=timeout, **tls,
+                         retry=Retry(NoBackoff(), 0),  # (by default each sentinel is asked
+                         **(auth if opts["sentinel_auth"] else {}))  # 3 times, with backoff)
+            return redis.sentinel.Sentinel(opts["sentinels"], sentinel_kwargs=asked).master_for(
+                opts["service"], db=opts["db"], **common)
+        return redis.Redis(host=opts["host"], port=opts["port"], db=opts["db"], **common)
+    return connect
 
 
 _REFUSALS = ("unknown command", "noperm", "no permissions", "compil", "shebang", "flag",
