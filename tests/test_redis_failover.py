@@ -260,14 +260,22 @@ def test_after_a_cluster_failover_the_tier_serves_and_stores(run_dir, instance, 
                 alive = [p for n, p in zip(nodes, ports) if n.proc is not None]
                 wait_until(lambda: all(_cluster_roles(p).get(p) == "master" for p in replicas)
                            and all(_cluster_ok(p) for p in alive), 30, "the replicas primaries")
+                # (while the cluster settles a call may fail and take the tier down until the
+                # next probe: misses then, never other bytes; so each step is asked again)
                 wait_until(lambda: c.lookup(keys) == (0, 12), 10, "the blocks found through the new primaries")
                 scramble(kv, 3)
-                assert c.load(keys, list(range(20, 32))).wait(10) == 12
+                wait_until(lambda: c.load(keys, list(range(20, 32))).wait(10) == 12, 10, "the blocks loaded")
                 assert blocks_equal(kv, list(range(20, 32)), expected)
-                fresh = keys_for(12, 45)
-                offload_and_flush(c, kv, fresh, list(range(32, 44)))
-                c.clear(tier="host")
-                assert c.lookup(fresh) == (0, 12) and _tier(c)["healthy"], _tier(c)
+                seeds = iter(range(45, 1000))
+
+                def stored_and_found():
+                    fresh = keys_for(12, next(seeds))
+                    offload_and_flush(c, kv, fresh, list(range(32, 44)))
+                    c.clear(tier="host")
+                    return c.lookup(fresh) == (0, 12)
+
+                wait_until(stored_and_found, 10, "new backups stored and found")
+                wait_until(lambda: _tier(c)["healthy"], 5, "the tier healthy")
         finally:
             h.stop()
     finally:

@@ -116,8 +116,8 @@ class RedisBackend(OwesClears, StorageBackend):
         self._probe_client = connect(PROBE_TIMEOUT_S, 0)
         # sentinels: the probe asks them for the primary, and a new one (a failover) drops the
         # idle connections to the old (which takes writes until the sentinels demote it)
-        self._sentinel_pools = ([c.connection_pool for c in (self._client, self._lookup_client,
-                                                             self._probe_client)] if sentinels else [])
+        self._sentinel_pools = ([c.connection_pool for c in (self._probe_client, self._client,
+                                                             self._lookup_client)] if sentinels else [])
         self._primary = None
         self._probe_once()
         self._prober = threading.Thread(target=self._probe, name="kvcached-redis-probe", daemon=True)
@@ -144,13 +144,8 @@ class RedisBackend(OwesClears, StorageBackend):
 
     def _probe_once(self) -> None:
         try:
-            for pool in self._sentinel_pools:
-                primary = pool.get_master_address()  # (drops its idle connections if it moved)
-            if self._sentinel_pools and primary != self._primary:
-                if self._primary is not None:
-                    log.warning("[redis] %s: the sentinels name a new primary, %s:%s (was %s:%s)",
-                                self.uri, *primary, *self._primary)
-                self._primary = primary
+            if self._sentinel_pools:
+                self._follow_primary()
             self._probe_client.ping()
         except Exception as exc:  # any failure: the tier is down until a ping answers
             self._failed(exc)
@@ -161,6 +156,20 @@ class RedisBackend(OwesClears, StorageBackend):
             back, self._healthy = not self._healthy, True
         if back:
             log.info("[redis] %s healthy again", self.uri)
+
+    def _follow_primary(self) -> None:
+        """(The probe.) Ask the sentinels for the primary, once; where it moved, every pool
+        drops its idle connections to the old one (get_master_address does on a change)."""
+        probe_pool, *others = self._sentinel_pools
+        primary = probe_pool.get_master_address()
+        if primary == self._primary:
+            return
+        for pool in others:
+            pool.get_master_address()
+        if self._primary is not None:
+            log.warning("[redis] %s: the sentinels name a new primary, %s:%s (was %s:%s)",
+                        self.uri, *primary, *self._primary)
+        self._primary = primary
 
     def _usable(self) -> bool:
         return self._healthy and not self._owes()
@@ -189,14 +198,16 @@ class RedisBackend(OwesClears, StorageBackend):
         while self._prefix_scripts and keys and self._usable():
             try:
                 return self._script_prefix(self._prefix_scripts[0], keys)
-            except self._redis.exceptions.ResponseError as exc:  # refused: the flag (Redis 6),
-                if not _refusal(exc):  # or scripts (an ACL, a managed service); else passing
-                    break  # (BUSY: another client's script): this lookup pipelines EXISTS
-                self._prefix_scripts.pop(0)
-                if self._prefix_scripts:
+            except self._redis.exceptions.ResponseError as exc:
+                refused = _refusal(exc)
+                if refused is None:  # passing (BUSY: another client's script): this lookup
+                    break  # pipelines EXISTS, the next tries the script again
+                if refused == "flag" and len(self._prefix_scripts) > 1:  # Redis 6
+                    self._prefix_scripts.pop(0)
                     log.info("[redis] %s: the no-writes flag is refused (%s); the lookup script "
                              "runs without it", self.uri, exc)
                     continue
+                self._prefix_scripts = []  # scripts refused (an ACL, a managed service)
                 log.warning("[redis] %s: the lookup script is refused (%s); lookups pipeline "
                             "one EXISTS per key from now on", self.uri, exc)
             except self._redis.RedisError as exc:
@@ -365,12 +376,15 @@ def _connector(redis, opts: dict):
     return connect
 
 
-_REFUSALS = ("unknown command", "noperm", "no permissions", "compil", "shebang", "flag",
-             "disabled", "not allowed")
+_FLAG_REFUSALS = ("compil", "shebang", "flag")  # Redis 6: the shebang is a syntax error
+_SCRIPT_REFUSALS = ("unknown command", "noperm", "no permissions", "disabled", "not allowed")
 
 
-def _refusal(exc: Exception) -> bool:
-    """Whether a script's error says the server will not run it (Redis 6 cannot compile the
-    flag; EVAL renamed away or denied by an ACL), not that it could not this time."""
+def _refusal(exc: Exception) -> str | None:
+    """What a script's error says the server will not run: "scripts" (EVAL renamed away or
+    denied by an ACL), "flag" (it cannot compile the no-writes flag), or None: it could not
+    this time."""
     text = str(exc).lower()
-    return any(word in text for word in _REFUSALS)
+    if any(word in text for word in _SCRIPT_REFUSALS):
+        return "scripts"
+    return "flag" if any(word in text for word in _FLAG_REFUSALS) else None
