@@ -4,13 +4,13 @@ redis-server stopped, a disk tier's writes held."""
 import contextlib
 import glob
 import os
-import signal
 import threading
 
 import pytest
 
 from conftest import disk_uri, keys_for, scramble, small_kv, snapshot, stored, wait_until
 from kvcached_client import launch
+from kvcached.bench import process_stop
 
 PAGE_SHAPE = (16, 2, 64)  # 4 layers x (K, V) x 4 KiB = 32 KiB per block
 
@@ -158,12 +158,12 @@ def backups_behind_a_paused_server(c, redis_server, first, second) -> None:
 def redis_stopped(c, redis_server):
     """The redis-server SIGSTOPped for the block, which begins once c's daemon shows its tier
     down."""
-    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    process_stop.stop(redis_server.proc.pid)
     try:
         wait_until(lambda: not c.status()["storage"][0]["healthy"], 5, "the tier down")
         yield
     finally:
-        os.kill(redis_server.proc.pid, signal.SIGCONT)
+        process_stop.go_on(redis_server.proc.pid)
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from kvcached_client.status_block import DEFAULT_HANG_S, hang_threshold
 from kvcached_proto.liveness import pid_namespace, start_ticks
 from kvcached_proto.shm_layout import SEGMENT_BYTES, Flag, StatusView, segment_name
 from kvcached_proto.paths import socket_paths
+from kvcached.bench import process_stop
 
 STATUS_KEYS = {"instance", "pid", "epoch", "state", "protocol_version", "host", "kv", "storage",
                "clients", "tasks"}
@@ -76,14 +77,14 @@ def test_kill_9_makes_the_next_call_raise_within_a_second(daemon):
 
 def test_a_hung_daemon_is_seen_through_its_heartbeat(daemon):
     c = daemon.connect(timeout=30.0)
-    os.kill(daemon.pid, signal.SIGSTOP)
+    process_stop.stop(daemon.pid)
     try:
         start = time.monotonic()
         with pytest.raises(DaemonUnavailable, match="heartbeat"):
             c.ping()
         assert time.monotonic() - start < DEFAULT_HANG_S + 1.0
     finally:
-        os.kill(daemon.pid, signal.SIGCONT)
+        process_stop.go_on(daemon.pid)
         c.close()
 
 
@@ -152,12 +153,12 @@ def test_the_recorded_live_process_keeps_the_instance(run_dir, instance):
 
 def test_the_hang_threshold_is_a_setting(daemon, monkeypatch):
     c = daemon.connect(timeout=30.0, hang_s=0.4)
-    os.kill(daemon.pid, signal.SIGSTOP)
+    process_stop.stop(daemon.pid)
     try:
         with pytest.raises(DaemonUnavailable, match="hang threshold is 0.4 s"):
             c.ping()
     finally:
-        os.kill(daemon.pid, signal.SIGCONT)
+        process_stop.go_on(daemon.pid)
         c.close()
     monkeypatch.setenv("KVCACHED_HANG_S", "0.7")
     assert hang_threshold() == 0.7 and hang_threshold(1.5) == 1.5

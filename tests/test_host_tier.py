@@ -19,6 +19,7 @@ from kvcached_client import (
 )
 from kvcached_proto import ErrorCode
 from kvcached_proto.shm_layout import State
+from kvcached.bench import process_stop
 
 
 
@@ -329,8 +330,6 @@ def test_a_load_that_times_out_is_cancelled_and_never_writes_after_the_ack(daemo
 
 
 def test_blocks_stay_held_until_a_hung_daemon_confirms_the_cancel(daemon):
-    import signal as _signal
-
     kv = small_kv()
     with daemon.connect(timeout=2) as c:
         c.register_kv_cache(kv)
@@ -338,7 +337,7 @@ def test_blocks_stay_held_until_a_hung_daemon_confirms_the_cancel(daemon):
         c.offload([0, 1, 2, 3], keys).wait(10)
         c.pause()  # the load stays queued
         task = c.load(keys, [20, 21, 22, 23])
-        os.kill(daemon.pid, _signal.SIGSTOP)
+        process_stop.stop(daemon.pid)
         try:
             with pytest.raises(KvcachedTimeout) as e:  # the cancel itself is not answered
                 task.wait(timeout=0.05)
@@ -349,7 +348,7 @@ def test_blocks_stay_held_until_a_hung_daemon_confirms_the_cancel(daemon):
             with pytest.warns(DeprecationWarning, match="held_blocks"):
                 assert c.fenced_blocks() == {20, 21, 22, 23}  # the earlier name
         finally:
-            os.kill(daemon.pid, _signal.SIGCONT)
+            process_stop.go_on(daemon.pid)
         # the cancel reaches the daemon, its ack lifts the hold
         wait_until(lambda: not c.held_blocks(), 10, "the hold lifting")
         c.resume()

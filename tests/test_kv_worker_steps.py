@@ -10,6 +10,7 @@ import signal
 import pytest
 import torch
 
+from kvcached.bench import process_stop
 from conftest import disk_uri, keys_for, sweep_crashed, wait_until
 from kv_layouts import fill, make_kv, parts_of
 from kvcached_client import DaemonUnavailable, launch
@@ -211,7 +212,7 @@ def test_a_load_whose_reply_never_came_keeps_its_blocks_until_the_daemon_ends_it
     blocks in staging mode) are not handed back until the load it takes late has ended."""
     monkeypatch.setenv("KVCACHED_HANG_S", "0.5")
     with worker_with_saved(daemon, 31, mode) as (kv, worker, keys):
-        os.kill(daemon.pid, signal.SIGSTOP)
+        process_stop.stop(daemon.pid)
         try:
             _, errors = step(worker, loads=[BlockTransfer("l", keys, DST)])
             assert errors == set(DST)
@@ -220,7 +221,7 @@ def test_a_load_whose_reply_never_came_keeps_its_blocks_until_the_daemon_ends_it
             else:
                 assert len(worker._holds.parked) == len(DST), "staging blocks handed back"
         finally:
-            os.kill(daemon.pid, signal.SIGCONT)
+            process_stop.go_on(daemon.pid)
         finish(worker, "l")
         wait_until(lambda: not worker._holds.holding() or worker._holds.release(), 20,
                    "the staging blocks given back")
@@ -235,13 +236,13 @@ def test_preempting_a_request_whose_load_went_unanswered_waits_for_it_then_goes_
     wait on (it raised AttributeError), so it waits for the hold to lift, up to the timeout."""
     monkeypatch.setenv("KVCACHED_HANG_S", "0.5")
     with worker_with_saved(daemon, 41, "direct", timeout=1.0) as (kv, worker, keys):
-        os.kill(daemon.pid, signal.SIGSTOP)
+        process_stop.stop(daemon.pid)
         try:
             step(worker, loads=[BlockTransfer("l", keys, DST)])
             worker.preempt(["l"])
             assert "not confirmed ended" in caplog.text
         finally:
-            os.kill(daemon.pid, signal.SIGCONT)
+            process_stop.go_on(daemon.pid)
         finish(worker, "l")
 
 
@@ -270,7 +271,7 @@ def test_an_offload_whose_reply_never_came_is_revoked(daemon):
     keys = keys_for(len(SRC), seed=29)
     with daemon.connect(timeout=10, hang_s=0.5) as c, daemon.connect(timeout=10) as probe:
         c.register_kv_cache(kv)
-        os.kill(daemon.pid, signal.SIGSTOP)
+        process_stop.stop(daemon.pid)
         try:
             with pytest.raises(DaemonUnavailable):
                 c.offload(SRC, keys)
@@ -278,7 +279,7 @@ def test_an_offload_whose_reply_never_came_is_revoked(daemon):
                 for t in row:
                     t[SRC] = 1
         finally:
-            os.kill(daemon.pid, signal.SIGCONT)
+            process_stop.go_on(daemon.pid)
 
         def ended() -> list:
             try:

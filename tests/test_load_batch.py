@@ -3,8 +3,6 @@ gets what load() would have given it: its task (bytes exact), the daemon's refus
 unaffected), or, sent and unanswered, its blocks held."""
 from __future__ import annotations
 
-import os
-import signal
 
 import pytest
 import torch
@@ -13,6 +11,7 @@ from conftest import keys_for, small_kv, wait_until
 from kvcached_client import DaemonUnavailable
 from kvcached_client.tasks import LoadTask
 from kvcached_proto import KvcachedError, Op, ProtocolError
+from kvcached.bench import process_stop
 
 
 def _same(kv, a, b) -> bool:
@@ -65,7 +64,7 @@ def test_a_batch_sent_to_a_hung_daemon_holds_every_loads_blocks(daemon):
         pumped = []
         pump = c._pump
         c._pump = lambda wait_s: (pumped.append(wait_s), pump(wait_s))[1]
-        os.kill(daemon.pid, signal.SIGSTOP)
+        process_stop.stop(daemon.pid)
         try:
             got = c.load_batch([(ks, [20 + 2 * i, 21 + 2 * i]) for i, ks in enumerate(sets)], timeout=1.0)
             c._pump = pump
@@ -75,7 +74,7 @@ def test_a_batch_sent_to_a_hung_daemon_holds_every_loads_blocks(daemon):
             assert pumped[-2:] == [0.0, 0.0], pumped[-4:]
             assert c.held_blocks() == set(range(20, 26))
         finally:
-            os.kill(daemon.pid, signal.SIGCONT)
+            process_stop.go_on(daemon.pid)
         wait_until(lambda: all(e.unanswered.done() for e in got), 20, "the late loads ending")
         assert _same(kv, list(range(6)), list(range(20, 26))), "the daemon did not take them late"
 

@@ -3,8 +3,6 @@ into the host tier by a prefetch while the request waits, so the load that follo
 memory only; every call answers at once, whatever the tier or the daemon does."""
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import pytest
@@ -13,6 +11,7 @@ from storage_util import start, stored_on_disk_only, stored_with_one_record_hung
 
 from kvcached_client import BlockHasher, Client
 from kvcached_client.lookup_gate import LookupGate
+from kvcached.bench import process_stop
 
 BLOCK_TOKENS = 16
 NO_THRESHOLD = ["--prefetch-threshold-tokens", "0"]
@@ -92,11 +91,11 @@ def test_a_daemon_that_stops_answering_mid_prefetch_costs_the_request_its_hit_no
         gate = LookupGate(BLOCK_TOKENS, timeout_s=0.5, grace_s=0.5)
         t0 = time.monotonic()
         assert gate.match("r1", c, keys) is None
-        os.kill(h.pid, signal.SIGSTOP)
+        process_stop.stop(h.pid)
         stopped = True
         assert _poll(gate, "r1", c, keys, timeout=5) == 0
         assert time.monotonic() - t0 >= 1.0 and gate.counters["prefetch_timeouts"] == 1
-        os.kill(h.pid, signal.SIGCONT)
+        process_stop.go_on(h.pid)
         stopped = False
         owner.resume()
         # the held prefetch ran past its own timeout_ms: the daemon ends it with nothing fetched.
@@ -106,7 +105,7 @@ def test_a_daemon_that_stops_answering_mid_prefetch_costs_the_request_its_hit_no
         assert c.status()["storage_io"]["prefetched"] == 8
     finally:
         if stopped:
-            os.kill(h.pid, signal.SIGCONT)
+            process_stop.go_on(h.pid)
         c.close()
         owner.close()
         h.stop()

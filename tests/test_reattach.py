@@ -1,12 +1,11 @@
 """A daemon fault costs the engine at most one step: attaching runs in the background (the
 engine's calls never wait for a daemon to come), and a hung daemon's loads in flight fail once
 the hang threshold passes."""
-import os
-import signal
 import threading
 
 import pytest
 
+from kvcached.bench import process_stop
 from conftest import small_kv, sweep_crashed, wait_until
 from kvcached_client import (
     BlockHasher,
@@ -170,14 +169,14 @@ def test_a_load_in_flight_on_a_hung_daemon_fails_after_the_hang_threshold(daemon
         c.pause()  # the load below is accepted and queued: in flight, deterministically
         task = c.load(keys, range(4, 8))
         assert task.num_blocks == 4
-        os.kill(daemon.pid, signal.SIGSTOP)
+        process_stop.stop(daemon.pid)
         try:
             with pytest.raises(DaemonUnavailable, match="hang threshold is 0.5 s"):
                 task.wait_layer(0)
             with pytest.raises(DaemonUnavailable):
                 c.lookup(keys)  # every later call says so too, until the daemon beats again
         finally:
-            os.kill(daemon.pid, signal.SIGCONT)
+            process_stop.go_on(daemon.pid)
         wait_until(lambda: _beating(c))
         c.resume()
         assert task.wait(10) == 4  # resumed, the daemon finishes it: nothing was lost
@@ -209,7 +208,7 @@ def test_the_prefix_manager_recomputes_a_load_a_hung_daemon_holds_and_goes_on(da
         operator.pause()
         hit = mgr.match("b", prompt + [2])
         assert hit.host_tokens == 3 * BS  # the load is issued and queued
-        os.kill(daemon.pid, signal.SIGSTOP)
+        process_stop.stop(daemon.pid)
         try:
             assert mgr.wait_loaded("b") == 0  # failed after hang_s: the engine computes it all
             assert not mgr.attached and mgr.stats()["detaches"] == 1
@@ -217,7 +216,7 @@ def test_the_prefix_manager_recomputes_a_load_a_hung_daemon_holds_and_goes_on(da
             # the hung daemon may still write the load's blocks: they are not handed out
             assert set(hit.block_ids) <= mgr.blocks.holds.held()
         finally:
-            os.kill(daemon.pid, signal.SIGCONT)
+            process_stop.go_on(daemon.pid)
         operator.resume()
         mgr.release("b")
         mgr.release("c")

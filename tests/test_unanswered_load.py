@@ -14,6 +14,7 @@ import torch
 from conftest import keys_for, ranks, small_kv, sweep_crashed, unique_instance, wait_until
 from kvcached_client import DaemonUnavailable, GroupClient, PrefixCacheManager, launch
 from kvcached_proto import KvcachedError
+from kvcached.bench import process_stop
 
 SRC, DST = [0, 1, 2, 3], [8, 9, 10, 11]
 
@@ -30,12 +31,12 @@ def _all(kv, blocks, value) -> bool:
 
 def _stopped_load(daemon, c, keys, blocks):
     """Send a load to the stopped daemon; returns the error it raised (the daemon stays stopped)."""
-    os.kill(daemon.pid, signal.SIGSTOP)
+    process_stop.stop(daemon.pid)
     try:
         with pytest.raises(DaemonUnavailable) as e:
             c.load(keys, blocks)
     except BaseException:
-        os.kill(daemon.pid, signal.SIGCONT)
+        process_stop.go_on(daemon.pid)
         raise
     return e.value
 
@@ -54,7 +55,7 @@ def test_its_blocks_stay_held_until_the_load_the_daemon_took_late_ends(daemon):
             assert c.held_blocks() == set(DST), "a load that may still be taken is not held"
             assert not err.unanswered.done()
         finally:
-            os.kill(daemon.pid, signal.SIGCONT)
+            process_stop.go_on(daemon.pid)
         wait_until(lambda: err.unanswered.done(), 20, "the late load's end")
         # the daemon did take it: the copy landed in the blocks while they were held
         assert _all(kv, DST, 3), "the late load did not run (the test proves nothing)"
@@ -99,7 +100,7 @@ def test_a_late_refusal_lifts_the_hold_at_once(daemon):
             err = _stopped_load(daemon, c, keys_for(2, 43), [8, 99])
             assert c.held_blocks() == {8, 99}
         finally:
-            os.kill(daemon.pid, signal.SIGCONT)
+            process_stop.go_on(daemon.pid)
         wait_until(lambda: err.unanswered.done(), 20, "the refusal read")
         assert not c._events and not c._replies, "the late refusal is nobody's: not kept"
 
@@ -149,13 +150,13 @@ def test_a_group_keeps_holding_a_hung_ranks_unanswered_load(run_dir):
         with GroupClient.connect(names, run_dir=run_dir, timeout=30, hang_s=0.5) as g:
             g.register_kv_cache(kv)
             g.offload(SRC, keys).wait(10)
-            os.kill(handles[1].pid, signal.SIGSTOP)
+            process_stop.stop(handles[1].pid)
             try:
                 task = g.load(keys, [20, 21, 22, 23])
                 assert task.num_blocks == 0 and list(g.missing) == [1]
                 assert g.held_blocks() >= {20, 21, 22, 23}, "the hung rank may still write them"
             finally:
-                os.kill(handles[1].pid, signal.SIGCONT)
+                process_stop.go_on(handles[1].pid)
             wait_until(lambda: not g.held_blocks(), 20, "both ranks' loads ending")
             for r in range(2):
                 assert all(torch.equal(kv[r][i][j][SRC], kv[r][i][j][[20, 21, 22, 23]])
@@ -180,7 +181,7 @@ def test_the_prefix_manager_does_not_hand_out_an_unanswered_loads_blocks(daemon)
 
         def lookup_then_hang(keys, timeout=None):
             found = lookup(keys, timeout)
-            os.kill(daemon.pid, signal.SIGSTOP)
+            process_stop.stop(daemon.pid)
             return found
 
         client.lookup = lookup_then_hang
@@ -190,7 +191,7 @@ def test_the_prefix_manager_does_not_hand_out_an_unanswered_loads_blocks(daemon)
             held = mgr.blocks.holds.held()
             assert len(held) == 3, "the blocks the load named are handed out"
         finally:
-            os.kill(daemon.pid, signal.SIGCONT)
+            process_stop.go_on(daemon.pid)
         wait_until(lambda: not mgr.blocks.holds.held(), 20, "the late load's end")
         mgr.release("b")
     finally:

@@ -36,6 +36,7 @@ import msgpack
 import numpy as np
 import zmq
 
+from kvcached.bench import process_stop
 from kvcached_client import (BlockHasher, Client, DaemonUnavailable, KvcachedTimeout,
                              RequestError, allocate_kv_cache, launch)
 from kvcached_proto import Op, encode, make_request, pack_block_ids, pack_keys
@@ -172,7 +173,7 @@ def _stopped_daemon(d, c, kv, keys, counts, out) -> None:
     try:
         c.pause()  # the load stays queued, then the daemon stops answering
         task = c.load(keys, range(HALF, BLOCKS))
-        os.kill(d.pid, signal.SIGSTOP)
+        process_stop.stop(d.pid)
         counts["faults_injected"] += 1
         try:
             try:
@@ -181,7 +182,7 @@ def _stopped_daemon(d, c, kv, keys, counts, out) -> None:
                 pass  # expected: the engine gives up on the load, its blocks stay held
             out["held_while_stopped"] = len(c.held_blocks())
         finally:
-            os.kill(d.pid, signal.SIGCONT)
+            process_stop.go_on(d.pid)
         start = time.monotonic()
         while c.held_blocks() and time.monotonic() - start < 10:
             time.sleep(0.005)

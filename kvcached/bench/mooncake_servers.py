@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 
+from kvcached.bench import process_stop
+
 
 def available() -> bool:
     try:
@@ -26,18 +28,6 @@ def available() -> bool:
 def _exe(name: str) -> str | None:
     here = os.path.join(os.path.dirname(sys.executable), name)
     return here if os.path.exists(here) else shutil.which(name)
-
-
-def _threads_stopped(pid: int) -> bool:
-    """Whether every thread of pid is in the stopped state (T in /proc/PID/task/*/stat)."""
-    states = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                states.append(f.read().rsplit(")", 1)[1].split()[0])
-        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
-            continue
-    return bool(states) and all(s == "T" for s in states)
 
 
 def free_port() -> int:
@@ -120,12 +110,10 @@ class MooncakeStore:
     def stop_master(self, stopped: bool) -> None:
         """SIGSTOP (a master that stops answering) or SIGCONT. Returns once every thread of the
         master is stopped (or none is): kill() returns before a busy thread has stopped."""
-        self.master.send_signal(signal.SIGSTOP if stopped else signal.SIGCONT)
-        deadline = time.monotonic() + 10
-        while _threads_stopped(self.master.pid) != stopped:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"mooncake_master did not {'stop' if stopped else 'go on'} in 10 s")
-            time.sleep(0.005)
+        if stopped:
+            process_stop.stop(self.master.pid, "mooncake_master")
+        else:
+            process_stop.go_on(self.master.pid, "mooncake_master")
 
     def close(self) -> None:
         for proc in (self.provider, self.master):

@@ -22,6 +22,7 @@ from conftest import disk_uri, sweep_crashed, unique_instance, wait_until  # noq
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo  # noqa: E402
 
 from kvcached_client import launch  # noqa: E402
+from kvcached.bench import process_stop  # noqa: E402
 
 KINDS = ("mha", "mla")
 
@@ -397,7 +398,7 @@ def _stored_pages(run_dir, n: int, seed: int, timeout_s: float):
         assert backend.batch_set_v1(keys, sp.pages_of(pool, src)) == [True] * n
         yield d, pool, backend, keys, dst, _snapshot(pool, src)
     finally:
-        os.kill(d.pid, signal.SIGCONT)  # (harmless on a running one)
+        process_stop.go_on(d.pid)  # (harmless on a running one)
         if backend is not None:
             backend.close()
         d.stop()
@@ -427,10 +428,10 @@ def test_a_load_the_daemon_froze_under_is_waited_for_until_it_ends(run_dir, monk
             owner.pause()  # the load stays queued
             caller, result = _get_in_thread(backend, pool, keys, dst)
             wait_until(lambda: owner.status()["tasks"]["queued"] >= 1, 5, "the load queued")
-            os.kill(d.pid, signal.SIGSTOP)
+            process_stop.stop(d.pid)
             caller.join(2.0)
             assert caller.is_alive(), "batch_get_v1 returned while the daemon could still copy"
-            os.kill(d.pid, signal.SIGCONT)
+            process_stop.go_on(d.pid)
             owner.resume()
             caller.join(10)
             assert not caller.is_alive()
@@ -445,11 +446,11 @@ def test_a_load_sent_to_a_frozen_daemon_is_waited_for_until_the_daemon_ends_it(r
     the late copy then landed in)."""
     monkeypatch.setenv("KVCACHED_HANG_S", "0.5")
     with _stored_pages(run_dir, 8, 14, timeout_s=5) as (d, pool, backend, keys, dst, want):
-        os.kill(d.pid, signal.SIGSTOP)
+        process_stop.stop(d.pid)
         caller, result = _get_in_thread(backend, pool, keys, dst)
         caller.join(2.0)  # four hang thresholds
         assert caller.is_alive(), "batch_get_v1 returned while the daemon could still take the load"
-        os.kill(d.pid, signal.SIGCONT)
+        process_stop.go_on(d.pid)
         caller.join(10)
         assert not caller.is_alive()
         assert result["got"] == [False] * 8  # not loaded as far as SGLang knows
