@@ -81,6 +81,9 @@ OP_SPECS: dict[Op, OpSpec] = {
                                                                         max_len=4 * 65536),
                                  Field("storage_hits", "uint", False, 0, hi=2**62),
                                  Field("unnoted", "uint", False, 0, hi=2**62))),
+        # the host tier's changes after event number `after`, at most `limit` of them
+        OpSpec(Op.KEY_EVENTS, (Field("after", "uint", hi=2**62),
+                               Field("limit", "uint", False, 4096, hi=65536))),
         OpSpec(Op.LOAD, (KEYS, BLOCKS, PRIORITY, *FENCE, Field("host_only", "bool", False, False)),
                needs_kv=True),
         OpSpec(

@@ -51,6 +51,14 @@ class LookupReply(TypedDict):
     storage: int
 
 
+class KeyEventsReply(TypedDict):
+    keys: bytes  # the events' keys back to back
+    visible: bytes  # one byte per key: 1 it became loadable, 0 it stopped being so
+    last: int  # the number of the last event given: the next request's `after`
+    gap: bool  # events after `after` are lost (or `after` is not this daemon's): start over
+    newest: int  # the number of the newest event (a new reader may start after it)
+
+
 class LoadReply(TypedDict):
     task: int
     slot: int
@@ -105,6 +113,7 @@ REPLIES: dict[Op, type] = {
     Op.HELLO: HelloReply, Op.PING: Empty, Op.STATUS: StatusReply, Op.SHUTDOWN: Empty,
     Op.BYE: Empty, Op.REGISTER_KV: RegisterKvReply, Op.UNREGISTER_KV: Empty,
     Op.OFFLOAD: OffloadReply, Op.LOOKUP: LookupReply, Op.LOAD: LoadReply, Op.LOOKUP_NOTES: Empty,
+    Op.KEY_EVENTS: KeyEventsReply,
     Op.PREFETCH: PrefetchReply, Op.CANCEL: CancelReply, Op.FLUSH: FlushReply,
     Op.DELETE: DeleteReply, Op.CLEAR: ClearReply, Op.PAUSE: Empty, Op.RESUME: Empty,
 }

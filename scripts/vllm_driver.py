@@ -226,6 +226,7 @@ def _args():
     ap.add_argument("--async-scheduling", action="store_true", help="(--inproc) vLLM's async "
                     "scheduling, its default on CUDA (its CPU platform turns it off)")
     ap.add_argument("--lora", action="store_true", help="enable_lora (rank <= 8, 2 at once)")
+    ap.add_argument("--kv-events", default="", help="publish vLLM's KV events on this zmq endpoint")
     ap.add_argument("--eagle", default="", help="speculative decoding with an EAGLE drafter "
                     "(2 tokens) written to this directory (random weights, the model's shape)")
     return ap.parse_args()
@@ -288,6 +289,8 @@ def _engine(args):
                enable_prefix_caching=not args.no_prefix_caching,
                max_num_batched_tokens=args.max_batched_tokens or None,
                tensor_parallel_size=args.tp, enable_lora=args.lora,
+               kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq",
+                                 "endpoint": args.kv_events} if args.kv_events else None,
                **({"max_lora_rank": 8, "max_loras": 2} if args.lora else {}),
                speculative_config={"method": "eagle", "model": args.eagle,
                                    "num_speculative_tokens": 2} if args.eagle else None)

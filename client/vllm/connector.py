@@ -44,13 +44,9 @@ Refused at start-up, by name: pipeline and context parallelism, a model with sev
 groups (or none) or one whose attention is not full (sliding-window, chunked-local), and layers
 whose KV blocks differ in shape or dtype (the worker core's register).
 
-kv_connector_extra_config: instance (default "default") or instances, run_dir, timeout_s (5),
-hang_s (the hang threshold, default $KVCACHED_HANG_S or 2), staging_blocks (512), mode (auto:
-direct where the daemon can map the KV, else staging; or staging, or direct), storage_hits
-(prefetch: brought into the host tier between steps, what the daemon will not prefetch, e.g.
-under its --prefetch-threshold-tokens, is recomputed; or inline: the load reads storage within
-the step), prefetch_timeout_s (5: a prefetch not ended by then, plus timeout_s, gives no hit),
-namespace (a salt, e.g. a tenant), weights_version.
+kv_connector_extra_config (instance or instances, run_dir, timeout_s, hang_s, staging_blocks, mode,
+storage_hits, prefetch_timeout_s, namespace, weights_version, consumer_wait_s): docs/engines.md.
+With vLLM's KV events on, the blocks the daemons hold are reported too (kv_events.py).
 
 Weights changed in place (vLLM's RL API, reload_weights, an RL framework's worker extension)
 key the blocks anew, under the weight version set or a new salt (weight_updates.py).
@@ -95,6 +91,7 @@ from .checks import (
     rank_instances,
 )
 from .freshness import Freshness
+from .kv_events import KVEventsReporter
 from .request_keys import drops_last_block, model_factors, request_parts
 from .stats import KvcachedConnectorStats, KvcachedPromMetrics, interval
 
@@ -207,6 +204,8 @@ class KvcachedConnector(KVConnectorBase_V1):
         self.disabled = False  # set where re-keying after a weight update failed: no hit, no save
         self.stores = not consumer
         self.fresh = Freshness()  # which requests' blocks may be stored (freshness.py)
+        self.kv_events = KVEventsReporter.for_engine(self._vllm_config, self._kv_cache_config,
+                                                     self.key_scheme, self.link, self.block_size)
         weight_updates.watch(self)
 
     def _init_worker(self, instances: list[str], link_args: dict, extra: dict) -> None:
@@ -288,6 +287,7 @@ class KvcachedConnector(KVConnectorBase_V1):
         keys = self._keys(state, start + n)
         self._loads[request.request_id] = BlockTransfer(
             request.request_id, keys[start:start + n], list(block_ids[start:start + n]))
+        self.kv_events.loading(request, start, keys[start:start + n])
         state.saved_blocks = start + n  # the daemon has these already
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
@@ -331,6 +331,7 @@ class KvcachedConnector(KVConnectorBase_V1):
         if full > state.saved_blocks:
             meta.saves.append(BlockTransfer(state.request.request_id, keys[state.saved_blocks:full],
                                             state.block_ids[state.saved_blocks:full]))
+            self.kv_events.saving(state.request, state.saved_blocks, keys[state.saved_blocks:full])
             state.saved_blocks = full
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -349,15 +350,13 @@ class KvcachedConnector(KVConnectorBase_V1):
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config=None) -> bool:
-        """vLLM 0.33 asks before it enables sleep mode: no. Sleep mode allocates the KV through
-        CuMem, which CUDA IPC cannot export, and moves it at wake-up under the daemon's mapping;
-        vLLM then refuses the combination at start with its own message."""
+        """vLLM 0.33 asks before it enables sleep mode: no (its KV, allocated through CuMem, is
+        not exportable over CUDA IPC and moves at wake-up); vLLM then refuses it at start."""
         return False
 
     @property
     def requires_kv_delivery(self) -> bool:
-        """No (vLLM's default for kv_both is yes): a save a preemption cuts short is a later miss,
-        so vLLM keeps the in-flight output of a request it preempts instead of computing it again."""
+        """No (vLLM's default for kv_both is yes): a save a preemption cuts short is a later miss."""
         return False
 
     def reset_cache(self) -> bool:
@@ -384,8 +383,7 @@ class KvcachedConnector(KVConnectorBase_V1):
                  if self.fresh.local_stale else "")
 
     def local_cache_emptied(self) -> None:
-        """vLLM emptied its own prefix cache (a reset_prefix_cache that took): every block it
-        holds from now on is computed under the current weights."""
+        """vLLM emptied its own prefix cache: what it holds from now on is the current weights'."""
         self.fresh.emptied()
 
     def adapter_loaded(self, lora) -> None:
@@ -409,6 +407,7 @@ class KvcachedConnector(KVConnectorBase_V1):
         for state in self._reqs.values():
             state.keys = []  # computed again under the new keys
         self.gate.forget_all()
+        self.kv_events.forget_all()  # nothing stored before is matched again
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
         """The hit split by where the daemon had it: its host tier, or a storage tier (disk,
@@ -419,6 +418,11 @@ class KvcachedConnector(KVConnectorBase_V1):
         stored = min(num_external_tokens, state.storage_tokens if state is not None else 0)
         out = {CacheHitSource.HOST: num_external_tokens - stored, CacheHitSource.DISK: stored}
         return {k: v for k, v in out.items() if v}
+
+    def take_events(self):
+        """vLLM's KV events (after each step) for the blocks the daemons hold (kv_events.py)."""
+        self.kv_events.poll(None if self.disabled else self.link.get())
+        return self.kv_events.take()
 
     def update_connector_output(self, connector_output) -> None:
         self._transfer_reqs.difference_update(connector_output.finished_sending or ())

@@ -17,8 +17,9 @@ from typing import Callable
 import torch
 
 from kvcached_proto import OP_SPECS, ErrorCode, Op
-from kvcached_proto.replies import (CancelReply, ClearReply, DeleteReply, Empty, LoadReply, LookupReply,
-                                    OffloadReply, PrefetchReply, RegisterKvReply)
+from kvcached_proto.replies import (CancelReply, ClearReply, DeleteReply, Empty, KeyEventsReply,
+                                    LoadReply, LookupReply, OffloadReply, PrefetchReply,
+                                    RegisterKvReply)
 from kvcached_proto.shm_layout import NUM_SLOTS, Flag, State
 
 from ..config import DaemonConfig
@@ -27,6 +28,7 @@ from ..copy.kv_mapping import KVRegistration
 from ..copy.transfer import CopyTask, TaskKind, TransferWorker
 from ..errors import OpError
 from .host_tier import HostTier
+from .key_events import KeyEvents
 from .key_publisher import KeyPublisher
 from .load_flow import LoadFlow
 from .offload_flow import OffloadFlow
@@ -75,7 +77,8 @@ class CacheService:
         self.host.on_evicted = self.storage.on_evicted  # write_back saves what is evicted
         self.storage.tiers.register_memory(self.host.pool.buffer.data_ptr(), self.host.pool.capacity_bytes)
         self.keys = KeyPublisher(cfg.instance, status_block.epoch, self.storage.tiers)
-        self.host.publish_to(self.keys.host)  # clients read the index from shared memory
+        self.key_events = KeyEvents()  # and follow its changes (the key_events op)
+        self.host.publish_to(self._visible)  # clients read the index from shared memory
         # runs work that may block (a drain) off the request thread; the server sets its
         # control worker's run_later here
         self.defer: Callable[[Callable[[], None]], None] = lambda work: work()
@@ -88,6 +91,7 @@ class CacheService:
             Op.OFFLOAD: self._offload,
             Op.LOOKUP: self._lookup,
             Op.LOOKUP_NOTES: self._lookup_notes,
+            Op.KEY_EVENTS: self._key_events,
             Op.LOAD: self._load,
             Op.PREFETCH: self._prefetch,
             Op.FLUSH: self.storage.flush,
@@ -181,6 +185,7 @@ class CacheService:
                     raise OpError(ErrorCode.KV_MISMATCH, f"host pool: {exc}") from None
                 if new_geometry:  # old blocks are void
                     self.host.reset_index()
+                    self.key_events.voided()
                     self.storage.drop_queued_backups()
                     self.keys.rebuild(self.host.pool.num_blocks, self.host.pool.geometry,
                                       self.host.pool.page_bytes)
@@ -266,6 +271,17 @@ class CacheService:
             self.hits["host_hits"] += hit
             self.hits["storage_hits"] += stored
         return LookupReply(host=hit, storage=stored)
+
+    def _visible(self, key: bytes, loadable: bool) -> None:
+        """(Host lock held.) The index's news of what it can load: the key table, the events."""
+        self.keys.host(key, loadable)
+        self.key_events.host(key, loadable)
+
+    def _key_events(self, client, req) -> KeyEventsReply:
+        with self.host.lock:
+            keys, visible, last, gap = self.key_events.since(req.body["after"], req.body["limit"])
+        return KeyEventsReply(keys=b"".join(keys), visible=visible, last=last, gap=gap,
+                              newest=self.key_events.last)
 
     def _lookup_notes(self, client, req) -> Empty:
         """What the client's local lookups saw (client/key_table.py): the policy's history, the

@@ -1,0 +1,260 @@
+"""vLLM's KV cache events for the blocks kvcached holds: `BlockStored` with medium "CPU" once a
+block the engine offloaded (or loaded from the daemon) is loadable from the daemon's host tier,
+`BlockRemoved` once it stops being so (evicted, deleted, cleared, the daemon gone). A KV-aware
+router that follows vLLM's event stream (`--kv-events-config`) then knows which prefixes a
+replica can load instead of computing. Inert unless vLLM's `enable_kv_cache_events` is on.
+
+Blocks are named as vLLM names its own: the request's block hash (vLLM's, at the block size,
+with its extra keys), its parent's, its tokens and its LoRA. The scheduler notes each block as
+it sends its save (`saving`) or plans its load from a hit (`loading`: the hit was in the host
+tier); `take_events` (vLLM asks after every step) follows every rank's daemon through the
+key_events op, at most every POLL_S, and reports a block once all of its keys on every rank are
+loadable (the shortest rank's hit is what a lookup gives), removed once one is not. A daemon
+first seen is followed from its newest event on, before the first save noted goes out; a daemon
+that replaced it (another epoch) from its first: what it holds came after.
+
+What it misses is only ever a hint left out, never a block announced that is not there: a
+daemon that restarted or a gap in its events (it keeps the last 65,536) reports every block of
+that rank removed; re-keyed blocks (a cache reset, new weights) are reported removed at once,
+as nothing stored under the old keys is matched again; past MAX_BLOCKS followed, the oldest is
+reported removed and forgotten. A block whose save the daemon skipped (it held the key already,
+not through this scheduler) is not announced. Storage tiers (disk, Redis) are not reported.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcached_proto import ErrorCode
+from kvcached_proto.errors import KvcachedError
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05  # the daemons are asked at most this often (one round trip per rank)
+MAX_BLOCKS = 200_000  # blocks followed; past it the oldest is reported removed and forgotten
+LIMIT = 16384  # events per request
+
+
+@dataclass(eq=False, slots=True)
+class _Block:
+    hash: Any  # vLLM's ExternalBlockHash
+    parent: Any
+    tokens: list
+    lora_id: int | None
+    lora_name: str | None
+    extra_keys: Any
+    keys: tuple  # (rank, daemon key) of each of its kernel blocks on each rank
+    missing: int  # of those, how many are not loadable
+    announced: bool = False
+
+
+@dataclass
+class _Cursor:
+    epoch: int
+    last: int
+
+
+@dataclass
+class KVEventsReporter:
+    key_scheme: Any
+    link: Any  # the scheduler's DaemonLink or GroupLink
+    block_size: int
+    hash_block_size: int
+    enabled: bool = True
+    max_blocks: int = MAX_BLOCKS
+    poll_s: float = POLL_S
+    _blocks: OrderedDict = field(default_factory=OrderedDict)  # vLLM hash -> _Block
+    _by_key: dict = field(default_factory=dict)  # (rank, key) -> _Block
+    _present: set = field(default_factory=set)  # (rank, key) of the followed blocks now loadable
+    _cursors: dict = field(default_factory=dict)  # rank -> _Cursor
+    _out: list = field(default_factory=list)
+    _next_poll: float = 0.0
+
+    @classmethod
+    def for_engine(cls, vllm_config, kv_cache_config, key_scheme, link, block_size: int) -> "KVEventsReporter":
+        cfg = getattr(vllm_config, "kv_events_config", None)
+        hash_bs = getattr(kv_cache_config, "hash_block_size", None) or block_size
+        return cls(key_scheme, link, block_size, hash_bs,
+                   enabled=bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False)))
+
+    # ------------------------------------------------------------ noting
+    def saving(self, request, first: int, keys: list[bytes]) -> None:
+        """Blocks first.. of `request`, keyed `keys`, are being saved: announced once loadable."""
+        if self.enabled:
+            self._note(request, first, keys, present=False)
+
+    def loading(self, request, first: int, keys: list[bytes]) -> None:
+        """Blocks first.. of `request` are loaded from the host tier hit found just now."""
+        if self.enabled:
+            self._note(request, first, keys, present=True)
+
+    def _note(self, request, first: int, keys: list[bytes], present: bool) -> None:
+        if self.key_scheme.kernel_factor is None or not keys:
+            return
+        self._start(self.link.get())
+        if not self.enabled:
+            return
+        hashes = self._hashes(request)
+        if len(hashes) < first + len(keys):
+            return  # vLLM hashes only full blocks: ours are full too (never reached)
+        per_rank = [self.key_scheme.daemon_keys(keys, rank) for rank in range(self.key_scheme.tp_size)]
+        r = len(per_rank[0]) // len(keys)
+        for i in range(len(keys)):
+            block_keys = tuple((rank, k) for rank, ks in enumerate(per_rank) for k in ks[i * r:(i + 1) * r])
+            h = _external(hashes[first + i])
+            old = self._blocks.get(h)
+            if old is not None and old.keys == block_keys:
+                self._blocks.move_to_end(h)
+            else:
+                if old is not None:  # the same block under other keys (re-keyed): the old ones go
+                    self._forget(old)
+                self._blocks[h] = self._new_block(request, first + i, hashes, h, block_keys)
+                for k in block_keys:
+                    self._by_key[k] = self._blocks[h]
+            if present:
+                for k in block_keys:
+                    self._seen(k, True)
+        while len(self._blocks) > self.max_blocks:
+            self._forget(next(iter(self._blocks.values())))
+
+    def _hashes(self, request):
+        from vllm.v1.core.kv_cache_utils import resolve_block_hashes
+
+        return resolve_block_hashes(request.block_hashes, self.hash_block_size, self.block_size)
+
+    def _new_block(self, request, i: int, hashes, h, block_keys: tuple) -> _Block:
+        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+
+        bs = self.block_size
+        extra, _ = generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, 0)
+        lora = getattr(request, "lora_request", None)
+        return _Block(h, _external(hashes[i - 1]) if i else None,
+                      list(request.all_token_ids[i * bs:(i + 1) * bs]),
+                      lora.adapter_id if lora is not None else None,
+                      lora.name if lora is not None else None,
+                      to_event_extra_keys([extra]), block_keys,
+                      missing=sum(k not in self._present for k in block_keys))
+
+    def _forget(self, block: _Block) -> None:
+        if self._blocks.get(block.hash) is block:
+            del self._blocks[block.hash]
+        for k in block.keys:
+            if self._by_key.get(k) is block:
+                del self._by_key[k]
+                self._present.discard(k)
+        if block.announced:
+            self._removed(block)
+
+    def forget_all(self) -> None:
+        """Every block is keyed anew (a cache reset, new weights): none stored before is ever
+        matched again."""
+        for block in list(self._blocks.values()):
+            self._forget(block)
+
+    # ------------------------------------------------------------ following
+    def _seen(self, k: tuple, loadable: bool) -> None:
+        block = self._by_key.get(k)
+        if block is None or (k in self._present) == loadable:
+            return
+        if loadable:
+            self._present.add(k)
+            block.missing -= 1
+            if block.missing == 0 and not block.announced:
+                block.announced = True
+                self._out.append(self._stored(block))
+        else:
+            self._present.discard(k)
+            block.missing += 1
+            if block.announced:
+                self._removed(block)
+
+    def _rank_lost(self, rank: int) -> None:
+        """Rank `rank`'s events were missed (a gap, a new daemon): none of its keys is known
+        loadable any more."""
+        for k in [k for k in self._present if k[0] == rank]:
+            self._seen(k, False)
+
+    @staticmethod
+    def _ranks(link_client) -> list:
+        clients = getattr(link_client, "clients", None)
+        return list(enumerate(clients if clients is not None else [link_client]))
+
+    def _start(self, link_client) -> None:
+        """Cursors for the ranks whose daemon is not followed yet: from its newest event."""
+        if link_client is None or len(self._cursors) == self.key_scheme.tp_size:
+            return
+        for rank, client in self._ranks(link_client):
+            if client is not None and rank not in self._cursors:
+                try:
+                    self._cursors[rank] = _Cursor(client.epoch, client.key_events(0, 0)[3])
+                except KvcachedError as exc:
+                    self._failed(rank, exc)
+
+    def poll(self, link_client) -> None:
+        """Read every rank's events, at most every poll_s."""
+        now = time.monotonic()
+        if not self.enabled or now < self._next_poll or link_client is None:
+            return
+        self._next_poll = now + self.poll_s
+        self._start(link_client)
+        for rank, client in self._ranks(link_client):
+            if client is not None and rank in self._cursors:
+                self._poll_rank(rank, client)
+
+    def _poll_rank(self, rank: int, client) -> None:
+        cursor = self._cursors[rank]
+        if cursor.epoch != client.epoch:  # another daemon: the old one's host tier is gone, and
+            self._rank_lost(rank)  # what this one holds came after: all of its events count
+            cursor = self._cursors[rank] = _Cursor(client.epoch, 0)
+        for _ in range(8):  # at most 8 * LIMIT events per poll; the rest at the next
+            try:
+                events, last, gap, _ = client.key_events(cursor.last, LIMIT)
+            except KvcachedError as exc:
+                self._failed(rank, exc)
+                return
+            if gap and cursor.last:
+                log.info("[vllm] kv events of rank %d: some were missed; its blocks are reported "
+                         "removed", rank)
+                self._rank_lost(rank)
+            cursor.last = last
+            for key, loadable in events:
+                self._seen((rank, key), loadable)
+            if len(events) < LIMIT:
+                return
+
+    def _failed(self, rank: int, exc: KvcachedError) -> None:
+        if getattr(exc, "code", None) == ErrorCode.UNKNOWN_OP:  # a daemon older than 1.9
+            log.warning("[vllm] the daemon of rank %d has no key_events (protocol 1.9): the "
+                        "blocks kvcached holds are not reported in vLLM's KV events", rank)
+            self.enabled = False
+            self.forget_all()  # what another rank's daemon announced is reported removed
+        else:  # the daemon is gone or hung: the link sees it at the next lookup; try again then
+            log.debug("[vllm] kv events of rank %d: %s", rank, exc)
+
+    def take(self) -> list:
+        out, self._out = self._out, []
+        return out
+
+    # ------------------------------------------------------------ events
+    def _stored(self, block: _Block):
+        from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
+
+        return BlockStored(block_hashes=[block.hash], parent_block_hash=block.parent,
+                           token_ids=block.tokens, block_size=self.block_size,
+                           lora_id=block.lora_id, medium=MEDIUM_CPU, lora_name=block.lora_name,
+                           extra_keys=block.extra_keys, group_idx=0)
+
+    def _removed(self, block: _Block) -> None:
+        from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved
+
+        block.announced = False
+        self._out.append(BlockRemoved(block_hashes=[block.hash], medium=MEDIUM_CPU, group_idx=0))
+
+
+def _external(block_hash):
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    return maybe_convert_block_hash(block_hash)

@@ -1,0 +1,56 @@
+"""The host tier's changes of what it can load, in order, for clients that follow them (the
+key_events op): an engine's scheduler that reports its offloaded blocks to a KV-aware router
+(vLLM's KV events, client/vllm/kv_events.py).
+
+Each change is one event: a key became loadable (READY and not doomed) or stopped being so
+(evicted, deleted, cleared, doomed), as the index tells `on_visible`. The events sit in a ring of
+the last CAPACITY, numbered from 1; a client asks for those after the last number it saw. One
+that asks from before the ring's oldest, or from a number this daemon never gave, is told
+`gap`: it missed changes and must take none of what it believed as still true. A new block
+geometry voids every host block unheard (HostTier.reset_index): that is a gap for everyone.
+
+Called with the host tier's lock held (on_visible is, and the op takes it), so it needs no
+lock of its own; appending costs a deque append per key.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+
+CAPACITY = 65536
+
+
+class KeyEvents:
+    def __init__(self, capacity: int = CAPACITY):
+        self._ring: collections.deque = collections.deque(maxlen=capacity)
+        self._next = 1  # the number of the next event
+
+    def host(self, key: bytes, loadable: bool) -> None:
+        """(Host lock held.) `key` became loadable, or stopped being so."""
+        self._ring.append((key, loadable))
+        self._next += 1
+
+    def voided(self) -> None:
+        """(Host lock held.) Every host block is gone unheard: a gap for every reader (the
+        number skipped marks it even for one that had seen every event). Before any event
+        (a first registration) nothing was loadable: nothing is missed."""
+        if self._next > 1:
+            self._ring.clear()
+            self._next += 1
+
+    @property
+    def last(self) -> int:
+        """The number of the newest event (0: none yet)."""
+        return self._next - 1
+
+    def since(self, after: int, limit: int) -> tuple[list[bytes], bytes, int, bool]:
+        """(Host lock held.) Up to `limit` events after number `after`: (their keys, one byte
+        each: 1 loadable / 0 not, the number of the last one returned - the next `after` -,
+        gap). With a gap, the events are the ring's oldest on."""
+        oldest = self._next - len(self._ring)  # the number of the ring's first event
+        gap = after + 1 < oldest or after >= self._next
+        start = 0 if gap else after + 1 - oldest
+        taken = list(itertools.islice(self._ring, start, start + limit))
+        keys = [k for k, _ in taken]
+        visible = bytes(1 if v else 0 for _, v in taken)
+        return keys, visible, oldest + start + len(taken) - 1, gap
