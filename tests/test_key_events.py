@@ -40,6 +40,9 @@ def test_offloads_deletes_evictions_and_clears_are_told_in_order(run_dir):
         with d.connect() as c:
             kv = small_kv(num_layers=4, num_blocks=64, block_shape=(16, 8, 128))
             c.register_kv_cache(kv)
+            early = keys_for(2, 9)
+            c.offload([60, 61], early).wait(10)
+            c.delete(early)  # both changes came before anyone followed: none is kept
             assert c.key_events(0) == ([], 0, False, 0)
             first = keys_for(8, 1)
             c.offload(range(8), first).wait(10)

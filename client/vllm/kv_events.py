@@ -183,15 +183,23 @@ class KVEventsReporter:
         return list(enumerate(clients if clients is not None else [link_client]))
 
     def _start(self, link_client) -> None:
-        """Cursors for the ranks whose daemon is not followed yet: from its newest event."""
-        if link_client is None or len(self._cursors) == self.key_scheme.tp_size:
+        """Cursors for the ranks whose daemon is not followed yet: a daemon first seen from its
+        newest event; one that replaced the daemon followed before (another epoch) from its
+        first, the old one's blocks lost. Asking is what makes a daemon keep its changes."""
+        if link_client is None:
             return
         for rank, client in self._ranks(link_client):
-            if client is not None and rank not in self._cursors:
-                try:
-                    self._cursors[rank] = _Cursor(client.epoch, client.key_events(0, 0)[3])
-                except KvcachedError as exc:
-                    self._failed(rank, exc)
+            cursor = self._cursors.get(rank)
+            if client is None or (cursor is not None and cursor.epoch == client.epoch):
+                continue
+            try:
+                newest = client.key_events(0, 0)[3]
+            except KvcachedError as exc:
+                self._failed(rank, exc)
+                continue
+            if cursor is not None:  # what this one holds came after: all of its events count
+                self._rank_lost(rank)
+            self._cursors[rank] = _Cursor(client.epoch, 0 if cursor is not None else newest)
 
     def poll(self, link_client) -> None:
         """Read every rank's events, at most every poll_s."""
@@ -201,14 +209,12 @@ class KVEventsReporter:
         self._next_poll = now + self.poll_s
         self._start(link_client)
         for rank, client in self._ranks(link_client):
-            if client is not None and rank in self._cursors:
+            cursor = self._cursors.get(rank)
+            if client is not None and cursor is not None and cursor.epoch == client.epoch:
                 self._poll_rank(rank, client)
 
     def _poll_rank(self, rank: int, client) -> None:
         cursor = self._cursors[rank]
-        if cursor.epoch != client.epoch:  # another daemon: the old one's host tier is gone, and
-            self._rank_lost(rank)  # what this one holds came after: all of its events count
-            cursor = self._cursors[rank] = _Cursor(client.epoch, 0)
         for _ in range(8):  # at most 8 * LIMIT events per poll; the rest at the next
             try:
                 events, last, gap, _ = client.key_events(cursor.last, LIMIT)

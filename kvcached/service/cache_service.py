@@ -77,8 +77,8 @@ class CacheService:
         self.host.on_evicted = self.storage.on_evicted  # write_back saves what is evicted
         self.storage.tiers.register_memory(self.host.pool.buffer.data_ptr(), self.host.pool.capacity_bytes)
         self.keys = KeyPublisher(cfg.instance, status_block.epoch, self.storage.tiers)
-        self.key_events = KeyEvents()  # and follow its changes (the key_events op)
-        self.host.publish_to(self._visible)  # clients read the index from shared memory
+        self.key_events = KeyEvents()  # and follow its changes (key_events: from the first one)
+        self.host.publish_to(self.keys.host)  # clients read the index from shared memory
         # runs work that may block (a drain) off the request thread; the server sets its
         # control worker's run_later here
         self.defer: Callable[[Callable[[], None]], None] = lambda work: work()
@@ -279,6 +279,9 @@ class CacheService:
 
     def _key_events(self, client, req) -> KeyEventsReply:
         with self.host.lock:
+            if not self.key_events.followed:  # changes are kept from the first request on: a
+                self.key_events.followed = True  # daemon nobody follows pays nothing per key
+                self.host.publish_to(self._visible)
             keys, visible, last, gap = self.key_events.since(req.body["after"], req.body["limit"])
         return KeyEventsReply(keys=b"".join(keys), visible=visible, last=last, gap=gap,
                               newest=self.key_events.last)
