@@ -421,7 +421,7 @@ class KvcachedConnector(KVConnectorBase_V1):
 
     def take_events(self):
         """vLLM's KV events (after each step) for the blocks the daemons hold (kv_events.py)."""
-        self.kv_events.poll(None if self.disabled else self.link.get())
+        self.kv_events.poll(follow=not self.disabled)
         return self.kv_events.take()
 
     def update_connector_output(self, connector_output) -> None:

@@ -201,12 +201,16 @@ class KVEventsReporter:
                 self._rank_lost(rank)
             self._cursors[rank] = _Cursor(client.epoch, 0 if cursor is not None else newest)
 
-    def poll(self, link_client) -> None:
-        """Read every rank's events, at most every poll_s."""
+    def poll(self, follow: bool = True) -> None:
+        """Read every rank's events, at most every poll_s (nothing where `follow` is False: the
+        link is closed)."""
         now = time.monotonic()
-        if not self.enabled or now < self._next_poll or link_client is None:
+        if not self.enabled or not follow or now < self._next_poll:
             return
         self._next_poll = now + self.poll_s
+        link_client = self.link.get()
+        if link_client is None:
+            return
         self._start(link_client)
         for rank, client in self._ranks(link_client):
             cursor = self._cursors.get(rank)
