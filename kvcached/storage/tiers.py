@@ -23,7 +23,7 @@ from .base import StorageBackend
 from .disk import DiskBackend
 from .owed_clear import OwedRecord
 from .record import StoredKeys
-from .uris import REDIS_SCHEMES, redact
+from .uris import REDIS_SCHEMES, redact, scheme_of
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ EXPECTED = ("disk:///path, redis[s]://host:port/db, redis[s]+cluster://host:port
 
 def parse_uri(uri: str) -> dict:
     """Check a storage URI's form and options without opening anything."""
-    scheme = uri.split("://", 1)[0] if "://" in uri else ""
+    scheme = scheme_of(uri)
     if scheme == "disk":
         from .uris import parse_disk_uri as parse
     elif scheme in REDIS_SCHEMES:
@@ -47,7 +47,7 @@ def parse_uri(uri: str) -> dict:
 
 
 def open_backend(uri: str, on_ready=None) -> StorageBackend:
-    scheme = uri.split("://", 1)[0] if "://" in uri else ""
+    scheme = scheme_of(uri)
     if scheme == "disk":
         return DiskBackend.from_uri(uri, on_ready)
     if scheme in REDIS_SCHEMES:

@@ -10,13 +10,18 @@ DISK_IO_TIMEOUT_S = 5.0  # a disk tier's file I/O deadline unless the URI says i
 MOONCAKE_IO_TIMEOUT_S = 0.5  # a Mooncake tier's call deadline unless the URI says io_timeout_s
 
 
+def scheme_of(uri: str) -> str:
+    """The URI's scheme ("disk", "redis+sentinel", ...), "" without one."""
+    return uri.split("://", 1)[0] if "://" in uri else ""
+
+
 def redact(uri: str) -> str:
     """The URI with the password of its userinfo replaced by ***."""
     try:
         url = urlsplit(uri)
         password = url.password
     except ValueError:  # a malformed netloc: show no userinfo at all
-        return uri.split("://", 1)[0] + "://***" if "@" in uri else uri
+        return scheme_of(uri) + "://***" if "@" in uri else uri
     if password is None:
         return uri
     host = url.netloc.rsplit("@", 1)[1]
@@ -106,7 +111,7 @@ def parse_redis_uri(uri: str) -> dict:
     """A Redis tier's URI (redis_store.py says what they mean), its parts and options checked
     (no connection is made). Messages show the URI without its password."""
     shown = redact(uri)
-    scheme = uri.split("://", 1)[0] if "://" in uri else ""
+    scheme = scheme_of(uri)
     sentinel = scheme.endswith("+sentinel")
     try:
         url = urlparse(uri)
