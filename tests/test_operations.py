@@ -197,6 +197,8 @@ def test_every_reply_and_task_event_carries_the_fields_its_type_names(daemon):
         check(Op.LOOKUP, c._request(Op.LOOKUP, keys=pack_keys(keys)))
         check(Op.LOOKUP_NOTES, c._request(Op.LOOKUP_NOTES, keys=pack_keys(keys),
                                           counts=pack_block_ids([len(keys)])))
+        events = check(Op.KEY_EVENTS, c._request(Op.KEY_EVENTS, after=0))
+        assert events["gap"] is False and events["newest"] == 0  # kept from this request on
         load = check(Op.LOAD, c._request(Op.LOAD, keys=pack_keys(keys), blocks=pack_block_ids([8, 9, 10, 11])))
         check_event(c, Op.LOAD, load["task"])
         check(Op.PREFETCH, c._request(Op.PREFETCH, keys=pack_keys(keys)))

@@ -387,14 +387,14 @@ class KvcachedConnector(KVConnectorBase_V1):
         self.fresh.emptied()
 
     def adapter_loaded(self, lora) -> None:
-        """vLLM's add_lora loaded LoRA adapter `lora`; loaded again, its blocks are keyed anew
-        and what runs on its old KV is not stored (freshness.py)."""
+        """vLLM's add_lora loaded `lora`; loaded again, its blocks are keyed anew (freshness.py)."""
         mine = [s for s in self._reqs.values()
                 if getattr(getattr(s.request, "lora_request", None), "lora_name", None) == lora.lora_name]
         if self.fresh.adapter_loaded(lora, mine):
             for state in mine:
                 state.keys = []
                 self.gate.forget(state.request.request_id)
+            self.kv_events.forget_lora(lora.lora_name)  # stored before: never matched again
             log.info("[vllm] LoRA adapter %r loaded again: its blocks are keyed anew", lora.lora_name)
 
     def close_link(self) -> None:

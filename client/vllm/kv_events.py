@@ -13,12 +13,14 @@ loadable (the shortest rank's hit is what a lookup gives), removed once one is n
 first seen is followed from its newest event on, before the first save noted goes out; a daemon
 that replaced it (another epoch) from its first: what it holds came after.
 
-What it misses is only ever a hint left out, never a block announced that is not there: a
-daemon that restarted or a gap in its events (it keeps the last 65,536) reports every block of
-that rank removed; re-keyed blocks (a cache reset, new weights) are reported removed at once,
-as nothing stored under the old keys is matched again; past MAX_BLOCKS followed, the oldest is
-reported removed and forgotten. A block whose save the daemon skipped (it held the key already,
-not through this scheduler) is not announced. Storage tiers (disk, Redis) are not reported.
+Where it cannot know, it leaves a hint out rather than keep one that may be false: a daemon
+that restarted or a gap in its events (it keeps the last 65,536) reports every block of that rank
+removed; re-keyed blocks (a cache reset, new weights; a LoRA adapter loaded again, its own) are
+reported removed at once, as nothing stored under the old keys is matched again; past
+MAX_BLOCKS followed, the oldest is reported removed and forgotten. A block whose save the daemon
+skipped (it held the key already, not through this scheduler) is not announced. A daemon's
+change reaches vLLM's stream at the first step at least POLL_S after the previous poll (an idle
+engine publishes nothing). Storage tiers (disk, Redis) are not reported.
 """
 from __future__ import annotations
 
@@ -152,6 +154,11 @@ class KVEventsReporter:
         """Every block is keyed anew (a cache reset, new weights): none stored before is ever
         matched again."""
         for block in list(self._blocks.values()):
+            self._forget(block)
+
+    def forget_lora(self, name: str) -> None:
+        """LoRA adapter `name` was loaded again: its blocks are keyed anew."""
+        for block in [b for b in self._blocks.values() if b.lora_name == name]:
             self._forget(block)
 
     # ------------------------------------------------------------ following

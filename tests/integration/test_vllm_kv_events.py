@@ -44,10 +44,10 @@ def _connector(model_dir, instance="unused", run_dir="/nonexistent", events: boo
     return c
 
 
-def _request(rid: str, tokens=TOKENS) -> Request:
+def _request(rid: str, tokens=TOKENS, **kw) -> Request:
     init_none_hash(sha256)
     return Request(rid, tokens, SamplingParams(max_tokens=1), None,
-                   block_hasher=get_request_block_hasher(BS, sha256))
+                   block_hasher=get_request_block_hasher(BS, sha256), **kw)
 
 
 def _save(c: KvcachedConnector, req: Request, blocks: int):
@@ -143,6 +143,28 @@ def test_offloaded_blocks_are_announced_once_loadable_and_removed_when_they_go(
     assert all(isinstance(e, BlockRemoved) for e in removed)
     assert sorted(h for e in removed for h in e.block_hashes) == sorted(_hashes(req, range(4)))
     fresh.shutdown()
+    c.shutdown()
+
+
+def test_a_lora_adapter_loaded_again_reports_its_blocks_removed(model_dir, run_dir, instance, daemon):
+    """Blocks carry their LoRA as vLLM's own events do; add_lora loading the adapter again keys
+    its blocks anew: they are reported removed, the base model's stay."""
+    from vllm.lora.request import LoRARequest
+
+    c = _connector(model_dir, instance, run_dir)
+    adapter = LoRARequest("a", 1, "/adapters/a")
+    base, tuned = _request("base"), _request("tuned", lora_request=adapter)
+    assert _hashes(base, [0]) != _hashes(tuned, [0])  # vLLM keys the adapter's blocks apart
+    for req, blocks in ((base, range(4)), (tuned, range(4, 8))):
+        save = _save(c, req, 4)
+        daemon.worker.offload(blocks, c.key_scheme.daemon_keys(save.keys)).wait(10)
+    events = c.take_events()
+    assert [(e.lora_name, e.lora_id) for e in events] == [(None, None)] * 4 + [("a", 1)] * 4
+    c.adapter_loaded(adapter)  # its first load: nothing changes
+    c.adapter_loaded(adapter)  # loaded again
+    removed = c.take_events()
+    assert all(isinstance(e, BlockRemoved) for e in removed)
+    assert sorted(h for e in removed for h in e.block_hashes) == sorted(_hashes(tuned, range(4)))
     c.shutdown()
 
 
