@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcached_proto import ErrorCode
-from kvcached_proto.errors import KvcachedError
+from kvcached_proto.errors import DaemonUnavailable, KvcachedError, KvcachedTimeout
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,11 @@ class KVEventsReporter:
     def _rank_lost(self, rank: int) -> None:
         """Rank `rank`'s events were missed (a gap, a new daemon): none of its keys is known
         loadable any more."""
-        for k in [k for k in self._present if k[0] == rank]:
+        lost = [k for k in self._present if k[0] == rank]
+        if lost:
+            log.info("[vllm] kv events of rank %d: its daemon's changes were missed (a gap or a "
+                     "new daemon); its %d keys held are reported removed", rank, len(lost))
+        for k in lost:
             self._seen(k, False)
 
     @staticmethod
@@ -232,9 +236,7 @@ class KVEventsReporter:
             except KvcachedError as exc:
                 self._failed(rank, exc)
                 return
-            if gap and cursor.last:
-                log.info("[vllm] kv events of rank %d: some were missed; its blocks are reported "
-                         "removed", rank)
+            if gap:  # what it believed of the rank may be stale: every key of it counts as gone
                 self._rank_lost(rank)
             cursor.last = last
             for key, loadable in events:
@@ -248,8 +250,10 @@ class KVEventsReporter:
                         "blocks kvcached holds are not reported in vLLM's KV events", rank)
             self.enabled = False
             self.forget_all()  # what another rank's daemon announced is reported removed
-        else:  # the daemon is gone or hung: the link sees it at the next lookup; try again then
-            log.debug("[vllm] kv events of rank %d: %s", rank, exc)
+        elif isinstance(exc, (DaemonUnavailable, KvcachedTimeout)):  # the link sees it at the
+            log.debug("[vllm] kv events of rank %d: %s", rank, exc)  # next lookup; again then
+        else:  # a refusal that is not the daemon's absence: said, asked again at the next poll
+            log.warning("[vllm] kv events of rank %d: %s", rank, exc)
 
     def take(self) -> list:
         out, self._out = self._out, []

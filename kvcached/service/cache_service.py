@@ -283,8 +283,8 @@ class CacheService:
                 self.key_events.followed = True  # daemon nobody follows pays nothing per key
                 self.host.publish_to(self._visible)
             keys, visible, last, gap = self.key_events.since(req.body["after"], req.body["limit"])
-        return KeyEventsReply(keys=b"".join(keys), visible=visible, last=last, gap=gap,
-                              newest=self.key_events.last)
+            newest = self.key_events.last
+        return KeyEventsReply(keys=b"".join(keys), visible=visible, last=last, gap=gap, newest=newest)
 
     def _lookup_notes(self, client, req) -> Empty:
         """What the client's local lookups saw (client/key_table.py): the policy's history, the

@@ -91,8 +91,8 @@ class RedisBackend(OwesClears, StorageBackend):
         self.cluster = opts["cluster"]
         self.prefix, self.ttl_s = opts["prefix"], opts["ttl_s"]
         host, port, db, sentinels = opts["host"], opts["port"], opts["db"], opts["sentinels"]
-        where = (f"{opts['service']}@{','.join(sorted(f'{h}:{p}' for h, p in sentinels))}" if sentinels
-                 else f"{host}:{port}")  # (the sentinels in any order: the same store)
+        self._sentinels = ",".join(sorted(f"{h}:{p}" for h, p in sentinels or ()))  # (any order: one store)
+        where = f"{opts['service']}@{self._sentinels}" if sentinels else f"{host}:{port}"
         kind = "-cluster" if self.cluster else "-sentinel" if sentinels else ""
         self._store_id = (f"redis{kind}://{where}/{db}"
                           f"?prefix={self.prefix.decode(errors='replace')}")  # (owed_clear.py)
@@ -130,8 +130,7 @@ class RedisBackend(OwesClears, StorageBackend):
         self.counters["errors"] += 1
         text = str(exc)
         if isinstance(exc, self._redis.sentinel.MasterNotFoundError):  # (its text: every
-            sentinels = self._store_id.split("@", 1)[1].split("/", 1)[0]  # sentinel client's repr)
-            text = f"no sentinel of {sentinels} names a primary for the service"
+            text = f"no sentinel of {self._sentinels} names a primary for the service"  # client's repr)
         self.last_error = f"{type(exc).__name__}: {text}"[:MAX_ERROR_CHARS]
         with self._lock:
             if self._healthy:
