@@ -32,6 +32,37 @@ def test_the_ring_numbers_events_and_says_when_a_reader_missed_some():
     assert ev.since(8, 10) == ([], b"", 8, False)
 
 
+def test_the_ring_answers_as_a_list_of_every_event_would_at_any_place_and_wrap():
+    """The slot ring against the plainest model (every event ever, the last `cap` kept), for
+    random appends, voids and reads from any number, across many wraps."""
+    import random
+    rng = random.Random(7)
+    cap = 13
+    ev, every, oldest = KeyEvents(capacity=cap), [None], 1  # every[n]: event n (1-based)
+    for _ in range(3000):
+        roll = rng.random()
+        if roll < 0.6:
+            key, flag = rng.randbytes(16), rng.random() < 0.5
+            ev.host(key, flag)
+            every.append((key, flag))
+            oldest = max(oldest, len(every) - cap)
+        elif roll < 0.62:
+            if len(every) > 1:
+                every.append(None)  # the number a void skips
+                oldest = len(every)
+            ev.voided()
+        else:
+            nxt = len(every)
+            after, limit = rng.randrange(0, nxt + 3), rng.randrange(0, cap + 3)
+            gap = after + 1 < oldest or after >= nxt
+            first = oldest if gap else after + 1
+            taken = every[first:min(nxt, first + limit)]
+            want = ([k for k, _ in taken], bytes(int(f) for _, f in taken),
+                    first + len(taken) - 1, gap)
+            assert ev.since(after, limit) == want, (after, limit, nxt, oldest)
+            assert ev.last == nxt - 1
+
+
 def test_offloads_deletes_evictions_and_clears_are_told_in_order(run_dir):
     name = unique_instance("ke")
     # 256 KiB blocks, a 10 MB host tier: about 38 of them

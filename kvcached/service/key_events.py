@@ -16,30 +16,39 @@ on (`followed`): until then a daemon pays nothing per key for it (a call and an 
 """
 from __future__ import annotations
 
-import collections
-import itertools
-
 CAPACITY = 65536
 
 
 class KeyEvents:
+    """Event number n sits in slot (n - 1) % capacity, its key in `_keys` and its loadable flag
+    in `_flags`: a reply is two slices at most, whatever its place in the ring (a walk from the
+    oldest, as a deque's, cost a caught-up follower 0.4 ms under the host lock per poll)."""
+
     def __init__(self, capacity: int = CAPACITY):
-        self._ring: collections.deque = collections.deque(maxlen=capacity)
+        self._cap = capacity
+        self._keys: list = [None] * capacity
+        self._flags = bytearray(capacity)
         self._next = 1  # the number of the next event
+        self._oldest = 1  # the number of the ring's oldest event (== _next: none)
         self.followed = False  # set by the service at the first request: changes are kept
 
     def host(self, key: bytes, loadable: bool) -> None:
         """(Host lock held.) `key` became loadable, or stopped being so."""
-        self._ring.append((key, loadable))
+        slot = (self._next - 1) % self._cap
+        self._keys[slot] = key
+        self._flags[slot] = loadable
         self._next += 1
+        if self._next - self._oldest > self._cap:
+            self._oldest += 1
 
     def voided(self) -> None:
         """(Host lock held.) Every host block is gone unheard: a gap for every reader (the
         number skipped marks it even for one that had seen every event). Before any event
         (a first registration) nothing was loadable: nothing is missed."""
         if self._next > 1:
-            self._ring.clear()
+            self._keys = [None] * self._cap  # the old keys are not kept alive
             self._next += 1
+            self._oldest = self._next
 
     @property
     def last(self) -> int:
@@ -50,10 +59,15 @@ class KeyEvents:
         """(Host lock held.) Up to `limit` events after number `after`: (their keys, one byte
         each: 1 loadable / 0 not, the number of the last one returned - the next `after` -,
         gap). With a gap, the events are the ring's oldest on."""
-        oldest = self._next - len(self._ring)  # the number of the ring's first event
-        gap = after + 1 < oldest or after >= self._next
-        start = 0 if gap else after + 1 - oldest
-        taken = list(itertools.islice(self._ring, start, start + limit))
-        keys = [k for k, _ in taken]
-        visible = bytes(1 if v else 0 for _, v in taken)
-        return keys, visible, oldest + start + len(taken) - 1, gap
+        gap = after + 1 < self._oldest or after >= self._next
+        first = self._oldest if gap else after + 1
+        count = max(0, min(limit, self._next - first))
+        slot = (first - 1) % self._cap
+        end = slot + count
+        if end <= self._cap:
+            keys, flags = self._keys[slot:end], bytes(self._flags[slot:end])
+        else:  # it wraps
+            end -= self._cap
+            keys = self._keys[slot:] + self._keys[:end]
+            flags = bytes(self._flags[slot:]) + bytes(self._flags[:end])
+        return keys, flags, first + count - 1, gap
