@@ -2,6 +2,7 @@
 writing when it came, a disk write begun before it that lands after it. Against a real daemon
 and redis-server; the disk tier's own logic in process, on a real directory (the storage
 flow's ordering with a held write: tests/test_load_flow.py)."""
+import collections
 import contextlib
 import os
 import threading
@@ -138,6 +139,57 @@ def test_owed_deletes_are_recorded_and_past_the_cap_become_an_owed_clear(tmp_pat
     third.owe_clear(OwedRecord(path))
     assert third._clear_owed and not third._owed_deletes
     assert open(path).read() == f"{store.uri}\n"
+
+
+class _UpStore(_DownStore):
+    """A store that does every delete and clear, and whose failover may lose them."""
+    _healthy = True
+
+    def __init__(self):
+        super().__init__()
+        self._done_lately, self.did = collections.deque(), []
+
+    def _clear_store(self):
+        self.did.append("clear")
+        return 0
+
+    def _delete_store(self, keys):
+        self.did.append(set(keys))
+        return len(keys)
+
+
+def test_a_failover_owes_again_the_deletes_and_clears_done_in_the_window_only(tmp_path, monkeypatch):
+    from kvcached.storage import owed_clear
+
+    now = [1000.0]
+    monkeypatch.setattr(owed_clear.time, "monotonic", lambda: now[0])
+    path = str(tmp_path / "i.clears-owed")
+    store = _UpStore()
+    store.owe_clear(OwedRecord(path))
+    keys = [bytes([i]) * 16 for i in range(4)]
+    store.delete(keys[:2])
+    now[0] += owed_clear.REDO_WINDOW_S + 1  # out of the window: not owed again
+    store.delete(keys[2:])
+    store.failed_over("a new primary")
+    assert store._owed_deletes == set(keys[2:]) and not store._clear_owed
+    assert store.last_error.startswith("2 deletes done or owed before the failover are owed (a new primary)")
+    assert OwedRecord(path).deletes(store.uri) == set(keys[2:])  # kept across a restart too
+    assert store._owed_now() and store.did[-1] == set(keys[2:]) and not store._owed_deletes
+    store.failed_over("another")  # what the probe did again is in the window too
+    assert store._owed_deletes == set(keys[2:])
+    store._owed_now()
+    store.clear()
+    store.failed_over("a third")  # a clear in the window: a clear owed again
+    assert store._clear_owed and not store._owed_deletes and open(path).read() == f"{store.uri}\n"
+    assert store._owed_now() and store.did[-1] == "clear" and not os.path.exists(path)
+    now[0] += owed_clear.REDO_WINDOW_S + 1
+    store.failed_over("a fourth")  # nothing in the window: nothing owed
+    assert not store._owes()
+    many = [i.to_bytes(16, "big") for i in range(MAX_OWED_DELETES // 2 + 1)]
+    store.delete(many)
+    store.delete(many)  # past the cap within the window: a failover owes a clear
+    store.failed_over("a fifth")
+    assert store._clear_owed and not store._owed_deletes
 
 
 def test_a_disk_delete_has_removed_the_files_when_it_returns(tmp_path):

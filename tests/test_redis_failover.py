@@ -6,8 +6,10 @@ primary. A Redis cluster (redis+cluster://) with a replica per primary: after ev
 took over, the same."""
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
+import threading
 import time
 
 import pytest
@@ -25,7 +27,8 @@ class SentinelServer:
     """A redis-server in sentinel mode monitoring `primary` as `mymaster` (quorum 1, the
     primary deemed down after 1 s without an answer)."""
 
-    def __init__(self, primary: RedisServer, password: str | None = None, tls: dict | None = None):
+    def __init__(self, primary: RedisServer, password: str | None = None, tls: dict | None = None,
+                 failover_timeout_ms: int = 10000):
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="kvsentinel-", dir="/tmp")
         self.tls = tls
@@ -37,7 +40,7 @@ class SentinelServer:
             f.write(f"{ports}bind 127.0.0.1\ndir {self.dir}\n"
                     f"sentinel monitor mymaster 127.0.0.1 {primary.port} 1\n"
                     "sentinel down-after-milliseconds mymaster 1000\n"
-                    "sentinel failover-timeout mymaster 10000\n")
+                    f"sentinel failover-timeout mymaster {failover_timeout_ms}\n")
             if password is not None:
                 f.write(f"sentinel auth-pass mymaster {password}\nrequirepass {password}\n")
         self.password = password
@@ -208,6 +211,98 @@ def test_after_a_failover_the_tier_serves_and_stores_through_the_promoted_replic
         pair.close()
 
 
+class _ReplicationLink:
+    """A TCP relay between a replica and its primary that can stop passing the primary's
+    stream on (`cut`): what the primary acknowledges after it never reaches the replica, as
+    when the primary is cut off from its replica and dies."""
+
+    def __init__(self, upstream_port: int):
+        self.upstream = upstream_port
+        self.cut = threading.Event()
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        self._socks = [self._server]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                down, _ = self._server.accept()
+                up = socket.create_connection(("127.0.0.1", self.upstream))
+            except OSError:
+                return
+            self._socks += [down, up]
+            threading.Thread(target=self._pump, args=(down, up, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, down, True), daemon=True).start()
+
+    def _pump(self, src, dst, from_primary):
+        try:
+            while data := src.recv(65536):
+                if not (from_primary and self.cut.is_set()):
+                    dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self):
+        for s in self._socks:
+            s.close()
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("what", ["delete", "clear"])
+def test_a_delete_or_clear_the_old_primary_lost_is_done_again_on_the_new_one(run_dir, instance, what):
+    """The primary acknowledges a delete (or a clear) that never reaches its replica (the
+    replication stream cut), then dies; the sentinel promotes the replica, which still holds the
+    blocks. The tier does again on the new primary what it did in the last REDO_WINDOW_S before
+    it serves: the blocks stay gone (they were hits again through the new primary before)."""
+    primary = RedisServer()
+    link = _ReplicationLink(primary.port)
+    replica = RedisServer(extra=["--replicaof", "127.0.0.1", str(link.port)])
+    # (a sentinel points a replica that follows another address at the primary once the
+    # failover timeout has passed since it found it: not within this test)
+    sentinel = SentinelServer(primary, failover_timeout_ms=120000)
+    h = None
+    try:
+        wait_until(lambda: sentinel.knows_replica(replica.port), 20, "the sentinel knows the replica")
+        kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=32, seed=14)
+        keys, kept = keys_for(4, 46), keys_for(2, 47)
+        h = start(run_dir, instance, f"redis+sentinel://127.0.0.1:{sentinel.port}/0?service=mymaster")
+        with h.connect(timeout=2.0) as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, list(range(4)))
+            wait_until(lambda: replica.client().exists(*_names(kv, keys)) == 4, 10, "replicated")
+            link.cut.set()
+            if what == "delete":
+                c.delete(keys)
+                offload_and_flush(c, kv, kept, list(range(4, 6)))  # stored after: kept
+            else:
+                c.clear()
+            assert primary.client().exists(*_names(kv, keys)) == 0
+            assert replica.client().exists(*_names(kv, keys)) == 4  # the stream was cut
+            primary.proc.kill()
+            primary.proc.wait(10)
+            wait_until(lambda: sentinel.primary_port() == replica.port, 30, "the replica promoted")
+            wait_until(lambda: _tier(c)["primary"] == f"127.0.0.1:{replica.port}", 5, "the new primary")
+            wait_until(lambda: _tier(c)["healthy"], 10, "the tier healthy")
+            assert replica.client().exists(*_names(kv, keys)) == 0, "the lost one done again"
+            c.clear(tier="host")
+            assert c.lookup(keys) == (0, 0)
+            assert c.load(keys, list(range(10, 14))).wait(10) == 0
+            if what == "delete":  # deletes are done again, not a clear: the rest is kept
+                assert _tier(c)["deletes_owed"] == 0
+    finally:
+        if h is not None:
+            h.stop()
+        for s in (sentinel, replica, primary):
+            s.close()
+        link.close()
+
+
 def _cluster_roles(port: int) -> dict[int, str]:
     """port -> master or slave, as the node at `port` sees the cluster."""
     out = subprocess.run(["redis-cli", "-p", str(port), "cluster", "nodes"], capture_output=True,
@@ -228,19 +323,9 @@ def test_after_a_cluster_failover_the_tier_serves_and_stores(run_dir, instance, 
     once the others have not heard from it for 1 s (cluster-node-timeout). The blocks stored
     before are hits through the new primaries (the cluster client follows the MOVED replies and
     refreshes its slot map), byte-exact, and new backups are stored and found."""
-    if shutil.which("redis-cli") is None:
-        pytest.skip("redis-cli is not installed")
-    ports = [free_port(with_bus=True) for _ in range(6)]
-    nodes = []
+    ports, nodes = [], []
     try:
-        for p in ports:
-            nodes.append(RedisServer(p, extra=["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{p}.conf",
-                                               "--cluster-node-timeout", "1000"]))
-        r = subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
-                            "--cluster-replicas", "1", "--cluster-yes"], capture_output=True, text=True, timeout=30)
-        assert r.returncode == 0, r.stdout + r.stderr
-        wait_until(lambda: sorted(_cluster_roles(ports[0]).values()) == ["master"] * 3 + ["slave"] * 3
-                   and all(_cluster_ok(p) for p in ports), 20, "the cluster formed")
+        _start_cluster(ports, nodes)
         kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=64, seed=13)
         keys = keys_for(12, 44)
         expected = snapshot(kv, list(range(12)))
@@ -277,6 +362,63 @@ def test_after_a_cluster_failover_the_tier_serves_and_stores(run_dir, instance, 
 
                 wait_until(stored_and_found, 10, "new backups stored and found")
                 wait_until(lambda: _tier(c)["healthy"], 5, "the tier healthy")
+        finally:
+            h.stop()
+    finally:
+        for n in nodes:
+            n.close()
+
+
+def _start_cluster(ports: list, nodes: list) -> None:
+    """Three primaries with a replica each (node timeout 1 s), their ports and RedisServers
+    appended to the lists (the caller closes them)."""
+    if shutil.which("redis-cli") is None:
+        pytest.skip("redis-cli is not installed")
+    ports += [free_port(with_bus=True) for _ in range(6)]
+    for p in ports:
+        nodes.append(RedisServer(p, extra=["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{p}.conf",
+                                           "--cluster-node-timeout", "1000"]))
+    r = subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+                        "--cluster-replicas", "1", "--cluster-yes"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stdout + r.stderr
+    wait_until(lambda: sorted(_cluster_roles(ports[0]).values()) == ["master"] * 3 + ["slave"] * 3
+               and all(_cluster_ok(p) for p in ports), 20, "the cluster formed")
+
+
+@pytest.mark.faults
+def test_a_cluster_failover_has_the_deletes_done_lately_done_again(run_dir, instance):
+    """Deleted blocks that a failover brings back (a primary that acknowledged the deletes and
+    died before its replica had them; here their records are written back before a failover is
+    asked, the state such a replica is in) are hits until the failover, and deleted again after
+    it, before the tier serves: the cluster's epoch rose. The blocks not deleted are kept."""
+    import redis.cluster
+
+    ports, nodes = [], []
+    try:
+        _start_cluster(ports, nodes)
+        kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=64, seed=15)
+        keys = keys_for(12, 48)
+        gone, kept = keys[6:], keys[:6]
+        h = start(run_dir, instance, f"redis+cluster://127.0.0.1:{ports[0]}")
+        try:
+            with h.connect(timeout=2.0) as c:
+                c.register_kv_cache(kv)
+                offload_and_flush(c, kv, keys, list(range(12)))
+                direct = redis.cluster.RedisCluster(host="127.0.0.1", port=ports[0])
+                records = {n: direct.get(n) for n in _names(kv, gone)}
+                c.delete(gone)
+                assert direct.exists(*records) == 0
+                for name, record in records.items():
+                    direct.set(name, record)
+                c.clear(tier="host")
+                assert [c.lookup([k]) for k in gone] == [(0, 1)] * 6  # (a lost delete: served)
+                replica = next(p for p, role in _cluster_roles(ports[0]).items() if role == "slave")
+                _failover(nodes[ports.index(replica)], replica)
+                wait_until(lambda: direct.exists(*records) == 0, 15, "the deletes done again")
+                wait_until(lambda: _tier(c)["healthy"], 10, "the tier healthy")
+                assert [c.lookup([k]) for k in gone] == [(0, 0)] * 6
+                assert c.lookup(kept) == (0, 6) and _tier(c)["deletes_owed"] == 0
+                direct.close()
         finally:
             h.stop()
     finally:

@@ -9,6 +9,12 @@ so a request's clear is never lost to the probe's. The owed state is logged once
 A `delete` the store cannot do is owed the same way: the keys are kept, the tier serves
 nothing until its probe has deleted them (past MAX_OWED_DELETES keys it owes a clear instead).
 
+A store whose failover may lose what the old primary acknowledged (Redis behind Sentinel or in
+a cluster: replication is asynchronous) keeps the deletes and clears it did in the last
+REDO_WINDOW_S (`_done_lately`); at a failover (`failed_over`) they are owed again, and the tier
+serves nothing until its probe has done them on the new primary: a delete or clear lost with
+the old primary does not bring its blocks back.
+
 Owed clears and deletes outlive the daemon (OwedRecord, a file in its run dir): a daemon stopped
 or killed while they are owed owes them again at its next start.
 
@@ -18,14 +24,17 @@ None when it could not (its failure already recorded, e.g. the tier marked down)
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import stat
 import threading
+import time
 
 log = logging.getLogger(__name__)
 
 MAX_OWED_DELETES = 10_000  # keys a tier keeps owed; past it, a clear
+REDO_WINDOW_S = 120.0  # a failover may lose what the old primary acknowledged this lately
 MAX_RECORD_BYTES = 64 << 20  # what the record is read up to; a larger one: every tier owes a clear
 
 
@@ -36,6 +45,8 @@ class OwesClears:
     _owed_record: "OwedRecord | None" = None  # set by the tiers: the owed clears on disk
     _LOG_TAG = "storage"
     _store_id = ""
+    _done_lately: "collections.deque | None" = None  # (monotonic, keys | None: a clear); set
+    _done_lately_keys = 0                            # by a store whose failover may lose them
 
     def _owes(self) -> bool:
         return self._clear_owed or bool(self._owed_deletes)
@@ -86,6 +97,7 @@ class OwesClears:
                 return 0  # everything goes with the owed clear
             got = self._delete_store(keys) if self._healthy else None
             if got is not None:
+                self._done(keys)
                 return got
             owed = set(self._owed_deletes) | set(keys)
             if len(owed) > MAX_OWED_DELETES:  # too many to keep: the whole tier goes instead
@@ -108,10 +120,50 @@ class OwesClears:
             if self._owed_deletes:
                 if self._delete_store(list(self._owed_deletes)) is None:
                     return False
+                self._done(self._owed_deletes)
                 self._owed_deletes = frozenset()
                 self._record_deletes()
                 self._owed_said = False
             return True
+
+    def _done(self, keys) -> None:
+        """(_clear_lock held.) The store did a delete of `keys`, or a clear (None): kept for
+        REDO_WINDOW_S where a failover may lose it. Past MAX_OWED_DELETES keys, a clear."""
+        lately = self._done_lately
+        if lately is None:
+            return
+        now = time.monotonic()
+        while lately and lately[0][0] < now - REDO_WINDOW_S:
+            self._done_lately_keys -= len(lately.popleft()[1] or ())
+        if keys is not None and self._done_lately_keys + len(keys) <= MAX_OWED_DELETES:
+            lately.append((now, frozenset(keys)))
+            self._done_lately_keys += len(keys)
+        else:
+            lately.clear()
+            lately.append((now, None))
+            self._done_lately_keys = 0
+
+    def failed_over(self, why: str) -> None:
+        """(The probe, a new primary found.) The deletes and clears done in the last
+        REDO_WINDOW_S may be lost with the old primary: owed again, so the tier serves nothing
+        until the probe has done them on the new one."""
+        with self._clear_lock:
+            horizon = time.monotonic() - REDO_WINDOW_S
+            redo = [keys for at, keys in self._done_lately or () if at >= horizon]
+            if not redo:
+                return
+            owed = set(self._owed_deletes)
+            if None not in redo:
+                owed.update(*redo)
+            self.last_error, self._owed_said = why, False
+            if None in redo or len(owed) > MAX_OWED_DELETES:
+                self._clear_owed = True
+                self._clear_locked(False)  # on record, said
+                self._owed_deletes = frozenset()
+            else:
+                self._owed_deletes = owed
+                self._say_owed(f"{len(owed)} deletes done or owed before the failover are owed")
+            self._record_deletes()
 
     def _record_deletes(self) -> None:
         if self._owed_record is not None:
@@ -130,6 +182,7 @@ class OwesClears:
     def _clear_locked(self, reachable: bool) -> int | None:
         got = self._clear_store() if reachable else None
         if got is not None:
+            self._done(None)
             self._clear_owed = self._owed_said = False
             if self._owed_record is not None:
                 self._owed_record.note(self.store_id, False)

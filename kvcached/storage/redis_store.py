@@ -9,7 +9,10 @@
 
 With sentinels, every new connection asks them where the primary is: after a failover the tier
 reaches the promoted replica (the connections to the old primary fail once, or are refused as
-READONLY, and the probe's next ping finds the new one). The user and password are the data
+READONLY, and the probe's next ping finds the new one). Replication is asynchronous, so the old primary
+may have acknowledged deletes and clears its replica never had: at a failover (behind Sentinel,
+the probe finds a new primary; in a cluster, the cluster's current epoch rose) the tier does
+again the deletes and clears it did in the last REDO_WINDOW_S before it serves (owed_clear.py). The user and password are the data
 nodes'; sentinel_auth=1 sends them to the sentinels too (sentinels with requirepass). A
 sentinel's port is 26379 unless given.
 
@@ -42,6 +45,7 @@ longer SOCKET_TIMEOUT_S and one quick retry.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -119,6 +123,9 @@ class RedisBackend(OwesClears, StorageBackend):
         self._sentinel_pools = ([c.connection_pool for c in (self._probe_client, self._client,
                                                              self._lookup_client)] if sentinels else [])
         self._primary = None
+        self._epoch = 0  # a cluster's current epoch, the highest seen: it grows at each failover
+        if sentinels or self.cluster:  # a failover may lose the deletes and clears done lately
+            self._done_lately = collections.deque()  # (owed_clear.py)
         self._probe_once()
         self._prober = threading.Thread(target=self._probe, name="kvcached-redis-probe", daemon=True)
         self._prober.start()
@@ -145,7 +152,10 @@ class RedisBackend(OwesClears, StorageBackend):
         try:
             if self._sentinel_pools:
                 self._follow_primary()
-            self._probe_client.ping()
+            if self.cluster:
+                self._follow_epoch()
+            else:
+                self._probe_client.ping()
         except Exception as exc:  # any failure: the tier is down until a ping answers
             self._failed(exc)
             return
@@ -165,10 +175,27 @@ class RedisBackend(OwesClears, StorageBackend):
             return
         for pool in others:
             pool.get_master_address()
-        if self._primary is not None:
+        old, self._primary = self._primary, primary
+        if old is not None:
             log.warning("[redis] %s: the sentinels name a new primary, %s:%s (was %s:%s)",
-                        self.uri, *primary, *self._primary)
-        self._primary = primary
+                        self.uri, *primary, *old)
+            self.failed_over("the sentinels named a new primary, %s:%s (was %s:%s)" % (*primary, *old))
+
+    def _follow_epoch(self) -> None:
+        """(The probe; a cluster.) Ask a node for the cluster's current epoch (which answers
+        as a ping does): a failover raises it. A node that has not heard of a raise yet answers
+        lower: only the highest counts."""
+        info = self._probe_client.execute_command("CLUSTER INFO")
+        if isinstance(info, bytes):
+            info = info.decode()
+        if isinstance(info, str):
+            info = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+        epoch = int(info["cluster_current_epoch"])
+        if epoch > self._epoch and self._epoch:
+            log.warning("[redis] %s: the cluster's epoch rose to %d (from %d): a failover or a new "
+                        "configuration", self.uri, epoch, self._epoch)
+            self.failed_over(f"the cluster's epoch rose to {epoch} (a failover or a new configuration)")
+        self._epoch = max(self._epoch, epoch)
 
     def _usable(self) -> bool:
         return self._healthy and not self._owes()
