@@ -20,7 +20,10 @@ reported removed at once, as nothing stored under the old keys is matched again;
 MAX_BLOCKS followed, the oldest is reported removed and forgotten. A block whose save the daemon
 skipped (it held the key already, not through this scheduler) is not announced. A daemon's
 change reaches vLLM's stream at the first step at least POLL_S after the previous poll (an idle
-engine publishes nothing). Storage tiers (disk, Redis) are not reported.
+engine publishes nothing). A request waits REQUEST_S at most: a daemon that is slow, hung or
+gone costs a step that long once, and is asked again after QUIET_S with twice the wait, up to
+MAX_REQUEST_S (a reply that comes late is dropped; the cursor stays where it was; the link drops
+a hung daemon's client after its hang_s). Storage tiers (disk, Redis) are not reported.
 """
 from __future__ import annotations
 
@@ -38,6 +41,9 @@ log = logging.getLogger(__name__)
 POLL_S = 0.05  # the daemons are asked at most this often (one round trip per rank)
 MAX_BLOCKS = 200_000  # blocks followed; past it the oldest is reported removed and forgotten
 LIMIT = 16384  # events per request
+REQUEST_S = 0.25  # a request's wait: a slower daemon is asked again later, the step goes on
+MAX_REQUEST_S = 2.0  # each request that runs out of time doubles the next one's wait, up to this
+QUIET_S = 1.0  # after a request that ran out of time or found no daemon, none for this long
 
 
 @dataclass(eq=False, slots=True)
@@ -68,12 +74,15 @@ class KVEventsReporter:
     enabled: bool = True
     max_blocks: int = MAX_BLOCKS
     poll_s: float = POLL_S
+    request_s: float = REQUEST_S
     _blocks: OrderedDict = field(default_factory=OrderedDict)  # vLLM hash -> _Block
     _by_key: dict = field(default_factory=dict)  # (rank, key) -> _Block
     _present: set = field(default_factory=set)  # (rank, key) of the followed blocks now loadable
     _cursors: dict = field(default_factory=dict)  # rank -> _Cursor
     _out: list = field(default_factory=list)
     _next_poll: float = 0.0
+    _quiet_until: float = 0.0  # (monotonic) no request before: the last one timed out
+    _wait_s: float = 0.0  # the next request's wait (0: request_s)
 
     @classmethod
     def for_engine(cls, vllm_config, kv_cache_config, key_scheme, link, block_size: int) -> "KVEventsReporter":
@@ -197,17 +206,17 @@ class KVEventsReporter:
         """Cursors for the ranks whose daemon is not followed yet: a daemon first seen from its
         newest event; one that replaced the daemon followed before (another epoch) from its
         first, the old one's blocks lost. Asking is what makes a daemon keep its changes."""
-        if link_client is None:
+        if link_client is None or time.monotonic() < self._quiet_until:
             return
         for rank, client in self._ranks(link_client):
             cursor = self._cursors.get(rank)
             if client is None or (cursor is not None and cursor.epoch == client.epoch):
                 continue
             try:
-                newest = client.key_events(0, 0)[3]
+                newest = client.key_events(0, 0, timeout=self._wait_s or self.request_s)[3]
             except KvcachedError as exc:
                 self._failed(rank, exc)
-                continue
+                return
             if cursor is not None:  # what this one holds came after: all of its events count
                 self._rank_lost(rank)
             self._cursors[rank] = _Cursor(client.epoch, 0 if cursor is not None else newest)
@@ -216,7 +225,7 @@ class KVEventsReporter:
         """Read every rank's events, at most every poll_s (nothing where `follow` is False: the
         link is closed)."""
         now = time.monotonic()
-        if not self.enabled or not follow or now < self._next_poll:
+        if not self.enabled or not follow or now < max(self._next_poll, self._quiet_until):
             return
         self._next_poll = now + self.poll_s
         link_client = self.link.get()
@@ -226,23 +235,28 @@ class KVEventsReporter:
         for rank, client in self._ranks(link_client):
             cursor = self._cursors.get(rank)
             if client is not None and cursor is not None and cursor.epoch == client.epoch:
-                self._poll_rank(rank, client)
+                if not self._poll_rank(rank, client):
+                    return
 
-    def _poll_rank(self, rank: int, client) -> None:
+    def _poll_rank(self, rank: int, client) -> bool:
+        """False: the request failed (the rest of the ranks wait for the next poll)."""
         cursor = self._cursors[rank]
         for _ in range(8):  # at most 8 * LIMIT events per poll; the rest at the next
             try:
-                events, last, gap, _ = client.key_events(cursor.last, LIMIT)
+                events, last, gap, _ = client.key_events(cursor.last, LIMIT,
+                                                         timeout=self._wait_s or self.request_s)
             except KvcachedError as exc:
                 self._failed(rank, exc)
-                return
+                return False
+            self._wait_s = 0.0
             if gap:  # what it believed of the rank may be stale: every key of it counts as gone
                 self._rank_lost(rank)
             cursor.last = last
             for key, loadable in events:
                 self._seen((rank, key), loadable)
             if len(events) < LIMIT:
-                return
+                return True
+        return True
 
     def _failed(self, rank: int, exc: KvcachedError) -> None:
         if getattr(exc, "code", None) == ErrorCode.UNKNOWN_OP:  # a daemon older than 1.9
@@ -250,8 +264,11 @@ class KVEventsReporter:
                         "blocks kvcached holds are not reported in vLLM's KV events", rank)
             self.enabled = False
             self.forget_all()  # what another rank's daemon announced is reported removed
-        elif isinstance(exc, (DaemonUnavailable, KvcachedTimeout)):  # the link sees it at the
-            log.debug("[vllm] kv events of rank %d: %s", rank, exc)  # next lookup; again then
+        elif isinstance(exc, (DaemonUnavailable, KvcachedTimeout)):  # slow, hung or gone: the
+            log.debug("[vllm] kv events of rank %d: %s", rank, exc)  # step goes on; asked again
+            self._quiet_until = time.monotonic() + QUIET_S  # after QUIET_S (the link sees a gone one)
+            if isinstance(exc, KvcachedTimeout):  # a daemon slower than the wait: a longer one
+                self._wait_s = min(MAX_REQUEST_S, 2 * (self._wait_s or self.request_s))
         else:  # a refusal that is not the daemon's absence: said, asked again at the next poll
             log.warning("[vllm] kv events of rank %d: %s", rank, exc)
 

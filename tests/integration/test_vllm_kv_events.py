@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -28,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"
 from conftest import small_kv, sweep_crashed, unique_instance, wait_until  # noqa: E402
 from vllm_model import write_model  # noqa: E402
 
+from kvcached.bench.process_stop import stopped  # noqa: E402
 from kvcached_client import GroupClient, launch  # noqa: E402
 from kvcached_client.vllm.connector import KvcachedConnector, KvcachedConnectorMetadata  # noqa: E402
 
@@ -35,8 +37,10 @@ BS = 16
 TOKENS = [(i * 53 + 7) % 1000 for i in range(BS * 4 + 3)]  # 4 full blocks and a partial one
 
 
-def _connector(model_dir, instance="unused", run_dir="/nonexistent", events: bool = True) -> KvcachedConnector:
+def _connector(model_dir, instance="unused", run_dir="/nonexistent", events: bool = True,
+               **extra) -> KvcachedConnector:
     config = vllm_config(model_dir, instance, run_dir, block_size=BS)
+    config.kv_transfer_config.kv_connector_extra_config.update(extra)
     if events:
         config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     c = KvcachedConnector(config, KVConnectorRole.SCHEDULER, None)
@@ -237,6 +241,31 @@ def test_under_tensor_parallelism_a_block_is_held_once_every_rank_holds_it(model
             sweep_crashed(n)
 
 
+def test_a_daemon_that_stops_answering_costs_a_step_a_short_wait_and_is_followed_again(
+        model_dir, run_dir, instance, daemon):
+    """The daemon stops (SIGSTOP) under a link that waits 30 s for a reply and takes a daemon
+    for hung after 60 s without a heartbeat: a step's poll gives up after its own short wait
+    (it waited the link's 30 s), the steps after it ask nothing for a while, and once the
+    daemon answers again its changes come as before, none lost (a late reply is dropped and
+    the cursor stays)."""
+    c = _connector(model_dir, instance, run_dir, timeout_s=30, hang_s=60)
+    req = _request("a")
+    save = _save(c, req, 4)
+    assert c.take_events() == []  # (the daemon followed)
+    with stopped(daemon.handle.pid):
+        began = time.monotonic()
+        assert c.take_events() == []
+        waited = time.monotonic() - began
+        assert waited < 5, f"a step waited {waited:.1f} s for a stopped daemon"
+        assert c.kv_events._quiet_until > time.monotonic()  # the next steps ask nothing
+        assert c.kv_events._wait_s == 0.5  # and the next request waits twice as long
+    daemon.worker.offload(save.block_ids, c.key_scheme.daemon_keys(save.keys)).wait(10)
+    got = []
+    wait_until(lambda: got.extend(c.take_events()) or len(got) >= 4, 10, "the blocks announced")
+    assert [e.block_hashes for e in got] == [[h] for h in _hashes(req, range(4))]
+    assert all(isinstance(e, BlockStored) for e in got) and c.kv_events._wait_s == 0.0
+
+
 def test_without_vllms_kv_events_nothing_is_followed(model_dir, run_dir, instance, daemon):
     c = _connector(model_dir, instance, run_dir, events=False)
     save = _save(c, _request("a"), 4)
@@ -320,7 +349,7 @@ def test_a_daemon_without_key_events_turns_them_off_with_one_warning(model_dir, 
 
     asked = []
 
-    def refuse(after, limit):
+    def refuse(after, limit, timeout=None):
         asked.append(after)
         raise request_error(int(ErrorCode.UNKNOWN_OP), "unknown op 27")
 
