@@ -426,6 +426,65 @@ def test_a_cluster_failover_has_the_deletes_done_lately_done_again(run_dir, inst
             n.close()
 
 
+def _cluster_without_cluster_info(ports: list, nodes: list) -> str:
+    """A cluster whose user `kv` may run everything but CLUSTER INFO: its URI."""
+    _start_cluster(ports, nodes)
+    for node in nodes:
+        node.client().execute_command("ACL", "SETUSER", "kv", "on", ">kv-pw", "~*", "&*", "+@all",
+                                      "-cluster|info")
+    return f"redis+cluster://kv:kv-pw@127.0.0.1:{ports[0]}"
+
+
+@pytest.mark.faults
+def test_a_cluster_user_refused_cluster_info_is_told_once_and_the_probe_pings(caplog):
+    """An ACL user without CLUSTER INFO (what the probe reads a failover from): the tier says
+    once that failovers are not followed, and its probe pings instead: it stays up."""
+    import logging
+
+    from kvcached.storage.redis_store import PROBE_EVERY_S, RedisBackend
+
+    ports, nodes = [], []
+    try:
+        uri = _cluster_without_cluster_info(ports, nodes)
+        caplog.set_level(logging.WARNING, logger="kvcached.storage.redis_store")
+        tier = RedisBackend(uri)
+        try:
+            time.sleep(4 * PROBE_EVERY_S)  # a few probe rounds
+            assert tier.health() and tier._epoch is None, tier.last_error
+            assert sum("CLUSTER INFO refused" in r.message for r in caplog.records) == 1
+        finally:
+            tier.close()
+    finally:
+        for n in nodes:
+            n.close()
+
+
+@pytest.mark.faults
+def test_a_cluster_user_refused_cluster_info_is_served(run_dir, instance):
+    """The same user through a daemon: blocks stored, found and loaded byte-exact."""
+    ports, nodes = [], []
+    try:
+        uri = _cluster_without_cluster_info(ports, nodes)
+        kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=16, seed=16)
+        keys = keys_for(4, 49)
+        expected = snapshot(kv, list(range(4)))
+        h = start(run_dir, instance, uri)
+        try:
+            with h.connect(timeout=2.0) as c:
+                c.register_kv_cache(kv)
+                offload_and_flush(c, kv, keys, list(range(4)))
+                c.clear(tier="host")
+                assert c.lookup(keys) == (0, 4) and _tier(c)["healthy"]
+                scramble(kv, 4)
+                assert c.load(keys, list(range(8, 12))).wait(10) == 4
+                assert blocks_equal(kv, range(8, 12), expected)
+        finally:
+            h.stop()
+    finally:
+        for n in nodes:
+            n.close()
+
+
 def _failover(node, port: int) -> None:
     """CLUSTER FAILOVER on the replica at `port`, asked again until it is a primary: a manual
     failover waits for the replica to catch up, and one that does not win its election within

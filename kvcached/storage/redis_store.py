@@ -123,7 +123,7 @@ class RedisBackend(OwesClears, StorageBackend):
         self._sentinel_pools = ([c.connection_pool for c in (self._probe_client, self._client,
                                                              self._lookup_client)] if sentinels else [])
         self._primary = None
-        self._epoch = 0  # a cluster's current epoch, the highest seen: it grows at each failover
+        self._epoch = 0  # a cluster's current epoch, the highest seen (None: not followed)
         if sentinels or self.cluster:  # a failover may lose the deletes and clears done lately
             self._done_lately = collections.deque()  # (owed_clear.py)
         self._probe_once()
@@ -152,9 +152,7 @@ class RedisBackend(OwesClears, StorageBackend):
         try:
             if self._sentinel_pools:
                 self._follow_primary()
-            if self.cluster:
-                self._follow_epoch()
-            else:
+            if not (self.cluster and self._follow_epoch()):
                 self._probe_client.ping()
         except Exception as exc:  # any failure: the tier is down until a ping answers
             self._failed(exc)
@@ -181,11 +179,20 @@ class RedisBackend(OwesClears, StorageBackend):
                         self.uri, *primary, *old)
             self.failed_over("the sentinels named a new primary, %s:%s (was %s:%s)" % (*primary, *old))
 
-    def _follow_epoch(self) -> None:
+    def _follow_epoch(self) -> bool:
         """(The probe; a cluster.) Ask a node for the cluster's current epoch (which answers
         as a ping does): a failover raises it. A node that has not heard of a raise yet answers
-        lower: only the highest counts."""
-        info = self._probe_client.execute_command("CLUSTER INFO")
+        lower: only the highest counts. False where the server refuses CLUSTER INFO (an ACL
+        user without it): said once, failovers are not followed, the probe pings."""
+        if self._epoch is None:
+            return False
+        try:
+            info = self._probe_client.execute_command("CLUSTER INFO")
+        except self._redis.ResponseError as exc:
+            log.warning("[redis] %s: CLUSTER INFO refused (%s): a failover is not seen, and deletes "
+                        "and clears the old primary lost are not done again", self.uri, exc)
+            self._epoch = None
+            return False
         if isinstance(info, bytes):
             info = info.decode()
         if isinstance(info, str):
@@ -196,6 +203,7 @@ class RedisBackend(OwesClears, StorageBackend):
                         "configuration", self.uri, epoch, self._epoch)
             self.failed_over(f"the cluster's epoch rose to {epoch} (a failover or a new configuration)")
         self._epoch = max(self._epoch, epoch)
+        return True
 
     def _usable(self) -> bool:
         return self._healthy and not self._owes()
