@@ -232,6 +232,8 @@ class KVEventsReporter:
         if link_client is None:
             return
         self._start(link_client)
+        if time.monotonic() < self._quiet_until:  # a daemon that did not answer just now
+            return
         for rank, client in self._ranks(link_client):
             cursor = self._cursors.get(rank)
             if client is not None and cursor is not None and cursor.epoch == client.epoch:
