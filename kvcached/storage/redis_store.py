@@ -9,12 +9,14 @@
 
 With sentinels, every new connection asks them where the primary is: after a failover the tier
 reaches the promoted replica (the connections to the old primary fail once, or are refused as
-READONLY, and the probe's next ping finds the new one). Replication is asynchronous, so the old primary
-may have acknowledged deletes and clears its replica never had: at a failover (behind Sentinel,
-the probe finds a new primary; in a cluster, the cluster's current epoch rose) the tier does
-again the deletes and clears it did in the last REDO_WINDOW_S before it serves (owed_clear.py). The user and password are the data
+READONLY, and the probe's next ping finds the new one). The user and password are the data
 nodes'; sentinel_auth=1 sends them to the sentinels too (sentinels with requirepass). A
 sentinel's port is 26379 unless given.
+
+Replication is asynchronous, so an old primary may have acknowledged deletes and clears its
+replica never had: at a failover (behind Sentinel, the probe finds a new primary; in a cluster,
+the cluster's current epoch rose) the tier does again the deletes and clears it did in the last
+REDO_WINDOW_S before it serves (owed_clear.py).
 
 The password is used to authenticate (AUTH, with the user for an ACL user) and shown nowhere:
 status, metrics and logs carry the URI with it replaced by *** (uris.redact).
@@ -123,7 +125,7 @@ class RedisBackend(OwesClears, StorageBackend):
         self._sentinel_pools = ([c.connection_pool for c in (self._probe_client, self._client,
                                                              self._lookup_client)] if sentinels else [])
         self._primary = None
-        self._epoch = 0  # a cluster's current epoch, the highest seen (None: not followed)
+        self._epoch = -1  # a cluster's current epoch, the highest seen (None: not followed)
         if sentinels or self.cluster:  # a failover may lose the deletes and clears done lately
             self._done_lately = collections.deque()  # (owed_clear.py)
         self._probe_once()
@@ -198,7 +200,7 @@ class RedisBackend(OwesClears, StorageBackend):
         if isinstance(info, str):
             info = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
         epoch = int(info["cluster_current_epoch"])
-        if epoch > self._epoch and self._epoch:
+        if epoch > self._epoch >= 0:
             log.warning("[redis] %s: the cluster's epoch rose to %d (from %d): a failover or a new "
                         "configuration", self.uri, epoch, self._epoch)
             self.failed_over(f"the cluster's epoch rose to {epoch} (a failover or a new configuration)")
