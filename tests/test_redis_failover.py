@@ -11,8 +11,10 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import (RedisServer, blocks_equal, free_port, keys_for, make_tls_files, scramble, small_kv, snapshot,
                       stored, wait_until)
@@ -271,7 +273,9 @@ def test_a_delete_or_clear_the_old_primary_lost_is_done_again_on_the_new_one(run
         wait_until(lambda: sentinel.knows_replica(replica.port), 20, "the sentinel knows the replica")
         kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=32, seed=14)
         keys, kept = keys_for(4, 46), keys_for(2, 47)
-        h = start(run_dir, instance, f"redis+sentinel://127.0.0.1:{sentinel.port}/0?service=mymaster")
+        metrics_port = free_port()
+        h = start(run_dir, instance, f"redis+sentinel://127.0.0.1:{sentinel.port}/0?service=mymaster",
+                  extra=["--metrics-port", str(metrics_port)])
         with h.connect(timeout=2.0) as c:
             c.register_kv_cache(kv)
             offload_and_flush(c, kv, keys, list(range(4)))
@@ -295,6 +299,11 @@ def test_a_delete_or_clear_the_old_primary_lost_is_done_again_on_the_new_one(run
             assert c.load(keys, list(range(10, 14))).wait(10) == 0
             if what == "delete":  # deletes are done again, not a clear: the rest is kept
                 assert _tier(c)["deletes_owed"] == 0
+            assert _tier(c)["failovers"] == 1
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+                body = r.read().decode()
+            (family,) = [f for f in text_string_to_metric_families(body) if f.name == "kvcached_storage_failovers"]
+            assert [x.value for x in family.samples if x.name.endswith("_total")] == [1.0]
     finally:
         if h is not None:
             h.stop()
@@ -418,6 +427,7 @@ def test_a_cluster_failover_has_the_deletes_done_lately_done_again(run_dir, inst
                 wait_until(lambda: _tier(c)["healthy"], 10, "the tier healthy")
                 assert [c.lookup([k]) for k in gone] == [(0, 0)] * 6
                 assert c.lookup(kept) == (0, 6) and _tier(c)["deletes_owed"] == 0
+                assert _tier(c)["failovers"] >= 1
                 direct.close()
         finally:
             h.stop()

@@ -22,6 +22,8 @@ metrics_http.MetricsServer (one thread, bounded; a rendering shared for MIN_REND
     kvcached_evictions_total{tier="host"|"disk"}                      counter
     kvcached_storage_errors_total{uri}                                 counter
     kvcached_storage_healthy{uri}                                      gauge
+    kvcached_storage_failovers_total{uri}                              counter (Redis behind
+                                  Sentinel or in a cluster: new primaries and epoch rises seen)
     kvcached_queue_depth                                               gauge
     kvcached_host_bytes_used / kvcached_host_bytes_capacity            gauges
     kvcached_clients                                                   gauge
@@ -88,7 +90,11 @@ class StatusCollector:
         evictions.add_metric([i, "host"], s["host"].get("evictions", 0))
         errors = fam(CounterMetricFamily, "kvcached_storage_errors", "Storage errors", ["uri"])
         healthy = fam(GaugeMetricFamily, "kvcached_storage_healthy", "1 when the tier answers", ["uri"])
+        failovers = fam(CounterMetricFamily, "kvcached_storage_failovers",
+                        "Failovers a tier saw (a new primary, a cluster's epoch risen)", ["uri"])
         for tier in s.get("storage", []):
+            if "failovers" in tier:
+                failovers.add_metric([i, tier["uri"]], tier["failovers"])
             if "evicted" in tier:
                 evictions.add_metric([i, "disk"], tier["evicted"])
             errors.add_metric([i, tier["uri"]], sum(tier.get(k, 0) or 0 for k in
@@ -97,6 +103,7 @@ class StatusCollector:
         yield evictions
         yield errors
         yield healthy
+        yield failovers
         for name, doc, value in (
             ("kvcached_queue_depth", "Tasks queued", s["tasks"].get("queued", 0)),
             ("kvcached_host_bytes_used", "Host tier bytes in use", s["host"]["used_bytes"]),

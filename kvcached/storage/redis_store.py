@@ -108,7 +108,7 @@ class RedisBackend(OwesClears, StorageBackend):
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self.counters = {"puts": 0, "gets": 0, "dropped_puts": 0, "errors": 0, "corrupt": 0,
-                         "put_errors": 0, "write_timeouts": 0}
+                         "put_errors": 0, "write_timeouts": 0, "failovers": 0}
         self._refusal_said = ""  # the last refusal logged (a full server refuses every SET alike)
         self._writes_held_until = 0.0  # monotonic: backups are dropped until then (a write pause)
         self.last_error = ""
@@ -179,6 +179,7 @@ class RedisBackend(OwesClears, StorageBackend):
         if old is not None:
             log.warning("[redis] %s: the sentinels name a new primary, %s:%s (was %s:%s)",
                         self.uri, *primary, *old)
+            self.counters["failovers"] += 1
             self.failed_over("the sentinels named a new primary, %s:%s (was %s:%s)" % (*primary, *old))
 
     def _follow_epoch(self) -> bool:
@@ -203,6 +204,7 @@ class RedisBackend(OwesClears, StorageBackend):
         if epoch > self._epoch >= 0:
             log.warning("[redis] %s: the cluster's epoch rose to %d (from %d): a failover or a new "
                         "configuration", self.uri, epoch, self._epoch)
+            self.counters["failovers"] += 1
             self.failed_over(f"the cluster's epoch rose to {epoch} (a failover or a new configuration)")
         self._epoch = max(self._epoch, epoch)
         return True
