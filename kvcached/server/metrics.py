@@ -86,6 +86,21 @@ class StatusCollector:
         loaded.add_metric([i, "host"], lookups.get("loaded_from_host", 0))
         loaded.add_metric([i, "storage"], lookups.get("loaded_from_storage", 0))
         yield loaded
+        yield from self._tiers(s)
+        for name, doc, value in (
+            ("kvcached_queue_depth", "Tasks queued", s["tasks"].get("queued", 0)),
+            ("kvcached_host_bytes_used", "Host tier bytes in use", s["host"]["used_bytes"]),
+            ("kvcached_host_bytes_capacity", "Host tier capacity", s["host"]["capacity_bytes"]),
+            ("kvcached_clients", "Connected clients", s.get("clients", 0)),
+        ):
+            g = fam(GaugeMetricFamily, name, doc)
+            g.add_metric([i], value)
+            yield g
+
+
+    def _tiers(self, s: dict):
+        """Evictions (host, disk) and each storage tier's errors, health and failovers."""
+        fam, i = self._family, self.instance
         evictions = fam(CounterMetricFamily, "kvcached_evictions", "Blocks evicted", ["tier"])
         evictions.add_metric([i, "host"], s["host"].get("evictions", 0))
         errors = fam(CounterMetricFamily, "kvcached_storage_errors", "Storage errors", ["uri"])
@@ -100,20 +115,7 @@ class StatusCollector:
             errors.add_metric([i, tier["uri"]], sum(tier.get(k, 0) or 0 for k in
                                                     ("errors", "put_errors", "corrupt", "dropped_puts")))
             healthy.add_metric([i, tier["uri"]], 1 if tier.get("healthy") else 0)
-        yield evictions
-        yield errors
-        yield healthy
-        yield failovers
-        for name, doc, value in (
-            ("kvcached_queue_depth", "Tasks queued", s["tasks"].get("queued", 0)),
-            ("kvcached_host_bytes_used", "Host tier bytes in use", s["host"]["used_bytes"]),
-            ("kvcached_host_bytes_capacity", "Host tier capacity", s["host"]["capacity_bytes"]),
-            ("kvcached_clients", "Connected clients", s.get("clients", 0)),
-        ):
-            g = fam(GaugeMetricFamily, name, doc)
-            g.add_metric([i], value)
-            yield g
-
+        return evictions, errors, healthy, failovers
     def _copy_phases(self, copy_phases: dict):
         i = self.instance
         phases = self._family(CounterMetricFamily, "kvcached_copy_phase_seconds",
