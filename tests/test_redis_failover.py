@@ -4,6 +4,7 @@ asked for, or the primary killed - the tier reaches the promoted replica: what t
 held (replicated) is still a hit and loads byte-exact, and new backups are written to the new
 primary. A Redis cluster (redis+cluster://) with a replica per primary: after every replica
 took over, the same."""
+import contextlib
 import os
 import shutil
 import socket
@@ -332,13 +333,11 @@ def test_after_a_cluster_failover_the_tier_serves_and_stores(run_dir, instance, 
     once the others have not heard from it for 1 s (cluster-node-timeout). The blocks stored
     before are hits through the new primaries (the cluster client follows the MOVED replies and
     refreshes its slot map), byte-exact, and new backups are stored and found."""
-    ports, nodes = [], []
-    try:
-        _start_cluster(ports, nodes)
+    with _cluster() as (ports, nodes, uri):
         kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=64, seed=13)
         keys = keys_for(12, 44)
         expected = snapshot(kv, list(range(12)))
-        h = start(run_dir, instance, f"redis+cluster://127.0.0.1:{ports[0]}")
+        h = start(run_dir, instance, uri)
         try:
             with h.connect(timeout=2.0) as c:
                 c.register_kv_cache(kv)
@@ -373,9 +372,6 @@ def test_after_a_cluster_failover_the_tier_serves_and_stores(run_dir, instance, 
                 wait_until(lambda: _tier(c)["healthy"], 5, "the tier healthy")
         finally:
             h.stop()
-    finally:
-        for n in nodes:
-            n.close()
 
 
 def _start_cluster(ports: list, nodes: list) -> None:
@@ -402,13 +398,11 @@ def test_a_cluster_failover_has_the_deletes_done_lately_done_again(run_dir, inst
     it, before the tier serves: the cluster's epoch rose. The blocks not deleted are kept."""
     import redis.cluster
 
-    ports, nodes = [], []
-    try:
-        _start_cluster(ports, nodes)
+    with _cluster() as (ports, nodes, uri):
         kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=64, seed=15)
         keys = keys_for(12, 48)
         gone, kept = keys[6:], keys[:6]
-        h = start(run_dir, instance, f"redis+cluster://127.0.0.1:{ports[0]}")
+        h = start(run_dir, instance, uri)
         try:
             with h.connect(timeout=2.0) as c:
                 c.register_kv_cache(kv)
@@ -431,18 +425,25 @@ def test_a_cluster_failover_has_the_deletes_done_lately_done_again(run_dir, inst
                 direct.close()
         finally:
             h.stop()
+
+
+@contextlib.contextmanager
+def _cluster(cluster_info: bool = True):
+    """A cluster (_start_cluster) for the block: (ports, nodes, the URI to give a tier). Without
+    cluster_info, the URI names a user `kv` that may run everything but CLUSTER INFO."""
+    ports, nodes = [], []
+    try:
+        _start_cluster(ports, nodes)
+        uri = f"redis+cluster://127.0.0.1:{ports[0]}"
+        if not cluster_info:
+            for node in nodes:
+                node.client().execute_command("ACL", "SETUSER", "kv", "on", ">kv-pw", "~*", "&*", "+@all",
+                                              "-cluster|info")
+            uri = f"redis+cluster://kv:kv-pw@127.0.0.1:{ports[0]}"
+        yield ports, nodes, uri
     finally:
         for n in nodes:
             n.close()
-
-
-def _cluster_without_cluster_info(ports: list, nodes: list) -> str:
-    """A cluster whose user `kv` may run everything but CLUSTER INFO: its URI."""
-    _start_cluster(ports, nodes)
-    for node in nodes:
-        node.client().execute_command("ACL", "SETUSER", "kv", "on", ">kv-pw", "~*", "&*", "+@all",
-                                      "-cluster|info")
-    return f"redis+cluster://kv:kv-pw@127.0.0.1:{ports[0]}"
 
 
 @pytest.mark.faults
@@ -453,9 +454,7 @@ def test_a_cluster_user_refused_cluster_info_is_told_once_and_the_probe_pings(ca
 
     from kvcached.storage.redis_store import PROBE_EVERY_S, RedisBackend
 
-    ports, nodes = [], []
-    try:
-        uri = _cluster_without_cluster_info(ports, nodes)
+    with _cluster(cluster_info=False) as (ports, nodes, uri):
         caplog.set_level(logging.WARNING, logger="kvcached.storage.redis_store")
         tier = RedisBackend(uri)
         try:
@@ -464,17 +463,12 @@ def test_a_cluster_user_refused_cluster_info_is_told_once_and_the_probe_pings(ca
             assert sum("CLUSTER INFO refused" in r.message for r in caplog.records) == 1
         finally:
             tier.close()
-    finally:
-        for n in nodes:
-            n.close()
 
 
 @pytest.mark.faults
 def test_a_cluster_user_refused_cluster_info_is_served(run_dir, instance):
     """The same user through a daemon: blocks stored, found and loaded byte-exact."""
-    ports, nodes = [], []
-    try:
-        uri = _cluster_without_cluster_info(ports, nodes)
+    with _cluster(cluster_info=False) as (ports, nodes, uri):
         kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=16, seed=16)
         keys = keys_for(4, 49)
         expected = snapshot(kv, list(range(4)))
@@ -490,9 +484,6 @@ def test_a_cluster_user_refused_cluster_info_is_served(run_dir, instance):
                 assert blocks_equal(kv, range(8, 12), expected)
         finally:
             h.stop()
-    finally:
-        for n in nodes:
-            n.close()
 
 
 def _failover(node, port: int) -> None:
