@@ -97,7 +97,6 @@ class StatusCollector:
             g.add_metric([i], value)
             yield g
 
-
     def _tiers(self, s: dict):
         """Evictions (host, disk) and each storage tier's errors, health and failovers."""
         fam, i = self._family, self.instance
@@ -116,6 +115,7 @@ class StatusCollector:
                                                     ("errors", "put_errors", "corrupt", "dropped_puts")))
             healthy.add_metric([i, tier["uri"]], 1 if tier.get("healthy") else 0)
         return evictions, errors, healthy, failovers
+
     def _copy_phases(self, copy_phases: dict):
         i = self.instance
         phases = self._family(CounterMetricFamily, "kvcached_copy_phase_seconds",
