@@ -70,6 +70,12 @@ class SentinelServer:
     def primary_port(self) -> int:
         return int(self.client().execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", "mymaster")[1])
 
+    def names_up(self, port: int) -> bool:
+        """The sentinel names the primary at `port`, up (no down flag: what clients take)."""
+        got = self.client().execute_command("SENTINEL", "MASTER", "mymaster")
+        got = got if isinstance(got, dict) else dict(zip(got[::2], got[1::2]))
+        return int(got["port"]) == port and got["flags"] == "master"
+
     def knows_replica(self, port: int) -> bool:
         replicas = [r if isinstance(r, dict) else dict(zip(r[::2], r[1::2]))
                     for r in self.client().execute_command("SENTINEL", "REPLICAS", "mymaster")]
@@ -184,9 +190,10 @@ def test_after_a_failover_the_tier_serves_and_stores_through_the_promoted_replic
                 pair.primary.stop()
             wait_until(lambda: pair.sentinel.primary_port() == pair.replica.port, 30, "the replica promoted")
             # the probe asks the sentinels: the tier leaves the old primary (which takes writes
-            # until the sentinels demote it, seconds later, and loses them then)
-            wait_until(lambda: _tier(c)["primary"] == f"127.0.0.1:{pair.replica.port}", 5, "the new primary")
-            assert f"healthy  primary 127.0.0.1:{pair.replica.port}" in format_status(c.status())
+            # until the sentinels demote it, seconds later, and loses them then); a connection
+            # that found the new one first failed, and the tier is down until the probe's round
+            wait_until(lambda: f"healthy  primary 127.0.0.1:{pair.replica.port}" in format_status(c.status()),
+                       5, "the new primary, healthy")
             wait_until(lambda: _tier(c)["healthy"] and c.lookup(keys) == (0, 4), 10,
                        "the blocks found through the new primary")
             scramble(kv, 5)
@@ -308,6 +315,51 @@ def test_a_delete_or_clear_the_old_primary_lost_is_done_again_on_the_new_one(run
     finally:
         if h is not None:
             h.stop()
+        for s in (sentinel, replica, primary):
+            s.close()
+        link.close()
+
+
+@pytest.mark.faults
+def test_a_connection_that_finds_the_new_primary_before_the_probe_serves_nothing(monkeypatch):
+    """Between a promotion and the probe's next round: the lookup connection the dead primary
+    dropped reconnects as it is taken, and asks the sentinels, who name the promoted replica
+    (which missed a delete: the stream was cut). That lookup fails instead of finding the
+    deleted blocks (it found all 4 before), and the tier serves nothing until its probe has
+    done the delete again. (The probe runs here only when the test calls it.)"""
+    from kvcached.storage import redis_store
+
+    monkeypatch.setattr(redis_store, "PROBE_EVERY_S", 3600.0)
+    primary = RedisServer()
+    link = _ReplicationLink(primary.port)
+    replica = RedisServer(extra=["--replicaof", "127.0.0.1", str(link.port)])
+    sentinel = SentinelServer(primary, failover_timeout_ms=120000)
+    tier = None
+    try:
+        wait_until(lambda: sentinel.knows_replica(replica.port), 20, "the sentinel knows the replica")
+        tier = redis_store.RedisBackend(f"redis+sentinel://127.0.0.1:{sentinel.port}/0?service=mymaster")
+        keys = [bytes([i]) * 16 for i in range(4)]
+        names = [tier._name(k) for k in keys]
+        primary.client().mset({n: b"x" for n in names})
+        wait_until(lambda: replica.client().exists(*names) == 4, 10, "replicated")
+        assert tier.exists_prefix(keys) == 4  # (the lookup connection, to the old primary)
+        link.cut.set()
+        assert tier.delete(keys) == 4 and tier.exists_prefix(keys) == 0
+        assert replica.client().exists(*names) == 4  # the stream was cut
+        primary.proc.kill()
+        primary.proc.wait(10)
+        wait_until(lambda: sentinel.names_up(replica.port), 30, "the replica promoted")
+        assert tier.exists_prefix(keys) == 0, "a deleted block found through the new primary"
+        assert not tier.health() and tier.usage()["failovers"] == 1
+        assert tier.exists_prefix(keys) == 0 and replica.client().exists(*names) == 4
+        tier._probe_once()  # the probe: the delete done again, then the tier serves
+        assert tier.health() and replica.client().exists(*names) == 0
+        assert tier.usage()["primary"] == f"127.0.0.1:{replica.port}" and tier.usage()["failovers"] == 1
+        replica.client().set(names[0], b"x")
+        assert tier.exists_prefix(keys) == 1  # (served: the new primary answers)
+    finally:
+        if tier is not None:
+            tier.close()
         for s in (sentinel, replica, primary):
             s.close()
         link.close()

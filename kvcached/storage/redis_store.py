@@ -16,7 +16,8 @@ sentinel's port is 26379 unless given.
 Replication is asynchronous, so an old primary may have acknowledged deletes and clears its
 replica never had: at a failover (behind Sentinel, the probe finds a new primary; in a cluster,
 the cluster's current epoch rose) the tier does again the deletes and clears it did in the last
-REDO_WINDOW_S before it serves (owed_clear.py).
+REDO_WINDOW_S before it serves (owed_clear.py). Behind Sentinel, a new connection that finds the
+new primary before the probe does fails instead of serving, and the tier waits for the probe.
 
 The password is used to authenticate (AUTH, with the user for an ACL user) and shown nowhere:
 status, metrics and logs carry the URI with it replaced by *** (uris.redact).
@@ -121,10 +122,14 @@ class RedisBackend(OwesClears, StorageBackend):
         self._prefix_scripts = [] if self.cluster else [PREFIX_SCRIPT, PREFIX_SCRIPT.split("\n", 1)[1]]
         self._probe_client = connect(PROBE_TIMEOUT_S, 0)
         # sentinels: the probe asks them for the primary, and a new one (a failover) drops the
-        # idle connections to the old (which takes writes until the sentinels demote it)
+        # idle connections to the old (which takes writes until the sentinels demote it); a
+        # new connection that finds a new primary first fails (_watch_primary)
+        self._primary_lock = threading.Lock()
+        self._primary = None
+        self._failovers_done = 0  # of counters["failovers"]: those the probe has redone
         self._sentinel_pools = ([c.connection_pool for c in (self._probe_client, self._client,
                                                              self._lookup_client)] if sentinels else [])
-        self._primary = None
+        self._ask_primary = [self._watch_primary(pool) for pool in self._sentinel_pools]
         self._epoch = -1  # a cluster's current epoch, the highest seen (None: not followed)
         if sentinels or self.cluster:  # a failover may lose the deletes and clears done lately
             self._done_lately = collections.deque()  # (owed_clear.py)
@@ -166,21 +171,51 @@ class RedisBackend(OwesClears, StorageBackend):
         if back:
             log.info("[redis] %s healthy again", self.uri)
 
-    def _follow_primary(self) -> None:
-        """(The probe.) Ask the sentinels for the primary, once; where it moved, every pool
-        drops its idle connections to the old one (get_master_address does on a change)."""
-        probe_pool, *others = self._sentinel_pools
-        primary = probe_pool.get_master_address()
-        if primary == self._primary:
-            return
-        for pool in others:
-            pool.get_master_address()
-        old, self._primary = self._primary, primary
-        if old is not None:
-            log.warning("[redis] %s: the sentinels name a new primary, %s:%s (was %s:%s)",
-                        self.uri, *primary, *old)
+    def _watch_primary(self, pool):
+        """Every new connection of `pool` asks the sentinels where the primary is (a pooled
+        one the old primary dropped reconnects unseen as it is taken): one that finds a new
+        primary before the probe did fails, and the tier serves nothing until the probe has
+        redone the failover's deletes and clears. Returns the pool's own question, unwatched."""
+        asked = getattr(pool, "proxy", pool)  # (redis-py 5+: what its connections ask)
+        ask = asked.get_master_address
+
+        def get_master_address():
+            primary = ask()
+            if self._new_primary(primary):
+                raise self._redis.ConnectionError(
+                    "the sentinels name a new primary, %s:%s: the tier waits for its probe" % primary)
+            return primary
+        asked.get_master_address = get_master_address
+        return ask
+
+    def _new_primary(self, primary) -> bool:
+        """Note the primary the sentinels named; True where it replaced another (a failover)."""
+        with self._primary_lock:
+            old, self._primary = self._primary, primary
+            if old is None or old == primary:
+                return False
             self.counters["failovers"] += 1
-            self.failed_over("the sentinels named a new primary, %s:%s (was %s:%s)" % (*primary, *old))
+        log.warning("[redis] %s: the sentinels name a new primary, %s:%s (was %s:%s)",
+                    self.uri, *primary, *old)
+        return True
+
+    def _follow_primary(self) -> None:
+        """(The probe.) Ask the sentinels for the primary, once. After a failover (seen here or
+        by a new connection), every pool drops its idle connections to the old primary (its
+        get_master_address does on a change), and what was done lately is owed again."""
+        probe_ask, *others = self._ask_primary
+        primary = probe_ask()
+        self._new_primary(primary)
+        seen = self.counters["failovers"]
+        if seen == self._failovers_done:
+            return
+        for ask in others:
+            ask()
+        self.failed_over("the sentinels named a new primary, %s:%s" % primary)
+        self._failovers_done = seen
+
+    def _failover_pending(self) -> bool:
+        return bool(self._sentinel_pools) and self.counters["failovers"] != self._failovers_done
 
     def _follow_epoch(self) -> bool:
         """(The probe; a cluster.) Ask a node for the cluster's current epoch (which answers
@@ -210,7 +245,7 @@ class RedisBackend(OwesClears, StorageBackend):
         return True
 
     def _usable(self) -> bool:
-        return self._healthy and not self._owes()
+        return self._healthy and not self._owes() and not self._failover_pending()
 
     def health(self) -> bool:
         """The last known state: an operation or a probe that fails marks the tier down, a
