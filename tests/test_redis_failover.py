@@ -562,3 +562,47 @@ def _replica_of(port: int) -> int:
 def _cluster_ok(port: int) -> bool:
     r = subprocess.run(["redis-cli", "-p", str(port), "cluster", "info"], capture_output=True, text=True, timeout=5)
     return "cluster_state:ok" in r.stdout
+
+
+@pytest.mark.faults
+def test_a_cluster_lookup_redirected_to_a_new_primary_before_the_probe_serves_nothing(monkeypatch):
+    """Between a cluster failover and the probe's next round: the lookup client follows the old
+    primary's MOVED reply to the promoted replica, which holds blocks deleted just before (here
+    written back: the state of a replica that missed the delete). That lookup is a miss (it was
+    a hit before), and the tier serves nothing until its probe has seen the epoch rise and done
+    the deletes again. (The probe runs here only when the test calls it.)"""
+    import redis.cluster
+
+    from kvcached.storage import redis_store
+
+    monkeypatch.setattr(redis_store, "PROBE_EVERY_S", 3600.0)
+    with _cluster() as (ports, nodes, uri):
+        tier = redis_store.RedisBackend(uri)
+        direct = redis.cluster.RedisCluster(host="127.0.0.1", port=ports[0])
+        try:
+            keys = [bytes([i]) * 16 for i in range(16)]
+            primary = direct.get_node_from_key(tier._name(keys[0])).port
+            mine = [k for k in keys if direct.get_node_from_key(tier._name(k)).port == primary]
+            names = [tier._name(k) for k in mine]
+            for n in names:
+                direct.set(n, b"x")
+            assert tier.delete(mine) == len(mine)
+            for n in names:  # (what a replica that missed the delete holds)
+                direct.set(n, b"x")
+            assert [tier.exists_prefix([k]) for k in mine] == [1] * len(mine)  # (a lost delete)
+            replica = next(p for p, role in _cluster_roles(primary).items()
+                           if role == "slave" and _replica_of(p) == primary)
+            _failover(nodes[ports.index(replica)], replica)
+            # (the old primary holds the records written back too: asked before it knows, it
+            # answers; one that acknowledged the delete would not hold them)
+            wait_until(lambda: _cluster_roles(primary).get(primary) == "slave", 10, "the old primary demoted")
+            assert tier.exists_prefix(mine[:1]) == 0, "a deleted block found through the new primary"
+            assert not tier.health()
+            assert [tier.exists_prefix([k]) for k in mine] == [0] * len(mine)
+            wait_until(lambda: (tier._probe_once(), tier.health())[1], 10, "the probe's redo")
+            assert direct.exists(*names) == 0 and tier.usage()["failovers"] >= 1
+            direct.set(names[0], b"x")
+            assert tier.exists_prefix(mine[:1]) == 1  # (served: the new primary answers)
+        finally:
+            direct.close()
+            tier.close()

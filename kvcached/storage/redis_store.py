@@ -16,8 +16,8 @@ sentinel's port is 26379 unless given.
 Replication is asynchronous, so an old primary may have acknowledged deletes and clears its
 replica never had: at a failover (behind Sentinel, the probe finds a new primary; in a cluster,
 the cluster's current epoch rose) the tier does again the deletes and clears it did in the last
-REDO_WINDOW_S before it serves (owed_clear.py). Behind Sentinel, a new connection that finds the
-new primary before the probe does fails instead of serving, and the tier waits for the probe.
+REDO_WINDOW_S before it serves (owed_clear.py). A new primary a connection or a call finds before
+the probe does serves nothing either: the tier waits for the probe (redis_failover.py).
 
 The password is used to authenticate (AUTH, with the user for an ACL user) and shown nowhere:
 status, metrics and logs carry the URI with it replaced by *** (uris.redact).
@@ -56,6 +56,7 @@ from typing import Sequence
 
 from .base import StorageBackend
 from .owed_clear import OwesClears
+from .redis_failover import FollowsFailovers
 from .record import HEADER_BYTES, BadRecord, nbytes, pack_header, scatter, verify
 from .uris import parse_redis_uri, redact
 
@@ -81,7 +82,7 @@ HOLD_WRITES_S = 1.0  # backups dropped after a SET timed out, before the next is
 MAX_ERROR_CHARS = 300  # of an error shown in status and the log
 
 
-class RedisBackend(OwesClears, StorageBackend):
+class RedisBackend(FollowsFailovers, OwesClears, StorageBackend):
     _LOG_TAG = "redis"
 
     def __init__(self, uri: str):
@@ -121,16 +122,9 @@ class RedisBackend(OwesClears, StorageBackend):
         # after a failover or a restart has no script loaded.
         self._prefix_scripts = [] if self.cluster else [PREFIX_SCRIPT, PREFIX_SCRIPT.split("\n", 1)[1]]
         self._probe_client = connect(PROBE_TIMEOUT_S, 0)
-        # sentinels: the probe asks them for the primary, and a new one (a failover) drops the
-        # idle connections to the old (which takes writes until the sentinels demote it); a
-        # new connection that finds a new primary first fails (_watch_primary)
-        self._primary_lock = threading.Lock()
-        self._primary = None
-        self._failovers_done = 0  # of counters["failovers"]: those the probe has redone
-        self._sentinel_pools = ([c.connection_pool for c in (self._probe_client, self._client,
-                                                             self._lookup_client)] if sentinels else [])
-        self._ask_primary = [self._watch_primary(pool) for pool in self._sentinel_pools]
-        self._epoch = -1  # a cluster's current epoch, the highest seen (None: not followed)
+        # a failover: followed by the probe, and seen by new connections and calls (redis_failover.py)
+        clients = (self._probe_client, self._client, self._lookup_client)
+        self._start_following([c.connection_pool for c in clients] if sentinels else [], clients)
         if sentinels or self.cluster:  # a failover may lose the deletes and clears done lately
             self._done_lately = collections.deque()  # (owed_clear.py)
         self._probe_once()
@@ -157,9 +151,7 @@ class RedisBackend(OwesClears, StorageBackend):
 
     def _probe_once(self) -> None:
         try:
-            if self._sentinel_pools:
-                self._follow_primary()
-            if not (self.cluster and self._follow_epoch()):
+            if not self._follow():
                 self._probe_client.ping()
         except Exception as exc:  # any failure: the tier is down until a ping answers
             self._failed(exc)
@@ -170,79 +162,6 @@ class RedisBackend(OwesClears, StorageBackend):
             back, self._healthy = not self._healthy, True
         if back:
             log.info("[redis] %s healthy again", self.uri)
-
-    def _watch_primary(self, pool):
-        """Every new connection of `pool` asks the sentinels where the primary is (a pooled
-        one the old primary dropped reconnects unseen as it is taken): one that finds a new
-        primary before the probe did fails, and the tier serves nothing until the probe has
-        redone the failover's deletes and clears. Returns the pool's own question, unwatched."""
-        asked = getattr(pool, "proxy", pool)  # (redis-py 5+: what its connections ask)
-        ask = asked.get_master_address
-
-        def get_master_address():
-            primary = ask()
-            if self._new_primary(primary):
-                raise self._redis.ConnectionError(
-                    "the sentinels name a new primary, %s:%s: the tier waits for its probe" % primary)
-            return primary
-        asked.get_master_address = get_master_address
-        return ask
-
-    def _new_primary(self, primary) -> bool:
-        """Note the primary the sentinels named; True where it replaced another (a failover)."""
-        with self._primary_lock:
-            old, self._primary = self._primary, primary
-            if old is None or old == primary:
-                return False
-            self.counters["failovers"] += 1
-        log.warning("[redis] %s: the sentinels name a new primary, %s:%s (was %s:%s)",
-                    self.uri, *primary, *old)
-        return True
-
-    def _follow_primary(self) -> None:
-        """(The probe.) Ask the sentinels for the primary, once. After a failover (seen here or
-        by a new connection), every pool drops its idle connections to the old primary (its
-        get_master_address does on a change), and what was done lately is owed again."""
-        probe_ask, *others = self._ask_primary
-        primary = probe_ask()
-        self._new_primary(primary)
-        seen = self.counters["failovers"]
-        if seen == self._failovers_done:
-            return
-        for ask in others:
-            ask()
-        self.failed_over("the sentinels named a new primary, %s:%s" % primary)
-        self._failovers_done = seen
-
-    def _failover_pending(self) -> bool:
-        return bool(self._sentinel_pools) and self.counters["failovers"] != self._failovers_done
-
-    def _follow_epoch(self) -> bool:
-        """(The probe; a cluster.) Ask a node for the cluster's current epoch (which answers
-        as a ping does): a failover raises it. A node that has not heard of a raise yet answers
-        lower: only the highest counts. False where the server refuses CLUSTER INFO (an ACL
-        user without it): said once, failovers are not followed, the probe pings."""
-        if self._epoch is None:
-            return False
-        try:
-            info = self._probe_client.execute_command("CLUSTER INFO")
-        except self._redis.ResponseError as exc:
-            log.warning("[redis] %s: CLUSTER INFO refused (%s): a failover is not seen, and deletes "
-                        "and clears the old primary lost are not done again", self.uri, exc)
-            self._epoch = None
-            return False
-        if isinstance(info, bytes):
-            info = info.decode()
-        if isinstance(info, str):
-            info = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-        epoch = int(info["cluster_current_epoch"])
-        if epoch > self._epoch >= 0:
-            log.warning("[redis] %s: the cluster's epoch rose to %d (from %d): a failover or a new "
-                        "configuration", self.uri, epoch, self._epoch)
-            self.counters["failovers"] += 1
-            self.failed_over(f"the cluster's epoch rose to {epoch} (a failover or a new configuration)")
-        self._epoch = max(self._epoch, epoch)
-        return True
 
     def _usable(self) -> bool:
         return self._healthy and not self._owes() and not self._failover_pending()
@@ -261,7 +180,8 @@ class RedisBackend(OwesClears, StorageBackend):
             pipe = (client or self._client).pipeline(transaction=False)
             for key in keys:
                 getattr(pipe, command)(self._name(key))
-            return pipe.execute()
+            got = pipe.execute()
+            return None if self.cluster and self._moved(client or self._client) else got
         except self._redis.RedisError as exc:
             self._failed(exc)
             return None

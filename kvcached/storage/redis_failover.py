@@ -1,0 +1,171 @@
+"""How the Redis tier follows failovers (a mixin of RedisBackend, redis_store.py).
+
+Replication is asynchronous: a primary that acknowledged deletes and clears may fail over before
+its replica had them. At a failover the tier owes again what it did in the last REDO_WINDOW_S
+(owed_clear.failed_over) and serves nothing until its probe has done that on the new primary.
+
+A failover is seen three ways:
+- behind Sentinel, the probe asks the sentinels for the primary every round;
+- behind Sentinel, every new connection asks them too (a pooled connection the old primary
+  dropped reconnects unseen as it is taken): one that finds a new primary before the probe
+  fails, so the lookup or read it was for serves nothing;
+- in a cluster, the probe reads the cluster's current epoch (CLUSTER INFO, in place of its
+  ping), which a failover raises; and after each read or lookup, the nodes its client takes for
+  primaries are compared with those it took before: a new one (a MOVED reply followed to a
+  promoted replica, a slot map refreshed) drops what that call found.
+
+A change seen by a connection or a call is pending until the probe's next round has redone the
+window: `_failover_pending` keeps the tier unusable until then.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+log = logging.getLogger(__name__.rsplit(".", 1)[0] + ".redis_store")
+
+
+class FollowsFailovers:
+    """Needs `uri`, `counters`, `cluster`, `_redis`, `_probe_client`, `failed_over` (OwesClears),
+    and `_start_following(pools, clients)` called once the clients exist."""
+
+    def _start_following(self, pools, clients) -> None:
+        self._primary_lock = threading.Lock()
+        self._primary = None  # (host, port) the sentinels named last
+        self._changes_seen = 0  # new primaries seen by connections, calls and the probe
+        self._changes_done = 0  # of those, the ones the probe has redone the window for
+        self._epoch = -1  # a cluster's current epoch, the highest seen (None: not followed)
+        self._sentinel_pools = pools
+        self._ask_primary = [self._watch_primary(pool) for pool in pools]
+        self._clients = clients
+        self._primaries = {id(c): self._primaries_of(c) for c in clients} if self.cluster else {}
+        self._redone_for = frozenset()  # (a cluster) the primaries known when the window was last redone
+
+    def _failover_pending(self) -> bool:
+        return self._changes_seen != self._changes_done
+
+    def _follow(self) -> bool:
+        """(The probe.) Follow the sentinels or the cluster's epoch, and redo the window for
+        any new primary seen since the last round. True where a cluster node answered (the
+        probe's ping)."""
+        if self._sentinel_pools:
+            self._follow_primary()
+            return False
+        if not self.cluster:
+            return False
+        seen, rises = self._changes_seen, self.counters["failovers"]
+        answered = self._follow_epoch()
+        if seen != self._changes_done or self.counters["failovers"] != rises:
+            if self.counters["failovers"] == rises:  # (else an epoch rise redid it already)
+                self.failed_over("a slot moved to a new primary")
+            self._redone_for = self._primaries_now()
+            self._changes_done = seen
+        return answered
+
+    # Sentinel
+
+    def _watch_primary(self, pool):
+        """Route `pool`'s question (where is the primary?) through _new_primary; a connection
+        that finds a new one fails. Returns the pool's own question, unwatched."""
+        asked = getattr(pool, "proxy", pool)  # (redis-py 5+: what its connections ask)
+        ask = asked.get_master_address
+
+        def get_master_address():
+            primary = ask()
+            if self._new_primary(primary):
+                raise self._redis.ConnectionError(
+                    "the sentinels name a new primary, %s:%s: the tier waits for its probe" % primary)
+            return primary
+        asked.get_master_address = get_master_address
+        return ask
+
+    def _new_primary(self, primary) -> bool:
+        """Note the primary the sentinels named; True where it replaced another (a failover)."""
+        with self._primary_lock:
+            old, self._primary = self._primary, primary
+            if old is None or old == primary:
+                return False
+            self.counters["failovers"] += 1
+            self._changes_seen += 1
+        log.warning("[redis] %s: the sentinels name a new primary, %s:%s (was %s:%s)",
+                    self.uri, *primary, *old)
+        return True
+
+    def _follow_primary(self) -> None:
+        """(The probe.) Ask the sentinels for the primary, once. After a failover (seen here or
+        by a new connection), every pool drops its idle connections to the old primary (its
+        get_master_address does on a change), and what was done lately is owed again."""
+        probe_ask, *others = self._ask_primary
+        primary = probe_ask()
+        self._new_primary(primary)
+        seen = self._changes_seen
+        if seen == self._changes_done:
+            return
+        for ask in others:
+            ask()
+        self.failed_over("the sentinels named a new primary, %s:%s" % primary)
+        self._changes_done = seen
+
+    # a cluster
+
+    def _primaries_of(self, client) -> frozenset:
+        primary = self._redis.cluster.PRIMARY
+        return frozenset(name for name, node in list(client.nodes_manager.nodes_cache.items())
+                         if node.server_type == primary)
+
+    def _moved(self, client) -> bool:
+        """(A cluster, after a call.) True where the client now takes a node for a primary that
+        it did not before the call: what the call found may come from a promoted replica that
+        missed a delete; the change is pending until the probe's round."""
+        now = self._primaries_of(client)
+        with self._primary_lock:
+            before, self._primaries[id(client)] = self._primaries.get(id(client), now), now
+            new = now - before - self._redone_for
+            if not new:
+                return False
+            self._changes_seen += 1
+        log.warning("[redis] %s: a slot moved to a new primary (%s); the tier waits for its probe",
+                    self.uri, ", ".join(sorted(new)))
+        return True
+
+    def _primaries_now(self) -> frozenset:
+        """(The probe, the window redone.) The primaries the probed node names (CLUSTER NODES;
+        refused to an ACL user without it: those the clients take): a client that follows a
+        slot to one of them later finds no new primary (the window was redone with it in place)."""
+        try:
+            nodes = self._probe_client.execute_command("CLUSTER NODES")
+        except self._redis.RedisError:
+            return frozenset().union(*(self._primaries_of(c) for c in self._clients))
+        if isinstance(nodes, bytes):
+            nodes = nodes.decode()
+        if isinstance(nodes, str):
+            nodes = {f[1]: {"flags": f[2]} for f in map(str.split, nodes.splitlines()) if len(f) > 2}
+        return frozenset(addr.split("@")[0] for addr, node in nodes.items()
+                         if "master" in str(node.get("flags", "")) and "fail" not in str(node.get("flags", "")))
+
+    def _follow_epoch(self) -> bool:
+        """(The probe; a cluster.) Ask a node for the cluster's current epoch (which answers
+        as a ping does): a failover raises it. A node that has not heard of a raise yet answers
+        lower: only the highest counts. False where the server refuses CLUSTER INFO (an ACL
+        user without it): said once, failovers are not followed, the probe pings."""
+        if self._epoch is None:
+            return False
+        try:
+            info = self._probe_client.execute_command("CLUSTER INFO")
+        except self._redis.ResponseError as exc:
+            log.warning("[redis] %s: CLUSTER INFO refused (%s): a failover is not seen, and deletes "
+                        "and clears the old primary lost are not done again", self.uri, exc)
+            self._epoch = None
+            return False
+        if isinstance(info, bytes):
+            info = info.decode()
+        if isinstance(info, str):
+            info = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+        epoch = int(info["cluster_current_epoch"])
+        if epoch > self._epoch >= 0:
+            log.warning("[redis] %s: the cluster's epoch rose to %d (from %d): a failover or a new "
+                        "configuration", self.uri, epoch, self._epoch)
+            self.counters["failovers"] += 1
+            self.failed_over(f"the cluster's epoch rose to {epoch} (a failover or a new configuration)")
+        self._epoch = max(self._epoch, epoch)
+        return True
