@@ -321,12 +321,15 @@ def test_a_delete_or_clear_the_old_primary_lost_is_done_again_on_the_new_one(run
 
 
 @pytest.mark.faults
-def test_a_connection_that_finds_the_new_primary_before_the_probe_serves_nothing(monkeypatch):
-    """Between a promotion and the probe's next round: the lookup connection the dead primary
-    dropped reconnects as it is taken, and asks the sentinels, who name the promoted replica
-    (which missed a delete: the stream was cut). That lookup fails instead of finding the
-    deleted blocks (it found all 4 before), and the tier serves nothing until its probe has
-    done the delete again. (The probe runs here only when the test calls it.)"""
+@pytest.mark.parametrize("first", ["lookup", "read"])
+def test_a_connection_that_finds_the_new_primary_before_the_probe_serves_nothing(monkeypatch, first):
+    """Between a promotion and the probe's next round: the connection the dead primary dropped
+    reconnects as it is taken, and asks the sentinels, who name the promoted replica (which
+    missed a delete: the stream was cut). lookup: that lookup fails instead of finding the
+    deleted blocks (it found all 4 before). read: a storage worker's read, whose connect is
+    retried once (the retry reaches the new primary), reads nothing (it read all 4 before).
+    Either way the tier serves nothing until its probe has done the delete again. (The probe
+    runs here only when the test calls it.)"""
     from kvcached.storage import redis_store
 
     monkeypatch.setattr(redis_store, "PROBE_EVERY_S", 3600.0)
@@ -338,25 +341,37 @@ def test_a_connection_that_finds_the_new_primary_before_the_probe_serves_nothing
     try:
         wait_until(lambda: sentinel.knows_replica(replica.port), 20, "the sentinel knows the replica")
         tier = redis_store.RedisBackend(f"redis+sentinel://127.0.0.1:{sentinel.port}/0?service=mymaster")
-        keys = [bytes([i]) * 16 for i in range(4)]
+        keys, geometry = [bytes([i]) * 16 for i in range(4)], os.urandom(16)
         names = [tier._name(k) for k in keys]
-        primary.client().mset({n: b"x" for n in names})
+        pages = [bytearray(os.urandom(4096)) for _ in keys]
+        assert tier.put(keys, [[memoryview(p)] for p in pages], geometry) == [True] * 4
         wait_until(lambda: replica.client().exists(*names) == 4, 10, "replicated")
         assert tier.exists_prefix(keys) == 4  # (the lookup connection, to the old primary)
+
+        def read() -> list:
+            into = [bytearray(4096) for _ in keys]
+            got = tier.get_into(keys, [[memoryview(b)] for b in into], geometry)
+            assert [b == p for b, p in zip(into, pages)] == got  # (what is read is what was put)
+            return got
+        assert read() == [True] * 4
         link.cut.set()
         assert tier.delete(keys) == 4 and tier.exists_prefix(keys) == 0
         assert replica.client().exists(*names) == 4  # the stream was cut
         primary.proc.kill()
         primary.proc.wait(10)
         wait_until(lambda: sentinel.names_up(replica.port), 30, "the replica promoted")
-        assert tier.exists_prefix(keys) == 0, "a deleted block found through the new primary"
+        if first == "lookup":
+            assert tier.exists_prefix(keys) == 0, "a deleted block found through the new primary"
+        else:
+            assert read() == [False] * 4, "a deleted block read through the new primary"
         assert not tier.health() and tier.usage()["failovers"] == 1
-        assert tier.exists_prefix(keys) == 0 and replica.client().exists(*names) == 4
+        assert tier.exists_prefix(keys) == 0 and read() == [False] * 4
+        assert replica.client().exists(*names) == 4
         tier._probe_once()  # the probe: the delete done again, then the tier serves
         assert tier.health() and replica.client().exists(*names) == 0
         assert tier.usage()["primary"] == f"127.0.0.1:{replica.port}" and tier.usage()["failovers"] == 1
-        replica.client().set(names[0], b"x")
-        assert tier.exists_prefix(keys) == 1  # (served: the new primary answers)
+        assert tier.put(keys[:1], [[memoryview(pages[0])]], geometry) == [True]
+        assert tier.exists_prefix(keys) == 1 and read() == [True, False, False, False]  # (served)
     finally:
         if tier is not None:
             tier.close()

@@ -8,7 +8,7 @@ A failover is seen three ways:
 - behind Sentinel, the probe asks the sentinels for the primary every round;
 - behind Sentinel, every new connection asks them too (a pooled connection the old primary
   dropped reconnects unseen as it is taken): one that finds a new primary before the probe
-  fails, so the lookup or read it was for serves nothing;
+  fails, and a read or lookup that saw one (a worker's connect is retried once) serves nothing;
 - in a cluster, the probe reads the cluster's current epoch (CLUSTER INFO, in place of its
   ping), which a failover raises; and after each read or lookup, the nodes its client takes for
   primaries are compared with those it took before: a new one (a MOVED reply followed to a
@@ -43,6 +43,14 @@ class FollowsFailovers:
 
     def _failover_pending(self) -> bool:
         return self._changes_seen != self._changes_done
+
+    def _changed_since(self, seen: int, client) -> bool:
+        """(After a read or lookup begun when `_changes_seen` was `seen`.) True where a new
+        primary was seen meanwhile, by this call (a cluster client's slot map; a connection
+        that asked the sentinels and was retried) or another: what it found is dropped."""
+        if self.cluster:
+            self._moved(client)
+        return self._changes_seen != seen
 
     def _follow(self) -> bool:
         """(The probe.) Follow the sentinels or the cluster's epoch, and redo the window for
@@ -154,7 +162,7 @@ class FollowsFailovers:
             info = self._probe_client.execute_command("CLUSTER INFO")
         except self._redis.ResponseError as exc:
             log.warning("[redis] %s: CLUSTER INFO refused (%s): a failover is not seen, and deletes "
-                        "and clears the old primary lost are not done again", self.uri, exc)
+                        "and clears the old primary lost are not done again", self.uri, str(exc))
             self._epoch = None
             return False
         if isinstance(info, bytes):

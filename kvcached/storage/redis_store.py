@@ -176,21 +176,24 @@ class RedisBackend(FollowsFailovers, OwesClears, StorageBackend):
         """One pipelined command per key; None when the store is unusable or fails."""
         if not keys or not self._usable():
             return None
+        client, seen = client or self._client, self._changes_seen
         try:
-            pipe = (client or self._client).pipeline(transaction=False)
+            pipe = client.pipeline(transaction=False)
             for key in keys:
                 getattr(pipe, command)(self._name(key))
             got = pipe.execute()
-            return None if self.cluster and self._moved(client or self._client) else got
+            return None if self._changed_since(seen, client) else got
         except self._redis.RedisError as exc:
             self._failed(exc)
             return None
 
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
         """On the request thread: the lookup connection (short timeout, no retry)."""
+        seen = self._changes_seen
         while self._prefix_scripts and keys and self._usable():
             try:
-                return self._script_prefix(self._prefix_scripts[0], keys)
+                n = self._script_prefix(self._prefix_scripts[0], keys)
+                return 0 if self._changed_since(seen, self._lookup_client) else n
             except self._redis.exceptions.ResponseError as exc:
                 refused = _refusal(exc)
                 if refused is None:  # passing (BUSY: another client's script): this lookup
@@ -198,11 +201,11 @@ class RedisBackend(FollowsFailovers, OwesClears, StorageBackend):
                 if refused == "flag" and len(self._prefix_scripts) > 1:  # Redis 6
                     self._prefix_scripts.pop(0)
                     log.info("[redis] %s: the no-writes flag is refused (%s); the lookup script "
-                             "runs without it", self.uri, exc)
+                             "runs without it", self.uri, str(exc))
                     continue
                 self._prefix_scripts = []  # scripts refused (an ACL, a managed service)
                 log.warning("[redis] %s: the lookup script is refused (%s); lookups pipeline "
-                            "one EXISTS per key from now on", self.uri, exc)
+                            "one EXISTS per key from now on", self.uri, str(exc))
             except self._redis.RedisError as exc:
                 self._failed(exc)
                 return 0
@@ -241,7 +244,7 @@ class RedisBackend(FollowsFailovers, OwesClears, StorageBackend):
             try:
                 verify(value, key, nbytes(pieces), geometry)
             except BadRecord as exc:
-                log.warning("[redis] %s: %s; deleted", key.hex(), exc)
+                log.warning("[redis] %s: %s; deleted", key.hex(), str(exc))
                 self.counters["corrupt"] += 1
                 self.delete([key])
                 out.append(False)
