@@ -24,6 +24,8 @@ metrics_http.MetricsServer (one thread, bounded; a rendering shared for MIN_REND
     kvcached_storage_healthy{uri}                                      gauge
     kvcached_storage_failovers_total{uri}                              counter (Redis behind
                                   Sentinel or in a cluster: new primaries and epoch rises seen)
+    kvcached_storage_restarts_total{uri}                               counter (a Redis server or
+                                  Sentinel's primary seen with a new run_id)
     kvcached_queue_depth                                               gauge
     kvcached_host_bytes_used / kvcached_host_bytes_capacity            gauges
     kvcached_clients                                                   gauge
@@ -98,7 +100,7 @@ class StatusCollector:
             yield g
 
     def _tiers(self, s: dict):
-        """Evictions (host, disk) and each storage tier's errors, health and failovers."""
+        """Evictions (host, disk) and each storage tier's errors, health, failovers and restarts."""
         fam, i = self._family, self.instance
         evictions = fam(CounterMetricFamily, "kvcached_evictions", "Blocks evicted", ["tier"])
         evictions.add_metric([i, "host"], s["host"].get("evictions", 0))
@@ -106,15 +108,19 @@ class StatusCollector:
         healthy = fam(GaugeMetricFamily, "kvcached_storage_healthy", "1 when the tier answers", ["uri"])
         failovers = fam(CounterMetricFamily, "kvcached_storage_failovers",
                         "Failovers a tier saw (a new primary, a cluster's epoch risen)", ["uri"])
+        restarts = fam(CounterMetricFamily, "kvcached_storage_restarts",
+                       "Restarts a tier saw its server make (a new Redis run_id)", ["uri"])
         for tier in s.get("storage", []):
             if "failovers" in tier:
                 failovers.add_metric([i, tier["uri"]], tier["failovers"])
+            if "restarts" in tier:
+                restarts.add_metric([i, tier["uri"]], tier["restarts"])
             if "evicted" in tier:
                 evictions.add_metric([i, "disk"], tier["evicted"])
             errors.add_metric([i, tier["uri"]], sum(tier.get(k, 0) or 0 for k in
                                                     ("errors", "put_errors", "corrupt", "dropped_puts")))
             healthy.add_metric([i, tier["uri"]], 1 if tier.get("healthy") else 0)
-        return evictions, errors, healthy, failovers
+        return evictions, errors, healthy, failovers, restarts
 
     def _copy_phases(self, copy_phases: dict):
         i = self.instance

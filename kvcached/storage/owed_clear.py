@@ -13,7 +13,8 @@ A store whose failover may lose what the old primary acknowledged (Redis behind 
 a cluster: replication is asynchronous) keeps the deletes and clears it did in the last
 REDO_WINDOW_S (`_done_lately`); at a failover (`failed_over`) they are owed again, and the tier
 serves nothing until its probe has done them on the new primary: a delete or clear lost with
-the old primary does not bring its blocks back.
+the old primary does not bring its blocks back. A Redis server's restart is one too, and may
+undo more (`_keep_since`: since its last snapshot; redis_restarts.py).
 
 Owed clears and deletes outlive the daemon (OwedRecord, a file in its run dir): a daemon stopped
 or killed while they are owed owes them again at its next start.
@@ -133,7 +134,7 @@ class OwesClears:
         if lately is None:
             return
         now = time.monotonic()
-        while lately and lately[0][0] < now - REDO_WINDOW_S:
+        while lately and lately[0][0] < self._keep_since(now):
             self._done_lately_keys -= len(lately.popleft()[1] or ())
         if keys is not None and self._done_lately_keys + len(keys) <= MAX_OWED_DELETES:
             lately.append((now, frozenset(keys)))
@@ -143,12 +144,17 @@ class OwesClears:
             lately.append((now, None))
             self._done_lately_keys = 0
 
+    def _keep_since(self, now: float) -> float:
+        """The oldest a done delete or clear a failover may undo can be (a store whose restart
+        may undo older ones keeps them longer)."""
+        return now - REDO_WINDOW_S
+
     def failed_over(self, why: str) -> None:
-        """(The probe, a new primary found.) The deletes and clears done in the last
-        REDO_WINDOW_S may be lost with the old primary: owed again, so the tier serves nothing
+        """(The probe, a new primary found or a restart.) The deletes and clears done since
+        `_keep_since` may be lost with the old primary: owed again, so the tier serves nothing
         until the probe has done them on the new one."""
         with self._clear_lock:
-            horizon = time.monotonic() - REDO_WINDOW_S
+            horizon = self._keep_since(time.monotonic())
             redo = [keys for at, keys in self._done_lately or () if at >= horizon]
             if not redo:
                 return

@@ -34,6 +34,7 @@ class FollowsFailovers:
         self._primary = None  # (host, port) the sentinels named last
         self._changes_seen = 0  # new primaries seen by connections, calls and the probe
         self._changes_done = 0  # of those, the ones the probe has redone the window for
+        self._change_why = ""  # the last one's
         self._epoch = -1  # a cluster's current epoch, the highest seen (None: not followed)
         self._sentinel_pools = pools
         self._ask_primary = [self._watch_primary(pool) for pool in pools]
@@ -52,21 +53,29 @@ class FollowsFailovers:
             self._moved(client)
         return self._changes_seen != seen
 
+    def _note_change(self, why: str) -> None:
+        """(_primary_lock held.) A new primary, or a restarted server, seen: pending until the
+        probe's round has redone the window."""
+        self._changes_seen += 1
+        self._change_why = why
+
     def _follow(self) -> bool:
-        """(The probe.) Follow the sentinels or the cluster's epoch, and redo the window for
-        any new primary seen since the last round. True where a cluster node answered (the
-        probe's ping)."""
-        if self._sentinel_pools:
-            self._follow_primary()
-            return False
-        if not self.cluster:
-            return False
-        seen, rises = self._changes_seen, self.counters["failovers"]
-        answered = self._follow_epoch()
-        if seen != self._changes_done or self.counters["failovers"] != rises:
-            if self.counters["failovers"] == rises:  # (else an epoch rise redid it already)
-                self.failed_over("a slot moved to a new primary")
-            self._redone_for = self._primaries_now()
+        """(The probe.) Follow the cluster's epoch, or the sentinels and the server's run_id
+        (redis_restarts.py); redo the window for what was seen since the last round. True
+        where the server answered (the probe's ping)."""
+        if self.cluster:
+            answered = self._follow_epoch()
+        else:
+            if self._ask_primary:
+                self._new_primary(self._ask_primary[0]())
+            answered = self._follow_server()
+        seen = self._changes_seen
+        if seen != self._changes_done:
+            for ask in self._ask_primary[1:]:  # (each pool drops its idle connections to an
+                ask()                          # old primary: get_master_address does on a change)
+            self.failed_over(self._change_why)
+            if self.cluster:
+                self._redone_for = self._primaries_now()
             self._changes_done = seen
         return answered
 
@@ -94,25 +103,11 @@ class FollowsFailovers:
             if old is None or old == primary:
                 return False
             self.counters["failovers"] += 1
-            self._changes_seen += 1
+            self._note_change("the sentinels named a new primary, %s:%s" % primary)
+            self._run_id = self._saved = None  # (another server's: redis_restarts.py)
         log.warning("[redis] %s: the sentinels name a new primary, %s:%s (was %s:%s)",
                     self.uri, *primary, *old)
         return True
-
-    def _follow_primary(self) -> None:
-        """(The probe.) Ask the sentinels for the primary, once. After a failover (seen here or
-        by a new connection), every pool drops its idle connections to the old primary (its
-        get_master_address does on a change), and what was done lately is owed again."""
-        probe_ask, *others = self._ask_primary
-        primary = probe_ask()
-        self._new_primary(primary)
-        seen = self._changes_seen
-        if seen == self._changes_done:
-            return
-        for ask in others:
-            ask()
-        self.failed_over("the sentinels named a new primary, %s:%s" % primary)
-        self._changes_done = seen
 
     # a cluster
 
@@ -131,7 +126,7 @@ class FollowsFailovers:
             new = now - before - self._redone_for
             if not new:
                 return False
-            self._changes_seen += 1
+            self._note_change("a slot moved to a new primary (%s)" % ", ".join(sorted(new)))
         log.warning("[redis] %s: a slot moved to a new primary (%s); the tier waits for its probe",
                     self.uri, ", ".join(sorted(new)))
         return True
@@ -173,7 +168,8 @@ class FollowsFailovers:
         if epoch > self._epoch >= 0:
             log.warning("[redis] %s: the cluster's epoch rose to %d (from %d): a failover or a new "
                         "configuration", self.uri, epoch, self._epoch)
-            self.counters["failovers"] += 1
-            self.failed_over(f"the cluster's epoch rose to {epoch} (a failover or a new configuration)")
+            with self._primary_lock:
+                self.counters["failovers"] += 1
+                self._note_change(f"the cluster's epoch rose to {epoch} (a failover or a new configuration)")
         self._epoch = max(self._epoch, epoch)
         return True

@@ -17,7 +17,9 @@ Replication is asynchronous, so an old primary may have acknowledged deletes and
 replica never had: at a failover (behind Sentinel, the probe finds a new primary; in a cluster,
 the cluster's current epoch rose) the tier does again the deletes and clears it did in the last
 REDO_WINDOW_S before it serves (owed_clear.py). A new primary a connection or a call finds before
-the probe does serves nothing either: the tier waits for the probe (redis_failover.py).
+the probe does serves nothing either: the tier waits for the probe (redis_failover.py). A server
+that restarted (a new run_id) is a failover too, and may undo everything since its last snapshot
+(redis_restarts.py).
 
 The password is used to authenticate (AUTH, with the user for an ACL user) and shown nowhere:
 status, metrics and logs carry the URI with it replaced by *** (uris.redact).
@@ -57,6 +59,7 @@ from typing import Sequence
 from .base import StorageBackend
 from .owed_clear import OwesClears
 from .redis_failover import FollowsFailovers
+from .redis_restarts import FollowsRestarts
 from .record import HEADER_BYTES, BadRecord, nbytes, pack_header, scatter, verify
 from .uris import parse_redis_uri, redact
 
@@ -82,7 +85,7 @@ HOLD_WRITES_S = 1.0  # backups dropped after a SET timed out, before the next is
 MAX_ERROR_CHARS = 300  # of an error shown in status and the log
 
 
-class RedisBackend(FollowsFailovers, OwesClears, StorageBackend):
+class RedisBackend(FollowsFailovers, FollowsRestarts, OwesClears, StorageBackend):
     _LOG_TAG = "redis"
 
     def __init__(self, uri: str):
@@ -104,13 +107,14 @@ class RedisBackend(FollowsFailovers, OwesClears, StorageBackend):
         kind = "-cluster" if self.cluster else "-sentinel" if sentinels else ""
         self._store_id = (f"redis{kind}://{where}/{db}"
                           f"?prefix={self.prefix.decode(errors='replace')}")  # (owed_clear.py)
-        connect = _connector(redis, opts)
+        self._start_restarts()  # (before any connection: each reads the server's run_id)
+        connect = _connector(redis, opts, None if self.cluster else self._on_connect)
         self._healthy = True
         self._clear_lock = threading.Lock()  # owed_clear.py: a clear the server has not done
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self.counters = {"puts": 0, "gets": 0, "dropped_puts": 0, "errors": 0, "corrupt": 0,
-                         "put_errors": 0, "write_timeouts": 0, "failovers": 0}
+                         "put_errors": 0, "write_timeouts": 0, "failovers": 0, "restarts": 0}
         self._refusal_said = ""  # the last refusal logged (a full server refuses every SET alike)
         self._writes_held_until = 0.0  # monotonic: backups are dropped until then (a write pause)
         self.last_error = ""
@@ -125,8 +129,8 @@ class RedisBackend(FollowsFailovers, OwesClears, StorageBackend):
         # a failover: followed by the probe, and seen by new connections and calls (redis_failover.py)
         clients = (self._probe_client, self._client, self._lookup_client)
         self._start_following([c.connection_pool for c in clients] if sentinels else [], clients)
-        if sentinels or self.cluster:  # a failover may lose the deletes and clears done lately
-            self._done_lately = collections.deque()  # (owed_clear.py)
+        # a failover or a restart may lose the deletes and clears done lately (owed_clear.py)
+        self._done_lately = collections.deque()
         self._probe_once()
         self._prober = threading.Thread(target=self._probe, name="kvcached-redis-probe", daemon=True)
         self._prober.start()
@@ -348,9 +352,10 @@ class RedisBackend(FollowsFailovers, OwesClears, StorageBackend):
             client.close()
 
 
-def _connector(redis, opts: dict):
+def _connector(redis, opts: dict, on_connect=None):
     """connect(timeout, retries): a client of the URI's server, cluster or sentinels' primary
-    (each new connection asks the sentinels where it is)."""
+    (each new connection asks the sentinels where it is); on_connect(connection) replaces each
+    connection's handshake (redis_restarts.py)."""
     from redis.backoff import ConstantBackoff, NoBackoff
     from redis.retry import Retry
 
@@ -359,7 +364,8 @@ def _connector(redis, opts: dict):
 
     def connect(timeout: float, retries: int):
         retry = Retry(ConstantBackoff(WORKER_RETRY_BACKOFF_S) if retries else NoBackoff(), retries)
-        common = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=retry, **auth, **tls)
+        common = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=retry, **auth, **tls,
+                      **({"redis_connect_func": on_connect} if on_connect else {}))
         if opts["cluster"]:
             return redis.cluster.RedisCluster(host=opts["host"], port=opts["port"], **common)
         if opts["sentinels"]:

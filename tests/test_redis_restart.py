@@ -1,0 +1,159 @@
+"""A Redis server that restarts from its snapshot, with real redis-server processes on loopback:
+the deletes done after the snapshot come back with it, and the tier does them again before it
+serves (redis_restarts.py). The probe runs here only when a test calls it."""
+import logging
+import os
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import RedisServer, blocks_equal, free_port, keys_for, scramble, small_kv, snapshot, wait_until
+from storage_util import PAGE_SHAPE, offload_and_flush, start
+
+
+def _tier(monkeypatch, uri: str):
+    """The tier, its probe run by the test alone, the failover window (REDO_WINDOW_S) cut to
+    0.2 s: what a test sees kept past it is kept for a restart."""
+    from kvcached.storage import redis_restarts, redis_store
+
+    monkeypatch.setattr(redis_store, "PROBE_EVERY_S", 3600.0)
+    monkeypatch.setattr(redis_restarts, "REDO_WINDOW_S", 0.2)
+    return redis_store.RedisBackend(uri)
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("first", ["lookup", "read"])
+def test_the_deletes_a_restart_undid_are_done_again_before_the_tier_serves(monkeypatch, caplog, first):
+    """Six blocks stored and snapshotted (SAVE); one deleted before a second snapshot, four after
+    it. The server is killed and started again: it loads the second snapshot, so the four are
+    back. The first lookup (or worker's read) after the restart reconnects, finds another
+    run_id and serves nothing (it found the four before); the tier is down until its probe has
+    deleted the four again. The one deleted before the snapshot is not owed again; the
+    block never deleted is kept and reads back byte-exact."""
+    server = RedisServer()
+    tier = _tier(monkeypatch, server.uri)
+    try:
+        keys, geometry = [bytes([i]) * 16 for i in range(6)], os.urandom(16)
+        names = [tier._name(k) for k in keys]
+        pages = [bytearray(os.urandom(4096)) for _ in keys]
+        assert tier.put(keys, [[memoryview(p)] for p in pages], geometry) == [True] * 6
+
+        def read(which) -> list:
+            into = [bytearray(4096) for _ in which]
+            got = tier.get_into([keys[i] for i in which], [[memoryview(b)] for b in into], geometry)
+            assert [b == pages[i] for b, i in zip(into, which)] == got  # (read: what was put)
+            return got
+
+        assert read(range(6)) == [True] * 6
+        server.client().save()
+        tier._probe_once()
+        assert tier.delete(keys[5:]) == 1  # before the snapshot, and before a probe round
+        time.sleep(1.1)  # ahead of it by more than the 1 s a save's whole-second times may hide
+        tier._probe_once()
+        server.client().save()
+        tier._probe_once()  # the save seen: what was done before the last round is in it
+        assert tier.delete(keys[:4]) == 4  # after it: not in it
+        assert tier.exists_prefix(keys[:4]) == 0 and tier.health()
+        server.proc.kill()
+        server.proc.wait(10)
+        server.start()
+        assert server.client().exists(*names[:4]) == 4 and server.client().exists(names[5]) == 0
+        if first == "lookup":
+            assert tier.exists_prefix(keys[:4]) == 0, "a deleted block found after the restart"
+        else:
+            assert read(range(4)) == [False] * 4, "a deleted block read after the restart"
+        assert not tier.health() and tier.usage()["restarts"] == 1
+        assert tier.exists_prefix(keys[:4]) == 0 and read(range(4)) == [False] * 4
+        with caplog.at_level(logging.WARNING, logger="kvcached.storage"):
+            tier._probe_once()  # the deletes done again, then the tier serves
+        assert tier.health() and server.client().exists(*names[:4]) == 0
+        assert "4 deletes done or owed before the failover are owed" in caplog.text
+        assert tier.exists_prefix(keys[4:5]) == 1 and read([4]) == [True]
+        assert tier.usage()["restarts"] == 1 and tier.usage()["failovers"] == 0
+    finally:
+        tier.close()
+        server.close()
+
+
+@pytest.mark.faults
+def test_a_restart_without_a_snapshot_since_the_deletes_owes_them_all(monkeypatch):
+    """No save seen since the tier started: every delete it did may be undone by a restart (the
+    server's snapshot predates them all), and each is done again, past the failover window."""
+    server = RedisServer()
+    keys = [bytes([i]) * 16 for i in range(3)]
+    tier = _tier(monkeypatch, server.uri)
+    try:
+        names = [tier._name(k) for k in keys]
+        server.client().mset({n: b"x" for n in names})
+        server.client().save()  # (before the tier's first probe round saw any save: no mark)
+        assert tier.delete(keys) == 3
+        time.sleep(1.0)  # past the failover window: kept for the restart alone
+        server.stop()
+        server.start()
+        assert server.client().exists(*names) == 3
+        assert tier.exists_prefix(keys) == 0 and not tier.health()
+        tier._probe_once()
+        assert tier.health() and server.client().exists(*names) == 0
+    finally:
+        tier.close()
+        server.close()
+
+
+@pytest.mark.faults
+def test_a_user_refused_info_is_told_once_and_the_tier_serves(monkeypatch, caplog):
+    """An ACL user without INFO (what a restart is read from): the tier says once that restarts
+    are not followed, its probe pings, it stays up and serves."""
+    server = RedisServer()
+    server.client().execute_command("ACL", "SETUSER", "kv", "on", ">kv-pw", "~*", "&*", "+@all", "-info")
+    caplog.set_level(logging.WARNING, logger="kvcached.storage.redis_store")
+    tier = _tier(monkeypatch, f"redis://kv:kv-pw@127.0.0.1:{server.port}/0")
+    try:
+        for _ in range(3):
+            tier._probe_once()
+        keys = [bytes([i]) * 16 for i in range(2)]
+        server.client().mset({tier._name(k): b"x" for k in keys})
+        assert tier.health() and tier.exists_prefix(keys) == 2, tier.last_error
+        assert sum("INFO refused" in r.message for r in caplog.records) == 1
+    finally:
+        tier.close()
+        server.close()
+
+
+@pytest.mark.faults
+def test_through_a_daemon_the_deleted_blocks_stay_gone_and_the_restart_is_counted(run_dir, instance):
+    """A daemon's blocks backed up and snapshotted, two of them deleted, the server killed and
+    started again (the two back in it): once the tier is healthy again the two are misses, the
+    other two load byte-exact, and status and metrics count one restart."""
+    server = RedisServer()
+    metrics_port = free_port()
+    h = start(run_dir, instance, server.uri, extra=["--metrics-port", str(metrics_port)])
+    try:
+        kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=16, seed=17)
+        keys = keys_for(4, 50)
+        expected = snapshot(kv, [2, 3])  # (the blocks kept)
+        with h.connect(timeout=2.0) as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, list(range(4)))
+            server.client().save()
+            c.delete(keys[:2])
+            server.proc.kill()
+            server.proc.wait(10)
+            server.start()
+            assert server.client().dbsize() == 4  # (the two deleted are back)
+            wait_until(lambda: c.status()["storage"][0]["restarts"] == 1 and c.status()["storage"][0]["healthy"],
+                       10, "the restart seen and its deletes done again")
+            assert server.client().dbsize() == 2
+            c.clear(tier="host")
+            assert c.lookup(keys[:2]) == (0, 0) and c.lookup(keys[2:]) == (0, 2)
+            scramble(kv, 6)
+            assert c.load(keys[2:], [8, 9]).wait(10) == 2
+            assert blocks_equal(kv, [8, 9], expected)
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+                body = r.read().decode()
+            (family,) = [f for f in text_string_to_metric_families(body) if f.name == "kvcached_storage_restarts"]
+            assert [x.value for x in family.samples if x.name.endswith("_total")] == [1.0]
+    finally:
+        h.stop()
+        server.close()
