@@ -263,6 +263,25 @@ class _ReplicationLink:
             s.close()
 
 
+@contextlib.contextmanager
+def _cut_pair():
+    """A primary, its replica behind a _ReplicationLink, and a sentinel, for the block:
+    (primary, link, replica, sentinel), the sentinel knowing the replica."""
+    primary = RedisServer()
+    link = _ReplicationLink(primary.port)
+    replica = RedisServer(extra=["--replicaof", "127.0.0.1", str(link.port)])
+    # (a sentinel points a replica that follows another address at the primary once the
+    # failover timeout has passed since it found it: not within these tests)
+    sentinel = SentinelServer(primary, failover_timeout_ms=120000)
+    try:
+        wait_until(lambda: sentinel.knows_replica(replica.port), 20, "the sentinel knows the replica")
+        yield primary, link, replica, sentinel
+    finally:
+        for s in (sentinel, replica, primary):
+            s.close()
+        link.close()
+
+
 @pytest.mark.faults
 @pytest.mark.parametrize("what", ["delete", "clear"])
 def test_a_delete_or_clear_the_old_primary_lost_is_done_again_on_the_new_one(run_dir, instance, what):
@@ -270,54 +289,45 @@ def test_a_delete_or_clear_the_old_primary_lost_is_done_again_on_the_new_one(run
     replication stream cut), then dies; the sentinel promotes the replica, which still holds the
     blocks. The tier does again on the new primary what it did in the last REDO_WINDOW_S before
     it serves: the blocks stay gone (they were hits again through the new primary before)."""
-    primary = RedisServer()
-    link = _ReplicationLink(primary.port)
-    replica = RedisServer(extra=["--replicaof", "127.0.0.1", str(link.port)])
-    # (a sentinel points a replica that follows another address at the primary once the
-    # failover timeout has passed since it found it: not within this test)
-    sentinel = SentinelServer(primary, failover_timeout_ms=120000)
-    h = None
-    try:
-        wait_until(lambda: sentinel.knows_replica(replica.port), 20, "the sentinel knows the replica")
-        kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=32, seed=14)
-        keys, kept = keys_for(4, 46), keys_for(2, 47)
-        metrics_port = free_port()
-        h = start(run_dir, instance, f"redis+sentinel://127.0.0.1:{sentinel.port}/0?service=mymaster",
-                  extra=["--metrics-port", str(metrics_port)])
-        with h.connect(timeout=2.0) as c:
-            c.register_kv_cache(kv)
-            offload_and_flush(c, kv, keys, list(range(4)))
-            wait_until(lambda: replica.client().exists(*_names(kv, keys)) == 4, 10, "replicated")
-            link.cut.set()
-            if what == "delete":
-                c.delete(keys)
-                offload_and_flush(c, kv, kept, list(range(4, 6)))  # stored after: kept
-            else:
-                c.clear()
-            assert primary.client().exists(*_names(kv, keys)) == 0
-            assert replica.client().exists(*_names(kv, keys)) == 4  # the stream was cut
-            primary.proc.kill()
-            primary.proc.wait(10)
-            wait_until(lambda: sentinel.primary_port() == replica.port, 30, "the replica promoted")
-            wait_until(lambda: _tier(c)["primary"] == f"127.0.0.1:{replica.port}", 5, "the new primary")
-            wait_until(lambda: _tier(c)["healthy"], 10, "the tier healthy")
-            assert replica.client().exists(*_names(kv, keys)) == 0, "the lost one done again"
-            c.clear(tier="host")
-            assert c.lookup(keys) == (0, 0)
-            assert c.load(keys, list(range(10, 14))).wait(10) == 0
-            if what == "delete":  # deletes are done again, not a clear: the rest is kept
-                assert _tier(c)["deletes_owed"] == 0
-            assert _tier(c)["failovers"] == 1
-            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
-                body = r.read().decode()
-            (family,) = [f for f in text_string_to_metric_families(body) if f.name == "kvcached_storage_failovers"]
-            assert [x.value for x in family.samples if x.name.endswith("_total")] == [1.0]
-    finally:
-        if h is not None:
-            h.stop()
-        for s in (sentinel, replica, primary):
-            s.close()
-        link.close()
+    with _cut_pair() as (primary, link, replica, sentinel):
+        h = None
+        try:
+            kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=32, seed=14)
+            keys, kept = keys_for(4, 46), keys_for(2, 47)
+            metrics_port = free_port()
+            h = start(run_dir, instance, f"redis+sentinel://127.0.0.1:{sentinel.port}/0?service=mymaster",
+                      extra=["--metrics-port", str(metrics_port)])
+            with h.connect(timeout=2.0) as c:
+                c.register_kv_cache(kv)
+                offload_and_flush(c, kv, keys, list(range(4)))
+                wait_until(lambda: replica.client().exists(*_names(kv, keys)) == 4, 10, "replicated")
+                link.cut.set()
+                if what == "delete":
+                    c.delete(keys)
+                    offload_and_flush(c, kv, kept, list(range(4, 6)))  # stored after: kept
+                else:
+                    c.clear()
+                assert primary.client().exists(*_names(kv, keys)) == 0
+                assert replica.client().exists(*_names(kv, keys)) == 4  # the stream was cut
+                primary.proc.kill()
+                primary.proc.wait(10)
+                wait_until(lambda: sentinel.primary_port() == replica.port, 30, "the replica promoted")
+                wait_until(lambda: _tier(c)["primary"] == f"127.0.0.1:{replica.port}", 5, "the new primary")
+                wait_until(lambda: _tier(c)["healthy"], 10, "the tier healthy")
+                assert replica.client().exists(*_names(kv, keys)) == 0, "the lost one done again"
+                c.clear(tier="host")
+                assert c.lookup(keys) == (0, 0)
+                assert c.load(keys, list(range(10, 14))).wait(10) == 0
+                if what == "delete":  # deletes are done again, not a clear: the rest is kept
+                    assert _tier(c)["deletes_owed"] == 0
+                assert _tier(c)["failovers"] == 1
+                with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+                    body = r.read().decode()
+                (family,) = [f for f in text_string_to_metric_families(body) if f.name == "kvcached_storage_failovers"]
+                assert [x.value for x in family.samples if x.name.endswith("_total")] == [1.0]
+        finally:
+            if h is not None:
+                h.stop()
 
 
 @pytest.mark.faults
@@ -333,51 +343,44 @@ def test_a_connection_that_finds_the_new_primary_before_the_probe_serves_nothing
     from kvcached.storage import redis_store
 
     monkeypatch.setattr(redis_store, "PROBE_EVERY_S", 3600.0)
-    primary = RedisServer()
-    link = _ReplicationLink(primary.port)
-    replica = RedisServer(extra=["--replicaof", "127.0.0.1", str(link.port)])
-    sentinel = SentinelServer(primary, failover_timeout_ms=120000)
-    tier = None
-    try:
-        wait_until(lambda: sentinel.knows_replica(replica.port), 20, "the sentinel knows the replica")
-        tier = redis_store.RedisBackend(f"redis+sentinel://127.0.0.1:{sentinel.port}/0?service=mymaster")
-        keys, geometry = [bytes([i]) * 16 for i in range(4)], os.urandom(16)
-        names = [tier._name(k) for k in keys]
-        pages = [bytearray(os.urandom(4096)) for _ in keys]
-        assert tier.put(keys, [[memoryview(p)] for p in pages], geometry) == [True] * 4
-        wait_until(lambda: replica.client().exists(*names) == 4, 10, "replicated")
-        assert tier.exists_prefix(keys) == 4  # (the lookup connection, to the old primary)
+    with _cut_pair() as (primary, link, replica, sentinel):
+        tier = None
+        try:
+            tier = redis_store.RedisBackend(f"redis+sentinel://127.0.0.1:{sentinel.port}/0?service=mymaster")
+            keys, geometry = [bytes([i]) * 16 for i in range(4)], os.urandom(16)
+            names = [tier._name(k) for k in keys]
+            pages = [bytearray(os.urandom(4096)) for _ in keys]
+            assert tier.put(keys, [[memoryview(p)] for p in pages], geometry) == [True] * 4
+            wait_until(lambda: replica.client().exists(*names) == 4, 10, "replicated")
+            assert tier.exists_prefix(keys) == 4  # (the lookup connection, to the old primary)
 
-        def read() -> list:
-            into = [bytearray(4096) for _ in keys]
-            got = tier.get_into(keys, [[memoryview(b)] for b in into], geometry)
-            assert [b == p for b, p in zip(into, pages)] == got  # (what is read is what was put)
-            return got
-        assert read() == [True] * 4
-        link.cut.set()
-        assert tier.delete(keys) == 4 and tier.exists_prefix(keys) == 0
-        assert replica.client().exists(*names) == 4  # the stream was cut
-        primary.proc.kill()
-        primary.proc.wait(10)
-        wait_until(lambda: sentinel.names_up(replica.port), 30, "the replica promoted")
-        if first == "lookup":
-            assert tier.exists_prefix(keys) == 0, "a deleted block found through the new primary"
-        else:
-            assert read() == [False] * 4, "a deleted block read through the new primary"
-        assert not tier.health() and tier.usage()["failovers"] == 1
-        assert tier.exists_prefix(keys) == 0 and read() == [False] * 4
-        assert replica.client().exists(*names) == 4
-        tier._probe_once()  # the probe: the delete done again, then the tier serves
-        assert tier.health() and replica.client().exists(*names) == 0
-        assert tier.usage()["primary"] == f"127.0.0.1:{replica.port}" and tier.usage()["failovers"] == 1
-        assert tier.put(keys[:1], [[memoryview(pages[0])]], geometry) == [True]
-        assert tier.exists_prefix(keys) == 1 and read() == [True, False, False, False]  # (served)
-    finally:
-        if tier is not None:
-            tier.close()
-        for s in (sentinel, replica, primary):
-            s.close()
-        link.close()
+            def read() -> list:
+                into = [bytearray(4096) for _ in keys]
+                got = tier.get_into(keys, [[memoryview(b)] for b in into], geometry)
+                assert [b == p for b, p in zip(into, pages)] == got  # (what is read is what was put)
+                return got
+            assert read() == [True] * 4
+            link.cut.set()
+            assert tier.delete(keys) == 4 and tier.exists_prefix(keys) == 0
+            assert replica.client().exists(*names) == 4  # the stream was cut
+            primary.proc.kill()
+            primary.proc.wait(10)
+            wait_until(lambda: sentinel.names_up(replica.port), 30, "the replica promoted")
+            if first == "lookup":
+                assert tier.exists_prefix(keys) == 0, "a deleted block found through the new primary"
+            else:
+                assert read() == [False] * 4, "a deleted block read through the new primary"
+            assert not tier.health() and tier.usage()["failovers"] == 1
+            assert tier.exists_prefix(keys) == 0 and read() == [False] * 4
+            assert replica.client().exists(*names) == 4
+            tier._probe_once()  # the probe: the delete done again, then the tier serves
+            assert tier.health() and replica.client().exists(*names) == 0
+            assert tier.usage()["primary"] == f"127.0.0.1:{replica.port}" and tier.usage()["failovers"] == 1
+            assert tier.put(keys[:1], [[memoryview(pages[0])]], geometry) == [True]
+            assert tier.exists_prefix(keys) == 1 and read() == [True, False, False, False]  # (served)
+        finally:
+            if tier is not None:
+                tier.close()
 
 
 def _cluster_roles(port: int) -> dict[int, str]:
@@ -487,7 +490,11 @@ def test_a_cluster_failover_has_the_deletes_done_lately_done_again(run_dir, inst
                 wait_until(lambda: direct.exists(*records) == 0, 15, "the deletes done again")
                 wait_until(lambda: _tier(c)["healthy"], 10, "the tier healthy")
                 assert [c.lookup([k]) for k in gone] == [(0, 0)] * 6
-                assert c.lookup(kept) == (0, 6) and _tier(c)["deletes_owed"] == 0
+                # (a client that follows a slot to a primary the probe's redo did not know of -
+                # the node it asked heard of the epoch's rise before the promotion - holds the
+                # tier one more round: misses, then the blocks kept)
+                wait_until(lambda: c.lookup(kept) == (0, 6), 5, "the blocks not deleted found")
+                assert _tier(c)["deletes_owed"] == 0
                 assert _tier(c)["failovers"] >= 1
                 direct.close()
         finally:
