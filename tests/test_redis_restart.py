@@ -157,3 +157,32 @@ def test_through_a_daemon_the_deleted_blocks_stay_gone_and_the_restart_is_counte
     finally:
         h.stop()
         server.close()
+
+
+@pytest.mark.faults
+def test_a_failover_redoes_its_window_alone_not_what_a_restart_would(monkeypatch):
+    """A server that never saves keeps every delete the tier did owed to a restart; a failover
+    (here noted as the sentinels' would be) redoes only the failover window: deletes older than
+    it, their keys stored again since, are not done again (a clear done days ago is not owed at
+    every failover)."""
+    from kvcached.storage import owed_clear
+
+    monkeypatch.setattr(owed_clear, "REDO_WINDOW_S", 0.2)
+    server = RedisServer()
+    tier = _tier(monkeypatch, server.uri)
+    try:
+        keys = [bytes([i]) * 16 for i in range(3)]
+        names = [tier._name(k) for k in keys]
+        server.client().mset({n: b"x" for n in names})
+        assert tier.delete(keys) == 3
+        time.sleep(1.0)  # past the failover window
+        server.client().mset({n: b"x" for n in names})  # stored again since
+        with tier._primary_lock:
+            tier._note_change("a failover, as the sentinels would name one")
+        assert not tier.health() and tier.exists_prefix(keys) == 0  # (pending until the probe)
+        tier._probe_once()
+        assert tier.health() and tier.exists_prefix(keys) == 3
+        assert server.client().exists(*names) == 3 and tier.usage()["deletes_owed"] == 0
+    finally:
+        tier.close()
+        server.close()

@@ -145,16 +145,16 @@ class OwesClears:
             self._done_lately_keys = 0
 
     def _keep_since(self, now: float) -> float:
-        """The oldest a done delete or clear a failover may undo can be (a store whose restart
-        may undo older ones keeps them longer)."""
+        """The oldest a done delete or clear kept may be: what a failover may undo (a store
+        whose restart may undo older ones keeps them longer)."""
         return now - REDO_WINDOW_S
 
-    def failed_over(self, why: str) -> None:
+    def failed_over(self, why: str, since: float | None = None) -> None:
         """(The probe, a new primary found or a restart.) The deletes and clears done since
-        `_keep_since` may be lost with the old primary: owed again, so the tier serves nothing
-        until the probe has done them on the new one."""
+        `since` (monotonic; by default REDO_WINDOW_S ago) may be lost with the old primary: owed
+        again, so the tier serves nothing until the probe has done them on the new one."""
         with self._clear_lock:
-            horizon = self._keep_since(time.monotonic())
+            horizon = time.monotonic() - REDO_WINDOW_S if since is None else since
             redo = [keys for at, keys in self._done_lately or () if at >= horizon]
             if not redo:
                 return

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 log = logging.getLogger(__name__.rsplit(".", 1)[0] + ".redis_store")
 
@@ -35,8 +36,8 @@ class FollowsFailovers:
         self._changes_seen = 0  # new primaries seen by connections, calls and the probe
         self._changes_done = 0  # of those, the ones the probe has redone the window for
         self._change_why = ""  # the last one's
+        self._change_restart = False  # one since the last redo was a restart (redis_restarts.py)
         self._epoch = -1  # a cluster's current epoch, the highest seen (None: not followed)
-        self._sentinel_pools = pools
         self._ask_primary = [self._watch_primary(pool) for pool in pools]
         self._clients = clients
         self._primaries = {id(c): self._primaries_of(c) for c in clients} if self.cluster else {}
@@ -53,11 +54,13 @@ class FollowsFailovers:
             self._moved(client)
         return self._changes_seen != seen
 
-    def _note_change(self, why: str) -> None:
+    def _note_change(self, why: str, restart: bool = False) -> None:
         """(_primary_lock held.) A new primary, or a restarted server, seen: pending until the
-        probe's round has redone the window."""
+        probe's round has redone the window (a restart's reaches back to the server's last
+        snapshot, a failover's REDO_WINDOW_S)."""
         self._changes_seen += 1
         self._change_why = why
+        self._change_restart |= restart
 
     def _follow(self) -> bool:
         """(The probe.) Follow the cluster's epoch, or the sentinels and the server's run_id
@@ -69,11 +72,13 @@ class FollowsFailovers:
             if self._ask_primary:
                 self._new_primary(self._ask_primary[0]())
             answered = self._follow_server()
-        seen = self._changes_seen
+        with self._primary_lock:
+            seen, restart, self._change_restart = self._changes_seen, self._change_restart, False
         if seen != self._changes_done:
             for ask in self._ask_primary[1:]:  # (each pool drops its idle connections to an
                 ask()                          # old primary: get_master_address does on a change)
-            self.failed_over(self._change_why)
+            now = time.monotonic()
+            self.failed_over(self._change_why, since=self._keep_since(now) if restart else None)
             if self.cluster:
                 self._redone_for = self._primaries_now()
             self._changes_done = seen

@@ -44,6 +44,9 @@ class FollowsRestarts:
         self._info_refused = False
 
     def _keep_since(self, now: float) -> float:
+        """What is kept (owed_clear._done), and what a restart redoes: since the server's last
+        snapshot, and at least the failover window (a failover redoes that alone: a clear done
+        days ago on a server that never saves is not owed again at every failover)."""
         return min(now - REDO_WINDOW_S, self._durable_at)
 
     def _on_connect(self, conn) -> None:
@@ -75,7 +78,7 @@ class FollowsRestarts:
                 return False
             self.counters["restarts"] += 1
             self._note_change(f"the server restarted (run_id {run_id[:12]}, was {old[:12]}): what it "
-                              "did not make durable is lost")
+                              "did not make durable is lost", restart=True)
         log.warning("[redis] %s: the server restarted (a new run_id): the deletes and clears it may "
                     "have lost are done again before the tier serves", self.uri)
         return True

@@ -342,7 +342,7 @@ class RedisBackend(FollowsFailovers, FollowsRestarts, OwesClears, StorageBackend
         return {"used_bytes": 0, "capacity_bytes": 0, "blocks": None, "healthy": self.health(),
                 "clear_owed": self._clear_owed, "deletes_owed": len(self._owed_deletes),
                 "writes_held": time.monotonic() < self._writes_held_until,
-                **({"primary": "%s:%s" % self._primary if self._primary else None} if self._sentinel_pools else {}),
+                **({"primary": "%s:%s" % self._primary if self._primary else None} if self._ask_primary else {}),
                 "last_error": self.last_error, **self.counters}
 
     def close(self) -> None:
