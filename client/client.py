@@ -19,13 +19,14 @@ import zmq
 
 from kvcached_proto import (DaemonUnavailable, KvcachedError, KvcachedTimeout, Op, ProtocolError, decode,
                             encode, make_request, pack_block_ids, pack_keys, request_error)
-from kvcached_proto.codec import KEY_BYTES, MAX_KEYS_PER_REQUEST
+from kvcached_proto.codec import MAX_KEYS_PER_REQUEST
 from kvcached_proto.messages import ROLES, TaskStatus
 from kvcached_proto.paths import DEFAULT_INSTANCE, check_instance, request_endpoint, resolve_run_dir
 from kvcached_proto.order_words import REVOKE_WORD
 from kvcached_proto.version import PROTOCOL_VERSION, check_version
 
 from .holds import KeepsHolds
+from .key_events import FollowsKeys
 from .key_table import KeyTableReader, LookupNotes, SendsNotes
 from .loads import SendsLoads
 from .kv_alloc import describe_kv_cache
@@ -44,7 +45,7 @@ BYE_LINGER_MS = 100
 KEY_TABLE_ENV = "KVCACHED_KEY_TABLE"  # "0": every lookup is a message (the key table unused)
 
 
-class Client(KeepsHolds, SendsNotes, SendsLoads):
+class Client(KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
     """Connect with `Client.connect(instance=..., run_dir=..., timeout=...)`."""
 
     def __init__(self, instance: str = DEFAULT_INSTANCE, run_dir: str | None = None,
@@ -449,17 +450,6 @@ class Client(KeepsHolds, SendsNotes, SendsLoads):
                     return host, storage
         reply = self._request(Op.LOOKUP, timeout, keys=pack_keys(keys))
         return reply["host"], reply["storage"]
-
-    def key_events(self, after: int, limit: int = 4096, timeout: float | None = None) -> tuple:
-        """The host tier's changes after event number `after` (0: from the first): ([(key,
-        loadable)], the last number given - the next `after` -, gap: changes were missed, the
-        newest number)."""
-        reply = self._request(Op.KEY_EVENTS, timeout, after=after, limit=limit)
-        blob, visible = reply["keys"], reply["visible"]
-        if len(blob) != KEY_BYTES * len(visible):
-            raise KvcachedError(f"key_events: {len(blob)} bytes of keys for {len(visible)} events")
-        keys = [blob[i * KEY_BYTES:(i + 1) * KEY_BYTES] for i in range(len(visible))]
-        return list(zip(keys, (v == 1 for v in visible))), reply["last"], reply["gap"], reply["newest"]
 
     def prefetch(self, keys: Sequence[bytes], policy: str = "best_effort", timeout_ms: int = 0,
                  block_tokens: int = 1, priority: int = 0, timeout: float | None = None) -> Task:

@@ -81,9 +81,12 @@ OP_SPECS: dict[Op, OpSpec] = {
                                                                         max_len=4 * 65536),
                                  Field("storage_hits", "uint", False, 0, hi=2**62),
                                  Field("unnoted", "uint", False, 0, hi=2**62))),
-        # the host tier's changes after event number `after`, at most `limit` of them
+        # the host tier's changes after event number `after`, at most `limit` of them; 1.10:
+        # the local storage tiers' too (`storage`), and which tiers hold the keys asked now
         OpSpec(Op.KEY_EVENTS, (Field("after", "uint", hi=2**62),
-                               Field("limit", "uint", False, 4096, hi=65536))),
+                               Field("limit", "uint", False, 4096, hi=65536),
+                               Field("storage", "bool", False, False),
+                               Field("ask", "keys", False, ()))),
         OpSpec(Op.LOAD, (KEYS, BLOCKS, PRIORITY, *FENCE, Field("host_only", "bool", False, False)),
                needs_kv=True),
         OpSpec(

@@ -25,7 +25,7 @@ class Op(enum.IntEnum):
     CANCEL = 24
     FLUSH = 25
     LOOKUP_NOTES = 26  # 1.8: lookups a client answered from the key table, told in a batch
-    KEY_EVENTS = 27  # 1.9: the host tier's changes of what it can load, in order
+    KEY_EVENTS = 27  # 1.9: the host tier's changes of what it can load, in order (1.10: disk's)
     # maintenance
     DELETE = 30
     CLEAR = 31

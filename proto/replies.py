@@ -57,6 +57,9 @@ class KeyEventsReply(TypedDict):
     last: int  # the number of the last event given: the next request's `after`
     gap: bool  # events after `after` are lost (or `after` is not this daemon's): start over
     newest: int  # the number of the newest event (a new reader may start after it)
+    tiers: bytes  # (1.10) one byte per key: 0 the host tier's event, n the n-th local storage tier's
+    storage_tiers: list  # (1.10) the local storage tiers' names, n = 1 first
+    held: bytes  # (1.10) one byte per key asked: bit 0 the host tier can load it, bit n tier n holds it
 
 
 class LoadReply(TypedDict):

@@ -12,24 +12,24 @@ from kvcached_proto.errors import RequestError
 
 def test_the_ring_numbers_events_and_says_when_a_reader_missed_some():
     ev = KeyEvents(capacity=4)
-    assert ev.since(0, 10) == ([], b"", 0, False)
+    assert ev.since(0, 10) == ([], b"", b"", 0, False)
     for i in range(3):
         ev.host(bytes([i]) * 16, i != 1)
-    keys, visible, last, gap = ev.since(0, 10)
+    keys, visible, _, last, gap = ev.since(0, 10)
     assert keys == [bytes([0]) * 16, bytes([1]) * 16, bytes([2]) * 16] and visible == b"\x01\x00\x01"
     assert (last, gap) == (3, False)
-    assert ev.since(1, 1) == ([bytes([1]) * 16], b"\x00", 2, False)  # limit: the next after is 2
-    assert ev.since(3, 10) == ([], b"", 3, False)  # caught up
+    assert ev.since(1, 1) == ([bytes([1]) * 16], b"\x00", b"\x00", 2, False)  # limit: the next after is 2
+    assert ev.since(3, 10) == ([], b"", b"", 3, False)  # caught up
     for i in range(3, 7):  # events 4..7; the ring keeps 4 of the 7
         ev.host(bytes([i]) * 16, True)
-    keys, _, last, gap = ev.since(2, 10)  # event 3 is gone
+    keys, _, _, last, gap = ev.since(2, 10)  # event 3 is gone
     assert gap and last == 7 and keys == [bytes([i]) * 16 for i in range(3, 7)]
-    assert not ev.since(3, 10)[3]  # 4.. are all there
-    assert ev.since(99, 10)[3], "a number this ring never gave is a gap"
+    assert not ev.since(3, 10)[4]  # 4.. are all there
+    assert ev.since(99, 10)[4], "a number this ring never gave is a gap"
     ev.voided()
-    keys, _, last, gap = ev.since(7, 10)  # caught up before the geometry changed: still a gap
+    keys, _, _, last, gap = ev.since(7, 10)  # caught up before the geometry changed: still a gap
     assert gap and keys == [] and last == 8
-    assert ev.since(8, 10) == ([], b"", 8, False)
+    assert ev.since(8, 10) == ([], b"", b"", 8, False)
 
 
 def test_the_ring_answers_as_a_list_of_every_event_would_at_any_place_and_wrap():
@@ -57,7 +57,7 @@ def test_the_ring_answers_as_a_list_of_every_event_would_at_any_place_and_wrap()
             gap = after + 1 < oldest or after >= nxt
             first = oldest if gap else after + 1
             taken = every[first:min(nxt, first + limit)]
-            want = ([k for k, _ in taken], bytes(int(f) for _, f in taken),
+            want = ([k for k, _ in taken], bytes(int(f) for _, f in taken), bytes(len(taken)),
                     first + len(taken) - 1, gap)
             assert ev.since(after, limit) == want, (after, limit, nxt, oldest)
             assert ev.last == nxt - 1

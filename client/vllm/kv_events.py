@@ -1,8 +1,11 @@
 """vLLM's KV cache events for the blocks kvcached holds: `BlockStored` with medium "CPU" once a
 block the engine offloaded (or loaded from the daemon) is loadable from the daemon's host tier,
-`BlockRemoved` once it stops being so (evicted, deleted, cleared, the daemon gone). A KV-aware
+`BlockRemoved` once it stops being so (evicted, deleted, cleared, the daemon gone); the same with
+medium "STORAGE" and locality "LOCAL" for the daemon's local disk tiers (protocol 1.10), once
+every key of the block on every rank is on one of its rank's disks, until one is not. A KV-aware
 router that follows vLLM's event stream (`--kv-events-config`) then knows which prefixes a
-replica can load instead of computing. Inert unless vLLM's `enable_kv_cache_events` is on.
+replica can load instead of computing, and from where. Inert unless vLLM's
+`enable_kv_cache_events` is on.
 
 Blocks are named as vLLM names its own: the request's block hash (vLLM's, at the block size,
 with its extra keys), its parent's, its tokens and its LoRA. The scheduler notes each block as
@@ -11,22 +14,29 @@ tier); `take_events` (vLLM asks after every step) follows every rank's daemon th
 key_events op, at most every POLL_S, and reports a block once all of its keys on every rank are
 loadable (the shortest rank's hit is what a lookup gives), removed once one is not. A daemon
 first seen is followed from its newest event on, before the first save noted goes out; a daemon
-that replaced it (another epoch) from its first: what it holds came after.
+that replaced it (another epoch) from its first: what it holds came after. Each block noted is
+also asked about once (`ask`, at most ASK keys a request): one the daemon held before it was
+followed (on disk since before a restart, saved by an earlier engine) is reported too, and after
+a gap or a new daemon every block followed is asked about again.
 
 Where it cannot know, it leaves a hint out rather than keep one that may be false: a daemon
 that restarted or a gap in its events (it keeps the last 65,536) reports every block of that rank
-removed; re-keyed blocks (a cache reset, new weights; a LoRA adapter loaded again, its own) are
-reported removed at once, as nothing stored under the old keys is matched again; past
-MAX_BLOCKS followed, the oldest is reported removed and forgotten. A block whose save the daemon
-skipped (it held the key already, not through this scheduler) is not announced. A daemon's
-change reaches vLLM's stream at the first step at least POLL_S after the previous poll (an idle
+removed (until its answers say where they are); re-keyed blocks (a cache reset, new weights; a
+LoRA adapter loaded again, its own) are reported removed at once, as nothing stored under the
+old keys is matched again; past MAX_BLOCKS followed, the oldest is reported removed and
+forgotten. A 1.9 daemon is asked nothing: a block whose save it skipped (it held the key
+already, not through this scheduler) is not announced. A daemon's change reaches vLLM's stream at the first step at least POLL_S after the previous poll (an idle
 engine publishes nothing). A request waits REQUEST_S at most: a daemon that is slow, hung or
 gone costs a step that long once, and is asked again after QUIET_S with twice the wait, up to
 MAX_REQUEST_S (a reply that comes late is dropped; the cursor stays where it was; the link drops
-a hung daemon's client after its hang_s). Storage tiers (disk, Redis) are not reported.
+a hung daemon's client after its hang_s). Remote storage tiers (Redis, Mooncake) are not
+reported: other replicas write and delete there, and the store evicts unheard. A daemon older
+than 1.10 reports its host tier alone; a disk that stops answering a while is not reported
+removed (its index stays, and it serves again once it answers).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -41,6 +51,8 @@ log = logging.getLogger(__name__)
 POLL_S = 0.05  # the daemons are asked at most this often (one round trip per rank)
 MAX_BLOCKS = 200_000  # blocks followed; past it the oldest is reported removed and forgotten
 LIMIT = 16384  # events per request
+ASK = 4096  # keys asked about per request (the rest at the next poll)
+CPU, STORAGE = 0, 1  # the media reported: the host tier, the local storage tiers
 REQUEST_S = 0.25  # a request's wait: a slower daemon is asked again later, the step goes on
 MAX_REQUEST_S = 2.0  # each request that runs out of time doubles the next one's wait, up to this
 QUIET_S = 1.0  # after a request that ran out of time or found no daemon, none for this long
@@ -55,8 +67,8 @@ class _Block:
     lora_name: str | None
     extra_keys: Any
     keys: tuple  # (rank, daemon key) of each of its kernel blocks on each rank
-    missing: int  # of those, how many are not loadable
-    announced: bool = False
+    missing: list  # per medium (CPU, STORAGE): of those keys, how many are not held there
+    announced: list = field(default_factory=lambda: [False, False])  # per medium
 
 
 @dataclass
@@ -77,7 +89,9 @@ class KVEventsReporter:
     request_s: float = REQUEST_S
     _blocks: OrderedDict = field(default_factory=OrderedDict)  # vLLM hash -> _Block
     _by_key: dict = field(default_factory=dict)  # (rank, key) -> _Block
-    _present: set = field(default_factory=set)  # (rank, key) of the followed blocks now loadable
+    _present: tuple = field(default_factory=lambda: (set(), set()))  # per medium: (rank, key) held
+    _disk_bits: dict = field(default_factory=dict)  # (rank, key) -> bits of the disks holding it
+    _asks: dict = field(default_factory=dict)  # rank -> {key: None}: to ask which tiers hold it
     _cursors: dict = field(default_factory=dict)  # rank -> _Cursor
     _out: list = field(default_factory=list)
     _next_poll: float = 0.0
@@ -125,9 +139,10 @@ class KVEventsReporter:
                 self._blocks[h] = self._new_block(request, first + i, hashes, h, block_keys)
                 for k in block_keys:
                     self._by_key[k] = self._blocks[h]
+                    self._asks.setdefault(k[0], {})[k[1]] = None
             if present:
                 for k in block_keys:
-                    self._seen(k, True)
+                    self._seen(k, True, CPU)
         while len(self._blocks) > self.max_blocks:
             self._forget(next(iter(self._blocks.values())))
 
@@ -147,7 +162,7 @@ class KVEventsReporter:
                       lora.adapter_id if lora is not None else None,
                       lora.name if lora is not None else None,
                       to_event_extra_keys([extra]), block_keys,
-                      missing=sum(k not in self._present for k in block_keys))
+                      missing=[sum(k not in held for k in block_keys) for held in self._present])
 
     def _forget(self, block: _Block) -> None:
         if self._blocks.get(block.hash) is block:
@@ -155,9 +170,12 @@ class KVEventsReporter:
         for k in block.keys:
             if self._by_key.get(k) is block:
                 del self._by_key[k]
-                self._present.discard(k)
-        if block.announced:
-            self._removed(block)
+                for held in self._present:
+                    held.discard(k)
+                self._disk_bits.pop(k, None)
+        for m in (CPU, STORAGE):
+            if block.announced[m]:
+                self._removed(block, m)
 
     def forget_all(self) -> None:
         """Every block is keyed anew (a cache reset, new weights): none stored before is ever
@@ -171,31 +189,47 @@ class KVEventsReporter:
             self._forget(block)
 
     # ------------------------------------------------------------ following
-    def _seen(self, k: tuple, loadable: bool) -> None:
+    def _seen(self, k: tuple, loadable: bool, m: int) -> None:
         block = self._by_key.get(k)
-        if block is None or (k in self._present) == loadable:
+        held = self._present[m]
+        if block is None or (k in held) == loadable:
             return
         if loadable:
-            self._present.add(k)
-            block.missing -= 1
-            if block.missing == 0 and not block.announced:
-                block.announced = True
-                self._out.append(self._stored(block))
+            held.add(k)
+            block.missing[m] -= 1
+            if block.missing[m] == 0 and not block.announced[m]:
+                block.announced[m] = True
+                self._out.append(self._stored(block, m))
         else:
-            self._present.discard(k)
-            block.missing += 1
-            if block.announced:
-                self._removed(block)
+            held.discard(k)
+            block.missing[m] += 1
+            if block.announced[m]:
+                self._removed(block, m)
+
+    def _on_disk(self, k: tuple, bits: int) -> None:
+        """The disks of k's rank that hold k now (bits 1 << n, n >= 1)."""
+        if k not in self._by_key:
+            return
+        if bits:
+            self._disk_bits[k] = bits
+        else:
+            self._disk_bits.pop(k, None)
+        self._seen(k, bool(bits), STORAGE)
 
     def _rank_lost(self, rank: int) -> None:
         """Rank `rank`'s events were missed (a gap, a new daemon): none of its keys is known
-        loadable any more."""
-        lost = [k for k in self._present if k[0] == rank]
+        held any more; each followed is asked about again."""
+        lost = {k for held in self._present for k in held if k[0] == rank}
         if lost:
             log.info("[vllm] kv events of rank %d: its daemon's changes were missed (a gap or a "
                      "new daemon); its %d keys held are reported removed", rank, len(lost))
         for k in lost:
-            self._seen(k, False)
+            self._seen(k, False, CPU)
+            self._on_disk(k, 0)
+        asks = self._asks.setdefault(rank, {})
+        for r, key in self._by_key:
+            if r == rank:
+                asks[key] = None
 
     @staticmethod
     def _ranks(link_client) -> list:
@@ -243,10 +277,20 @@ class KVEventsReporter:
     def _poll_rank(self, rank: int, client) -> bool:
         """False: the request failed (the rest of the ranks wait for the next poll)."""
         cursor = self._cursors[rank]
+        tiers = tuple(getattr(client, "info", {}).get("protocol_version", (0, 0))) >= (1, 10)
+        asks = self._asks.setdefault(rank, {})
+        if not tiers:  # a 1.9 daemon: its host tier alone, nothing asked
+            asks.clear()
         for _ in range(8):  # at most 8 * LIMIT events per poll; the rest at the next
+            ask = list(itertools.islice(asks, ASK))
             try:
-                events, last, gap, _ = client.key_events(cursor.last, LIMIT,
-                                                         timeout=self._wait_s or self.request_s)
+                if tiers:
+                    events, last, gap, _, _, held = client.tier_events(
+                        cursor.last, LIMIT, ask=ask, timeout=self._wait_s or self.request_s)
+                else:
+                    host, last, gap, _ = client.key_events(cursor.last, LIMIT,
+                                                           timeout=self._wait_s or self.request_s)
+                    events, held = [(key, on, 0) for key, on in host], []
             except KvcachedError as exc:
                 self._failed(rank, exc)
                 return False
@@ -254,9 +298,18 @@ class KVEventsReporter:
             if gap:  # what it believed of the rank may be stale: every key of it counts as gone
                 self._rank_lost(rank)
             cursor.last = last
-            for key, loadable in events:
-                self._seen((rank, key), loadable)
-            if len(events) < LIMIT:
+            for key, on, tier in events:
+                k = (rank, key)
+                if tier == 0:
+                    self._seen(k, on, CPU)
+                else:
+                    bits = self._disk_bits.get(k, 0)
+                    self._on_disk(k, bits | 1 << tier if on else bits & ~(1 << tier))
+            for key, bits in zip(ask, held):  # where they are after the events above
+                asks.pop(key, None)
+                self._seen((rank, key), bool(bits & 1), CPU)
+                self._on_disk((rank, key), bits & ~1)
+            if len(events) < LIMIT and not asks:
                 return True
         return True
 
@@ -279,19 +332,25 @@ class KVEventsReporter:
         return out
 
     # ------------------------------------------------------------ events
-    def _stored(self, block: _Block):
-        from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
+    def _stored(self, block: _Block, m: int):
+        from vllm.distributed.kv_events import BlockStored
 
+        medium, locality = _MEDIA[m]
         return BlockStored(block_hashes=[block.hash], parent_block_hash=block.parent,
                            token_ids=block.tokens, block_size=self.block_size,
-                           lora_id=block.lora_id, medium=MEDIUM_CPU, lora_name=block.lora_name,
-                           extra_keys=block.extra_keys, group_idx=0)
+                           lora_id=block.lora_id, medium=medium, lora_name=block.lora_name,
+                           extra_keys=block.extra_keys, group_idx=0, locality=locality)
 
-    def _removed(self, block: _Block) -> None:
-        from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved
+    def _removed(self, block: _Block, m: int) -> None:
+        from vllm.distributed.kv_events import BlockRemoved
 
-        block.announced = False
-        self._out.append(BlockRemoved(block_hashes=[block.hash], medium=MEDIUM_CPU, group_idx=0))
+        block.announced[m] = False
+        medium, locality = _MEDIA[m]
+        self._out.append(BlockRemoved(block_hashes=[block.hash], medium=medium, group_idx=0,
+                                      locality=locality))
+
+
+_MEDIA = (("CPU", None), ("STORAGE", "LOCAL"))  # vLLM's MEDIUM_CPU, MEDIUM_STORAGE; locality
 
 
 def _external(block_hash):

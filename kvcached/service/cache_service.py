@@ -27,6 +27,7 @@ from ..copy.cuda_copier import make_copier
 from ..copy.kv_mapping import KVRegistration
 from ..copy.transfer import CopyTask, TaskKind, TransferWorker
 from ..errors import OpError
+from ..host.index import READY
 from .host_tier import HostTier
 from .key_events import KeyEvents
 from .key_publisher import KeyPublisher
@@ -278,13 +279,23 @@ class CacheService:
         self.key_events.host(key, loadable)
 
     def _key_events(self, client, req) -> KeyEventsReply:
+        body = req.body
         with self.host.lock:
             if not self.key_events.followed:  # changes are kept from the first request on: a
                 self.key_events.followed = True  # daemon nobody follows pays nothing per key
                 self.host.publish_to(self._visible)
-            keys, visible, last, gap = self.key_events.since(req.body["after"], req.body["limit"])
+                self.keys.listen(self.key_events.storage, lambda _n: self.key_events.voided())
+            keys, visible, tiers, last, gap = self.key_events.since(body["after"], body["limit"],
+                                                                    body.get("storage", False))
             newest = self.key_events.last
-        return KeyEventsReply(keys=b"".join(keys), visible=visible, last=last, gap=gap, newest=newest)
+            # what holds the asked keys, read after the events taken: a change from then on is
+            # numbered past `last`, so the client that follows on converges on the truth
+            asked = body.get("ask", ())
+            index = self.host.index
+            in_host = [(e := index.get(k)) is not None and e.state == READY and not e.doomed for k in asked]
+        held = bytes(bits | on for bits, on in zip(self.keys.local_holds(asked), in_host))
+        return KeyEventsReply(keys=b"".join(keys), visible=visible, last=last, gap=gap, newest=newest,
+                              tiers=tiers, storage_tiers=self.keys.local_tiers, held=held)
 
     def _lookup_notes(self, client, req) -> Empty:
         """What the client's local lookups saw (client/key_table.py): the policy's history, the

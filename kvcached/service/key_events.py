@@ -1,73 +1,103 @@
-"""The host tier's changes of what it can load, in order, for clients that follow them (the
+"""The changes of what the daemon can load, in order, for clients that follow them (the
 key_events op): an engine's scheduler that reports its offloaded blocks to a KV-aware router
 (vLLM's KV events, client/vllm/kv_events.py).
 
-Each change is one event: a key became loadable (READY and not doomed) or stopped being so
-(evicted, deleted, cleared, doomed), as the index tells `on_visible`. The events sit in a ring of
-the last CAPACITY, numbered from 1; a client asks for those after the last number it saw. One
-that asks from before the ring's oldest, or from a number this daemon never gave, is told
-`gap`: it missed changes and must take none of what it believed as still true. A new block
-geometry voids every host block unheard (HostTier.reset_index): that is a gap for everyone.
+Each change is one event, of one tier: the host tier's key became loadable (READY and not
+doomed) or stopped being so (evicted, deleted, cleared, doomed), as the index tells
+`on_visible`; a local storage tier (disk) took a key or lost it, as its index tells the key
+table (KeyPublisher.listen). The events sit in a ring of the last CAPACITY, numbered from 1; a
+client asks for those after the last number it saw. One that asks from before the ring's
+oldest, or from a number this daemon never gave, is told `gap`: it missed changes and must take
+none of what it believed as still true. A new block geometry voids every host block unheard
+(HostTier.reset_index), and a clear of a storage tier every key it held: that is a gap for
+everyone.
 
-Called with the host tier's lock held (on_visible is, and the op takes it), so it needs no
-lock of its own. The service hands it the index's news only from the first key_events request
-on (`followed`): until then a daemon pays nothing per key for it (a call and an append, about
-0.2 us, on every key that lands or leaves).
+Host events come with the host tier's lock held, storage events with the tier's own index lock:
+the ring has a lock of its own, taken last. The service hands it the news only from the first
+key_events request on (`followed`): until then a daemon pays nothing per key for it (a call and
+an append, about 0.3 us, on every key that lands or leaves).
 """
 from __future__ import annotations
 
+import threading
+
 CAPACITY = 65536
+HOST = 0  # an event's tier: 0 the host tier, n >= 1 the n-th local storage tier
 
 
 class KeyEvents:
-    """Event number n sits in slot (n - 1) % capacity, its key in `_keys` and its loadable flag
-    in `_flags`: a reply is two slices at most, whatever its place in the ring (a walk from the
-    oldest, as a deque's, cost a caught-up follower 0.4 ms under the host lock per poll)."""
+    """Event number n sits in slot (n - 1) % capacity, its key in `_keys`, its loadable flag in
+    `_flags` and its tier in `_tiers`: a reply is two slices at most, whatever its place in the
+    ring (a walk from the oldest, as a deque's, cost a caught-up follower 0.4 ms under the host
+    lock per poll)."""
 
     def __init__(self, capacity: int = CAPACITY):
         self._cap = capacity
+        self._lock = threading.Lock()
         self._keys: list = [None] * capacity
         self._flags = bytearray(capacity)
+        self._tiers = bytearray(capacity)
         self._next = 1  # the number of the next event
         self._oldest = 1  # the number of the ring's oldest event (== _next: none)
         self.followed = False  # set by the service at the first request: changes are kept
 
     def host(self, key: bytes, loadable: bool) -> None:
         """(Host lock held.) `key` became loadable, or stopped being so."""
+        with self._lock:
+            self._add(key, loadable, HOST)
+
+    def storage(self, tier: int, keys, held: bool) -> None:
+        """(The tier's index lock held.) Local storage tier `tier` (>= 1) took these keys, or
+        lost them."""
+        with self._lock:
+            for key in keys:
+                self._add(key, held, tier)
+
+    def _add(self, key: bytes, on: bool, tier: int) -> None:
         slot = (self._next - 1) % self._cap
         self._keys[slot] = key
-        self._flags[slot] = loadable
+        self._flags[slot] = on
+        self._tiers[slot] = tier
         self._next += 1
         if self._next - self._oldest > self._cap:
             self._oldest += 1
 
     def voided(self) -> None:
-        """(Host lock held.) Every host block is gone unheard: a gap for every reader (the
-        number skipped marks it even for one that had seen every event). Before any event
-        (a first registration) nothing was loadable: nothing is missed."""
-        if self._next > 1:
-            self._keys = [None] * self._cap  # the old keys are not kept alive
-            self._next += 1
-            self._oldest = self._next
+        """Every host block (a new geometry) or every key of a storage tier (a clear) is gone
+        unheard: a gap for every reader (the number skipped marks it even for one that had
+        seen every event). Before any event nothing was loadable: nothing is missed."""
+        with self._lock:
+            if self._next > 1:
+                self._keys = [None] * self._cap  # the old keys are not kept alive
+                self._next += 1
+                self._oldest = self._next
 
     @property
     def last(self) -> int:
         """The number of the newest event (0: none yet)."""
         return self._next - 1
 
-    def since(self, after: int, limit: int) -> tuple[list[bytes], bytes, int, bool]:
-        """(Host lock held.) Up to `limit` events after number `after`: (their keys, one byte
-        each: 1 loadable / 0 not, the number of the last one returned - the next `after` -,
-        gap). With a gap, the events are the ring's oldest on."""
-        gap = after + 1 < self._oldest or after >= self._next
-        first = self._oldest if gap else after + 1
-        count = max(0, min(limit, self._next - first))
-        slot = (first - 1) % self._cap
-        end = slot + count
-        if end <= self._cap:
-            keys, flags = self._keys[slot:end], bytes(self._flags[slot:end])
-        else:  # it wraps
-            end -= self._cap
-            keys = self._keys[slot:] + self._keys[:end]
-            flags = bytes(self._flags[slot:]) + bytes(self._flags[:end])
-        return keys, flags, first + count - 1, gap
+    def since(self, after: int, limit: int, storage: bool = False
+              ) -> tuple[list[bytes], bytes, bytes, int, bool]:
+        """Up to `limit` events after number `after`: (their keys, one byte each: 1 loadable /
+        0 not, one byte each: the tier, the number of the last one looked at - the next `after`
+        -, gap). With a gap, the events are the ring's oldest on. Without `storage`, the storage
+        tiers' events are left out (they still count in `limit` and move the number on)."""
+        with self._lock:
+            gap = after + 1 < self._oldest or after >= self._next
+            first = self._oldest if gap else after + 1
+            count = max(0, min(limit, self._next - first))
+            slot = (first - 1) % self._cap
+            end = slot + count
+            if end <= self._cap:
+                keys, flags, tiers = self._keys[slot:end], bytes(self._flags[slot:end]), bytes(self._tiers[slot:end])
+            else:  # it wraps
+                end -= self._cap
+                keys = self._keys[slot:] + self._keys[:end]
+                flags = bytes(self._flags[slot:]) + bytes(self._flags[:end])
+                tiers = bytes(self._tiers[slot:]) + bytes(self._tiers[:end])
+        if not storage and tiers.count(HOST) != len(tiers):  # a host-only reader's (1.9's) view
+            kept = [i for i, t in enumerate(tiers) if t == HOST]
+            keys, flags = [keys[i] for i in kept], bytes(flags[i] for i in kept)
+            tiers = bytes(len(kept))
+        return keys, flags, tiers, first + count - 1, gap

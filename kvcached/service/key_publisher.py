@@ -22,9 +22,11 @@ import mmap
 import os
 import secrets
 import threading
+from typing import Callable
 
 import posix_ipc
 
+from ..storage.record import stored_key
 from kvcached_proto.paths import segment_owner
 from kvcached_proto.key_table import (HOST_BIT, MAX_STORAGE_TIERS, Flags, max_count, native, segment_name,
                                       table_bytes, table_slots)
@@ -47,6 +49,8 @@ class KeyPublisher:
         self._local = [b for b in backends if getattr(b, "local_keys", False)][:MAX_STORAGE_TIERS]
         self._remote = len(self._local) < len(backends)
         self._storage_flags = 0
+        self._listener: tuple | None = None  # (on_keys, on_cleared): listen()
+        self._dumping: set[int] = set()  # the tiers telling their whole index (watch_keys)
         self._sweep()
 
     @property
@@ -79,7 +83,9 @@ class KeyPublisher:
     def rebuild(self, host_blocks: int, geometry: bytes, page_bytes: int) -> None:
         """(Host lock held.) A new, empty table for a new block geometry; the local storage
         tiers' keys of that geometry are published into it."""
+        self._geometry = geometry
         if self._kt is None:
+            self._watch_local()  # the storage events (listen) follow them all the same
             return
         storage = sum(getattr(b, "capacity_bytes", 0) // max(page_bytes, 1) + 1 for b in self._local)
         nslots = table_slots(host_blocks + storage)
@@ -96,7 +102,6 @@ class KeyPublisher:
             finally:
                 shm.close_fd()
             self._kt.init(self._mm, nslots, self.epoch, secrets.randbits(64), max_count(nslots))
-            self._geometry = geometry
             self._storage_limit = max(0, max_count(nslots) - host_blocks)  # room kept for the host
             self._storage_full = False
             flags = Flags.OPEN | Flags.HOST_COMPLETE
@@ -108,12 +113,45 @@ class KeyPublisher:
                     flags |= Flags.STORAGE_COMPLETE
             self._kt.set_flags(self._mm, flags, 0)
             self._storage_flags = 0
-        for bit, backend in enumerate(self._local, start=1):
-            backend.watch_keys(lambda keys, on, bit=1 << bit: self.stored(bit, keys, on),
-                               lambda bit=1 << bit: self.storage_cleared(bit), self.refresh)
+        self._watch_local()
         self.refresh()
         log.info("[keys] key table %s: %d slots (%.1f MiB) for %d host blocks and %d local storage "
                  "blocks", self.name, nslots, table_bytes(nslots) / 2**20, host_blocks, storage)
+
+    def _watch_local(self) -> None:
+        """Each local tier tells its whole index (into the new table), then each change."""
+        for n, backend in enumerate(self._local, start=1):
+            self._dumping.add(n)  # its whole index now: not a change for the listener
+            try:
+                backend.watch_keys(lambda keys, on, bit=1 << n: self.stored(bit, keys, on),
+                                   lambda bit=1 << n: self.storage_cleared(bit), self.refresh)
+            finally:
+                self._dumping.discard(n)
+
+    def listen(self, on_keys: Callable[[int, list, bool], None], on_cleared: Callable[[int], None]) -> None:
+        """From now on, on_keys(n, keys, held?) hears each change of the n-th local storage
+        tier's index (n from 1, `local_tiers`' order), with the engine's keys of the table's
+        geometry, and on_cleared(n) each clear of it: called under the tier's index lock, in its
+        order of events."""
+        self._listener = (on_keys, on_cleared)
+
+    @property
+    def local_tiers(self) -> list[str]:
+        """The local storage tiers' names (as status names them), in the order of their bits."""
+        return [getattr(b, "uri", "") for b in self._local]
+
+    def local_holds(self, keys) -> list[int]:
+        """For each key, the bits (1 << n) of the local storage tiers that hold it now."""
+        geometry = self._geometry
+        out = [0] * len(keys)
+        if geometry is None:
+            return out
+        names = [stored_key(k, geometry) for k in keys]
+        for n, backend in enumerate(self._local, start=1):
+            for i, held in enumerate(backend.holds(names)):
+                if held:
+                    out[i] |= 1 << n
+        return out
 
     def _close_table(self) -> None:
         if self._mm is None:
@@ -146,6 +184,10 @@ class KeyPublisher:
 
     def stored(self, bit: int, stored_keys, on: bool) -> None:
         """A local storage tier took (or lost) these stored names."""
+        n = bit.bit_length() - 1
+        if self._listener is not None and n not in self._dumping and self._geometry is not None:
+            geometry = self._geometry
+            self._listener[0](n, [stored_key(k, geometry) for k in stored_keys], on)
         with self._lock:
             mm, geometry = self._mm, self._geometry
             if mm is None:
@@ -159,6 +201,8 @@ class KeyPublisher:
                 self._kt.update_many(mm, names, geometry, 0, bit)
 
     def storage_cleared(self, bit: int) -> None:
+        if self._listener is not None:
+            self._listener[1](bit.bit_length() - 1)
         with self._lock:
             if self._mm is not None:
                 self._kt.clear_bits(self._mm, bit)

@@ -87,9 +87,9 @@ class DiskBackend(DiskHealth, StorageBackend):
         self._closed = threading.Event()
         self._unusable: set[int] = set()  # shards of another user (owned.py): never read or written
         self._on_ready = on_ready
-        self._on_keys = _ignore_keys  # (stored names, held?) as the index changes, under the lock
-        self._on_cleared = _ignore_clear
-        self._on_health: Callable[[], None] = _ignore_clear  # the tier stopped or started answering
+        self._on_keys = _ignore  # (stored names, held?) as the index changes, under the lock
+        self._on_cleared = _ignore
+        self._on_health: Callable[[], None] = _ignore  # the tier stopped or started answering
         self._io = IOThreads(IO_THREADS, "kvcached-disk")
         self._make_root()
         self.indexed = threading.Event()
@@ -262,6 +262,11 @@ class DiskBackend(DiskHealth, StorageBackend):
                 n += 1
             self._touch_chain(keys[:n])
         return n
+
+    def holds(self, names: Sequence[bytes]) -> list[bool]:
+        """Whether the index holds each stored name now (what watch_keys has told)."""
+        with self._lock:
+            return [name in self._lru for name in names]
 
     def _touch_chain(self, keys) -> None:
         """Mark a chain's blocks used, its head last: under capacity pressure a prefix loses
@@ -491,9 +496,5 @@ class DiskBackend(DiskHealth, StorageBackend):
         self._io.shutdown(timeout=self.io_timeout_s)
 
 
-def _ignore_keys(_names, _held) -> None:
-    """No key table watches this tier."""
-
-
-def _ignore_clear() -> None:
+def _ignore(*_args) -> None:
     """No key table watches this tier."""

@@ -26,7 +26,7 @@ from vllm_configs import vllm_config  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
-from conftest import small_kv, sweep_crashed, unique_instance, wait_until  # noqa: E402
+from conftest import disk_uri, small_kv, sweep_crashed, unique_instance, wait_until  # noqa: E402
 from vllm_model import write_model  # noqa: E402
 
 from kvcached.bench.process_stop import stopped  # noqa: E402
@@ -150,6 +150,71 @@ def test_offloaded_blocks_are_announced_once_loadable_and_removed_when_they_go(
     c.shutdown()
 
 
+def test_blocks_on_a_local_disk_are_announced_as_storage_and_found_again_by_a_new_scheduler(
+        model_dir, run_dir, instance, tmp_path):
+    """A daemon with a disk tier (write-through): each block saved is announced twice, CPU and
+    STORAGE (locality LOCAL), and each medium's losses apart; a scheduler started later (an engine
+    restart) that loads blocks held only on the disk asks where they are and announces them."""
+    d = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05, wait_storage=True,
+               extra_args=["--storage", disk_uri(str(tmp_path / "disk"), 0.1),
+                           "--prefetch-threshold-tokens", "0"])  # a hit of 2 blocks is fetched
+    worker = d.connect()
+    try:
+        worker.register_kv_cache(small_kv(num_layers=2, num_blocks=16, block_shape=(BS, 2, 8)))
+        c = _connector(model_dir, instance, run_dir)
+        req = _request("a")
+        save = _save(c, req, 4)
+        daemon_keys = c.key_scheme.daemon_keys(save.keys)
+        worker.offload(save.block_ids, daemon_keys).wait(10)
+        worker.flush().wait(10)
+        events = []
+        wait_until(lambda: events.extend(c.take_events()) or len(events) >= 8, 10, "the events")
+        assert all(isinstance(e, BlockStored) for e in events)
+        by_medium = {m: [e for e in events if e.medium == m] for m in ("CPU", "STORAGE")}
+        assert [e.block_hashes for e in by_medium["CPU"]] == [[h] for h in _hashes(req, range(4))]
+        assert sorted(e.block_hashes[0] for e in by_medium["STORAGE"]) == sorted(_hashes(req, range(4)))
+        assert {e.locality for e in by_medium["STORAGE"]} == {"LOCAL"} and len(events) == 8
+        worker.clear(tier="host")  # the host's losses are not the disk's
+        removed = c.take_events()
+        assert all(isinstance(e, BlockRemoved) and e.medium == "CPU" for e in removed)
+        assert sorted(h for e in removed for h in e.block_hashes) == sorted(_hashes(req, range(4)))
+        worker.delete(daemon_keys[2:3])
+        (gone,) = c.take_events()
+        assert isinstance(gone, BlockRemoved) and (gone.medium, gone.locality) == ("STORAGE", "LOCAL")
+        assert gone.block_hashes == _hashes(req, [2])
+        c.shutdown()
+
+        fresh = _connector(model_dir, instance, run_dir)  # the engine restarted
+        again = _request("c")
+        hits = []
+        wait_until(lambda: hits.append(fresh.get_num_new_matched_tokens(again, 0)[0]) or hits[-1] is not None,
+                   10, "the disk hit brought into the host tier")
+        assert hits[-1] == 2 * BS  # blocks 0 and 1: block 2 was deleted
+        fresh.update_state_after_alloc(again, SimpleNamespace(get_block_ids=lambda: [list(range(8))]), 2 * BS)
+        found = []
+        wait_until(lambda: found.extend(fresh.take_events()) or len(found) >= 4, 10, "the answers")
+        assert sorted((e.medium, e.block_hashes[0]) for e in found) == sorted(
+            (m, h) for m in ("CPU", "STORAGE") for h in _hashes(req, range(2)))
+        fresh.shutdown()
+    finally:
+        worker.close()
+        d.stop()
+        sweep_crashed(instance)
+
+
+def test_a_daemon_of_protocol_1_9_is_followed_for_its_host_tier_and_asked_nothing(
+        model_dir, run_dir, instance, daemon):
+    c = _connector(model_dir, instance, run_dir)
+    req = _request("a")
+    save = _save(c, req, 4)
+    c.link.get().info["protocol_version"] = [1, 9]  # what a 1.9 daemon's hello says
+    daemon.worker.offload(save.block_ids, c.key_scheme.daemon_keys(save.keys)).wait(10)
+    events = c.take_events()
+    assert [(e.medium, e.block_hashes) for e in events] == [("CPU", [h]) for h in _hashes(req, range(4))]
+    assert not c.kv_events._asks[0], "a 1.9 daemon refuses the fields it does not know"
+    c.shutdown()
+
+
 def test_a_lora_adapter_loaded_again_reports_its_blocks_removed(model_dir, run_dir, instance, daemon):
     """Blocks carry their LoRA as vLLM's own events do; add_lora loading the adapter again keys
     its blocks anew: they are reported removed, the base model's stay."""
@@ -193,7 +258,7 @@ def test_a_restarted_daemon_and_a_full_follow_list_report_blocks_removed(
     assert sorted(removed) == sorted(_hashes(req, range(4))), "the old daemon's blocks are gone"
     # past the follow limit the two oldest are not followed: never announced
     assert [e.block_hashes for e in _stored(events)] == [[h] for h in _hashes(req, [2, 3])]
-    assert len(c.kv_events._by_key) == 2 and len(c.kv_events._present) == 2
+    assert len(c.kv_events._by_key) == 2 and len(c.kv_events._present[0]) == 2
     c.shutdown()
 
 
@@ -277,9 +342,9 @@ def test_without_vllms_kv_events_nothing_is_followed(model_dir, run_dir, instanc
 @pytest.mark.timeout(600)
 def test_a_real_engine_publishes_the_blocks_it_offloaded_under_its_own_block_hashes(tmp_path, run_dir,
                                                                                      instance):
-    """vLLM's engine with its ZMQ event publisher: the CPU blocks kvcached announces carry the
-    block hashes vLLM published for the same blocks on the GPU; a host clear is published as
-    their removal."""
+    """vLLM's engine with its ZMQ event publisher: the CPU and STORAGE blocks kvcached announces
+    (a daemon with a disk tier) carry the block hashes vLLM published for the same blocks on the
+    GPU; a host clear is published as the CPU blocks' removal, and leaves the disk's."""
     import msgspec
     import zmq
     from vllm.distributed.kv_events import KVEventBatch
@@ -307,7 +372,8 @@ def test_a_real_engine_publishes_the_blocks_it_offloaded_under_its_own_block_has
     def hashes(medium: str, kind) -> list:
         return [h for e in events if isinstance(e, kind) and e.medium == medium for h in e.block_hashes]
 
-    d = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)
+    d = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25, wait_storage=True,
+               extra_args=["--storage", disk_uri(str(tmp_path / "disk"), 0.1)])
     eng = vllm_driver.EngineProcess(str(tmp_path / "model"), "--instance", instance, "--run-dir", run_dir,
                                     "--kv-events", endpoint)
     try:
@@ -328,10 +394,17 @@ def test_a_real_engine_publishes_the_blocks_it_offloaded_under_its_own_block_has
         drain(lambda: set(a_gpu[3:]) <= set(hashes("CPU", BlockStored)))
         cpu = hashes("CPU", BlockStored)
         assert cpu == a_gpu[3:], "A's blocks past X's are announced once each, as vLLM names them"
+        for _ in range(10):  # the backups land after the offloads: a step after them tells
+            drain(lambda: True)
+            if set(a_gpu[3:]) <= set(hashes("STORAGE", BlockStored)):
+                break
+            eng.gen("X")
+        assert sorted(hashes("STORAGE", BlockStored)) == sorted(a_gpu[3:])  # backed up: any order
         with d.connect(role="operator") as op:
             op.clear(tier="host")
         eng.gen("C")
         drain(lambda: set(hashes("CPU", BlockRemoved)) >= set(cpu))
+        assert hashes("STORAGE", BlockRemoved) == []
     except Exception:
         print("".join(eng.log[-40:]))
         raise

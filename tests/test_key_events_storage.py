@@ -1,0 +1,115 @@
+"""The key_events op's storage events (1.10): a local disk tier's changes of what it holds, each
+with its tier, beside the host tier's, and which tiers hold the keys a reader asks about. The
+ring's filter for host-only readers in process; the op against a real daemon with a real disk
+tier (backups, a host clear, deletes, the disk's own evictions, a storage clear, a new
+geometry)."""
+from conftest import disk_uri, keys_for, small_kv, sweep_crashed, unique_instance
+from kvcached.service.key_events import KeyEvents
+from kvcached_client import launch
+from kvcached_proto import ErrorCode
+from kvcached_proto.errors import ProtocolError
+
+
+def _key(i: int) -> bytes:
+    return bytes([i]) * 16
+
+
+def test_a_host_only_reader_skips_the_storage_events_and_moves_as_far():
+    ev = KeyEvents(capacity=8)
+    ev.host(_key(1), True)
+    ev.storage(1, [_key(1), _key(2)], True)
+    ev.host(_key(3), True)
+    ev.storage(2, [_key(2)], False)
+    assert ev.since(0, 10, storage=True) == ([_key(1), _key(1), _key(2), _key(3), _key(2)],
+                                             b"\x01\x01\x01\x01\x00", b"\x00\x01\x01\x00\x02", 5, False)
+    assert ev.since(0, 10) == ([_key(1), _key(3)], b"\x01\x01", b"\x00\x00", 5, False)
+    assert ev.since(1, 2) == ([], b"", b"", 3, False)  # two storage events looked at: none given
+    ev.voided()  # a storage tier cleared: a gap for every reader
+    assert ev.since(5, 10)[4] and ev.since(5, 10, storage=True)[4]
+
+
+def _split(page) -> tuple[list, list]:
+    host = [(k, on) for k, on, t in page.events if t == 0]
+    disk = [(k, on) for k, on, t in page.events if t == 1]
+    assert len(host) + len(disk) == len(page.events), page.events
+    return host, disk
+
+
+def test_disk_changes_are_told_with_their_tier_and_asked_keys_say_where_they_are(run_dir, tmp_path):
+    name = unique_instance("kes")
+    uri = disk_uri(str(tmp_path / "disk"), 0.003)  # 256 KiB blocks: 11 of them
+    d = launch(instance=name, run_dir=run_dir, host_cache_gb=0.01, extra_args=["--storage", uri],
+               wait_storage=True)
+    try:
+        with d.connect() as c:
+            kv = small_kv(num_layers=4, num_blocks=64, block_shape=(16, 8, 128))
+            c.register_kv_cache(kv)
+            start = c.tier_events(0, 0)
+            assert start.events == [] and start.tiers == [uri] and start.held == []
+            first = keys_for(8, 1)
+            c.offload(range(8), first).wait(10)
+            c.flush().wait(10)
+            page = c.tier_events(start.newest)
+            host, disk = _split(page)
+            assert host == [(k, True) for k in first] and sorted(disk) == sorted((k, True) for k in first)
+            assert not page.gap and page.last == page.newest == start.newest + 16
+            # a host-only reader (protocol 1.9's) gets the host events alone, and moves as far
+            events, last, gap, _ = c.key_events(start.newest)
+            assert events == [(k, True) for k in first] and last == page.last and not gap
+            other = keys_for(2, 9)
+            asked = c.tier_events(page.last, ask=first[:2] + other)
+            assert asked.events == [] and asked.held == [3, 3, 0, 0]  # host and disk; nowhere
+            c.clear(tier="host")
+            page = c.tier_events(asked.last, ask=first[:2])
+            host, disk = _split(page)
+            assert sorted(host) == sorted((k, False) for k in first) and disk == [] and page.held == [2, 2]
+            c.delete(first[6:])
+            page = c.tier_events(page.last, ask=first[6:])
+            host, disk = _split(page)
+            assert host == [] and sorted(disk) == sorted((k, False) for k in first[6:]) and page.held == [0, 0]
+            # the disk drops its oldest past its capacity: each key dropped is told
+            more = keys_for(12, 3)
+            c.offload(range(8, 20), more).wait(10)
+            c.flush().wait(10)
+            page = c.tier_events(page.last, limit=65536)
+            _, disk = _split(page)
+            now = {}
+            for k, on in disk:
+                now[k] = on
+            dropped = [k for k, on in now.items() if not on]
+            assert dropped and set(dropped) <= set(first[:6]) | set(more), disk
+            check = c.tier_events(page.last, ask=dropped + more[-2:])
+            assert [h & 2 for h in check.held] == [0] * len(dropped) + [2, 2]
+            caught_up = check.last
+            # a clear of the disk: a gap for a reader caught up, and nothing it held is told
+            c.clear(tier="storage")
+            page = c.tier_events(caught_up, ask=more[-2:])
+            assert page.gap and page.events == [] and [h & 2 for h in page.held] == [0, 0]
+            c.offload(range(20, 24), keys_for(4, 4)).wait(10)
+            c.flush().wait(10)
+            caught_up = c.tier_events(page.last).last
+            # another geometry: a gap, and the disk's index told to the new key table is no event
+            c.register_kv_cache(small_kv(num_layers=2, num_blocks=64, block_shape=(16, 8, 128)))
+            page = c.tier_events(caught_up)
+            assert page.gap and page.events == []
+    finally:
+        d.stop()
+        sweep_crashed(name)
+
+
+def test_a_daemon_older_than_1_10_is_not_asked_for_storage_events(run_dir):
+    name = unique_instance("keo")
+    d = launch(instance=name, run_dir=run_dir, host_cache_gb=0.01)
+    try:
+        with d.connect() as c:
+            c.info["protocol_version"] = [1, 9]
+            try:
+                c.tier_events(0, 0)
+            except ProtocolError as exc:
+                assert exc.code == ErrorCode.UNKNOWN_OP
+            else:
+                raise AssertionError("a 1.9 daemon was asked for storage events")
+            assert c.key_events(0, 0) == ([], 0, False, 0)
+    finally:
+        d.stop()
+        sweep_crashed(name)
