@@ -21,6 +21,7 @@ from conftest import (RedisServer, blocks_equal, free_port, keys_for, make_tls_f
                       stored, wait_until)
 from kvcached.server.status_report import format_status
 from kvcached.storage.tiers import parse_uri
+from redis_cluster import cluster, cluster_ok, cluster_roles
 from storage_util import PAGE_SHAPE, offload_and_flush, start
 
 SECRET = "s3nt-Pa55"
@@ -383,18 +384,6 @@ def test_a_connection_that_finds_the_new_primary_before_the_probe_serves_nothing
                 tier.close()
 
 
-def _cluster_roles(port: int) -> dict[int, str]:
-    """port -> master or slave, as the node at `port` sees the cluster."""
-    out = subprocess.run(["redis-cli", "-p", str(port), "cluster", "nodes"], capture_output=True,
-                         text=True, timeout=5).stdout
-    roles = {}
-    for line in out.splitlines():
-        parts = line.split()
-        if len(parts) > 2 and "fail" not in parts[2]:
-            roles[int(parts[1].split("@")[0].rsplit(":", 1)[1])] = "master" if "master" in parts[2] else "slave"
-    return roles
-
-
 @pytest.mark.faults
 @pytest.mark.parametrize("how", ["asked", "primary-killed"])
 def test_after_a_cluster_failover_the_tier_serves_and_stores(run_dir, instance, how):
@@ -403,7 +392,7 @@ def test_after_a_cluster_failover_the_tier_serves_and_stores(run_dir, instance, 
     once the others have not heard from it for 1 s (cluster-node-timeout). The blocks stored
     before are hits through the new primaries (the cluster client follows the MOVED replies and
     refreshes its slot map), byte-exact, and new backups are stored and found."""
-    with _cluster() as (ports, nodes, uri):
+    with cluster() as (ports, nodes, uri):
         kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=64, seed=13)
         keys = keys_for(12, 44)
         expected = snapshot(kv, list(range(12)))
@@ -414,7 +403,7 @@ def test_after_a_cluster_failover_the_tier_serves_and_stores(run_dir, instance, 
                 offload_and_flush(c, kv, keys, list(range(12)))
                 c.clear(tier="host")
                 assert c.lookup(keys) == (0, 12)
-                replicas = [p for p, role in _cluster_roles(ports[0]).items() if role == "slave"]
+                replicas = [p for p, role in cluster_roles(ports[0]).items() if role == "slave"]
                 if how == "asked":  # one at a time, as a rolling upgrade does
                     for p in replicas:
                         _failover(nodes[ports.index(p)], p)
@@ -422,8 +411,8 @@ def test_after_a_cluster_failover_the_tier_serves_and_stores(run_dir, instance, 
                     nodes[0].stop()
                     replicas = [p for p in replicas if _replica_of(p) == ports[0]]
                 alive = [p for n, p in zip(nodes, ports) if n.proc is not None]
-                wait_until(lambda: all(_cluster_roles(p).get(p) == "master" for p in replicas)
-                           and all(_cluster_ok(p) for p in alive), 30, "the replicas primaries")
+                wait_until(lambda: all(cluster_roles(p).get(p) == "master" for p in replicas)
+                           and all(cluster_ok(p) for p in alive), 30, "the replicas primaries")
                 # (while the cluster settles a call may fail and take the tier down until the
                 # next probe: misses then, never other bytes; so each step is asked again)
                 wait_until(lambda: c.lookup(keys) == (0, 12), 10, "the blocks found through the new primaries")
@@ -444,22 +433,6 @@ def test_after_a_cluster_failover_the_tier_serves_and_stores(run_dir, instance, 
             h.stop()
 
 
-def _start_cluster(ports: list, nodes: list) -> None:
-    """Three primaries with a replica each (node timeout 1 s), their ports and RedisServers
-    appended to the lists (the caller closes them)."""
-    if shutil.which("redis-cli") is None:
-        pytest.skip("redis-cli is not installed")
-    ports += [free_port(with_bus=True) for _ in range(6)]
-    for p in ports:
-        nodes.append(RedisServer(p, extra=["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{p}.conf",
-                                           "--cluster-node-timeout", "1000"]))
-    r = subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
-                        "--cluster-replicas", "1", "--cluster-yes"], capture_output=True, text=True, timeout=30)
-    assert r.returncode == 0, r.stdout + r.stderr
-    wait_until(lambda: sorted(_cluster_roles(ports[0]).values()) == ["master"] * 3 + ["slave"] * 3
-               and all(_cluster_ok(p) for p in ports), 20, "the cluster formed")
-
-
 @pytest.mark.faults
 def test_a_cluster_failover_has_the_deletes_done_lately_done_again(run_dir, instance):
     """Deleted blocks that a failover brings back (a primary that acknowledged the deletes and
@@ -468,7 +441,7 @@ def test_a_cluster_failover_has_the_deletes_done_lately_done_again(run_dir, inst
     it, before the tier serves: the cluster's epoch rose. The blocks not deleted are kept."""
     import redis.cluster
 
-    with _cluster() as (ports, nodes, uri):
+    with cluster() as (ports, nodes, uri):
         kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=64, seed=15)
         keys = keys_for(12, 48)
         gone, kept = keys[6:], keys[:6]
@@ -485,7 +458,7 @@ def test_a_cluster_failover_has_the_deletes_done_lately_done_again(run_dir, inst
                     direct.set(name, record)
                 c.clear(tier="host")
                 assert [c.lookup([k]) for k in gone] == [(0, 1)] * 6  # (a lost delete: served)
-                replica = next(p for p, role in _cluster_roles(ports[0]).items() if role == "slave")
+                replica = next(p for p, role in cluster_roles(ports[0]).items() if role == "slave")
                 _failover(nodes[ports.index(replica)], replica)
                 wait_until(lambda: direct.exists(*records) == 0, 15, "the deletes done again")
                 wait_until(lambda: _tier(c)["healthy"], 10, "the tier healthy")
@@ -501,25 +474,6 @@ def test_a_cluster_failover_has_the_deletes_done_lately_done_again(run_dir, inst
             h.stop()
 
 
-@contextlib.contextmanager
-def _cluster(cluster_info: bool = True):
-    """A cluster (_start_cluster) for the block: (ports, nodes, the URI to give a tier). Without
-    cluster_info, the URI names a user `kv` that may run everything but CLUSTER INFO."""
-    ports, nodes = [], []
-    try:
-        _start_cluster(ports, nodes)
-        uri = f"redis+cluster://127.0.0.1:{ports[0]}"
-        if not cluster_info:
-            for node in nodes:
-                node.client().execute_command("ACL", "SETUSER", "kv", "on", ">kv-pw", "~*", "&*", "+@all",
-                                              "-cluster|info")
-            uri = f"redis+cluster://kv:kv-pw@127.0.0.1:{ports[0]}"
-        yield ports, nodes, uri
-    finally:
-        for n in nodes:
-            n.close()
-
-
 @pytest.mark.faults
 def test_a_cluster_user_refused_cluster_info_is_told_once_and_the_probe_pings(caplog):
     """An ACL user without CLUSTER INFO (what the probe reads a failover from): the tier says
@@ -528,7 +482,7 @@ def test_a_cluster_user_refused_cluster_info_is_told_once_and_the_probe_pings(ca
 
     from kvcached.storage.redis_store import PROBE_EVERY_S, RedisBackend
 
-    with _cluster(cluster_info=False) as (ports, nodes, uri):
+    with cluster(cluster_info=False) as (ports, nodes, uri):
         caplog.set_level(logging.WARNING, logger="kvcached.storage.redis_store")
         tier = RedisBackend(uri)
         try:
@@ -542,7 +496,7 @@ def test_a_cluster_user_refused_cluster_info_is_told_once_and_the_probe_pings(ca
 @pytest.mark.faults
 def test_a_cluster_user_refused_cluster_info_is_served(run_dir, instance):
     """The same user through a daemon: blocks stored, found and loaded byte-exact."""
-    with _cluster(cluster_info=False) as (ports, nodes, uri):
+    with cluster(cluster_info=False) as (ports, nodes, uri):
         kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=16, seed=16)
         keys = keys_for(4, 49)
         expected = snapshot(kv, list(range(4)))
@@ -566,11 +520,11 @@ def _failover(node, port: int) -> None:
     Redis's manual-failover timeout (5 s) is dropped, not retried (three sent at once lost one:
     the replicas never all took over in 30 s)."""
     deadline = time.monotonic() + 30
-    while _cluster_roles(port).get(port) != "master":
+    while cluster_roles(port).get(port) != "master":
         assert time.monotonic() < deadline, f"the replica at {port} did not take over in 30 s"
         node.client().execute_command("CLUSTER", "FAILOVER")
         asked = time.monotonic()
-        while time.monotonic() - asked < 6 and _cluster_roles(port).get(port) != "master":
+        while time.monotonic() - asked < 6 and cluster_roles(port).get(port) != "master":
             time.sleep(0.1)
 
 
@@ -579,11 +533,6 @@ def _replica_of(port: int) -> int:
     info = subprocess.run(["redis-cli", "-p", str(port), "info", "replication"], capture_output=True,
                           text=True, timeout=5).stdout
     return int(next(line for line in info.splitlines() if line.startswith("master_port:")).split(":")[1])
-
-
-def _cluster_ok(port: int) -> bool:
-    r = subprocess.run(["redis-cli", "-p", str(port), "cluster", "info"], capture_output=True, text=True, timeout=5)
-    return "cluster_state:ok" in r.stdout
 
 
 @pytest.mark.faults
@@ -598,7 +547,7 @@ def test_a_cluster_lookup_redirected_to_a_new_primary_before_the_probe_serves_no
     from kvcached.storage import redis_store
 
     monkeypatch.setattr(redis_store, "PROBE_EVERY_S", 3600.0)
-    with _cluster() as (ports, nodes, uri):
+    with cluster() as (ports, nodes, uri):
         tier = redis_store.RedisBackend(uri)
         direct = redis.cluster.RedisCluster(host="127.0.0.1", port=ports[0])
         try:
@@ -612,12 +561,12 @@ def test_a_cluster_lookup_redirected_to_a_new_primary_before_the_probe_serves_no
             for n in names:  # (what a replica that missed the delete holds)
                 direct.set(n, b"x")
             assert [tier.exists_prefix([k]) for k in mine] == [1] * len(mine)  # (a lost delete)
-            replica = next(p for p, role in _cluster_roles(primary).items()
+            replica = next(p for p, role in cluster_roles(primary).items()
                            if role == "slave" and _replica_of(p) == primary)
             _failover(nodes[ports.index(replica)], replica)
             # (the old primary holds the records written back too: asked before it knows, it
             # answers; one that acknowledged the delete would not hold them)
-            wait_until(lambda: _cluster_roles(primary).get(primary) == "slave", 10, "the old primary demoted")
+            wait_until(lambda: cluster_roles(primary).get(primary) == "slave", 10, "the old primary demoted")
             assert tier.exists_prefix(mine[:1]) == 0, "a deleted block found through the new primary"
             assert not tier.health()
             assert [tier.exists_prefix([k]) for k in mine] == [0] * len(mine)

@@ -10,6 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import RedisServer, blocks_equal, free_port, keys_for, scramble, small_kv, snapshot, wait_until
+from redis_cluster import cluster, cluster_ok
 from storage_util import PAGE_SHAPE, offload_and_flush, start
 
 
@@ -186,3 +187,69 @@ def test_a_failover_redoes_its_window_alone_not_what_a_restart_would(monkeypatch
     finally:
         tier.close()
         server.close()
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("first", ["lookup", "read", "probe"])
+def test_a_cluster_primary_restarted_in_place_has_its_undone_deletes_done_again(monkeypatch, first):
+    """A cluster of three primaries without replicas (nothing fails over): blocks stored on every
+    node, each node snapshotted, then blocks on every node deleted. One primary is killed and
+    started again from its snapshot: its deleted blocks are back. No lookup (or worker's read)
+    serves them: a connection to the node finds another run_id; the tier is down until its
+    probe has deleted them again. A probe round that meets the node first (no call did) reads
+    its run_id and redoes the deletes. The blocks never deleted read back byte-exact."""
+    import redis.cluster
+
+    with cluster(replicas=0) as (ports, nodes, uri):
+        tier = _tier(monkeypatch, uri)
+        direct = redis.cluster.RedisCluster(host="127.0.0.1", port=ports[0])
+        try:
+            keys, geometry = [bytes([i]) * 16 for i in range(24)], os.urandom(16)
+            names = [tier._name(k) for k in keys]
+            pages = [bytearray(os.urandom(4096)) for _ in keys]
+            assert tier.put(keys, [[memoryview(p)] for p in pages], geometry) == [True] * 24
+
+            def read(which) -> list:
+                into = [bytearray(4096) for _ in which]
+                got = tier.get_into([keys[i] for i in which], [[memoryview(b)] for b in into], geometry)
+                assert [b == pages[i] for b, i in zip(into, which)] == got  # (read: what was put)
+                return got
+
+            tier._probe_once()
+            time.sleep(1.1)  # (a save's whole-second times)
+            for n in nodes:
+                n.client().save()
+            tier._probe_once()  # the saves seen: what was done before the last round is in them
+            gone, kept = list(range(0, 24, 2)), list(range(1, 24, 2))
+            assert tier.delete([keys[i] for i in gone]) == len(gone)
+            port = {n.port: n for n in nodes}
+            node_of = {i: direct.get_node_from_key(names[i]).port for i in range(24)}
+            victim = port[node_of[gone[0]]]
+            back = [i for i in gone if node_of[i] == victim.port]
+            assert len(back) < len(gone), "the deleted blocks lie on one node only"
+            victim.proc.kill()
+            victim.proc.wait(10)
+            victim.start()
+            wait_until(lambda: all(cluster_ok(p) for p in ports), 20, "the cluster whole again")
+            on_victim = victim.client()
+            assert sum(on_victim.exists(names[i]) for i in back) == len(back)  # (back in it)
+            assert tier.usage()["restarts"] == 0
+            if first == "probe":  # no call meets the node first: the probe's round reads it
+                for _ in range(3):  # (its own connection to the node may see it first: one
+                    tier._probe_once()  # round down, the next redoes)
+                    if tier.health():
+                        break
+            for _ in range(3):  # the first may meet the dropped connection; none serves them
+                if first == "lookup":
+                    assert all(tier.exists_prefix([keys[i]]) == 0 for i in back), "a deleted block found"
+                elif first == "read":
+                    assert read(back) == [False] * len(back), "a deleted block read"
+            assert tier.usage()["restarts"] == 1 and tier.health() == (first == "probe")
+            tier._probe_once()  # the deletes done again, then the tier serves
+            assert tier.health() and sum(on_victim.exists(names[i]) for i in back) == 0
+            assert tier.exists_prefix([keys[i] for i in gone]) == 0
+            assert all(tier.exists_prefix([keys[i]]) == 1 for i in kept) and read(kept) == [True] * len(kept)
+            assert tier.usage()["restarts"] == 1 and tier.usage()["failovers"] == 0
+        finally:
+            direct.close()
+            tier.close()

@@ -3,7 +3,6 @@ corrupt values, outages and a blackholed server that never stall the request loo
 and as deployed: a password (and TLS) in the URI, the password shown nowhere, and a full server
 that refuses writes without taking the tier down."""
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import pytest
 from conftest import (RedisServer, blocks_equal, free_port, keys_for, make_tls_files, scramble, small_kv,
                       snapshot, stored, wait_until)
 from kvcached_client import launch
+from redis_cluster import cluster
 from storage_util import PAGE_SHAPE, in_storage_only, offload_and_flush, pings_answered, start
 
 SECRET = "s3cret-Pa55"
@@ -397,41 +397,12 @@ def test_a_blackholed_redis_never_stalls_the_request_loop(run_dir, instance):
         hole.close()
 
 
-def _cluster(ports):
-    nodes = []
-    try:
-        for p in ports:
-            nodes.append(RedisServer(p, extra=["--cluster-enabled", "yes", "--cluster-config-file",
-                                               f"nodes-{p}.conf"]))
-        r = subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
-                            "--cluster-replicas", "0", "--cluster-yes"], capture_output=True,
-                           text=True, timeout=30)
-    except BaseException:
-        for n in nodes:
-            n.close()
-        raise
-    return nodes, r
-
-
-def _cluster_ok(port: int) -> bool:
-    r = subprocess.run(["redis-cli", "-p", str(port), "cluster", "info"], capture_output=True, text=True,
-                       timeout=5)
-    return "cluster_state:ok" in r.stdout
-
-
 def test_redis_cluster_tier(run_dir, instance):
-    from conftest import free_port
-
-    if shutil.which("redis-cli") is None:
-        pytest.skip("redis-cli is not installed")
-    nodes, r = _cluster([free_port(with_bus=True) for _ in range(3)])
-    try:
-        assert r.returncode == 0, r.stdout + r.stderr
-        wait_until(lambda: all(_cluster_ok(n.port) for n in nodes), 10, "the nodes agreeing on the slots")
+    with cluster(replicas=0) as (ports, nodes, uri):
         kv = small_kv(block_shape=PAGE_SHAPE)
         keys = keys_for(12, 18)
         expected = snapshot(kv, list(range(12)))
-        h = start(run_dir, instance, f"redis+cluster://127.0.0.1:{nodes[0].port}")
+        h = start(run_dir, instance, uri)
         try:
             with h.connect() as c:
                 c.register_kv_cache(kv)
@@ -443,6 +414,3 @@ def test_redis_cluster_tier(run_dir, instance):
                 assert blocks_equal(kv, list(range(20, 32)), expected)
         finally:
             h.stop()
-    finally:
-        for n in nodes:
-            n.close()

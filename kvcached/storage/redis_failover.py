@@ -68,6 +68,7 @@ class FollowsFailovers:
         where the server answered (the probe's ping)."""
         if self.cluster:
             answered = self._follow_epoch()
+            self._follow_nodes()
         else:
             if self._ask_primary:
                 self._new_primary(self._ask_primary[0]())
@@ -109,7 +110,8 @@ class FollowsFailovers:
                 return False
             self.counters["failovers"] += 1
             self._note_change("the sentinels named a new primary, %s:%s" % primary)
-            self._run_id = self._saved = None  # (another server's: redis_restarts.py)
+            self._run_ids.pop("", None)  # (another server's: redis_restarts.py)
+            self._saved.pop("", None)
         log.warning("[redis] %s: the sentinels name a new primary, %s:%s (was %s:%s)",
                     self.uri, *primary, *old)
         return True

@@ -1,21 +1,25 @@
-"""A Redis server that restarted (one server, or the primary behind Sentinel): a mixin of
-RedisBackend (redis_store.py), beside redis_failover.py.
+"""A Redis server that restarted (one server, the primary behind Sentinel, or a primary of a
+cluster that restarted in place, before any replica took over): a mixin of RedisBackend
+(redis_store.py), beside redis_failover.py.
 
 A server restarted from its persistence comes back with what it last made durable: with RDB
 snapshots only (Redis's default), its last snapshot, which may be an hour old; with an
 append-only file, all but its last second or so. The deletes and clears the tier did since are
 undone, and their blocks come back. The tier knows a restart by the server's run_id (INFO
-server), read by the probe every round and by every new connection (a pooled connection the
-restart dropped reconnects unseen as it is taken: one that finds another run_id fails), and
+server), read by the probe every round (of each primary, in a cluster) and by every new
+connection (a pooled connection the restart dropped reconnects unseen as it is taken: one that
+finds another run_id fails, and a read or lookup during which one was seen serves nothing), and
 treats it as a failover: what the restart may have undone is owed again, and the tier serves
-nothing until its probe has done it.
+nothing until its probe has done it. A node is known by its address ("" for the one server):
+a node first seen (a promoted replica, a node added) is no restart.
 
 What a restart may undo (`_keep_since`): the probe reads INFO persistence every round. With the
 append-only file on, the failover window (REDO_WINDOW_S). Without it, everything since the last
 snapshot: a save that completed between two rounds holds what was done before the earlier
 round, less the save's own duration (a background save's snapshot is taken as it starts);
-until the tier has seen a save, everything it did. Kept up to MAX_OWED_DELETES keys, then as a
-clear. A server without persistence comes back empty: redoing is harmless there.
+until the tier has seen a save, everything it did. In a cluster, the oldest of its primaries'.
+Kept up to MAX_OWED_DELETES keys, then as a clear. A server without persistence comes back
+empty: redoing is harmless there.
 
 A user refused INFO (an ACL) is told once that restarts are not followed; the probe pings.
 """
@@ -33,15 +37,21 @@ log = logging.getLogger(__name__.rsplit(".", 1)[0] + ".redis_store")
 class FollowsRestarts:
     """Needs `uri`, `counters` (with "restarts"), `cluster`, `_redis`, `_probe_client`,
     `_primary_lock` and `_note_change` (redis_failover.py); `_start_restarts()` is called
-    before any connection is made, and `_on_connect` is every connection's connect function."""
+    before any connection is made, and `_on_connect` (`_on_node_connect` in a cluster, whose
+    client has made the handshake) is every connection's connect function."""
 
     def _start_restarts(self) -> None:
-        self._run_id = None  # the server's, as last read (None: not known yet, or a new primary)
-        self._saved = None  # its rdb_last_save_time, as last read
-        self._last_round = time.monotonic()
-        # done before this (monotonic) is in the server's persistence (inf: only the window)
-        self._durable_at = math.inf if self.cluster else time.monotonic()
+        self._run_ids: dict[str, str] = {}  # node -> its run_id as last read (none: not known
+        self._saved: dict = {}  # yet, or a new primary); node -> its rdb_last_save_time
+        self._last_round = self._started = time.monotonic()
+        # node -> done before this (monotonic) is in its persistence (inf: the append-only file)
+        self._durable: dict[str, float] = {}
         self._info_refused = False
+
+    @property
+    def _durable_at(self) -> float:
+        """Done before this is in every node's persistence (those not read yet: since start)."""
+        return min(self._durable.values(), default=self._started)
 
     def _keep_since(self, now: float) -> float:
         """What is kept (owed_clear._done), and what a restart redoes: since the server's last
@@ -53,7 +63,14 @@ class FollowsRestarts:
         """(Every new connection, in place of its handshake.) The handshake, then the
         server's run_id: another than the one known is a restart, and the connection fails."""
         conn.on_connect()
-        if self._run_id is None or self._info_refused:
+        self._check_run_id(conn, "")
+
+    def _on_node_connect(self, conn) -> None:
+        """(A cluster's every new connection, after its handshake.) As _on_connect, of its node."""
+        self._check_run_id(conn, f"{conn.host}:{conn.port}")
+
+    def _check_run_id(self, conn, node: str) -> None:
+        if node not in self._run_ids or self._info_refused:
             return
         try:
             conn.send_command("INFO", "server")
@@ -64,24 +81,43 @@ class FollowsRestarts:
             text = text.decode(errors="replace")
         run_id = next((line.split(":", 1)[1].strip() for line in str(text).splitlines()
                        if line.startswith("run_id:")), None)
-        if run_id is not None and self._restarted(run_id):
+        if run_id is not None and self._restarted(run_id, node):
             raise self._redis.ConnectionError("the server restarted (a new run_id): the tier waits for its probe")
 
-    def _restarted(self, run_id: str) -> bool:
-        """Note the server's run_id; True where it replaced another (a restart)."""
+    def _restarted(self, run_id: str, node: str = "") -> bool:
+        """Note a node's run_id; True where it replaced another (a restart)."""
+        server = f"the node {node}" if node else "the server"
         with self._primary_lock:
-            old = self._run_id
+            old = self._run_ids.get(node)
             if old == run_id:
                 return False
-            self._run_id = run_id
+            self._run_ids[node] = run_id
             if old is None:
                 return False
             self.counters["restarts"] += 1
-            self._note_change(f"the server restarted (run_id {run_id[:12]}, was {old[:12]}): what it "
+            self._note_change(f"{server} restarted (run_id {run_id[:12]}, was {old[:12]}): what it "
                               "did not make durable is lost", restart=True)
-        log.warning("[redis] %s: the server restarted (a new run_id): the deletes and clears it may "
-                    "have lost are done again before the tier serves", self.uri)
+        log.warning("[redis] %s: %s restarted (a new run_id): the deletes and clears it may "
+                    "have lost are done again before the tier serves", self.uri, server)
         return True
+
+    def _follow_nodes(self) -> None:
+        """(The probe; a cluster.) Each primary's run_id and persistence. One that does not
+        answer is skipped (its connections see its restart; the next round reads it)."""
+        if self._info_refused:
+            return
+        now, last_round = time.monotonic(), self._last_round
+        self._last_round = now
+        for node in self._probe_client.get_primaries():
+            try:
+                server = self._probe_client.info("server", target_nodes=node)
+                persistence = self._probe_client.info("persistence", target_nodes=node)
+            except self._redis.ResponseError as exc:
+                self._refused_info(exc)
+                return
+            except self._redis.RedisError:
+                continue
+            self._follow_node(node.name, server, persistence, now, last_round)
 
     def _follow_server(self) -> bool:
         """(The probe; a server or Sentinel's primary.) Read the server's run_id and
@@ -93,20 +129,29 @@ class FollowsRestarts:
             server = self._probe_client.info("server")
             persistence = self._probe_client.info("persistence")
         except self._redis.ResponseError as exc:
-            log.warning("[redis] %s: INFO refused (%s): a restart is not seen, and the deletes and "
-                        "clears it undoes are not done again", self.uri, str(exc))
-            self._info_refused, self._durable_at = True, math.inf
+            self._refused_info(exc)
             return False
         now, last_round = time.monotonic(), self._last_round
         self._last_round = now
-        restarted = self._restarted(str(server.get("run_id", "")))
-        saved, was = persistence.get("rdb_last_save_time"), self._saved
-        self._saved = saved
+        self._follow_node("", server, persistence, now, last_round)
+        return True
+
+    def _refused_info(self, exc) -> None:
+        log.warning("[redis] %s: INFO refused (%s): a restart is not seen, and the deletes and "
+                    "clears it undoes are not done again", self.uri, str(exc))
+        self._info_refused = True
+        self._durable = {"": math.inf}
+
+    def _follow_node(self, node: str, server: dict, persistence: dict, now: float, last_round: float) -> None:
+        restarted = self._restarted(str(server.get("run_id", "")), node)
+        saved, was = persistence.get("rdb_last_save_time"), self._saved.get(node)
+        self._saved[node] = saved
+        durable = self._durable.get(node, self._started)
         if persistence.get("aof_enabled"):
-            self._durable_at = math.inf
-        elif self._durable_at == math.inf:
-            self._durable_at = now  # (the append-only file turned off: kept from now)
+            durable = math.inf
+        elif durable == math.inf:
+            durable = now  # (the append-only file turned off: kept from now)
         elif not restarted and was is not None and saved != was:  # a save completed since
             took = max(0, int(persistence.get("rdb_last_bgsave_time_sec", 0) or 0))
-            self._durable_at = max(self._durable_at, last_round - took - 1.0)
-        return True
+            durable = max(durable, last_round - took - 1.0)
+        self._durable[node] = durable

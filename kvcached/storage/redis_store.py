@@ -108,7 +108,7 @@ class RedisBackend(FollowsFailovers, FollowsRestarts, OwesClears, StorageBackend
         self._store_id = (f"redis{kind}://{where}/{db}"
                           f"?prefix={self.prefix.decode(errors='replace')}")  # (owed_clear.py)
         self._start_restarts()  # (before any connection: each reads the server's run_id)
-        connect = _connector(redis, opts, None if self.cluster else self._on_connect)
+        connect = _connector(redis, opts, self._on_node_connect if self.cluster else self._on_connect)
         self._healthy = True
         self._clear_lock = threading.Lock()  # owed_clear.py: a clear the server has not done
         self._closed = threading.Event()
