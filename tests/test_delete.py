@@ -192,6 +192,36 @@ def test_a_failover_owes_again_the_deletes_and_clears_done_in_the_window_only(tm
     assert store._clear_owed and not store._owed_deletes
 
 
+class _KeepsLong(_UpStore):
+    """A store a restart may undo more of (since a snapshot long ago): it keeps everything."""
+
+    def _keep_since(self, now: float) -> float:
+        return 0.0
+
+
+def test_deletes_past_the_cap_make_a_restart_owe_a_clear_and_a_failover_its_window_alone(
+        tmp_path, monkeypatch):
+    """Deletes kept for a restart fill the cap long before a failover's window; two more in the
+    window pass it: the oldest become a clear at their own time, so a failover owes the two
+    alone, a restart (reaching back past them) a clear. Before, the clear was stamped with the
+    time the cap was passed, and the failover wiped the tier."""
+    from kvcached.storage import owed_clear
+
+    now = [1000.0]
+    monkeypatch.setattr(owed_clear.time, "monotonic", lambda: now[0])
+    store = _KeepsLong()
+    store.owe_clear(OwedRecord(str(tmp_path / "i.clears-owed")))
+    store.delete([i.to_bytes(16, "big") for i in range(MAX_OWED_DELETES - 1)])
+    now[0] += owed_clear.REDO_WINDOW_S + 1
+    recent = [b"\xff" * 16, b"\xfe" * 16]
+    store.delete(recent)
+    store.failed_over("a new primary")
+    assert store._owed_deletes == set(recent) and not store._clear_owed
+    assert store._owed_now()
+    store.failed_over("a restart", since=0.0)
+    assert store._clear_owed and not store._owed_deletes
+
+
 def test_a_disk_delete_has_removed_the_files_when_it_returns(tmp_path):
     """The files of deleted keys are gone when the delete returns (before, they went later on
     an I/O thread: a daemon stopped right after the answer indexed them at its next start)."""

@@ -129,20 +129,28 @@ class OwesClears:
 
     def _done(self, keys) -> None:
         """(_clear_lock held.) The store did a delete of `keys`, or a clear (None): kept for
-        REDO_WINDOW_S where a failover may lose it. Past MAX_OWED_DELETES keys, a clear."""
+        REDO_WINDOW_S where a failover may lose it (longer where a restart may: _keep_since).
+        Past MAX_OWED_DELETES keys, the oldest kept become a clear, at the time of the newest of
+        them: a failover whose window holds none of them owes the newer deletes alone."""
         lately = self._done_lately
         if lately is None:
             return
         now = time.monotonic()
         while lately and lately[0][0] < self._keep_since(now):
             self._done_lately_keys -= len(lately.popleft()[1] or ())
-        if keys is not None and self._done_lately_keys + len(keys) <= MAX_OWED_DELETES:
-            lately.append((now, frozenset(keys)))
-            self._done_lately_keys += len(keys)
-        else:
+        if keys is None:
             lately.clear()
             lately.append((now, None))
             self._done_lately_keys = 0
+            return
+        lately.append((now, frozenset(keys)))
+        self._done_lately_keys += len(keys)
+        collapsed = None
+        while self._done_lately_keys > MAX_OWED_DELETES:
+            collapsed, gone = lately.popleft()
+            self._done_lately_keys -= len(gone or ())
+        if collapsed is not None:
+            lately.appendleft((collapsed, None))
 
     def _keep_since(self, now: float) -> float:
         """The oldest a done delete or clear kept may be: what a failover may undo (a store
