@@ -332,6 +332,41 @@ def test_a_delete_or_clear_the_old_primary_lost_is_done_again_on_the_new_one(run
 
 
 @pytest.mark.faults
+def test_a_failover_while_no_daemon_followed_the_sentinels_is_seen_by_the_next_one(run_dir, instance):
+    """As above, but the daemon stops after the delete, before the primary dies: the next
+    daemon finds another primary than the one its predecessor kept on record, and does the
+    lost delete again before it serves. Before, it took the promoted replica for the first
+    primary it saw and served the deleted blocks."""
+    with _cut_pair() as (primary, link, replica, sentinel):
+        kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=32, seed=16)
+        keys = keys_for(4, 45)
+        uri = f"redis+sentinel://127.0.0.1:{sentinel.port}/0?service=mymaster"
+        h = start(run_dir, instance, uri)
+        try:
+            with h.connect(timeout=2.0) as c:
+                c.register_kv_cache(kv)
+                offload_and_flush(c, kv, keys, list(range(4)))
+                wait_until(lambda: replica.client().exists(*_names(kv, keys)) == 4, 10, "replicated")
+                link.cut.set()
+                c.delete(keys)
+        finally:
+            h.stop()
+        assert replica.client().exists(*_names(kv, keys)) == 4  # the stream was cut
+        primary.proc.kill()
+        primary.proc.wait(10)
+        wait_until(lambda: sentinel.primary_port() == replica.port, 30, "the replica promoted")
+        h = start(run_dir, instance, uri)
+        try:
+            with h.connect(timeout=2.0) as c:
+                c.register_kv_cache(kv)
+                wait_until(lambda: _tier(c)["healthy"], 10, "the tier healthy")
+                assert replica.client().exists(*_names(kv, keys)) == 0, "the lost delete done again"
+                assert c.lookup(keys) == (0, 0) and _tier(c)["failovers"] == 1
+        finally:
+            h.stop()
+
+
+@pytest.mark.faults
 @pytest.mark.parametrize("first", ["lookup", "read"])
 def test_a_connection_that_finds_the_new_primary_before_the_probe_serves_nothing(monkeypatch, first):
     """Between a promotion and the probe's next round: the connection the dead primary dropped
@@ -471,6 +506,43 @@ def test_a_cluster_failover_has_the_deletes_done_lately_done_again(run_dir, inst
                 assert _tier(c)["failovers"] >= 1
                 direct.close()
         finally:
+            h.stop()
+
+
+@pytest.mark.faults
+def test_a_cluster_failover_while_no_daemon_followed_is_seen_by_the_next_one(run_dir, instance):
+    """As above, but the daemon stops after the deletes, before the failover: the next daemon
+    finds the cluster's epoch higher than the one its predecessor kept on record and does the
+    deletes again before it serves (before, it took the epoch for the first it saw)."""
+    import redis.cluster
+
+    with cluster() as (ports, nodes, uri):
+        kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=64, seed=18)
+        keys = keys_for(8, 49)
+        gone = keys[4:]
+        h = start(run_dir, instance, uri)
+        direct = redis.cluster.RedisCluster(host="127.0.0.1", port=ports[0])
+        try:
+            with h.connect(timeout=2.0) as c:
+                c.register_kv_cache(kv)
+                offload_and_flush(c, kv, keys, list(range(8)))
+                records = {n: direct.get(n) for n in _names(kv, gone)}
+                c.delete(gone)
+            h.stop()
+            for name, record in records.items():  # (a replica that missed the deletes)
+                direct.set(name, record)
+            replica = next(p for p, role in cluster_roles(ports[0]).items() if role == "slave")
+            _failover(nodes[ports.index(replica)], replica)
+            h = start(run_dir, instance, uri)
+            with h.connect(timeout=2.0) as c:
+                c.register_kv_cache(kv)
+                wait_until(lambda: direct.exists(*records) == 0, 15, "the deletes done again")
+                wait_until(lambda: _tier(c)["healthy"], 10, "the tier healthy")
+                assert [c.lookup([k]) for k in gone] == [(0, 0)] * 4
+                wait_until(lambda: c.lookup(keys[:4]) == (0, 4), 5, "the blocks not deleted found")
+                assert _tier(c)["failovers"] >= 1
+        finally:
+            direct.close()
             h.stop()
 
 

@@ -253,3 +253,46 @@ def test_a_cluster_primary_restarted_in_place_has_its_undone_deletes_done_again(
         finally:
             direct.close()
             tier.close()
+
+
+@pytest.mark.faults
+def test_a_restart_while_no_daemon_followed_the_server_is_seen_by_the_next_one(run_dir, instance):
+    """A daemon backs up four blocks, the server snapshots, two are deleted, the daemon stops.
+    The server restarts from its snapshot while no daemon runs (the two come back). The next
+    daemon finds another run_id than the one its predecessor kept on record: the two are
+    deleted again before the tier serves, the other two load byte-exact. Before, it took the
+    new run_id as the first it saw and served the two."""
+    server = RedisServer()
+    kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=16, seed=19)
+    keys = keys_for(4, 51)
+    expected = snapshot(kv, [2, 3])
+    try:
+        h = start(run_dir, instance, server.uri)
+        try:
+            with h.connect(timeout=2.0) as c:
+                c.register_kv_cache(kv)
+                offload_and_flush(c, kv, keys, list(range(4)))
+                server.client().save()
+                c.delete(keys[:2])
+                assert server.client().dbsize() == 2
+        finally:
+            h.stop()
+        server.proc.kill()
+        server.proc.wait(10)
+        server.start()
+        assert server.client().dbsize() == 4  # (the two deleted are back)
+        h = start(run_dir, instance, server.uri)
+        try:
+            with h.connect(timeout=2.0) as c:
+                c.register_kv_cache(kv)
+                wait_until(lambda: c.status()["storage"][0]["healthy"], 10, "the tier healthy")
+                assert c.lookup(keys[:2]) == (0, 0) and server.client().dbsize() == 2
+                assert c.status()["storage"][0]["restarts"] == 1
+                assert c.lookup(keys[2:]) == (0, 2)
+                scramble(kv, 7)
+                assert c.load(keys[2:], [8, 9]).wait(10) == 2
+                assert blocks_equal(kv, [8, 9], expected)
+        finally:
+            h.stop()
+    finally:
+        server.close()

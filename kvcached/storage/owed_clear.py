@@ -17,7 +17,10 @@ the old primary does not bring its blocks back. A Redis server's restart is one 
 undo more (`_keep_since`: since its last snapshot; redis_restarts.py).
 
 Owed clears and deletes outlive the daemon (OwedRecord, a file in its run dir): a daemon stopped
-or killed while they are owed owes them again at its next start.
+or killed while they are owed owes them again at its next start. So does what a store whose
+failover or restart may undo them keeps (`_remember`: the deletes and clears done lately, and
+what the store's followers saw of it, redis_restarts.py): a failover or restart while no daemon
+followed the store is seen at the next start, and what it may have undone is done again.
 
 A backend using it sets `_clear_lock` (a Lock) and has `uri`, `last_error`, `_healthy`,
 `_LOG_TAG`, `_clear_store()` and `_delete_store(keys)`: how many blocks the store removed, or
@@ -26,6 +29,7 @@ None when it could not (its failure already recorded, e.g. the tier marked down)
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import stat
@@ -81,6 +85,43 @@ class OwesClears:
             record.note_deletes(self.store_id, deletes)
             log.warning("[%s] %s: %d deletes owed before the restart are owed still",
                         self._LOG_TAG, self.uri, len(deletes))
+        if self._done_lately is not None:
+            self._restored(record.state(self.store_id))
+            self._remember()
+
+    # what a later daemon must know of the store ---------------------------------------------
+    def _remember(self) -> None:
+        """Keep this store's state (`_state`) on record, taken as it is written."""
+        if self._owed_record is not None and self._done_lately is not None:
+            self._owed_record.note_state(self.store_id, self._state)
+
+    def _state(self) -> dict:
+        """The deletes and clears done lately, at wall-clock times (a later daemon's monotonic
+        clock is another)."""
+        wall = time.time() - time.monotonic()
+        return {"done": [[round(at + wall, 3), None if keys is None else sorted(k.hex() for k in keys)]
+                         for at, keys in list(self._done_lately or ())]}
+
+    def _restored(self, state: dict) -> float | None:
+        """(At start.) The deletes and clears the last daemon did lately, kept as if done by
+        this one (at most now). Returns the oldest one's (monotonic) time, None with none."""
+        now, mono = time.monotonic(), time.monotonic() - time.time()
+        entries = []
+        for item in state.get("done") or ():
+            try:
+                keys = None if item[1] is None else frozenset(bytes.fromhex(k) for k in item[1])
+                entries.append((min(now, float(item[0]) + mono), keys))
+            except (TypeError, ValueError, IndexError, KeyError):  # not ours to trust: a clear,
+                entries.append((now, None))  # which owes everything (a change redoes it)
+        if not entries:
+            return None
+        with self._clear_lock:
+            lately = sorted([*entries, *self._done_lately], key=lambda e: e[0])
+            self._done_lately = collections.deque(lately)
+            self._done_lately_keys = sum(len(keys or ()) for _, keys in lately)
+        log.info("[%s] %s: %d deletes and clears the last daemon did are kept (a failover or restart "
+                 "may undo them)", self._LOG_TAG, self.uri, len(entries))
+        return lately[0][0]
 
     def clear(self) -> int:
         """Every block under the prefix goes now, or once the store answers again (owed)."""
@@ -142,6 +183,7 @@ class OwesClears:
             lately.clear()
             lately.append((now, None))
             self._done_lately_keys = 0
+            self._remember()
             return
         lately.append((now, frozenset(keys)))
         self._done_lately_keys += len(keys)
@@ -151,6 +193,7 @@ class OwesClears:
             self._done_lately_keys -= len(gone or ())
         if collapsed is not None:
             lately.appendleft((collapsed, None))
+        self._remember()
 
     def _keep_since(self, now: float) -> float:
         """The oldest a done delete or clear kept may be: what a failover may undo (a store
@@ -212,17 +255,23 @@ class OwedRecord:
     (a line per tier owing a clear: its store_id - address and prefix, no password; a line per
     owed delete: the store_id, a tab, `delete`, a tab, the stored key in hex) for as long as they
     do, so a daemon stopped or killed meanwhile owes them too when it starts again: a store that
-    comes back after the restart never serves what a clear or a delete removed. The run dir is
-    the daemon's own (0700, checked at start); a file there that is no regular file of this
-    user is not read."""
+    comes back after the restart never serves what a clear or a delete removed. And a line per
+    store whose failover may undo what it did (the store_id, a tab, `state`, a tab, JSON:
+    OwesClears._state). The run dir is the daemon's own (0700, checked at start); a file there
+    that is no regular file of this user is not read."""
 
     def __init__(self, path: str):
         self.path = path
         self._lock = threading.Lock()
         self._owed: set[str] = set()
         self._deletes: dict[str, set[bytes]] = {}
+        self._states: dict[str, str] = {}  # store -> its state (JSON), as a later daemon reads it
         self._all_owe = False  # a record too large to read whole: every tier owes a clear
         for line in self._read():
+            uri, _, state = line.partition("\tstate\t")
+            if state:
+                self._states[uri] = state
+                continue
             uri, _, key = line.partition("\tdelete\t")
             if not key:
                 self._owed.add(line)
@@ -256,6 +305,32 @@ class OwedRecord:
     def owed(self, uri: str) -> bool:
         return self._all_owe or uri in self._owed
 
+    def state(self, uri: str) -> dict:
+        """What the last daemon kept of a store (OwesClears._state); {} with none. One that is
+        no state it wrote is a clear done just now: what it would have said is not known."""
+        text = self._states.get(uri)
+        if text is None:
+            return {}
+        try:
+            state = json.loads(text)
+            if isinstance(state, dict):
+                return state
+        except ValueError:
+            pass
+        log.warning("[storage] %s: the state kept of %s is not readable: taken as a clear done lately",
+                    self.path, uri)
+        return {"done": [[time.time(), None]]}
+
+    def note_state(self, uri: str, state) -> None:
+        """Record a store's state, `state()` taken under the record's lock (the last taken is
+        the last written), on disk before this returns."""
+        with self._lock:
+            text = json.dumps(state(), separators=(",", ":"), sort_keys=True)
+            if self._states.get(uri) == text:
+                return
+            self._states[uri] = text
+            self._write()
+
     def deletes(self, uri: str) -> set[bytes]:
         return set(self._deletes.get(uri, ()))
 
@@ -283,6 +358,7 @@ class OwedRecord:
         lines = [f"{u}\n" for u in sorted(self._owed)]
         lines += [f"{u}\tdelete\t{k.hex()}\n" for u, keys in sorted(self._deletes.items())
                   for k in sorted(keys)]
+        lines += [f"{u}\tstate\t{text}\n" for u, text in sorted(self._states.items())]
         try:
             if not lines:
                 os.unlink(self.path)

@@ -106,12 +106,16 @@ class FollowsFailovers:
         """Note the primary the sentinels named; True where it replaced another (a failover)."""
         with self._primary_lock:
             old, self._primary = self._primary, primary
-            if old is None or old == primary:
+            if old == primary:
                 return False
-            self.counters["failovers"] += 1
-            self._note_change("the sentinels named a new primary, %s:%s" % primary)
-            self._run_ids.pop("", None)  # (another server's: redis_restarts.py)
-            self._saved.pop("", None)
+            if old is not None:
+                self.counters["failovers"] += 1
+                self._note_change("the sentinels named a new primary, %s:%s" % primary)
+                self._run_ids.pop("", None)  # (another server's: redis_restarts.py)
+                self._saved.pop("", None)
+        self._remember()  # (a later daemon compares)
+        if old is None:
+            return False
         log.warning("[redis] %s: the sentinels name a new primary, %s:%s (was %s:%s)",
                     self.uri, *primary, *old)
         return True
@@ -178,5 +182,7 @@ class FollowsFailovers:
             with self._primary_lock:
                 self.counters["failovers"] += 1
                 self._note_change(f"the cluster's epoch rose to {epoch} (a failover or a new configuration)")
-        self._epoch = max(self._epoch, epoch)
+        if epoch > self._epoch:
+            self._epoch = epoch
+            self._remember()  # (a later daemon compares)
         return True

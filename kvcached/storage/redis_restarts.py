@@ -92,14 +92,56 @@ class FollowsRestarts:
             if old == run_id:
                 return False
             self._run_ids[node] = run_id
-            if old is None:
-                return False
-            self.counters["restarts"] += 1
-            self._note_change(f"{server} restarted (run_id {run_id[:12]}, was {old[:12]}): what it "
-                              "did not make durable is lost", restart=True)
+            if old is not None:
+                self.counters["restarts"] += 1
+                self._note_change(f"{server} restarted (run_id {run_id[:12]}, was {old[:12]}): what "
+                                  "it did not make durable is lost", restart=True)
+        self._remember()  # (a later daemon compares)
+        if old is None:
+            return False
         log.warning("[redis] %s: %s restarted (a new run_id): the deletes and clears it may "
                     "have lost are done again before the tier serves", self.uri, server)
         return True
+
+    # across daemons -------------------------------------------------------------------------
+    def _state(self) -> dict:
+        """What a later daemon compares: each node's run_id, the sentinels' primary, the
+        cluster's epoch (and the deletes and clears done lately: owed_clear.py)."""
+        return {**super()._state(), "run_ids": dict(self._run_ids),
+                "primary": list(self._primary) if self._primary else None, "epoch": self._epoch}
+
+    def _restored(self, state: dict) -> float | None:
+        """(At start.) The last daemon's state: its deletes and clears done lately are kept until
+        a snapshot after them is seen; a node's other run_id, another primary, a higher epoch
+        happened while no daemon followed: what it may have undone is redone before serving."""
+        oldest = super()._restored(state)
+        if oldest is not None:
+            self._started = min(self._started, oldest)
+            self._durable = {node: min(at, oldest) for node, at in self._durable.items()}
+        seen, primary, epoch = [], state.get("primary"), state.get("epoch")
+        with self._primary_lock:
+            for node, run_id in dict(state.get("run_ids") or {}).items():
+                if self._run_ids.setdefault(str(node), str(run_id)) != str(run_id):
+                    seen.append(f"the node {node} restarted" if node else "the server restarted")
+                    self.counters["restarts"] += 1
+            if isinstance(primary, list) and len(primary) == 2:
+                if self._primary is None:
+                    self._primary = tuple(primary)  # (the probe compares)
+                elif tuple(primary) != tuple(self._primary):
+                    seen.append("the sentinels named a new primary, %s:%s" % self._primary)
+                    self.counters["failovers"] += 1
+            if isinstance(epoch, int) and self._epoch is not None:
+                if self._epoch > epoch >= 0:
+                    seen.append(f"the cluster's epoch rose to {self._epoch} (from {epoch})")
+                    self.counters["failovers"] += 1
+                self._epoch = max(self._epoch, epoch)
+            if seen:
+                self._note_change(f"while no daemon followed the store, {'; '.join(seen)}: what was "
+                                  "done before may be undone", restart=True)
+        if seen:
+            log.warning("[redis] %s: while no daemon followed it, %s: the deletes and clears done "
+                        "before are done again before the tier serves", self.uri, "; ".join(seen))
+        return oldest
 
     def _follow_nodes(self) -> None:
         """(The probe; a cluster.) Each primary's run_id and persistence. One that does not
