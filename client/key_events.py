@@ -31,8 +31,9 @@ class FollowsKeys:
     def tier_events(self, after: int, limit: int = 4096, ask: Sequence[bytes] = (),
                     timeout: float | None = None) -> TierEvents:
         """The changes of the host tier and of the local storage tiers (disk) after event number
-        `after`, and which tiers hold the keys of `ask` once those changes are applied (a change
-        after them comes at the next call). A daemon older than protocol 1.10 is UNKNOWN_OP."""
+        `after`, and which tiers hold the keys of `ask` (at most 4,096) once those changes are
+        applied (a change after them comes at the next call). A daemon older than protocol 1.10
+        is UNKNOWN_OP."""
         if tuple(self.info.get("protocol_version", (0, 0))) < (1, 10):
             raise ProtocolError(ErrorCode.UNKNOWN_OP, "the daemon's protocol is older than 1.10: "
                                 "it follows no storage tier")

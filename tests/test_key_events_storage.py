@@ -3,11 +3,13 @@ with its tier, beside the host tier's, and which tiers hold the keys a reader as
 ring's filter for host-only readers in process; the op against a real daemon with a real disk
 tier (backups, a host clear, deletes, the disk's own evictions, a storage clear, a new
 geometry)."""
+import pytest
+
 from conftest import disk_uri, keys_for, small_kv, sweep_crashed, unique_instance
 from kvcached.service.key_events import KeyEvents
 from kvcached_client import launch
 from kvcached_proto import ErrorCode
-from kvcached_proto.errors import ProtocolError
+from kvcached_proto.errors import ProtocolError, RequestError
 
 
 def _key(i: int) -> bytes:
@@ -46,6 +48,9 @@ def test_disk_changes_are_told_with_their_tier_and_asked_keys_say_where_they_are
             c.register_kv_cache(kv)
             start = c.tier_events(0, 0)
             assert start.events == [] and start.tiers == [uri] and start.held == []
+            with pytest.raises(RequestError) as e:  # a frame's cost is bounded
+                c.tier_events(0, 0, ask=[bytes(16)] * 4097)
+            assert e.value.code == ErrorCode.TOO_MANY_ITEMS
             first = keys_for(8, 1)
             c.offload(range(8), first).wait(10)
             c.flush().wait(10)

@@ -39,6 +39,8 @@ from .task_table import TaskTable
 
 log = logging.getLogger(__name__)
 
+MAX_ASK = 4096  # keys a key_events request may ask about (a frame's cost stays a few ms)
+
 DRAIN_TIMEOUT_S = 30.0
 NOTE_REPLAY_MAX = 8  # a noted lookup asked more often feeds the policy this many times (its cost)
 
@@ -280,6 +282,8 @@ class CacheService:
 
     def _key_events(self, client, req) -> KeyEventsReply:
         body = req.body
+        if len(body.get("ask", ())) > MAX_ASK:  # (each key asked costs about 1 us here)
+            raise OpError(ErrorCode.TOO_MANY_ITEMS, f"ask: {len(body['ask'])} keys > {MAX_ASK}")
         with self.host.lock:
             if not self.key_events.followed:  # changes are kept from the first request on: a
                 self.key_events.followed = True  # daemon nobody follows pays nothing per key
