@@ -24,6 +24,21 @@ def _tier(monkeypatch, uri: str):
     return redis_store.RedisBackend(uri)
 
 
+def _put(tier, n: int):
+    """n blocks of random bytes put in the tier: (their keys, their names in the store,
+    read(indices) -> which came back, each checked to be the bytes put)."""
+    keys, geometry = [bytes([i]) * 16 for i in range(n)], os.urandom(16)
+    pages = [bytearray(os.urandom(4096)) for _ in keys]
+    assert tier.put(keys, [[memoryview(p)] for p in pages], geometry) == [True] * n
+
+    def read(which) -> list:
+        into = [bytearray(4096) for _ in which]
+        got = tier.get_into([keys[i] for i in which], [[memoryview(b)] for b in into], geometry)
+        assert [b == pages[i] for b, i in zip(into, which)] == got  # (read: what was put)
+        return got
+    return keys, [tier._name(k) for k in keys], read
+
+
 @pytest.mark.faults
 @pytest.mark.parametrize("first", ["lookup", "read"])
 def test_the_deletes_a_restart_undid_are_done_again_before_the_tier_serves(monkeypatch, caplog, first):
@@ -36,17 +51,7 @@ def test_the_deletes_a_restart_undid_are_done_again_before_the_tier_serves(monke
     server = RedisServer()
     tier = _tier(monkeypatch, server.uri)
     try:
-        keys, geometry = [bytes([i]) * 16 for i in range(6)], os.urandom(16)
-        names = [tier._name(k) for k in keys]
-        pages = [bytearray(os.urandom(4096)) for _ in keys]
-        assert tier.put(keys, [[memoryview(p)] for p in pages], geometry) == [True] * 6
-
-        def read(which) -> list:
-            into = [bytearray(4096) for _ in which]
-            got = tier.get_into([keys[i] for i in which], [[memoryview(b)] for b in into], geometry)
-            assert [b == pages[i] for b, i in zip(into, which)] == got  # (read: what was put)
-            return got
-
+        keys, names, read = _put(tier, 6)
         assert read(range(6)) == [True] * 6
         server.client().save()
         tier._probe_once()
@@ -204,17 +209,7 @@ def test_a_cluster_primary_restarted_in_place_has_its_undone_deletes_done_again(
         tier = _tier(monkeypatch, uri)
         direct = redis.cluster.RedisCluster(host="127.0.0.1", port=ports[0])
         try:
-            keys, geometry = [bytes([i]) * 16 for i in range(24)], os.urandom(16)
-            names = [tier._name(k) for k in keys]
-            pages = [bytearray(os.urandom(4096)) for _ in keys]
-            assert tier.put(keys, [[memoryview(p)] for p in pages], geometry) == [True] * 24
-
-            def read(which) -> list:
-                into = [bytearray(4096) for _ in which]
-                got = tier.get_into([keys[i] for i in which], [[memoryview(b)] for b in into], geometry)
-                assert [b == pages[i] for b, i in zip(into, which)] == got  # (read: what was put)
-                return got
-
+            keys, names, read = _put(tier, 24)
             tier._probe_once()
             time.sleep(1.1)  # (a save's whole-second times)
             for n in nodes:
@@ -295,4 +290,41 @@ def test_a_restart_while_no_daemon_followed_the_server_is_seen_by_the_next_one(r
         finally:
             h.stop()
     finally:
+        server.close()
+
+
+@pytest.mark.faults
+def test_a_change_found_before_the_first_round_after_a_start_reaches_back_over_what_was_kept(
+        monkeypatch, tmp_path):
+    """A daemon starts with the deletes its predecessor did kept on record (older than the
+    failover window); a change found before its probe's first round that compares (a sentinel
+    that did not answer at start names another primary once it does) may have come while no
+    daemon ran: its redo reaches back over them, not the window alone."""
+    from kvcached.storage import owed_clear
+    from kvcached.storage.owed_clear import OwedRecord
+
+    monkeypatch.setattr(owed_clear, "REDO_WINDOW_S", 0.2)
+    server = RedisServer()
+    path = str(tmp_path / "t.clears-owed")
+    keys = [bytes([i]) * 16 for i in range(3)]
+    tier = _tier(monkeypatch, server.uri)
+    try:
+        tier.owe_clear(OwedRecord(path))
+        names = [tier._name(k) for k in keys]
+        server.client().mset({n: b"x" for n in names})
+        assert tier.delete(keys) == 3
+    finally:
+        tier.close()
+    time.sleep(1.0)  # past the failover window
+    server.client().mset({n: b"x" for n in names})  # (undone)
+    tier = _tier(monkeypatch, server.uri)
+    try:
+        tier.owe_clear(OwedRecord(path))
+        assert tier.usage()["restarts"] == 0  # (the same run_id)
+        with tier._primary_lock:
+            tier._note_change("a failover, as the sentinels would name one")
+        tier._probe_once()
+        assert tier.health() and server.client().exists(*names) == 0
+    finally:
+        tier.close()
         server.close()

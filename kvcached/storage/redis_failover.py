@@ -37,6 +37,7 @@ class FollowsFailovers:
         self._changes_done = 0  # of those, the ones the probe has redone the window for
         self._change_why = ""  # the last one's
         self._change_restart = False  # one since the last redo was a restart (redis_restarts.py)
+        self._from_record = False  # a change now may have come while no daemon ran (_restored)
         self._epoch = -1  # a cluster's current epoch, the highest seen (None: not followed)
         self._ask_primary = [self._watch_primary(pool) for pool in pools]
         self._clients = clients
@@ -60,7 +61,7 @@ class FollowsFailovers:
         snapshot, a failover's REDO_WINDOW_S)."""
         self._changes_seen += 1
         self._change_why = why
-        self._change_restart |= restart
+        self._change_restart |= restart or self._from_record
 
     def _follow(self) -> bool:
         """(The probe.) Follow the cluster's epoch, or the sentinels and the server's run_id
@@ -83,6 +84,8 @@ class FollowsFailovers:
             if self.cluster:
                 self._redone_for = self._primaries_now()
             self._changes_done = seen
+        if answered:
+            self._from_record = False  # (compared with what the last daemon kept)
         return answered
 
     # Sentinel

@@ -138,6 +138,9 @@ class FollowsRestarts:
             if seen:
                 self._note_change(f"while no daemon followed the store, {'; '.join(seen)}: what was "
                                   "done before may be undone", restart=True)
+            # what could not be compared yet (a store that did not answer) is at the probe's first
+            # round that it answers: a change found then may be older than the window too
+            self._from_record = bool(state)
         if seen:
             log.warning("[redis] %s: while no daemon followed it, %s: the deletes and clears done "
                         "before are done again before the tier serves", self.uri, "; ".join(seen))
