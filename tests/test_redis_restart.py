@@ -108,9 +108,12 @@ def test_a_restart_without_a_snapshot_since_the_deletes_owes_them_all(monkeypatc
 
 
 @pytest.mark.faults
-def test_a_user_refused_info_is_told_once_and_the_tier_serves(monkeypatch, caplog):
+def test_a_user_refused_info_is_told_once_and_the_tier_serves(monkeypatch, caplog, tmp_path):
     """An ACL user without INFO (what a restart is read from): the tier says once that restarts
     are not followed, its probe pings, it stays up and serves."""
+    from kvcached.storage import redis_restarts
+    from kvcached.storage.owed_clear import OwedRecord
+
     server = RedisServer()
     server.client().execute_command("ACL", "SETUSER", "kv", "on", ">kv-pw", "~*", "&*", "+@all", "-info")
     caplog.set_level(logging.WARNING, logger="kvcached.storage.redis_store")
@@ -122,6 +125,13 @@ def test_a_user_refused_info_is_told_once_and_the_tier_serves(monkeypatch, caplo
         server.client().mset({tier._name(k): b"x" for k in keys})
         assert tier.health() and tier.exists_prefix(keys) == 2, tier.last_error
         assert sum("INFO refused" in r.message for r in caplog.records) == 1
+        # what a last daemon did an hour ago is not kept longer than the failover window: a
+        # restart is not followed here
+        record = OwedRecord(str(tmp_path / "t.clears-owed"))
+        record.note_state(tier.store_id, lambda: {"done": [[time.time() - 3600, [keys[0].hex()]]]})
+        tier.owe_clear(OwedRecord(record.path))
+        now = time.monotonic()
+        assert tier._keep_since(now) == now - redis_restarts.REDO_WINDOW_S
     finally:
         tier.close()
         server.close()

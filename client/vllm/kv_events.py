@@ -173,6 +173,7 @@ class KVEventsReporter:
                 for held in self._present:
                     held.discard(k)
                 self._disk_bits.pop(k, None)
+                self._asks.get(k[0], {}).pop(k[1], None)
         for m in (CPU, STORAGE):
             if block.announced[m]:
                 self._removed(block, m)

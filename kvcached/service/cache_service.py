@@ -188,10 +188,12 @@ class CacheService:
                     raise OpError(ErrorCode.KV_MISMATCH, f"host pool: {exc}") from None
                 if new_geometry:  # old blocks are void
                     self.host.reset_index()
-                    self.key_events.voided()
                     self.storage.drop_queued_backups()
                     self.keys.rebuild(self.host.pool.num_blocks, self.host.pool.geometry,
                                       self.host.pool.page_bytes)
+                    # after the key table's new geometry: a disk event told before it would
+                    # name an old block by the key it has under the new one
+                    self.key_events.voided()
                 kept = len(self.host.index)
                 try:
                     copier = make_copier(spec.device, self.cfg.copy_strategy, reg.views,

@@ -117,7 +117,8 @@ class FollowsRestarts:
         oldest = super()._restored(state)
         if oldest is not None:
             self._started = min(self._started, oldest)
-            self._durable = {node: min(at, oldest) for node, at in self._durable.items()}
+            self._durable = {node: at if at == math.inf else min(at, oldest)  # (inf: a restart
+                             for node, at in self._durable.items()}  # undoes the window at most)
         seen, primary, epoch = [], state.get("primary"), state.get("epoch")
         with self._primary_lock:
             for node, run_id in dict(state.get("run_ids") or {}).items():

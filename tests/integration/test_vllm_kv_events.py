@@ -252,6 +252,8 @@ def test_a_restarted_daemon_and_a_full_follow_list_report_blocks_removed(
     # a save noted before any step polled: the new daemon keeps its changes from then on
     c.kv_events.max_blocks = 2
     save = _save(c, _request("b"), 4)  # the same blocks again
+    keys = c.key_scheme.daemon_keys(save.keys)
+    assert set(c.kv_events._asks[0]) == set(keys[2:]), "a block forgotten is not asked about"
     daemon.worker.offload(range(4), c.key_scheme.daemon_keys(save.keys)).wait(10)
     events = c.take_events()
     removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
