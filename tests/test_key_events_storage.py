@@ -118,3 +118,40 @@ def test_a_daemon_older_than_1_10_is_not_asked_for_storage_events(run_dir):
     finally:
         d.stop()
         sweep_crashed(name)
+
+
+def test_a_disk_is_followed_when_the_key_table_cannot_be_made(tmp_path, monkeypatch, instance):
+    """The key table's segment cannot be made (clients then send their lookups): the disk's
+    changes still reach the key events, as the engine's keys. Before, no table meant no watch,
+    and the events missed every disk change."""
+    from types import SimpleNamespace
+
+    import posix_ipc
+
+    from kvcached.service import key_publisher
+    from kvcached.storage.disk import DiskBackend
+    from kvcached.storage.record import stored_key
+
+    disk = DiskBackend(str(tmp_path / "disk"), 1 << 30)
+    publisher = None
+    try:
+        assert disk.indexed.wait(10)
+
+        def cannot(*_a, **_k):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(key_publisher.posix_ipc, "SharedMemory", cannot)
+        publisher = key_publisher.KeyPublisher(instance, 7, SimpleNamespace(backends=[disk]))
+        heard = []
+        publisher.listen(lambda n, keys, on: heard.append((n, keys, on)), lambda n: heard.append(n))
+        geometry = bytes(range(16))
+        publisher.rebuild(16, geometry, 4096)
+        assert publisher.status()["segment"] is None
+        monkeypatch.setattr(key_publisher.posix_ipc, "SharedMemory", posix_ipc.SharedMemory)
+        key = b"\x05" * 16
+        assert disk.put([stored_key(key, geometry)], [[memoryview(bytes(4096))]], geometry) == [True]
+        assert heard == [(1, [key], True)]
+        assert publisher.local_holds([key, b"\x06" * 16]) == [2, 0]
+    finally:
+        if publisher is not None:
+            publisher.close()
+        disk.close()

@@ -15,7 +15,7 @@ key_events op, at most every POLL_S, and reports a block once all of its keys on
 loadable (the shortest rank's hit is what a lookup gives), removed once one is not. A daemon
 first seen is followed from its newest event on, before the first save noted goes out; a daemon
 that replaced it (another epoch) from its first: what it holds came after. Each block noted is
-also asked about once (`ask`, at most ASK keys a request): one the daemon held before it was
+also asked about once (`ask`, at most ASK keys a poll): one the daemon held before it was
 followed (on disk since before a restart, saved by an earlier engine) is reported too, and after
 a gap or a new daemon every block followed is asked about again.
 
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 POLL_S = 0.05  # the daemons are asked at most this often (one round trip per rank)
 MAX_BLOCKS = 200_000  # blocks followed; past it the oldest is reported removed and forgotten
 LIMIT = 16384  # events per request
-ASK = 4096  # keys asked about per request (the rest at the next poll)
+ASK = 4096  # keys asked about per poll (the rest at the next)
 CPU, STORAGE = 0, 1  # the media reported: the host tier, the local storage tiers
 REQUEST_S = 0.25  # a request's wait: a slower daemon is asked again later, the step goes on
 MAX_REQUEST_S = 2.0  # each request that runs out of time doubles the next one's wait, up to this
@@ -282,8 +282,9 @@ class KVEventsReporter:
         asks = self._asks.setdefault(rank, {})
         if not tiers:  # a 1.9 daemon: its host tier alone, nothing asked
             asks.clear()
-        for _ in range(8):  # at most 8 * LIMIT events per poll; the rest at the next
-            ask = list(itertools.islice(asks, ASK))
+        for i in range(8):  # at most 8 * LIMIT events per poll; the rest at the next
+            ask = list(itertools.islice(asks, ASK)) if i == 0 else []  # (one batch a poll: a
+            # step pays a few ms for it at most, however many blocks a gap left to ask about)
             try:
                 if tiers:
                     events, last, gap, _, _, held = client.tier_events(
@@ -310,7 +311,7 @@ class KVEventsReporter:
                 asks.pop(key, None)
                 self._seen((rank, key), bool(bits & 1), CPU)
                 self._on_disk((rank, key), bits & ~1)
-            if len(events) < LIMIT and not asks:
+            if len(events) < LIMIT:
                 return True
         return True
 
@@ -336,7 +337,7 @@ class KVEventsReporter:
     def _stored(self, block: _Block, m: int):
         from vllm.distributed.kv_events import BlockStored
 
-        medium, locality = _MEDIA[m]
+        medium, locality = _medium(m)
         return BlockStored(block_hashes=[block.hash], parent_block_hash=block.parent,
                            token_ids=block.tokens, block_size=self.block_size,
                            lora_id=block.lora_id, medium=medium, lora_name=block.lora_name,
@@ -346,12 +347,16 @@ class KVEventsReporter:
         from vllm.distributed.kv_events import BlockRemoved
 
         block.announced[m] = False
-        medium, locality = _MEDIA[m]
+        medium, locality = _medium(m)
         self._out.append(BlockRemoved(block_hashes=[block.hash], medium=medium, group_idx=0,
                                       locality=locality))
 
 
-_MEDIA = (("CPU", None), ("STORAGE", "LOCAL"))  # vLLM's MEDIUM_CPU, MEDIUM_STORAGE; locality
+def _medium(m: int) -> tuple:
+    """(vLLM's medium, locality) of medium m: the host tier, or the local disks."""
+    from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE
+
+    return (MEDIUM_CPU, None) if m == CPU else (MEDIUM_STORAGE, "LOCAL")
 
 
 def _external(block_hash):

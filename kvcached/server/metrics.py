@@ -24,8 +24,8 @@ metrics_http.MetricsServer (one thread, bounded; a rendering shared for MIN_REND
     kvcached_storage_healthy{uri}                                      gauge
     kvcached_storage_failovers_total{uri}                              counter (Redis behind
                                   Sentinel or in a cluster: new primaries and epoch rises seen)
-    kvcached_storage_restarts_total{uri}                               counter (a Redis server or
-                                  Sentinel's primary seen with a new run_id)
+    kvcached_storage_restarts_total{uri}                               counter (a Redis server,
+                                  Sentinel's or a cluster's primary seen with a new run_id)
     kvcached_queue_depth                                               gauge
     kvcached_host_bytes_used / kvcached_host_bytes_capacity            gauges
     kvcached_clients                                                   gauge

@@ -82,13 +82,21 @@ class KeyPublisher:
     # the table ------------------------------------------------------------------------------
     def rebuild(self, host_blocks: int, geometry: bytes, page_bytes: int) -> None:
         """(Host lock held.) A new, empty table for a new block geometry; the local storage
-        tiers' keys of that geometry are published into it."""
+        tiers' keys of that geometry are published into it. The tiers are watched with a table
+        or without one (none built, or it cannot be made): the storage events (listen) follow
+        them all the same."""
         self._geometry = geometry
-        if self._kt is None:
-            self._watch_local()  # the storage events (listen) follow them all the same
-            return
         storage = sum(getattr(b, "capacity_bytes", 0) // max(page_bytes, 1) + 1 for b in self._local)
         nslots = table_slots(host_blocks + storage)
+        made = self._kt is not None and self._new_table(nslots, host_blocks)
+        self._watch_local()
+        if made:
+            self.refresh()
+            log.info("[keys] key table %s: %d slots (%.1f MiB) for %d host blocks and %d local "
+                     "storage blocks", self.name, nslots, table_bytes(nslots) / 2**20, host_blocks, storage)
+
+    def _new_table(self, nslots: int, host_blocks: int) -> bool:
+        """The old table closed and a new, empty one made; False where it cannot be."""
         with self._lock:
             self._close_table()
             try:
@@ -96,7 +104,7 @@ class KeyPublisher:
                                              size=table_bytes(nslots))
             except (posix_ipc.ExistentialError, OSError, ValueError) as exc:
                 log.warning("[keys] cannot make the key table %s (%s): clients send lookups", self.name, exc)
-                return
+                return False
             try:
                 self._mm = mmap.mmap(shm.fd, table_bytes(nslots))
             finally:
@@ -113,10 +121,7 @@ class KeyPublisher:
                     flags |= Flags.STORAGE_COMPLETE
             self._kt.set_flags(self._mm, flags, 0)
             self._storage_flags = 0
-        self._watch_local()
-        self.refresh()
-        log.info("[keys] key table %s: %d slots (%.1f MiB) for %d host blocks and %d local storage "
-                 "blocks", self.name, nslots, table_bytes(nslots) / 2**20, host_blocks, storage)
+        return True
 
     def _watch_local(self) -> None:
         """Each local tier tells its whole index (into the new table), then each change."""

@@ -113,6 +113,8 @@ class OwesClears:
                 entries.append((min(now, float(item[0]) + mono), keys))
             except (TypeError, ValueError, IndexError, KeyError):  # not ours to trust: a clear,
                 entries.append((now, None))  # which owes everything (a change redoes it)
+                log.warning("[%s] %s: a delete kept on record is not readable: taken as a clear "
+                            "done now", self._LOG_TAG, self.uri)
         if not entries:
             return None
         with self._clear_lock:

@@ -355,7 +355,7 @@ class RedisBackend(FollowsFailovers, FollowsRestarts, OwesClears, StorageBackend
 def _connector(redis, opts: dict, on_connect=None):
     """connect(timeout, retries): a client of the URI's server, cluster or sentinels' primary
     (each new connection asks the sentinels where it is); on_connect(connection) replaces each
-    connection's handshake (redis_restarts.py)."""
+    connection's handshake, or in a cluster runs after it (redis_restarts.py)."""
     from redis.backoff import ConstantBackoff, NoBackoff
     from redis.retry import Retry
 
