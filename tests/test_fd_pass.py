@@ -47,8 +47,19 @@ def _blocks(arr: np.ndarray, ids) -> np.ndarray:
     return view[:, list(ids)].copy()
 
 
-def _open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
+def _fds(pid: int, kind: str) -> int:
+    """How many of the daemon's fds are `kind` ("/memfd:kvt-pool": the test's memfds; "socket:").
+    Counted by kind, not in all: the daemon may open files of its own meanwhile."""
+    n = 0
+    for f in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += os.readlink(f"/proc/{pid}/fd/{f}").startswith(kind)
+        except FileNotFoundError:  # closed since the listing
+            pass
+    return n
+
+
+POOL, SOCKET = "/memfd:kvt-pool", "socket:"
 
 
 def test_a_memfd_pool_round_trips_byte_exact(daemon):
@@ -126,14 +137,19 @@ def test_a_token_serves_one_registration(daemon):
 def test_a_message_that_is_not_the_protocols_has_its_fds_closed(daemon):
     path = fd_socket_path(daemon.run_dir, daemon.instance)
     fd, _ = _memfd()
-    before = _open_fds(daemon.pid)
+    conns = []
     for payload, count in ((b"HELLO!!!\0\0", 1), (MAGIC + struct.pack("<H", 3), 1)):
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.connect(path)
-            s.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd) * count)])
-            assert s.recv(512).startswith(b"ER")
-    wait_until(lambda: _open_fds(daemon.pid) <= before, timeout=5,
-               what="what came with them closed (and the connections)")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conns.append(s)
+        s.connect(path)
+        s.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd) * count)])
+        assert s.recv(512).startswith(b"ER")
+        assert _fds(daemon.pid, POOL) == 0  # closed before the answer
+    # the daemon closed its end of each connection (the peer reads the end, not a wait)
+    wait_until(lambda: not any(_still_open(s) for s in conns), timeout=5,
+               what="the connections closed by the daemon")
+    for s in conns:
+        s.close()
     os.close(fd)
 
 
@@ -143,10 +159,10 @@ def test_sets_of_fds_past_the_cap_are_refused_and_closed(daemon):
     fd, _ = _memfd(4096)
     for _ in range(MAX_PENDING):
         send_fds(path, [fd])
-    held = _open_fds(daemon.pid)
+    assert _fds(daemon.pid, POOL) == MAX_PENDING
     with pytest.raises(FdPassError, match="retry later"):
         send_fds(path, [fd])
-    wait_until(lambda: _open_fds(daemon.pid) <= held, timeout=5, what="the refused fd closed")
+    assert _fds(daemon.pid, POOL) == MAX_PENDING  # the refused one closed before the answer
     os.close(fd)
 
 
@@ -155,7 +171,7 @@ def test_silent_peers_do_not_hold_up_the_fd_socket(daemon):
     """A flood of connections that say nothing: a sender among them is answered at once, and
     past the cap the oldest silent ones are dropped (the daemon's open files stay bounded)."""
     path = fd_socket_path(daemon.run_dir, daemon.instance)
-    before = _open_fds(daemon.pid)
+    before = _fds(daemon.pid, SOCKET)
     silent = []
     for _ in range(100):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -166,8 +182,9 @@ def test_silent_peers_do_not_hold_up_the_fd_socket(daemon):
     # answered while the newest silent ones still wait (served one after the other, it would
     # have come only once every one of them had timed out and been closed)
     assert any(_still_open(s) for s in silent[-64:])
-    assert _open_fds(daemon.pid) <= before + 64 + 2  # MAX_OPEN waiting at most, and the fd kept
-    wait_until(lambda: _open_fds(daemon.pid) <= before + 1, timeout=5,
+    assert _fds(daemon.pid, SOCKET) <= before + 64  # MAX_OPEN waiting at most
+    assert _fds(daemon.pid, POOL) == 1  # the fd kept under its token
+    wait_until(lambda: _fds(daemon.pid, SOCKET) <= before, timeout=5,
                what="the silent connections dropped after their second")
     for s in silent:
         s.close()
