@@ -2,10 +2,12 @@
 with its tier, beside the host tier's, and which tiers hold the keys a reader asks about. The
 ring's filter for host-only readers in process; the op against a real daemon with a real disk
 tier (backups, a host clear, deletes, the disk's own evictions, a storage clear, a new
-geometry)."""
+geometry, the disk's root gone a while)."""
+import os
+
 import pytest
 
-from conftest import disk_uri, keys_for, small_kv, sweep_crashed, unique_instance
+from conftest import disk_uri, keys_for, small_kv, sweep_crashed, unique_instance, wait_until
 from kvcached.service.key_events import KeyEvents
 from kvcached_client import launch
 from kvcached_proto import ErrorCode
@@ -26,8 +28,16 @@ def test_a_host_only_reader_skips_the_storage_events_and_moves_as_far():
                                              b"\x01\x01\x01\x01\x00", b"\x00\x01\x01\x00\x02", 5, False)
     assert ev.since(0, 10) == ([_key(1), _key(3)], b"\x01\x01", b"\x00\x00", 5, False)
     assert ev.since(1, 2) == ([], b"", b"", 3, False)  # two storage events looked at: none given
-    ev.voided()  # a storage tier cleared: a gap for every reader
-    assert ev.since(5, 10)[4] and ev.since(5, 10, storage=True)[4]
+    ev.voided(storage=True)  # a storage tier cleared (or stopped answering)
+    ev.host(_key(4), True)
+    ev.storage(1, [_key(4)], True)
+    # a gap for the storage readers that had not seen it, given what came after it alone
+    assert ev.since(3, 10, storage=True) == ([_key(4), _key(4)], b"\x01\x01", b"\x00\x01", 8, True)
+    assert ev.since(6, 10, storage=True) == ([_key(4), _key(4)], b"\x01\x01", b"\x00\x01", 8, False)
+    # none for the host-only ones: the host events before it stand
+    assert ev.since(3, 10) == ([_key(3), _key(4)], b"\x01\x01", b"\x00\x00", 8, False)
+    ev.voided()  # a new geometry: a gap for every reader
+    assert ev.since(8, 10)[4] and ev.since(8, 10, storage=True)[4]
 
 
 def _split(page) -> tuple[list, list]:
@@ -86,10 +96,12 @@ def test_disk_changes_are_told_with_their_tier_and_asked_keys_say_where_they_are
             check = c.tier_events(page.last, ask=dropped + more[-2:])
             assert [h & 2 for h in check.held] == [0] * len(dropped) + [2, 2]
             caught_up = check.last
-            # a clear of the disk: a gap for a reader caught up, and nothing it held is told
+            # a clear of the disk: a gap for a reader caught up, and nothing it held is told;
+            # a host-only reader lost nothing
             c.clear(tier="storage")
             page = c.tier_events(caught_up, ask=more[-2:])
             assert page.gap and page.events == [] and [h & 2 for h in page.held] == [0, 0]
+            assert c.key_events(caught_up)[1:3] == (page.last, False)
             c.offload(range(20, 24), keys_for(4, 4)).wait(10)
             c.flush().wait(10)
             caught_up = c.tier_events(page.last).last
@@ -97,6 +109,43 @@ def test_disk_changes_are_told_with_their_tier_and_asked_keys_say_where_they_are
             c.register_kv_cache(small_kv(num_layers=2, num_blocks=64, block_shape=(16, 8, 128)))
             page = c.tier_events(caught_up)
             assert page.gap and page.events == []
+    finally:
+        d.stop()
+        sweep_crashed(name)
+
+
+def test_a_disk_that_stops_answering_is_a_gap_and_holds_nothing_until_it_answers_again(run_dir, tmp_path):
+    """The disk's root moved away (a volume unmounted, then mounted again): its blocks cannot be
+    loaded meanwhile, unheard by its index. A storage reader is told a gap and the disk holds
+    none of them; once the root is back, a gap again and the disk holds them all. A host-only
+    reader sees no gap."""
+    name = unique_instance("kea")
+    root = str(tmp_path / "disk")
+    uri = disk_uri(root, 0.05)
+    d = launch(instance=name, run_dir=run_dir, host_cache_gb=0.01, extra_args=["--storage", uri],
+               wait_storage=True)
+    try:
+        with d.connect() as c:
+            c.register_kv_cache(small_kv(num_layers=4, num_blocks=64, block_shape=(16, 8, 128)))
+            assert c.tier_events(0, 0).newest == 0  # followed from here on
+            keys = keys_for(4, 21)
+            c.offload(range(4), keys).wait(10)
+            c.flush().wait(10)
+            page = c.tier_events(0, limit=65536, ask=keys)
+            assert page.last == 8 and [h & 2 for h in page.held] == [2] * 4
+            os.rename(root, root + ".away")
+            try:
+                wait_until(lambda: c.tier_events(page.last).gap, 10, "the disk's loss told")
+                away = c.tier_events(page.last, ask=keys)
+                assert [h & 2 for h in away.held] == [0] * 4
+                events, _, gap, _ = c.key_events(page.last)
+                assert not gap and events == []
+            finally:
+                os.rename(root + ".away", root)
+            wait_until(lambda: c.tier_events(away.last).gap, 10, "the disk's return told")
+            back = c.tier_events(away.last, ask=keys)
+            assert [h & 2 for h in back.held] == [2] * 4
+            assert not c.tier_events(back.last).gap  # told once
     finally:
         d.stop()
         sweep_crashed(name)

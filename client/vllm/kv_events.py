@@ -31,8 +31,9 @@ gone costs a step that long once, and is asked again after QUIET_S with twice th
 MAX_REQUEST_S (a reply that comes late is dropped; the cursor stays where it was; the link drops
 a hung daemon's client after its hang_s). Remote storage tiers (Redis, Mooncake) are not
 reported: other replicas write and delete there, and the store evicts unheard. A daemon older
-than 1.10 reports its host tier alone; a disk that stops answering a while is not reported
-removed (its index stays, and it serves again once it answers).
+than 1.10 reports its host tier alone. A disk that stops answering (its root gone, its I/O past
+its deadline) is a gap in the storage events: its blocks are reported removed, and stored again
+once it answers (the answers to the asks say so).
 """
 from __future__ import annotations
 

@@ -290,7 +290,7 @@ class CacheService:
             if not self.key_events.followed:  # changes are kept from the first request on: a
                 self.key_events.followed = True  # daemon nobody follows pays nothing per key
                 self.host.publish_to(self._visible)
-                self.keys.listen(self.key_events.storage, lambda _n: self.key_events.voided())
+                self.keys.listen(self.key_events.storage, lambda _n: self.key_events.voided(storage=True))
             keys, visible, tiers, last, gap = self.key_events.since(body["after"], body["limit"],
                                                                     body.get("storage", False))
             newest = self.key_events.last

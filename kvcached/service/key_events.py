@@ -9,8 +9,9 @@ table (KeyPublisher.listen). The events sit in a ring of the last CAPACITY, numb
 client asks for those after the last number it saw. One that asks from before the ring's
 oldest, or from a number this daemon never gave, is told `gap`: it missed changes and must take
 none of what it believed as still true. A new block geometry voids every host block unheard
-(HostTier.reset_index), and a clear of a storage tier every key it held: that is a gap for
-everyone.
+(HostTier.reset_index): that is a gap for everyone. A storage tier's clear, or a change of
+whether it answers (its root gone, I/O past its deadline; back again), changes what it can load
+unheard: that is a gap for the readers of storage events alone.
 
 Host events come with the host tier's lock held, storage events with the tier's own index lock:
 the ring has a lock of its own, taken last. The service hands it the news only from the first
@@ -23,6 +24,7 @@ import threading
 
 CAPACITY = 65536
 HOST = 0  # an event's tier: 0 the host tier, n >= 1 the n-th local storage tier
+VOID = 255  # a slot that marks a void of the storage tiers (no key; given to no reader)
 
 
 class KeyEvents:
@@ -39,6 +41,7 @@ class KeyEvents:
         self._tiers = bytearray(capacity)
         self._next = 1  # the number of the next event
         self._oldest = 1  # the number of the ring's oldest event (== _next: none)
+        self._storage_void = 0  # the number of the newest storage void (0: none)
         self.followed = False  # set by the service at the first request: changes are kept
 
     def host(self, key: bytes, loadable: bool) -> None:
@@ -62,12 +65,18 @@ class KeyEvents:
         if self._next - self._oldest > self._cap:
             self._oldest += 1
 
-    def voided(self) -> None:
-        """Every host block (a new geometry) or every key of a storage tier (a clear) is gone
-        unheard: a gap for every reader (the number skipped marks it even for one that had
-        seen every event). Before any event nothing was loadable: nothing is missed."""
+    def voided(self, storage: bool = False) -> None:
+        """Every host block (a new geometry) is gone unheard: a gap for every reader (the
+        number skipped marks it even for one that had seen every event; before any event
+        nothing was loadable: nothing is missed). With `storage`: what a storage tier holds
+        changed unheard (a clear; it stopped answering, or answers again): a gap for the
+        readers of storage events alone, marked by an event of its own (VOID) that no reader
+        is given; the host events before it stand for the others."""
         with self._lock:
-            if self._next > 1:
+            if storage:
+                self._add(b"", False, VOID)
+                self._storage_void = self._next - 1
+            elif self._next > 1:
                 self._keys = [None] * self._cap  # the old keys are not kept alive
                 self._next += 1
                 self._oldest = self._next
@@ -81,11 +90,15 @@ class KeyEvents:
               ) -> tuple[list[bytes], bytes, bytes, int, bool]:
         """Up to `limit` events after number `after`: (their keys, one byte each: 1 loadable /
         0 not, one byte each: the tier, the number of the last one looked at - the next `after`
-        -, gap). With a gap, the events are the ring's oldest on. Without `storage`, the storage
-        tiers' events are left out (they still count in `limit` and move the number on)."""
+        -, gap). With a gap, the events are the ring's oldest on (a storage reader's after a
+        storage void: the events from it on). Without `storage`, the storage tiers' events are
+        left out (they still count in `limit` and move the number on), and their voids are no
+        gap."""
         with self._lock:
             gap = after + 1 < self._oldest or after >= self._next
             first = self._oldest if gap else after + 1
+            if storage and after < self._storage_void:  # missed what the void told
+                gap, first = True, max(first, self._storage_void + 1)
             count = max(0, min(limit, self._next - first))
             slot = (first - 1) % self._cap
             end = slot + count
@@ -96,8 +109,9 @@ class KeyEvents:
                 keys = self._keys[slot:] + self._keys[:end]
                 flags = bytes(self._flags[slot:]) + bytes(self._flags[:end])
                 tiers = bytes(self._tiers[slot:]) + bytes(self._tiers[:end])
-        if not storage and tiers.count(HOST) != len(tiers):  # a host-only reader's (1.9's) view
-            kept = [i for i, t in enumerate(tiers) if t == HOST]
+        given = tiers.count(HOST) if not storage else len(tiers) - tiers.count(VOID)
+        if given != len(tiers):  # a host-only reader's (1.9's) view; the voids for no one
+            kept = [i for i, t in enumerate(tiers) if t == HOST or (storage and t != VOID)]
             keys, flags = [keys[i] for i in kept], bytes(flags[i] for i in kept)
-            tiers = bytes(len(kept))
+            tiers = bytes(tiers[i] for i in kept)
         return keys, flags, tiers, first + count - 1, gap

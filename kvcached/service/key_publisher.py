@@ -50,6 +50,7 @@ class KeyPublisher:
         self._remote = len(self._local) < len(backends)
         self._storage_flags = 0
         self._listener: tuple | None = None  # (on_keys, on_cleared): listen()
+        self._answering: list[bool] = []  # each local tier answered at the last refresh (listen)
         self._dumping: set[int] = set()  # the tiers telling their whole index (watch_keys)
         self._sweep()
 
@@ -137,8 +138,16 @@ class KeyPublisher:
         """From now on, on_keys(n, keys, held?) hears each change of the n-th local storage
         tier's index (n from 1, `local_tiers`' order), with the engine's keys of the table's
         geometry, and on_cleared(n) each clear of it: called under the tier's index lock, in its
-        order of events."""
-        self._listener = (on_keys, on_cleared)
+        order of events. A tier that stops answering (its root gone, I/O past its deadline) or
+        answers again is told as a clear too (from the next refresh): what it holds could not be
+        loaded a while, or can be again, unheard."""
+        with self._lock:
+            self._answering = self._answers()
+            self._listener = (on_keys, on_cleared)
+
+    def _answers(self) -> list[bool]:
+        """Whether each local tier answers now (indexed and healthy): what it holds is loadable."""
+        return [b.ready() and b.health() for b in self._local]
 
     @property
     def local_tiers(self) -> list[str]:
@@ -153,6 +162,8 @@ class KeyPublisher:
             return out
         names = [stored_key(k, geometry) for k in keys]
         for n, backend in enumerate(self._local, start=1):
+            if not (backend.ready() and backend.health()):  # holds nothing it can serve now
+                continue
             for i, held in enumerate(backend.holds(names)):
                 if held:
                     out[i] |= 1 << n
@@ -221,11 +232,20 @@ class KeyPublisher:
 
     def refresh(self) -> None:
         """(Any thread, often.) STORAGE_COMPLETE while every local tier answers (indexed, healthy)
-        and the table has held all their keys."""
+        and the table has held all their keys. A tier whose answering changed since the last
+        refresh is told to the listener as a clear."""
         if not self._local:
             return
-        answers = all(b.ready() and b.health() for b in self._local) and not self._storage_full
-        flags = Flags.STORAGE_COMPLETE if answers else 0
+        now = self._answers()
+        with self._lock:
+            changed = [n for n, (was, is_) in enumerate(zip(self._answering, now), start=1) if was != is_]
+            self._answering = now
+            listener = self._listener
+        for n in changed if listener is not None else ():
+            log.info("[keys] local storage tier %d %s: told as a clear to the key events", n,
+                     "answers again" if now[n - 1] else "stopped answering")
+            listener[1](n)
+        flags = Flags.STORAGE_COMPLETE if all(now) and not self._storage_full else 0
         with self._lock:
             if self._mm is None or flags == self._storage_flags:
                 return

@@ -153,8 +153,9 @@ def test_offloaded_blocks_are_announced_once_loadable_and_removed_when_they_go(
 def test_blocks_on_a_local_disk_are_announced_as_storage_and_found_again_by_a_new_scheduler(
         model_dir, run_dir, instance, tmp_path):
     """A daemon with a disk tier (write-through): each block saved is announced twice, CPU and
-    STORAGE (locality LOCAL), and each medium's losses apart; a scheduler started later (an engine
-    restart) that loads blocks held only on the disk asks where they are and announces them."""
+    STORAGE (locality LOCAL), and each medium's losses apart, a disk that stops answering a while
+    too; a scheduler started later (an engine restart) that loads blocks held only on the disk
+    asks where they are and announces them."""
     d = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05, wait_storage=True,
                extra_args=["--storage", disk_uri(str(tmp_path / "disk"), 0.1),
                            "--prefetch-threshold-tokens", "0"])  # a hit of 2 blocks is fetched
@@ -182,6 +183,21 @@ def test_blocks_on_a_local_disk_are_announced_as_storage_and_found_again_by_a_ne
         (gone,) = c.take_events()
         assert isinstance(gone, BlockRemoved) and (gone.medium, gone.locality) == ("STORAGE", "LOCAL")
         assert gone.block_hashes == _hashes(req, [2])
+        # the disk's root gone a while (a volume unmounted): its blocks are reported removed,
+        # and stored again once it answers
+        root = str(tmp_path / "disk")
+        os.rename(root, root + ".away")
+        try:
+            lost = []
+            wait_until(lambda: lost.extend(c.take_events()) or len(lost) >= 3, 10, "the disk's loss")
+        finally:
+            os.rename(root + ".away", root)
+        assert all(isinstance(e, BlockRemoved) and e.medium == "STORAGE" for e in lost)
+        assert sorted(h for e in lost for h in e.block_hashes) == sorted(_hashes(req, [0, 1, 3]))
+        back = []
+        wait_until(lambda: back.extend(c.take_events()) or len(back) >= 3, 10, "the disk's return")
+        assert all(isinstance(e, BlockStored) and e.medium == "STORAGE" for e in back)
+        assert sorted(e.block_hashes[0] for e in back) == sorted(_hashes(req, [0, 1, 3]))
         c.shutdown()
 
         fresh = _connector(model_dir, instance, run_dir)  # the engine restarted
