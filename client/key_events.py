@@ -17,6 +17,7 @@ class TierEvents(NamedTuple):
     newest: int
     tiers: list  # the local storage tiers' names, tier 1 first
     held: list  # one int per key asked: bit 0 the host tier can load it, bit n tier n holds it
+    storage_gap: bool = False  # what the storage tiers hold changed unheard: start that over
 
 
 class FollowsKeys:
@@ -45,7 +46,8 @@ class FollowsKeys:
                                 f"{len(held)} answers for {len(ask)} keys asked")
         keys = _keys(reply["keys"], len(visible), "key_events")
         return TierEvents(list(zip(keys, (v == 1 for v in visible), tiers)), reply["last"], reply["gap"],
-                          reply["newest"], list(reply.get("storage_tiers", ())), list(held))
+                          reply["newest"], list(reply.get("storage_tiers", ())), list(held),
+                          bool(reply.get("storage_gap", False)))
 
 
 def _keys(blob: bytes, n: int, op: str) -> list[bytes]:

@@ -60,6 +60,7 @@ class KeyEventsReply(TypedDict):
     tiers: bytes  # (1.10) one byte per key: 0 the host tier's event, n the n-th local storage tier's
     storage_tiers: list  # (1.10) the local storage tiers' names, n = 1 first
     held: bytes  # (1.10) one byte per key asked: bit 0 the host tier can load it, bit n tier n holds it
+    storage_gap: bool  # (1.10) what the storage tiers hold changed unheard (not the host's): start it over
 
 
 class LoadReply(TypedDict):

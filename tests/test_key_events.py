@@ -12,54 +12,67 @@ from kvcached_proto.errors import RequestError
 
 def test_the_ring_numbers_events_and_says_when_a_reader_missed_some():
     ev = KeyEvents(capacity=4)
-    assert ev.since(0, 10) == ([], b"", b"", 0, False)
+    assert ev.since(0, 10) == ([], b"", b"", 0, False, False)
     for i in range(3):
         ev.host(bytes([i]) * 16, i != 1)
-    keys, visible, _, last, gap = ev.since(0, 10)
+    keys, visible, _, last, gap, _ = ev.since(0, 10)
     assert keys == [bytes([0]) * 16, bytes([1]) * 16, bytes([2]) * 16] and visible == b"\x01\x00\x01"
     assert (last, gap) == (3, False)
-    assert ev.since(1, 1) == ([bytes([1]) * 16], b"\x00", b"\x00", 2, False)  # limit: the next after is 2
-    assert ev.since(3, 10) == ([], b"", b"", 3, False)  # caught up
+    assert ev.since(1, 1) == ([bytes([1]) * 16], b"\x00", b"\x00", 2, False, False)  # limit: the next after is 2
+    assert ev.since(3, 10) == ([], b"", b"", 3, False, False)  # caught up
     for i in range(3, 7):  # events 4..7; the ring keeps 4 of the 7
         ev.host(bytes([i]) * 16, True)
-    keys, _, _, last, gap = ev.since(2, 10)  # event 3 is gone
+    keys, _, _, last, gap, _ = ev.since(2, 10)  # event 3 is gone
     assert gap and last == 7 and keys == [bytes([i]) * 16 for i in range(3, 7)]
     assert not ev.since(3, 10)[4]  # 4.. are all there
     assert ev.since(99, 10)[4], "a number this ring never gave is a gap"
     ev.voided()
-    keys, _, _, last, gap = ev.since(7, 10)  # caught up before the geometry changed: still a gap
+    keys, _, _, last, gap, _ = ev.since(7, 10)  # caught up before the geometry changed: still a gap
     assert gap and keys == [] and last == 8
-    assert ev.since(8, 10) == ([], b"", b"", 8, False)
+    assert ev.since(8, 10) == ([], b"", b"", 8, False, False)
 
 
 def test_the_ring_answers_as_a_list_of_every_event_would_at_any_place_and_wrap():
     """The slot ring against the plainest model (every event ever, the last `cap` kept), for
-    random appends, voids and reads from any number, across many wraps."""
+    random host and storage events, voids of both kinds and reads from any number, with and
+    without the storage events, across many wraps."""
     import random
     rng = random.Random(7)
     cap = 13
-    ev, every, oldest = KeyEvents(capacity=cap), [None], 1  # every[n]: event n (1-based)
-    for _ in range(3000):
+    ev, every, oldest, void = KeyEvents(capacity=cap), [None], 1, 0  # every[n]: event n (1-based)
+    for _ in range(4000):
         roll = rng.random()
         if roll < 0.6:
-            key, flag = rng.randbytes(16), rng.random() < 0.5
-            ev.host(key, flag)
-            every.append((key, flag))
+            key, flag, tier = rng.randbytes(16), rng.random() < 0.5, rng.choice((0, 0, 1, 2))
+            if tier:
+                ev.storage(tier, [key], flag)
+            else:
+                ev.host(key, flag)
+            every.append((key, flag, tier))
             oldest = max(oldest, len(every) - cap)
         elif roll < 0.62:
             if len(every) > 1:
                 every.append(None)  # the number a void skips
                 oldest = len(every)
             ev.voided()
+        elif roll < 0.64:
+            every.append("void")  # a storage void: a number of its own, given to no one
+            oldest = max(oldest, len(every) - cap)
+            void = len(every) - 1
+            ev.voided(storage=True)
         else:
-            nxt = len(every)
-            after, limit = rng.randrange(0, nxt + 3), rng.randrange(0, cap + 3)
+            nxt, storage = len(every), rng.random() < 0.5
+            after = rng.randrange(0, nxt + 3) if rng.random() < 0.2 else max(0, nxt - rng.randrange(1, cap + 4))
+            limit = rng.randrange(0, cap + 3)  # (a reader near the newest, mostly: as readers are)
             gap = after + 1 < oldest or after >= nxt
             first = oldest if gap else after + 1
-            taken = every[first:min(nxt, first + limit)]
-            want = ([k for k, _ in taken], bytes(int(f) for _, f in taken), bytes(len(taken)),
-                    first + len(taken) - 1, gap)
-            assert ev.since(after, limit) == want, (after, limit, nxt, oldest)
+            last = min(nxt, first + limit) - 1
+            missed = void if storage and not gap and after < void else 0
+            taken = [every[n] for n in range(first, last + 1)
+                     if every[n] != "void" and (every[n][2] == 0 or (storage and n > missed))]
+            want = ([k for k, _, _ in taken], bytes(int(f) for _, f, _ in taken),
+                    bytes(t for _, _, t in taken), last, gap, 0 < missed <= last)
+            assert ev.since(after, limit, storage) == want, (after, limit, nxt, oldest, void)
             assert ev.last == nxt - 1
 
 

@@ -25,19 +25,23 @@ def test_a_host_only_reader_skips_the_storage_events_and_moves_as_far():
     ev.host(_key(3), True)
     ev.storage(2, [_key(2)], False)
     assert ev.since(0, 10, storage=True) == ([_key(1), _key(1), _key(2), _key(3), _key(2)],
-                                             b"\x01\x01\x01\x01\x00", b"\x00\x01\x01\x00\x02", 5, False)
-    assert ev.since(0, 10) == ([_key(1), _key(3)], b"\x01\x01", b"\x00\x00", 5, False)
-    assert ev.since(1, 2) == ([], b"", b"", 3, False)  # two storage events looked at: none given
-    ev.voided(storage=True)  # a storage tier cleared (or stopped answering)
+                                             b"\x01\x01\x01\x01\x00", b"\x00\x01\x01\x00\x02", 5, False, False)
+    assert ev.since(0, 10) == ([_key(1), _key(3)], b"\x01\x01", b"\x00\x00", 5, False, False)
+    assert ev.since(1, 2) == ([], b"", b"", 3, False, False)  # two storage events looked at: none given
+    ev.voided(storage=True)  # event 6: a storage tier cleared (or stopped answering)
     ev.host(_key(4), True)
     ev.storage(1, [_key(4)], True)
-    # a gap for the storage readers that had not seen it, given what came after it alone
-    assert ev.since(3, 10, storage=True) == ([_key(4), _key(4)], b"\x01\x01", b"\x00\x01", 8, True)
-    assert ev.since(6, 10, storage=True) == ([_key(4), _key(4)], b"\x01\x01", b"\x00\x01", 8, False)
-    # none for the host-only ones: the host events before it stand
-    assert ev.since(3, 10) == ([_key(3), _key(4)], b"\x01\x01", b"\x00\x00", 8, False)
+    # a storage gap for the storage readers that pass it: the storage events before it are
+    # left out, the host's stand
+    assert ev.since(3, 10, storage=True) == ([_key(3), _key(4), _key(4)], b"\x01\x01\x01",
+                                             b"\x00\x00\x01", 8, False, True)
+    assert ev.since(3, 2, storage=True) == ([_key(3)], b"\x01", b"\x00", 5, False, False)  # not yet
+    assert ev.since(5, 10, storage=True) == ([_key(4), _key(4)], b"\x01\x01", b"\x00\x01", 8, False, True)
+    assert ev.since(6, 10, storage=True) == ([_key(4), _key(4)], b"\x01\x01", b"\x00\x01", 8, False, False)
+    # nothing for the host-only ones
+    assert ev.since(3, 10) == ([_key(3), _key(4)], b"\x01\x01", b"\x00\x00", 8, False, False)
     ev.voided()  # a new geometry: a gap for every reader
-    assert ev.since(8, 10)[4] and ev.since(8, 10, storage=True)[4]
+    assert ev.since(8, 10)[4:] == (True, False) and ev.since(8, 10, storage=True)[4:] == (True, False)
 
 
 def _split(page) -> tuple[list, list]:
@@ -96,11 +100,12 @@ def test_disk_changes_are_told_with_their_tier_and_asked_keys_say_where_they_are
             check = c.tier_events(page.last, ask=dropped + more[-2:])
             assert [h & 2 for h in check.held] == [0] * len(dropped) + [2, 2]
             caught_up = check.last
-            # a clear of the disk: a gap for a reader caught up, and nothing it held is told;
-            # a host-only reader lost nothing
+            # a clear of the disk: a storage gap for a reader caught up, and nothing it held is
+            # told; a host-only reader lost nothing
             c.clear(tier="storage")
             page = c.tier_events(caught_up, ask=more[-2:])
-            assert page.gap and page.events == [] and [h & 2 for h in page.held] == [0, 0]
+            assert page.storage_gap and not page.gap and page.events == []
+            assert [h & 2 for h in page.held] == [0, 0]
             assert c.key_events(caught_up)[1:3] == (page.last, False)
             c.offload(range(20, 24), keys_for(4, 4)).wait(10)
             c.flush().wait(10)
@@ -108,17 +113,17 @@ def test_disk_changes_are_told_with_their_tier_and_asked_keys_say_where_they_are
             # another geometry: a gap, and the disk's index told to the new key table is no event
             c.register_kv_cache(small_kv(num_layers=2, num_blocks=64, block_shape=(16, 8, 128)))
             page = c.tier_events(caught_up)
-            assert page.gap and page.events == []
+            assert page.gap and not page.storage_gap and page.events == []
     finally:
         d.stop()
         sweep_crashed(name)
 
 
-def test_a_disk_that_stops_answering_is_a_gap_and_holds_nothing_until_it_answers_again(run_dir, tmp_path):
+def test_a_disk_that_stops_answering_is_a_storage_gap_and_holds_nothing_until_it_answers_again(run_dir, tmp_path):
     """The disk's root moved away (a volume unmounted, then mounted again): its blocks cannot be
-    loaded meanwhile, unheard by its index. A storage reader is told a gap and the disk holds
-    none of them; once the root is back, a gap again and the disk holds them all. A host-only
-    reader sees no gap."""
+    loaded meanwhile, unheard by its index. A storage reader is told a storage gap and the disk
+    holds none of them; once the root is back, a storage gap again and the disk holds them all.
+    A host-only reader sees nothing."""
     name = unique_instance("kea")
     root = str(tmp_path / "disk")
     uri = disk_uri(root, 0.05)
@@ -135,17 +140,17 @@ def test_a_disk_that_stops_answering_is_a_gap_and_holds_nothing_until_it_answers
             assert page.last == 8 and [h & 2 for h in page.held] == [2] * 4
             os.rename(root, root + ".away")
             try:
-                wait_until(lambda: c.tier_events(page.last).gap, 10, "the disk's loss told")
+                wait_until(lambda: c.tier_events(page.last).storage_gap, 10, "the disk's loss told")
                 away = c.tier_events(page.last, ask=keys)
-                assert [h & 2 for h in away.held] == [0] * 4
+                assert not away.gap and away.held == [1] * 4  # the host's copies stand
                 events, _, gap, _ = c.key_events(page.last)
                 assert not gap and events == []
             finally:
                 os.rename(root + ".away", root)
-            wait_until(lambda: c.tier_events(away.last).gap, 10, "the disk's return told")
+            wait_until(lambda: c.tier_events(away.last).storage_gap, 10, "the disk's return told")
             back = c.tier_events(away.last, ask=keys)
             assert [h & 2 for h in back.held] == [2] * 4
-            assert not c.tier_events(back.last).gap  # told once
+            assert not c.tier_events(back.last).storage_gap  # told once
     finally:
         d.stop()
         sweep_crashed(name)

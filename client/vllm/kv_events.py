@@ -32,8 +32,8 @@ MAX_REQUEST_S (a reply that comes late is dropped; the cursor stays where it was
 a hung daemon's client after its hang_s). Remote storage tiers (Redis, Mooncake) are not
 reported: other replicas write and delete there, and the store evicts unheard. A daemon older
 than 1.10 reports its host tier alone. A disk that stops answering (its root gone, its I/O past
-its deadline) is a gap in the storage events: its blocks are reported removed, and stored again
-once it answers (the answers to the asks say so).
+its deadline), answers again or is cleared is a storage gap: that rank's STORAGE blocks are
+reported removed and asked about again (stored again once it answers); the CPU ones stand.
 """
 from __future__ import annotations
 
@@ -218,15 +218,18 @@ class KVEventsReporter:
             self._disk_bits.pop(k, None)
         self._seen(k, bool(bits), STORAGE)
 
-    def _rank_lost(self, rank: int) -> None:
-        """Rank `rank`'s events were missed (a gap, a new daemon): none of its keys is known
-        held any more; each followed is asked about again."""
-        lost = {k for held in self._present for k in held if k[0] == rank}
+    def _rank_lost(self, rank: int, disks_only: bool = False) -> None:
+        """Rank `rank`'s events were missed (a gap, a new daemon; `disks_only`: its disks' alone,
+        a storage gap): none of its keys (on its disks) is known held any more; each followed
+        is asked about again."""
+        lost = {k for held in self._present[STORAGE if disks_only else CPU:] for k in held if k[0] == rank}
         if lost:
-            log.info("[vllm] kv events of rank %d: its daemon's changes were missed (a gap or a "
-                     "new daemon); its %d keys held are reported removed", rank, len(lost))
+            log.info("[vllm] kv events of rank %d: its daemon's changes%s were missed (a gap, a new "
+                     "daemon, a disk cleared or that stopped or started answering); its %d keys held "
+                     "are reported removed", rank, " on disk" if disks_only else "", len(lost))
         for k in lost:
-            self._seen(k, False, CPU)
+            if not disks_only:
+                self._seen(k, False, CPU)
             self._on_disk(k, 0)
         asks = self._asks.setdefault(rank, {})
         for r, key in self._by_key:
@@ -288,18 +291,18 @@ class KVEventsReporter:
             # step pays a few ms for it at most, however many blocks a gap left to ask about)
             try:
                 if tiers:
-                    events, last, gap, _, _, held = client.tier_events(
+                    events, last, gap, _, _, held, storage_gap = client.tier_events(
                         cursor.last, LIMIT, ask=ask, timeout=self._wait_s or self.request_s)
                 else:
                     host, last, gap, _ = client.key_events(cursor.last, LIMIT,
                                                            timeout=self._wait_s or self.request_s)
-                    events, held = [(key, on, 0) for key, on in host], []
+                    events, held, storage_gap = [(key, on, 0) for key, on in host], [], False
             except KvcachedError as exc:
                 self._failed(rank, exc)
                 return False
             self._wait_s = 0.0
-            if gap:  # what it believed of the rank may be stale: every key of it counts as gone
-                self._rank_lost(rank)
+            if gap or storage_gap:  # what it believed of the rank (of its disks) may be stale:
+                self._rank_lost(rank, disks_only=not gap)  # every key of it counts as gone
             cursor.last = last
             for key, on, tier in events:
                 k = (rank, key)

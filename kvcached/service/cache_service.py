@@ -291,8 +291,8 @@ class CacheService:
                 self.key_events.followed = True  # daemon nobody follows pays nothing per key
                 self.host.publish_to(self._visible)
                 self.keys.listen(self.key_events.storage, lambda _n: self.key_events.voided(storage=True))
-            keys, visible, tiers, last, gap = self.key_events.since(body["after"], body["limit"],
-                                                                    body.get("storage", False))
+            keys, visible, tiers, last, gap, storage_gap = self.key_events.since(
+                body["after"], body["limit"], body.get("storage", False))
             newest = self.key_events.last
             # what holds the asked keys, read after the events taken: a change from then on is
             # numbered past `last`, so the client that follows on converges on the truth
@@ -301,7 +301,8 @@ class CacheService:
             in_host = [(e := index.get(k)) is not None and e.state == READY and not e.doomed for k in asked]
         held = bytes(bits | on for bits, on in zip(self.keys.local_holds(asked), in_host))
         return KeyEventsReply(keys=b"".join(keys), visible=visible, last=last, gap=gap, newest=newest,
-                              tiers=tiers, storage_tiers=self.keys.local_tiers, held=held)
+                              tiers=tiers, storage_tiers=self.keys.local_tiers, held=held,
+                              storage_gap=storage_gap)
 
     def _lookup_notes(self, client, req) -> Empty:
         """What the client's local lookups saw (client/key_table.py): the policy's history, the

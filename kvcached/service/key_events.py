@@ -11,7 +11,8 @@ oldest, or from a number this daemon never gave, is told `gap`: it missed change
 none of what it believed as still true. A new block geometry voids every host block unheard
 (HostTier.reset_index): that is a gap for everyone. A storage tier's clear, or a change of
 whether it answers (its root gone, I/O past its deadline; back again), changes what it can load
-unheard: that is a gap for the readers of storage events alone.
+unheard: that is a storage gap for the readers of storage events alone (they start over what
+they believed of the storage tiers; the host's stands).
 
 Host events come with the host tier's lock held, storage events with the tier's own index lock:
 the ring has a lock of its own, taken last. The service hands it the news only from the first
@@ -69,9 +70,9 @@ class KeyEvents:
         """Every host block (a new geometry) is gone unheard: a gap for every reader (the
         number skipped marks it even for one that had seen every event; before any event
         nothing was loadable: nothing is missed). With `storage`: what a storage tier holds
-        changed unheard (a clear; it stopped answering, or answers again): a gap for the
-        readers of storage events alone, marked by an event of its own (VOID) that no reader
-        is given; the host events before it stand for the others."""
+        changed unheard (a clear; it stopped answering, or answers again): a storage gap for
+        the readers of storage events alone, marked by an event of its own (VOID) that no
+        reader is given; the host events before it stand."""
         with self._lock:
             if storage:
                 self._add(b"", False, VOID)
@@ -87,18 +88,19 @@ class KeyEvents:
         return self._next - 1
 
     def since(self, after: int, limit: int, storage: bool = False
-              ) -> tuple[list[bytes], bytes, bytes, int, bool]:
+              ) -> tuple[list[bytes], bytes, bytes, int, bool, bool]:
         """Up to `limit` events after number `after`: (their keys, one byte each: 1 loadable /
         0 not, one byte each: the tier, the number of the last one looked at - the next `after`
-        -, gap). With a gap, the events are the ring's oldest on (a storage reader's after a
-        storage void: the events from it on). Without `storage`, the storage tiers' events are
-        left out (they still count in `limit` and move the number on), and their voids are no
-        gap."""
+        -, gap, storage gap). With a gap, the events are the ring's oldest on. A storage reader
+        without a gap whose events given pass a storage void has a storage gap: the storage
+        tiers' state is to be started over, their events up to the void left out (the host's
+        stand).
+        Without `storage`, the storage tiers' events are left out (they still count in `limit`
+        and move the number on), and their voids are nothing."""
         with self._lock:
             gap = after + 1 < self._oldest or after >= self._next
             first = self._oldest if gap else after + 1
-            if storage and after < self._storage_void:  # missed what the void told
-                gap, first = True, max(first, self._storage_void + 1)
+            void = self._storage_void if storage and not gap and after < self._storage_void else 0
             count = max(0, min(limit, self._next - first))
             slot = (first - 1) % self._cap
             end = slot + count
@@ -110,8 +112,11 @@ class KeyEvents:
                 flags = bytes(self._flags[slot:]) + bytes(self._flags[:end])
                 tiers = bytes(self._tiers[slot:]) + bytes(self._tiers[:end])
         given = tiers.count(HOST) if not storage else len(tiers) - tiers.count(VOID)
-        if given != len(tiers):  # a host-only reader's (1.9's) view; the voids for no one
-            kept = [i for i, t in enumerate(tiers) if t == HOST or (storage and t != VOID)]
+        if given != len(tiers) or void:  # a host-only reader's (1.9's) view; the voids for no one
+            # (numbers up to `void` are first .. void: a storage reader's before it, left out)
+            kept = [i for i, t in enumerate(tiers)
+                    if t == HOST or (storage and t != VOID and first + i > void)]
             keys, flags = [keys[i] for i in kept], bytes(flags[i] for i in kept)
             tiers = bytes(tiers[i] for i in kept)
-        return keys, flags, tiers, first + count - 1, gap
+        last = first + count - 1
+        return keys, flags, tiers, last, gap, 0 < void <= last  # told as the reader passes it
