@@ -338,3 +338,65 @@ def test_a_change_found_before_the_first_round_after_a_start_reaches_back_over_w
     finally:
         tier.close()
         server.close()
+
+
+@pytest.mark.faults
+def test_a_save_found_after_a_round_that_missed_its_node_dates_from_the_nodes_own_reading(monkeypatch, caplog):
+    """A cluster primary snapshots, then its blocks are deleted. The probe's next round cannot
+    read that node (its INFO fails; the test's one seam) and reads the others, which save after
+    the deletes. When the node answers again its save is found done: taken any time since the
+    node's own last reading (before the deletes), not since the round that missed it. So the
+    deletes stay kept, and when the node restarts from that snapshot they are done again.
+    Dated from the round that missed the node, they counted as saved, and the deleted blocks
+    came back and were served."""
+    import redis
+    import redis.cluster
+
+    with cluster(replicas=0) as (ports, nodes, uri):
+        tier = _tier(monkeypatch, uri)
+        direct = redis.cluster.RedisCluster(host="127.0.0.1", port=ports[0])
+        try:
+            keys, names, read = _put(tier, 24)
+            tier._probe_once()  # every node's last save read
+            port = {n.port: n for n in nodes}
+            node_of = {i: direct.get_node_from_key(names[i]).port for i in range(24)}
+            victim = port[node_of[0]]
+            on = [i for i in range(24) if node_of[i] == victim.port]
+            time.sleep(1.1)  # (a save's whole-second times)
+            victim.client().save()  # what it restarts from: before the deletes
+            time.sleep(1.1)
+            assert tier.delete([keys[i] for i in on]) == len(on)
+            time.sleep(1.5)
+            real_info = tier._probe_client.info
+
+            def info(*args, target_nodes=None, **kw):
+                if target_nodes is not None and target_nodes.port == victim.port:
+                    raise redis.ConnectionError("(the test) no answer")
+                return real_info(*args, target_nodes=target_nodes, **kw)
+            monkeypatch.setattr(tier._probe_client, "info", info)
+            with caplog.at_level(logging.WARNING, logger="kvcached.storage"):
+                tier._probe_once()  # the node missed
+            assert f":{victim.port} does not answer the probe" in caplog.text
+            monkeypatch.setattr(tier._probe_client, "info", real_info)
+            for n in nodes:
+                if n is not victim:
+                    n.client().save()  # after the deletes
+            tier._probe_once()  # their saves and the node's found
+            assert tier.health() and tier.usage()["restarts"] == 0
+            victim.proc.kill()
+            victim.proc.wait(10)
+            victim.start()
+            wait_until(lambda: all(cluster_ok(p) for p in ports), 20, "the cluster whole again")
+            assert sum(victim.client().exists(names[i]) for i in on) == len(on)  # (back in it)
+            for _ in range(3):  # (the probe's own connection may see the restart first: one
+                tier._probe_once()  # round down, the next redoes)
+                if tier.health():
+                    break
+            assert tier.usage()["restarts"] == 1
+            assert all(tier.exists_prefix([keys[i]]) == 0 for i in on), "a deleted block found"
+            assert read(on) == [False] * len(on) and sum(victim.client().exists(names[i]) for i in on) == 0
+            kept = [i for i in range(24) if i not in on]
+            assert read(kept) == [True] * len(kept)  # the control: the others read back byte-exact
+        finally:
+            direct.close()
+            tier.close()

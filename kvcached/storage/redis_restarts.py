@@ -41,9 +41,11 @@ class FollowsRestarts:
     client has made the handshake) is every connection's connect function."""
 
     def _start_restarts(self) -> None:
-        self._run_ids: dict[str, str] = {}  # node -> its run_id as last read (none: not known
-        self._saved: dict = {}  # yet, or a new primary); node -> its rdb_last_save_time
-        self._last_round = self._started = time.monotonic()
+        # node -> its run_id as last read (none: not known yet, or a new primary)
+        self._run_ids: dict[str, str] = {}
+        self._saved: dict = {}  # node -> (its rdb_last_save_time, when it was asked for it)
+        self._started = time.monotonic()
+        self._unanswered: set[str] = set()  # the primaries the probe's last round could not read
         # node -> done before this (monotonic) is in its persistence (inf: the append-only file)
         self._durable: dict[str, float] = {}
         self._info_refused = False
@@ -149,21 +151,28 @@ class FollowsRestarts:
 
     def _follow_nodes(self) -> None:
         """(The probe; a cluster.) Each primary's run_id and persistence. One that does not
-        answer is skipped (its connections see its restart; the next round reads it)."""
+        answer is skipped, said once (its connections see its restart; a later round reads
+        it, and a save it finds done is bounded by this node's last reading, not the round's)."""
         if self._info_refused:
             return
-        now, last_round = time.monotonic(), self._last_round
-        self._last_round = now
         for node in self._probe_client.get_primaries():
+            now = time.monotonic()
             try:
                 server = self._probe_client.info("server", target_nodes=node)
                 persistence = self._probe_client.info("persistence", target_nodes=node)
             except self._redis.ResponseError as exc:
                 self._refused_info(exc)
                 return
-            except self._redis.RedisError:
+            except self._redis.RedisError as exc:
+                if node.name not in self._unanswered:
+                    self._unanswered.add(node.name)
+                    log.warning("[redis] %s: the primary %s does not answer the probe (%s): its "
+                                "restart is seen when it answers", self.uri, node.name, exc)
                 continue
-            self._follow_node(node.name, server, persistence, now, last_round)
+            if node.name in self._unanswered:
+                self._unanswered.discard(node.name)
+                log.info("[redis] %s: the primary %s answers the probe again", self.uri, node.name)
+            self._follow_node(node.name, server, persistence, now)
 
     def _follow_server(self) -> bool:
         """(The probe; a server or Sentinel's primary.) Read the server's run_id and
@@ -171,15 +180,14 @@ class FollowsRestarts:
         restarts are not followed, the probe pings."""
         if self._info_refused:
             return False
+        now = time.monotonic()  # (before the reading: what it says was so then, or later)
         try:
             server = self._probe_client.info("server")
             persistence = self._probe_client.info("persistence")
         except self._redis.ResponseError as exc:
             self._refused_info(exc)
             return False
-        now, last_round = time.monotonic(), self._last_round
-        self._last_round = now
-        self._follow_node("", server, persistence, now, last_round)
+        self._follow_node("", server, persistence, now)
         return True
 
     def _refused_info(self, exc) -> None:
@@ -188,10 +196,14 @@ class FollowsRestarts:
         self._info_refused = True
         self._durable = {"": math.inf}
 
-    def _follow_node(self, node: str, server: dict, persistence: dict, now: float, last_round: float) -> None:
+    def _follow_node(self, node: str, server: dict, persistence: dict, now: float) -> None:
+        """A node's reading, asked at `now`: a save found completed since its last reading
+        (at `read`) began at `read` - its duration at the earliest, so what was done before
+        that is in it."""
         restarted = self._restarted(str(server.get("run_id", "")), node)
-        saved, was = persistence.get("rdb_last_save_time"), self._saved.get(node)
-        self._saved[node] = saved
+        saved = persistence.get("rdb_last_save_time")
+        was, read = self._saved.get(node, (None, now))
+        self._saved[node] = (saved, now)
         durable = self._durable.get(node, self._started)
         if persistence.get("aof_enabled"):
             durable = math.inf
@@ -199,5 +211,5 @@ class FollowsRestarts:
             durable = now  # (the append-only file turned off: kept from now)
         elif not restarted and was is not None and saved != was:  # a save completed since
             took = max(0, int(persistence.get("rdb_last_bgsave_time_sec", 0) or 0))
-            durable = max(durable, last_round - took - 1.0)
+            durable = max(durable, read - took - 1.0)
         self._durable[node] = durable
