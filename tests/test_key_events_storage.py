@@ -8,6 +8,7 @@ import os
 import pytest
 
 from conftest import disk_uri, keys_for, small_kv, sweep_crashed, unique_instance, wait_until
+from kvcached.server.status_report import format_status
 from kvcached.service.key_events import KeyEvents
 from kvcached_client import launch
 from kvcached_proto import ErrorCode
@@ -151,6 +152,10 @@ def test_a_disk_that_stops_answering_is_a_storage_gap_and_holds_nothing_until_it
             back = c.tier_events(away.last, ask=keys)
             assert [h & 2 for h in back.held] == [2] * 4
             assert not c.tier_events(back.last).storage_gap  # told once
+            # operators see them (kvcached status)
+            status = c.status()
+            assert status["key_events"]["followed"] and status["key_events"]["voids"] == {"host": 0, "storage": 2}
+            assert "2 for storage readers" in format_status(status)
     finally:
         d.stop()
         sweep_crashed(name)

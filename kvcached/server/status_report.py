@@ -55,6 +55,7 @@ def format_status(s: dict) -> str:
                     f"{_pct(lookups.get('storage_hits', 0), asked)}; "
                     f"{_pct(lookups.get('table_lookups', 0), lookups.get('lookups', 0))} from the key table"),
         ("key table", _key_table_line(s.get("key_table", {}))),
+        *([("key events", _key_events_line(s["key_events"]))] if s.get("key_events", {}).get("followed") else []),
         ("loaded", f"{served} blocks: {lookups.get('loaded_from_host', 0)} from the host tier, "
                    f"{lookups.get('loaded_from_storage', 0)} brought in from storage"),
         ("moved", f"d2h {_gib(moved.get('d2h', 0))}  h2d {_gib(moved.get('h2d', 0))}  "
@@ -102,6 +103,15 @@ def _key_table_line(t: dict) -> str:
     refused = sum(t.get("refused", {}).values())
     return (f"{t['keys']} keys in {t['slots']} slots ({_gib(t['bytes'])}), "
             f"{' '.join(f for f in t['flags'] if f != 'open')}" + (f"; {refused} keys refused (full)" if refused else ""))
+
+
+def _key_events_line(e: dict) -> str:
+    """The changes followers are told (key_events): the numbers kept, the gaps given."""
+    voids = e.get("voids", {})
+    kept = e["newest"] - e["oldest"] + 1
+    return (f"followed, {e['newest']} told, the last {kept} kept (of {e['capacity']}); gaps: "
+            f"{voids.get('host', 0)} for everyone (a new geometry), {voids.get('storage', 0)} for "
+            "storage readers (a disk cleared, or that stopped or started answering)")
 
 
 def _kv_line(kv: dict) -> str:

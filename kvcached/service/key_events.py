@@ -43,6 +43,7 @@ class KeyEvents:
         self._next = 1  # the number of the next event
         self._oldest = 1  # the number of the ring's oldest event (== _next: none)
         self._storage_void = 0  # the number of the newest storage void (0: none)
+        self.voids = {"host": 0, "storage": 0}  # gaps given to everyone, to storage readers
         self.followed = False  # set by the service at the first request: changes are kept
 
     def host(self, key: bytes, loadable: bool) -> None:
@@ -77,10 +78,18 @@ class KeyEvents:
             if storage:
                 self._add(b"", False, VOID)
                 self._storage_void = self._next - 1
+                self.voids["storage"] += 1
             elif self._next > 1:
+                self.voids["host"] += 1
                 self._keys = [None] * self._cap  # the old keys are not kept alive
                 self._next += 1
                 self._oldest = self._next
+
+    def status(self) -> dict:
+        """For `kvcached status`: whether anyone follows, the numbers the ring holds, the voids."""
+        with self._lock:
+            return {"followed": self.followed, "newest": self._next - 1, "oldest": self._oldest,
+                    "capacity": self._cap, "voids": dict(self.voids)}
 
     @property
     def last(self) -> int:

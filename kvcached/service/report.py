@@ -90,6 +90,7 @@ def status_of(svc) -> dict:
             "storage_io": dict(svc.storage.counters),
             "fds": _fds_status(svc.fd_inbox),
             "key_table": svc.keys.status(),  # clients' lookups without a message (key_publisher.py)
+            "key_events": svc.key_events.status(),  # what followers of the changes are told
         }
 
 
