@@ -24,6 +24,7 @@ pytestmark = pytest.mark.timeout(600)
 from conftest import disk_uri, free_port, sweep_crashed  # noqa: E402
 
 from kvcached_client import launch  # noqa: E402
+from kvcached_proto.liveness import pid_alive  # noqa: E402
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "..", "scripts")
 sys.path.insert(0, SCRIPTS)
@@ -123,11 +124,12 @@ class Server:
 
 
 def _kv_segments() -> set[str]:
-    """KV segments of other processes than this one (this test process's own, from the
-    in-process references, go when their tensors are collected)."""
-    ours = f"kvcached.{os.getuid()}.kv.{os.getpid()}."
-    return {n for n in os.listdir("/dev/shm")
-            if n.startswith(f"kvcached.{os.getuid()}.kv.") and not n.startswith(ours)}
+    """KV segments of other processes than this one whose maker is gone (this test process's
+    own, from the in-process references, go when their tensors are collected; a live maker's
+    is another test's, run beside this one, still in use)."""
+    ours, prefix = f"kvcached.{os.getuid()}.kv.{os.getpid()}.", f"kvcached.{os.getuid()}.kv."
+    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix) and not n.startswith(ours)
+            and not pid_alive(int(n[len(prefix):].split(".")[0]))}
 
 
 @pytest.fixture(scope="module")
