@@ -8,6 +8,7 @@ import os
 import pytest
 
 from conftest import disk_uri, keys_for, small_kv, sweep_crashed, unique_instance, wait_until
+from kvcached.server.metrics import StatusCollector
 from kvcached.server.status_report import format_status
 from kvcached.service.key_events import KeyEvents
 from kvcached_client import launch
@@ -156,6 +157,9 @@ def test_a_disk_that_stops_answering_is_a_storage_gap_and_holds_nothing_until_it
             status = c.status()
             assert status["key_events"]["followed"] and status["key_events"]["voids"] == {"host": 0, "storage": 2}
             assert "2 for storage readers" in format_status(status)
+            gaps = {s.labels["readers"]: s.value for f in StatusCollector("t", lambda: status).collect()
+                    if f.name == "kvcached_key_event_gaps" for s in f.samples}
+            assert gaps == {"all": 0, "storage": 2}  # (Prometheus, --metrics-port)
     finally:
         d.stop()
         sweep_crashed(name)

@@ -26,6 +26,9 @@ metrics_http.MetricsServer (one thread, bounded; a rendering shared for MIN_REND
                                   Sentinel or in a cluster: new primaries and epoch rises seen)
     kvcached_storage_restarts_total{uri}                               counter (a Redis server,
                                   Sentinel's or a cluster's primary seen with a new run_id)
+    kvcached_key_event_gaps_total{readers="all"|"storage"}            counter (the gaps key_events
+                                  gave its followers: a new geometry, for everyone; a disk cleared
+                                  or that stopped or started answering, for storage readers)
     kvcached_queue_depth                                               gauge
     kvcached_host_bytes_used / kvcached_host_bytes_capacity            gauges
     kvcached_clients                                                   gauge
@@ -88,6 +91,12 @@ class StatusCollector:
         loaded.add_metric([i, "host"], lookups.get("loaded_from_host", 0))
         loaded.add_metric([i, "storage"], lookups.get("loaded_from_storage", 0))
         yield loaded
+        gaps = fam(CounterMetricFamily, "kvcached_key_event_gaps", "Gaps key_events gave its "
+                   "followers (vLLM's KV events for a router), by the readers told", ["readers"])
+        voids = s.get("key_events", {}).get("voids", {})
+        gaps.add_metric([i, "all"], voids.get("host", 0))
+        gaps.add_metric([i, "storage"], voids.get("storage", 0))
+        yield gaps
         yield from self._tiers(s)
         for name, doc, value in (
             ("kvcached_queue_depth", "Tasks queued", s["tasks"].get("queued", 0)),
