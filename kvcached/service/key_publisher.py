@@ -161,8 +161,8 @@ class KeyPublisher:
         if geometry is None:
             return out
         names = [stored_key(k, geometry) for k in keys]
-        for n, backend in enumerate(self._local, start=1):
-            if not (backend.ready() and backend.health()):  # holds nothing it can serve now
+        for n, (backend, answers) in enumerate(zip(self._local, self._answers()), start=1):
+            if not answers:  # holds nothing it can serve now
                 continue
             for i, held in enumerate(backend.holds(names)):
                 if held:
