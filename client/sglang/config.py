@@ -14,6 +14,7 @@ zero-copy batch_get_v1/batch_set_v1 calls, the only ones that page the host pool
 | hang_s | $KVCACHED_HANG_S or 2 | heartbeat gap after which the daemon counts as hung |
 | namespace | "" | a tenant salt: other salts share nothing |
 | weights_version | the checkpoint's identity | a new one voids the cache (weight updates) |
+| pool_instances | `{instance}-{pool}` | a hybrid model's side pools' daemons, by pool (`{"mamba": "m{rank}"}`); `{rank}` and the like are filled in |
 
 SGLang's own weight version (`--weight-version`, changed by a weight update that names one:
 `update_weights_from_disk/_tensor/_distributed` with `weight_version`) is part of the keys too,
@@ -39,7 +40,8 @@ from ..hashing import make_namespace, path_identity, short_digest, weights_ident
 
 log = logging.getLogger("kvcached.sglang")
 EXTRA_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "allocator", "instance",
-              "instances", "run_dir", "timeout_s", "hang_s", "namespace", "weights_version")
+              "instances", "run_dir", "timeout_s", "hang_s", "namespace", "weights_version",
+              "pool_instances")
 
 
 class ConfigError(ValueError):
@@ -53,10 +55,21 @@ def _rank_instance(extra: dict, cfg) -> str:
             raise ConfigError(f"extra-config 'instances' lists {len(instances)} daemons for "
                               f"tp_size {cfg.tp_size}: one per rank")
         return instances[cfg.tp_rank]
-    instance = str(extra.get("instance", "default"))  # one daemon may serve every rank's pool
+    return _ranked(str(extra.get("instance", "default")), cfg)  # one daemon may serve every rank's pool
+
+
+def _ranked(instance: str, cfg) -> str:
     return (instance.replace("{rank}", str(cfg.tp_rank))
             .replace("{dp_rank}", str(getattr(cfg, "dp_rank", 0)))
             .replace("{pp_rank}", str(cfg.pp_rank)))
+
+
+def _pool_instances(extra: dict, cfg) -> dict[str, str]:
+    named = extra.get("pool_instances", {})
+    if not isinstance(named, dict) or not all(isinstance(v, str) for v in named.values()):
+        raise ConfigError("extra-config pool_instances maps a side pool's name to its daemon's "
+                          "instance, e.g. {\"mamba\": \"sglang{rank}-mamba\"}")
+    return {str(k): _ranked(v, cfg) for k, v in named.items()}
 
 
 @dataclass
@@ -67,6 +80,11 @@ class Settings:
     hang_s: float | None
     tenant: str
     weights_version: str
+    pool_instances: dict  # a side pool's daemon by pool name, where the extra-config names one
+
+    def pool_instance(self, name: str) -> str:
+        """The daemon of a hybrid model's side pool `name` (a daemon takes one page geometry)."""
+        return self.pool_instances.get(name, f"{self.instance}-{name}")
 
     @classmethod
     def of(cls, cfg) -> "Settings":
@@ -90,7 +108,7 @@ class Settings:
         model = cfg.model_name or ""
         weights = str(extra.get("weights_version", "")) or weights_identity(model)
         return cls(_rank_instance(extra, cfg), extra.get("run_dir"), timeout, hang,
-                   str(extra.get("namespace", "")), weights)
+                   str(extra.get("namespace", "")), weights, _pool_instances(extra, cfg))
 
 
 _get_serving = None
@@ -173,8 +191,10 @@ class PageKeys:
     weight version `version`; its launch default adds nothing, so keys stay as they were)."""
 
     def __init__(self, cfg, settings: Settings, kv_layout: str, version: str | None = None,
-                 salt: str = ""):
-        mla = bool(cfg.is_mla_model)
+                 salt: str = "", replicated: bool | None = None):
+        """`replicated`: the pool holds the same bytes on every tensor-parallel rank, so its
+        keys name no rank (default: an MLA model's, as SGLang's MLA KV)."""
+        mla = bool(cfg.is_mla_model) if replicated is None else replicated
         shard = (f"pp{cfg.pp_rank}/{cfg.pp_size}|cp{cfg.attn_cp_rank}/{cfg.attn_cp_size}|"
                  f"dcp{getattr(cfg, 'dcp_rank', 0)}/{getattr(cfg, 'dcp_size', 1)}")
         self.version = version

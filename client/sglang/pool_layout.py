@@ -8,6 +8,10 @@ per page (MLA) - each chunk a constant stride from the same chunk of the next pa
 is one region of the layout (kvcached_proto.geometry): `layer_first` registers as the pool's
 layers with its chunks of one layer as parts, the page-first layouts as one layer whose parts
 are the page's chunks. Page p is block p: the host indices [p * page_size, (p+1) * page_size).
+
+A hybrid model's side pools (SGLang's Mamba states, its sliding-window KV) are described the same
+way, each on a daemon of its own (side_pools.py); their chunks are registered as bytes (a Mamba
+page holds float32 and bfloat16 states), and what the bytes mean is in the layout's name.
 """
 from __future__ import annotations
 
@@ -59,8 +63,21 @@ def pool_kv_layout(pool) -> str:
             f"h{heads}:{dtype_name(pool.dtype)}:{getattr(pool, 'storage_format_tag', None) or ''}")
 
 
-def describe_host_pool(pool) -> tuple[dict, list[int]]:
-    """The register_kv layout of `pool` (allocations by fd index) and the fds it indexes."""
+def side_pool_kv_layout(name: str, pool) -> str:
+    """A side pool's pool_kv_layout, named for the pool: a Mamba pool's by its states' shapes
+    and dtypes (it has no heads), any other's as a KV pool's."""
+    if hasattr(pool, "conv_state_shapes"):
+        conv = ";".join(",".join(map(str, s)) for s in pool.conv_state_shapes)
+        shape = ",".join(map(str, pool.temporal_state_shape))
+        return (f"sglang-{name}:{pool.layout}:{type(pool).__name__}:p{pool.page_size}:"
+                f"L{pool.num_mamba_layers}:t{shape}:{dtype_name(pool.temporal_dtype)}:"
+                f"c{conv}:{dtype_name(pool.conv_dtype)}")
+    return f"sglang-{name}:" + pool_kv_layout(pool).partition(":")[2]
+
+
+def describe_host_pool(pool, name: str = "kv") -> tuple[dict, list[int]]:
+    """The register_kv layout of `pool` (allocations by fd index) and the fds it indexes; a
+    side pool (`name` other than "kv") with its chunks as bytes."""
     page_num = pool.size // pool.page_size
     if page_num < 2:
         raise ValueError(f"SGLang's host pool has {page_num} page(s): nothing to page")
@@ -75,12 +92,14 @@ def describe_host_pool(pool) -> tuple[dict, list[int]]:
         raise ValueError(f"SGLang's host pool ({pool.layout}) does not place its pages a "
                          "constant stride apart: kvcached cannot page it")
     layers = pool.layer_num if pool.layout == "layer_first" else 1
+    side = name != "kv"
     if len(first) % layers or len(first) // layers > MAX_PARTS:
         raise ValueError(f"SGLang's host pool ({pool.layout}): {len(first)} chunks per page "
                          f"over {layers} layers")
     parts = len(first) // layers
     names = {1: ["latent"], 2: ["k", "v"]}.get(parts, [f"part{j}" for j in range(parts)])
-    itemsize = torch.empty((), dtype=pool.dtype).element_size()
+    dtype = torch.uint8 if side else pool.dtype
+    itemsize = torch.empty((), dtype=dtype).element_size()
     tensors = []
     for i, (addr, size, stride) in enumerate(zip(first, sizes, strides)):
         alloc = next((k for k, (_, start, n) in enumerate(allocs)
@@ -90,10 +109,10 @@ def describe_host_pool(pool) -> tuple[dict, list[int]]:
                              "allocations")
         layer, part = divmod(i, parts)
         tensors.append({"layer": layer, "part": part, "name": names[part],
-                        "dtype": dtype_name(pool.dtype), "shape": [page_num, size // itemsize],
+                        "dtype": dtype_name(dtype), "shape": [page_num, size // itemsize],
                         "alloc": alloc, "offset": addr - allocs[alloc][1], "block_stride": stride})
     layout = {"device": "cpu", "num_layers": layers, "num_blocks": page_num,
-              "kv_layout": pool_kv_layout(pool),
+              "kv_layout": side_pool_kv_layout(name, pool) if side else pool_kv_layout(pool),
               "allocations": [{"kind": "fd", "index": k, "size": n} for k, (_, _, n) in enumerate(allocs)],
               "tensors": tensors}
     return layout, [fd for fd, _, _ in allocs]

@@ -52,6 +52,40 @@ def mla_pool(layout: str, allocator: str = "shm", device_tokens: int = DEVICE_TO
                                 start_layer=0, end_layer=LAYERS, target_layer_num=LAYERS)
 
 
+def mamba_pool(layout: str = "page_first", slots: int = 16, temporal_elems: int = 32):
+    """SGLang's Mamba host pool (a hybrid model's recurrent states, one slot per page): a float32
+    temporal state and two bfloat16 conv states per layer."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(LAYERS, slots, 2, temporal_elems // 2, dtype=torch.float32),
+        conv=(torch.zeros(LAYERS, slots, 6, 3, dtype=torch.bfloat16),
+              torch.zeros(LAYERS, slots, 2, 3, dtype=torch.bfloat16)))
+    return MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, device="cpu",
+                         allocator_type="shm", layout=layout)
+
+
+def fill_mamba(pool, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for buf in (pool.temporal_buffer, *pool.conv_buffer):
+        buf.copy_(torch.randn(buf.shape, generator=gen).to(buf.dtype))
+
+
+def attach_hybrid(pool, sides: dict, extra: dict, mla: bool = False, **cfg_kw):
+    """The backend attached as SGLang's hybrid cache controller attaches one: the KV pool, then
+    every pool of the group by name (the KV pool among them), then on_host_pools_registered."""
+    cfg = storage_config(extra, mla=mla, layout=pool.layout, **cfg_kw)
+    backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    backend.register_mem_pool_host(pool)
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    for name, side in {"kv": pool, **sides}.items():
+        backend.register_mem_host_pool_v2(side, PoolName(name))
+    backend.on_host_pools_registered()
+    return backend
+
+
 def make_pool(kind: str, layout: str, **kw):
     return (mha_pool if kind == "mha" else mla_pool)(layout, **kw)
 

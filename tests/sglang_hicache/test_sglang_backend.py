@@ -351,24 +351,6 @@ def test_backup_and_prefetch_threads_at_once_stay_exact(daemon):
     backend.close()
 
 
-def test_a_hybrid_models_side_pools_fail_the_attach_and_v2_calls_miss(run_dir):
-    """A model with side pools (Mamba, SWA...) registers them through the v2 interface: the
-    backend pages the KV pool only, so the attach fails saying so; the v2 calls never raise."""
-    from sglang.srt.mem_cache.hicache_storage import PoolTransfer
-    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-
-    pool = sp.make_pool("mha", "page_first")
-    cfg = sp.storage_config(sp.extra_config("x", run_dir))
-    backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
-    backend.register_mem_pool_host(pool)
-    backend.register_mem_host_pool_v2(pool, "mamba")
-    with pytest.raises(ValueError, match="mamba"):
-        backend.on_host_pools_registered()
-    transfer = PoolTransfer(name="kv", keys=["a", "b"])
-    assert backend.batch_get_v2([transfer]) == {"kv": [False, False]}
-    assert backend.batch_exists_v2(["a"]).kv_hit_pages == 0
-
-
 def test_a_non_writer_mla_rank_stores_nothing_and_says_done(daemon):
     pool = sp.make_pool("mla", "page_first")
     extra = sp.extra_config(daemon.instance, daemon.run_dir)
@@ -420,7 +402,7 @@ def test_a_load_the_daemon_froze_under_is_waited_for_until_it_ends(run_dir, monk
     only once the daemon ended the load, well past RELEASE_SAY_S (it returned after a 30 s cap
     before, and SGLang could reuse pages a late copy then landed in); the pages it reports
     loaded are exact."""
-    from kvcached_client.sglang import storage as sglang_storage
+    from kvcached_client.sglang import pool_channel as sglang_storage
 
     monkeypatch.setattr(sglang_storage, "RELEASE_SAY_S", 0.3)
     with _stored_pages(run_dir, 16, 12, timeout_s=0.5) as (d, pool, backend, keys, dst, want):
