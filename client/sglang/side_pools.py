@@ -2,11 +2,12 @@
 batch_set_v2), with which its hybrid cache controller pages the host pools beside the KV pool.
 
 Served: `mamba` (the state of a Mamba / linear-attention model's recurrent layers after a page,
-one slot per page) and `swa` (the KV of its sliding-window layers). SGLang needs either for the
-last pages of a prefix only (PoolHitPolicy.TRAILING_PAGES: the window that ends where the
-prefix ends), or, where it says so, for every page of it (ALL_PAGES). Every other side pool
-(DeepSeek's indexer and V4 pools, draft pools) is refused at attach, with SGLang's message that
-the attach failed.
+one slot per page), `swa` (the KV of its sliding-window layers) and `indexer` (DeepSeek V3.2's
+sparse-attention index keys, riding on the KV pages: SGLang hands it the KV pool's host
+indices). SGLang needs the first two for the last pages of a prefix only
+(PoolHitPolicy.TRAILING_PAGES: the window that ends where the prefix ends), the indexer for
+every page of it (ALL_PAGES). Every other side pool (DeepSeek V4's, draft pools) is refused at
+attach, with SGLang's message that the attach failed.
 
 Each side pool is paged in place through a daemon of its own (a daemon takes one page geometry):
 the extra-config's `pool_instances` names it, else it is `{instance}-{pool}` (`sglang0-mamba`
@@ -29,12 +30,13 @@ from .config import ConfigError
 from .pool_channel import PoolChannel
 
 log = logging.getLogger("kvcached.sglang")
-SERVED = ("mamba", "swa")
+SERVED = ("mamba", "swa", "indexer")
 
 
 def replicated(name: str, cfg) -> bool:
     """Whether side pool `name` holds the same bytes on every tensor-parallel rank: never a
-    Mamba pool's; a sliding-window pool's as the model's KV (an MLA model's is)."""
+    Mamba pool's; the others' as the model's KV (an MLA model's is: SGLang backs them up from
+    its storage-writer rank only, and every rank loads them)."""
     return name != "mamba" and bool(cfg.is_mla_model)
 
 
@@ -52,15 +54,21 @@ def trailing_restorable(held: list[bool], window: int) -> list[int]:
 class SidePools:
     """The v2 calls of KvcachedHiCacheStorage (storage.py), over its side pools' channels."""
 
-    def side_channels(self) -> dict:
-        """A PoolChannel for each side pool SGLang registered; ConfigError (SGLang's attach
-        fails with it) for a pool kvcached does not serve or cannot page."""
+    def _side_pools(self) -> dict:
+        """SGLang's side pools by name; ConfigError (SGLang's attach fails with it) where one
+        is not served."""
         pools = {str(n): p for n, p in getattr(self, "registered_pools", {}).items() if str(n) != "kv"}
         unserved = sorted(set(pools) - set(SERVED))
         if unserved:
-            raise ConfigError(f"kvcached pages SGLang's KV, {' and '.join(SERVED)} host pools; this "
+            raise ConfigError(f"kvcached pages SGLang's KV, {', '.join(SERVED)} host pools; this "
                               f"model also has {', '.join(unserved)} host pools: run it with "
                               "another storage backend")
+        return pools
+
+    def side_channels(self) -> dict:
+        """A PoolChannel for each side pool SGLang registered; ConfigError (SGLang's attach
+        fails with it) for a pool kvcached does not serve or cannot page."""
+        pools = self._side_pools()
         out: dict = {}
         try:
             for name, pool in pools.items():

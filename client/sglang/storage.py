@@ -74,6 +74,8 @@ class KvcachedHiCacheStorage(side_pools.SidePools, HiCacheStorage):
         cannot map, an extra-config that cannot work). No daemon yet is no error: pages miss
         until one is attached in the background."""
         pool = self.mem_pool_host
+        self._side_pools()  # ConfigError: a side pool kvcached does not serve (before the KV
+        # pool is described: a model with such pools may have no KV pool memory of its own)
         kv = PoolChannel(self, "kv", pool, self.settings.instance)
         try:
             sides = self.side_channels()  # ConfigError: a side pool kvcached cannot page

@@ -66,6 +66,34 @@ def mamba_pool(layout: str = "page_first", slots: int = 16, temporal_elems: int 
                          allocator_type="shm", layout=layout)
 
 
+def indexer_pool(anchor, index_head_dim: int = 64):
+    """SGLang's DSA indexer host pool (DeepSeek V3.2's index keys and their scales, bytes per
+    page and layer) beside the MLA host pool `anchor`, whose pages and host indices it shares;
+    its device pool is a stand-in of CPU tensors, as the other pools' are."""
+    import types
+
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.pool_host.dsa import (DSAIndexerHostPoolBuilder, DSAIndexerPoolHost,
+                                                    dsa_indexer_bytes_per_token_per_layer)
+    from sglang.srt.mem_cache.pool_host.host_pool_decl import HostPoolDecl, HostPoolStorageInfo
+
+    per_token = dsa_indexer_bytes_per_token_per_layer(index_head_dim=index_head_dim, quant_block_size=64)
+    device = types.SimpleNamespace(
+        store_dtype=torch.bfloat16, start_layer=0, end_layer=LAYERS, layer_num=LAYERS, device="cpu",
+        layer_shard_enabled=False,
+        index_k_with_scale_buffer=[torch.zeros(DEVICE_TOKENS // PAGE, PAGE * per_token, dtype=torch.uint8)
+                                   for _ in range(LAYERS)])
+    decl = HostPoolDecl(pool_name=PoolName.INDEXER, device_pool=device, indices_from_pool=PoolName.KV,
+                        layout_source=PoolName.KV, host_pool_builder=DSAIndexerHostPoolBuilder(),
+                        storage_info=HostPoolStorageInfo(bytes_per_token_per_layer=per_token, dtype=torch.uint8))
+    return DSAIndexerPoolHost(decl, anchor, pin_memory=False, device="cpu", allocator_type="shm")
+
+
+def fill_bytes(tensor, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    tensor.copy_(torch.randint(0, 256, tensor.shape, generator=gen, dtype=torch.uint8))
+
+
 def fill_mamba(pool, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     for buf in (pool.temporal_buffer, *pool.conv_buffer):

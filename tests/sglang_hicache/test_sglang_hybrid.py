@@ -136,15 +136,54 @@ def test_a_side_pool_without_its_daemon_holds_nothing_until_it_comes(daemon, att
         _stop(swa_d, *([mamba_d] if mamba_d else []))
 
 
+def test_deepseek_index_keys_ride_on_the_kv_pages_and_every_mla_rank_reads_the_writers(daemon, attached):
+    """DeepSeek V3.2: the indexer pool shares the MLA pool's pages and host indices, and every
+    page of a prefix needs its index keys (ALL_PAGES). Rank 0 stores 5 KV pages and the index
+    keys of the first 3; rank 1 of another instance finds a 3-page prefix and loads KV and
+    index keys byte for byte into its own pages."""
+    indexer_d = _side_daemon(daemon, "indexer")
+    try:
+        extra = sp.extra_config(daemon.instance, daemon.run_dir)
+        pools = []
+        for r in range(2):
+            kv = sp.make_pool("mla", "page_first")
+            indexer = sp.indexer_pool(kv)
+            sp.fill_random(kv, 60 + r)
+            sp.fill_bytes(indexer.index_k_with_scale_buffer, 70 + r)
+            pools.append((kv, indexer))
+        (kv0, ix0), (kv1, ix1) = pools
+        w = _attach(attached, kv0, {"indexer": ix0}, extra, mla=True, tp_rank=0, tp_size=2)
+        keys = sp.page_hashes(5, seed=61)
+        assert w.batch_set_v1(keys, sp.pages_of(kv0, range(1, 6))) == [True] * 5
+        assert w.batch_set_v2([PoolTransfer(name=PoolName.INDEXER, keys=keys[:3],
+                                            host_indices=sp.pages_of(kv0, range(1, 4)))]) == {PoolName.INDEXER: [True] * 3}
+        w.close()
+        r1 = _attach(attached, kv1, {"indexer": ix1}, extra, mla=True, tp_rank=1, tp_size=2)
+        query = [PoolTransfer(name=PoolName.INDEXER, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)]
+        hit = r1.batch_exists_v2(keys, query)
+        assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (3, [1, 2, 3])
+        assert hit.extra_pool_hit_pages == {PoolName.KV: 5, PoolName.INDEXER: 3}
+        target = sp.pages_of(kv1, [20, 21, 22])
+        want = [sp.page_bytes(ix0, p) for p in (1, 2, 3)]
+        assert [sp.page_bytes(ix1, p) for p in (20, 21, 22)] != want
+        assert r1.batch_get_v1(keys[:3], target) == [True] * 3
+        assert r1.batch_get_v2([PoolTransfer(name=PoolName.INDEXER, keys=keys[:3], host_indices=target)]) \
+            == {PoolName.INDEXER: [True] * 3}
+        assert [sp.page_bytes(ix1, p) for p in (20, 21, 22)] == want
+        assert [sp.page_bytes(kv1, p) for p in (20, 21, 22)] == [sp.page_bytes(kv0, p) for p in (1, 2, 3)]
+    finally:
+        _stop(indexer_d)
+
+
 def test_side_pools_kvcached_cannot_page_fail_the_attach(run_dir):
-    """A DeepSeek indexer pool is not served, and a side pool on the KV pool's own daemon would
-    void its pages: both fail SGLang's attach saying why; before an attach the v2 calls miss."""
+    """A draft pool is not served, and a side pool on the KV pool's own daemon would void its
+    pages: both fail SGLang's attach saying why; before an attach the v2 calls miss."""
     from kvcached_client.sglang.config import ConfigError
 
     kv, mamba, _ = _pools(31)
     extra = sp.extra_config("x", run_dir)
-    with pytest.raises(ConfigError, match="indexer"):
-        sp.attach_hybrid(kv, {"indexer": sp.make_pool("mla", "page_first")}, extra, mla=True)
+    with pytest.raises(ConfigError, match="draft host pools"):
+        sp.attach_hybrid(kv, {"draft": sp.make_pool("mha", "page_first")}, extra)
     with pytest.raises(ConfigError, match="daemon of its own"):
         sp.attach_hybrid(kv, {"mamba": mamba}, sp.extra_config("x", run_dir, pool_instances={"mamba": "x"}))
     with pytest.raises(ConfigError, match="pool_instances"):
