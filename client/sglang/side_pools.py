@@ -2,12 +2,14 @@
 batch_set_v2), with which its hybrid cache controller pages the host pools beside the KV pool.
 
 Served: `mamba` (the state of a Mamba / linear-attention model's recurrent layers after a page,
-one slot per page), `swa` (the KV of its sliding-window layers) and `indexer` (DeepSeek V3.2's
-sparse-attention index keys, riding on the KV pages: SGLang hands it the KV pool's host
-indices). SGLang needs the first two for the last pages of a prefix only
-(PoolHitPolicy.TRAILING_PAGES: the window that ends where the prefix ends), the indexer for
-every page of it (ALL_PAGES). Every other side pool (DeepSeek V4's, draft pools) is refused at
-attach, with SGLang's message that the attach failed.
+one slot per page), `swa` (the KV of its sliding-window layers), `indexer` (DeepSeek V3.2's
+sparse-attention index keys) and `draft` (a speculative draft model's KV, which SGLang adds
+after the attach for EAGLE-style drafts); the last two ride on the KV pages (SGLang hands them
+the KV pool's host indices). SGLang needs the first two for the last pages of a prefix only
+(PoolHitPolicy.TRAILING_PAGES: the window that ends where the prefix ends), the others for
+every page of it (ALL_PAGES). Every other side pool (DeepSeek V4's, the draft's own sliding
+window and indexer) is refused at attach, with SGLang's message that the attach failed, or,
+added later, logged and missed.
 
 Each side pool is paged in place through a daemon of its own (a daemon takes one page geometry):
 the extra-config's `pool_instances` names it, else it is `{instance}-{pool}` (`sglang0-mamba`
@@ -30,14 +32,19 @@ from .config import ConfigError
 from .pool_channel import PoolChannel
 
 log = logging.getLogger("kvcached.sglang")
-SERVED = ("mamba", "swa", "indexer")
+SERVED = ("mamba", "swa", "indexer", "draft")
 
 
-def replicated(name: str, cfg) -> bool:
+def replicated(name: str, pool, cfg) -> bool:
     """Whether side pool `name` holds the same bytes on every tensor-parallel rank: never a
-    Mamba pool's; the others' as the model's KV (an MLA model's is: SGLang backs them up from
-    its storage-writer rank only, and every rank loads them)."""
-    return name != "mamba" and bool(cfg.is_mla_model)
+    Mamba pool's (SGLang shards it), a draft's where it is MLA too, the others' as the model's KV
+    (an MLA model's is: SGLang backs them up from its storage-writer rank only, and every rank
+    loads them)."""
+    if name == "mamba":
+        return False
+    if name == "draft" and getattr(pool, "kv_lora_rank", None) is None:  # an MHA draft: sharded
+        return False
+    return bool(cfg.is_mla_model)
 
 
 def trailing_restorable(held: list[bool], window: int) -> list[int]:

@@ -103,7 +103,7 @@ class KvcachedHiCacheStorage(side_pools.SidePools, HiCacheStorage):
         self.kv.keys = self.keys
         for name, channel in (self.sides if sides is None else sides).items():
             channel.keys = PageKeys(self.config, self.settings, channel.kv_layout, version, salt,
-                                    replicated=side_pools.replicated(name, self.config))
+                                    replicated=side_pools.replicated(name, channel.pool, self.config))
 
     # SGLang's weight version ----------------------------------------------------------
     def _keys(self) -> PageKeys:

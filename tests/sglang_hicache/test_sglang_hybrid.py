@@ -66,6 +66,20 @@ def test_trailing_windows_are_where_a_prefix_may_stop():
     assert trailing_restorable([True, True], 0) == [1, 2]
 
 
+def test_which_side_pools_every_rank_shares():
+    """Keys without the rank only for what SGLang stores from the writer rank and every rank
+    holds alike: an MLA model's side pools, but never its Mamba states nor an MHA draft."""
+    from types import SimpleNamespace
+
+    from kvcached_client.sglang.side_pools import replicated
+
+    mla, mha = SimpleNamespace(is_mla_model=True), SimpleNamespace(is_mla_model=False)
+    mla_pool, mha_pool = SimpleNamespace(kv_lora_rank=32), SimpleNamespace()
+    assert [replicated(n, mla_pool, mla) for n in ("swa", "indexer", "draft")] == [True] * 3
+    assert not replicated("mamba", mla_pool, mla) and not replicated("draft", mha_pool, mla)
+    assert not any(replicated(n, mla_pool, mha) for n in ("mamba", "swa", "indexer", "draft"))
+
+
 def test_a_hybrid_models_pages_and_states_round_trip_into_another_instance(daemon, attached):
     """SGLang A backs up 6 KV pages, the Mamba states after pages 3 and 6 and the window's last
     two pages; B asks: the prefix may stop at 6 only (page 3 has a state but not its window), and
@@ -175,15 +189,53 @@ def test_deepseek_index_keys_ride_on_the_kv_pages_and_every_mla_rank_reads_the_w
         _stop(indexer_d)
 
 
+def test_a_draft_pool_added_after_the_attach_is_paged_on_the_kv_pages(daemon, attached, caplog):
+    """An EAGLE-style draft: SGLang adds its KV pool after the attach (a dynamic sidecar), on the
+    KV pool's host indices, needed for every page. It is attached then; a prefix is cut where
+    the draft's pages end, and another instance loads them byte for byte. A pool kvcached does
+    not page, added so, is logged and its pages miss."""
+    draft_d = _side_daemon(daemon, "draft")
+    try:
+        extra = sp.extra_config(daemon.instance, daemon.run_dir)
+        pools = [(sp.make_pool("mha", "page_first"), sp.make_pool("mha", "layer_first")) for _ in range(2)]
+        for i, (kv, draft) in enumerate(pools):
+            sp.fill_random(kv, 80 + i)
+            sp.fill_random(draft, 90 + i)
+        backends = []
+        for kv, draft in pools:
+            b = _attach(attached, kv, {}, extra)
+            b.register_mem_host_pool_v2(draft, PoolName.DRAFT)
+            backends.append(b)
+        (a, (a_kv, a_draft)), (b, (b_kv, b_draft)) = zip(backends, pools)
+        keys = sp.page_hashes(4, seed=81)
+        assert a.batch_set_v1(keys, sp.pages_of(a_kv, range(1, 5))) == [True] * 4
+        assert a.batch_set_v2([PoolTransfer(name=PoolName.DRAFT, keys=keys[:2],
+                                            host_indices=sp.pages_of(a_kv, [1, 2]))]) == {PoolName.DRAFT: [True] * 2}
+        query = [PoolTransfer(name=PoolName.DRAFT, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)]
+        assert b.batch_exists_v2(keys, query).restorable_prefix_pages == [1, 2]
+        target = sp.pages_of(b_kv, [30, 31])
+        want = [sp.page_bytes(a_draft, p) for p in (1, 2)]
+        assert [sp.page_bytes(b_draft, p) for p in (30, 31)] != want
+        assert b.batch_get_v2([PoolTransfer(name=PoolName.DRAFT, keys=keys[:2], host_indices=target)]) \
+            == {PoolName.DRAFT: [True, True]}
+        assert [sp.page_bytes(b_draft, p) for p in (30, 31)] == want
+        b.register_mem_host_pool_v2(sp.make_pool("mha", "page_first"), PoolName.DRAFT_SWA)
+        assert "draft_swa" in caplog.text
+        assert b.batch_get_v2([PoolTransfer(name=PoolName.DRAFT_SWA, keys=keys[:1], host_indices=target[:16])]) \
+            == {PoolName.DRAFT_SWA: [False]}
+    finally:
+        _stop(draft_d)
+
+
 def test_side_pools_kvcached_cannot_page_fail_the_attach(run_dir):
-    """A draft pool is not served, and a side pool on the KV pool's own daemon would void its
-    pages: both fail SGLang's attach saying why; before an attach the v2 calls miss."""
+    """A DeepSeek V4 pool is not served, and a side pool on the KV pool's own daemon would void
+    its pages: both fail SGLang's attach saying why; before an attach the v2 calls miss."""
     from kvcached_client.sglang.config import ConfigError
 
     kv, mamba, _ = _pools(31)
     extra = sp.extra_config("x", run_dir)
-    with pytest.raises(ConfigError, match="draft host pools"):
-        sp.attach_hybrid(kv, {"draft": sp.make_pool("mha", "page_first")}, extra)
+    with pytest.raises(ConfigError, match="deepseek_v4_c4 host pools"):
+        sp.attach_hybrid(kv, {"deepseek_v4_c4": sp.make_pool("mha", "page_first")}, extra)
     with pytest.raises(ConfigError, match="daemon of its own"):
         sp.attach_hybrid(kv, {"mamba": mamba}, sp.extra_config("x", run_dir, pool_instances={"mamba": "x"}))
     with pytest.raises(ConfigError, match="pool_instances"):
