@@ -52,16 +52,16 @@ def mla_pool(layout: str, allocator: str = "shm", device_tokens: int = DEVICE_TO
                                 start_layer=0, end_layer=LAYERS, target_layer_num=LAYERS)
 
 
-def mamba_pool(layout: str = "page_first", slots: int = 16, temporal_elems: int = 32):
+def mamba_pool(layout: str = "page_first", slots: int = 16, layers: int = LAYERS,
+               temporal=(2, 16), conv=((6, 3), (2, 3))):
     """SGLang's Mamba host pool (a hybrid model's recurrent states, one slot per page): a float32
-    temporal state and two bfloat16 conv states per layer."""
+    temporal state of shape `temporal` and bfloat16 conv states of shapes `conv` per layer."""
     from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
     info = MambaStateBufferInfo(
-        temporal=torch.zeros(LAYERS, slots, 2, temporal_elems // 2, dtype=torch.float32),
-        conv=(torch.zeros(LAYERS, slots, 6, 3, dtype=torch.bfloat16),
-              torch.zeros(LAYERS, slots, 2, 3, dtype=torch.bfloat16)))
+        temporal=torch.zeros(layers, slots, *temporal, dtype=torch.float32),
+        conv=tuple(torch.zeros(layers, slots, *shape, dtype=torch.bfloat16) for shape in conv))
     return MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, device="cpu",
                          allocator_type="shm", layout=layout)
 
