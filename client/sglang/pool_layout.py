@@ -9,9 +9,10 @@ is one region of the layout (kvcached_proto.geometry): `layer_first` registers a
 layers with its chunks of one layer as parts, the page-first layouts as one layer whose parts
 are the page's chunks. Page p is block p: the host indices [p * page_size, (p+1) * page_size).
 
-A hybrid model's side pools (SGLang's Mamba states, its sliding-window KV) are described the same
-way, each on a daemon of its own (side_pools.py); their chunks are registered as bytes (a Mamba
-page holds float32 and bfloat16 states), and what the bytes mean is in the layout's name.
+The side pools beside the KV pool (a hybrid model's Mamba states and sliding-window KV,
+DeepSeek V3.2's index keys, a draft's KV) are described the same way, each for a daemon of its
+own (side_pools.py); their chunks are registered as bytes (a Mamba page holds float32 and
+bfloat16 states), and what the bytes mean is in the layout's name.
 """
 from __future__ import annotations
 
