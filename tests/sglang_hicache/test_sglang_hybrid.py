@@ -53,10 +53,11 @@ def _pools(seed: int):
 
 
 def _query(keys):
-    """The side transfers of SGLang's storage hit query: the Mamba state of the last page, the
-    sliding window's last two pages."""
-    return [PoolTransfer(name=PoolName.MAMBA, keys=keys[-1:], hit_policy=TRAILING),
-            PoolTransfer(name=PoolName.SWA, keys=keys[-2:], hit_policy=TRAILING)]
+    """The side transfers of SGLang's storage hit query, as its Mamba and SWA components build
+    them: placeholder keys whose count is the window (the Mamba state of the last page, the
+    sliding window's last two pages); the hashes are the query's own."""
+    return [PoolTransfer(name=PoolName.MAMBA, keys=["__placeholder__"], hit_policy=TRAILING),
+            PoolTransfer(name=PoolName.SWA, keys=["__placeholder__"] * 2, hit_policy=TRAILING)]
 
 
 def test_trailing_windows_are_where_a_prefix_may_stop():
