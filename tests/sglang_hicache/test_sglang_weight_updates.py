@@ -63,6 +63,38 @@ def test_a_weight_version_set_without_an_update_never_matches_the_old_weights_pa
     backend.close()
 
 
+def test_a_new_weight_version_voids_a_hybrid_models_states_too(daemon, sglang_serving):
+    """A Mamba state stored under the old weights is no hit after the version changes, nor
+    loaded; one of the old weights still in the pool is not backed up until SGLang's flush."""
+    from kvcached_client import launch
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    mamba_d = launch(instance=f"{daemon.instance}-mamba", run_dir=daemon.run_dir, host_cache_gb=0.05)
+    kv, mamba = sp.make_pool("mha", "page_first"), sp.mamba_pool()
+    sp.fill_random(kv, 9)
+    sp.fill_mamba(mamba, 10)
+    backend = sp.attach_hybrid(kv, {"mamba": mamba}, sp.extra_config(daemon.instance, daemon.run_dir))
+    try:
+        keys = sp.page_hashes(2, seed=44)
+        state = [PoolTransfer(name=PoolName.MAMBA, keys=keys[1:], host_indices=sp.pages_of(mamba, [3]))]
+        query = [PoolTransfer(name=PoolName.MAMBA, keys=["__placeholder__"], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+        _stored(backend, kv, keys, [1, 2])
+        assert backend.batch_set_v2(state) == {PoolName.MAMBA: [True]}
+        assert backend.batch_exists_v2(keys, query).kv_hit_pages == 2
+        sglang_serving.override("scheduler.weight_version", weight_version="step-2")
+        assert backend.batch_exists_v2(keys, query).kv_hit_pages == 0
+        assert backend.batch_set_v1(keys, sp.pages_of(kv, [1, 2])) == [False] * 2  # old pages
+        assert backend.batch_set_v2(state) == {PoolName.MAMBA: [False]}
+        assert backend.batch_get_v2(state) == {PoolName.MAMBA: [False]}
+        kv.clear()  # SGLang's flush after the update
+        _stored(backend, kv, keys, [1, 2])
+        assert backend.batch_set_v2(state) == {PoolName.MAMBA: [True]}
+        assert backend.batch_exists_v2(keys, query).kv_hit_pages == 2
+    finally:
+        backend.close()
+        mamba_d.stop()
+
+
 @pytest.mark.parametrize("version", [None, "default"])
 def test_an_update_that_keeps_the_version_never_matches_the_old_weights_pages(daemon, sglang_serving, version):
     """update_weights_from_disk naming no version (or the one served): SGLang's version stays,
