@@ -40,10 +40,13 @@ class PoolChannel:
         register_host_memory(client, self.layout, self.fds)
 
     def attach_now(self) -> bool:
-        if self.link.attach_now() is None:
+        link = self.link
+        if link is None:  # closed
+            return False
+        if link.attach_now() is None:
             log.warning("[sglang] kvcached daemon %s not attached for the %s pool (%s): its pages "
                         "miss until it is", self.instance, self.name,
-                        self.link.last_error or "no daemon")
+                        link.last_error or "no daemon")
             return False
         log.info("[sglang] %s host pool (%s, %d pages) registered with kvcached daemon %s",
                  self.name, self.pool.layout, self.layout["num_blocks"], self.instance)

@@ -103,8 +103,8 @@ class SidePools:
         one kvcached cannot page is logged, and its pages miss."""
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         name = str(host_pool_name)
-        if self.kv is None or name == "kv" or name in self.sides:
-            return  # before the attach (on_host_pools_registered takes it), or known
+        if self.kv is None or name == "kv" or name in self.sides or self._closing.is_set():
+            return  # before the attach (on_host_pools_registered takes it), known, or closed
         try:
             if name not in SERVED:
                 raise ConfigError(f"kvcached does not page SGLang's {name} host pools")
@@ -114,6 +114,9 @@ class SidePools:
             log.error("[sglang] %s: its pages miss", exc)
             return
         with self._keys_lock:
+            if self._closing.is_set():  # closed meanwhile: close() did not see this one
+                channel.close()
+                return
             self.sides = {**self.sides, name: channel}
             self._rekey(self.keys.version, self._salt)
         channel.attach_now()

@@ -226,7 +226,9 @@ class KvcachedHiCacheStorage(side_pools.SidePools, HiCacheStorage):
     def close(self) -> None:
         """Detach: the daemon unmaps the pool (unregister, then the connection goes)."""
         self._closing.set()
-        for channel in (self.kv, *self.sides.values()):
+        with self._keys_lock:  # a side pool added meanwhile is in self.sides, or sees _closing
+            channels = (self.kv, *self.sides.values())
+        for channel in channels:
             if channel is not None:
                 channel.close()
 

@@ -224,6 +224,9 @@ def test_a_draft_pool_added_after_the_attach_is_paged_on_the_kv_pages(daemon, at
         assert "draft_swa" in caplog.text
         assert b.batch_get_v2([PoolTransfer(name=PoolName.DRAFT_SWA, keys=keys[:1], host_indices=target[:16])]) \
             == {PoolName.DRAFT_SWA: [False]}
+        b.close()  # SGLang's detach: a pool added after it is not attached (nothing to leak)
+        b.register_mem_host_pool_v2(sp.make_pool("mha", "page_first"), PoolName.SWA)
+        assert "swa" not in b.sides
     finally:
         _stop(draft_d)
 
