@@ -95,8 +95,9 @@ class SidePools:
                               "extra-config's pool_instances")
         try:
             return PoolChannel(self, name, pool, instance)
-        except (ValueError, NotImplementedError) as exc:
-            raise ConfigError(f"SGLang's {name} host pool cannot be paged by kvcached: {exc}") from None
+        except Exception as exc:  # a pool whose zero-copy metadata is not as described
+            raise ConfigError(f"SGLang's {name} host pool cannot be paged by kvcached: "
+                              f"{type(exc).__name__}: {exc}") from None
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name):
         """A side pool SGLang adds after the attach (a dynamic sidecar) is attached on the spot;

@@ -53,15 +53,17 @@ def mla_pool(layout: str, allocator: str = "shm", device_tokens: int = DEVICE_TO
 
 
 def mamba_pool(layout: str = "page_first", slots: int = 16, layers: int = LAYERS,
-               temporal=(2, 16), conv=((6, 3), (2, 3))):
+               temporal=(2, 16), conv=((6, 3), (2, 3)), side_state: bool = False):
     """SGLang's Mamba host pool (a hybrid model's recurrent states, one slot per page): a float32
-    temporal state of shape `temporal` and bfloat16 conv states of shapes `conv` per layer."""
+    temporal state of shape `temporal` and bfloat16 conv states of shapes `conv` per layer
+    (`side_state`: and a per-slot side state, which SGLang's zero-copy metadata does not carry)."""
     from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
     info = MambaStateBufferInfo(
         temporal=torch.zeros(layers, slots, *temporal, dtype=torch.float32),
-        conv=tuple(torch.zeros(layers, slots, *shape, dtype=torch.bfloat16) for shape in conv))
+        conv=tuple(torch.zeros(layers, slots, *shape, dtype=torch.bfloat16) for shape in conv),
+        extra_checkpoint_buffers=(torch.zeros(slots, 4),) if side_state else ())
     return MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, device="cpu",
                          allocator_type="shm", layout=layout)
 

@@ -224,6 +224,8 @@ def test_a_draft_pool_added_after_the_attach_is_paged_on_the_kv_pages(daemon, at
         assert "draft_swa" in caplog.text
         assert b.batch_get_v2([PoolTransfer(name=PoolName.DRAFT_SWA, keys=keys[:1], host_indices=target[:16])]) \
             == {PoolName.DRAFT_SWA: [False]}
+        b.register_mem_host_pool_v2(sp.mamba_pool(side_state=True), PoolName.MAMBA)  # no raise
+        assert "mamba" not in b.sides and "mamba host pool cannot be paged" in caplog.text
         b.close()  # SGLang's detach: a pool added after it is not attached (nothing to leak)
         b.register_mem_host_pool_v2(sp.make_pool("mha", "page_first"), PoolName.SWA)
         assert "swa" not in b.sides
@@ -244,6 +246,8 @@ def test_side_pools_kvcached_cannot_page_fail_the_attach(run_dir):
         sp.attach_hybrid(kv, {"mamba": mamba}, sp.extra_config("x", run_dir, pool_instances={"mamba": "x"}))
     with pytest.raises(ConfigError, match="pool_instances"):
         sp.attach_hybrid(kv, {"mamba": mamba}, sp.extra_config("x", run_dir, pool_instances=["m"]))
+    with pytest.raises(ConfigError, match="mamba host pool cannot be paged by kvcached: NotImplementedError"):
+        sp.attach_hybrid(kv, {"mamba": sp.mamba_pool(side_state=True)}, extra)
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
     backend = StorageBackendFactory.create_backend("dynamic", sp.storage_config(extra), kv)
