@@ -226,3 +226,26 @@ def _layout_with_order(c, kv):
     c.order = EngineOrder(layout["device"], layout["num_layers"], c._daemon_lost)
     layout["order_segment"] = c.order.name
     return layout
+
+
+def test_a_clients_own_words_reach_the_status_table_escaped(run_dir):
+    """A client's name and its layout's kv_layout are its own strings: `kvcached status --json`
+    gives them as they are, the table escapes what a terminal would act on (an escape sequence
+    must not drive the operator's terminal)."""
+    from kvcached_client import Client
+    from kvcached_client.kv_alloc import describe_kv_cache
+
+    h = launch(instance=unique_instance("o"), run_dir=run_dir, host_cache_gb=0.05)
+    try:
+        kv = small_kv()
+        layout = dict(describe_kv_cache(kv), kv_layout="engine\x1b[2J:pool")
+        with Client.connect(instance=h.instance, run_dir=run_dir, name="eng\x1b]0;owned\x07") as c:
+            c.register_layout(layout)
+            args = [sys.executable, "-m", "kvcached", "status", "--instance", h.instance, "--run-dir", run_dir]
+            s = json.loads(subprocess.run(args + ["--json"], capture_output=True, text=True, timeout=30).stdout)
+            assert s["kv"]["kv_layout"] == "engine\x1b[2J:pool"
+            table = subprocess.run(args, capture_output=True, text=True, timeout=30).stdout
+        assert "\x1b" not in table and "\x07" not in table
+        assert "layout engine\\x1b[2J:pool" in table and "eng\\x1b]0;owned\\x07" in table, table
+    finally:
+        h.stop()

@@ -35,6 +35,12 @@ def _pct(num: int, den: int) -> str:
     return f"{100.0 * num / den:.1f}%" if den else "-"
 
 
+def shown(text: str) -> str:
+    """A client's own words (its name, its layout's name) as a terminal may print them: what is
+    not printable escaped (an escape sequence in a name must not drive the operator's terminal)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
 def format_status(s: dict) -> str:
     host, tasks, lookups = s["host"], s["tasks"], s.get("lookups", {})
     moved = s.get("bytes", {})
@@ -45,7 +51,7 @@ def format_status(s: dict) -> str:
         ("instance", s["instance"]), ("pid", s["pid"]), ("epoch", f"{s['epoch']:x}"),
         ("state", s["state"]), ("protocol", ".".join(map(str, s["protocol_version"]))),
         ("device", s.get("device", "?")), ("uptime", f"{s.get('uptime_s', 0):.1f} s"),
-        ("clients", f"{s['clients']}" + (f" ({', '.join(s['client_names'])})"
+        ("clients", f"{s['clients']}" + (f" ({', '.join(map(shown, s['client_names']))})"
                                          if s.get("client_names") else "")),
         ("kv registered", _kv_line(s["kv"])),
         ("host tier", f"{_gib(host['used_bytes'])} / {_gib(host['capacity_bytes'])} "
@@ -118,5 +124,7 @@ def _kv_line(kv: dict) -> str:
     if not kv["registered"]:
         return "no"
     engines = kv.get("engines", 1)
+    layout = shown(kv.get("kv_layout") or "")
+    layout = f"; layout {layout if len(layout) <= 72 else layout[:69] + '...'}" if layout else ""
     return (f"yes ({engines} engine{'s' if engines != 1 else ''}' host pools, " if engines > 1 else "yes (") + \
-        f"copy strategy {kv.get('copy_strategy') or '?'})"
+        f"copy strategy {kv.get('copy_strategy') or '?'}{layout})"

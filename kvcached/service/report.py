@@ -79,6 +79,7 @@ def status_of(svc) -> dict:
                 "num_layers": kv.spec.num_layers if kv else 0,
                 "num_blocks": kv.spec.num_blocks if kv else 0,
                 "page_bytes": kv.spec.page_bytes if kv else 0,
+                "kv_layout": kv.spec.kv_layout if kv else None,  # the engine's name for its bytes' order
                 # the storage tiers' key space (record.stored_key): the host pool's geometry
                 "geometry": svc.host.pool.geometry.hex() if svc.host.pool.geometry else None,
             },

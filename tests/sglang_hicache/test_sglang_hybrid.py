@@ -99,6 +99,8 @@ def test_a_hybrid_models_pages_and_states_round_trip_into_another_instance(daemo
             PoolTransfer(name=PoolName.SWA, keys=keys[4:6], host_indices=sp.pages_of(a_swa, [8, 9]))])
         assert stored == {PoolName.MAMBA: [True, True], PoolName.SWA: [True, True]}
         assert "sglang_host_pool" in open(f"/proc/{mamba_d.pid}/maps").read()  # its own daemon maps it
+        with mamba_d.connect(role="operator") as op:  # what `kvcached status` names it by
+            assert op.status()["kv"]["kv_layout"].startswith("sglang-mamba:page_first:MambaPoolHost:")
         kv_only = sp.page_hashes(4, seed=4)
         assert a.batch_set_v1(kv_only, sp.pages_of(a_kv, range(10, 14))) == [True] * 4
         a.close()
