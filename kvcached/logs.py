@@ -6,6 +6,21 @@ import logging
 import time
 
 
+def shown(text) -> str:
+    """Words that may come from a client (its name, its layout's name) as a terminal or a log
+    line may carry them: what is not printable escaped, so an escape sequence cannot drive the
+    operator's terminal and a newline cannot forge a log line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
+class TextFormatter(logging.Formatter):
+    """A text line per record: its message printable (shown); a traceback follows as usual."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = shown(record.message)
+        return super().formatMessage(record)
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out = {
@@ -25,7 +40,7 @@ def setup_logging(level: str, fmt: str) -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

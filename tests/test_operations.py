@@ -249,3 +249,21 @@ def test_a_clients_own_words_reach_the_status_table_escaped(run_dir):
         assert "layout engine\\x1b[2J:pool" in table and "eng\\x1b]0;owned\\x07" in table, table
     finally:
         h.stop()
+
+
+def test_a_clients_name_cannot_forge_a_log_line(run_dir):
+    """The daemon logs a client's name at its handshake: a newline in it stays on that line and
+    an escape sequence is escaped, in the text log format (the JSON one quotes them)."""
+    from kvcached_client import Client
+
+    h = launch(instance=unique_instance("o"), run_dir=run_dir, host_cache_gb=0.05)
+    try:
+        with Client.connect(instance=h.instance, run_dir=run_dir, name="eng\n2026-01-01 ERROR FORGED\x1b[2J"):
+            pass
+        wait_until(lambda: "FORGED" in open(h.log_path).read(), 10, "the handshake logged")
+        text = open(h.log_path).read()
+        line = next(line for line in text.splitlines() if "FORGED" in line)
+        assert "[handshake]" in line and "eng\\n2026-01-01 ERROR FORGED\\x1b[2J" in line, line
+        assert "\x1b" not in text
+    finally:
+        h.stop()

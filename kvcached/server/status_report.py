@@ -2,6 +2,8 @@
 line logged every --stats-interval-s, and the table `kvcached status` prints."""
 from __future__ import annotations
 
+from ..logs import shown
+
 
 def degraded(status: dict, lag: float) -> list[str]:
     """What keeps the daemon from serving fully, for operators. Only a stalled request
@@ -33,12 +35,6 @@ def _gib(n: int) -> str:
 
 def _pct(num: int, den: int) -> str:
     return f"{100.0 * num / den:.1f}%" if den else "-"
-
-
-def shown(text: str) -> str:
-    """A client's own words (its name, its layout's name) as a terminal may print them: what is
-    not printable escaped (an escape sequence in a name must not drive the operator's terminal)."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
 def format_status(s: dict) -> str:
