@@ -2,8 +2,8 @@
 the daemon at attach, the link to it, the keys its pages go under, and its zero-copy loads and
 offloads of whole pages by index.
 
-The KV pool is one; a hybrid model's side pools (its Mamba states, its sliding-window KV) are
-others, each on a daemon of its own, since a daemon takes one page geometry (side_pools.py). No
+The KV pool is one; the side pools (a hybrid model's Mamba states and sliding-window KV,
+DeepSeek V3.2's index keys, a draft's KV) are others, each on a daemon of its own, since a daemon takes one page geometry (side_pools.py). No
 call raises: a daemon that is missing, gone, hung or refusing costs misses, counted in the
 backend's `stats` and logged once per kind (storage.py).
 """

@@ -9,9 +9,10 @@ SGLang makes its host pool in memfds ("allocator": "shm"); at attach (on_host_po
 the backend hands the fds to the rank's daemon (kvcached_proto.fd_pass) and registers the
 pool's geometry (pool_layout.py), so `batch_set_v1` / `batch_get_v1` are the daemon's offload
 and load of those pages by index: one copy between SGLang's pool and the daemon's host tier,
-no page bytes on a socket. The daemon's disk and Redis tiers sit behind its host tier. A
-hybrid model's Mamba and sliding-window pools are paged the same way, each through a daemon of
-its own, by SGLang's v2 calls (side_pools.py); each pool's part is a PoolChannel (pool_channel.py).
+no page bytes on a socket. The daemon's disk and Redis tiers sit behind its host tier. The
+side pools (a hybrid model's Mamba and sliding-window pools, DeepSeek V3.2's indexer, a draft's
+KV) are paged the same way, each through a daemon of its own, by SGLang's v2 calls
+(side_pools.py); each pool's part is a PoolChannel (pool_channel.py).
 
 No call raises into SGLang's I/O threads: a daemon that is missing, gone, hung or refusing
 costs misses (False / 0), counted in `stats`, logged once per kind; a daemon that restarts is
