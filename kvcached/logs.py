@@ -10,7 +10,10 @@ def shown(text) -> str:
     """Words that may come from a client (its name, its layout's name) as a terminal or a log
     line may carry them: what is not printable escaped, so an escape sequence cannot drive the
     operator's terminal and a newline cannot forge a log line."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+    text = str(text)
+    if text.isprintable():  # nearly every line: no per-character pass
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class TextFormatter(logging.Formatter):

@@ -72,10 +72,9 @@ class SidePools:
                               "another storage backend")
         return pools
 
-    def side_channels(self) -> dict:
-        """A PoolChannel for each side pool SGLang registered; ConfigError (SGLang's attach
-        fails with it) for a pool kvcached does not serve or cannot page."""
-        pools = self._side_pools()
+    def side_channels(self, pools: dict) -> dict:
+        """A PoolChannel for each of SGLang's side pools (`_side_pools`); ConfigError (SGLang's
+        attach fails with it) for one kvcached cannot page."""
         out: dict = {}
         try:
             for name, pool in pools.items():

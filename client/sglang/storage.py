@@ -53,8 +53,6 @@ class KvcachedHiCacheStorage(side_pools.SidePools, HiCacheStorage):
         self.mem_pool_host = None
         self.kv: PoolChannel | None = None  # the KV pool's
         self.sides: dict = {}  # a hybrid model's side pools' PoolChannels, by SGLang's pool name
-        self.keys: PageKeys | None = None
-        self.page_size = 0
         self._said: set[str] = set()
         self._closing = threading.Event()  # close(): unconfirmed loads are waited for no more
         self._old_pages = False  # the weight version changed; SGLang's pool not cleared since
@@ -75,16 +73,15 @@ class KvcachedHiCacheStorage(side_pools.SidePools, HiCacheStorage):
         cannot map, an extra-config that cannot work). No daemon yet is no error: pages miss
         until one is attached in the background."""
         pool = self.mem_pool_host
-        self._side_pools()  # ConfigError: a side pool kvcached does not serve (before the KV
-        # pool is described: a model with such pools may have no KV pool memory of its own)
+        pools = self._side_pools()  # ConfigError: a side pool kvcached does not serve (before
+        # the KV pool is described: a model with such pools may have no KV pool memory of its own)
         kv = PoolChannel(self, "kv", pool, self.settings.instance)
         try:
-            sides = self.side_channels()  # ConfigError: a side pool kvcached cannot page
+            sides = self.side_channels(pools)  # ConfigError: a side pool kvcached cannot page
         except BaseException:
             kv.close()
             raise
         self.kv = kv
-        self.page_size = pool.page_size
         self._pool_version = sglang_weight_version()
         watching = weight_updates.watch(self)
         self._salt = weight_updates.salt()  # weights updated in this process before the attach
@@ -97,11 +94,15 @@ class KvcachedHiCacheStorage(side_pools.SidePools, HiCacheStorage):
             channel.attach_now()
         self.sides = sides
 
+    @property
+    def keys(self) -> PageKeys | None:
+        """The KV pool's page keys now (None before the attach)."""
+        return self.kv.keys if self.kv is not None else None
+
     def _rekey(self, version: str | None, salt: str, sides: dict | None = None) -> None:
         """Every pool's page keys under SGLang's weight `version` and `salt` (lock held, or
         before any call)."""
-        self.keys = PageKeys(self.config, self.settings, self.kv.kv_layout, version, salt)
-        self.kv.keys = self.keys
+        self.kv.keys = PageKeys(self.config, self.settings, self.kv.kv_layout, version, salt)
         for name, channel in (self.sides if sides is None else sides).items():
             channel.keys = PageKeys(self.config, self.settings, channel.kv_layout, version, salt,
                                     replicated=side_pools.replicated(name, channel.pool, self.config))
