@@ -465,7 +465,9 @@ class Client(KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
         return task
 
     def flush(self, timeout: float | None = None) -> Task:
-        """A task that completes once the storage backups queued so far are written."""
+        """A task that completes once the offloads the daemon accepted so far ended and the
+        storage backups queued so far (theirs included) are written (a daemon before protocol
+        1.11: the backups only)."""
         return Task(self, self._request(Op.FLUSH, timeout)["task"], "flush", {})
 
     def cancel(self, task_id: int, timeout: float | None = None) -> str:

@@ -29,6 +29,29 @@ def test_write_through_selective_waits_for_hits(run_dir, instance, disk_dir):
         h.stop()
 
 
+def test_a_flush_covers_the_offloads_accepted_before_it(run_dir, instance, disk_dir):
+    """What a flush promises a proxy that flushes right after an engine offloaded (disaggregated
+    prefill): the offloads the daemon accepted before the flush are in storage once its event
+    came, even those still copying then. Held by a pause so both are queued, then resumed."""
+    n, parts = 384, 4
+    kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=n)
+    h = start(run_dir, instance, disk_uri(disk_dir), host_gb=0.03)
+    try:
+        with h.connect() as engine, h.connect(role="operator") as proxy:
+            engine.register_kv_cache(kv)
+            keys, per = keys_for(n, 31), n // parts
+            engine.pause()
+            tasks = [engine.offload(list(range(i, i + per)), keys[i:i + per])  # held by the pause
+                     for i in range(0, n, per)]
+            flush = proxy.flush()
+            engine.resume()
+            flush.wait(30)
+            assert len(files(disk_dir)) == n  # without the wait the flush ended first: 0 of them
+            assert [t.wait(10)["stored"] for t in tasks] == [per] * parts
+    finally:
+        h.stop()
+
+
 def test_write_back_writes_only_what_the_host_tier_evicts(run_dir, instance, disk_dir):
     kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=128)
     h = start(run_dir, instance, disk_uri(disk_dir), host_gb=0.0005,  # 16 host blocks

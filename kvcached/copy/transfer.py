@@ -38,7 +38,8 @@ SPLIT_BLOCKS = 2048
 class TaskKind(StrEnum):
     """What a task does; also the name of the worker that runs it. Loads and offloads are the
     engine's copies (and a copier's two directions); fetches and prefetches read storage into
-    the host tier; backups write it; a flush ends when the backups queued before it did."""
+    the host tier; backups write it; a flush ends once the offloads accepted before it ended
+    and the backups queued before it (theirs too) were written."""
     LOAD = "load"
     OFFLOAD = "offload"
     FETCH = "fetch"

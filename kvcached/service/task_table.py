@@ -49,6 +49,7 @@ class TaskTable:
         self.slots_busy: set[int] = set()
         self.counters = TaskCounters()
         self.on_task_end: Callable[[str, float], None] = lambda kind, seconds: None  # metrics
+        self._waiters: list[tuple[set[int], Callable[[], None]]] = []  # when_ended's
         self._ids = itertools.count(1)
         self._slot_cursor = 0
 
@@ -63,6 +64,16 @@ class TaskTable:
                         np.asarray(host_ids, dtype=np.int64), entries)
         self.tasks[task.task_id] = task
         return task
+
+    def when_ended(self, kind: str, then: Callable[[], None]) -> None:
+        """(Lock held.) then() once every task of `kind` in the table now has ended - at once
+        when there is none, else on the thread that ends the last of them (after its end's own
+        work: an offload's backups are queued before its end)."""
+        ids = {tid for tid, t in self.tasks.items() if t.kind == kind}
+        if ids:
+            self._waiters.append((ids, then))
+        else:
+            then()
 
     def take_slot(self) -> int:
         """(Lock held.) A free load-progress slot, round robin; BUSY when none is."""
@@ -79,6 +90,7 @@ class TaskTable:
         with self.lock:
             if self.tasks.pop(task.task_id, None) is None:
                 return
+            ready = self._ended(task.task_id) if self._waiters else ()
             phases = _phases(task, time.monotonic_ns())
             if status == TaskStatus.DONE:
                 self.counters.completed += 1
@@ -103,6 +115,17 @@ class TaskTable:
             log.debug("[task] %d %s %s: %d blocks, %d bytes, %.2f ms%s", task.task_id, task.kind,
                       status, task.num_blocks, task.bytes_moved, seconds * 1e3, said)
         self.events.emit(task.routing_id, task_event(task.task_id, status, result))
+        for then in ready:
+            then()
+
+    def _ended(self, task_id: int) -> list[Callable[[], None]]:
+        """(Lock held.) The when_ended callbacks whose last task was task_id."""
+        for ids, _then in self._waiters:
+            ids.discard(task_id)
+        ready = [then for ids, then in self._waiters if not ids]
+        if ready:
+            self._waiters = [w for w in self._waiters if w[0]]
+        return ready
 
     def cancel_client(self, client_id: str) -> None:
         """Mark every task of a client cancelled (in-flight ones stop at the next layer)."""
