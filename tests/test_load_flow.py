@@ -438,3 +438,33 @@ def test_a_task_whose_start_fails_after_its_reply_ends_failed(flows, spec, monke
     assert ended["status"] == TaskStatus.FAILED and "a bug in route" in ended["result"]["error"]
     assert service._after_reply == []
     _no_pins(loads)
+
+
+def test_when_ended_waits_for_the_tasks_of_its_kind_in_the_table_then_and_no_later_ones():
+    """A flush's wait (TaskTable.when_ended): called once every offload in the table when it was
+    asked has ended, in whatever order they end; an offload that came after it, or a task of
+    another kind, does not hold it; none in the table: at once."""
+    import threading
+
+    table = TaskTable(threading.RLock(), StatusBlock(), Events())
+    client = Client()
+
+    def new(kind):
+        return table.new(kind, client, Req(), [], [], [])
+    fired = []
+    table.when_ended("offload", lambda: fired.append("none"))
+    assert fired == ["none"]
+    a, b, load = new("offload"), new("offload"), new("load")
+    table.when_ended("offload", lambda: fired.append("first"))
+    c = new("offload")  # after the first waiter: holds only the second
+    table.when_ended("offload", lambda: fired.append("second"))
+    table.finish(b, TaskStatus.DONE, {})
+    table.finish(load, TaskStatus.DONE, {})
+    assert fired == ["none"]
+    table.finish(a, TaskStatus.CANCELLED, {})
+    assert fired == ["none", "first"]
+    d = new("offload")  # after both: holds neither
+    table.finish(c, TaskStatus.FAILED, {"error": "x"})
+    assert fired == ["none", "first", "second"]
+    table.finish(d, TaskStatus.DONE, {})
+    assert fired == ["none", "first", "second"] and table._waiters == {}

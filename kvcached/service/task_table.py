@@ -5,6 +5,7 @@ It shares the service's lock (the host tier's), since a task's entries and pins 
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -49,7 +50,8 @@ class TaskTable:
         self.slots_busy: set[int] = set()
         self.counters = TaskCounters()
         self.on_task_end: Callable[[str, float], None] = lambda kind, seconds: None  # metrics
-        self._waiters: list[tuple[set[int], Callable[[], None]]] = []  # when_ended's
+        # when_ended's, per kind: (bound, then) in the order of their bounds (ids only grow)
+        self._waiters: dict[str, collections.deque] = {}
         self._ids = itertools.count(1)
         self._slot_cursor = 0
 
@@ -68,10 +70,11 @@ class TaskTable:
     def when_ended(self, kind: str, then: Callable[[], None]) -> None:
         """(Lock held.) then() once every task of `kind` in the table now has ended - at once
         when there is none, else on the thread that ends the last of them (after its end's own
-        work: an offload's backups are queued before its end)."""
-        ids = {tid for tid, t in self.tasks.items() if t.kind == kind}
-        if ids:
-            self._waiters.append((ids, then))
+        work: an offload's backups are queued before its end). A waiter costs one entry however
+        many tasks it waits for, and an end looks at the oldest waiters only (a flood of flushes
+        behind a paused daemon is a queue, not a set of ids each)."""
+        if any(t.kind == kind for t in self.tasks.values()):
+            self._waiters.setdefault(kind, collections.deque()).append((next(self._ids), then))
         else:
             then()
 
@@ -90,7 +93,7 @@ class TaskTable:
         with self.lock:
             if self.tasks.pop(task.task_id, None) is None:
                 return
-            ready = self._ended(task.task_id) if self._waiters else ()
+            ready = self._ended(task.kind) if task.kind in self._waiters else ()
             phases = _phases(task, time.monotonic_ns())
             if status == TaskStatus.DONE:
                 self.counters.completed += 1
@@ -118,13 +121,16 @@ class TaskTable:
         for then in ready:
             then()
 
-    def _ended(self, task_id: int) -> list[Callable[[], None]]:
-        """(Lock held.) The when_ended callbacks whose last task was task_id."""
-        for ids, _then in self._waiters:
-            ids.discard(task_id)
-        ready = [then for ids, then in self._waiters if not ids]
-        if ready:
-            self._waiters = [w for w in self._waiters if w[0]]
+    def _ended(self, kind: str) -> list[Callable[[], None]]:
+        """(Lock held; a task of `kind` just ended.) The when_ended callbacks all of whose tasks
+        have ended: those whose bound is at most the oldest task of `kind` still in the table."""
+        waiters = self._waiters[kind]
+        oldest = min((tid for tid, t in self.tasks.items() if t.kind == kind), default=None)
+        ready = []
+        while waiters and (oldest is None or waiters[0][0] <= oldest):
+            ready.append(waiters.popleft()[1])
+        if not waiters:
+            del self._waiters[kind]
         return ready
 
     def cancel_client(self, client_id: str) -> None:
