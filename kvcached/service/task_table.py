@@ -52,6 +52,8 @@ class TaskTable:
         self.on_task_end: Callable[[str, float], None] = lambda kind, seconds: None  # metrics
         # when_ended's, per kind: (bound, then) in the order of their bounds (ids only grow)
         self._waiters: dict[str, collections.deque] = {}
+        # the ids of each kind's tasks in the table (new()'s), oldest first: a lookup, not a scan
+        self._live: dict[str, dict[int, None]] = {}
         self._ids = itertools.count(1)
         self._slot_cursor = 0
 
@@ -65,15 +67,17 @@ class TaskTable:
                         req.body.get("priority", 0), np.asarray(dev_blocks, dtype=np.int64),
                         np.asarray(host_ids, dtype=np.int64), entries)
         self.tasks[task.task_id] = task
+        self._live.setdefault(kind, {})[task.task_id] = None
         return task
 
     def when_ended(self, kind: str, then: Callable[[], None]) -> None:
-        """(Lock held.) then() once every task of `kind` in the table now has ended - at once
-        when there is none, else on the thread that ends the last of them (after its end's own
-        work: an offload's backups are queued before its end). A waiter costs one entry however
-        many tasks it waits for, and an end looks at the oldest waiters only (a flood of flushes
-        behind a paused daemon is a queue, not a set of ids each)."""
-        if any(t.kind == kind for t in self.tasks.values()):
+        """(Lock held.) then() once every task of `kind` in the table now (new()'s) has ended -
+        at once when there is none, else on the thread that ends the last of them (after its
+        end's own work: an offload's backups are queued before its end). A waiter costs one
+        entry however many tasks it waits for, and an end looks at the oldest waiters only (a
+        flood of flushes behind a paused daemon is a queue, not a set of ids each, nor a scan
+        of the table)."""
+        if self._live.get(kind):
             self._waiters.setdefault(kind, collections.deque()).append((next(self._ids), then))
         else:
             then()
@@ -93,6 +97,7 @@ class TaskTable:
         with self.lock:
             if self.tasks.pop(task.task_id, None) is None:
                 return
+            self._live.get(task.kind, {}).pop(task.task_id, None)
             ready = self._ended(task.kind) if task.kind in self._waiters else ()
             phases = _phases(task, time.monotonic_ns())
             if status == TaskStatus.DONE:
@@ -125,7 +130,7 @@ class TaskTable:
         """(Lock held; a task of `kind` just ended.) The when_ended callbacks all of whose tasks
         have ended: those whose bound is at most the oldest task of `kind` still in the table."""
         waiters = self._waiters[kind]
-        oldest = min((tid for tid, t in self.tasks.items() if t.kind == kind), default=None)
+        oldest = next(iter(self._live.get(kind, ())), None)
         ready = []
         while waiters and (oldest is None or waiters[0][0] <= oldest):
             ready.append(waiters.popleft()[1])
