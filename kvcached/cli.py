@@ -76,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "its keys (and it, unless sticky) must be the daemon user's or root's "
                             "and not group/world-writable")
     serve.add_argument("--max-queued-tasks", type=int, default=S,
-                       help="waiting copy tasks (queued, or parked on another task's fetch) before "
-                            "requests get BUSY (default: 4096)")
+                       help="waiting tasks (copies queued or parked on another task's fetch, "
+                            "flushes not ended) before requests get BUSY (default: 4096)")
     serve.add_argument("--max-connections", type=int, default=S,
                        help="connections per request socket; more are refused, with a logged "
                             "reason (default: 1024, at most half the open-files limit)")

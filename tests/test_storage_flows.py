@@ -52,6 +52,38 @@ def test_a_flush_covers_the_offloads_accepted_before_it(run_dir, instance, disk_
         h.stop()
 
 
+def test_flushes_waiting_count_against_the_queue_cap(run_dir, instance, disk_dir):
+    """A flush waits (behind a held offload here; behind backups a hung tier holds, in a
+    deployment) in the table: a careless proxy flushing in a loop gets BUSY past
+    --max-queued-tasks instead of growing the daemon without bound; the refused ones change
+    nothing and the others end once the offload did."""
+    from kvcached_client import RequestError
+
+    kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=16)
+    h = start(run_dir, instance, disk_uri(disk_dir), extra=["--max-queued-tasks", "4"])
+    try:
+        with h.connect() as engine, h.connect(role="operator") as proxy:
+            engine.register_kv_cache(kv)
+            keys = keys_for(4, 33)
+            engine.pause()
+            offload = engine.offload([0, 1, 2, 3], keys)  # queued: 1
+            flushes = [proxy.flush() for _ in range(3)]  # waiting on it: 2, 3, 4
+            for _ in range(5):
+                with pytest.raises(RequestError, match="BUSY.*max-queued-tasks"):
+                    proxy.flush()
+            with pytest.raises(RequestError, match="BUSY"):
+                engine.offload([4], keys_for(1, 34))
+            engine.resume()
+            assert offload.wait(10)["stored"] == 4
+            for f in flushes:
+                f.wait(10)
+            assert len(files(disk_dir)) == 4
+            assert load_state(engine) == (0, 0, 0, 0, "ok")
+            proxy.flush().wait(10)  # the cap counts waiting flushes only
+    finally:
+        h.stop()
+
+
 def test_write_back_writes_only_what_the_host_tier_evicts(run_dir, instance, disk_dir):
     kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=128)
     h = start(run_dir, instance, disk_uri(disk_dir), host_gb=0.0005,  # 16 host blocks

@@ -17,9 +17,9 @@ from typing import Callable
 import torch
 
 from kvcached_proto import OP_SPECS, ErrorCode, Op
-from kvcached_proto.replies import (CancelReply, ClearReply, DeleteReply, Empty, KeyEventsReply,
-                                    LoadReply, LookupReply, OffloadReply, PrefetchReply,
-                                    RegisterKvReply)
+from kvcached_proto.replies import (CancelReply, ClearReply, DeleteReply, Empty, FlushReply,
+                                    KeyEventsReply, LoadReply, LookupReply, OffloadReply,
+                                    PrefetchReply, RegisterKvReply)
 from kvcached_proto.shm_layout import NUM_SLOTS, Flag, State
 
 from ..config import DaemonConfig
@@ -97,7 +97,7 @@ class CacheService:
             Op.KEY_EVENTS: self._key_events,
             Op.LOAD: self._load,
             Op.PREFETCH: self._prefetch,
-            Op.FLUSH: self.storage.flush,
+            Op.FLUSH: self._flush,
             Op.CANCEL: self._cancel,
             Op.DELETE: self._delete,
             Op.CLEAR: self._clear,
@@ -244,10 +244,13 @@ class CacheService:
         return blocks, self._fence(kv, req)
 
     def _check_queue(self) -> None:
-        """BUSY past --max-queued-tasks waiting tasks: those queued on a worker and those parked
-        on another task's write (prefetches of keys on their way take no load slot)."""
+        """BUSY past --max-queued-tasks waiting tasks: those queued on a worker, those parked
+        on another task's write (prefetches of keys on their way take no load slot) and the
+        flushes not ended (each waits behind backups a hung tier may hold for long)."""
         queued = sum(w.queued for w in (self.loads.worker, self.offloads.worker, self.storage.fetcher))
         queued += len(self.loads.parked)
+        with self.host.lock:
+            queued += self.table.live(TaskKind.FLUSH)
         if queued >= self.cfg.max_queued_tasks:
             raise OpError(ErrorCode.BUSY, f"{self.cfg.max_queued_tasks} tasks queued "
                           "(--max-queued-tasks); retry later")
@@ -333,6 +336,10 @@ class CacheService:
     def _prefetch(self, client, req) -> PrefetchReply:
         self._check_queue()
         return self.storage.prefetch(client, req)
+
+    def _flush(self, client, req) -> FlushReply:
+        self._check_queue()
+        return self.storage.flush(client, req)
 
     def _offload(self, client, req) -> OffloadReply:
         return self.offloads.start(client, req, *self._checked(client, req))

@@ -267,7 +267,7 @@ class StorageFlow:
         task = CopyTask(self.table.next_id(), TaskKind.FLUSH, client.client_id, client.routing_id,
                         -1000, np.zeros(0, np.int64), np.zeros(0, np.int64), [])
         with self.host.lock:  # after the offloads accepted before it: their backups queued
-            self.table.tasks[task.task_id] = task
+            self.table.add(task)
             self.table.when_ended(TaskKind.OFFLOAD, lambda: self.backer.submit(task))
         return FlushReply(task=task.task_id)
 

@@ -66,9 +66,17 @@ class TaskTable:
         task = CopyTask(next(self._ids), kind, client.client_id, client.routing_id,
                         req.body.get("priority", 0), np.asarray(dev_blocks, dtype=np.int64),
                         np.asarray(host_ids, dtype=np.int64), entries)
-        self.tasks[task.task_id] = task
-        self._live.setdefault(kind, {})[task.task_id] = None
+        self.add(task)
         return task
+
+    def add(self, task: CopyTask) -> None:
+        """(Lock held.) A task made elsewhere (a flush) in the table, until its finish()."""
+        self.tasks[task.task_id] = task
+        self._live.setdefault(task.kind, {})[task.task_id] = None
+
+    def live(self, kind: str) -> int:
+        """(Lock held.) How many tasks of `kind` are in the table."""
+        return len(self._live.get(kind, ()))
 
     def when_ended(self, kind: str, then: Callable[[], None]) -> None:
         """(Lock held.) then() once every task of `kind` in the table now (new()'s) has ended -
