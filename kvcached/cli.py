@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "flushes not ended) before requests get BUSY (default: 4096)")
     serve.add_argument("--max-connections", type=int, default=S,
                        help="connections per request socket; more are refused, with a logged "
-                            "reason (default: 1024, at most half the open-files limit)")
+                            "reason (default: 1024; every socket's together, the status "
+                            "socket's 64 included, at most half the open-files limit)")
     serve.add_argument("--max-connections-per-peer", type=int, default=S,
                        help="connections per process (ipc) or address (TCP) (default: 64)")
     serve.add_argument("--storage", action="append", default=S, metavar="URI",

@@ -11,7 +11,9 @@ runs as its own uid, by SO_PEERCRED). One connection carries one message:
 
 The token names those fds for a `register_kv` that follows: its layout's allocations are
 `{"kind": "fd", "token": T, "index": i, "size": bytes}` (layout.py). The daemon keeps unclaimed
-fds for TOKEN_TTL_S at most, and at most MAX_PENDING tokens; a registration takes them (maps
+fds for TOKEN_TTL_S at most, and at most MAX_PENDING tokens holding MAX_PENDING_FDS fds in all
+(past either a message is refused, "retry later": the daemon's files are not the engines' to
+fill); a registration takes them (maps
 what it names and closes them all), so the daemon holds no fd of the engine's afterwards, only
 the mappings until the KV is unregistered.
 """
@@ -27,6 +29,7 @@ from .paths import fd_socket_path  # noqa: F401  (where the socket is)
 MAGIC = b"KVCFDS1\0"
 MAX_FDS = 64           # fds in one message
 MAX_PENDING = 16       # tokens not claimed yet
+MAX_PENDING_FDS = 2 * MAX_FDS  # their fds, all together
 TOKEN_TTL_S = 60.0     # an unclaimed token's fds are closed after this
 REPLY_MAX = 512
 TOKEN_RE = re.compile(r"^[0-9a-f]{32}$")

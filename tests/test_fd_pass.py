@@ -21,7 +21,8 @@ from kvcached.server.status_report import format_status
 from kvcached_client.host_memory import register_host_memory
 from kvcached_client.kv_alloc import unlink_kv_cache
 from kvcached_proto import ErrorCode, RequestError, TaskFailed
-from kvcached_proto.fd_pass import MAGIC, MAX_PENDING, FdPassError, fd_socket_path, send_fds
+from kvcached_proto.fd_pass import (MAGIC, MAX_FDS, MAX_PENDING, MAX_PENDING_FDS, FdPassError, fd_socket_path,
+                                   send_fds)
 
 N, B = 16, 8192  # blocks, bytes per block and part
 
@@ -163,6 +164,26 @@ def test_sets_of_fds_past_the_cap_are_refused_and_closed(daemon):
     with pytest.raises(FdPassError, match="retry later"):
         send_fds(path, [fd])
     assert _fds(daemon.pid, POOL) == MAX_PENDING  # the refused one closed before the answer
+    os.close(fd)
+
+
+@pytest.mark.faults
+def test_fds_waiting_are_capped_in_all_not_only_per_set(daemon):
+    """Full sets of 64 fds: past MAX_PENDING_FDS waiting in all the next set is refused and
+    closed, though fewer than MAX_PENDING sets wait (16 sets of 64 took 960 of a 1,024-file
+    daemon's files, and its next accepted connection aborted it)."""
+    path = fd_socket_path(daemon.run_dir, daemon.instance)
+    fd, _ = _memfd(4096)
+    sets = MAX_PENDING_FDS // MAX_FDS
+    assert sets < MAX_PENDING
+    for _ in range(sets):
+        send_fds(path, [fd] * MAX_FDS)
+    assert _fds(daemon.pid, POOL) == MAX_PENDING_FDS
+    with pytest.raises(FdPassError, match="retry later"):
+        send_fds(path, [fd] * MAX_FDS)
+    with pytest.raises(FdPassError, match="retry later"):
+        send_fds(path, [fd])
+    assert _fds(daemon.pid, POOL) == MAX_PENDING_FDS  # the refused ones closed before the answer
     os.close(fd)
 
 

@@ -113,6 +113,35 @@ def test_a_flood_of_ipc_connections_is_refused_past_the_caps_and_the_daemon_live
         assert d.stop() == 0, d.text()
 
 
+def test_a_flood_of_status_socket_connections_is_refused_past_its_cap_and_the_daemon_lives(run_dir, instance):
+    """The status socket (what `kvcached status` asks) is capped like the request socket: 1,200
+    silent connections from two processes into a 1,024-file daemon - before, it accepted them
+    all and libzmq's accept aborted it (-6) - and the status and an engine are served."""
+    from kvcached.cli import fetch_status
+
+    d = _LimitedDaemon(run_dir, instance)
+    try:
+        sock = os.path.join(run_dir, f"{instance}.status.sock")
+        flood = [hold_connections("ipc", sock, 600), hold_connections("ipc", sock, 600)]
+        try:
+            with d.connect(timeout=5) as c:
+                assert c.ping() >= 0
+                conns = c.status()["connections"]
+                assert conns["open"] <= 2 * 8 + 1 and conns["refused"] >= 1200 - 2 * 8, conns
+            assert d.proc.poll() is None
+            # a process's share of the status socket is 8: `kvcached status` is answered
+            assert fetch_status(instance, run_dir, timeout=5)["pid"] == d.proc.pid
+        finally:
+            release_connections(flood)
+        assert d.proc.poll() is None
+        with d.connect(timeout=5) as c:
+            wait_until(lambda: c.status()["connections"]["open"] == 1, 10, "the flood's connections gone")
+            assert c.ping() >= 0
+        assert ".status.sock: it has 8 connections open on this socket" in d.text()
+    finally:
+        assert d.stop() == 0, d.text()
+
+
 def test_past_the_connection_cap_newcomers_are_refused_and_those_in_keep_their_service(run_dir, instance):
     d = _LimitedDaemon(run_dir, instance, "--max-connections", "40", "--max-connections-per-peer", "1000")
     try:

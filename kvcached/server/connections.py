@@ -5,7 +5,9 @@ At start the open-files limit is raised to its hard limit. Every accepted connec
 monitor's ACCEPTED event) is counted per request socket and per peer - a process (SO_PEERCRED)
 on the ipc socket, an address on TCP; one past `max_connections` (bounded by the files limit
 less a reserve for the daemon's own files) or past `max_per_peer` is shut down at once with a
-logged reason, and zmq closes it. Connections that never finish their handshake are closed
+logged reason, and zmq closes it. The status socket is guarded the same way, with a cap of its
+own (STATUS_CONNECTIONS, STATUS_PER_PEER a process); all the listeners' caps together stay
+under half the files limit. Connections that never finish their handshake are closed
 by zmq after HANDSHAKE_MS. A DISCONNECTED event uncounts one.
 
 An fd number is reused as soon as it is closed, so an ACCEPTED fd is acted on only while its
@@ -29,6 +31,8 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 FD_RESERVE = 256  # files the daemon needs besides connections: storage, segments, threads
+STATUS_CONNECTIONS = 64  # the status socket's (status CLIs and pollers: few, short-lived)
+STATUS_PER_PEER = 8  # one process's on the status socket: a flooder leaves room for the others
 HANDSHAKE_MS = 5000
 STRIKES = 3
 LOG_EVERY_S = 5.0  # one line per peer this often; a flood of refusals is counted, not logged
@@ -48,9 +52,13 @@ def raise_files_limit() -> int:
     return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
-def connection_cap(wanted: int, files_limit: int) -> int:
-    """At most `wanted`, and never so many that connections could take the daemon's reserve."""
-    return max(8, min(wanted, files_limit - FD_RESERVE, files_limit // 2))
+def connection_caps(wanted: int, files_limit: int, request_listeners: int = 1) -> tuple[int, int]:
+    """(per request listener, the status socket's): each request listener at most `wanted`,
+    and every listener's together at most half the files limit, never the reserve - so that
+    no flood of connections, on any of the daemon's zmq sockets, can take its last files."""
+    budget = min(files_limit - FD_RESERVE, files_limit // 2)
+    status = max(8, min(STATUS_CONNECTIONS, budget // 8))
+    return max(8, min(wanted, (budget - status) // max(1, request_listeners))), status
 
 
 @dataclass
@@ -82,6 +90,8 @@ def _local(sock: socket.socket, endpoint: str) -> bool:
 class ConnectionGuard:
     def __init__(self, max_connections: int, max_per_peer: int):
         self.max_connections, self.max_per_peer = max_connections, max_per_peer
+        self._caps: dict[str, tuple[int, str, int]] = {}  # a listener's own caps, and what they are
+        self._on_listener: Counter = Counter()  # (listener, peer) -> open, where capped apart
         self._open: dict[int, _Conn] = {}
         self._per_listener: Counter = Counter()
         self._per_peer: Counter = Counter()
@@ -110,6 +120,8 @@ class ConnectionGuard:
             self._open[fd] = _Conn(endpoint, peer)
             self._per_listener[endpoint] += 1
             self._per_peer[peer] += 1
+            if endpoint in self._caps:
+                self._on_listener[endpoint, peer] += 1
         except OSError as exc:  # gone meanwhile
             log.debug("[clients] accepted connection %d gone before it was counted: %s", fd, exc)
         finally:
@@ -127,10 +139,18 @@ class ConnectionGuard:
         if len(self._said) > 4096:  # peers come and go: forget the quiet ones
             self._said = {p: v for p, v in self._said.items() if now - v[0] < LOG_EVERY_S}
 
+    def limit(self, endpoint: str, cap: int, what: str, per_peer: int) -> None:
+        """`endpoint`'s connections are capped at `cap` (said as `what`), not max_connections,
+        and each peer's on it at `per_peer` (besides max_per_peer over every listener)."""
+        self._caps[endpoint] = (cap, what, per_peer)
+
     def _over(self, endpoint: str, peer: str) -> str:
-        if self._per_listener[endpoint] >= self.max_connections:
-            return (f"{self._per_listener[endpoint]} connections are open (--max-connections "
-                    f"{self.max_connections}, bounded by the open-files limit)")
+        cap, what, per_peer = self._caps.get(endpoint, (self.max_connections, "--max-connections", 0))
+        if self._per_listener[endpoint] >= cap:
+            return (f"{self._per_listener[endpoint]} connections are open ({what} {cap}, "
+                    "bounded by the open-files limit)")
+        if per_peer and self._on_listener[endpoint, peer] >= per_peer:
+            return f"it has {per_peer} connections open on this socket, its cap per process"
         if self._per_peer[peer] >= self.max_per_peer:
             return (f"it has {self._per_peer[peer]} connections open "
                     f"(--max-connections-per-peer {self.max_per_peer})")
@@ -183,6 +203,10 @@ class ConnectionGuard:
     def _uncount(self, conn: _Conn) -> None:
         self._per_listener[conn.listener] -= 1
         self._per_peer[conn.peer] -= 1
+        if conn.listener in self._caps:
+            self._on_listener[conn.listener, conn.peer] -= 1
+            if not self._on_listener[conn.listener, conn.peer]:
+                del self._on_listener[conn.listener, conn.peer]
 
     def status(self) -> dict:
         return {"open": len(self._open), "refused": self.refused, "max": self.max_connections,

@@ -36,7 +36,7 @@ from ..service.cache_service import CacheService
 from .access import ClientInfo, check_admin, check_kv_owner
 from .control import ControlWorker
 from .kv_sweep import sweep_kv_segments
-from .connections import ConnectionGuard, connection_cap, raise_files_limit
+from .connections import STATUS_PER_PEER, ConnectionGuard, connection_caps, raise_files_limit
 from .metrics import Metrics
 from .fd_inbox import FdInbox
 from .daemon_stop import StopsDaemon
@@ -73,7 +73,8 @@ class Daemon(StopsDaemon):
         self._ctx: zmq.Context | None = None
         self._router: zmq.Socket | None = None
         self._curve_router: zmq.Socket | None = None  # TCP with CURVE, when keys are given
-        self._monitors: list[zmq.Socket] = []  # ACCEPTED/DISCONNECTED events of the request sockets
+        self._monitors: list[zmq.Socket] = []  # ACCEPTED/DISCONNECTED of the request and status sockets
+        self._status_ep = ""
         self.connections: ConnectionGuard | None = None
         self._fd_clients: dict[int, bytes] = {}  # connection fd -> routing id (said hello)
         self._last_fd = -1
@@ -116,10 +117,11 @@ class Daemon(StopsDaemon):
         machine.check_device(cfg.device)
         machine.check_host_memory(cfg.host_cache_bytes)
         files = raise_files_limit()
-        self.connections = ConnectionGuard(connection_cap(cfg.max_connections, files),
-                                           cfg.max_connections_per_peer)
-        log.info("[startup] open-files limit %d: at most %d connections per socket, %d per peer",
-                 files, self.connections.max_connections, self.connections.max_per_peer)
+        per_socket, status_cap = connection_caps(cfg.max_connections, files, 1 + len(cfg.listen))
+        self.connections = ConnectionGuard(per_socket, cfg.max_connections_per_peer)
+        log.info("[startup] open-files limit %d: at most %d connections per request socket, %d on "
+                 "the status socket, %d per peer", files, self.connections.max_connections,
+                 status_cap, self.connections.max_per_peer)
         prepare_run_dir(cfg.run_dir)
         self._lock_fd = take_instance_lock(cfg.run_dir, cfg.instance)
         sweep_socket_files(cfg.run_dir, cfg.instance)
@@ -146,6 +148,9 @@ class Daemon(StopsDaemon):
         self._status_thread = StatusThread(
             self._ctx, status_endpoint(cfg.run_dir, cfg.instance), self.status
         )
+        self._status_ep = self._status_thread.endpoint
+        self.connections.limit(self._status_ep, status_cap, "the status socket's cap", STATUS_PER_PEER)
+        self._monitors.append(self._status_thread.monitor)
         self._status_thread.start()
         self.fd_inbox = FdInbox(fd_socket_path(cfg.run_dir, cfg.instance))  # engines' memfds
         self.fd_inbox.start()
@@ -230,7 +235,8 @@ class Daemon(StopsDaemon):
                 self.connections.accepted(fd, endpoint)
             else:
                 self.connections.closed(fd, endpoint)
-                self._on_disconnect(fd, endpoint)
+                if endpoint != self._status_ep:  # (no client's: a status reader's)
+                    self._on_disconnect(fd, endpoint)
 
     def _on_disconnect(self, fd: int, endpoint: str) -> None:
         """A client's connection closed (it died, in any pid namespace): release its work. Only

@@ -7,7 +7,9 @@ A peer of another uid (SO_PEERCRED) is refused, and a message that is not the pr
 whatever fds came with it closed.
 The fds wait under a random token until a `register_kv` claims them (claim() hands them over
 whole: the registration maps what it names and closes them all) or until TOKEN_TTL_S passes;
-at most MAX_PENDING tokens wait, so a flood of fds costs the daemon a bounded number of files.
+at most MAX_PENDING tokens wait, holding MAX_PENDING_FDS fds in all, so a flood of fds costs the
+daemon a bounded number of files (16 sets of 64 took 960 of a 1,024-file daemon, and its next
+accepted connection aborted it).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import struct
 import threading
 import time
 
-from kvcached_proto.fd_pass import MAX_FDS, MAX_PENDING, TOKEN_TTL_S, parse_request
+from kvcached_proto.fd_pass import MAX_FDS, MAX_PENDING, MAX_PENDING_FDS, TOKEN_TTL_S, parse_request
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +132,10 @@ class FdInbox(threading.Thread):
         with self._lock:
             if why is None and len(self._pending) >= MAX_PENDING:
                 why = f"{MAX_PENDING} sets of fds wait to be registered; retry later"
+            held = sum(len(got) for _at, got in self._pending.values())
+            if why is None and held + len(fds) > MAX_PENDING_FDS:
+                why = (f"{held} fds wait to be registered, {len(fds)} more would pass "
+                       f"{MAX_PENDING_FDS}; retry later")
             if why is None:
                 token = secrets.token_hex(16)
                 self._pending[token] = (time.monotonic(), fds)

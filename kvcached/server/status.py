@@ -20,6 +20,9 @@ class StatusThread(threading.Thread):
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
         self._sock.bind(endpoint)
+        self.endpoint = endpoint
+        # its connections, counted and capped by the daemon's loop like the request sockets'
+        self.monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
         self._snapshot = snapshot
         self._stopping = threading.Event()
 
