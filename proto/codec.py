@@ -14,6 +14,8 @@ from .errors import ProtocolError
 from .ops import ErrorCode
 
 KEY_BYTES = 16
+_KEY_DTYPE = np.dtype(f"V{KEY_BYTES}")  # raw bytes: tolist() gives them whole (S16 strips NULs)
+EAGER_KEYS = 256  # PackedKeys of up to this many keys are cut whole when iterated
 MAX_FRAME_BYTES = 8 << 20  # 8 MiB: 64 Ki keys (1 MiB) plus block ids with room to spare
 MAX_KEYS_PER_REQUEST = 65536
 MAX_BLOCKS_PER_REQUEST = 65536
@@ -73,7 +75,7 @@ class PackedKeys(Sequence):
     __slots__ = ("blob", "n")
 
     def __init__(self, blob: bytes):
-        self.blob = blob
+        self.blob = blob if type(blob) is bytes else bytes(blob)  # keys are bytes, whatever came
         self.n = len(blob) // KEY_BYTES
 
     def __len__(self) -> int:
@@ -92,6 +94,11 @@ class PackedKeys(Sequence):
         return self.blob[i * KEY_BYTES : (i + 1) * KEY_BYTES]
 
     def __iter__(self):
+        if self.n <= EAGER_KEYS:  # cut all at once in C: a 64-key lookup's walk took twice
+            return iter(np.frombuffer(self.blob, _KEY_DTYPE).tolist())  # the time as a generator
+        return self._lazy()
+
+    def _lazy(self):
         blob = self.blob
         for start in range(0, self.n * KEY_BYTES, KEY_BYTES):
             yield blob[start : start + KEY_BYTES]

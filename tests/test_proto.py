@@ -6,6 +6,8 @@ import msgpack
 import numpy as np
 import pytest
 
+from kvcached_proto.codec import EAGER_KEYS
+
 from kvcached_proto import (
     MAX_FRAME_BYTES,
     OP_SPECS,
@@ -73,6 +75,24 @@ def test_keys_and_block_ids_round_trip():
     packed = pack_block_ids(ids)
     assert packed == np.array(ids, dtype="<i4").tobytes()
     assert unpack_block_ids(packed).tolist() == ids
+
+
+@pytest.mark.parametrize("n", [0, 1, 64, EAGER_KEYS, EAGER_KEYS + 1, 1000])
+def test_packed_keys_iterate_to_the_exact_digests_cut_at_once_or_lazily(n):
+    """Up to EAGER_KEYS keys are cut in one numpy call, more one at a time; either way every
+    byte of every key comes back - NULs at either end included (a fixed-size bytes dtype
+    would strip the trailing ones) - and a frame's buffer serves as well as bytes."""
+    rng = np.random.default_rng(n)
+    keys = [rng.bytes(16) for _ in range(n)]
+    for i in range(0, n, 3):
+        keys[i] = keys[i][:12] + b"\0" * 4
+    for i in range(1, n, 5):
+        keys[i] = b"\0" * 4 + keys[i][4:]
+    blob = pack_keys(keys)
+    for packed in (unpack_keys(blob), unpack_keys(memoryview(blob))):
+        got = list(packed)
+        assert got == keys and all(type(k) is bytes and len(k) == 16 for k in got)
+        assert list(packed[1:]) == keys[1:]
 
 
 @pytest.mark.parametrize("blob", [b"\x00" * 15, b"\x00" * 17])
