@@ -29,6 +29,20 @@ def encode(message: dict) -> bytes:
     return msgpack.packb(message, use_bin_type=True)
 
 
+def encode_with(message: dict, name: str, encoded: bytes) -> bytes:
+    """encode({**message, name: value}) where `encoded` is encode(value), done once for many
+    messages (a status served to every request for a while). `message` has under 15 fields."""
+    if len(message) >= 15 or name in message:
+        raise ValueError("encode_with: a map of under 15 fields without the added one")
+    parts = [bytes([0x80 | (len(message) + 1)])]  # a fixmap header
+    for key, value in message.items():
+        parts.append(encode(key))
+        parts.append(encode(value))
+    parts.append(encode(name))
+    parts.append(encoded)
+    return b"".join(parts)
+
+
 def decode(frame: bytes) -> dict:
     """Decode one frame into a map, or raise ProtocolError (BAD_FRAME / FRAME_TOO_LARGE)."""
     if len(frame) > MAX_FRAME_BYTES:

@@ -5,6 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import os
+import time
 
 from kvcached_proto import MAX_FRAME_BYTES, ErrorCode, Op, encode, make_request, pack_block_ids, pack_keys
 from rawsock import RawSocket
@@ -178,3 +179,46 @@ def test_the_status_socket_answers_status_and_refuses_any_other_op_with_a_code(d
             assert reply["ok"] and reply["status"]["instance"] == daemon.instance, reply
         else:
             assert not reply["ok"] and reply["error"]["code"] == want, reply
+
+
+def test_a_status_snapshot_serves_every_request_for_its_share_then_a_new_one_is_taken(tmp_path):
+    """The status socket takes a snapshot (under the daemon's host lock) at most once per
+    SHARE_S, however fast it is asked: 400 requests back to back cost a few snapshots, each
+    reply carries its own rid, and a request after SHARE_S sees what changed. A real REP
+    socket on its own thread, a snapshot that counts its calls."""
+    import zmq
+
+    from kvcached.server.status import SHARE_S, StatusThread
+    from kvcached_proto import Op, decode, encode, make_request
+
+    taken = []
+
+    def snapshot():
+        taken.append(time.monotonic())
+        return {"instance": "t", "taken": len(taken)}
+
+    ctx = zmq.Context()
+    endpoint = f"ipc://{tmp_path}/s.status.sock"
+    thread = StatusThread(ctx, endpoint, snapshot)
+    thread.start()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(endpoint)
+    try:
+        t0 = time.monotonic()
+        for rid in range(400):
+            sock.send(encode(make_request(Op.STATUS, rid, "probe")))
+            reply = decode(sock.recv())
+            assert reply["ok"] and reply["rid"] == rid and reply["status"]["instance"] == "t", reply
+        elapsed = time.monotonic() - t0
+        assert 1 <= len(taken) <= elapsed / SHARE_S + 2, (len(taken), elapsed)
+        seen = reply["status"]["taken"]
+        time.sleep(SHARE_S * 1.5)
+        sock.send(encode(make_request(Op.STATUS, 999, "probe")))
+        assert decode(sock.recv())["status"]["taken"] == seen + 1  # a new snapshot, not the old
+    finally:
+        sock.close()
+        thread.monitor.close()
+        thread.stop()
+        ctx.term()

@@ -77,6 +77,19 @@ def test_keys_and_block_ids_round_trip():
     assert unpack_block_ids(packed).tolist() == ids
 
 
+def test_a_value_encoded_once_joins_each_message_as_if_encoded_with_it():
+    from kvcached_proto.codec import encode_with
+
+    value = {"host": {"blocks": 3, "layout": "layer_first"}, "key": b"\0" * 16, "clients": [1, None]}
+    for message in ({}, {"rid": 2**40, "ok": True}, {f"f{i}": i for i in range(14)}):
+        got = encode_with(message, "status", msgpack.packb(value, use_bin_type=True))
+        assert msgpack.unpackb(got, raw=False) == {**message, "status": value}
+    with pytest.raises(ValueError):
+        encode_with({f"f{i}": i for i in range(15)}, "status", b"\xc0")
+    with pytest.raises(ValueError):
+        encode_with({"status": 1}, "status", b"\xc0")
+
+
 @pytest.mark.parametrize("n", [0, 1, 64, EAGER_KEYS, EAGER_KEYS + 1, 1000])
 def test_packed_keys_iterate_to_the_exact_digests_cut_at_once_or_lazily(n):
     """Up to EAGER_KEYS keys are cut in one numpy call, more one at a time; either way every

@@ -1,16 +1,25 @@
-"""The status socket: a REP socket on its own thread, so a busy data path cannot starve it."""
+"""The status socket: a REP socket on its own thread, so a busy data path cannot starve it.
+
+A snapshot (taken under the host lock) and its encoding serve every request for SHARE_S: a
+process asking in a loop - status pollers gone wrong, a flood - costs the daemon at most 1 /
+SHARE_S snapshots a second, not one per request (4 processes asking as fast as they could took
+the other clients' lookups from 225 to 410 us p50 and 0.3 to 1.5 ms p99 on 2 cores)."""
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 import zmq
 
 from kvcached_proto import ErrorCode, Op, ProtocolError, decode_request, encode, ok_reply
+from kvcached_proto.codec import encode_with
 from kvcached_proto.messages import parse_request, reply_for
 
 log = logging.getLogger(__name__)
+
+SHARE_S = 0.02  # how long one snapshot answers every status request
 
 
 class StatusThread(threading.Thread):
@@ -24,6 +33,7 @@ class StatusThread(threading.Thread):
         # its connections, counted and capped by the daemon's loop like the request sockets'
         self.monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
         self._snapshot = snapshot
+        self._shared: tuple[float, bytes] | None = None  # (taken at, the status encoded)
         self._stopping = threading.Event()
 
     def run(self) -> None:
@@ -32,26 +42,33 @@ class StatusThread(threading.Thread):
                 if not self._sock.poll(100):
                     continue
                 frame = self._sock.recv()
-                self._sock.send(encode(self._answer(frame)))
+                self._sock.send(self._answer(frame))
         except zmq.ZMQError as exc:
             if not self._stopping.is_set():
                 log.error("[status] status socket failed: %s", exc)
         finally:
             self._sock.close(linger=0)
 
-    def _answer(self, frame: bytes) -> dict:
+    def _answer(self, frame: bytes) -> bytes:
         rid = 0
         try:
             req = parse_request(decode_request(frame, {}))
             rid = req.rid
             if req.op != Op.STATUS:
                 raise ProtocolError(ErrorCode.UNKNOWN_OP, "the status socket answers status only")
-            return ok_reply(rid, status=self._snapshot())
+            return encode_with(ok_reply(rid), "status", self._status())
         except ProtocolError as exc:
-            return reply_for(rid, exc)
+            return encode(reply_for(rid, exc))
         except Exception as exc:
             log.exception("[status] building the status failed")
-            return reply_for(rid, exc)
+            return encode(reply_for(rid, exc))
+
+    def _status(self) -> bytes:
+        """The status encoded, taken anew once the shared one is SHARE_S old."""
+        now = time.monotonic()
+        if self._shared is None or now - self._shared[0] >= SHARE_S:
+            self._shared = (now, encode(self._snapshot()))
+        return self._shared[1]
 
     def stop(self) -> None:
         self._stopping.set()
