@@ -31,7 +31,8 @@ import zmq
 import posix_ipc
 
 from kvcached_proto import KvcachedError, Op, encode, make_request
-from kvcached_proto.key_table import HEADER_BYTES, Flags, native, segment_name
+from kvcached_proto.codec import MAX_KEYS_PER_REQUEST
+from kvcached_proto.key_table import HEADER_BYTES, MAX_NOTED_LOOKUPS, Flags, native, segment_name
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,8 @@ NOTE_LOOKUPS = 1 << 20  # lookups, repeats included
 _OPEN = int(Flags.OPEN)  # a plain int: `int & IntFlag` makes an enum member, a microsecond
 NOTES_AT_CLOSE_S = 0.1  # close() waits this long at most for the daemon to take the last notes
 # (short: an engine shutting down has more to do before it is killed, e.g. vLLM's worker)
-NOTE_CAP = 4096  # distinct lookups kept while the socket is busy; later ones are dropped (counted)
+NOTE_CAP = MAX_NOTED_LOOKUPS  # distinct lookups kept while the socket is busy; later ones are
+# dropped (counted): what one message may carry
 
 
 class KeyTableReader:
@@ -138,8 +140,8 @@ class LookupNotes:
             if entry is not None:
                 entry[0] += 1
                 entry[1] += storage
-            elif len(self.pending) >= NOTE_CAP:
-                self.dropped += 1
+            elif len(self.pending) >= NOTE_CAP or self.nkeys + len(packed) // 16 > MAX_KEYS_PER_REQUEST:
+                self.dropped += 1  # (what one message may carry: the daemon refuses more)
                 return True
             else:
                 if not self.pending:

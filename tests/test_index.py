@@ -35,6 +35,28 @@ def test_prefix_counts_leading_ready_keys_only():
     assert len(idx.prefix([k(1), k(2), k(3), k(4)])) == 3
 
 
+@pytest.mark.parametrize("policy", ["lru", "s2lru"])
+def test_a_request_noted_n_times_at_once_counts_as_n_requests(policy):
+    """Noted lookups asked again (lookup_notes) feed the policy in one pass: the history, the
+    hits and the eviction order come out as if each had been asked n times - and one pass costs
+    a walk of its keys, not n of them."""
+    once, at_once = BlockIndex(policy), BlockIndex(policy)
+    for idx in (once, at_once):
+        chain(idx, [1, 2, 3])
+        chain(idx, [7, 8], first_block=7)
+    asked = [k(1), k(2), k(5)]
+    for _ in range(3):
+        once.note_request(asked)
+        once.prefix(asked)
+    at_once.note_request(asked, 3)
+    at_once.prefix(asked, times=3)
+    assert [e.hits for e in at_once.prefix(asked, touch=False)] == [3, 3]
+    assert [e.hits for e in once.prefix(asked, touch=False)] == [3, 3]
+    if policy == "s2lru":
+        assert at_once.policy.seen == once.policy.seen and at_once.policy.seen[k(5)] == 3
+    assert blocks(at_once, 5) == blocks(once, 5)  # the same order: 8, 7 (not asked), then 3 ...
+
+
 def test_eviction_is_lru_over_leaves_and_keeps_prefixes_whole():
     idx = BlockIndex()
     chain(idx, [1, 2, 3])

@@ -76,14 +76,19 @@ class BlockIndex:
     def get(self, key: bytes) -> Entry | None:
         return self._entries.get(key)
 
-    def note_request(self, keys) -> None:
-        """Tell the policy about every key of a request (its history counts misses too)."""
-        self.policy.on_request(keys)
+    def note_request(self, keys, times: int = 1) -> None:
+        """Tell the policy about every key of a request (its history counts misses too), asked
+        `times` times."""
+        if times == 1:
+            self.policy.on_request(keys)
+        else:
+            self.policy.on_requests(keys, times)
 
     # queries --------------------------------------------------------------
-    def prefix(self, keys: Iterable[bytes], touch: bool = True) -> list[Entry]:
-        """The READY entries of the longest leading run of keys present. (Every lookup and
-        load runs it under the host lock, so its loops are written out: a 64-key hit took
+    def prefix(self, keys: Iterable[bytes], touch: bool = True, times: int = 1) -> list[Entry]:
+        """The READY entries of the longest leading run of keys present, each touched as if
+        hit `times` times (noted lookups asked again; once by a lookup or load). (Every lookup
+        and load runs it under the host lock, so its loops are written out: a 64-key hit took
         15 us, half of it in calls.)"""
         out = []
         get, ready = self._entries.get, READY
@@ -98,10 +103,11 @@ class BlockIndex:
             if type(policy).on_access is EvictionPolicy.on_access:  # the plain one, inline
                 for e in out:
                     e.last = now
-                    e.hits += 1
+                    e.hits += times
             else:
-                for e in out:
-                    policy.on_access(e, now)
+                for _ in range(times):
+                    for e in out:
+                        policy.on_access(e, now)
             for e in out:
                 if e.children == 0:  # (an entry with children is no leaf: not evictable)
                     self._push(e)

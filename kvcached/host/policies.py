@@ -16,6 +16,11 @@ class EvictionPolicy:
     def on_request(self, keys) -> None:
         """Every key a lookup, load or offload asked for, present or not (history)."""
 
+    def on_requests(self, keys, times: int) -> None:
+        """The same request asked `times` times (noted lookups, client/key_table.py)."""
+        for _ in range(times):
+            self.on_request(keys)
+
     def on_insert(self, e, now: int) -> None:
         e.last = now
 
@@ -57,9 +62,12 @@ class S2LRU(EvictionPolicy):
         self.seen: dict[bytes, int] = {}
 
     def on_request(self, keys) -> None:
+        self.on_requests(keys, 1)
+
+    def on_requests(self, keys, times: int) -> None:
         seen = self.seen
         for key in keys:
-            seen[key] = seen.get(key, 0) + 1
+            seen[key] = seen.get(key, 0) + times
         if len(seen) > self.HISTORY_LIMIT:
             self.seen = {k: c >> 1 for k, c in seen.items() if c > 1}
 

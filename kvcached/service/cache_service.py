@@ -20,6 +20,7 @@ from kvcached_proto import OP_SPECS, ErrorCode, Op
 from kvcached_proto.replies import (CancelReply, ClearReply, DeleteReply, Empty, FlushReply,
                                     KeyEventsReply, LoadReply, LookupReply, OffloadReply,
                                     PrefetchReply, RegisterKvReply)
+from kvcached_proto.key_table import MAX_NOTED_LOOKUPS
 from kvcached_proto.shm_layout import NUM_SLOTS, Flag, State
 
 from ..config import DaemonConfig
@@ -42,7 +43,8 @@ log = logging.getLogger(__name__)
 MAX_ASK = 4096  # keys a key_events request may ask about (a frame's cost stays a few ms)
 
 DRAIN_TIMEOUT_S = 30.0
-NOTE_REPLAY_MAX = 8  # a noted lookup asked more often feeds the policy this many times (its cost)
+NOTE_REPLAY_MAX = 8  # a noted lookup asked more often feeds the policy as if asked this often
+NOTES_PER_HOLD = 256  # noted lookups taken under one hold of the host lock
 
 
 def notes_repeats(body: dict) -> list[int]:
@@ -311,20 +313,26 @@ class CacheService:
         """What the client's local lookups saw (client/key_table.py): the policy's history, the
         hit entries' recency and selective backups, and the hit counters, as `_lookup` does."""
         keys, counts, repeats = req.body["keys"], req.body["counts"], notes_repeats(req.body)
+        if len(counts) > MAX_NOTED_LOOKUPS:
+            raise OpError(ErrorCode.TOO_MANY_ITEMS, f"counts: {len(counts)} lookups > {MAX_NOTED_LOOKUPS}")
         if len(counts) and (int(counts.min()) < 1 or int(counts.sum()) != len(keys)):
             raise OpError(ErrorCode.BAD_FIELD, f"counts: {len(counts)} counts of >= 1 key summing "
                           f"to the {len(keys)} keys expected")
         asked = hits = at = 0
-        with self.host.lock:
-            for n, times in zip(counts.tolist(), repeats):
-                looked = keys[at:at + n]
-                at += n
-                for _ in range(min(times, NOTE_REPLAY_MAX)):  # what policies count, bounded
-                    self.host.index.note_request(looked)
-                    entries = self.host.index.prefix(looked)
+        counts = counts.tolist()
+        for first in range(0, len(counts), NOTES_PER_HOLD):  # the lock let go between slices
+            with self.host.lock:
+                for n, times in zip(counts[first:first + NOTES_PER_HOLD],
+                                    repeats[first:first + NOTES_PER_HOLD]):
+                    looked = keys[at:at + n]
+                    at += n
+                    heard = min(times, NOTE_REPLAY_MAX)  # what policies count, bounded: one
+                    self.host.index.note_request(looked, heard)  # pass whatever the repeats
+                    entries = self.host.index.prefix(looked, times=heard)
                     self.storage.after_hits(entries)
-                asked += n * times
-                hits += len(entries) * times
+                    asked += n * times
+                    hits += len(entries) * times
+        with self.host.lock:
             self.hits["lookups"] += sum(repeats) + req.body["unnoted"]
             self.hits["table_lookups"] += sum(repeats) + req.body["unnoted"]
             self.hits["unnoted_lookups"] += req.body["unnoted"]  # counted, their keys unknown
