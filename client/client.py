@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 import zmq
 
-from kvcached_proto import (DaemonUnavailable, KvcachedError, KvcachedTimeout, Op, ProtocolError, decode,
+from kvcached_proto import (Busy, DaemonUnavailable, KvcachedError, KvcachedTimeout, Op, ProtocolError, decode,
                             encode, make_request, pack_block_ids, pack_keys, request_error)
 from kvcached_proto.codec import MAX_KEYS_PER_REQUEST
 from kvcached_proto.messages import ROLES, TaskStatus
@@ -339,8 +339,16 @@ class Client(KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
         return self._request(Op.STATUS, timeout)["status"]
 
     def check(self, timeout: float | None = None) -> str:
-        """Ask the daemon to walk its index and host-pool invariants: "ok" or what is wrong."""
-        return self._request(Op.STATUS, timeout, check=True)["check"]
+        """Ask the daemon to walk its index and host-pool invariants: "ok" or what is wrong
+        (asked again while the daemon says BUSY: it walks at most 10 % of the time)."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while True:
+            try:
+                return self._request(Op.STATUS, timeout, check=True)["check"]
+            except Busy:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
 
     def shutdown(self, timeout: float | None = None) -> None:
         self._request(Op.SHUTDOWN, timeout)

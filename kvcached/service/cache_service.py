@@ -35,7 +35,7 @@ from .key_publisher import KeyPublisher
 from .load_flow import LoadFlow
 from .offload_flow import OffloadFlow
 from .registration import Registered, checked_layout, claim_fds
-from .report import check_service, status_of
+from .report import InvariantWalk, status_of
 from .task_table import TaskTable
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class CacheService:
         self.reg = Registered()  # the engine's KV mapping and its copier
         self.fd_inbox = None  # the server's FdInbox: fds an engine handed over (fd_pass.py)
         self.table = TaskTable(self.host.lock, status_block, events)  # ids, slots, counters, the end
+        self.check = InvariantWalk(self)  # "ok" or what is wrong (report.py); BUSY when run too often
         self.hits = {"lookups": 0, "keys": 0, "host_hits": 0, "storage_hits": 0,
                      "loaded_from_host": 0, "loaded_from_storage": 0,
                      "table_lookups": 0, "unnoted_lookups": 0}  # clients' lookups from the key table
@@ -469,10 +470,6 @@ class CacheService:
     def expire_parked(self) -> None:
         """(The daemon's loop, every 0.25 s.) Parked prefetches past their timeout end."""
         self.loads.expire_parked()
-
-    def check(self) -> str:
-        """Walk the invariants (report.py); "ok" or what is wrong."""
-        return check_service(self)
 
     def _live_tasks(self) -> list[CopyTask]:
         """Every task that may hold pins: the client tasks, and backups queued or in flight."""

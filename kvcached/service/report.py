@@ -3,7 +3,36 @@ tests, fuzzing: the index's own; every indexed host block allocated and not free
 held by a live task and every live task's pins held; every busy progress slot a live load's)."""
 from __future__ import annotations
 
+import time
+
+from kvcached_proto import ErrorCode
+
 from ..copy.transfer import TaskKind
+from ..errors import OpError
+
+WALK_SHARE = 0.1  # of the daemon's time the invariant walk may take, at most
+
+
+class InvariantWalk:
+    """check_service(svc) on demand (`status` with `check`), at most WALK_SHARE of the time:
+    the walk holds the host lock and the request thread for as long as it takes (0.65 s for
+    500,000 indexed blocks), so after one the next is BUSY, with when it may run, for 9 times
+    as long - a client asking in a loop cannot stall every other."""
+
+    def __init__(self, svc):
+        self.svc = svc
+        self.next_at = 0.0
+
+    def __call__(self) -> str:
+        start = time.monotonic()
+        if start < self.next_at:
+            raise OpError(ErrorCode.BUSY, f"an invariant walk may run again in "
+                          f"{self.next_at - start:.3f} s (at most {WALK_SHARE:.0%} of the time)")
+        try:
+            return check_service(self.svc)
+        finally:
+            end = time.monotonic()
+            self.next_at = end + (end - start) * (1 / WALK_SHARE - 1)
 
 
 def check_service(svc) -> str:
