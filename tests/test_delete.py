@@ -7,10 +7,12 @@ import contextlib
 import os
 import threading
 
+import pytest
+
 from conftest import keys_for, small_kv, wait_until
 from kvcached.storage.disk import DiskBackend
 from kvcached.storage.owed_clear import MAX_OWED_DELETES, OwedRecord, OwesClears
-from kvcached_proto import Op, pack_keys
+from kvcached_proto import Busy, Op, pack_keys
 from storage_util import (PAGE_SHAPE, backups_behind_a_paused_server, files, nothing_owed, offload_and_flush,
                           redis_stopped, start, writes_held)
 
@@ -104,6 +106,39 @@ def test_a_delete_a_stopped_redis_server_missed_is_owed_and_done_before_it_serve
         h.stop()
 
 
+@pytest.mark.faults
+def test_a_delete_that_would_make_a_down_store_owe_a_clear_is_refused_and_changes_nothing(
+        run_dir, instance, redis_server):
+    """A Redis tier that is down owes the deletes it misses, and past MAX_OWED_DELETES keys a
+    clear of every block under its prefix - which other daemons share. A delete request that
+    would pass that (any client may delete) is BUSY, saying why, before anything changes: the
+    host tier keeps its blocks, the store owes nothing; a smaller one is owed as before."""
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys = keys_for(4, 53)
+    h = start(run_dir, instance, redis_server.uri)
+    try:
+        with h.connect() as c, h.connect() as stranger:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys, list(range(4)))
+            many = keys + keys_for(MAX_OWED_DELETES - 3, 54)
+            with redis_stopped(c, redis_server):
+                with pytest.raises(Busy, match="owe a clear of every block"):
+                    stranger._request(Op.DELETE, None, keys=pack_keys(many))
+                tier = c.status()["storage"][0]
+                assert (tier["deletes_owed"], tier["clear_owed"]) == (0, False)
+                assert c.lookup(keys)[0] == 4  # the host tier kept them
+                reply = stranger._request(Op.DELETE, None, keys=pack_keys(many[:MAX_OWED_DELETES]))
+                assert reply["deleted"] == 4 and c.status()["storage"][0]["deletes_owed"] == MAX_OWED_DELETES
+                with pytest.raises(Busy):
+                    stranger._request(Op.DELETE, None, keys=pack_keys(keys_for(1, 55)))
+            wait_until(lambda: c.status()["storage"][0]["healthy"], 10, "the tier back, deletes done")
+            tier = c.status()["storage"][0]
+            assert (tier["deletes_owed"], tier["clear_owed"]) == (0, False)
+            assert redis_server.client().dbsize() == 0  # its 4 deleted, nothing else of it lost
+    finally:
+        h.stop()
+
+
 class _DownStore(OwesClears):
     """The owed-work logic alone (a store that never answers)."""
     uri, last_error, _healthy = "redis://127.0.0.1:1/0", "", False
@@ -130,6 +165,7 @@ def test_owed_deletes_are_recorded_and_past_the_cap_become_an_owed_clear(tmp_pat
     again.owe_clear(OwedRecord(path))  # a daemon started after the first stopped
     assert again._owed_deletes == set(keys) and not again._clear_owed
     many = [i.to_bytes(16, "big") for i in range(MAX_OWED_DELETES)]
+    assert again.can_owe(MAX_OWED_DELETES - 3) and not again.can_owe(MAX_OWED_DELETES - 2)
     assert again.delete(many) == 0
     assert again._clear_owed and not again._owed_deletes  # too many to keep: the tier goes
     assert open(path).read() == f"{store.uri}\n"
@@ -139,6 +175,7 @@ def test_owed_deletes_are_recorded_and_past_the_cap_become_an_owed_clear(tmp_pat
     third.owe_clear(OwedRecord(path))
     assert third._clear_owed and not third._owed_deletes
     assert open(path).read() == f"{store.uri}\n"
+    assert third.can_owe(10 * MAX_OWED_DELETES)  # the owed clear covers any delete
 
 
 class _UpStore(_DownStore):

@@ -46,6 +46,11 @@ class StorageBackend(abc.ABC):
     def delete(self, keys: Sequence[bytes]) -> int:
         """Remove keys; returns how many were there."""
 
+    def can_owe(self, n: int) -> bool:
+        """Whether a delete of n keys now would leave the store owing deletes at worst, not a
+        clear of everything (a remote store that is down owes at most MAX_OWED_DELETES keys)."""
+        return True
+
     @abc.abstractmethod
     def clear(self) -> int:
         """Remove every block of this store; returns how many."""

@@ -155,6 +155,16 @@ class OwesClears:
             self._say_owed(f"{len(owed)} deletes are owed")
             return 0
 
+    def can_owe(self, n: int) -> bool:
+        """A store owing a clear takes any delete (the clear covers it), one that answers does
+        it now; one that is down owes it, which past MAX_OWED_DELETES keys becomes a clear of
+        every block under the prefix - that no delete request may cause (StorageFlow.delete
+        refuses it: a client's large delete during an outage wiped a store other daemons
+        share)."""
+        with self._clear_lock:
+            return (self._clear_owed or self._healthy
+                    or len(self._owed_deletes) + n <= MAX_OWED_DELETES)
+
     def _owed_now(self) -> bool:
         """(The probe, the store answering.) The owed clear, then the owed deletes; False while
         any stays owed."""
