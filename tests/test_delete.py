@@ -412,3 +412,28 @@ def test_a_failure_finishing_the_owed_deletes_is_logged_and_they_stay_owed(tmp_p
         assert disk._owed.count() == 1 and key.hex() in open(path).read()
     finally:
         disk.close()
+
+
+def test_the_deletes_kept_for_pending_backups_are_bounded_and_forgetting_loses_no_delete(monkeypatch):
+    """Under a steady stream of backups (one always pending) every delete's keys were kept for
+    ever. Past MAX_KEYS they are forgotten, and a backup queued before then takes every key for
+    deleted (it stores nothing: a lost backup, never a deleted key put back); one queued after
+    sees the deletes since as before."""
+    from kvcached.service.backup_deletes import DeletesSeen
+
+    monkeypatch.setattr(DeletesSeen, "MAX_KEYS", 4)
+    seen = DeletesSeen()
+    k = [bytes([i]) * 16 for i in range(8)]
+    seen.note(k[:2], backups_pending=True)  # delete 1
+    assert seen.since(k[0], 0) and not seen.since(k[2], 0) and not seen.since(k[0], 1)
+    seen.note(k[2:5], backups_pending=True)  # delete 2: 5 keys > 4, forgotten
+    assert len(seen._at) <= 4
+    assert all(seen.since(key, s) for key in k for s in (0, 1))  # queued before: all deleted
+    assert not any(seen.since(key, 2) for key in k)  # queued at 2 or after: none since
+    seen.note(k[5:6], backups_pending=True)  # delete 3, kept again
+    assert seen.since(k[5], 2) and not seen.since(k[6], 2) and seen.since(k[6], 1)
+    for i in range(20):  # a stream of deletes: never more than MAX_KEYS kept
+        seen.note([bytes([100 + i]) * 16], backups_pending=True)
+        assert len(seen._at) <= 4
+    seen.idle()
+    assert not seen.since(k[0], 0)
