@@ -39,6 +39,7 @@ memory segment, a transfer engine that moves the bytes over TCP or RDMA.
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 import threading
@@ -455,6 +456,9 @@ class MooncakeBackend(OwesClears, StorageBackend):
                 self.counters["put_errors"] += 1
                 self.last_error = f"put refused ({r})"
 
+    def _deletes_now(self) -> bool:  # (owed_clear.py) not while a late call holds the store
+        return self._healthy and self._store is not None and not self._late
+
     def _delete_store(self, keys) -> int | None:
         """(owed_clear.py) The keys removed: how many were there; None when the store is not
         there, stuck, or the call failed or was late."""
@@ -473,7 +477,7 @@ class MooncakeBackend(OwesClears, StorageBackend):
         store is not there, stuck, or the call failed or was late."""
         if self._store is None or self._late:
             return None
-        got = self._call(self._store.remove_by_regex, ("^" + _regex_escape(self.prefix), True),
+        got = self._call(self._store.remove_by_regex, ("^" + re.escape(self.prefix), True),
                          self.io_timeout_s, "a clear")
         if got is not None and got < 0:
             self._failed(f"a clear failed ({got})")
@@ -492,9 +496,3 @@ class MooncakeBackend(OwesClears, StorageBackend):
         if store is not None and not self._late:
             store.close()
         self._io.shutdown(1.0)
-
-
-def _regex_escape(text: str) -> str:
-    import re
-
-    return re.escape(text)

@@ -139,7 +139,7 @@ class OwesClears:
         with self._clear_lock:
             if self._clear_owed:
                 return 0  # everything goes with the owed clear
-            got = self._delete_store(keys) if self._healthy else None
+            got = self._delete_store(keys) if self._deletes_now() else None
             if got is not None:
                 self._done(keys)
                 return got
@@ -162,8 +162,12 @@ class OwesClears:
         refuses it: a client's large delete during an outage wiped a store other daemons
         share)."""
         with self._clear_lock:
-            return (self._clear_owed or self._healthy
+            return (self._clear_owed or self._deletes_now()
                     or len(self._owed_deletes) + n <= MAX_OWED_DELETES)
+
+    def _deletes_now(self) -> bool:
+        """Whether a delete is tried on the store now (else it is owed at once)."""
+        return self._healthy
 
     def _owed_now(self) -> bool:
         """(The probe, the store answering.) The owed clear, then the owed deletes; False while
