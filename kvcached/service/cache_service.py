@@ -8,7 +8,6 @@ copy.
 """
 from __future__ import annotations
 
-import array
 import logging
 import os
 import threading
@@ -20,7 +19,6 @@ from kvcached_proto import OP_SPECS, ErrorCode, Op
 from kvcached_proto.replies import (CancelReply, ClearReply, DeleteReply, Empty, FlushReply,
                                     KeyEventsReply, LoadReply, LookupReply, OffloadReply,
                                     PrefetchReply, RegisterKvReply)
-from kvcached_proto.key_table import MAX_NOTED_LOOKUPS
 from kvcached_proto.shm_layout import NUM_SLOTS, Flag, State
 
 from ..config import DaemonConfig
@@ -32,6 +30,7 @@ from ..host.index import READY
 from .host_tier import HostTier
 from .key_events import KeyEvents
 from .key_publisher import KeyPublisher
+from .lookup_notes import take_notes
 from .load_flow import LoadFlow
 from .offload_flow import OffloadFlow
 from .registration import Registered, checked_layout, claim_fds
@@ -43,21 +42,6 @@ log = logging.getLogger(__name__)
 MAX_ASK = 4096  # keys a key_events request may ask about (a frame's cost stays a few ms)
 
 DRAIN_TIMEOUT_S = 30.0
-NOTE_REPLAY_MAX = 8  # a noted lookup asked more often feeds the policy as if asked this often
-NOTES_PER_HOLD = 256  # noted lookups taken under one hold of the host lock
-
-
-def notes_repeats(body: dict) -> list[int]:
-    """lookup_notes' `repeats`: one int32 >= 1 per lookup (default 1 each)."""
-    raw, n = body["repeats"], len(body["counts"])
-    if not raw:
-        return [1] * n
-    if len(raw) != 4 * n:
-        raise OpError(ErrorCode.BAD_FIELD, f"repeats: {len(raw)} bytes for {n} lookups (int32 each)")
-    repeats = array.array("i", raw).tolist()
-    if min(repeats, default=1) < 1:
-        raise OpError(ErrorCode.BAD_FIELD, "repeats: each lookup was asked at least once")
-    return repeats
 
 
 class CacheService:
@@ -243,17 +227,24 @@ class CacheService:
         if len(blocks) and int(blocks.max()) >= kv.spec.num_blocks:
             raise OpError(ErrorCode.BAD_FIELD,
                           f"blocks: id {int(blocks.max())} >= {kv.spec.num_blocks} device blocks")
-        self._check_queue()
+        self._check_queue(client)
         return blocks, self._fence(kv, req)
 
-    def _check_queue(self) -> None:
+    def _check_queue(self, client) -> None:
         """BUSY past --max-queued-tasks waiting tasks: those queued on a worker, those parked
         on another task's write (prefetches of keys on their way take no load slot) and the
-        flushes not ended (each waits behind backups a hung tier may hold for long)."""
+        flushes not ended (each waits behind backups a hung tier may hold for long). A client
+        with no KV registered (a router prefetching, a proxy flushing) may hold half of them:
+        the rest stays for the engines' loads and offloads."""
         queued = sum(w.queued for w in (self.loads.worker, self.offloads.worker, self.storage.fetcher))
         queued += len(self.loads.parked)
         with self.host.lock:
             queued += self.table.live(TaskKind.FLUSH)
+            mine = self.table.of_client[client.client_id]
+        share = max(1, self.cfg.max_queued_tasks // 2)
+        if mine >= share and self.reg.of(client.client_id) is None:
+            raise OpError(ErrorCode.BUSY, f"this client has {mine} tasks in the daemon, the half of "
+                          "--max-queued-tasks a client with no KV registered may hold; retry later")
         if queued >= self.cfg.max_queued_tasks:
             raise OpError(ErrorCode.BUSY, f"{self.cfg.max_queued_tasks} tasks queued "
                           "(--max-queued-tasks); retry later")
@@ -311,43 +302,16 @@ class CacheService:
                               storage_gap=storage_gap)
 
     def _lookup_notes(self, client, req) -> Empty:
-        """What the client's local lookups saw (client/key_table.py): the policy's history, the
-        hit entries' recency and selective backups, and the hit counters, as `_lookup` does."""
-        keys, counts, repeats = req.body["keys"], req.body["counts"], notes_repeats(req.body)
-        if len(counts) > MAX_NOTED_LOOKUPS:
-            raise OpError(ErrorCode.TOO_MANY_ITEMS, f"counts: {len(counts)} lookups > {MAX_NOTED_LOOKUPS}")
-        if len(counts) and (int(counts.min()) < 1 or int(counts.sum()) != len(keys)):
-            raise OpError(ErrorCode.BAD_FIELD, f"counts: {len(counts)} counts of >= 1 key summing "
-                          f"to the {len(keys)} keys expected")
-        asked = hits = at = 0
-        counts = counts.tolist()
-        for first in range(0, len(counts), NOTES_PER_HOLD):  # the lock let go between slices
-            with self.host.lock:
-                for n, times in zip(counts[first:first + NOTES_PER_HOLD],
-                                    repeats[first:first + NOTES_PER_HOLD]):
-                    looked = keys[at:at + n]
-                    at += n
-                    heard = min(times, NOTE_REPLAY_MAX)  # what policies count, bounded: one
-                    self.host.index.note_request(looked, heard)  # pass whatever the repeats
-                    entries = self.host.index.prefix(looked, times=heard)
-                    self.storage.after_hits(entries)
-                    asked += n * times
-                    hits += len(entries) * times
-        with self.host.lock:
-            self.hits["lookups"] += sum(repeats) + req.body["unnoted"]
-            self.hits["table_lookups"] += sum(repeats) + req.body["unnoted"]
-            self.hits["unnoted_lookups"] += req.body["unnoted"]  # counted, their keys unknown
-            self.hits["keys"] += asked
-            self.hits["host_hits"] += hits
-            self.hits["storage_hits"] += min(req.body["storage_hits"], asked - hits)
+        """What the client's local lookups saw (lookup_notes.py), as `_lookup` hears it."""
+        take_notes(self.host, self.storage, self.hits, req.body)
         return Empty()
 
     def _prefetch(self, client, req) -> PrefetchReply:
-        self._check_queue()
+        self._check_queue(client)
         return self.storage.prefetch(client, req)
 
     def _flush(self, client, req) -> FlushReply:
-        self._check_queue()
+        self._check_queue(client)
         return self.storage.flush(client, req)
 
     def _offload(self, client, req) -> OffloadReply:

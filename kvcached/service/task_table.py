@@ -54,6 +54,7 @@ class TaskTable:
         self._waiters: dict[str, collections.deque] = {}
         # the ids of each kind's tasks in the table (new()'s), oldest first: a lookup, not a scan
         self._live: dict[str, dict[int, None]] = {}
+        self.of_client: collections.Counter = collections.Counter()  # client id -> its tasks here
         self._ids = itertools.count(1)
         self._slot_cursor = 0
 
@@ -73,6 +74,7 @@ class TaskTable:
         """(Lock held.) A task made elsewhere (a flush) in the table, until its finish()."""
         self.tasks[task.task_id] = task
         self._live.setdefault(task.kind, {})[task.task_id] = None
+        self.of_client[task.client_id] += 1
 
     def live(self, kind: str) -> int:
         """(Lock held.) How many tasks of `kind` are in the table."""
@@ -106,6 +108,9 @@ class TaskTable:
             if self.tasks.pop(task.task_id, None) is None:
                 return
             self._live.get(task.kind, {}).pop(task.task_id, None)
+            self.of_client[task.client_id] -= 1
+            if not self.of_client[task.client_id]:
+                del self.of_client[task.client_id]
             ready = self._ended(task.kind) if task.kind in self._waiters else ()
             phases = _phases(task, time.monotonic_ns())
             if status == TaskStatus.DONE:
