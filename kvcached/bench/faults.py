@@ -346,7 +346,7 @@ def _damaged_disk(tmp, name, run_dir, storage, kv, keys, counts, out) -> None:
 def _floods(d, metrics_port: int, quick: bool, counts, out) -> None:
     from .flood import connection_flood, frame_flood, metrics_flood
 
-    for kind in ("junk", "layout"):
+    for kind in ("junk", "layout", "notes", "status"):
         r = frame_flood(d, kind, flooders=2, seconds=2 if quick else 8)
         counts["faults_injected"] += 1
         for k in ("frames_sent", "ping_idle_p99_ms", "ping_p50_ms", "ping_p99_ms", "ping_max_ms",

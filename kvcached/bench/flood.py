@@ -4,7 +4,11 @@
   process pings it; what comes out is the ping's latency under the flood against the same
   ping idle (same run), and the daemon's memory before, at its peak and after. Kinds:
   `junk`, 8 MiB of small nested arrays under a name that is no field (8 M objects to decode),
-  and `layout`, a register_kv whose layout holds more objects than a layout may.
+  `layout`, a register_kv whose layout holds more objects than a layout may, and `notes`, the
+  largest valid lookup_notes (4,096 lookups of 16 keys, each asked 8 times: one held the daemon
+  up to 0.13 s before a noted lookup was walked once, and 65,536 one-key ones up to 0.95 s).
+- status: processes asking the status socket for the status as fast as it answers (each answer
+  was a snapshot under the host lock; one serves 20 ms now) while this process pings.
 - connections (connection_flood): a process opens ipc connections far past the daemon's cap
   and holds them while another client connects and pings.
 - /metrics (metrics_flood): a process holds connections to the metrics port that never send a
@@ -27,6 +31,12 @@ endpoint, kind, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
 head = {"proto": [1, 7], "op": 5, "rid": 1, "client": "flood"}
 if kind == "junk":
     frame = msgpack.packb({**head, "junk": [[0] * 2040] * 4096})
+elif kind == "notes":  # valid, from a client that said hello
+    import os, struct
+    head = {"proto": [1, 11], "op": 26, "rid": 2, "client": f"flood-{os.getpid()}"}
+    frame = msgpack.packb({**head, "keys": os.urandom(65536 * 16),
+                           "counts": struct.pack("<4096i", *[16] * 4096),
+                           "repeats": struct.pack("<4096i", *[8] * 4096)})
 else:
     frame = msgpack.packb({**head, "layout": {"tensors": [[0] * 2040] * 4096}})
 ctx = zmq.Context()
@@ -35,6 +45,9 @@ s.setsockopt(zmq.LINGER, 0)
 s.setsockopt(zmq.SNDHWM, 4)
 s.setsockopt(zmq.SNDTIMEO, 200)
 s.connect(endpoint)
+if kind == "notes":
+    s.send(msgpack.packb({**head, "op": 1, "rid": 1, "pid": os.getpid(), "name": "flood"}))
+    assert s.poll(10000) and msgpack.unpackb(s.recv())["ok"], "the flooder's hello"
 print("ready", flush=True)
 sent, end = 0, time.monotonic() + seconds
 while time.monotonic() < end:
@@ -87,15 +100,39 @@ def _pct(xs: list[float], q: float) -> float:
     return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3) if xs else 0.0
 
 
+_STATUS_ASKER = """
+import sys, time, msgpack, zmq
+endpoint, seconds = sys.argv[1], float(sys.argv[3])
+frame = msgpack.packb({"proto": [1, 11], "op": 3, "rid": 1, "client": "status-flood"})  # status
+ctx = zmq.Context()
+s = ctx.socket(zmq.REQ)
+s.setsockopt(zmq.LINGER, 0)
+s.connect(endpoint)
+print("ready", flush=True)
+sent, end = 0, time.monotonic() + seconds
+while time.monotonic() < end:
+    s.send(frame)
+    if not s.poll(2000):
+        break
+    s.recv()
+    sent += 1
+print(sent, flush=True)
+s.close(0)
+ctx.term()
+"""
+
+
 def frame_flood(d, kind: str = "junk", flooders: int = 2, seconds: float = 10.0) -> dict:
-    """Flood daemon `d` (a DaemonHandle) from `flooders` processes; ping it meanwhile."""
-    endpoint = f"ipc://{d.run_dir}/{d.instance}.sock"
+    """Flood daemon `d` (a DaemonHandle) from `flooders` processes; ping it meanwhile (kind
+    `status`: the status socket, each process asking as fast as it is answered)."""
+    endpoint = f"ipc://{d.run_dir}/{d.instance}.{'status.' if kind == 'status' else ''}sock"
+    script = _STATUS_ASKER if kind == "status" else _FLOODER
     with Client.connect(instance=d.instance, run_dir=d.run_dir) as c:
         idle = _pings(c, 1.0)
         before = rss_mib(d.pid)
         peak = _RssPeak(d.pid)
         peak.start()
-        procs = [subprocess.Popen([sys.executable, "-c", _FLOODER, endpoint, kind, str(seconds)],
+        procs = [subprocess.Popen([sys.executable, "-c", script, endpoint, kind, str(seconds)],
                                   stdout=subprocess.PIPE, text=True) for _ in range(flooders)]
         try:
             for p in procs:
