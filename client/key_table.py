@@ -31,8 +31,7 @@ import zmq
 import posix_ipc
 
 from kvcached_proto import KvcachedError, Op, encode, make_request
-from kvcached_proto.codec import MAX_KEYS_PER_REQUEST
-from kvcached_proto.key_table import HEADER_BYTES, MAX_NOTED_LOOKUPS, Flags, native, segment_name
+from kvcached_proto.key_table import HEADER_BYTES, MAX_NOTED_KEYS, MAX_NOTED_LOOKUPS, Flags, native, segment_name
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +42,14 @@ RETRY_S = 0.5  # no table yet: look again at most this often
 # sends it, so it is sent rarely - a scheduler asking for its waiting requests every step sends
 # one message per 50 ms, holding each distinct lookup once with how often it was asked.
 NOTE_DELAY_S = 0.05
-NOTE_BATCH = 1024  # distinct lookups
-NOTE_KEYS = 32768  # keys of the distinct lookups (half a MiB of frame)
+NOTE_BATCH = MAX_NOTED_LOOKUPS  # distinct lookups (1,024)
+NOTE_KEYS = MAX_NOTED_KEYS  # keys of the distinct lookups (32,768: half a MiB of frame)
 NOTE_LOOKUPS = 1 << 20  # lookups, repeats included
 _OPEN = int(Flags.OPEN)  # a plain int: `int & IntFlag` makes an enum member, a microsecond
 NOTES_AT_CLOSE_S = 0.1  # close() waits this long at most for the daemon to take the last notes
 # (short: an engine shutting down has more to do before it is killed, e.g. vLLM's worker)
-NOTE_CAP = MAX_NOTED_LOOKUPS  # distinct lookups kept while the socket is busy; later ones are
-# dropped (counted): what one message may carry
+NOTE_CAP = MAX_NOTED_LOOKUPS  # distinct lookups kept while the socket is busy, and NOTE_KEYS
+# keys of them: what one message may carry; later ones are dropped (counted)
 
 
 class KeyTableReader:
@@ -140,7 +139,7 @@ class LookupNotes:
             if entry is not None:
                 entry[0] += 1
                 entry[1] += storage
-            elif len(self.pending) >= NOTE_CAP or self.nkeys + len(packed) // 16 > MAX_KEYS_PER_REQUEST:
+            elif len(self.pending) >= NOTE_CAP or self.nkeys + len(packed) // 16 > NOTE_KEYS:
                 self.dropped += 1  # (what one message may carry: the daemon refuses more)
                 return True
             else:

@@ -38,9 +38,11 @@ HOST_BIT = 1
 MAX_STORAGE_TIERS = 7  # bits 1..7; more local tiers than this count as remote
 LOAD_FACTOR = 0.75
 MIN_SLOTS = 1024
-# lookup_notes: distinct lookups in one message at most (a client keeps no more while its socket
-# is busy); the daemon refuses more (TOO_MANY_ITEMS) - a frame's work stays bounded
-MAX_NOTED_LOOKUPS = 4096
+# lookup_notes: distinct lookups, and their keys, in one message at most (a client keeps no more
+# while its socket is busy); the daemon refuses more (TOO_MANY_ITEMS): a message's work stays a
+# few milliseconds (4,096 lookups of 16 keys took 15 ms, these 5.5 ms under lru, 12 under s2lru)
+MAX_NOTED_LOOKUPS = 1024
+MAX_NOTED_KEYS = 32768
 MAX_SLOTS = 1 << 24  # 512 MiB of slots at most; a tier with more keys makes the table incomplete
 
 

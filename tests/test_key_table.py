@@ -26,9 +26,8 @@ from conftest import keys_for, small_kv, sweep_crashed, unique_instance, wait_un
 from kvcached_client import Client, DaemonUnavailable, launch
 from kvcached_proto import ErrorCode, KvcachedError, Op, pack_keys
 from kvcached_client.key_table import LookupNotes
-from kvcached_proto.codec import MAX_KEYS_PER_REQUEST
-from kvcached_proto.key_table import (HOST_BIT, MAX_NOTED_LOOKUPS, Flags, max_count, native, segment_name,
-                                     table_bytes)
+from kvcached_proto.key_table import (HOST_BIT, MAX_NOTED_KEYS, MAX_NOTED_LOOKUPS, Flags, max_count, native,
+                                     segment_name, table_bytes)
 from storage_util import start
 
 kt = native()
@@ -527,25 +526,29 @@ def test_bad_notes_are_refused_and_change_nothing(daemon):
             c._request(Op.LOOKUP_NOTES, keys=pack_keys(keys_for(many, namespace="kt-many")),
                        counts=(1).to_bytes(4, "little") * many)
         assert err.value.code == ErrorCode.TOO_MANY_ITEMS
+        with pytest.raises(KvcachedError) as err:  # few lookups, too many keys
+            c._request(Op.LOOKUP_NOTES, keys=pack_keys(keys_for(MAX_NOTED_KEYS + 1, namespace="kt-many")),
+                       counts=(MAX_NOTED_KEYS + 1).to_bytes(4, "little"))
+        assert err.value.code == ErrorCode.TOO_MANY_ITEMS
         assert c.status()["lookups"] == base
         assert c.ping() > 0
 
 
 def test_a_client_keeps_no_more_notes_than_one_message_may_carry():
-    """Past MAX_NOTED_LOOKUPS distinct lookups, or MAX_KEYS_PER_REQUEST keys, pending notes
-    take no more (counted as dropped, told as `unnoted`): the daemon would refuse the message
-    whole and lose them all."""
+    """Past MAX_NOTED_LOOKUPS distinct lookups, or MAX_NOTED_KEYS keys, pending notes take no
+    more (counted as dropped, told as `unnoted`): the daemon would refuse the message whole and
+    lose them all."""
     notes = LookupNotes()
-    big = pack_keys(keys_for(MAX_KEYS_PER_REQUEST // 2 + 1, namespace="kt-big"))
-    assert notes.add(big, 0) and notes.nkeys == MAX_KEYS_PER_REQUEST // 2 + 1
-    assert notes.add(pack_keys(keys_for(MAX_KEYS_PER_REQUEST // 2, seed=1, namespace="kt-big")), 0)
+    big = pack_keys(keys_for(MAX_NOTED_KEYS // 2 + 1, namespace="kt-big"))
+    assert notes.add(big, 0) is False and notes.nkeys == MAX_NOTED_KEYS // 2 + 1
+    assert notes.add(pack_keys(keys_for(MAX_NOTED_KEYS // 2, seed=1, namespace="kt-big")), 0)
     assert len(notes.pending) == 1 and notes.dropped == 1
     notes.take()
     for i in range(MAX_NOTED_LOOKUPS + 3):
         notes.add(pack_keys(keys_for(1, seed=i, namespace="kt-small")), 0)
     assert len(notes.pending) == MAX_NOTED_LOOKUPS and notes.dropped == 1 + 3
     _keys, counts, _repeats, _storage = notes.take()
-    assert len(counts) == MAX_NOTED_LOOKUPS and sum(counts) <= MAX_KEYS_PER_REQUEST
+    assert len(counts) == MAX_NOTED_LOOKUPS and sum(counts) <= MAX_NOTED_KEYS
 
 
 def _deleted(log_path: str) -> list[tuple[int, bytes]]:

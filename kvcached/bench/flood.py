@@ -5,8 +5,8 @@
   ping idle (same run), and the daemon's memory before, at its peak and after. Kinds:
   `junk`, 8 MiB of small nested arrays under a name that is no field (8 M objects to decode),
   `layout`, a register_kv whose layout holds more objects than a layout may, and `notes`, the
-  largest valid lookup_notes (4,096 lookups of 16 keys, each asked 8 times: one held the daemon
-  up to 0.13 s before a noted lookup was walked once, and 65,536 one-key ones up to 0.95 s).
+  largest valid lookup_notes (1,024 lookups of 32 keys, each asked 8 times; before a message
+  was bounded, 65,536 one-key lookups held the daemon up to 0.95 s).
 - status: processes asking the status socket for the status as fast as it answers (each answer
   was a snapshot under the host lock; one serves 20 ms now) while this process pings.
 - connections (connection_flood): a process opens ipc connections far past the daemon's cap
@@ -34,9 +34,9 @@ if kind == "junk":
 elif kind == "notes":  # valid, from a client that said hello
     import os, struct
     head = {"proto": [1, 11], "op": 26, "rid": 2, "client": f"flood-{os.getpid()}"}
-    frame = msgpack.packb({**head, "keys": os.urandom(65536 * 16),
-                           "counts": struct.pack("<4096i", *[16] * 4096),
-                           "repeats": struct.pack("<4096i", *[8] * 4096)})
+    frame = msgpack.packb({**head, "keys": os.urandom(32768 * 16),
+                           "counts": struct.pack("<1024i", *[32] * 1024),
+                           "repeats": struct.pack("<1024i", *[8] * 1024)})
 else:
     frame = msgpack.packb({**head, "layout": {"tensors": [[0] * 2040] * 4096}})
 ctx = zmq.Context()

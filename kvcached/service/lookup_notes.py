@@ -2,7 +2,8 @@
 (client/key_table.py), told in batches, so the eviction policy's history, the hit entries'
 recency and selective backups, and the hit counters go on as if the daemon had answered them.
 
-A message's work is bounded: at most MAX_NOTED_LOOKUPS lookups, each walked once however often
+A message's work is bounded: at most MAX_NOTED_LOOKUPS lookups of MAX_NOTED_KEYS keys in all
+(5.5 ms under lru, 12 ms under s2lru, noted 8 times each), each walked once however often
 it was asked (the policy hears it as asked up to NOTE_REPLAY_MAX times), with the host lock let
 go every NOTES_PER_HOLD lookups. (Replayed once per time asked, 65,536 one-key lookups asked 8
 times held the daemon 0.54-0.95 s.)
@@ -12,7 +13,7 @@ from __future__ import annotations
 import array
 
 from kvcached_proto import ErrorCode
-from kvcached_proto.key_table import MAX_NOTED_LOOKUPS
+from kvcached_proto.key_table import MAX_NOTED_KEYS, MAX_NOTED_LOOKUPS
 
 from ..errors import OpError
 
@@ -37,8 +38,9 @@ def take_notes(host, storage, hits: dict, body: dict) -> None:
     """Feed a lookup_notes message to the host tier's index and policy (host: the HostTier),
     the selective backups (storage: the StorageFlow) and the `lookups` counters (hits)."""
     keys, counts, repeats = body["keys"], body["counts"], notes_repeats(body)
-    if len(counts) > MAX_NOTED_LOOKUPS:
-        raise OpError(ErrorCode.TOO_MANY_ITEMS, f"counts: {len(counts)} lookups > {MAX_NOTED_LOOKUPS}")
+    if len(counts) > MAX_NOTED_LOOKUPS or len(keys) > MAX_NOTED_KEYS:
+        raise OpError(ErrorCode.TOO_MANY_ITEMS, f"{len(counts)} lookups of {len(keys)} keys: more "
+                      f"than {MAX_NOTED_LOOKUPS} lookups or {MAX_NOTED_KEYS} keys")
     if len(counts) and (int(counts.min()) < 1 or int(counts.sum()) != len(keys)):
         raise OpError(ErrorCode.BAD_FIELD, f"counts: {len(counts)} counts of >= 1 key summing "
                       f"to the {len(keys)} keys expected")
