@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import tomllib
 import urllib.request
 
@@ -267,3 +268,47 @@ def test_a_clients_name_cannot_forge_a_log_line(run_dir):
         assert "\x1b" not in text
     finally:
         h.stop()
+
+
+def test_what_clients_repeat_is_logged_a_bounded_number_of_times(run_dir):
+    """A hello (or a bye, a closed connection, a refused fd message) is logged per occurrence:
+    one client saying hello in a loop wrote 250 KB of log a second. Past 20 lines of a kind in
+    10 s the rest are counted, and said by the next such line that goes out; the unit part
+    checks that count, the daemon part that 300 hellos write at most 20 lines."""
+    import logging
+
+    import msgpack
+    import zmq
+
+    from kvcached.logs import LineBudget
+
+    budget, said = LineBudget(lines=2, window_s=0.2), []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    logger = logging.getLogger("kvcached.test-budget")
+    logger.addHandler(Catch())
+    logger.setLevel(logging.INFO)
+    for i in range(5):
+        budget.log(logger, logging.INFO, "hello", "hello %d", i)
+    time.sleep(0.25)
+    budget.log(logger, logging.INFO, "hello", "hello %d", 5)
+    budget.log(logger, logging.INFO, "other", "bye")
+    assert said == ["hello 0", "hello 1", "hello 5 (3 more such lines not logged)", "bye"]
+
+    with launch(instance=unique_instance("hellos"), run_dir=run_dir, host_cache_gb=0.05) as d:
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"ipc://{run_dir}/{d.instance}.sock")
+        try:
+            for n in range(300):
+                s.send(msgpack.packb({"proto": [1, 12], "op": 1, "rid": n, "client": f"loop{n}",
+                                      "pid": os.getpid(), "name": "loop"}))
+                assert s.poll(5000) and msgpack.unpackb(s.recv())["ok"]
+        finally:
+            s.close()
+            ctx.term()
+        assert open(d.log_path).read().count("[handshake] client loop") <= 20

@@ -32,6 +32,7 @@ from ..config import DaemonConfig
 from ..copy import sigbus
 from ..errors import OpError, StartupError
 from ..host import machine
+from ..logs import LineBudget
 from ..service.cache_service import CacheService
 from .access import ClientInfo, check_admin, check_kv_owner
 from .control import ControlWorker
@@ -75,6 +76,7 @@ class Daemon(StopsDaemon):
         self._curve_router: zmq.Socket | None = None  # TCP with CURVE, when keys are given
         self._monitors: list[zmq.Socket] = []  # ACCEPTED/DISCONNECTED of the request and status sockets
         self._status_ep = ""
+        self._said = LineBudget()  # what clients repeat is logged a bounded number of times
         self.connections: ConnectionGuard | None = None
         self._fd_clients: dict[int, bytes] = {}  # connection fd -> routing id (said hello)
         self._last_fd = -1
@@ -250,8 +252,8 @@ class Daemon(StopsDaemon):
         client = self.clients.get(routing_id)
         if client is None or client.fd != fd:
             return
-        log.warning("[clients] client %s (pid %d) closed its connection; releasing its work",
-                    client.client_id, client.pid)
+        self._said.log(log, logging.WARNING, "closed", "[clients] client %s (pid %d) closed its "
+                       "connection; releasing its work", client.client_id, client.pid)
         del self.clients[routing_id]
         self.service.drop_client(client, dead=True)
         if client.pid_visible and not pid_alive(client.pid):
@@ -363,8 +365,8 @@ class Daemon(StopsDaemon):
         )
         if self._last_fd >= 0:
             self._fd_clients[self._last_fd] = routing_id
-        log.info("[handshake] client %s (pid %d %s, %s)", req.client, req.body["pid"],
-                 req.body["name"], role)
+        self._said.log(log, logging.INFO, "hello", "[handshake] client %s (pid %d %s, %s)", req.client,
+                       req.body["pid"], req.body["name"], role)
         return {
             "daemon_version": __version__,
             "protocol_version": list(PROTOCOL_VERSION),
@@ -384,7 +386,7 @@ class Daemon(StopsDaemon):
     def _op_bye(self, routing_id: bytes, req) -> dict:
         client = self.clients.pop(routing_id, None)
         if client is not None:
-            log.info("[clients] client %s said bye", client.client_id)
+            self._said.log(log, logging.INFO, "bye", "[clients] client %s said bye", client.client_id)
             # its KV mapping goes with it: an engine that closes its client is done with the
             # memory, and a mapping nobody owns would pin it in the daemon
             self.service.drop_client(client, dead=True)

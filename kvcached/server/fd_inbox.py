@@ -24,6 +24,8 @@ import time
 
 from kvcached_proto.fd_pass import MAX_FDS, MAX_PENDING, MAX_PENDING_FDS, TOKEN_TTL_S, parse_request
 
+from ..logs import LineBudget
+
 log = logging.getLogger(__name__)
 
 CONN_TIMEOUT_S = 1.0
@@ -55,6 +57,7 @@ class FdInbox(threading.Thread):
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self.received = self.refused = 0
+        self._said = LineBudget()  # (this thread's) a sender in a loop fills no log
 
     # the engine's side ------------------------------------------------------
     def run(self) -> None:
@@ -140,11 +143,12 @@ class FdInbox(threading.Thread):
                 token = secrets.token_hex(16)
                 self._pending[token] = (time.monotonic(), fds)
                 self.received += 1
-                log.info("[fds] %d fds from pid %d wait under a token", len(fds), pid)
+                self._said.log(log, logging.INFO, "taken", "[fds] %d fds from pid %d wait under a token",
+                               len(fds), pid)
                 return b"OK" + token.encode()
         _close_all(fds)
         self.refused += 1
-        log.warning("[fds] refused a message from pid %d: %s", pid, why)
+        self._said.log(log, logging.WARNING, "refused", "[fds] refused a message from pid %d: %s", pid, why)
         return b"ER" + why.encode()
 
     # the daemon's side --------------------------------------------------------
