@@ -48,8 +48,6 @@ NOTE_LOOKUPS = 1 << 20  # lookups, repeats included
 _OPEN = int(Flags.OPEN)  # a plain int: `int & IntFlag` makes an enum member, a microsecond
 NOTES_AT_CLOSE_S = 0.1  # close() waits this long at most for the daemon to take the last notes
 # (short: an engine shutting down has more to do before it is killed, e.g. vLLM's worker)
-NOTE_CAP = MAX_NOTED_LOOKUPS  # distinct lookups kept while the socket is busy, and NOTE_KEYS
-# keys of them: what one message may carry; later ones are dropped (counted)
 
 
 class KeyTableReader:
@@ -127,7 +125,7 @@ class LookupNotes:
         self.lookups = 0
         self.nkeys = 0
         self.since = 0.0
-        self.dropped = 0  # lookups whose notes were dropped (socket full, or past NOTE_CAP)
+        self.dropped = 0  # lookups whose notes were dropped (socket full, or past one message)
 
     def due(self) -> bool:
         return bool(self.pending) and time.monotonic() - self.since >= NOTE_DELAY_S
@@ -139,8 +137,9 @@ class LookupNotes:
             if entry is not None:
                 entry[0] += 1
                 entry[1] += storage
-            elif len(self.pending) >= NOTE_CAP or self.nkeys + len(packed) // 16 > NOTE_KEYS:
-                self.dropped += 1  # (what one message may carry: the daemon refuses more)
+            elif len(self.pending) >= NOTE_BATCH or self.nkeys + len(packed) // 16 > NOTE_KEYS:
+                self.dropped += 1  # (kept while the socket is busy: what one message may carry,
+                #                     the daemon refuses more)
                 return True
             else:
                 if not self.pending:

@@ -77,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "and not group/world-writable")
     serve.add_argument("--max-queued-tasks", type=int, default=S,
                        help="waiting tasks (copies queued or parked on another task's fetch, "
-                            "flushes not ended) before requests get BUSY; a client with no KV "
-                            "registered may hold half of them (default: 4096)")
+                            "flushes not ended) before requests get BUSY; clients with no KV "
+                            "registered may hold half of them together (default: 4096)")
     serve.add_argument("--max-connections", type=int, default=S,
                        help="connections per request socket; more are refused, with a logged "
                             "reason (default: 1024; every socket's together, the status "

@@ -37,7 +37,7 @@ def test_a_flush_covers_the_offloads_accepted_before_it(run_dir, instance, disk_
     kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=n)
     h = start(run_dir, instance, disk_uri(disk_dir), host_gb=0.03)
     try:
-        with h.connect() as engine, h.connect(role="operator") as proxy:
+        with h.connect() as engine, h.connect(role="operator") as proxy, h.connect() as another:
             engine.register_kv_cache(kv)
             keys, per = keys_for(n, 31), n // parts
             engine.pause()
@@ -55,23 +55,23 @@ def test_a_flush_covers_the_offloads_accepted_before_it(run_dir, instance, disk_
 def test_flushes_waiting_count_against_the_queue_cap(run_dir, instance, disk_dir):
     """A flush waits (behind a held offload here; behind backups a hung tier holds, in a
     deployment) in the table: a careless proxy flushing in a loop gets BUSY past half of
-    --max-queued-tasks (a client with no KV registered: the rest stays for the engine), and the
-    engine past the whole, instead of growing the daemon without bound; the refused ones change
-    nothing and the others end once the offload did."""
+    --max-queued-tasks (clients with no KV registered, together: another connection gets no
+    more room), and the engine past the whole, instead of growing the daemon without bound; the
+    refused ones change nothing and the others end once the offload did."""
     from kvcached_client import RequestError
 
     kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=16)
     h = start(run_dir, instance, disk_uri(disk_dir), extra=["--max-queued-tasks", "4"])
     try:
-        with h.connect() as engine, h.connect(role="operator") as proxy:
+        with h.connect() as engine, h.connect(role="operator") as proxy, h.connect() as another:
             engine.register_kv_cache(kv)
             keys = keys_for(4, 33)
             engine.pause()
             offload = engine.offload([0, 1, 2, 3], keys)  # queued: 1
             flushes = [proxy.flush() for _ in range(2)]  # waiting on it: 2, 3 - the proxy's half
-            for _ in range(5):
+            for c in (proxy, another, proxy):
                 with pytest.raises(RequestError, match="BUSY.*half of --max-queued-tasks"):
-                    proxy.flush()
+                    c.flush()
             later = engine.offload([4], keys_for(1, 34))  # the engine's room: 4
             with pytest.raises(RequestError, match="BUSY.*[(]--max-queued-tasks[)]"):
                 engine.offload([5], keys_for(1, 35))

@@ -233,18 +233,19 @@ class CacheService:
     def _check_queue(self, client) -> None:
         """BUSY past --max-queued-tasks waiting tasks: those queued on a worker, those parked
         on another task's write (prefetches of keys on their way take no load slot) and the
-        flushes not ended (each waits behind backups a hung tier may hold for long). A client
-        with no KV registered (a router prefetching, a proxy flushing) may hold half of them:
-        the rest stays for the engines' loads and offloads."""
+        flushes not ended (each waits behind backups a hung tier may hold for long). Clients
+        with no KV registered (a router prefetching, a proxy flushing) may hold half of them
+        together - however many connections they open: the rest stays for the engines' loads
+        and offloads."""
         queued = sum(w.queued for w in (self.loads.worker, self.offloads.worker, self.storage.fetcher))
         queued += len(self.loads.parked)
         with self.host.lock:
             queued += self.table.live(TaskKind.FLUSH)
-            mine = self.table.of_client[client.client_id]
-        share = max(1, self.cfg.max_queued_tasks // 2)
-        if mine >= share and self.reg.of(client.client_id) is None:
-            raise OpError(ErrorCode.BUSY, f"this client has {mine} tasks in the daemon, the half of "
-                          "--max-queued-tasks a client with no KV registered may hold; retry later")
+            engines = {kv.owner for kv in self.reg.all_kv()}
+            others = len(self.table.tasks) - sum(self.table.of_client[e] for e in engines)
+        if client.client_id not in engines and others >= max(1, self.cfg.max_queued_tasks // 2):
+            raise OpError(ErrorCode.BUSY, f"clients with no KV registered hold {others} tasks in the "
+                          "daemon, the half of --max-queued-tasks they may hold together; retry later")
         if queued >= self.cfg.max_queued_tasks:
             raise OpError(ErrorCode.BUSY, f"{self.cfg.max_queued_tasks} tasks queued "
                           "(--max-queued-tasks); retry later")
