@@ -277,6 +277,36 @@ def test_a_corrupt_redis_value_is_a_miss(run_dir, instance, redis_server):
 
 
 @pytest.mark.faults
+def test_a_value_planted_under_a_redis_key_fails_that_key_alone_read_no_further_than_a_record(
+        run_dir, instance, redis_server):
+    """Another writer under the prefix: 32 MiB values under keys 4-7 (a GET read them whole: 16
+    such values took a load 9 s and the daemon 2.1 GiB) and a list under key 12 (its WRONGTYPE
+    failed the whole pipeline, so the other 15 keys, and the tier went down). Now each is that
+    key's bad record, deleted; the server sends at most a record and a byte for each."""
+    import redis
+
+    keys = keys_for(16, 16)
+    with in_storage_only(run_dir, instance, redis_server.uri, keys) as (c, kv, expected, _h):
+        r = redis.Redis(port=redis_server.port)
+        names = [b"kvcached:" + stored(k, kv).hex().encode() for k in keys]
+        record = len(r.get(names[0]))
+        for name in names[4:8]:
+            r.set(name, b"x" * (32 << 20))
+        r.delete(names[12])
+        r.rpush(names[12], b"a", b"b")
+        sent = r.info("stats")["total_net_output_bytes"]
+        scramble(kv, 7)
+        assert c.load(keys, list(range(16, 32))).wait(10) == 4
+        assert r.info("stats")["total_net_output_bytes"] - sent < 16 * (record + 1) + (1 << 20)
+        assert blocks_equal(kv, list(range(16, 32)), expected, upto=4)
+        tier = c.status()["storage"][0]
+        assert tier["healthy"] and tier["corrupt"] == 5 and tier["errors"] == 0
+        assert sum(r.exists(n) for n in names[4:8] + [names[12]]) == 0  # removed, never served
+        assert c.load(keys[8:12], list(range(20, 24))).wait(10) == 4  # the keys between: intact
+        assert blocks_equal(kv, list(range(20, 24)), [tuple(t[8:12] for t in p) for p in expected])
+
+
+@pytest.mark.faults
 def test_redis_outage_makes_the_tier_unhealthy_not_the_daemon(run_dir, instance, redis_server):
     kv = small_kv(block_shape=PAGE_SHAPE)
     keys = keys_for(4, 16)
