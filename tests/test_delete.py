@@ -165,7 +165,8 @@ def test_owed_deletes_are_recorded_and_past_the_cap_become_an_owed_clear(tmp_pat
     again.owe_clear(OwedRecord(path))  # a daemon started after the first stopped
     assert again._owed_deletes == set(keys) and not again._clear_owed
     many = [i.to_bytes(16, "big") for i in range(MAX_OWED_DELETES)]
-    assert again.can_owe(MAX_OWED_DELETES - 3) and not again.can_owe(MAX_OWED_DELETES - 2)
+    assert again.delete_refused(MAX_OWED_DELETES - 3) is None
+    assert "owe a clear of every block" in again.delete_refused(MAX_OWED_DELETES - 2)
     assert again.delete(many) == 0
     assert again._clear_owed and not again._owed_deletes  # too many to keep: the tier goes
     assert open(path).read() == f"{store.uri}\n"
@@ -175,7 +176,7 @@ def test_owed_deletes_are_recorded_and_past_the_cap_become_an_owed_clear(tmp_pat
     third.owe_clear(OwedRecord(path))
     assert third._clear_owed and not third._owed_deletes
     assert open(path).read() == f"{store.uri}\n"
-    assert third.can_owe(10 * MAX_OWED_DELETES)  # the owed clear covers any delete
+    assert third.delete_refused(10 * MAX_OWED_DELETES) is None  # the owed clear covers any delete
 
 
 class _UpStore(_DownStore):

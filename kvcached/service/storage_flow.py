@@ -29,7 +29,6 @@ from kvcached_proto.shm_layout import Flag
 from ..copy.transfer import CopyTask, TaskKind, TransferWorker
 from ..errors import OpError, StartupError
 from ..host.index import BACKUP_QUEUED, NOT_STORED, STORED, WRITING
-from ..storage.owed_clear import MAX_OWED_DELETES
 from ..storage.tiers import StorageTiers
 from .backup_deletes import DeletesSeen
 from .io_loans import IOLoans
@@ -415,12 +414,10 @@ class StorageFlow:
         storage tiers; no backup pending now stores them afterwards. (host blocks freed, blocks
         the tiers deleted, the tiers that could not delete them)"""
         deleted = 0
-        refusing = self.tiers.cannot_owe(len(keys)) if self.tiers else []
+        refusing = self.tiers.delete_refusals(len(keys)) if self.tiers else []
         if refusing:  # before anything changes
-            raise OpError(ErrorCode.BUSY, f"{', '.join(refusing)}: down, and owing more deletes "
-                          f"than {MAX_OWED_DELETES} keys would make it owe a clear of every block "
-                          f"it holds (other daemons' too); delete these {len(keys)} keys once it "
-                          "answers again (status: healthy), or fewer at a time")
+            raise OpError(ErrorCode.BUSY, f"a delete of {len(keys)} keys must wait: "
+                          + "; ".join(refusing))
         with self.host.lock:
             self.deletes.note(keys, self.pending_backups > 0)
             for key in keys:

@@ -46,10 +46,12 @@ class StorageBackend(abc.ABC):
     def delete(self, keys: Sequence[bytes]) -> int:
         """Remove keys; returns how many were there."""
 
-    def can_owe(self, n: int) -> bool:
-        """Whether a delete of n keys now would leave the store owing deletes at worst, not a
-        clear of everything (a remote store that is down owes at most MAX_OWED_DELETES keys)."""
-        return True
+    def delete_refused(self, n: int) -> str | None:
+        """Why a delete of n keys must wait (the request is BUSY and changes nothing), or None:
+        what the store would have to keep for it is bounded (a remote store that is down owes
+        at most MAX_OWED_DELETES keys; the disk tier keeps the keys deleted while it rebuilds
+        its index)."""
+        return None
 
     @abc.abstractmethod
     def clear(self) -> int:

@@ -39,7 +39,7 @@ from . import owned
 from .base import StorageBackend
 from .disk_clear import DiskClears
 from .disk_health import ENOSPC_TRIES, PROBE_EVERY_S, DiskHealth
-from .disk_listing import list_records
+from .disk_listing import WhileIndexing, list_records
 from .disk_owed import OwedUnlinks
 from .disk_write import write_record
 from .iothreads import IOThreads, run_bounded
@@ -76,8 +76,7 @@ class DiskBackend(DiskHealth, StorageBackend):
         self.limit_bytes = capacity_bytes  # lowered when the filesystem fills up first
         self._block_bytes = 0  # size of the last record written (the probe's slack)
         self._late = 0  # I/O operations past their deadline that have not returned yet
-        self._dropped_while_indexing: set[bytes] = set()  # deleted before the index was whole
-        self._cleared_while_indexing = False
+        self._meanwhile = WhileIndexing()  # deletes and clears before the index was whole
         self._clears = DiskClears(self.root)  # a clear's mark and generations (disk_clear.py)
         # deletes whose files are not gone yet (disk_owed.py), on record under the root alone
         # (a restart with other options, capacity_gb say, finds them)
@@ -163,14 +162,14 @@ class DiskBackend(DiskHealth, StorageBackend):
         found.sort()
         stale = []
         with self._lock:
-            cleared = self._cleared_while_indexing or finishing
+            cleared = self._meanwhile.cleared or finishing
             known = dict(self._lru)
             self._lru.clear()
             added = []
             for _mtime, key, size in found:
                 if key in known:
                     continue
-                if cleared or key in self._dropped_while_indexing:
+                if cleared or key in self._meanwhile.deleted:
                     stale.append(key)
                     continue
                 self._lru[key] = size
@@ -178,9 +177,7 @@ class DiskBackend(DiskHealth, StorageBackend):
                 added.append(key)
             self._lru.update(known)  # newest: the puts made while indexing
             self._on_keys(added, True)
-            self._dropped_while_indexing.clear()
-            held = self._cleared_while_indexing  # a clear while indexing held its mark for this
-            self._cleared_while_indexing = False
+            held = self._meanwhile.reset()  # a clear while indexing held its mark for this
         self._unlink_later(stale, [self._clears.unlinked] * (held + finishing))
 
     def _forget(self, key: bytes) -> None:
@@ -414,7 +411,7 @@ class DiskBackend(DiskHealth, StorageBackend):
                     self.used_bytes -= size
                     gone.append(key)
                 if not self.indexed.is_set():
-                    self._dropped_while_indexing.add(key)
+                    self._meanwhile.deleted.add(key)
             if gone:
                 self._on_keys(gone, False)
         if not gone:  # nothing indexed to unlink (a write of it running is void already)
@@ -428,6 +425,9 @@ class DiskBackend(DiskHealth, StorageBackend):
             self._unlink_later(gone, [unlinks.done])
         self._owed.unconfirmed(unlinks)  # still there: deleted again by a restart
         return len(gone)
+
+    def delete_refused(self, n: int) -> str | None:  # (deletes run one at a time)
+        return None if self.indexed.is_set() else self._meanwhile.refused(n)
 
     def owe_clear(self, record) -> None:
         """(At start, from the tiers.) Deletes whose files were not gone yet are kept in record
@@ -474,8 +474,7 @@ class DiskBackend(DiskHealth, StorageBackend):
             self.used_bytes -= sum(self._lru.values())  # writes in flight keep their reservation
             self._lru.clear()
             self._on_cleared()
-            if not self.indexed.is_set() and not self._cleared_while_indexing:
-                self._cleared_while_indexing = True
+            if not self.indexed.is_set() and self._meanwhile.clear():
                 self._clears.hold()  # the rebuild's merge unlinks what it finds, then lets go
         self._unlink_later(keys, [self._clears.unlinked])
         return len(keys)

@@ -155,15 +155,19 @@ class OwesClears:
             self._say_owed(f"{len(owed)} deletes are owed")
             return 0
 
-    def can_owe(self, n: int) -> bool:
+    def delete_refused(self, n: int) -> str | None:
         """A store owing a clear takes any delete (the clear covers it), one that answers does
         it now; one that is down owes it, which past MAX_OWED_DELETES keys becomes a clear of
         every block under the prefix - that no delete request may cause (StorageFlow.delete
         refuses it: a client's large delete during an outage wiped a store other daemons
         share)."""
         with self._clear_lock:
-            return (self._clear_owed or self._deletes_now()
-                    or len(self._owed_deletes) + n <= MAX_OWED_DELETES)
+            if (self._clear_owed or self._deletes_now()
+                    or len(self._owed_deletes) + n <= MAX_OWED_DELETES):
+                return None
+        return (f"down, and owing more deletes than {MAX_OWED_DELETES} keys would make it owe "
+                "a clear of every block it holds (other daemons' too); delete these keys once "
+                "it answers again (status: healthy), or fewer at a time")
 
     def _deletes_now(self) -> bool:
         """Whether a delete is tried on the store now (else it is owed at once)."""

@@ -180,10 +180,10 @@ class StorageTiers:
         got = [b.delete(keys) for b in self.backends]
         return max(got, default=0), [b.uri for b in self.backends if not b.health()]
 
-    def cannot_owe(self, n: int) -> list[str]:
-        """The tiers a delete of n keys would make owe a clear of everything (StorageBackend.
-        can_owe), as status names them."""
-        return [b.uri for b in self.backends if not b.can_owe(n)]
+    def delete_refusals(self, n: int) -> list[str]:
+        """Why a delete of n keys must wait, a line for each tier that says so
+        (StorageBackend.delete_refused), named as status names it."""
+        return [f"{b.uri}: {why}" for b in self.backends if (why := b.delete_refused(n))]
 
     def clear(self) -> int:
         return sum(b.clear() for b in self.backends)
