@@ -41,10 +41,10 @@ def test_the_uri_is_checked_before_anything_is_opened():
     got = parse_uri("mooncake://10.0.0.5:50051?segment_gb=2&protocol=rdma&device=mlx5_0&host=10.0.0.9")
     assert got["master"] == "10.0.0.5:50051" and got["segment_bytes"] == 2 << 30
     assert got["protocol"] == "rdma" and got["device"] == "mlx5_0" and got["host"] == "10.0.0.9"
-    assert got["metadata"] == "P2PHANDSHAKE" and got["io_timeout_s"] == 0.5
+    assert got["metadata"] == "P2PHANDSHAKE" and got["io_timeout_s"] == 0.5 and got["lookup_keys"] == 16384
     for bad, says in (("mooncake://h", "MASTER_HOST:PORT"), ("mooncake://h:1?segment=1", "unknown option"),
                       ("mooncake://h:1?protocol=udp", "tcp or rdma"), ("mooncake://h:1?segment_gb=-1", "non-negative"),
-                      ("mooncake://h:1?io_timeout_s=0", "positive")):
+                      ("mooncake://h:1?io_timeout_s=0", "positive"), ("mooncake://h:1?lookup_keys=0", "whole number >= 1")):
         with pytest.raises(ValueError, match=says):
             parse_uri(bad)
 

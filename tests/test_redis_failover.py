@@ -119,7 +119,9 @@ def test_a_sentinel_uri_is_checked_before_anything_is_opened():
                       ("redis+sentinel://:pw@h:1,h:x/0?service=kv", r"'h:x': the port"),
                       ("redis+sentinel://h:1,/0?service=kv", "no host:port"),
                       ("redis+sentinel://h:1/0?service=kv&sentinel_auth=yes", "sentinel_auth is 0 or 1"),
-                      ("redis://h:1/0?service=kv", "unknown option")):
+                      ("redis://h:1/0?service=kv", "unknown option"),
+                      ("redis://:pw@h:1/0?lookup_keys=x", "lookup_keys='x': expected a whole number"),
+                      ("redis://:pw@h:1/0?lookup_keys=0", "lookup_keys='0': expected a whole number")):
         with pytest.raises(ValueError, match=says) as err:
             parse_uri(bad)
         assert "pw" not in str(err.value)

@@ -306,6 +306,34 @@ def test_a_value_planted_under_a_redis_key_fails_that_key_alone_read_no_further_
         assert blocks_equal(kv, list(range(20, 24)), [tuple(t[8:12] for t in p) for p in expected])
 
 
+def test_a_lookup_asks_a_remote_tier_for_at_most_its_lookup_keys(run_dir, instance, redis_server):
+    """A 65,536-key lookup of keys all in Redis held the request thread, and every other client,
+    212 ms. A request now asks a remote tier for at most `lookup_keys` keys (default 16,384):
+    the rest is a miss, counted as `lookups_cut`. The control: a lookup of as many keys as
+    that is whole, and nothing is cut."""
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys = keys_for(65536, 19)
+    pipe = redis_server.client().pipeline(transaction=False)
+    for k in keys:
+        pipe.set(b"kvcached:" + stored(k, kv).hex().encode(), b"x")
+    pipe.execute()
+    port = free_port()
+    h = start(run_dir, instance, redis_server.uri + "?lookup_keys=3000", extra=("--metrics-port", str(port)))
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            assert c.lookup(keys[:3000]) == (0, 3000)
+            assert c.status()["storage"][0]["lookups_cut"] == 0
+            assert c.lookup(keys) == (0, 3000)
+            assert c.status()["storage"][0]["lookups_cut"] == 1
+            assert "kvcached_storage_lookups_cut_total{instance=" in _metrics(port)
+            cut = next(line for line in _metrics(port).splitlines()
+                       if line.startswith("kvcached_storage_lookups_cut_total"))
+            assert cut.endswith(" 1.0"), cut
+    finally:
+        h.stop()
+
+
 @pytest.mark.faults
 def test_redis_outage_makes_the_tier_unhealthy_not_the_daemon(run_dir, instance, redis_server):
     kv = small_kv(block_shape=PAGE_SHAPE)

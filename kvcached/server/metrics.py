@@ -26,6 +26,8 @@ metrics_http.MetricsServer (one thread, bounded; a rendering shared for MIN_REND
                                   Sentinel or in a cluster: new primaries and epoch rises seen)
     kvcached_storage_restarts_total{uri}                               counter (a Redis server,
                                   Sentinel's or a cluster's primary seen with a new run_id)
+    kvcached_storage_lookups_cut_total{uri}                            counter (requests that asked
+                                  a remote tier for its `lookup_keys` and had more)
     kvcached_key_event_gaps_total{readers="all"|"storage"}            counter (the gaps key_events
                                   gave its followers: a new geometry, for everyone; a disk cleared
                                   or that stopped or started answering, for storage readers)
@@ -109,7 +111,8 @@ class StatusCollector:
             yield g
 
     def _tiers(self, s: dict):
-        """Evictions (host, disk) and each storage tier's errors, health, failovers and restarts."""
+        """Evictions (host, disk) and each storage tier's errors, health, failovers, restarts and
+        lookups cut."""
         fam, i = self._family, self.instance
         evictions = fam(CounterMetricFamily, "kvcached_evictions", "Blocks evicted", ["tier"])
         evictions.add_metric([i, "host"], s["host"].get("evictions", 0))
@@ -119,7 +122,11 @@ class StatusCollector:
                         "Failovers a tier saw (a new primary, a cluster's epoch risen)", ["uri"])
         restarts = fam(CounterMetricFamily, "kvcached_storage_restarts",
                        "Restarts a tier saw its server make (a new Redis run_id)", ["uri"])
+        cut = fam(CounterMetricFamily, "kvcached_storage_lookups_cut",
+                  "Requests that asked a remote tier for its lookup_keys and had more", ["uri"])
         for tier in s.get("storage", []):
+            if "lookups_cut" in tier:
+                cut.add_metric([i, tier["uri"]], tier["lookups_cut"])
             if "failovers" in tier:
                 failovers.add_metric([i, tier["uri"]], tier["failovers"])
             if "restarts" in tier:
@@ -129,7 +136,7 @@ class StatusCollector:
             errors.add_metric([i, tier["uri"]], sum(tier.get(k, 0) or 0 for k in
                                                     ("errors", "put_errors", "corrupt", "dropped_puts")))
             healthy.add_metric([i, tier["uri"]], 1 if tier.get("healthy") else 0)
-        return evictions, errors, healthy, failovers, restarts
+        return evictions, errors, healthy, failovers, restarts, cut
 
     def _copy_phases(self, copy_phases: dict):
         i = self.instance

@@ -17,11 +17,12 @@ calls `release(i)` (i: the key's position) - the caller must not reuse the page 
 from __future__ import annotations
 
 import abc
-from typing import Sequence
+from typing import Callable, Sequence
 
 
 class StorageBackend(abc.ABC):
     uri: str
+    lookup_keys = 1 << 62  # keys of one request a remote store is asked at most (URI `lookup_keys`)
 
     @abc.abstractmethod
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
@@ -75,3 +76,19 @@ class StorageBackend(abc.ABC):
 
     def close(self) -> None:
         """Release connections and threads."""
+
+
+def prefix_walk(keys: Sequence[bytes], chunk: int,
+                present: Callable[[Sequence[bytes]], int | None]) -> int | None:
+    """The leading keys a remote store holds, asked `chunk` keys at a time (`present(part)`:
+    the leading keys of part it holds; None: the store failed, and so does the walk)."""
+    n = 0
+    for start in range(0, len(keys), chunk):
+        part = keys[start:start + chunk]
+        found = present(part)
+        if found is None:
+            return None
+        n += found
+        if found < len(part):
+            return n
+    return n

@@ -47,7 +47,7 @@ import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Sequence
 
-from .base import StorageBackend
+from .base import StorageBackend, prefix_walk
 from .iothreads import IOThreads, run_bounded
 from .mooncake_buffers import HeaderArena, Staging, pointer
 from .owed_clear import OwesClears
@@ -89,10 +89,10 @@ class MooncakeBackend(OwesClears, StorageBackend):
         self.opts = opts
         self.prefix = opts["prefix"]
         self._store_id = f"mooncake://{opts['master']}?prefix={self.prefix}"  # (owed_clear.py)
-        self.io_timeout_s = opts["io_timeout_s"]
+        self.io_timeout_s, self.lookup_keys = opts["io_timeout_s"], opts["lookup_keys"]
         self.segment_bytes = opts["segment_bytes"]
         self.counters = {"puts": 0, "gets": 0, "dropped_puts": 0, "errors": 0, "corrupt": 0,
-                         "put_errors": 0, "late_io": 0, "unregistered": 0}
+                         "put_errors": 0, "late_io": 0, "unregistered": 0, "lookups_cut": 0}
         self.last_error = ""
         self._store = None
         self._lock = threading.Lock()
@@ -249,21 +249,15 @@ class MooncakeBackend(OwesClears, StorageBackend):
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
         if not keys or not self._usable():
             return 0
-        n = 0
-        for start in range(0, len(keys), BATCH):
-            part = keys[start:start + BATCH]
-            got = self._call(self._store.batch_is_exist, ([self._name(k) for k in part],),
-                             self.io_timeout_s, "a lookup")
-            if got is None:
-                return 0
-            if any(r in RPC_ERRORS for r in got):
-                self._failed(f"a lookup failed ({min(got)})")
-                return 0
-            for r in got:
-                if r != 1:
-                    return n
-                n += 1
-        return n
+        return prefix_walk(keys, BATCH, self._present) or 0
+
+    def _present(self, part: Sequence[bytes]) -> int | None:
+        got = self._call(self._store.batch_is_exist, ([self._name(k) for k in part],),
+                         self.io_timeout_s, "a lookup")
+        if got is not None and any(r in RPC_ERRORS for r in got):
+            self._failed(f"a lookup failed ({min(got)})")
+            return None
+        return None if got is None else next((i for i, r in enumerate(got) if r != 1), len(got))
 
     def _batch(self, keys, buffers, part, slots, header=None) -> tuple[list, list, list, list]:
         """(names, buffer pointers, sizes, [(i, slot, staged)]) of the keys of `part` that can

@@ -23,6 +23,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
+import numpy as np
 import xxhash
 
 MAGIC = b"KVCB"
@@ -71,6 +72,27 @@ class StoredKeys(Sequence):
         if isinstance(i, slice):
             return StoredKeys(self.keys[i], self.geometry)
         return stored_key(self.keys[i], self.geometry)
+
+
+_HEX = np.frombuffer(b"0123456789abcdef", np.uint8)
+
+
+def hex_names(keys: Sequence[bytes], prefix: bytes) -> list[bytes]:
+    """prefix + the hex of each stored key (a StoredKeys' salted here), in a few numpy calls:
+    one by one, the names of a lookup's Redis calls took the request thread more than the
+    calls (a 65,536-key walk: 251 of 560 profile samples)."""
+    salt = None
+    if isinstance(keys, StoredKeys):
+        keys, salt = keys.keys, np.frombuffer(keys.geometry, np.uint8)
+    blob = getattr(keys, "blob", None)  # (kvcached_proto's PackedKeys: still packed)
+    raw = np.frombuffer(b"".join(keys) if blob is None else blob, np.uint8).reshape(-1, GEOMETRY_BYTES)
+    if salt is not None:
+        raw = raw ^ salt
+    p = len(prefix)
+    out = np.empty((len(raw), p + 2 * GEOMETRY_BYTES), np.uint8)
+    out[:, :p] = np.frombuffer(prefix, np.uint8)
+    out[:, p::2], out[:, p + 1::2] = _HEX[raw >> 4], _HEX[raw & 15]
+    return out.view(f"S{out.shape[1]}").ravel().tolist()
 
 
 def pack_header(key: bytes, pieces, geometry: bytes) -> bytes:

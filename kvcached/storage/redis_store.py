@@ -43,7 +43,8 @@ The lookup script is flagged `no-writes` (Redis 7, Valkey): a write pause does n
 a read-only replica runs it. A server that refuses the flag (Redis 6) gets it without; one that
 refuses scripts gets one EXISTS per key. A probe thread pings the server every PROBE_EVERY_S on its own connection, whether the daemon
 is busy or idle, so status shows a server gone (or back) within PROBE_EVERY_S +
-PROBE_TIMEOUT_S. Lookups run on the daemon's request thread: their connection has a short
+PROBE_TIMEOUT_S. Lookups run on the daemon's request thread (one request asks for at most
+`lookup_keys` keys, tiers.py): their connection has a short
 timeout (LOOKUP_TIMEOUT_S) and no retries, so a server that dies or is blackholed costs one
 request at most that long, and lookups skip the tier from then on. (redis-py's default retries
 with backoff would take ~4 s.) Fetches and backups run on storage worker threads with the
@@ -57,11 +58,11 @@ import threading
 import time
 from typing import Sequence
 
-from .base import StorageBackend
+from .base import StorageBackend, prefix_walk
 from .owed_clear import OwesClears
 from .redis_failover import FollowsFailovers
 from .redis_restarts import FollowsRestarts
-from .record import HEADER_BYTES, BadRecord, nbytes, pack_header, scatter, verify
+from .record import HEADER_BYTES, BadRecord, hex_names, nbytes, pack_header, scatter, verify
 from .uris import parse_redis_uri, redact
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class RedisBackend(FollowsFailovers, FollowsRestarts, OwesClears, StorageBackend
         opts = parse_redis_uri(uri)
         self.uri = redact(uri)
         self.cluster = opts["cluster"]
-        self.prefix, self.ttl_s = opts["prefix"], opts["ttl_s"]
+        self.prefix, self.ttl_s, self.lookup_keys = opts["prefix"], opts["ttl_s"], opts["lookup_keys"]
         host, port, db, sentinels = opts["host"], opts["port"], opts["db"], opts["sentinels"]
         self._sentinels = ",".join(sorted(f"{h}:{p}" for h, p in sentinels or ()))  # (any order: one store)
         where = f"{opts['service']}@{self._sentinels}" if sentinels else f"{host}:{port}"
@@ -115,7 +116,8 @@ class RedisBackend(FollowsFailovers, FollowsRestarts, OwesClears, StorageBackend
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self.counters = {"puts": 0, "gets": 0, "dropped_puts": 0, "errors": 0, "corrupt": 0,
-                         "put_errors": 0, "write_timeouts": 0, "failovers": 0, "restarts": 0}
+                         "put_errors": 0, "write_timeouts": 0, "failovers": 0, "restarts": 0,
+                         "lookups_cut": 0}
         self._refusal_said = ""  # the last refusal logged (a full server refuses every SET alike)
         self._writes_held_until = 0.0  # monotonic: backups are dropped until then (a write pause)
         self.last_error = ""
@@ -187,8 +189,8 @@ class RedisBackend(FollowsFailovers, FollowsRestarts, OwesClears, StorageBackend
         client, seen = client or self._client, self._changes_seen
         try:
             pipe = client.pipeline(transaction=False)
-            for i, key in enumerate(keys):
-                getattr(pipe, command)(self._name(key), *(args[i] if args else ()))
+            for i, name in enumerate(hex_names(keys, self.prefix)):
+                getattr(pipe, command)(name, *(args[i] if args else ()))
             got = pipe.execute(raise_on_error=False)
             failed = next((r for r in got if isinstance(r, Exception) and not _wrong_type(r)), None)
             if failed is not None:
@@ -220,27 +222,18 @@ class RedisBackend(FollowsFailovers, FollowsRestarts, OwesClears, StorageBackend
             except self._redis.RedisError as exc:
                 self._failed(exc)
                 return 0
-        found = self._per_key("exists", keys, self._lookup_client)
-        if found is None:
-            return 0
-        n = 0
-        for hit in found:
-            if not hit:
-                break
-            n += 1
-        return n
+        return prefix_walk(keys, SCRIPT_KEYS, self._exists_part) or 0
+
+    def _exists_part(self, part: Sequence[bytes]) -> int | None:
+        found = self._per_key("exists", part, self._lookup_client)
+        return None if found is None else next((i for i, hit in enumerate(found) if not hit), len(found))
 
     def _script_prefix(self, script: str, keys: Sequence[bytes]) -> int:
         """The leading keys present, SCRIPT_KEYS per call (a 65,536-key lookup in one call
         would keep every other client of the server waiting while it runs)."""
-        n = 0
-        for start in range(0, len(keys), SCRIPT_KEYS):
-            part = keys[start:start + SCRIPT_KEYS]
-            found = int(self._lookup_client.eval(script, len(part), *[self._name(k) for k in part]))
-            n += found
-            if found < len(part):
-                break
-        return n
+        def part_prefix(part: Sequence[bytes]) -> int:
+            return int(self._lookup_client.eval(script, len(part), *hex_names(part, self.prefix)))
+        return prefix_walk(keys, SCRIPT_KEYS, part_prefix)
 
     def get_into(self, keys, buffers, geometry, release=None) -> list[bool]:
         """Synchronous: bounded by the socket timeout, never late (release is not called)."""

@@ -107,15 +107,24 @@ class StorageTiers:
             b.register_memory(ptr, size)
 
     def exists_prefix(self, keys: Sequence[bytes], geometry: bytes | None) -> int:
-        """Leading keys present in some backend (each may come from a different one)."""
+        """Leading keys present in some backend (each may come from a different one). A remote
+        store is asked at most its `lookup_keys` keys of one request (this runs on the request
+        thread: a 65,536-key lookup of keys all in Redis held it, and every other client, 212
+        ms); past them the rest is a miss, counted as its `lookups_cut`."""
         if geometry is None:
             return 0
         keys = StoredKeys(keys, geometry)
-        n = 0
+        n, left = 0, {}  # the keys each backend may still be asked in this request
         while n < len(keys):
             best = 0
             for b in self.backends:
-                best = max(best, b.exists_prefix(keys[n:]))
+                room = left.setdefault(b, b.lookup_keys)
+                if room <= 0:
+                    continue
+                best = b.exists_prefix(keys[n:n + room])
+                left[b] = room - best
+                if best == room and n + best < len(keys):
+                    b.counters["lookups_cut"] += 1
                 if best:
                     break
             if not best:

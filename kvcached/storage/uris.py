@@ -8,6 +8,7 @@ from urllib.parse import parse_qs, unquote, urlparse, urlsplit, urlunsplit
 
 DISK_IO_TIMEOUT_S = 5.0  # a disk tier's file I/O deadline unless the URI says io_timeout_s
 MOONCAKE_IO_TIMEOUT_S = 0.5  # a Mooncake tier's call deadline unless the URI says io_timeout_s
+LOOKUP_KEYS = 16384  # a remote tier's walk of one request's keys unless the URI says lookup_keys
 
 
 def scheme_of(uri: str) -> str:
@@ -55,6 +56,13 @@ def _number(uri: str, q: dict, name: str, default: float) -> float:
     return value
 
 
+def _count(uri: str, q: dict, name: str, default: int) -> int:
+    raw = q.get(name, [str(default)])[0]
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{uri!r}: {name}={raw!r}: expected a whole number >= 1")
+    return int(raw)
+
+
 def _local_address(host: str, port: int) -> str:
     """The local address that routes to the master (what other clients reach us at)."""
     try:
@@ -76,7 +84,8 @@ def parse_mooncake_uri(uri: str) -> dict:
     if url.scheme != "mooncake" or not url.hostname or not port:
         raise ValueError(f"{shown!r}: expected mooncake://MASTER_HOST:PORT[?options]")
     q = parse_qs(url.query)
-    known = {"metadata", "protocol", "device", "host", "segment_gb", "buffer_mb", "prefix", "io_timeout_s"}
+    known = {"metadata", "protocol", "device", "host", "segment_gb", "buffer_mb", "prefix", "io_timeout_s",
+             "lookup_keys"}
     unknown = set(q) - known
     if unknown:
         raise ValueError(f"{shown!r}: unknown option(s) {sorted(unknown)}; known: {', '.join(sorted(known))}")
@@ -100,7 +109,8 @@ def parse_mooncake_uri(uri: str) -> dict:
             "segment_bytes": int(number("segment_gb", 1.0, zero_ok=True) * (1 << 30)),
             "buffer_bytes": int(number("buffer_mb", 64.0) * (1 << 20)),
             "prefix": q.get("prefix", ["kvcached/"])[0],
-            "io_timeout_s": number("io_timeout_s", MOONCAKE_IO_TIMEOUT_S)}
+            "io_timeout_s": number("io_timeout_s", MOONCAKE_IO_TIMEOUT_S),
+            "lookup_keys": _count(shown, q, "lookup_keys", LOOKUP_KEYS)}
 
 
 REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel")
@@ -124,7 +134,7 @@ def parse_redis_uri(uri: str) -> dict:
                          "redis[s]+cluster://[[user]:password@]host:port or "
                          "redis[s]+sentinel://[[user]:password@]host:port[,host:port...]/db?service=NAME")
     q = parse_qs(url.query)
-    known = {"prefix", "ttl_s", "ca"} | ({"service", "sentinel_auth"} if sentinel else set())
+    known = {"prefix", "ttl_s", "ca", "lookup_keys"} | ({"service", "sentinel_auth"} if sentinel else set())
     unknown = set(q) - known
     if unknown:
         raise ValueError(f"{shown!r}: unknown option(s) {sorted(unknown)}; known: {', '.join(sorted(known))}")
@@ -142,7 +152,8 @@ def parse_redis_uri(uri: str) -> dict:
            "db": db, "prefix": q.get("prefix", ["kvcached:"])[0].encode(), "ttl_s": ttl_s or None,
            "username": unquote(url.username) if url.username else None,
            "password": unquote(url.password) if url.password is not None else None,
-           "tls": tls, "ca": q.get("ca", [None])[0], "sentinels": None}
+           "tls": tls, "ca": q.get("ca", [None])[0], "sentinels": None,
+           "lookup_keys": _count(shown, q, "lookup_keys", LOOKUP_KEYS)}
     if sentinel:
         service = q.get("service", [""])[0]
         if not service:
