@@ -142,6 +142,8 @@ class Client(KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing towards a daemon that is not there
+        # taken off the connection as it comes, read late or not (the daemon closes a connection its replies fill)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
         if any(self._curve):
             self._set_curve(*self._curve)
         self._sock.connect(self._endpoint)

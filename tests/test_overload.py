@@ -233,3 +233,53 @@ def test_a_close_read_after_its_fd_was_reused_by_another_listener_uncounts_nothi
     finally:
         for s in peers + [tcp, unix]:
             s.close()
+
+
+def _status_flood_unread(run_dir, instance, rcvhwm: int, seconds: float, closed) -> bool:
+    """A DEALER that says hello, then sends status requests for `seconds` and reads nothing;
+    whether closed() said so meanwhile (asked every 0.25 s)."""
+    import msgpack
+    import zmq
+
+    from kvcached_proto.paths import request_endpoint
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, rcvhwm)
+    sock.connect(request_endpoint(run_dir, instance))
+    head = {"proto": [1, 12], "client": f"unread-{rcvhwm}"}
+    sock.send(msgpack.packb({**head, "op": 1, "rid": 1, "pid": os.getpid(), "name": "unread"}))
+    assert sock.poll(10000) and msgpack.unpackb(sock.recv())["ok"]
+    frame, end, ask = msgpack.packb({**head, "op": 3, "rid": 2}), time.monotonic() + seconds, 0.0
+    try:
+        while time.monotonic() < end:
+            if time.monotonic() > ask:
+                if closed():
+                    return True
+                ask = time.monotonic() + 0.25
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                time.sleep(0.001)
+        return False
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def test_a_connection_that_reads_none_of_its_replies_is_closed(daemon):
+    """Replies a client leaves unread wait in the daemon once its socket's buffer is full: a
+    client sending status requests without reading grew the daemon by 111 MB (up to the
+    100,000 replies of its send queue). Once the buffer has stayed full at its requests for a
+    second, the connection is closed. The control: a client whose socket takes the replies off
+    the connection as they come (RCVHWM 0, as kvcached_client's) is not closed, however late
+    it reads them; and the engine beside them is served throughout."""
+    with daemon.connect() as c:
+        def closed():
+            return c.status()["connections"].get("unread_closed", 0) > 0
+
+        assert not _status_flood_unread(daemon.run_dir, daemon.instance, 0, 3, closed)
+        assert _status_flood_unread(daemon.run_dir, daemon.instance, 1, 20, closed)
+        assert c.ping() >= 0
+    assert "its replies have filled its socket's buffer, unread" in open(daemon.log_path).read()

@@ -10,6 +10,16 @@ own (STATUS_CONNECTIONS, STATUS_PER_PEER a process); all the listeners' caps tog
 under half the files limit. Connections that never finish their handshake are closed
 by zmq after HANDSHAKE_MS. A DISCONNECTED event uncounts one.
 
+A connection that sends requests but reads none of the replies is closed (`unread`): once its
+socket's send buffer is full, zmq keeps what the daemon sends it in the daemon (a client
+sending status requests without reading grew the daemon by 111 MB, up to the 100,000 replies
+of the socket's SNDHWM; a key_events reply may be a MiB). When its send queue (SIOCOUTQ) has
+been 3/4 of its buffer or more at its requests for UNREAD_CLOSE_S (looked at every
+UNREAD_EVERY-th request, then at each once full), the next is not handled and the connection
+is shut. A client that stops reading and sends nothing costs its
+buffer and its tasks' events; one that is only slow to read is never closed (kvcached_client's
+socket reads whatever comes: RCVHWM 0).
+
 An fd number is reused as soon as it is closed, so an ACCEPTED fd is acted on only while its
 socket is still the one accepted (its local address is the listener's), after every monitor
 event queued before it was handled. Each listener has its own monitor, so one listener's
@@ -20,10 +30,12 @@ socket is gone: the fd is this one now).
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import resource
 import socket
 import struct
+import termios
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -36,6 +48,9 @@ STATUS_PER_PEER = 8  # one process's on the status socket: a flooder leaves room
 HANDSHAKE_MS = 5000
 STRIKES = 3
 LOG_EVERY_S = 5.0  # one line per peer this often; a flood of refusals is counted, not logged
+UNREAD_CLOSE_S = 1.0  # a connection's send buffer full at its requests this long: shut
+UNREAD_EVERY = 16  # requests: an ioctl on each cost a lookup op ~4 us of its ~200
+_OUTQ = struct.Struct("i")
 
 
 def raise_files_limit() -> int:
@@ -67,6 +82,8 @@ class _Conn:
     peer: str
     strikes: int = 0  # large frames in a row that were no valid request
     shut: bool = False  # shut by the daemon, its close not seen yet: never shut twice
+    full_since: float = 0.0  # monotonic: its send buffer was full at each request since (unread)
+    requests: int = 0  # (unread looks at every UNREAD_EVERY-th while the buffer is not full)
 
 
 def _peer(sock: socket.socket) -> str:
@@ -96,6 +113,7 @@ class ConnectionGuard:
         self._per_listener: Counter = Counter()
         self._per_peer: Counter = Counter()
         self.refused = 0
+        self.unread_closed = 0  # connections shut for reading none of their replies
         self._said: dict[str, tuple[float, int]] = {}  # peer -> (last line's time, refused since)
 
     def accepted(self, fd: int, endpoint: str) -> None:
@@ -127,14 +145,41 @@ class ConnectionGuard:
         finally:
             sock.detach()  # the fd stays zmq's
 
-    def _say(self, peer: str, endpoint: str, why: str) -> None:
+    def unread(self, fd: int) -> bool:
+        """(Before a request from fd is handled.) True when the connection is shut for reading
+        none of its replies (the module's docstring): the request is dropped, unanswered."""
+        conn = self._open.get(fd)
+        if conn is None or conn.shut:
+            return False
+        conn.requests += 1
+        if conn.requests % UNREAD_EVERY and not conn.full_since:
+            return False
+        try:
+            queued = _OUTQ.unpack(fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0]  # SIOCOUTQ
+            full = queued >= 1 << 16 and queued * 4 >= 3 * _sndbuf(fd)  # (the ioctl alone: ~1 us)
+        except OSError:
+            return False
+        now = time.monotonic()
+        if not full or not conn.full_since:
+            conn.full_since = now if full else 0.0
+            return False
+        if now - conn.full_since < UNREAD_CLOSE_S:
+            return False
+        conn.shut = True
+        self.unread_closed += 1
+        self._say(conn.peer, conn.listener, f"its replies have filled its socket's buffer, unread, "
+                  f"for {now - conn.full_since:.1f} s while it sent requests", "closed a connection of")
+        self._shut(fd)
+        return True
+
+    def _say(self, peer: str, endpoint: str, why: str, what: str = "refused a connection from") -> None:
         now = time.monotonic()
         last, since = self._said.get(peer, (0.0, 0))
         if now - last < LOG_EVERY_S:
             self._said[peer] = (last, since + 1)
             return
-        more = f" ({since} more refused since the last such line)" if since else ""
-        log.warning("[clients] refused a connection from %s on %s: %s%s", peer, endpoint, why, more)
+        more = f" ({since} more since the last such line)" if since else ""
+        log.warning("[clients] %s %s on %s: %s%s", what, peer, endpoint, why, more)
         self._said[peer] = (now, 0)
         if len(self._said) > 4096:  # peers come and go: forget the quiet ones
             self._said = {p: v for p, v in self._said.items() if now - v[0] < LOG_EVERY_S}
@@ -210,4 +255,13 @@ class ConnectionGuard:
 
     def status(self) -> dict:
         return {"open": len(self._open), "refused": self.refused, "max": self.max_connections,
-                "max_per_peer": self.max_per_peer}
+                "max_per_peer": self.max_per_peer, "unread_closed": self.unread_closed}
+
+
+def _sndbuf(fd: int) -> int:
+    """The socket's send buffer now (TCP's grows as it tunes itself)."""
+    sock = socket.socket(fileno=fd)
+    try:
+        return sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    finally:
+        sock.detach()

@@ -273,6 +273,8 @@ class Daemon(StopsDaemon):
         msg: dict = {}  # what was decoded, also of a frame refused part way (its rid)
         self.requests["handled"] += 1
         fd, costly = self._last_fd, False
+        if fd >= 0 and self.connections.unread(fd):
+            return  # shut: it reads none of its replies (connections.py)
         try:
             if len(body) != 1:
                 raise ProtocolError(ErrorCode.BAD_FRAME, f"expected one frame, got {len(body)}")
