@@ -226,7 +226,8 @@ def test_a_close_read_after_its_fd_was_reused_by_another_listener_uncounts_nothi
         peers.append(socket.create_connection(tcp.getsockname()))
         conn3, _ = tcp.accept()
         guard.accepted(conn3.fileno(), tcp_ep)  # the address's cap (1) is free again
-        assert guard.status() == {"open": 2, "refused": 0, "max": 100, "max_per_peer": 1}
+        assert guard.status() == {"open": 2, "refused": 0, "max": 100, "max_per_peer": 1,
+                                  "unread_closed": 0}
         assert guard.closed(fd, ipc_ep) is True and guard.status()["open"] == 1
         conn2.close()
         conn3.close()
