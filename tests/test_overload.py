@@ -284,3 +284,107 @@ def test_a_connection_that_reads_none_of_its_replies_is_closed(daemon):
         assert _status_flood_unread(daemon.run_dir, daemon.instance, 1, 20, closed)
         assert c.ping() >= 0
     assert "its replies have filled its socket's buffer, unread" in open(daemon.log_path).read()
+
+
+def test_another_clients_flood_of_blocking_ops_leaves_the_engines_answered(daemon):
+    """Deletes run on the control worker. A client pipelining 65,536-key deletes (80 in
+    flight) filled its queue: the engine's own deletes were BUSY (9 of 10), and so would its
+    unregister or a pause have been. The engine's ops now have a lane of their own, served
+    first, and such a client may have 4 queued; the request loop gives the replies their turn
+    every 2 ms (256 such frames first kept one 2 s)."""
+    import threading
+
+    import msgpack
+    import zmq
+
+    from kvcached_proto import Op, pack_keys
+    from kvcached_proto.paths import request_endpoint
+
+    stop, answered = threading.Event(), {"ok": 0, "busy": 0}
+
+    def flood():
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(request_endpoint(daemon.run_dir, daemon.instance))
+        head = {"proto": [1, 12], "client": "deleter"}
+        sock.send(msgpack.packb({**head, "op": 1, "rid": 1, "pid": os.getpid(), "name": "deleter"}))
+        assert sock.poll(10000) and msgpack.unpackb(sock.recv())["ok"]
+        frame, inflight = msgpack.packb({**head, "op": 30, "rid": 2, "keys": os.urandom(65536 * 16)}), 0
+        while not stop.is_set():
+            while inflight < 80:
+                sock.send(frame)
+                inflight += 1
+            if sock.poll(100):
+                inflight -= 1
+                answered["ok" if msgpack.unpackb(sock.recv()).get("ok") else "busy"] += 1
+        sock.close()
+        ctx.term()
+
+    with daemon.connect() as engine:
+        engine.register_kv_cache(small_kv())
+        flooder = threading.Thread(target=flood)
+        flooder.start()
+        try:
+            wait_until(lambda: answered["busy"] > 0, 30, "the flooder refused past its share")
+            for _ in range(5):
+                engine._request(Op.DELETE, 30, keys=pack_keys([os.urandom(16)]))  # never BUSY
+            assert engine.status()["connections"]["open"] == 2
+        finally:
+            stop.set()
+            flooder.join(30)
+        assert answered["ok"] > 0
+
+
+def test_the_control_worker_serves_the_engines_lane_first_and_caps_a_client_in_the_others():
+    """(Pure logic: a fake event sink.) Ops queued by other clients wait while an engine's,
+    queued after them, runs first; one client may have PER_CLIENT queued in the others' lane;
+    a stop answers what is left SHUTTING_DOWN, in order."""
+    import threading
+
+    from kvcached.errors import OpError
+    from kvcached.server.control import ENGINES, OTHERS, PER_CLIENT, ControlWorker
+
+    class Sink:
+        def __init__(self):
+            self.replies = []
+
+        def emit(self, routing_id, reply):
+            self.replies.append((routing_id, reply))
+
+    sink, gate, ran = Sink(), threading.Event(), []
+    worker = ControlWorker(sink)
+    worker.start()
+
+    def op(name, wait=False):
+        def run():
+            if wait:
+                assert gate.wait(10)
+            ran.append(name)
+            return {}
+        return run
+
+    worker.submit(b"x", 1, op("held", wait=True), OTHERS)  # running: the lanes fill behind it
+    wait_until(lambda: worker.queued == 0, 5, "the first op taken")
+    for i in range(PER_CLIENT):
+        worker.submit(b"r", 10 + i, op(f"r{i}"), OTHERS)
+    with pytest.raises(OpError, match="control ops of this client queued"):
+        worker.submit(b"r", 99, op("refused"), OTHERS)
+    worker.submit(b"s", 20, op("s0"), OTHERS)  # another client: room of its own
+    worker.submit(b"e", 30, op("e0"), ENGINES)
+    worker.run_later(op("own"))
+    gate.set()
+    wait_until(lambda: len(ran) == PER_CLIENT + 4, 5, "every op run")
+    assert ran == ["held", "e0", "own", *[f"r{i}" for i in range(PER_CLIENT)], "s0"]
+    worker.submit(b"r", 40, op("r-again"), OTHERS)  # its ops answered: it may queue again
+    wait_until(lambda: "r-again" in ran, 5, "the client's next op")
+    gate.clear()
+    worker.submit(b"x", 50, op("held2", wait=True), OTHERS)
+    wait_until(lambda: worker.queued == 0, 5, "the op taken")
+    worker.submit(b"e", 51, op("late"), ENGINES)
+    stopper = threading.Thread(target=worker.stop, args=(10,))
+    stopper.start()
+    gate.set()
+    stopper.join(10)
+    assert not worker.is_alive() and "late" not in ran
+    assert sink.replies[-1][0] == b"e" and sink.replies[-1][1]["error"]["code"] == 10  # SHUTTING_DOWN

@@ -35,7 +35,7 @@ from ..host import machine
 from ..logs import LineBudget
 from ..service.cache_service import CacheService
 from .access import ClientInfo, check_admin, check_kv_owner
-from .control import ControlWorker
+from .control import ENGINES, OTHERS, ControlWorker
 from .kv_sweep import sweep_kv_segments
 from .connections import STATUS_PER_PEER, ConnectionGuard, connection_caps, raise_files_limit
 from .metrics import Metrics
@@ -55,7 +55,8 @@ LOOP_STALL_S = 5.0  # the request loop not turning for this long makes status `d
 CURVE_TAG = b"C"  # ROUTER-made ids start with 0x00: this prefix cannot collide
 CLIENT_REAP_PERIOD_S = 0.25
 KEY_TABLE_REFRESH_S = 0.1  # how soon the key table says a disk tier stopped (or started) answering
-MAX_BATCH = 256  # requests handled per wake before events get their turn
+MAX_BATCH = 256  # requests handled per wake before events get their turn,
+BATCH_S = 0.002  # or this long: 256 costly frames (a flood's) kept a task's event 2 s
 DEFERRED = object()  # _dispatch's answer for an op the control worker replies to
 # a frame that is no valid request (what a flood of junk gets): counted as refused in status
 REFUSED_CODES = frozenset((ErrorCode.BAD_FRAME, ErrorCode.FRAME_TOO_LARGE, ErrorCode.BAD_HEADER,
@@ -192,15 +193,9 @@ class Daemon(StopsDaemon):
                 if mon in ready:
                     self._on_connection_events(mon)
             if self._router in ready:
-                for _ in range(MAX_BATCH):  # EVENTS instead of catching zmq.Again: cheaper
-                    if not self._router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                        break
-                    self._handle(self._recv(self._router, b""))
+                self._requests(self._router, b"")
             if self._curve_router is not None and self._curve_router in ready:
-                for _ in range(MAX_BATCH):
-                    if not self._curve_router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                        break
-                    self._handle(self._recv(self._curve_router, CURVE_TAG))
+                self._requests(self._curve_router, CURVE_TAG)
             if self.events.pull in ready:
                 self._forward_events()
             if time.monotonic() >= next_keys:  # the key table says whether its disk tiers answer
@@ -213,6 +208,14 @@ class Daemon(StopsDaemon):
             if time.monotonic() >= next_stats:
                 log.info("[stats] %s", stats_line(self.status()))
                 next_stats = time.monotonic() + self.cfg.stats_interval_s
+
+    def _requests(self, sock: zmq.Socket, tag: bytes) -> None:
+        """The requests waiting, until MAX_BATCH or BATCH_S: then the events' turn."""
+        until = time.monotonic() + BATCH_S
+        for _ in range(MAX_BATCH):  # EVENTS instead of catching zmq.Again: cheaper
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN or time.monotonic() > until:
+                break
+            self._handle(self._recv(sock, tag))
 
     def _recv(self, sock: zmq.Socket, tag: bytes) -> list:
         """One message: [routing id, frames as buffers...] (nothing copied: a frame is decoded
@@ -332,7 +335,9 @@ class Daemon(StopsDaemon):
         if req.op == Op.REGISTER_KV:
             self._reap_dead_clients()  # an engine that died a moment ago holds no registration
         if spec.blocking:  # a drain or storage I/O: the control worker replies when done
-            self.control.submit(routing_id, req.rid, lambda: self.service.handle(client, req))
+            engine = client.role == "operator" or (kv is not None and kv.owner == client.client_id)
+            self.control.submit(routing_id, req.rid, lambda: self.service.handle(client, req),
+                                ENGINES if engine else OTHERS)
             return DEFERRED
         return self.service.handle(client, req)
 
