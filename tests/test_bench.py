@@ -103,3 +103,5 @@ def test_bench_faults_injects_every_fault_and_loses_nothing():
     assert r["flood_junk_frames_sent"] > 0 and r["flood_layout_frames_sent"] > 0
     assert r["metrics_flood_scrapes_answered"] > 0  # scrapes get through a held-connection flood
     assert r["metrics_flood_threads_during"] <= r["metrics_flood_threads_before"] + 1
+    assert r["flood_unread_unread_closed"] >= 1  # status requests whose replies nobody reads
+    assert r["delete_flood_engine_deletes"] > 0 and r["delete_flood_flood_deletes_busy"] > 0

@@ -18,7 +18,9 @@ One daemon with a disk tier, in a private run dir:
 11. floods (bench/flood.py): two processes sending costly 8 MiB frames (junk; an over-budget
     layout) while another client pings, 1,200 silent ipc connections while a new engine
     connects, and 1,000 unfinished requests to /metrics while 16 threads scrape it: the ping's
-    latency, the daemon's memory growth and threads, connections refused;
+    latency, the daemon's memory growth and threads, connections refused; status requests
+    whose replies are never read (the connections closed); a process keeping 80 large deletes
+    in flight while the engine deletes (its deletes' wait; one refused counts as lost);
 12. another KV geometry registered over the stored blocks: none of them is a hit or loaded.
 """
 from __future__ import annotations
@@ -343,15 +345,21 @@ def _damaged_disk(tmp, name, run_dir, storage, kv, keys, counts, out) -> None:
         _other_geometry(c, keys, counts, out)
 
 
-def _floods(d, metrics_port: int, quick: bool, counts, out) -> None:
-    from .flood import connection_flood, frame_flood, metrics_flood
+def _floods(d, c, metrics_port: int, quick: bool, counts, out) -> None:
+    from .flood import blocking_flood, connection_flood, frame_flood, metrics_flood
 
-    for kind in ("junk", "layout", "notes", "status"):
+    for kind in ("junk", "layout", "notes", "status", "unread"):
         r = frame_flood(d, kind, flooders=2, seconds=2 if quick else 8)
         counts["faults_injected"] += 1
         for k in ("frames_sent", "ping_idle_p99_ms", "ping_p50_ms", "ping_p99_ms", "ping_max_ms",
-                  "rss_growth_mib"):
+                  "rss_growth_mib") + (("unread_closed",) if kind == "unread" else ()):
             out[f"flood_{kind}_{k}"] = r[k]
+    r = blocking_flood(d, c, seconds=3 if quick else 8)
+    counts["faults_injected"] += 1
+    counts["lost"] += r["engine_refused"]  # the engine's own op refused for another's flood
+    out.update({f"delete_flood_{k}": r[k] for k in ("flood_deletes_done", "flood_deletes_busy",
+                                                     "engine_deletes", "engine_refused",
+                                                     "engine_delete_p50_ms", "engine_delete_max_ms")})
     r = connection_flood(d)
     counts["faults_injected"] += 1
     counts["lost"] += not r["daemon_alive"]
@@ -431,7 +439,7 @@ def run(quick: bool = False, **_) -> dict:
         _stopped_daemon(d, c, kv, keys, counts, out)
         c.flush().wait(60)
         _racing_loads(c, kv, keys, counts, out)
-        _floods(d, metrics_port, quick, counts, out)
+        _floods(d, c, metrics_port, quick, counts, out)
         _killed_daemon(d, c, counts, out)
         c.close()
         _damaged_disk(tmp, name, run_dir, storage, kv, keys, counts, out)

@@ -6,7 +6,12 @@
   `junk`, 8 MiB of small nested arrays under a name that is no field (8 M objects to decode),
   `layout`, a register_kv whose layout holds more objects than a layout may, and `notes`, the
   largest valid lookup_notes (1,024 lookups of 32 keys, each asked 8 times; before a message
-  was bounded, 65,536 one-key lookups held the daemon up to 0.95 s).
+  was bounded, 65,536 one-key lookups held the daemon up to 0.95 s), and `unread`, status
+  requests from a socket that reads none of the replies (RCVHWM 1: they waited in the daemon,
+  +111 MB in seconds, before such a connection was closed).
+- blocking ops (blocking_flood): a process keeps 80 deletes of 65,536 keys in flight (each
+  ~64 ms of the control worker) while the engine deletes a key at a time; what its deletes
+  wait, and how many were refused (9 of 10 were BUSY before the engine's lane).
 - status: processes asking the status socket for the status as fast as it answers (each answer
   was a snapshot under the host lock; one serves 20 ms now) while this process pings.
 - connections (connection_flood): a process opens ipc connections far past the daemon's cap
@@ -37,12 +42,15 @@ elif kind == "notes":  # valid, from a client that said hello
     frame = msgpack.packb({**head, "keys": os.urandom(32768 * 16),
                            "counts": struct.pack("<1024i", *[32] * 1024),
                            "repeats": struct.pack("<1024i", *[8] * 1024)})
+elif kind == "unread":  # status requests; no reply is read
+    frame = msgpack.packb({**head, "proto": [1, 12], "op": 3})
 else:
     frame = msgpack.packb({**head, "layout": {"tensors": [[0] * 2040] * 4096}})
 ctx = zmq.Context()
 s = ctx.socket(zmq.DEALER)
 s.setsockopt(zmq.LINGER, 0)
 s.setsockopt(zmq.SNDHWM, 4)
+s.setsockopt(zmq.RCVHWM, 1 if kind == "unread" else 1000)
 s.setsockopt(zmq.SNDTIMEO, 200)
 s.connect(endpoint)
 if kind == "notes":
@@ -56,7 +64,7 @@ while time.monotonic() < end:
         sent += 1
     except zmq.Again:
         pass
-    while s.poll(0):
+    while kind != "unread" and s.poll(0):
         s.recv()
 print(sent, flush=True)
 s.close(0)
@@ -157,7 +165,69 @@ def frame_flood(d, kind: str = "junk", flooders: int = 2, seconds: float = 10.0)
             "ping_p50_ms": _pct(busy, 0.5), "ping_p99_ms": _pct(busy, 0.99),
             "ping_max_ms": _pct(busy, 1.0), "rss_before_mib": round(before),
             "rss_peak_mib": round(high), "rss_after_mib": round(after),
-            "rss_growth_mib": round(max(high, after) - before)}
+            "rss_growth_mib": round(max(high, after) - before),
+            "unread_closed": status.get("connections", {}).get("unread_closed", 0)}
+
+
+_DELETER = """
+import os, sys, time, msgpack, zmq
+endpoint, seconds = sys.argv[1], float(sys.argv[2])
+head = {"proto": [1, 12], "client": f"deleter-{os.getpid()}"}
+ctx = zmq.Context()
+s = ctx.socket(zmq.DEALER)
+s.setsockopt(zmq.LINGER, 0)
+s.connect(endpoint)
+s.send(msgpack.packb({**head, "op": 1, "rid": 1, "pid": os.getpid(), "name": "deleter"}))
+assert s.poll(10000) and msgpack.unpackb(s.recv())["ok"], "the deleter's hello"
+frame = msgpack.packb({**head, "op": 30, "rid": 2, "keys": os.urandom(65536 * 16)})
+print("ready", flush=True)
+done, busy, inflight, end = 0, 0, 0, time.monotonic() + seconds
+while time.monotonic() < end:
+    while inflight < 80:
+        s.send(frame)
+        inflight += 1
+    if s.poll(100):
+        inflight -= 1
+        if msgpack.unpackb(s.recv()).get("ok"):
+            done += 1
+        else:
+            busy += 1
+print(done, busy, flush=True)
+s.close(0)
+ctx.term()
+"""
+
+
+def blocking_flood(d, engine: Client, seconds: float = 8.0) -> dict:
+    """A process keeps 80 deletes of 65,536 random keys in flight on daemon `d` while `engine`
+    (a client with KV registered) deletes one key every 50 ms: its deletes' time and refusals."""
+    from kvcached_proto import Busy, Op, pack_keys
+
+    p = subprocess.Popen([sys.executable, "-c", _DELETER, f"ipc://{d.run_dir}/{d.instance}.sock",
+                          str(seconds)], stdout=subprocess.PIPE, text=True)
+    waits, refused = [], 0
+    try:
+        if p.stdout.readline().strip() != "ready":
+            raise RuntimeError("the deleting process did not start")
+        end = time.monotonic() + seconds - 1
+        while time.monotonic() < end:
+            t0 = time.perf_counter()
+            try:
+                engine._request(Op.DELETE, 30, keys=pack_keys([os.urandom(16)]))
+                waits.append((time.perf_counter() - t0) * 1000)
+            except Busy:
+                refused += 1
+            time.sleep(0.05)
+        done, busy = (int(x) for x in p.stdout.readline().split())
+    finally:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return {"seconds": seconds, "flood_deletes_done": done, "flood_deletes_busy": busy,
+            "engine_deletes": len(waits), "engine_refused": refused,
+            "engine_delete_p50_ms": _pct(waits, 0.5), "engine_delete_max_ms": _pct(waits, 1.0)}
 
 
 _HOLDER = """
