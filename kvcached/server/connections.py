@@ -49,7 +49,7 @@ HANDSHAKE_MS = 5000
 STRIKES = 3
 LOG_EVERY_S = 5.0  # one line per peer this often; a flood of refusals is counted, not logged
 UNREAD_CLOSE_S = 1.0  # a connection's send buffer full at its requests this long: shut
-UNREAD_EVERY = 16  # requests: an ioctl on each cost a lookup op ~4 us of its ~200
+UNREAD_EVERY = 16  # requests (the ioctl on every one: ~1 us a request; so: 0.2 us, timeit)
 _OUTQ = struct.Struct("i")
 
 

@@ -80,7 +80,8 @@ _HEX = np.frombuffer(b"0123456789abcdef", np.uint8)
 def hex_names(keys: Sequence[bytes], prefix: bytes) -> list[bytes]:
     """prefix + the hex of each stored key (a StoredKeys' salted here), in a few numpy calls:
     one by one, the names of a lookup's Redis calls took the request thread more than the
-    calls (a 65,536-key walk: 251 of 560 profile samples)."""
+    calls (py-spy of 65,536-key walks: 251 samples in the names, 145 in redis-py's send and
+    receive); 1,024 names 768 -> 100 us (timeit)."""
     salt = None
     if isinstance(keys, StoredKeys):
         keys, salt = keys.keys, np.frombuffer(keys.geometry, np.uint8)
