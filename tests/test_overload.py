@@ -388,3 +388,47 @@ def test_the_control_worker_serves_the_engines_lane_first_and_caps_a_client_in_t
     stopper.join(10)
     assert not worker.is_alive() and "late" not in ran
     assert sink.replies[-1][0] == b"e" and sink.replies[-1][1]["error"]["code"] == 10  # SHUTTING_DOWN
+
+
+def test_the_status_socket_holds_a_few_messages_of_a_connection_each_way(daemon):
+    """A status CLI has one request out at a time. A connection that pipelines 3,000 requests
+    and reads none got 1,000 replies queued in the daemon (32 such: +42 MB) and could send 1 MB
+    frames (+48 MB); now 4 each way, REP dropping the replies past them, and a frame over 64 KiB
+    drops the connection. The client then reads only what its socket's buffers took (the
+    kernel's, bounded by the daemon's send buffer), the 4 and its own one."""
+    import msgpack
+    import zmq
+
+    from kvcached_proto.paths import status_endpoint
+
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 1)
+        sock.connect(status_endpoint(daemon.run_dir, daemon.instance))
+        frame = msgpack.packb({"proto": [1, 13], "op": 3, "rid": 1, "client": "poller"})
+        sock.send_multipart([b"", frame])
+        assert sock.poll(10000)
+        reply_bytes = len(sock.recv_multipart()[1])
+        wmem = int(open("/proc/sys/net/core/wmem_default").read())
+        bound = 4 + 1 + 2 * wmem // reply_bytes
+        if bound >= 1000:
+            pytest.skip(f"a send buffer of {wmem} bytes holds as many replies as the old queue")
+        for _ in range(3000):
+            sock.send_multipart([b"", frame])
+        time.sleep(2)  # the daemon answers them all meanwhile
+        got = 0
+        while sock.poll(500):
+            sock.recv_multipart()
+            got += 1
+        assert 0 < got <= bound, (got, bound)
+        big = ctx.socket(zmq.DEALER)
+        big.setsockopt(zmq.LINGER, 0)
+        big.connect(status_endpoint(daemon.run_dir, daemon.instance))
+        big.send_multipart([b"", bytes(100_000)])
+        assert not big.poll(1000)  # dropped, not answered
+    finally:
+        ctx.destroy(linger=0)
+    with daemon.connect() as c:
+        assert c.status()["connections"]["open"] == 1

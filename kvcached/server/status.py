@@ -20,6 +20,7 @@ from kvcached_proto.messages import parse_request, reply_for
 log = logging.getLogger(__name__)
 
 SHARE_S = 0.02  # how long one snapshot answers every status request
+STATUS_HWM = 4  # messages queued each way for one connection
 
 
 class StatusThread(threading.Thread):
@@ -27,7 +28,12 @@ class StatusThread(threading.Thread):
         super().__init__(name="kvcached-status", daemon=True)
         self._sock = ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 16)  # a status request is ~100 bytes
+        # a status CLI or poller has one request out at a time: a connection that pipelines
+        # more (and reads no reply) is held to a few each way (REP drops replies past it),
+        # not 1,000 (32 such connections: +42 MB of replies; of 1 MB requests, +48 MB)
+        self._sock.setsockopt(zmq.SNDHWM, STATUS_HWM)
+        self._sock.setsockopt(zmq.RCVHWM, STATUS_HWM)
         self._sock.bind(endpoint)
         self.endpoint = endpoint
         # its connections, counted and capped by the daemon's loop like the request sockets'
