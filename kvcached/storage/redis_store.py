@@ -26,8 +26,9 @@ status, metrics and logs carry the URI with it replaced by *** (uris.redact).
 
 Keys are `{prefix}{stored key hex}`; values are record.py records (header with a checksum, then the
 page), read with GETRANGE to one byte past a record: a value that is no record (too long, another
-type) is that key's bad record, deleted, whatever another writer put there. A server that stops answering marks the tier unhealthy: lookups see 0 hits, puts are
-dropped and counted, until it answers again.
+type) is that key's bad record, deleted, whatever another writer put there. A server that
+stops answering marks the tier unhealthy: lookups see 0 hits, puts are dropped and counted,
+until it answers again.
 
 A clear the server cannot do now (it is down, or fails midway) is owed: until a probe finds the
 server answering and the clear is done, the tier is unhealthy - no hits, puts dropped - so no
