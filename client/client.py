@@ -18,7 +18,7 @@ import numpy as np
 import zmq
 
 from kvcached_proto import (Busy, DaemonUnavailable, KvcachedError, KvcachedTimeout, Op, ProtocolError, decode,
-                            encode, make_request, pack_block_ids, pack_keys, request_error)
+                            encode_request, pack_block_ids, pack_keys, request_error)
 from kvcached_proto.codec import MAX_KEYS_PER_REQUEST
 from kvcached_proto.messages import ROLES, TaskStatus
 from kvcached_proto.paths import DEFAULT_INSTANCE, check_instance, request_endpoint, resolve_run_dir
@@ -186,7 +186,7 @@ class Client(KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
                 self._notes_stop.set()
                 self._notes_at_close()
                 try:
-                    self._sock.send(encode(make_request(Op.BYE, next(self._rid), self.client_id)),
+                    self._sock.send(encode_request(Op.BYE, next(self._rid), self.client_id),
                                     zmq.NOBLOCK)
                 except zmq.ZMQError as exc:
                     self._bye_error = exc  # the daemon is gone or unreachable: nothing to tell it
@@ -207,7 +207,7 @@ class Client(KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
         if self._sock is None:
             raise DaemonUnavailable("client is closed")
         rid = next(self._rid)
-        frame = encode(make_request(op, rid, self.client_id, **fields))
+        frame = encode_request(op, rid, self.client_id, **fields)
         deadline = time.monotonic() + SEND_TIMEOUT_MS / 1000
         with self._lock:
             if self._notes.pending:  # what local lookups saw reaches the daemon before this op

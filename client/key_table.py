@@ -30,7 +30,7 @@ import zmq
 
 import posix_ipc
 
-from kvcached_proto import KvcachedError, Op, encode, make_request
+from kvcached_proto import KvcachedError, Op, encode_request
 from kvcached_proto.key_table import HEADER_BYTES, MAX_NOTED_KEYS, MAX_NOTED_LOOKUPS, Flags, native, segment_name
 
 log = logging.getLogger(__name__)
@@ -223,7 +223,7 @@ class SendsNotes:
                 return
             rid, lookups = next(self._rid), fields.pop("lookups")
             try:
-                sock.send(encode(make_request(Op.LOOKUP_NOTES, rid, self.client_id, **fields)), zmq.NOBLOCK)
+                sock.send(encode_request(Op.LOOKUP_NOTES, rid, self.client_id, **fields), zmq.NOBLOCK)
             except zmq.ZMQError:
                 self._notes.drop(fields["unnoted"] + lookups)
                 return

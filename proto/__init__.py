@@ -4,6 +4,7 @@ from .codec import (
     MAX_BLOCKS_PER_REQUEST,
     MAX_FRAME_BYTES,
     MAX_KEYS_PER_REQUEST,
+    MAX_REQUEST_BYTES,
     decode,
     encode,
     pack_block_ids,
@@ -25,6 +26,7 @@ from .errors import (
 from .messages import (
     OP_SPECS,
     Request,
+    encode_request,
     error_reply,
     make_request,
     ok_reply,
@@ -39,10 +41,10 @@ from .version import PROTOCOL_VERSION
 
 __all__ = [
     "KEY_BYTES", "MAX_BLOCKS_PER_REQUEST", "MAX_FRAME_BYTES", "MAX_KEYS_PER_REQUEST",
-    "decode", "decode_request", "encode", "pack_block_ids", "pack_keys", "unpack_block_ids", "unpack_keys",
+    "MAX_REQUEST_BYTES", "decode", "decode_request", "encode", "pack_block_ids", "pack_keys", "unpack_block_ids", "unpack_keys",
     "Busy", "CodedError", "DaemonUnavailable", "KvcachedError", "KvcachedTimeout", "ProtocolError",
     "RequestError", "TaskFailed", "request_error", "OP_SPECS", "Request", "error_reply",
     "TaskStatus", "reply_for",
-    "make_request", "ok_reply", "parse_request", "task_event", "ErrorCode", "Op",
+    "encode_request", "make_request", "ok_reply", "parse_request", "task_event", "ErrorCode", "Op",
     "PROTOCOL_VERSION",
 ]

@@ -16,7 +16,10 @@ from .ops import ErrorCode
 KEY_BYTES = 16
 _KEY_DTYPE = np.dtype(f"V{KEY_BYTES}")  # raw bytes: tolist() gives them whole (S16 strips NULs)
 EAGER_KEYS = 256  # PackedKeys of up to this many keys are cut whole when iterated
-MAX_FRAME_BYTES = 8 << 20  # 8 MiB: 64 Ki keys (1 MiB) plus block ids with room to spare
+MAX_FRAME_BYTES = 8 << 20  # any frame (a reply too: a key_events reply of 64 Ki events ~ 1.3 MiB)
+# a request: the largest valid one is a lookup_notes of 64 Ki keys (1 MiB), their counts and
+# repeats (256 KiB each); every connection may hold a few in the daemon, so no more than that
+MAX_REQUEST_BYTES = 2 << 20
 MAX_KEYS_PER_REQUEST = 65536
 MAX_BLOCKS_PER_REQUEST = 65536
 MAX_STR_BYTES = 4096

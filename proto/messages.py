@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .codec import MAX_STR_BYTES, unpack_block_ids, unpack_keys
+from .codec import MAX_REQUEST_BYTES, MAX_STR_BYTES, encode, unpack_block_ids, unpack_keys
 from .errors import CodedError, ProtocolError
 from .ops import ErrorCode, Op
 from .version import PROTOCOL_VERSION, check_version
@@ -223,6 +223,16 @@ def make_request(op: Op, rid: int, client: str, **fields) -> dict:
     msg = {"proto": list(PROTOCOL_VERSION), "op": int(op), "rid": rid, "client": client}
     msg.update(fields)
     return msg
+
+
+def encode_request(op: Op, rid: int, client: str, **fields) -> bytes:
+    """The frame of a request, or ProtocolError (FRAME_TOO_LARGE) for one the daemon would not
+    take: past MAX_REQUEST_BYTES it refuses it, or, much past, drops the connection unanswered."""
+    frame = encode(make_request(op, rid, client, **fields))
+    if len(frame) > MAX_REQUEST_BYTES:
+        raise ProtocolError(ErrorCode.FRAME_TOO_LARGE, f"a {op.name.lower()} request of "
+                            f"{len(frame)} bytes: a request may have {MAX_REQUEST_BYTES}")
+    return frame
 
 
 def ok_reply(rid: int, **fields) -> dict:

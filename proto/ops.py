@@ -35,7 +35,7 @@ class Op(enum.IntEnum):
 
 class ErrorCode(enum.IntEnum):
     BAD_FRAME = 1  # not decodable as a msgpack map
-    FRAME_TOO_LARGE = 2  # over MAX_FRAME_BYTES
+    FRAME_TOO_LARGE = 2  # a request over MAX_REQUEST_BYTES
     BAD_HEADER = 3  # header field missing or of the wrong type
     UNSUPPORTED_VERSION = 4  # protocol major version differs
     UNKNOWN_OP = 5

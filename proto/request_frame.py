@@ -1,8 +1,8 @@
 """Decoding a request frame at a bounded cost, before anything of it is trusted.
 
 `codec.decode` builds the whole map, whatever it holds: msgpack's limits are per container, so
-an 8 MiB frame of small nested arrays (`{"junk": [[0] * 2047] * 4096}`) is 8 M objects and
-~200 ms of the daemon's request thread. A frame of up to WHOLE_BYTES is decoded whole all the
+a 2 MiB frame of small nested arrays (`{"junk": [[0] * 2000] * 1024}`) is 2 M objects and
+~30 ms of the daemon's request thread. A frame of up to WHOLE_BYTES is decoded whole all the
 same (it holds at most that many objects: ~1.5 ms at worst, and most requests are such frames,
 ~2 us each); a larger one is read field by field:
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import msgpack
 
-from .codec import MAX_CONTAINER_ITEMS, MAX_FRAME_BYTES, MAX_STR_BYTES, decode
+from .codec import MAX_CONTAINER_ITEMS, MAX_REQUEST_BYTES, MAX_STR_BYTES, decode
 from .errors import ProtocolError
 from .messages import HEADER_FIELDS, OP_SPECS
 from .ops import ErrorCode, Op
@@ -109,13 +109,13 @@ def decode_request(frame, into: dict) -> dict:
     if len(frame) <= WHOLE_BYTES:
         into.update(decode(frame))
         return into
-    if len(frame) > MAX_FRAME_BYTES:
+    if len(frame) > MAX_REQUEST_BYTES:
         raise ProtocolError(ErrorCode.FRAME_TOO_LARGE,
-                            f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+                            f"request frame of {len(frame)} bytes exceeds {MAX_REQUEST_BYTES}")
     budget = _Budget()
     unpacker = msgpack.Unpacker(
         _Reader(frame), read_size=READ_BYTES, raw=False, strict_map_key=True,
-        max_buffer_size=max(len(frame), READ_BYTES), max_bin_len=MAX_FRAME_BYTES,
+        max_buffer_size=max(len(frame), READ_BYTES), max_bin_len=MAX_REQUEST_BYTES,
         max_str_len=MAX_STR_BYTES, max_array_len=MAX_CONTAINER_ITEMS,
         max_map_len=MAX_CONTAINER_ITEMS, max_ext_len=0, list_hook=budget.take,
         object_hook=budget.take)

@@ -25,9 +25,9 @@ RSS_BOUND_MIB = 256
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["junk", "layout"])
 def test_a_flood_of_costly_frames_leaves_others_served_and_memory_bounded(run_dir, instance, kind):
-    """Two processes send 8 MiB frames as fast as the daemon takes them (junk under a name
-    that is no field, or a layout past the object budget: 8 M objects each if decoded whole).
-    Before, the daemon queued 10,000 frames per connection (3.4 GiB here) and another client's
+    """Two processes send 2 MiB frames as fast as the daemon takes them (junk under a name
+    that is no field, or a layout past the object budget: 2 M objects each if decoded whole).
+    Before, the daemon queued 10,000 (8 MiB) frames per connection (3.4 GiB here) and another client's
     ping took ~1.1 s; now each frame is refused at a bounded cost, a connection may have 4
     queued, one that sent 3 such frames in a row is closed (the flooder reconnects), and every
     ping of the other client is answered (its latency is in bench faults)."""
@@ -38,6 +38,20 @@ def test_a_flood_of_costly_frames_leaves_others_served_and_memory_bounded(run_di
         with d.connect() as c:
             assert c.status()["requests"]["refused"] >= 6, r
         assert "large frames in a row were no valid request" in open(d.log_path).read()
+
+
+@pytest.mark.slow
+def test_a_flood_over_many_connections_is_bounded_and_its_memory_given_back(run_dir, instance):
+    """Two processes send 2 MiB junk frames over 32 connections each: the daemon holds about a
+    frame per connection at the peak (with 8 MiB frames, the cap before, four times that), and
+    once the flood is over it gives the heap back (it kept it before: +400 MB for good after 512
+    such connections)."""
+    with launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05) as d:
+        r = frame_flood(d, kind="junk", flooders=2, seconds=3, sockets=32)
+        assert r["frames_sent"] > 64 and r["pings"] > 0, r
+        assert r["rss_peak_mib"] - r["rss_before_mib"] <= RSS_BOUND_MIB, r
+        assert r["rss_after_mib"] - r["rss_before_mib"] <= 32, r
+        assert "[memory] gave back" in open(d.log_path).read()
 
 
 def test_a_client_with_one_bad_large_frame_keeps_its_connection(daemon):

@@ -180,7 +180,7 @@ def _big(extra: dict) -> bytes:
     return frame
 
 
-JUNK = [[0] * 2040] * 4096  # 8 M objects: ~200 ms to decode whole
+JUNK = [[0] * 2000] * 1024  # 2 M objects (a 2 MiB frame): ~30 ms to decode whole
 
 
 def _refusal(frame: bytes):
@@ -228,6 +228,36 @@ def test_a_layout_is_decoded_under_an_object_budget_and_only_for_register_kv():
     err, seen = _refusal(frame)
     assert err.code == ErrorCode.TOO_MANY_ITEMS and f"more than {LAYOUT_OBJECTS}" in err.message
     assert seen["rid"] == 8
+
+
+def test_the_largest_valid_requests_fit_a_request_frame_and_larger_ones_are_refused():
+    """What a request may hold at most (64 Ki keys, their blocks, notes' counts and repeats)
+    fits MAX_REQUEST_BYTES; a frame past it is FRAME_TOO_LARGE at both ends, unread."""
+    from kvcached_proto import MAX_KEYS_PER_REQUEST, MAX_REQUEST_BYTES, decode_request, encode_request
+
+    keys = pack_keys([i.to_bytes(16, "little") for i in range(MAX_KEYS_PER_REQUEST)])
+    ints = np.arange(2**31 - MAX_KEYS_PER_REQUEST, 2**31, dtype="<i4").tobytes()  # distinct
+    big = 2**62
+    largest = {
+        Op.LOAD: dict(keys=keys, blocks=ints, priority=-1000, fence_word=2**31 - 1, fence=big,
+                      host_only=True),
+        Op.OFFLOAD: dict(keys=keys, blocks=ints, priority=-1000, fence_word=2**31 - 1, fence=big),
+        Op.LOOKUP_NOTES: dict(keys=keys, counts=np.ones(MAX_KEYS_PER_REQUEST, "<i4").tobytes(),
+                              repeats=ints, storage_hits=big, unnoted=big),
+        Op.KEY_EVENTS: dict(after=big, limit=65536, storage=True, ask=keys),
+        Op.PREFETCH: dict(keys=keys, priority=-1000, policy="wait_complete", timeout_ms=3_600_000,
+                          block_tokens=1 << 20),
+    }
+    for op, fields in largest.items():
+        assert {f.name for f in OP_SPECS[op].fields} == set(fields), op  # every field, at its most
+        frame = encode_request(op, 2**64 - 1, "c" * 128, **fields)
+        assert len(frame) <= MAX_REQUEST_BYTES, (op, len(frame))
+        assert parse_request(decode_request(frame, {})).op == op
+    with pytest.raises(ProtocolError) as e:
+        encode_request(Op.LOOKUP, 1, "c", keys=keys * 3)
+    assert e.value.code == ErrorCode.FRAME_TOO_LARGE
+    err, _ = _refusal(encode(make_request(Op.LOOKUP, 1, "c", keys=keys * 3)))
+    assert err.code == ErrorCode.FRAME_TOO_LARGE
 
 
 @pytest.mark.parametrize("cut", ["truncated", "extra"])

@@ -15,8 +15,9 @@ One daemon with a disk tier, in a private run dir:
 8. an engine that truncates its own KV segment: its load fails, the daemon lives;
 9. two loads racing for one fetch from disk: both exact, one fetch, no slot or pin left over;
 10. a FIFO in place of a record: the load stops there, nothing hangs;
-11. floods (bench/flood.py): two processes sending costly 8 MiB frames (junk; an over-budget
-    layout) while another client pings, 1,200 silent ipc connections while a new engine
+11. floods (bench/flood.py): two processes sending costly 2 MiB frames (junk; an over-budget
+    layout) while another client pings, junk from 4 processes over 32 connections each (the
+    daemon's memory at the peak and after), 1,200 silent ipc connections while a new engine
     connects, and 1,000 unfinished requests to /metrics while 16 threads scrape it: the ping's
     latency, the daemon's memory growth and threads, connections refused; status requests
     whose replies are never read (the connections closed); a process keeping 80 large deletes
@@ -354,6 +355,10 @@ def _floods(d, c, metrics_port: int, quick: bool, counts, out) -> None:
         for k in ("frames_sent", "ping_idle_p99_ms", "ping_p50_ms", "ping_p99_ms", "ping_max_ms",
                   "rss_growth_mib") + (("unread_closed",) if kind == "unread" else ()):
             out[f"flood_{kind}_{k}"] = r[k]
+    r = frame_flood(d, "junk", flooders=4, seconds=2 if quick else 8, sockets=32)
+    counts["faults_injected"] += 1
+    out.update({f"flood_wide_{k}": r[k] for k in ("frames_sent", "ping_p50_ms", "ping_p99_ms",
+                                                   "rss_before_mib", "rss_peak_mib", "rss_after_mib")})
     r = blocking_flood(d, c, seconds=3 if quick else 8)
     counts["faults_injected"] += 1
     counts["lost"] += r["engine_refused"]  # the engine's own op refused for another's flood
@@ -443,11 +448,25 @@ def run(quick: bool = False, **_) -> dict:
         _killed_daemon(d, c, counts, out)
         c.close()
         _damaged_disk(tmp, name, run_dir, storage, kv, keys, counts, out)
+    except BaseException:
+        _last_words(d)
+        raise
     finally:
         d.kill()  # killed on purpose above (or still alive after an error): its log goes
         _sweep(name)
         shutil.rmtree(tmp, ignore_errors=True)
     return {"bench": "faults", **counts, **out, "seconds": round(time.monotonic() - started, 1)}
+
+
+def _last_words(d) -> None:
+    """The bench failed: the daemon's last log lines to stderr, before its log goes."""
+    try:
+        with open(d.log_path, errors="replace") as f:
+            tail = f.readlines()[-40:]
+    except OSError:
+        return
+    state = "running" if d.proc.poll() is None else f"exited with {d.proc.returncode}"
+    print(f"kvcached bench faults: the daemon ({state}) last logged:\n{''.join(tail)}", file=sys.stderr)
 
 
 def format_result(r: dict) -> str:

@@ -3,12 +3,14 @@
 - frames: flooding processes send costly frames as fast as the daemon takes them while this
   process pings it; what comes out is the ping's latency under the flood against the same
   ping idle (same run), and the daemon's memory before, at its peak and after. Kinds:
-  `junk`, 8 MiB of small nested arrays under a name that is no field (8 M objects to decode),
+  `junk`, 2 MiB of small nested arrays under a name that is no field (2 M objects to decode),
   `layout`, a register_kv whose layout holds more objects than a layout may, and `notes`, the
   largest valid lookup_notes (1,024 lookups of 32 keys, each asked 8 times; before a message
   was bounded, 65,536 one-key lookups held the daemon up to 0.95 s), and `unread`, status
   requests from a socket that reads none of the replies (RCVHWM 1: they waited in the daemon,
-  +111 MB in seconds, before such a connection was closed).
+  +111 MB in seconds, before such a connection was closed). `junk` over many connections
+  (bench faults: 4 processes x 32) shows what the daemon holds of one frame per connection at
+  its peak, and that it gives that back once the flood is over (heap_trim.py).
 - blocking ops (blocking_flood): a process keeps 80 deletes of 65,536 keys in flight (each
   ~64 ms of the control worker) while the engine deletes a key at a time; what its deletes
   wait, and how many were refused (9 of 10 were BUSY before the engine's lane).
@@ -32,10 +34,10 @@ from kvcached_client import Client
 
 _FLOODER = """
 import sys, time, msgpack, zmq
-endpoint, kind, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+endpoint, kind, seconds, n = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
 head = {"proto": [1, 7], "op": 5, "rid": 1, "client": "flood"}
 if kind == "junk":
-    frame = msgpack.packb({**head, "junk": [[0] * 2040] * 4096})
+    frame = msgpack.packb({**head, "junk": [[0] * 2000] * 1024})
 elif kind == "notes":  # valid, from a client that said hello
     import os, struct
     head = {"proto": [1, 11], "op": 26, "rid": 2, "client": f"flood-{os.getpid()}"}
@@ -45,29 +47,31 @@ elif kind == "notes":  # valid, from a client that said hello
 elif kind == "unread":  # status requests; no reply is read
     frame = msgpack.packb({**head, "proto": [1, 12], "op": 3})
 else:
-    frame = msgpack.packb({**head, "layout": {"tensors": [[0] * 2040] * 4096}})
+    frame = msgpack.packb({**head, "layout": {"tensors": [[0] * 2000] * 1024}})
 ctx = zmq.Context()
-s = ctx.socket(zmq.DEALER)
-s.setsockopt(zmq.LINGER, 0)
-s.setsockopt(zmq.SNDHWM, 4)
-s.setsockopt(zmq.RCVHWM, 1 if kind == "unread" else 1000)
-s.setsockopt(zmq.SNDTIMEO, 200)
-s.connect(endpoint)
+poller, socks = zmq.Poller(), []
+for _ in range(n):
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDHWM, 4)
+    s.setsockopt(zmq.RCVHWM, 1 if kind == "unread" else 1000)
+    s.connect(endpoint)
+    poller.register(s, zmq.POLLOUT)
+    socks.append(s)
 if kind == "notes":
     s.send(msgpack.packb({**head, "op": 1, "rid": 1, "pid": os.getpid(), "name": "flood"}))
     assert s.poll(10000) and msgpack.unpackb(s.recv())["ok"], "the flooder's hello"
 print("ready", flush=True)
 sent, end = 0, time.monotonic() + seconds
 while time.monotonic() < end:
-    try:
-        s.send(frame, copy=False)
+    for s, _ in poller.poll(200):
+        s.send(frame, zmq.NOBLOCK, copy=False)
         sent += 1
-    except zmq.Again:
-        pass
-    while kind != "unread" and s.poll(0):
-        s.recv()
+        while kind != "unread" and s.poll(0, zmq.POLLIN):
+            s.recv()
 print(sent, flush=True)
-s.close(0)
+for s in socks:
+    s.close(0)
 ctx.term()
 """
 
@@ -130,9 +134,11 @@ ctx.term()
 """
 
 
-def frame_flood(d, kind: str = "junk", flooders: int = 2, seconds: float = 10.0) -> dict:
-    """Flood daemon `d` (a DaemonHandle) from `flooders` processes; ping it meanwhile (kind
-    `status`: the status socket, each process asking as fast as it is answered)."""
+def frame_flood(d, kind: str = "junk", flooders: int = 2, seconds: float = 10.0,
+                sockets: int = 1) -> dict:
+    """Flood daemon `d` (a DaemonHandle) from `flooders` processes, each over `sockets`
+    connections; ping it meanwhile (kind `status`: the status socket, each process asking as
+    fast as it is answered, one connection). The memory after is the daemon's 2 s after."""
     endpoint = f"ipc://{d.run_dir}/{d.instance}.{'status.' if kind == 'status' else ''}sock"
     script = _STATUS_ASKER if kind == "status" else _FLOODER
     with Client.connect(instance=d.instance, run_dir=d.run_dir) as c:
@@ -140,7 +146,8 @@ def frame_flood(d, kind: str = "junk", flooders: int = 2, seconds: float = 10.0)
         before = rss_mib(d.pid)
         peak = _RssPeak(d.pid)
         peak.start()
-        procs = [subprocess.Popen([sys.executable, "-c", script, endpoint, kind, str(seconds)],
+        procs = [subprocess.Popen([sys.executable, "-c", script, endpoint, kind, str(seconds),
+                                   str(sockets)],
                                   stdout=subprocess.PIPE, text=True) for _ in range(flooders)]
         try:
             for p in procs:
@@ -156,10 +163,11 @@ def frame_flood(d, kind: str = "junk", flooders: int = 2, seconds: float = 10.0)
                     p.kill()
                     p.wait()
         high = peak.stop()
-        time.sleep(1.0)
+        time.sleep(2.0)
         after = rss_mib(d.pid)
         status = c.status()
-    return {"kind": kind, "flooders": flooders, "seconds": seconds, "frames_sent": sent,
+    return {"kind": kind, "flooders": flooders, "sockets": sockets, "seconds": seconds,
+            "frames_sent": sent,
             "frames_refused": status.get("requests", {}).get("refused", 0),
             "pings": len(busy), "ping_idle_p99_ms": _pct(idle, 0.99),
             "ping_p50_ms": _pct(busy, 0.5), "ping_p99_ms": _pct(busy, 0.99),

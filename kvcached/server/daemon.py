@@ -40,6 +40,7 @@ from .kv_sweep import sweep_kv_segments
 from .connections import STATUS_PER_PEER, ConnectionGuard, connection_caps, raise_files_limit
 from .metrics import Metrics
 from .fd_inbox import FdInbox
+from .heap_trim import LARGE_BYTES, HeapTrim
 from .daemon_stop import StopsDaemon
 from .run_dir import prepare_run_dir, sweep_socket_files, take_instance_lock
 from .sockets import curve_router, ipc_router
@@ -81,6 +82,7 @@ class Daemon(StopsDaemon):
         self.connections: ConnectionGuard | None = None
         self._fd_clients: dict[int, bytes] = {}  # connection fd -> routing id (said hello)
         self._last_fd = -1
+        self._heap = HeapTrim()
         self._gone_pids: set[int] = set()  # disconnected clients whose segments await sweeping
         self._said_bye: set[int] = set()  # pids that said bye: swept once dead, never waited for
         self.requests = {"handled": 0, "refused": 0}  # frames answered; invalid ones among them
@@ -204,6 +206,7 @@ class Daemon(StopsDaemon):
             if time.monotonic() >= next_reap:
                 self._reap_dead_clients()
                 self.service.expire_parked()
+                self._heap.maybe_trim(time.monotonic())
                 next_reap = time.monotonic() + CLIENT_REAP_PERIOD_S
             if time.monotonic() >= next_stats:
                 log.info("[stats] %s", stats_line(self.status()))
@@ -275,7 +278,9 @@ class Daemon(StopsDaemon):
         routing_id, body = frames[0], frames[1:]
         msg: dict = {}  # what was decoded, also of a frame refused part way (its rid)
         self.requests["handled"] += 1
-        fd, costly = self._last_fd, False
+        fd, costly, size = self._last_fd, False, sum(len(b) for b in body)
+        if size > LARGE_BYTES:
+            self._heap.took(size)
         if fd >= 0 and self.connections.unread(fd):
             return  # shut: it reads none of its replies (connections.py)
         try:
@@ -290,7 +295,7 @@ class Daemon(StopsDaemon):
         except CodedError as exc:
             if exc.code in REFUSED_CODES:
                 self.requests["refused"] += 1
-                costly = sum(len(b) for b in body) > WHOLE_BYTES  # a large frame of no use
+                costly = size > WHOLE_BYTES  # a large frame of no use
             reply = reply_for(_rid_of(msg), exc)
         except Exception as exc:  # a bug: report it to the caller and keep serving others
             log.exception("[dispatch] internal error")

@@ -2,13 +2,16 @@
 --listen a CURVE-encrypted TCP ROUTER whose clients must hold an allowed key.
 
 What one connection may have queued in the daemon: RECV_HWM frames of at most RECV_MAX_BYTES
-(zmq stops reading a connection whose queue is full, so a flood waits in the flooder's own
-memory); frames a little over MAX_FRAME_BYTES get FRAME_TOO_LARGE, zmq drops a peer that sends
-more. A client has a few frames in flight at most (a step's loads, sent together, wait past the
-fourth in the client's own queue, which costs them nothing the replies do not). A peer
-that has not finished its handshake in HANDSHAKE_MS is closed; ZMTP heartbeats close one that
-stops answering (a hung host, a cut network: no FIN ever comes), which the disconnect monitor
-turns into a dead client.
+and the one zmq is reading (it stops reading a connection whose queue is full, so a flood waits
+in the flooder's own memory): 11 MiB at most, a bound that the connection caps multiply; in
+practice about a frame a connection - 512 connections flooding 2 MiB frames took the daemon
+from 279 to 1,185-1,238 MB at its peak (8 MiB frames, the cap before: 3,376 MB). Frames a
+little over MAX_REQUEST_BYTES get FRAME_TOO_LARGE, zmq drops a peer that sends more, and
+heap_trim.py gives back the heap such frames leave. A client has a few frames in flight at
+most (a step's loads, sent together, wait past the fourth in the client's own queue, which
+costs them nothing the replies do not). A peer that has not finished its handshake in
+HANDSHAKE_MS is closed; ZMTP heartbeats close one that stops answering (a hung host, a cut
+network: no FIN ever comes), which the disconnect monitor turns into a dead client.
 """
 from __future__ import annotations
 
@@ -18,14 +21,14 @@ import stat
 
 import zmq
 
-from kvcached_proto import MAX_FRAME_BYTES
+from kvcached_proto import MAX_REQUEST_BYTES
 
 from ..errors import StartupError
 from .connections import HANDSHAKE_MS
 
 log = logging.getLogger(__name__)
 
-RECV_MAX_BYTES = MAX_FRAME_BYTES + (1 << 20)
+RECV_MAX_BYTES = MAX_REQUEST_BYTES + (256 << 10)
 RECV_HWM = 4
 SEND_HWM = 100000
 ZMTP_HEARTBEAT_MS, ZMTP_HEARTBEAT_TIMEOUT_MS = 1000, 5000
