@@ -124,6 +124,65 @@ def test_clients_without_an_allowed_key_cannot_connect(curve_daemon):
         assert local.ping() < 1.0
 
 
+def test_a_flood_of_stranger_handshakes_is_refused_counted_and_logged_once(curve_daemon):
+    """A process starts CURVE handshakes as fast as it can with a key of its own (it needs only
+    the daemon's public key): each is refused and counted (`auth_denied`), one line a minute
+    says so for its address, and meanwhile the engine on the ipc socket is served and an
+    allowed client gets in. (What the flood costs the engine's round trips: bench faults.)"""
+    from kvcached.bench.handshake_flood import _STRANGER
+
+    d, endpoint, server_pub, allowed_secret, _ = curve_daemon
+    flooder = subprocess.Popen([sys.executable, "-c", _STRANGER, endpoint, server_pub, "3"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert flooder.stdout.readline().strip() == "ready"
+        with d.connect() as engine:
+            pings = 0
+            while flooder.poll() is None:
+                engine.ping(timeout=10)
+                pings += 1
+                if pings == 50:
+                    with Client.connect(d.instance, d.run_dir, timeout=10, endpoint=endpoint,
+                                        curve_server_key_file=server_pub,
+                                        curve_client_key_file=allowed_secret) as c:
+                        assert c.ping() < 10
+                time.sleep(0.005)
+            tried = int(flooder.stdout.readline())
+            denied = engine.status()["connections"]["auth_denied"]
+    finally:
+        flooder.kill()
+        flooder.wait()
+    assert pings > 50 and 0 < denied <= tried, (pings, denied, tried)
+    log = open(d.log_path).read()
+    assert log.count("[auth] refused a CURVE client at 127.0.0.1") == 1, log[-2000:]
+    assert d.alive()
+
+
+def test_the_zap_handler_lets_in_the_allowed_keys_only():
+    """Its answers (ZAP 1.0, RFC 27): 200 and the key as user id for an allowed CURVE key; 400
+    for another key, another mechanism, or a request it cannot read - each counted."""
+    import zmq
+    from zmq.utils import z85
+
+    from kvcached.server.zap import ZapHandler
+
+    allowed, other = zmq.curve_keypair()[0], zmq.curve_keypair()[0]
+    ctx = zmq.Context()
+    zap = ZapHandler(ctx, frozenset([allowed]))
+    try:
+        head = [b"1.0", b"7", b"", b"10.0.0.1", b""]
+        assert zap._answer(head + [b"CURVE", z85.decode(allowed)]) == [
+            b"1.0", b"7", b"200", b"OK", allowed, b""]
+        for msg in (head + [b"CURVE", z85.decode(other)], head + [b"NULL"],
+                    head + [b"CURVE", z85.decode(allowed), b"extra"], [b"1.0", b"8"], [b"1.0"]):
+            reply = zap._answer(msg)
+            assert reply[2] == b"400" and len(reply) == 6, (msg, reply)
+        assert zap.denied == 5
+    finally:
+        zap.stop()
+        ctx.term()
+
+
 @pytest.mark.parametrize("case, needle", [
     ("group_writable_dir", "writable by group or others"),
     ("world_writable_key", "engine.key: anyone who can write it"),

@@ -17,7 +17,8 @@ One daemon with a disk tier, in a private run dir:
 10. a FIFO in place of a record: the load stops there, nothing hangs;
 11. floods (bench/flood.py): two processes sending costly 2 MiB frames (junk; an over-budget
     layout) while another client pings, junk from 4 processes over 32 connections each (the
-    daemon's memory at the peak and after), 1,200 silent ipc connections while a new engine
+    daemon's memory at the peak and after), CURVE handshakes from strangers at a TCP listener
+    (bench/handshake_flood.py: the engine's ping, an allowed client's connect), 1,200 silent ipc connections while a new engine
     connects, and 1,000 unfinished requests to /metrics while 16 threads scrape it: the ping's
     latency, the daemon's memory growth and threads, connections refused; status requests
     whose replies are never read (the connections closed); a process keeping 80 large deletes
@@ -348,6 +349,7 @@ def _damaged_disk(tmp, name, run_dir, storage, kv, keys, counts, out) -> None:
 
 def _floods(d, c, metrics_port: int, quick: bool, counts, out) -> None:
     from .flood import blocking_flood, connection_flood, frame_flood, metrics_flood
+    from .handshake_flood import handshake_flood
 
     for kind in ("junk", "layout", "notes", "status", "unread"):
         r = frame_flood(d, kind, flooders=2, seconds=2 if quick else 8)
@@ -365,6 +367,10 @@ def _floods(d, c, metrics_port: int, quick: bool, counts, out) -> None:
     out.update({f"delete_flood_{k}": r[k] for k in ("flood_deletes_done", "flood_deletes_busy",
                                                      "engine_deletes", "engine_refused",
                                                      "engine_delete_p50_ms", "engine_delete_max_ms")})
+    r = handshake_flood(flooders=2, seconds=3 if quick else 8)  # a daemon of its own (TCP)
+    counts["faults_injected"] += 1
+    counts["lost"] += not r["daemon_alive"]
+    out.update({f"handshake_flood_{k}": v for k, v in r.items() if k != "daemon_alive"})
     r = connection_flood(d)
     counts["faults_injected"] += 1
     counts["lost"] += not r["daemon_alive"]

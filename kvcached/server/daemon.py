@@ -43,7 +43,7 @@ from .fd_inbox import FdInbox
 from .heap_trim import LARGE_BYTES, HeapTrim
 from .daemon_stop import StopsDaemon
 from .run_dir import prepare_run_dir, sweep_socket_files, take_instance_lock
-from .sockets import curve_router, ipc_router
+from .sockets import curve_router, io_threads, ipc_router
 from .status import StatusThread
 from .status_report import degraded, stats_line
 from .status_block import StatusSegment
@@ -131,7 +131,7 @@ class Daemon(StopsDaemon):
         self._lock_fd = take_instance_lock(cfg.run_dir, cfg.instance)
         sweep_socket_files(cfg.run_dir, cfg.instance)
         self.status_block = StatusSegment(cfg.instance)
-        self._ctx = zmq.Context(io_threads=1)
+        self._ctx = zmq.Context(io_threads=io_threads(bool(cfg.curve_secret_key_file)))
         self.events = EventSink()
         self._router = ipc_router(self._ctx, request_endpoint(cfg.run_dir, cfg.instance))
         if cfg.curve_secret_key_file:  # config validation refuses --listen without it
@@ -436,7 +436,8 @@ class Daemon(StopsDaemon):
             "run_dir": self.cfg.run_dir,
             "clients": len(self.clients),
             "client_names": sorted(c.name or c.client_id for c in self.clients.values()),
-            "connections": self.connections.status() if self.connections else {},
+            "connections": {**(self.connections.status() if self.connections else {}),
+                            **({"auth_denied": self._auth.denied} if self._auth else {})},
             "requests": dict(self.requests),
             "heartbeat_max_gap_s": round(sig.max_gap_s, 3) if sig else 0.0,
         }

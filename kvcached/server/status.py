@@ -17,6 +17,8 @@ from kvcached_proto import ErrorCode, Op, ProtocolError, decode_request, encode,
 from kvcached_proto.codec import encode_with
 from kvcached_proto.messages import parse_request, reply_for
 
+from .sockets import LOCAL_IO
+
 log = logging.getLogger(__name__)
 
 SHARE_S = 0.02  # how long one snapshot answers every status request
@@ -28,6 +30,7 @@ class StatusThread(threading.Thread):
         super().__init__(name="kvcached-status", daemon=True)
         self._sock = ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.AFFINITY, LOCAL_IO)  # off the TCP listener's I/O thread
         self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 16)  # a status request is ~100 bytes
         # a status CLI or poller has one request out at a time: a connection that pipelines
         # more (and reads no reply) is held to a few each way (REP drops replies past it),
