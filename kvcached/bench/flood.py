@@ -99,7 +99,17 @@ class _RssPeak(threading.Thread):
         return self.peak
 
 
-def _pings(c: Client, seconds: float, gap_s: float = 0.005) -> list[float]:
+def reap(procs) -> None:
+    """Wait for the flooding processes (30 s each at most, then killed)."""
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def pings(c: Client, seconds: float, gap_s: float = 0.005) -> list[float]:
     out, end = [], time.monotonic() + seconds
     while time.monotonic() < end:
         out.append(c.ping(timeout=10) * 1000)
@@ -107,7 +117,7 @@ def _pings(c: Client, seconds: float, gap_s: float = 0.005) -> list[float]:
     return out
 
 
-def _pct(xs: list[float], q: float) -> float:
+def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3) if xs else 0.0
 
@@ -142,7 +152,7 @@ def frame_flood(d, kind: str = "junk", flooders: int = 2, seconds: float = 10.0,
     endpoint = f"ipc://{d.run_dir}/{d.instance}.{'status.' if kind == 'status' else ''}sock"
     script = _STATUS_ASKER if kind == "status" else _FLOODER
     with Client.connect(instance=d.instance, run_dir=d.run_dir) as c:
-        idle = _pings(c, 1.0)
+        idle = pings(c, 1.0)
         before = rss_mib(d.pid)
         peak = _RssPeak(d.pid)
         peak.start()
@@ -153,15 +163,10 @@ def frame_flood(d, kind: str = "junk", flooders: int = 2, seconds: float = 10.0,
             for p in procs:
                 if p.stdout.readline().strip() != "ready":
                     raise RuntimeError("a flooding process did not start")
-            busy = _pings(c, seconds)
+            busy = pings(c, seconds)
             sent = sum(int(p.stdout.readline() or 0) for p in procs)
         finally:
-            for p in procs:
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            reap(procs)
         high = peak.stop()
         time.sleep(2.0)
         after = rss_mib(d.pid)
@@ -169,9 +174,9 @@ def frame_flood(d, kind: str = "junk", flooders: int = 2, seconds: float = 10.0,
     return {"kind": kind, "flooders": flooders, "sockets": sockets, "seconds": seconds,
             "frames_sent": sent,
             "frames_refused": status.get("requests", {}).get("refused", 0),
-            "pings": len(busy), "ping_idle_p99_ms": _pct(idle, 0.99),
-            "ping_p50_ms": _pct(busy, 0.5), "ping_p99_ms": _pct(busy, 0.99),
-            "ping_max_ms": _pct(busy, 1.0), "rss_before_mib": round(before),
+            "pings": len(busy), "ping_idle_p99_ms": pct(idle, 0.99),
+            "ping_p50_ms": pct(busy, 0.5), "ping_p99_ms": pct(busy, 0.99),
+            "ping_max_ms": pct(busy, 1.0), "rss_before_mib": round(before),
             "rss_peak_mib": round(high), "rss_after_mib": round(after),
             "rss_growth_mib": round(max(high, after) - before),
             "unread_closed": status.get("connections", {}).get("unread_closed", 0)}
@@ -228,14 +233,10 @@ def blocking_flood(d, engine: Client, seconds: float = 8.0) -> dict:
             time.sleep(0.05)
         done, busy = (int(x) for x in p.stdout.readline().split())
     finally:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        reap([p])
     return {"seconds": seconds, "flood_deletes_done": done, "flood_deletes_busy": busy,
             "engine_deletes": len(waits), "engine_refused": refused,
-            "engine_delete_p50_ms": _pct(waits, 0.5), "engine_delete_max_ms": _pct(waits, 1.0)}
+            "engine_delete_p50_ms": pct(waits, 0.5), "engine_delete_max_ms": pct(waits, 1.0)}
 
 
 _HOLDER = """
@@ -325,7 +326,7 @@ def metrics_flood(d, port: int, scrapers: int = 16, held: int = 1000, seconds: f
     never send a request, another scrapes from `scrapers` threads for `seconds`; meanwhile a
     client pings."""
     with Client.connect(instance=d.instance, run_dir=d.run_dir) as c:
-        idle = _pings(c, 1.0)
+        idle = pings(c, 1.0)
         threads_before = _threads(d.pid)
         holder = hold_connections("tcp", str(port), held)
         scraper = subprocess.Popen([sys.executable, "-c", _SCRAPER, f"http://127.0.0.1:{port}/metrics",
@@ -333,7 +334,7 @@ def metrics_flood(d, port: int, scrapers: int = 16, held: int = 1000, seconds: f
         try:
             if scraper.stdout.readline().strip() != "ready":
                 raise RuntimeError("the scraping process did not start")
-            busy = _pings(c, seconds)
+            busy = pings(c, seconds)
             threads_during = _threads(d.pid)
             answered, failed = (int(x) for x in scraper.stdout.readline().split())
         finally:
@@ -341,7 +342,7 @@ def metrics_flood(d, port: int, scrapers: int = 16, held: int = 1000, seconds: f
             scraper.kill()
             scraper.wait()
     return {"held": held, "scrapers": scrapers, "seconds": seconds, "scrapes_answered": answered,
-            "scrapes_failed": failed, "ping_idle_p50_ms": _pct(idle, 0.5),
-            "ping_idle_p99_ms": _pct(idle, 0.99), "ping_p50_ms": _pct(busy, 0.5),
-            "ping_p99_ms": _pct(busy, 0.99), "threads_before": threads_before,
+            "scrapes_failed": failed, "ping_idle_p50_ms": pct(idle, 0.5),
+            "ping_idle_p99_ms": pct(idle, 0.99), "ping_p50_ms": pct(busy, 0.5),
+            "ping_p99_ms": pct(busy, 0.99), "threads_before": threads_before,
             "threads_during": threads_during, "daemon_alive": d.alive()}

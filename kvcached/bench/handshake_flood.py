@@ -19,6 +19,8 @@ import time
 
 from kvcached_client import Client, launch
 
+from .flood import pct, pings, reap
+
 _STRANGER = """
 import sys, time, zmq, zmq.auth
 endpoint, server_key_file, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
@@ -59,18 +61,6 @@ def _keys(tmp: str) -> tuple[str, str, str, str]:
     return server_pub, server_secret, client_secret, allow
 
 
-def _pings(c: Client, seconds: float) -> list[float]:
-    out, end = [], time.monotonic() + seconds
-    while time.monotonic() < end:
-        out.append(c.ping(timeout=10) * 1000)
-        time.sleep(0.005)
-    return sorted(out)
-
-
-def _pct(xs: list[float], q: float) -> float:
-    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3) if xs else 0.0
-
-
 def handshake_flood(flooders: int = 2, seconds: float = 6.0) -> dict:
     tmp = tempfile.mkdtemp(prefix="kvhs-", dir="/tmp")
     server_pub, server_secret, client_secret, allow = _keys(tmp)
@@ -83,7 +73,7 @@ def handshake_flood(flooders: int = 2, seconds: float = 6.0) -> dict:
     procs = []
     try:
         with d.connect(name="engine") as engine:
-            idle = _pings(engine, 1.0)
+            idle = pings(engine, 1.0)
             procs = [subprocess.Popen([sys.executable, "-c", _STRANGER, endpoint, server_pub,
                                        str(seconds)], stdout=subprocess.PIPE, text=True)
                      for _ in range(flooders)]
@@ -96,20 +86,15 @@ def handshake_flood(flooders: int = 2, seconds: float = 6.0) -> dict:
                                 curve_client_key_file=client_secret) as tcp:
                 connect_ms = (time.monotonic() - t0) * 1000
                 tcp.ping(timeout=10)
-            busy = _pings(engine, max(1.0, seconds - 1.0 - connect_ms / 1000))
+            busy = pings(engine, max(1.0, seconds - 1.0 - connect_ms / 1000))
             tried = sum(int(p.stdout.readline() or 0) for p in procs)
             denied = engine.status()["connections"].get("auth_denied", 0)
     finally:
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        reap(procs)
         alive = d.alive()
         d.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     return {"flooders": flooders, "handshakes_tried": tried, "handshakes_refused": denied,
-            "allowed_connect_ms": round(connect_ms, 1), "ping_idle_p50_ms": _pct(idle, 0.5),
-            "ping_idle_p99_ms": _pct(idle, 0.99), "ping_p50_ms": _pct(busy, 0.5),
-            "ping_p99_ms": _pct(busy, 0.99), "ping_max_ms": _pct(busy, 1.0), "daemon_alive": alive}
+            "allowed_connect_ms": round(connect_ms, 1), "ping_idle_p50_ms": pct(idle, 0.5),
+            "ping_idle_p99_ms": pct(idle, 0.99), "ping_p50_ms": pct(busy, 0.5),
+            "ping_p99_ms": pct(busy, 0.99), "ping_max_ms": pct(busy, 1.0), "daemon_alive": alive}
