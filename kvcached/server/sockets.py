@@ -29,19 +29,19 @@ from .connections import HANDSHAKE_MS
 log = logging.getLogger(__name__)
 
 RECV_MAX_BYTES = MAX_REQUEST_BYTES + (256 << 10)
+RECV_HWM = 4
+SEND_HWM = 100000
 # zmq I/O threads (AFFINITY bits): the ipc sockets' connections on the first, and with --listen
-# the TCP ones on a second - a CURVE handshake is ~4 curve25519 operations on the I/O thread that
-# holds its connection, so a flood of them (strangers need only the daemon's public key) on the
-# one thread the engine's requests and replies went through took its ping from p50 0.66 ms to
-# 3.7 (zap.py has the rest of that flood's cost)
+# the TCP ones on a second. A CURVE handshake's crypto runs on the I/O thread of its connection:
+# strangers' handshakes (they need only the daemon's public key) on the one thread the engine's
+# requests and replies went through kept its ping at p50 3.7 ms, with the ZAP answers already
+# cheap (zap.py); on a thread of their own, 0.6-0.9 ms (idle 0.66)
 LOCAL_IO, TCP_IO = 1, 2
+ZMTP_HEARTBEAT_MS, ZMTP_HEARTBEAT_TIMEOUT_MS = 1000, 5000
 
 
 def io_threads(listen: bool) -> int:
     return 2 if listen else 1
-RECV_HWM = 4
-SEND_HWM = 100000
-ZMTP_HEARTBEAT_MS, ZMTP_HEARTBEAT_TIMEOUT_MS = 1000, 5000
 
 
 def _router(ctx: zmq.Context) -> zmq.Socket:
