@@ -18,9 +18,10 @@ One daemon with a disk tier, in a private run dir:
 11. floods (bench/flood.py): two processes sending costly 2 MiB frames (junk; an over-budget
     layout) while another client pings, junk from 4 processes over 32 connections each (the
     daemon's memory at the peak and after), CURVE handshakes from strangers at a TCP listener
-    (bench/handshake_flood.py: the engine's ping, an allowed client's connect), 1,200 silent ipc connections while a new engine
-    connects, and 1,000 unfinished requests to /metrics while 16 threads scrape it: the ping's
-    latency, the daemon's memory growth and threads, connections refused; status requests
+    (bench/handshake_flood.py: the engine's ping, an allowed client's connect), 1,200 silent
+    ipc connections while a new engine connects, and 1,000 unfinished requests to /metrics
+    while 16 threads scrape it: the ping's latency, the daemon's memory growth and threads,
+    connections refused; status requests
     whose replies are never read (the connections closed); a process keeping 80 large deletes
     in flight while the engine deletes (its deletes' wait; one refused counts as lost);
 12. another KV geometry registered over the stored blocks: none of them is a hit or loaded.

@@ -50,25 +50,25 @@ class ControlWorker(threading.Thread):
                               "(a client with no KV registered); retry once they are answered")
             if lane == OTHERS:
                 self._of_client[routing_id] += 1
-            self._lanes[lane].append((routing_id, rid, op, lane))
+            self._lanes[lane].append((routing_id, rid, op))
             self._cv.notify()
 
     def run_later(self, op: Callable[[], object]) -> None:
         """The daemon's own work that may block (a gone client's KV mapping dropped after a
         drain): in order with the engines' ops, never refused, no reply; skipped at a stop."""
         with self._cv:
-            self._lanes[ENGINES].append((None, 0, op, ENGINES))
+            self._lanes[ENGINES].append((None, 0, op))
             self._cv.notify()
 
     def _next(self) -> tuple | None:
         with self._cv:
             while not (self._lanes[ENGINES] or self._lanes[OTHERS] or self._stop_queued):
                 self._cv.wait()
-            lane = self._lanes[ENGINES] or self._lanes[OTHERS]
-            if not lane:
+            lane = ENGINES if self._lanes[ENGINES] else OTHERS
+            if not self._lanes[lane]:
                 return None  # stopping, nothing left
-            item = lane.popleft()
-            if item[3] == OTHERS:
+            item = self._lanes[lane].popleft()
+            if lane == OTHERS:
                 self._of_client[item[0]] -= 1
                 if not self._of_client[item[0]]:
                     del self._of_client[item[0]]
@@ -79,7 +79,7 @@ class ControlWorker(threading.Thread):
             item = self._next()
             if item is None:
                 return
-            routing_id, rid, op, _lane = item
+            routing_id, rid, op = item
             if routing_id is None:
                 self._run_own(op)
                 continue

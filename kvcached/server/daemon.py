@@ -58,6 +58,7 @@ CLIENT_REAP_PERIOD_S = 0.25
 KEY_TABLE_REFRESH_S = 0.1  # how soon the key table says a disk tier stopped (or started) answering
 MAX_BATCH = 256  # requests handled per wake before events get their turn,
 BATCH_S = 0.002  # or this long: 256 costly frames (a flood's) kept a task's event 2 s
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # ints: `&` on zmq's enums costs ~0.7 us
 DEFERRED = object()  # _dispatch's answer for an op the control worker replies to
 # a frame that is no valid request (what a flood of junk gets): counted as refused in status
 REFUSED_CODES = frozenset((ErrorCode.BAD_FRAME, ErrorCode.FRAME_TOO_LARGE, ErrorCode.BAD_HEADER,
@@ -216,7 +217,7 @@ class Daemon(StopsDaemon):
         """The requests waiting, until MAX_BATCH or BATCH_S: then the events' turn."""
         until = time.monotonic() + BATCH_S
         for _ in range(MAX_BATCH):  # EVENTS instead of catching zmq.Again: cheaper
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN or time.monotonic() > until:
+            if not sock.getsockopt(_EVENTS) & _POLLIN or time.monotonic() > until:
                 break
             self._handle(self._recv(sock, tag))
 

@@ -49,11 +49,18 @@ class ZapHandler:
             if not sock.poll(100):
                 continue
             try:
-                sock.send_multipart(self._answer(sock.recv_multipart(zmq.NOBLOCK)))
+                msg = sock.recv_multipart(zmq.NOBLOCK)
+                try:
+                    reply = self._answer(msg)
+                except Exception:  # a bug: this handshake fails, the next ones are answered
+                    log.exception("[auth] a ZAP request could not be answered")
+                    rid = msg[1] if len(msg) > 1 else b""
+                    reply = [b"1.0", rid, b"500", b"internal error", b"", b""]
+                sock.send_multipart(reply)  # (REP: each request answered, else none more comes)
             except zmq.ZMQError as exc:  # closed under us at stop, or a malformed exchange
                 if self._stop.is_set():
                     return
-                log.debug("[auth] ZAP exchange failed: %s", exc)
+                log.warning("[auth] ZAP exchange failed: %s", exc)
                 continue
             time.sleep(PAUSE_S)
 
