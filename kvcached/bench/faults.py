@@ -466,14 +466,28 @@ def run(quick: bool = False, **_) -> dict:
 
 
 def _last_words(d) -> None:
-    """The bench failed: the daemon's last log lines to stderr, before its log goes."""
+    """The bench failed: what the daemon's log says of why, to stderr, before its log goes. A
+    native abort's own line (libzmq's "... (src/x.cpp:N)", glibc's, Python's "Fatal Python
+    error") and the thread it struck in ("Current thread") come first: a dump of every thread
+    follows them, longer than any tail a CI report keeps."""
     try:
         with open(d.log_path, errors="replace") as f:
-            tail = f.readlines()[-40:]
+            lines = f.readlines()
     except OSError:
         return
+    said = []
+    for i, ln in enumerate(lines):
+        if ln.startswith("Current thread"):
+            said += lines[i:i + 8]
+        elif any(m in ln for m in _CAUSES):
+            said.append(ln)
     state = "running" if d.proc.poll() is None else f"exited with {d.proc.returncode}"
-    print(f"kvcached bench faults: the daemon ({state}) last logged:\n{''.join(tail)}", file=sys.stderr)
+    print(f"kvcached bench faults: the daemon ({state}) said:\n{''.join(said[-24:])}...\n"
+          f"and last logged:\n{''.join(lines[-20:])}", file=sys.stderr)
+
+
+_CAUSES = ("(src/", "Fatal Python error", "Assertion", "malloc", "free()", "corrupted",
+           "open-files limit", "Traceback", "Error:")
 
 
 def format_result(r: dict) -> str:
