@@ -42,6 +42,7 @@ import numpy as np
 import zmq
 
 from kvcached.bench import process_stop
+from kvcached.bench.faults_floods import floods
 from kvcached_client import (BlockHasher, Client, DaemonUnavailable, KvcachedTimeout,
                              RequestError, allocate_kv_cache, launch)
 from kvcached_proto import Op, encode, make_request, pack_block_ids, pack_keys
@@ -348,43 +349,6 @@ def _damaged_disk(tmp, name, run_dir, storage, kv, keys, counts, out) -> None:
         _other_geometry(c, keys, counts, out)
 
 
-def _floods(d, c, metrics_port: int, quick: bool, counts, out) -> None:
-    from .flood import blocking_flood, connection_flood, frame_flood, metrics_flood
-    from .handshake_flood import handshake_flood
-
-    for kind in ("junk", "layout", "notes", "status", "unread"):
-        r = frame_flood(d, kind, flooders=2, seconds=2 if quick else 8)
-        counts["faults_injected"] += 1
-        for k in ("frames_sent", "ping_idle_p99_ms", "ping_p50_ms", "ping_p99_ms", "ping_max_ms",
-                  "rss_growth_mib") + (("unread_closed",) if kind == "unread" else ()):
-            out[f"flood_{kind}_{k}"] = r[k]
-    r = frame_flood(d, "junk", flooders=4, seconds=2 if quick else 8, sockets=32)
-    counts["faults_injected"] += 1
-    out.update({f"flood_wide_{k}": r[k] for k in ("frames_sent", "ping_p50_ms", "ping_p99_ms",
-                                                   "rss_before_mib", "rss_peak_mib", "rss_after_mib")})
-    r = blocking_flood(d, c, seconds=3 if quick else 8)
-    counts["faults_injected"] += 1
-    counts["lost"] += r["engine_refused"]  # the engine's own op refused for another's flood
-    out.update({f"delete_flood_{k}": r[k] for k in ("flood_deletes_done", "flood_deletes_busy",
-                                                     "engine_deletes", "engine_refused",
-                                                     "engine_delete_p50_ms", "engine_delete_max_ms")})
-    r = handshake_flood(flooders=2, seconds=3 if quick else 8)  # a daemon of its own (TCP)
-    counts["faults_injected"] += 1
-    counts["lost"] += not r["daemon_alive"]
-    out.update({f"handshake_flood_{k}": v for k, v in r.items() if k != "daemon_alive"})
-    r = connection_flood(d)
-    counts["faults_injected"] += 1
-    counts["lost"] += not r["daemon_alive"]
-    out.update({f"conn_flood_{k}": r[k] for k in ("connections_tried", "open_during", "refused",
-                                                   "newcomer_connect_ms")})
-    r = metrics_flood(d, metrics_port, seconds=2 if quick else 8)
-    counts["faults_injected"] += 1
-    counts["lost"] += not r["daemon_alive"]
-    out.update({f"metrics_flood_{k}": r[k] for k in ("scrapes_answered", "scrapes_failed",
-                                                      "ping_idle_p99_ms", "ping_p50_ms", "ping_p99_ms",
-                                                      "threads_before", "threads_during")})
-
-
 def _other_geometry(c, keys, counts, out) -> None:
     """The stored blocks were written from float16 KV; a bfloat16 cache of the same shape (the
     same bytes per block) registered over them must see none."""
@@ -451,7 +415,7 @@ def run(quick: bool = False, **_) -> dict:
         _stopped_daemon(d, c, kv, keys, counts, out)
         c.flush().wait(60)
         _racing_loads(c, kv, keys, counts, out)
-        _floods(d, c, metrics_port, quick, counts, out)
+        floods(d, c, metrics_port, quick, counts, out)
         _killed_daemon(d, c, counts, out)
         c.close()
         _damaged_disk(tmp, name, run_dir, storage, kv, keys, counts, out)
