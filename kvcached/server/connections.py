@@ -26,7 +26,10 @@ event queued before it was handled. Each listener has its own monitor, so one li
 DISCONNECTED event can arrive after another listener accepted a connection on the same fd: a
 close uncounts a connection only when it comes from the listener that accepted it, and an
 accept that finds its fd still counted for another listener uncounts that stale one (its
-socket is gone: the fd is this one now).
+socket is gone: the fd is this one now). A closed connection's messages still queued are
+handled after its close's event too, with its old fd number: one that strikes, or closes for
+unread replies, or says hello, acts on the connection at that fd only when the message's own
+peer (libzmq's Peer-Address: on ipc the pid and uid) is that connection's.
 """
 from __future__ import annotations
 
@@ -39,6 +42,8 @@ import termios
 import time
 from collections import Counter
 from dataclasses import dataclass
+
+import zmq
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +89,21 @@ class _Conn:
     shut: bool = False  # shut by the daemon, its close not seen yet: never shut twice
     full_since: float = 0.0  # monotonic: its send buffer was full at each request since (unread)
     requests: int = 0  # (unread looks at every UNREAD_EVERY-th while the buffer is not full)
+
+
+def _frame_peer(frame, ipc: bool) -> str | None:
+    """The peer, in _peer's words, of the connection a message came on (libzmq's Peer-Address
+    property: "host:uid:gid:pid" on ipc, the address on TCP); None where it does not say."""
+    try:
+        said = frame.get("Peer-Address")
+    except zmq.ZMQError:
+        return None
+    if not ipc:
+        return f"address {said}"
+    parts = said.rsplit(":", 3)
+    if len(parts) != 4 or not all(p.isdigit() for p in parts[1:]):
+        return None
+    return f"pid {parts[3]} (uid {parts[1]})"
 
 
 def _peer(sock: socket.socket) -> str:
@@ -145,7 +165,7 @@ class ConnectionGuard:
         finally:
             sock.detach()  # the fd stays zmq's
 
-    def unread(self, fd: int) -> bool:
+    def unread(self, fd: int, frame=None) -> bool:
         """(Before a request from fd is handled.) True when the connection is shut for reading
         none of its replies (the module's docstring): the request is dropped, unanswered."""
         conn = self._open.get(fd)
@@ -163,7 +183,7 @@ class ConnectionGuard:
         if not full or not conn.full_since:
             conn.full_since = now if full else 0.0
             return False
-        if now - conn.full_since < UNREAD_CLOSE_S:
+        if now - conn.full_since < UNREAD_CLOSE_S or not self.same_peer(fd, frame):
             return False
         conn.shut = True
         self.unread_closed += 1
@@ -201,13 +221,13 @@ class ConnectionGuard:
                     f"(--max-connections-per-peer {self.max_per_peer})")
         return ""
 
-    def strike(self, fd: int) -> None:
+    def strike(self, fd: int, frame=None) -> None:
         """The connection at fd sent a large frame that was no valid request: after
         STRIKES in a row (no valid request between) it is closed - its flood then costs the
         daemon a reconnect, not a frame's bytes each time. A client with a bug gets its error
         replies first."""
         conn = self._open.get(fd)
-        if conn is None or conn.shut:
+        if conn is None or conn.shut or not self.same_peer(fd, frame):
             return
         conn.strikes += 1
         if conn.strikes >= STRIKES:
@@ -215,6 +235,16 @@ class ConnectionGuard:
             log.warning("[clients] closing the connection of %s on %s: %d large frames in a row "
                         "were no valid request", conn.peer, conn.listener, conn.strikes)
             self._shut(fd)
+
+    def same_peer(self, fd: int, frame) -> bool:
+        """False when message `frame` came from another peer than the connection counted at fd:
+        it came on a connection since closed, whose fd number a new one has taken (its frames
+        still queued are handled after the close's event): nothing it did is the new one's."""
+        conn = self._open.get(fd)
+        if conn is None or frame is None:
+            return True
+        said = _frame_peer(frame, conn.listener.startswith("ipc://"))
+        return said is None or said == conn.peer
 
     def valid(self, fd: int) -> None:
         conn = self._open.get(fd)

@@ -82,7 +82,7 @@ class Daemon(StopsDaemon):
         self._said = LineBudget()  # what clients repeat is logged a bounded number of times
         self.connections: ConnectionGuard | None = None
         self._fd_clients: dict[int, bytes] = {}  # connection fd -> routing id (said hello)
-        self._last_fd = -1
+        self._last_fd, self._last_frame = -1, None  # the message's connection (its SRCFD, peer)
         self._heap = HeapTrim()
         self._gone_pids: set[int] = set()  # disconnected clients whose segments await sweeping
         self._said_bye: set[int] = set()  # pids that said bye: swept once dead, never waited for
@@ -231,6 +231,7 @@ class Daemon(StopsDaemon):
             first = first or part
             frames.append(part.buffer)
         self._last_fd = first.get(zmq.SRCFD) if first is not None else -1
+        self._last_frame = first
         return frames
 
     def _on_connection_events(self, mon: zmq.Socket) -> None:
@@ -282,7 +283,7 @@ class Daemon(StopsDaemon):
         fd, costly, size = self._last_fd, False, sum(len(b) for b in body)
         if size > LARGE_BYTES:
             self._heap.took(size)
-        if fd >= 0 and self.connections.unread(fd):
+        if fd >= 0 and self.connections.unread(fd, self._last_frame):
             return  # shut: it reads none of its replies (connections.py)
         try:
             if len(body) != 1:
@@ -311,7 +312,7 @@ class Daemon(StopsDaemon):
             if self.service is not None:
                 self.service.replied()  # the copies the request queued start now
         if costly:
-            self.connections.strike(fd)
+            self.connections.strike(fd, self._last_frame)
 
     def _send_to(self, routing_id: bytes, payload: bytes) -> None:
         """Send on the socket the client came in on (CURVE clients' ids carry CURVE_TAG)."""
@@ -375,12 +376,14 @@ class Daemon(StopsDaemon):
         old = self.clients.get(routing_id)
         if old is not None and old.client_id != req.client:
             self.service.drop_client(old)
+        # (a hello of a connection closed since, its fd another's now, claims no fd)
+        fd = self._last_fd if self.connections.same_peer(self._last_fd, self._last_frame) else -1
         self.clients[routing_id] = ClientInfo(
             req.client, routing_id, req.body["pid"], req.body["name"], time.monotonic_ns(),
-            pid_visible=pid_alive(req.body["pid"]), fd=self._last_fd, role=role,
+            pid_visible=pid_alive(req.body["pid"]), fd=fd, role=role,
         )
-        if self._last_fd >= 0:
-            self._fd_clients[self._last_fd] = routing_id
+        if fd >= 0:
+            self._fd_clients[fd] = routing_id
         self._said.log(log, logging.INFO, "hello", "[handshake] client %s (pid %d %s, %s)", req.client,
                        req.body["pid"], req.body["name"], role)
         return {
