@@ -183,8 +183,9 @@ class OwesClears:
                 if self._delete_store(list(self._owed_deletes)) is None:
                     return False
                 self._done(self._owed_deletes)
-                self._owed_deletes = frozenset()
-                self._record_deletes()
+                if self._owed_record is not None:  # the record first: status (which reads
+                    self._owed_record.note_deletes(self.store_id, ())  # the set) never says
+                self._owed_deletes = frozenset()  # less is owed than a restart would find
                 self._owed_said = False
             return True
 
@@ -260,9 +261,9 @@ class OwesClears:
         got = self._clear_store() if reachable else None
         if got is not None:
             self._done(None)
-            self._clear_owed = self._owed_said = False
-            if self._owed_record is not None:
+            if self._owed_record is not None:  # (the record first, as for owed deletes)
                 self._owed_record.note(self.store_id, False)
+            self._clear_owed = self._owed_said = False
             return got
         if self._owed_record is not None:
             self._owed_record.note(self.store_id, True)
