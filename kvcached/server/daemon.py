@@ -220,6 +220,7 @@ class Daemon(StopsDaemon):
             if not sock.getsockopt(_EVENTS) & _POLLIN or time.monotonic() > until:
                 break
             self._handle(self._recv(sock, tag))
+            self._last_frame = None  # (a flood's large frame is not kept until the next one)
 
     def _recv(self, sock: zmq.Socket, tag: bytes) -> list:
         """One message: [routing id, frames as buffers...] (nothing copied: a frame is decoded
