@@ -183,9 +183,11 @@ class OwesClears:
                 if self._delete_store(list(self._owed_deletes)) is None:
                     return False
                 self._done(self._owed_deletes)
-                if self._owed_record is not None:  # the record first: status (which reads
-                    self._owed_record.note_deletes(self.store_id, ())  # the set) never says
-                self._owed_deletes = frozenset()  # less is owed than a restart would find
+                # the record first: status, which counts the set, never says fewer are owed
+                # than a restart would find
+                if self._owed_record is not None:
+                    self._owed_record.note_deletes(self.store_id, ())
+                self._owed_deletes = frozenset()
                 self._owed_said = False
             return True
 
