@@ -17,7 +17,7 @@ import time
 import posix_ipc
 import pytest
 import torch
-from conftest import free_port, small_kv
+from conftest import free_port, small_kv, wait_until
 
 from kvcached_client import BlockHasher, Client, DaemonUnavailable, launch, make_namespace
 from kvcached_client.kv_alloc import describe_kv_cache
@@ -156,6 +156,31 @@ def test_a_flood_of_stranger_handshakes_is_refused_counted_and_logged_once(curve
     log = open(d.log_path).read()
     assert log.count("[auth] refused a CURVE client at 127.0.0.1") == 1, log[-2000:]
     assert d.alive()
+
+
+def test_an_allowed_tcp_clients_junk_frames_close_its_connection(curve_daemon):
+    """Three large frames in a row that are no request close the connection over TCP as over
+    ipc: the frame's own peer (its Peer-Address, an IP on TCP) is checked to be the counted
+    connection's before a strike counts, and that check must not let TCP floods pass."""
+    import zmq
+    import zmq.auth
+
+    d, endpoint, server_pub, allowed_secret, _ = curve_daemon
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(allowed_secret)
+        sock.curve_serverkey = zmq.auth.load_certificate(server_pub)[0]
+        sock.connect(endpoint)
+        for _ in range(3):
+            sock.send(b"\xff" * (100 << 10))
+        wait_until(lambda: "closing the connection of address 127.0.0.1" in open(d.log_path).read(),
+                   10, "the TCP connection closed for its junk")
+        with d.connect() as c:
+            assert c.status()["requests"]["refused"] >= 3
+    finally:
+        sock.close(linger=0)
+        ctx.term()
 
 
 def test_the_zap_handler_lets_in_the_allowed_keys_only():
