@@ -42,7 +42,11 @@ class LineBudget:
     """At most `lines` log lines of one kind per `window_s` seconds; the rest are counted and
     said by the next line of that kind that goes out. What clients repeat - a hello, a bye, a
     message refused - is logged per occurrence, and one client doing it in a loop wrote 250 KB
-    of log a second (7,464 hellos in 3 s): the operator's disk is not the clients' to fill."""
+    of log a second (7,464 hellos in 3 s): the operator's disk is not the clients' to fill.
+    A kind may be a peer (a process, an address): past MAX_KINDS, those quiet for a window are
+    forgotten, so peers that come and go hold no memory for ever."""
+
+    MAX_KINDS = 4096
 
     def __init__(self, lines: int = 20, window_s: float = 10.0):
         self.lines, self.window_s = lines, window_s
@@ -50,6 +54,8 @@ class LineBudget:
 
     def log(self, logger: logging.Logger, level: int, kind: str, msg: str, *args) -> None:
         now = time.monotonic()
+        if kind not in self._kinds and len(self._kinds) >= self.MAX_KINDS:
+            self._kinds = {k: v for k, v in self._kinds.items() if now - v[0] < self.window_s}
         state = self._kinds.setdefault(kind, [now, 0, 0])
         if now - state[0] >= self.window_s:
             state[0], state[1] = now, 0

@@ -297,6 +297,14 @@ def test_what_clients_repeat_is_logged_a_bounded_number_of_times(run_dir):
     budget.log(logger, logging.INFO, "hello", "hello %d", 5)
     budget.log(logger, logging.INFO, "other", "bye")
     assert said == ["hello 0", "hello 1", "hello 5 (3 more such lines not logged)", "bye"]
+    # one kind per peer (a flood's addresses): past MAX_KINDS the quiet ones are forgotten
+    per_peer = LineBudget(lines=1, window_s=0.2)
+    for i in range(LineBudget.MAX_KINDS):
+        per_peer.log(logger, logging.DEBUG, f"peer {i}", "refused")
+    time.sleep(0.25)
+    per_peer.log(logger, logging.DEBUG, "peer 0", "refused")  # known: kept, not a new kind
+    per_peer.log(logger, logging.DEBUG, "a new peer", "refused")
+    assert len(per_peer._kinds) == 2
 
     with launch(instance=unique_instance("hellos"), run_dir=run_dir, host_cache_gb=0.05) as d:
         ctx = zmq.Context()

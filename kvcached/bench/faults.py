@@ -41,7 +41,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from kvcached.bench import process_stop
+from kvcached.bench import free_port, process_stop
 from kvcached.bench.faults_floods import floods
 from kvcached_client import (BlockHasher, Client, DaemonUnavailable, KvcachedTimeout,
                              RequestError, allocate_kv_cache, launch)
@@ -371,14 +371,6 @@ def _record_files(root: str):
                 yield os.path.join(dirpath, n)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _sweep(name: str) -> None:
     import posix_ipc
 
@@ -401,7 +393,7 @@ def run(quick: bool = False, **_) -> dict:
     kv = allocate_kv_cache(LAYERS, BLOCKS, SHAPE, torch.float16)
     keys = BlockHasher("bench-faults").hash_blocks(np.arange(HALF * SHAPE[0]), SHAPE[0])
     started = time.monotonic()
-    metrics_port = _free_port()
+    metrics_port = free_port()
     d = launch(instance=name, run_dir=run_dir, host_cache_gb=0.05, wait_storage=True,
                extra_args=["--storage", storage, "--metrics-port", str(metrics_port)])
     try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ import time
 
 from kvcached_client import Client, launch
 
+from . import free_port
 from .flood import pct, pings, reap
 
 _STRANGER = """
@@ -64,9 +64,7 @@ def _keys(tmp: str) -> tuple[str, str, str, str]:
 def handshake_flood(flooders: int = 2, seconds: float = 6.0) -> dict:
     tmp = tempfile.mkdtemp(prefix="kvhs-", dir="/tmp")
     server_pub, server_secret, client_secret, allow = _keys(tmp)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     d = launch(instance=f"hs{os.getpid()}", run_dir=os.path.join(tmp, "run"), host_cache_gb=0.05,
                extra_args=["--listen", endpoint, "--curve-secret-key-file", server_secret,
                            "--curve-allow-dir", allow])

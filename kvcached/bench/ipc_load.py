@@ -20,20 +20,15 @@ import time
 
 from kvcached_client import BlockHasher, launch
 
+from . import free_port
 from .stats import percentiles_us, ratio
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _redis(tmp: str):
     exe = shutil.which("redis-server")
     if exe is None:
         return None, None
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 10

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from kvcached.bench import process_stop
+from kvcached.bench import free_port, process_stop
 
 
 def available() -> bool:
@@ -28,12 +28,6 @@ def available() -> bool:
 def _exe(name: str) -> str | None:
     here = os.path.join(os.path.dirname(sys.executable), name)
     return here if os.path.exists(here) else shutil.which(name)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _listening(port: int) -> bool:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -30,16 +29,11 @@ from kvcached_client import allocate_kv_cache, launch
 
 from ..service.storage_flow import IO_CHUNK_BLOCKS
 from ..storage.record import HEADER_BYTES
+from . import free_port
 from .stats import ratio
 
 LAYERS, BLOCK_SHAPE = 32, (16, 8, 128)
 PAGE = LAYERS * 2 * 16 * 8 * 128 * 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _through_daemon(run_dir: str, storage_uri: str, n: int, repeats: int, extra=()) -> dict:
@@ -193,7 +187,7 @@ def run(quick: bool = False, **_) -> dict:
         results.append(_pair("disk", got, raw, "fsync off on both sides (page cache)"))
         exe = shutil.which("redis-server")
         if exe:
-            port = _free_port()
+            port = free_port()
             server = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                        "--appendonly", "no", "--dir", work],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

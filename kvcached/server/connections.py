@@ -45,6 +45,8 @@ from dataclasses import dataclass
 
 import zmq
 
+from ..logs import LineBudget
+
 log = logging.getLogger(__name__)
 
 FD_RESERVE = 256  # files the daemon needs besides connections: storage, segments, threads
@@ -134,7 +136,7 @@ class ConnectionGuard:
         self._per_peer: Counter = Counter()
         self.refused = 0
         self.unread_closed = 0  # connections shut for reading none of their replies
-        self._said: dict[str, tuple[float, int]] = {}  # peer -> (last line's time, refused since)
+        self._said = LineBudget(lines=1, window_s=LOG_EVERY_S)  # a line per peer this often
 
     def accepted(self, fd: int, endpoint: str) -> None:
         """A connection was accepted on `endpoint`: count it, or shut it if it is one too many."""
@@ -193,16 +195,7 @@ class ConnectionGuard:
         return True
 
     def _say(self, peer: str, endpoint: str, why: str, what: str = "refused a connection from") -> None:
-        now = time.monotonic()
-        last, since = self._said.get(peer, (0.0, 0))
-        if now - last < LOG_EVERY_S:
-            self._said[peer] = (last, since + 1)
-            return
-        more = f" ({since} more since the last such line)" if since else ""
-        log.warning("[clients] %s %s on %s: %s%s", what, peer, endpoint, why, more)
-        self._said[peer] = (now, 0)
-        if len(self._said) > 4096:  # peers come and go: forget the quiet ones
-            self._said = {p: v for p, v in self._said.items() if now - v[0] < LOG_EVERY_S}
+        self._said.log(log, logging.WARNING, peer, "[clients] %s %s on %s: %s", what, peer, endpoint, why)
 
     def limit(self, endpoint: str, cap: int, what: str, per_peer: int) -> None:
         """`endpoint`'s connections are capped at `cap` (said as `what`), not max_connections,

@@ -21,6 +21,8 @@ import time
 import zmq
 from zmq.utils import z85
 
+from ..logs import LineBudget
+
 log = logging.getLogger("kvcached.auth")
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
@@ -39,7 +41,7 @@ class ZapHandler:
         self._sock.bind(ZAP_ENDPOINT)
         self._stop = threading.Event()
         self.denied = 0
-        self._said: dict[str, tuple[float, int]] = {}
+        self._said = LineBudget(lines=1, window_s=LOG_EVERY_S)  # a line per address this often
         self._thread = threading.Thread(target=self._run, name="kvcached-zap", daemon=True)
         self._thread.start()
 
@@ -76,18 +78,9 @@ class ZapHandler:
         return [b"1.0", request_id, b"400", b"client key not allowed", b"", b""]
 
     def _say(self, address: str, key: bytes) -> None:
-        now = time.monotonic()
-        last, since = self._said.get(address, (0.0, 0))
-        if now - last < LOG_EVERY_S:
-            self._said[address] = (last, since + 1)
-            return
         shown = z85.encode(key).decode() if len(key) == 32 else "none"
-        more = f" ({since} more since the last such line)" if since else ""
-        log.warning("[auth] refused a CURVE client at %s: its key %s is not in the allow dir%s",
-                    address, shown, more)
-        self._said[address] = (now, 0)
-        if len(self._said) > 4096:
-            self._said = {a: v for a, v in self._said.items() if now - v[0] < LOG_EVERY_S}
+        self._said.log(log, logging.WARNING, address, "[auth] refused a CURVE client at %s: its key "
+                       "%s is not in the allow dir", address, shown)
 
     def stop(self) -> None:
         self._stop.set()
