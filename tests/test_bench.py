@@ -105,3 +105,26 @@ def test_bench_faults_injects_every_fault_and_loses_nothing():
     assert r["metrics_flood_threads_during"] <= r["metrics_flood_threads_before"] + 1
     assert r["flood_unread_unread_closed"] >= 1  # status requests whose replies nobody reads
     assert r["delete_flood_engine_deletes"] > 0 and r["delete_flood_flood_deletes_busy"] > 0
+
+
+def test_a_bench_helper_that_never_answers_is_killed_and_named():
+    """The benches wait for their helper processes' lines with a bound: a silent helper is killed
+    and named, a wrong first line is reported with what it said; a helper that answers is read."""
+    from kvcached.bench import expect_line, read_line
+
+    def helper(code):
+        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+    silent = helper("import time; time.sleep(60)")
+    with pytest.raises(RuntimeError, match="the silent helper said nothing within 0.5 s"):
+        expect_line(silent, "ready", "the silent helper", timeout_s=0.5)
+    assert silent.wait(10) != 0  # killed, not left behind
+    wrong = helper("print('busy', flush=True)")
+    with pytest.raises(RuntimeError, match="it said 'busy', not 'ready'"):
+        expect_line(wrong, "ready", "the wrong helper")
+    wrong.wait(10)
+    good = helper("print('ready', flush=True); print('3 4', flush=True)")
+    expect_line(good, "ready", "the good helper")
+    assert read_line(good, "the good helper") == "3 4"
+    good.wait(10)
+    good.stdout.close(), wrong.stdout.close(), silent.stdout.close()

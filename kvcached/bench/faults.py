@@ -41,7 +41,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from kvcached.bench import free_port, process_stop
+from kvcached.bench import expect_line, free_port, process_stop
 from kvcached.bench.faults_floods import floods
 from kvcached_client import (BlockHasher, Client, DaemonUnavailable, KvcachedTimeout,
                              RequestError, allocate_kv_cache, launch)
@@ -87,8 +87,7 @@ def _killed_engine(d, counts, out) -> None:
     proc = subprocess.Popen([sys.executable, "-c", _ENGINE, d.instance, d.run_dir],
                             stdout=subprocess.PIPE, text=True)
     try:
-        if proc.stdout.readline().strip() != "ready":
-            raise RuntimeError("the engine process did not start")
+        expect_line(proc, "ready", "the engine process")
         time.sleep(0.2)  # loads in flight
         os.kill(proc.pid, signal.SIGKILL)
         killed = time.monotonic()

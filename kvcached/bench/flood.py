@@ -32,6 +32,8 @@ import time
 
 from kvcached_client import Client
 
+from . import expect_line, read_line
+
 _FLOODER = """
 import sys, time, msgpack, zmq
 endpoint, kind, seconds, n = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
@@ -161,10 +163,9 @@ def frame_flood(d, kind: str = "junk", flooders: int = 2, seconds: float = 10.0,
                                   stdout=subprocess.PIPE, text=True) for _ in range(flooders)]
         try:
             for p in procs:
-                if p.stdout.readline().strip() != "ready":
-                    raise RuntimeError("a flooding process did not start")
+                expect_line(p, "ready", "a flooding process")
             busy = pings(c, seconds)
-            sent = sum(int(p.stdout.readline() or 0) for p in procs)
+            sent = sum(int(read_line(p, "a flooding process", 60) or 0) for p in procs)
         finally:
             reap(procs)
         high = peak.stop()
@@ -220,8 +221,7 @@ def blocking_flood(d, engine: Client, seconds: float = 8.0) -> dict:
                           str(seconds)], stdout=subprocess.PIPE, text=True)
     waits, refused = [], 0
     try:
-        if p.stdout.readline().strip() != "ready":
-            raise RuntimeError("the deleting process did not start")
+        expect_line(p, "ready", "the deleting process")
         end = time.monotonic() + seconds - 1
         while time.monotonic() < end:
             t0 = time.perf_counter()
@@ -231,7 +231,7 @@ def blocking_flood(d, engine: Client, seconds: float = 8.0) -> dict:
             except Busy:
                 refused += 1
             time.sleep(0.05)
-        done, busy = (int(x) for x in p.stdout.readline().split())
+        done, busy = (int(x) for x in read_line(p, "the deleting process", 60).split())
     finally:
         reap([p])
     return {"seconds": seconds, "flood_deletes_done": done, "flood_deletes_busy": busy,
@@ -262,10 +262,12 @@ def hold_connections(kind: str, target: str, n: int) -> subprocess.Popen:
     path; tcp: a port on 127.0.0.1) until its stdin is closed."""
     p = subprocess.Popen([sys.executable, "-c", _HOLDER, kind, target, str(n)],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    if p.stdout.readline().strip() != "holding":
+    try:
+        expect_line(p, "holding", "a process holding connections")
+    except RuntimeError:
         p.kill()
         p.wait()
-        raise RuntimeError("a process holding connections did not start")
+        raise
     return p
 
 
@@ -332,11 +334,10 @@ def metrics_flood(d, port: int, scrapers: int = 16, held: int = 1000, seconds: f
         scraper = subprocess.Popen([sys.executable, "-c", _SCRAPER, f"http://127.0.0.1:{port}/metrics",
                                     str(scrapers), str(seconds)], stdout=subprocess.PIPE, text=True)
         try:
-            if scraper.stdout.readline().strip() != "ready":
-                raise RuntimeError("the scraping process did not start")
+            expect_line(scraper, "ready", "the scraping process")
             busy = pings(c, seconds)
             threads_during = _threads(d.pid)
-            answered, failed = (int(x) for x in scraper.stdout.readline().split())
+            answered, failed = (int(x) for x in read_line(scraper, "the scraping process", 60).split())
         finally:
             release_connections([holder])
             scraper.kill()

@@ -18,7 +18,7 @@ import time
 
 from kvcached_client import Client, launch
 
-from . import free_port
+from . import expect_line, free_port, read_line
 from .flood import pct, pings, reap
 
 _STRANGER = """
@@ -75,8 +75,8 @@ def handshake_flood(flooders: int = 2, seconds: float = 6.0) -> dict:
             procs = [subprocess.Popen([sys.executable, "-c", _STRANGER, endpoint, server_pub,
                                        str(seconds)], stdout=subprocess.PIPE, text=True)
                      for _ in range(flooders)]
-            if any(p.stdout.readline().strip() != "ready" for p in procs):
-                raise RuntimeError("a flooding process did not start")
+            for p in procs:
+                expect_line(p, "ready", "a flooding process")
             time.sleep(0.5)
             t0 = time.monotonic()
             with Client.connect(d.instance, d.run_dir, timeout=10, endpoint=endpoint,
@@ -85,7 +85,7 @@ def handshake_flood(flooders: int = 2, seconds: float = 6.0) -> dict:
                 connect_ms = (time.monotonic() - t0) * 1000
                 tcp.ping(timeout=10)
             busy = pings(engine, max(1.0, seconds - 1.0 - connect_ms / 1000))
-            tried = sum(int(p.stdout.readline() or 0) for p in procs)
+            tried = sum(int(read_line(p, "a flooding process", seconds + 60) or 0) for p in procs)
             denied = engine.status()["connections"].get("auth_denied", 0)
     finally:
         reap(procs)

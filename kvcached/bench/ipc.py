@@ -29,6 +29,7 @@ import zmq
 from kvcached_client import allocate_kv_cache, launch
 from kvcached_proto import Op, encode, make_request, pack_block_ids, pack_keys
 
+from . import expect_line
 from .ipc_load import format_loaded, run_loaded
 from .stats import percentiles_us, ratio
 
@@ -124,8 +125,7 @@ def run(quick: bool = False, **_) -> dict:
                             stdout=subprocess.PIPE, text=True)
     daemon = None
     try:
-        if echo.stdout.readline().strip() != "ready":
-            raise RuntimeError("bare echo process failed to start")
+        expect_line(echo, "ready", "the bare echo process")
         daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.0625)
         bare = zmq.Context.instance().socket(zmq.DEALER)
         bare.setsockopt(zmq.LINGER, 0)

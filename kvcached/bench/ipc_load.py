@@ -20,7 +20,7 @@ import time
 
 from kvcached_client import BlockHasher, launch
 
-from . import free_port
+from . import expect_line, free_port
 from .stats import percentiles_us, ratio
 
 
@@ -86,13 +86,11 @@ def run_loaded(quick: bool) -> dict:
             engine = subprocess.Popen([sys.executable, "-m", "kvcached.bench.ipc_load", instance,
                                        tmp, "600"], stdout=subprocess.PIPE, stdin=subprocess.PIPE,
                                       text=True)
-            if engine.stdout.readline().strip() != "chain":
-                raise RuntimeError("the loading engine did not start")
+            expect_line(engine, "chain", "the loading engine")
             table_idle = _table_lookups(table_client, n)
             engine.stdin.write("go\n")
             engine.stdin.flush()
-            if engine.stdout.readline().strip() != "offloading":
-                raise RuntimeError("the loading engine did not start offloading")
+            expect_line(engine, "offloading", "the loading engine (offloading)")
             time.sleep(0.5)
             loaded = _lookups(client, n)
             table_client.key_table.answered = table_client.key_table.asked = 0

@@ -23,9 +23,8 @@ from kvcached_client import allocate_kv_cache, launch
 
 from .stats import percentiles_us, ratio
 
-from .transfer_blocks import (  # noqa: F401 (re-exported)
+from .transfer_blocks import (
     BLOCK_SHAPE,
-    DTYPE,
     LAYERS,
     _check,
     _fill,
