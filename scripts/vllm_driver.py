@@ -9,7 +9,9 @@ OffloadingConnector (CUDA only: --offload-gb of CPU memory) or none, then runs t
 on stdin, answering one marked JSON line per step on stdout:
 --tp N runs N tensor-parallel CPU workers (their CPUs split between them) and, with the
 kvcached connector, an --instance holding "{rank}" names one daemon per rank. --eagle DIR adds
-speculative decoding with an EAGLE drafter (random weights) written to DIR.
+speculative decoding with an EAGLE drafter (random weights) written to DIR. With --warm alone it
+imports vLLM first and then reads those arguments as one JSON list on stdin: how EngineProcess
+(vllm_engine_process.py) starts it, so that overlap_engines() can have one importing ahead.
   gen NAME [SALT]  greedy-generate prompt NAME (A, B, C: a shared prefix, different suffixes; D: the
              prefix's first half only; X: B with one prefix token changed, the control) after
              reset_prefix_cache(), with vLLM's cache_salt SALT if given; answers tokens,
@@ -53,6 +55,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from vllm_engine_process import (EngineProcess, overlap_engines, say,  # noqa: E402,F401 (theirs)
+                                 wait_attached)
 from vllm_model import CONFIG, config_for, write_eagle_draft, write_model  # noqa: E402
 
 BLOCK = 32
@@ -84,102 +88,7 @@ def batch_prompts(prefix_blocks: int = PREFIX_BLOCKS, groups: int = 4, per_group
     return out
 
 
-def wait_attached(daemon, clients: int = 2, timeout: float = 30.0) -> float:
-    """The connector attaches in the background (no engine step waits for a daemon): wait until
-    `clients` of it (the scheduler's and the worker's) are connected to `daemon` (a
-    DaemonHandle) and the KV cache is registered. Returns the seconds waited."""
-    import time
-
-    from kvcached_client import DaemonUnavailable
-
-    start = time.monotonic()
-    while True:  # a daemon just continued (SIGCONT) beats again within its heartbeat period
-        try:
-            c = daemon.connect(role="operator")  # counts itself among the clients
-            break
-        except DaemonUnavailable:
-            if time.monotonic() - start > timeout:
-                raise
-            time.sleep(0.02)
-    with c:
-        while True:
-            s = c.status()
-            if s["clients"] >= clients + 1 and s["kv"]["registered"]:
-                return time.monotonic() - start
-            if time.monotonic() - start > timeout:
-                raise TimeoutError(f"the connector did not attach within {timeout:g} s: "
-                                   f"{s['clients'] - 1} clients, kv {s['kv']}")
-            time.sleep(0.02)
-
-
-MARK = "@@kvcached-driver "  # vLLM logs to stdout too: our lines carry this mark
-
-
-class EngineProcess:
-    """This script as a child process: steps sent on stdin, answers read from stdout."""
-
-    def __init__(self, model_dir: str, *args: str):
-        import subprocess
-
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--model-dir", model_dir, *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True)
-        self.log: list[str] = []
-        self.ready = self._answer()  # {"ready": True, "async_scheduling": ...}
-        if not self.ready.get("ready"):
-            raise RuntimeError("the engine did not start")
-
-    def _answer(self) -> dict:
-        for line in self.proc.stdout:
-            self.log.append(line)
-            at = line.find(MARK)  # other processes' log output may share the line
-            if at >= 0:
-                return json.JSONDecoder().raw_decode(line[at + len(MARK):])[0]
-        raise RuntimeError("the engine exited:\n" + "".join(self.log[-60:]))
-
-    def connector_log(self, last: int = 20) -> list[str]:
-        """The engine's last lines from the connector and the client (what to show when a hit
-        comes out otherwise than a test expects)."""
-        return [line.rstrip() for line in self.log if "[vllm]" in line or "[kv" in line][-last:]
-
-    def send(self, cmd: str, name: str = "") -> None:
-        """Start a step; answer() reads its result (a caller may act in between)."""
-        self.proc.stdin.write(f"{cmd} {name}\n")
-        self.proc.stdin.flush()
-
-    def answer(self) -> dict:
-        return self._answer()
-
-    def step(self, cmd: str, name: str) -> dict:
-        self.send(cmd, name)
-        return self._answer()
-
-    def gen(self, name: str, salt: str = "") -> dict:
-        return self.step("gen", f"{name} {salt}".strip())
-
-    def ttft(self, name: str) -> float:
-        return self.step("ttft", name)["seconds"]
-
-    def close(self) -> None:
-        import signal
-        import subprocess
-
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write("quit\n")
-                self.proc.stdin.flush()
-                self.proc.wait(60)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-
-
-def say(obj: dict) -> None:
-    print(MARK + json.dumps(obj), flush=True)
-
-
-def _args():
+def _args(argv: list[str]):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--instance", default="")
@@ -229,7 +138,7 @@ def _args():
     ap.add_argument("--kv-events", default="", help="publish vLLM's KV events on this zmq endpoint")
     ap.add_argument("--eagle", default="", help="speculative decoding with an EAGLE drafter "
                     "(2 tokens) written to this directory (random weights, the model's shape)")
-    return ap.parse_args()
+    return ap.parse_args(argv)
 
 
 def _bind_cpus(tp: int) -> None:
@@ -433,10 +342,24 @@ def _environment(args) -> None:
     _bind_cpus(args.tp)
 
 
+def _import_vllm() -> None:
+    """What every engine imports (most of a start's time): done before the arguments are read."""
+    import vllm.config  # noqa: F401
+    import vllm.inputs  # noqa: F401
+    from vllm import LLM, SamplingParams  # noqa: F401
+
+
 def main() -> int:
     import time
 
-    args = _args()
+    argv = sys.argv[1:]
+    if argv == ["--warm"]:  # started ahead (vllm_engine_process.WarmPool): import, then wait
+        _import_vllm()
+        line = sys.stdin.readline()
+        if not line:  # never taken
+            return 0
+        argv = json.loads(line)
+    args = _args(argv)
     _write_checkpoints(args)
     _environment(args)
     prompt_ids = prompts(args.prefix_blocks, args.block)

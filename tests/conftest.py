@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 
 import proc_children as children
@@ -85,6 +86,9 @@ def no_leftovers():
             posix_ipc.unlink_shared_memory("/" + name)
         except posix_ipc.ExistentialError:
             pass
+    engines = sys.modules.get("vllm_engine_process")  # the vLLM suite's engines, closing or warm
+    if engines is not None:
+        engines.reap()
     alive = children.live_children()
     assert not leaked, "tests leaked shared-memory segments: " + ", ".join(
         f"{n} (first seen after {_born_in.get(n, 'the last test')})" for n in sorted(leaked))

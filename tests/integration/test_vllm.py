@@ -25,6 +25,8 @@ DRIVER = os.path.join(SCRIPTS, "vllm_driver.py")
 sys.path.insert(0, SCRIPTS)
 import vllm_driver  # noqa: E402
 
+vllm_driver.overlap_engines()  # engine after engine: each starts warm and stops behind
+
 
 def Engine(tmp, *args):
     return vllm_driver.EngineProcess(str(tmp / "model"), *args)
@@ -71,7 +73,8 @@ def test_prefixes_come_back_from_kvcached_and_faults_only_cost_recomputation(
     storage = disk_uri(str(storage_dir), 0.2)
     daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2,
                     extra_args=["--storage", storage], wait_storage=True)
-    eng = Engine(tmp_path, "--connector", "kvcached", "--instance", instance, "--run-dir", run_dir)
+    eng = Engine(tmp_path, "--connector", "kvcached", "--instance", instance,
+                 "--run-dir", run_dir).saves_go_to(daemon)
     try:
         a = eng.gen("A")
         assert a["tokens"] == reference["A"] and a["num_cached_tokens"] == 0
@@ -139,7 +142,7 @@ def test_with_vllms_own_prefix_cache_off_every_hit_comes_from_kvcached(
     own, so B's prefix comes from kvcached each time, with vLLM's own 14-block hit's output."""
     daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2)
     eng = Engine(tmp_path, "--connector", "kvcached", "--instance", instance, "--run-dir", run_dir,
-                 "--no-prefix-caching", "--inproc")
+                 "--no-prefix-caching", "--inproc").saves_go_to(daemon)
     try:
         vllm_driver.wait_attached(daemon)
         a = eng.gen("A")
@@ -173,9 +176,9 @@ def test_a_kv_consumer_loads_what_a_kv_producer_stored_and_stores_nothing(
                for role, n in names.items()}
     engines = {}
     try:
-        for role, extra in (("producer", ()), ("consumer", ("--inproc",))):
+        for role in ("producer", "consumer"):
             engines[role] = Engine(tmp_path, "--connector", "kvcached", "--kv-role", f"kv_{role}",
-                                   "--instance", names[role], "--run-dir", run_dir, *extra)
+                                   "--instance", names[role], "--run-dir", run_dir, "--inproc")
             vllm_driver.wait_attached(daemons[role])
         producer, consumer = engines["producer"], engines["consumer"]
         assert producer.gen("A")["tokens"] == reference["A"]
@@ -210,6 +213,10 @@ def test_a_kv_consumer_loads_what_a_kv_producer_stored_and_stores_nothing(
             sweep_crashed(names[role])
 
 
+def _vllm_shm() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("vllm_dist_")}
+
+
 def _said(eng, text: str) -> bool:
     return any(text in line for line in eng.log)
 
@@ -232,8 +239,9 @@ def test_tensor_parallel_ranks_agree_on_the_shortest_hit(tmp_path, run_dir, inst
     one rank's daemon restarts empty, the group hit is 0 and both ranks recompute."""
     names = [f"{instance}-{r}" for r in range(2)]
     daemons = [launch(instance=n, run_dir=run_dir, host_cache_gb=0.1) for n in names]
+    vllm_shm = _vllm_shm()
     eng = Engine(tmp_path, "--connector", "kvcached", "--instance", instance + "-{rank}",
-                 "--run-dir", run_dir, "--tp", "2")
+                 "--run-dir", run_dir, "--tp", "2").saves_go_to(*daemons)
     try:
         cold = eng.gen("B")  # nothing cached anywhere yet: the reference for B at TP 2
         assert cold["num_cached_tokens"] == 0
@@ -260,7 +268,9 @@ def test_tensor_parallel_ranks_agree_on_the_shortest_hit(tmp_path, run_dir, inst
         local = eng.step("genk", f"B {vllm_driver.PREFIX_BLOCKS}")
         assert local["tokens"] == warm["tokens"]
     finally:
-        eng.close()
+        eng.close(wait=True)
+        for name in _vllm_shm() - vllm_shm:  # vLLM's own, of its TP workers: left now and then
+            os.unlink(os.path.join("/dev/shm", name))  # when its shutdown runs under load
         for d in daemons:
             d.stop()
         for n in names:
@@ -375,7 +385,7 @@ def test_one_kv_head_per_eight_query_heads_with_64_token_blocks_and_a_partial_hi
         ref.close()
     daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2)
     eng = Engine(tmp_path, "--connector", "kvcached", "--instance", instance, "--run-dir", run_dir,
-                 "--inproc", *shape)
+                 "--inproc", *shape).saves_go_to(daemon)
     try:
         vllm_driver.wait_attached(daemon)
         assert eng.gen("A")["num_cached_tokens"] == 0

@@ -20,6 +20,8 @@ from kvcached_client import launch  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 import vllm_driver  # noqa: E402
 
+vllm_driver.overlap_engines()  # engine after engine: each starts warm and stops behind
+
 BS, PREFIX = vllm_driver.BLOCK, vllm_driver.PREFIX_BLOCKS
 OUTPUT = 200  # A's output: 488 + 200 tokens, the KV of 687 computed: 21 full blocks
 TURN = (len(vllm_driver.prompts()["A"]) + OUTPUT - 1) // BS
@@ -48,7 +50,8 @@ def test_async_scheduling_stores_prompt_and_output_blocks_that_serve_vllms_own_o
 
     daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2)
     eng = vllm_driver.EngineProcess(model, "--connector", "kvcached", "--instance", instance,
-                                    "--run-dir", run_dir, "--inproc", "--async-scheduling")
+                                    "--run-dir", run_dir, "--inproc", "--async-scheduling"
+                                    ).saves_go_to(daemon)
     try:
         assert eng.ready["async_scheduling"] is True
         vllm_driver.wait_attached(daemon)

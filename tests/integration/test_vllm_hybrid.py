@@ -21,6 +21,8 @@ from kvcached_client import launch  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 import vllm_driver  # noqa: E402
 
+vllm_driver.overlap_engines()  # engine after engine: each starts warm and stops behind
+
 HYBRID = ["--layer-types", "sliding,full,sliding,full", "--sliding-window", "64"]
 WHOLE = "Hybrid KV cache manager is disabled for this hybrid model"  # vLLM's own warning
 
@@ -41,7 +43,8 @@ def test_an_interleaved_sliding_window_model_gets_vllms_own_outputs_from_kvcache
         ref.close()
     daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2)
     eng = vllm_driver.EngineProcess(str(tmp_path / "model"), "--connector", "kvcached",
-                                    "--instance", instance, "--run-dir", run_dir, "--inproc", *HYBRID)
+                                    "--instance", instance, "--run-dir", run_dir, "--inproc", *HYBRID
+                                    ).saves_go_to(daemon)
     try:
         vllm_driver.wait_attached(daemon)
         assert any(WHOLE in line for line in eng.log)

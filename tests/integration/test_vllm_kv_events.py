@@ -393,7 +393,7 @@ def test_a_real_engine_publishes_the_blocks_it_offloaded_under_its_own_block_has
     d = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25, wait_storage=True,
                extra_args=["--storage", disk_uri(str(tmp_path / "disk"), 0.1)])
     eng = vllm_driver.EngineProcess(str(tmp_path / "model"), "--instance", instance, "--run-dir", run_dir,
-                                    "--kv-events", endpoint)
+                                    "--kv-events", endpoint, "--inproc")
     try:
         vllm_driver.wait_attached(d)
         for _ in range(20):  # X shares A's first 3 blocks; its steps' events show the publisher

@@ -20,6 +20,8 @@ from kvcached_client import launch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 import vllm_driver  # noqa: E402
+
+vllm_driver.overlap_engines()  # engine after engine: each starts warm and stops behind
 from vllm_model import write_lora  # noqa: E402
 
 FULL = vllm_driver.PREFIX_BLOCKS * vllm_driver.BLOCK  # B's hit of the whole shared prefix
@@ -63,7 +65,8 @@ def test_lora_requests_get_their_adapters_kv_and_never_the_old_files(tmp_path, r
 
     daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2)
     eng = vllm_driver.EngineProcess(str(tmp_path / "model"), "--connector", "kvcached", "--lora",
-                                    "--instance", instance, "--run-dir", run_dir)
+                                    "--instance", instance, "--run-dir", run_dir, "--inproc"
+                                    ).saves_go_to(daemon)
     try:
         vllm_driver.wait_attached(daemon)
 

@@ -24,6 +24,8 @@ from kvcached_client import launch  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 import vllm_driver  # noqa: E402
 
+vllm_driver.overlap_engines()  # engine after engine: each starts warm and stops behind
+
 OUTPUT, CHUNK = 64, 96
 PRESSURE = ["--inproc", "--dtype", "float32", "--num-blocks", "40", "--max-batched-tokens",
             str(CHUNK), "--max-tokens", str(OUTPUT)]
@@ -62,7 +64,7 @@ def test_preempted_chunked_and_aborted_requests_store_and_are_served_the_right_k
     daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2)
     extra = ["--async-scheduling"] if scheduling == "async" else []
     eng = vllm_driver.EngineProcess(model, "--connector", "kvcached", "--instance", instance,
-                                    "--run-dir", run_dir, *PRESSURE, *extra)
+                                    "--run-dir", run_dir, *PRESSURE, *extra).saves_go_to(daemon)
     try:
         assert eng.ready["async_scheduling"] is (scheduling == "async")
         # a best-effort cache: vLLM keeps a preempted request's in-flight output (its default

@@ -1,6 +1,6 @@
 """vLLM's OpenAI server with the connector, started as README says, checked over HTTP: a host hit,
-a disk hit after the daemon restarts, outputs equal to a server without the connector (CPU
-threads pinned alike) while a one-token-changed control differs, both cache resets vLLM has
+a disk hit after the daemon restarts, outputs equal to vLLM's own without the connector (an
+engine with its CPU threads pinned alike) while a one-token-changed control differs, both cache resets vLLM has
 (`/reset_prefix_cache?reset_external=true`, `/pause` with clear_cache) leaving no hit behind,
 and nothing left in /dev/shm once the server stops. A Llama with real random weights."""
 from __future__ import annotations
@@ -29,6 +29,8 @@ from kvcached_proto.liveness import pid_alive  # noqa: E402
 SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "..", "scripts")
 sys.path.insert(0, SCRIPTS)
 import vllm_driver  # noqa: E402
+
+vllm_driver.overlap_engines()  # engine after engine: each starts warm and stops behind
 from vllm_model import write_model  # noqa: E402
 
 BLOCK = vllm_driver.BLOCK
@@ -80,28 +82,15 @@ class Server:
             text = r.read().decode()
         return json.loads(text) if text.strip().startswith(("{", "[")) else {}
 
-    def complete(self, name: str, local_reset: bool = True) -> tuple[list[int], int]:
+    def complete(self, name: str) -> tuple[list[int], int]:
         """Greedy tokens for prompt `name` and its cached prompt tokens. vLLM's own prefix cache
         is reset first, so every cached token came through the connector."""
-        if local_reset:
-            self.post("/reset_prefix_cache")
+        self.post("/reset_prefix_cache")
         out = self.post("/v1/completions", {"model": self.model, "prompt": PROMPTS[name],
                                             "max_tokens": 8, "temperature": 0,
                                             "return_token_ids": True})
         details = out["usage"].get("prompt_tokens_details") or {}
         return out["choices"][0]["token_ids"], details.get("cached_tokens") or 0
-
-    def complete_after_hit(self, name: str, blocks: int) -> list[int]:
-        """Prompt `name` with its first `blocks` blocks a hit of vLLM's own prefix cache: what
-        a hit of those blocks from the connector must give (vLLM's split of a prefill changes
-        bf16 results, so a hit is compared with a hit of the same blocks)."""
-        self.post("/reset_prefix_cache")
-        head = PROMPTS[name][:blocks * BLOCK] + [7] * 40
-        self.post("/v1/completions", {"model": self.model, "prompt": head, "max_tokens": 1,
-                                      "temperature": 0})
-        tokens, cached = self.complete(name, local_reset=False)
-        assert cached == blocks * BLOCK, cached
-        return tokens
 
     def metric(self, name: str, **labels) -> float:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
@@ -138,14 +127,19 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(model, tmp_path_factory):
-    server = Server(model, str(tmp_path_factory.mktemp("ref") / "server.log"))
+def reference(model):
+    """vLLM's own greedy outputs of this model (an engine without the connector, one reserved
+    CPU as the servers'): A, B and X whole, and B and X after a hit of their first 14 and 3
+    blocks in vLLM's own prefix cache (a hit from the connector must give these)."""
+    eng = vllm_driver.EngineProcess(model, "--connector", "none", "--inproc")
     try:
-        out = {name: server.complete(name)[0] for name in ("A", "B", "X")}
-        out["B@hit"] = server.complete_after_hit("B", PREFIX // BLOCK)
-        out["X@3"] = server.complete_after_hit("X", 3)
+        out = {name: eng.gen(name)["tokens"] for name in ("A", "B", "X")}
+        for name, blocks in (("B", PREFIX // BLOCK), ("X", 3)):
+            hit = eng.step("genk", f"{name} {blocks}")
+            assert hit["num_cached_tokens"] == blocks * BLOCK, hit
+            out[f"{name}@{'hit' if name == 'B' else blocks}"] = hit["tokens"]
     finally:
-        server.stop()
+        eng.close()
     assert out["X"] != out["B"], "the control must differ: the weights ignore the prompt"
     return out
 

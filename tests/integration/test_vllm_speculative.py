@@ -23,6 +23,8 @@ from kvcached_client.vllm.connector import KvcachedConnector, _ReqState  # noqa:
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 import vllm_driver  # noqa: E402
+
+vllm_driver.overlap_engines()  # engine after engine: each starts warm and stops behind
 from vllm_configs import scheduler_connector  # noqa: E402
 from vllm_model import write_model  # noqa: E402
 
@@ -122,7 +124,8 @@ def test_an_eagle_engines_hit_is_one_block_short_and_its_output_is_vllms_own(tmp
     assert control != own["tokens"]
     daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2)
     eng = vllm_driver.EngineProcess(str(tmp_path / "model"), "--connector", "kvcached", "--inproc",
-                                    "--instance", instance, "--run-dir", run_dir, "--eagle", draft)
+                                    "--instance", instance, "--run-dir", run_dir, "--eagle", draft
+                                    ).saves_go_to(daemon)
     try:
         vllm_driver.wait_attached(daemon)
         assert eng.gen("A")["num_cached_tokens"] == 0

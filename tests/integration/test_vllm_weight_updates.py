@@ -21,6 +21,8 @@ from kvcached_client.vllm.weight_updates import changes_weights  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 import vllm_driver  # noqa: E402
+
+vllm_driver.overlap_engines()  # engine after engine: each starts warm and stops behind
 from vllm_configs import scheduler_connector  # noqa: E402
 from vllm_model import write_model  # noqa: E402
 
@@ -48,7 +50,7 @@ def test_after_weights_change_in_place_nothing_stored_before_is_a_hit(tmp_path, 
     it is."""
     daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2)
     eng = vllm_driver.EngineProcess(str(tmp_path / "model"), "--connector", "kvcached",
-                                    "--instance", instance, "--run-dir", run_dir)
+                                    "--instance", instance, "--run-dir", run_dir).saves_go_to(daemon)
     hit = vllm_driver.PREFIX_BLOCKS * vllm_driver.BLOCK
     try:
         vllm_driver.wait_attached(daemon)
@@ -118,7 +120,7 @@ def test_what_a_request_computes_on_the_old_weights_kv_is_not_stored(tmp_path, r
     write_model(str(tmp_path / "other"), seed=1)
     daemon = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.2)
     eng = vllm_driver.EngineProcess(str(tmp_path / "model"), "--connector", "kvcached", "--inproc",
-                                    "--instance", instance, "--run-dir", run_dir)
+                                    "--instance", instance, "--run-dir", run_dir).saves_go_to(daemon)
     prompt = 15 * vllm_driver.BLOCK  # A's whole blocks (488 tokens)
     try:
         vllm_driver.wait_attached(daemon)
