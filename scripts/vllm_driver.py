@@ -212,10 +212,13 @@ def _write_checkpoints(args) -> None:
     if args.layer_types:  # as interleaved models (GPT-OSS, Gemma 3) name theirs
         config.update(layer_types=[f"{t}_attention" for t in args.layer_types.split(",")],
                       sliding_window=args.sliding_window)
-    if args.dummy_weights:
-        os.makedirs(args.model_dir, exist_ok=True)
-        with open(os.path.join(args.model_dir, "config.json"), "w") as f:
-            json.dump(config, f)
+    if args.dummy_weights:  # written once: its modification time is part of the keys' namespace
+        os.makedirs(args.model_dir, exist_ok=True)  # (weights_identity), so an engine started
+        path = os.path.join(args.model_dir, "config.json")  # again on it finds what one stored
+        text = json.dumps(config)
+        if not os.path.exists(path) or open(path).read() != text:
+            with open(path, "w") as f:
+                f.write(text)
     else:
         write_model(args.model_dir, config)
     if args.eagle:
