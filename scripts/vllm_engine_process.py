@@ -1,5 +1,6 @@
 """The caller's side of vllm_driver.py: the driver as a child process (EngineProcess), steps
-sent on stdin and answers read from stdout, and waiting for its connector to attach.
+sent on stdin and answers read from stdout, and waiting for its connector to attach
+(wait_attached) and for its daemons' copies to end before a step (saves_go_to).
 
 Every driver process imports vLLM first (~6 s of one core here) and only then reads its
 arguments (one JSON line). Under overlap_engines() one such process is started ahead, importing
