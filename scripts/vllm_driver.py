@@ -352,16 +352,22 @@ def _import_vllm() -> None:
     from vllm import LLM, SamplingParams  # noqa: F401
 
 
+def _argv() -> list[str] | None:
+    """The arguments: the command line's, or with --warm (vllm_engine_process.WarmPool) vLLM
+    imported first and then the JSON list on stdin; None when none ever came (never taken)."""
+    if sys.argv[1:] != ["--warm"]:
+        return sys.argv[1:]
+    _import_vllm()
+    line = sys.stdin.readline()
+    return json.loads(line) if line else None
+
+
 def main() -> int:
     import time
 
-    argv = sys.argv[1:]
-    if argv == ["--warm"]:  # started ahead (vllm_engine_process.WarmPool): import, then wait
-        _import_vllm()
-        line = sys.stdin.readline()
-        if not line:  # never taken
-            return 0
-        argv = json.loads(line)
+    argv = _argv()
+    if argv is None:
+        return 0
     args = _args(argv)
     _write_checkpoints(args)
     _environment(args)
