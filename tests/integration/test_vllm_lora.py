@@ -21,8 +21,9 @@ from kvcached_client import launch  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 import vllm_driver  # noqa: E402
 
-vllm_driver.overlap_engines()  # engine after engine: each starts warm and stops behind
 from vllm_model import write_lora  # noqa: E402
+
+vllm_driver.overlap_engines()  # engine after engine: each starts warm and stops behind
 
 FULL = vllm_driver.PREFIX_BLOCKS * vllm_driver.BLOCK  # B's hit of the whole shared prefix
 

@@ -1,8 +1,9 @@
 """vLLM's OpenAI server with the connector, started as README says, checked over HTTP: a host hit,
 a disk hit after the daemon restarts, outputs equal to vLLM's own without the connector (an
-engine with its CPU threads pinned alike) while a one-token-changed control differs, both cache resets vLLM has
-(`/reset_prefix_cache?reset_external=true`, `/pause` with clear_cache) leaving no hit behind,
-and nothing left in /dev/shm once the server stops. A Llama with real random weights."""
+engine with its CPU threads pinned alike) while a one-token-changed control differs, both cache
+resets vLLM has (`/reset_prefix_cache?reset_external=true`, `/pause` with clear_cache) leaving no
+hit behind, and nothing left in /dev/shm once the server stops. A Llama with real random
+weights."""
 from __future__ import annotations
 
 import json
@@ -29,9 +30,9 @@ from kvcached_proto.liveness import pid_alive  # noqa: E402
 SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "..", "scripts")
 sys.path.insert(0, SCRIPTS)
 import vllm_driver  # noqa: E402
+from vllm_model import write_model  # noqa: E402
 
 vllm_driver.overlap_engines()  # engine after engine: each starts warm and stops behind
-from vllm_model import write_model  # noqa: E402
 
 BLOCK = vllm_driver.BLOCK
 PROMPTS = vllm_driver.prompts()
@@ -134,10 +135,10 @@ def reference(model):
     eng = vllm_driver.EngineProcess(model, "--connector", "none", "--inproc")
     try:
         out = {name: eng.gen(name)["tokens"] for name in ("A", "B", "X")}
-        for name, blocks in (("B", PREFIX // BLOCK), ("X", 3)):
+        for key, name, blocks in (("B@hit", "B", PREFIX // BLOCK), ("X@3", "X", 3)):
             hit = eng.step("genk", f"{name} {blocks}")
             assert hit["num_cached_tokens"] == blocks * BLOCK, hit
-            out[f"{name}@{'hit' if name == 'B' else blocks}"] = hit["tokens"]
+            out[key] = hit["tokens"]
     finally:
         eng.close()
     assert out["X"] != out["B"], "the control must differ: the weights ignore the prompt"

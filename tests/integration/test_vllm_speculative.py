@@ -24,9 +24,10 @@ from kvcached_client.vllm.connector import KvcachedConnector, _ReqState  # noqa:
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 import vllm_driver  # noqa: E402
 
-vllm_driver.overlap_engines()  # engine after engine: each starts warm and stops behind
 from vllm_configs import scheduler_connector  # noqa: E402
 from vllm_model import write_model  # noqa: E402
+
+vllm_driver.overlap_engines()  # engine after engine: each starts warm and stops behind
 
 BS = 16
 

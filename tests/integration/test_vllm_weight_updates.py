@@ -22,9 +22,10 @@ from kvcached_client.vllm.weight_updates import changes_weights  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 import vllm_driver  # noqa: E402
 
-vllm_driver.overlap_engines()  # engine after engine: each starts warm and stops behind
 from vllm_configs import scheduler_connector  # noqa: E402
 from vllm_model import write_model  # noqa: E402
+
+vllm_driver.overlap_engines()  # engine after engine: each starts warm and stops behind
 
 
 def test_which_collective_rpcs_may_change_the_weights():
