@@ -216,13 +216,18 @@ def _write_checkpoints(args) -> None:
         os.makedirs(args.model_dir, exist_ok=True)  # (weights_identity), so an engine started
         path = os.path.join(args.model_dir, "config.json")  # again on it finds what one stored
         text = json.dumps(config)
-        if not os.path.exists(path) or open(path).read() != text:
+        if not os.path.exists(path) or _read(path) != text:
             with open(path, "w") as f:
                 f.write(text)
     else:
         write_model(args.model_dir, config)
     if args.eagle:
         write_eagle_draft(args.eagle, config)
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
 
 
 def _worker_counters(_worker) -> dict:

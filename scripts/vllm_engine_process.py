@@ -121,16 +121,16 @@ class EngineProcess:
 
     def saves_go_to(self, *daemons) -> "EngineProcess":
         """Before each step, wait until these daemons (DaemonHandles; one restarted under the
-        same name counts) have no task in flight: what the last step saved is in their index,
-        so whether the next step hits does not depend on how fast a daemon ran meanwhile (a
-        save still being copied is no hit, as in vLLM's own offloading)."""
+        same name counts) ended the offloads they accepted (a flush): what the last step saved
+        is in their index, so whether the next step hits does not depend on how fast a daemon
+        ran meanwhile (a save still being copied is no hit, as in vLLM's own offloading)."""
         self._settle = [(d.instance, d.run_dir) for d in daemons]
         return self
 
     def send(self, cmd: str, name: str = "") -> None:
         """Start a step; answer() reads its result (a caller may act in between)."""
         for instance, run_dir in self._settle:
-            _wait_idle(instance, run_dir)
+            _saves_ended(instance, run_dir)
         self.proc.stdin.write(f"{cmd} {name}\n")
         self.proc.stdin.flush()
 
@@ -173,10 +173,9 @@ class EngineProcess:
         self.log.append(out or "")
 
 
-def _wait_idle(instance: str, run_dir: str, timeout: float = 30.0) -> None:
-    """Until the daemon `instance` has no task in flight; at once when no daemon answers."""
-    import time
-
+def _saves_ended(instance: str, run_dir: str, timeout: float = 30.0) -> None:
+    """Until the offloads daemon `instance` accepted so far ended (its flush: their storage
+    backups written too); at once when no daemon answers."""
     from kvcached_client import Client, KvcachedError
 
     try:
@@ -185,11 +184,7 @@ def _wait_idle(instance: str, run_dir: str, timeout: float = 30.0) -> None:
     except KvcachedError:  # no daemon (killed on purpose, say): nothing of it to wait for
         return
     with c:
-        deadline = time.monotonic() + timeout
-        while (tasks := c.status()["tasks"])["inflight"]:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"daemon {instance} still has tasks in flight: {tasks}")
-            time.sleep(0.005)
+        c.flush().wait(timeout)
 
 
 def wait_attached(daemon, clients: int = 2, timeout: float = 30.0) -> float:

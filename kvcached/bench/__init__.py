@@ -33,7 +33,7 @@ def read_line(proc, what: str, timeout_s: float = 60.0) -> str:
     if reader.is_alive():
         proc.kill()  # its pipe closes: the reading thread ends
         raise RuntimeError(f"{what} said nothing within {timeout_s:g} s")
-    return line[0].strip()
+    return line[0].strip() if line else ""  # (the read itself failed: nothing said)
 
 
 def expect_line(proc, word: str, what: str, timeout_s: float = 60.0) -> None:
