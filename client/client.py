@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 import zmq
 
-from kvcached_proto import (Busy, DaemonUnavailable, KvcachedError, KvcachedTimeout, Op, ProtocolError, decode,
+from kvcached_proto import (DaemonUnavailable, KvcachedError, KvcachedTimeout, Op, ProtocolError, decode,
                             encode_request, pack_block_ids, pack_keys, request_error)
 from kvcached_proto.codec import MAX_KEYS_PER_REQUEST
 from kvcached_proto.messages import ROLES, TaskStatus
@@ -25,6 +25,7 @@ from kvcached_proto.paths import DEFAULT_INSTANCE, check_instance, request_endpo
 from kvcached_proto.order_words import REVOKE_WORD
 from kvcached_proto.version import PROTOCOL_VERSION, check_version
 
+from .daemon_ops import AsksDaemon
 from .holds import KeepsHolds
 from .key_events import FollowsKeys
 from .key_table import KeyTableReader, LookupNotes, SendsNotes
@@ -45,7 +46,7 @@ BYE_LINGER_MS = 100
 KEY_TABLE_ENV = "KVCACHED_KEY_TABLE"  # "0": every lookup is a message (the key table unused)
 
 
-class Client(KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
+class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
     """Connect with `Client.connect(instance=..., run_dir=..., timeout=...)`."""
 
     def __init__(self, instance: str = DEFAULT_INSTANCE, run_dir: str | None = None,
@@ -329,38 +330,6 @@ class Client(KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
 
     # earlier name
     signals = Renamed("status_block")
-
-    # lifecycle ops --------------------------------------------------------
-    def ping(self, timeout: float | None = None) -> float:
-        """Round trip in seconds."""
-        start = time.perf_counter()
-        self._request(Op.PING, timeout)
-        return time.perf_counter() - start
-
-    def status(self, timeout: float | None = None) -> dict:
-        return self._request(Op.STATUS, timeout)["status"]
-
-    def check(self, timeout: float | None = None) -> str:
-        """Ask the daemon to walk its index and host-pool invariants: "ok" or what is wrong
-        (asked again while the daemon says BUSY: it walks at most 10 % of the time)."""
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        while True:
-            try:
-                return self._request(Op.STATUS, timeout, check=True)["check"]
-            except Busy:
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.01)
-
-    def shutdown(self, timeout: float | None = None) -> None:
-        self._request(Op.SHUTDOWN, timeout)
-
-    def wait_storage_ready(self, timeout: float | None = None) -> None:
-        """Until every storage tier of the daemon is ready (the disk tier indexes what it holds
-        in the background after a start; lookups see no storage hits until then)."""
-        if self.status_block is None:
-            raise DaemonUnavailable("client is closed")
-        self.status_block.wait_storage_ready(self.timeout if timeout is None else timeout)
 
     @property
     def epoch(self) -> int:

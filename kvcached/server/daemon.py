@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -33,7 +34,6 @@ from ..copy import sigbus
 from ..errors import OpError, StartupError
 from ..host import machine
 from ..logs import LineBudget
-from ..service.cache_service import CacheService
 from .access import ClientInfo, check_admin, check_kv_owner
 from .control import ENGINES, OTHERS, ControlWorker
 from .kv_sweep import sweep_kv_segments
@@ -48,6 +48,9 @@ from .status import StatusThread
 from .status_report import degraded, stats_line
 from .status_block import StatusSegment
 from .task_events import EventSink
+
+if TYPE_CHECKING:  # imported in _start: it imports torch, which a refused start never needs
+    from ..service.cache_service import CacheService
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +144,10 @@ class Daemon(StopsDaemon):
             if sock is not None:
                 self._monitors.append(
                     sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED))
+        # torch (1.1 s of one core) only now: a start refused above (a running instance, an
+        # unsafe run dir or allow dir, a port in use) is said within a few tenths of a second
+        from ..service.cache_service import CacheService
+
         self.service = CacheService(cfg, self.status_block, self.events)
         self.control = ControlWorker(self.events)  # ops that may block, off the request thread
         self.control.start()
@@ -174,6 +181,7 @@ class Daemon(StopsDaemon):
             return
         def request_stop(signum, _frame):
             self.stop_requested.set()
+            self.events.wake()
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)
 

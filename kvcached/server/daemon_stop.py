@@ -8,7 +8,6 @@ import logging
 from kvcached_proto.liveness import pid_alive
 from kvcached_proto.shm_layout import State
 
-from ..service.cache_service import DRAIN_TIMEOUT_S
 from .kv_sweep import sweep_kv_segments, sweep_when_gone
 from .run_dir import remove_instance_files
 
@@ -43,7 +42,9 @@ class StopsDaemon:
     def _close_service(self) -> None:
         if self.status_block is not None:
             self.status_block.set_state(State.STOPPING)
-        if self.control is not None:
+        if self.control is not None:  # (made after the service: its module is imported)
+            from ..service.cache_service import DRAIN_TIMEOUT_S
+
             self.control.stop(timeout=DRAIN_TIMEOUT_S + 5)
         if self.service is not None:
             service, self.service = self.service, None

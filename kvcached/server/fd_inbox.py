@@ -25,11 +25,13 @@ import time
 from kvcached_proto.fd_pass import MAX_FDS, MAX_PENDING, MAX_PENDING_FDS, TOKEN_TTL_S, parse_request
 
 from ..logs import LineBudget
+from .stop_flag import StopFlag
 
 log = logging.getLogger(__name__)
 
 CONN_TIMEOUT_S = 1.0
 MAX_OPEN = 64  # connections waiting for their message at once
+POLL_S = 0.2  # the loop's turn with nothing to do: expiries (a stop wakes it: stop_flag.py)
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -55,7 +57,7 @@ class FdInbox(threading.Thread):
             raise
         self._pending: dict[str, tuple[float, list[int]]] = {}
         self._lock = threading.Lock()
-        self._stopping = threading.Event()
+        self._stopping = StopFlag()
         self.received = self.refused = 0
         self._said = LineBudget()  # (this thread's) a sender in a loop fills no log
 
@@ -63,11 +65,14 @@ class FdInbox(threading.Thread):
     def run(self) -> None:
         sel = selectors.DefaultSelector()
         sel.register(self._sock, selectors.EVENT_READ)
+        sel.register(self._stopping.fd, selectors.EVENT_READ)  # (its set() ends the select)
         waiting: dict[socket.socket, float] = {}  # connection -> when it must have spoken
         try:
             while not self._stopping.is_set():
                 self._expire()
-                for key, _ in sel.select(timeout=0.2):
+                for key, _ in sel.select(timeout=POLL_S):
+                    if key.fileobj == self._stopping.fd:
+                        continue
                     try:
                         if key.fileobj is self._sock:
                             self._accept(sel, waiting)
@@ -176,6 +181,8 @@ class FdInbox(threading.Thread):
         self._stopping.set()
         if self.is_alive():
             self.join(timeout=2.0)
+        if not self.is_alive():
+            self._stopping.close()
         self._sock.close()
         with self._lock:
             pending, self._pending = list(self._pending.values()), {}

@@ -23,12 +23,15 @@ import threading
 import time
 from typing import Callable
 
+from .stop_flag import StopFlag
+
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 64
 DEADLINE_S = 5.0
 MAX_REQUEST_BYTES = 8192
 MIN_RENDER_S = 0.25
+POLL_S = 0.2  # the loop's turn with nothing to do: deadlines (a stop wakes it: stop_flag.py)
 PATHS = ("/metrics", "/")
 
 Render = Callable[[str], tuple[bytes, str]]  # Accept header -> (body, content type)
@@ -64,7 +67,8 @@ class MetricsServer:
         self._sel.register(self._listener, selectors.EVENT_READ)
         self._conns: dict[socket.socket, _Conn] = {}  # oldest first
         self.counts = {"served": 0, "refused": 0, "expired": 0, "evicted": 0, "renders": 0}
-        self._stop = threading.Event()
+        self._stop = StopFlag()
+        self._sel.register(self._stop.fd, selectors.EVENT_READ)  # (its set() ends the select)
         self._thread = threading.Thread(target=self._run, name="kvcached-metrics", daemon=True)
         self._thread.start()
 
@@ -72,9 +76,11 @@ class MetricsServer:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                for key, events in self._sel.select(0.2):
+                for key, events in self._sel.select(POLL_S):
                     if key.fileobj is self._listener:
                         self._accept()
+                        continue
+                    if key.fileobj == self._stop.fd:
                         continue
                     conn = self._conns.get(key.fileobj)
                     if conn is None:  # closed earlier in this turn (the oldest, past the cap)
@@ -201,3 +207,5 @@ class MetricsServer:
         self._thread.join(timeout=2.0)
         if self._thread.is_alive():
             log.error("[shutdown] the /metrics server did not stop within 2 s")
+        else:
+            self._stop.close()

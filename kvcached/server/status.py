@@ -18,11 +18,13 @@ from kvcached_proto.codec import encode_with
 from kvcached_proto.messages import parse_request, reply_for
 
 from .sockets import LOCAL_IO
+from .stop_flag import StopFlag
 
 log = logging.getLogger(__name__)
 
 SHARE_S = 0.02  # how long one snapshot answers every status request
 STATUS_HWM = 4  # messages queued each way for one connection
+POLL_MS = 100  # the loop's turn without a request (a stop wakes it: stop_flag.py)
 
 
 class StatusThread(threading.Thread):
@@ -43,12 +45,15 @@ class StatusThread(threading.Thread):
         self.monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
         self._snapshot = snapshot
         self._shared: tuple[float, bytes] | None = None  # (taken at, the status encoded)
-        self._stopping = threading.Event()
+        self._stopping = StopFlag()
 
     def run(self) -> None:
         try:
+            poller = zmq.Poller()
+            poller.register(self._sock, zmq.POLLIN)
+            poller.register(self._stopping.fd, zmq.POLLIN)
             while not self._stopping.is_set():
-                if not self._sock.poll(100):
+                if self._sock not in dict(poller.poll(POLL_MS)):
                     continue
                 frame = self._sock.recv()
                 self._sock.send(self._answer(frame))
@@ -84,3 +89,5 @@ class StatusThread(threading.Thread):
         self.join(timeout=2.0)
         if self.is_alive():
             log.error("[shutdown] status thread did not stop within 2 s")
+        else:
+            self._stopping.close()

@@ -25,6 +25,12 @@ class EventSink:
         self._queue.append((routing_id, encode(event)))
         os.eventfd_write(self._fd, 1)
 
+    def wake(self) -> None:
+        """Make the poll return with no event (a stop asked by a signal ends the loop now,
+        not at the poll's timeout)."""
+        if self._fd >= 0:
+            os.eventfd_write(self._fd, 1)
+
     def drain(self) -> list[tuple[bytes, bytes]]:
         try:
             os.eventfd_read(self._fd)
