@@ -27,6 +27,6 @@ class StopFlag:
 
     def close(self) -> None:
         """Once the thread that polls `fd` has ended (a thread still polling keeps it open)."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        fd, self.fd = self.fd, -1  # first: a set() meanwhile never writes into a closed fd
+        if fd >= 0:
+            os.close(fd)

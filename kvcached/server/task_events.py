@@ -42,6 +42,6 @@ class EventSink:
         return out
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        fd, self._fd = self._fd, -1  # first: a wake() from a signal handler never sees a closed fd
+        if fd >= 0:
+            os.close(fd)
