@@ -5,12 +5,14 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from conftest import sweep_crashed, unique_instance, wait_until
 from kvcached_client import Client, DaemonUnavailable, KvcachedError, launch
+from kvcached_client.launch import _ready
 from kvcached_client.status_block import DEFAULT_HANG_S, hang_threshold
 from kvcached_proto.liveness import pid_namespace, start_ticks
 from kvcached_proto.shm_layout import SEGMENT_BYTES, Flag, StatusView, segment_name
@@ -231,8 +233,6 @@ def test_a_stop_wakes_every_thread_it_waits_for(run_dir, instance, tmp_path):
     """SIGTERM ends the daemon at once, not at the request loop's next poll timeout nor those of
     the status, fd and /metrics threads: here every one of them polls for 10 minutes, and the
     daemon must still exit within a minute, cleanly (each thread ended, none left running)."""
-    from kvcached_client.status_block import StatusReader
-
     code = ("import kvcached.server.daemon as d, kvcached.server.status as s, "
             "kvcached.server.fd_inbox as f, kvcached.server.metrics_http as m; "
             "d.POLL_MS = s.POLL_MS = 600_000; f.POLL_S = m.POLL_S = 600.0; "
@@ -243,16 +243,7 @@ def test_a_stop_wakes_every_thread_it_waits_for(run_dir, instance, tmp_path):
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=log_file, stderr=log_file,
                                 start_new_session=True)
     try:
-        def ready():
-            try:
-                reader = StatusReader(instance)
-            except DaemonUnavailable:
-                return False
-            try:
-                return reader.pid == proc.pid and reader.ready()
-            finally:
-                reader.close()
-        wait_until(ready, 60, "the daemon ready")
+        wait_until(lambda: _ready(instance, proc.pid), 60, "the daemon ready")
         time.sleep(0.5)  # every thread in its poll
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
@@ -293,8 +284,6 @@ def test_a_shutdown_whose_reply_is_lost_to_the_daemons_exit_succeeds(daemon):
     had not read when the connection closed (the client's sockets are IMMEDIATE): `kvcached
     stop` said "the daemon has exited" under load. A daemon gone after the request left did
     what was asked. Here it dies with the request unread (stopped, then killed)."""
-    import threading
-
     c = daemon.connect(role="operator")
     try:
         os.kill(daemon.pid, signal.SIGSTOP)
