@@ -5,6 +5,8 @@ segment fails its own tasks only. Hostile processes run as a second uid where th
 allows it (root), else those tests skip with the reason."""
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import select
 import shutil
@@ -76,8 +78,8 @@ def keygen(directory, name) -> tuple[str, str]:
     return os.path.join(directory, f"{name}.key"), os.path.join(directory, f"{name}.key_secret")
 
 
-@pytest.fixture
-def curve_daemon(run_dir, instance, tmp_path):
+@contextlib.contextmanager
+def curve_launch(run_dir, instance, tmp_path, extra_args=()):
     server_pub, server_secret = keygen(tmp_path / "server", "daemon")
     allowed_pub, allowed_secret = keygen(tmp_path / "clients", "engine")
     _, stranger_secret = keygen(tmp_path / "strangers", "other")
@@ -87,8 +89,14 @@ def curve_daemon(run_dir, instance, tmp_path):
     port = free_port()
     with launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05, extra_args=[
             "--listen", f"tcp://0.0.0.0:{port}", "--curve-secret-key-file", server_secret,
-            "--curve-allow-dir", str(allow)]) as d:
+            "--curve-allow-dir", str(allow), *extra_args]) as d:
         yield d, f"tcp://127.0.0.1:{port}", server_pub, allowed_secret, stranger_secret
+
+
+@pytest.fixture
+def curve_daemon(run_dir, instance, tmp_path):
+    with curve_launch(run_dir, instance, tmp_path) as parts:
+        yield parts
 
 
 def test_keygen_writes_a_private_secret_key(tmp_path):
@@ -102,6 +110,27 @@ def test_a_client_with_an_allowed_key_is_served_over_curve(curve_daemon):
                         curve_server_key_file=server_pub, curve_client_key_file=allowed_secret) as c:
         assert c.ping() < 1.0
         assert c.status()["instance"] == d.instance
+
+
+def test_a_tcp_client_is_not_shown_the_hosts_other_clients_paths_or_storage(run_dir, instance, tmp_path):
+    """A CURVE client's status has the counts, not the names of the host's other clients, the
+    run dir, the registered engine's id or where the storage tiers are; the ipc socket's has."""
+    disk = tmp_path / "tier-path-of-the-host"
+    with curve_launch(run_dir, instance, tmp_path, ["--storage", f"disk://{disk}"]) as parts:
+        d, endpoint, server_pub, allowed_secret, _ = parts
+        with d.connect(name="tenant-alice-engine") as engine:
+            engine.register_kv_cache(small_kv(num_layers=2, num_blocks=8, block_shape=(16, 2, 8)))
+            with Client.connect(d.instance, d.run_dir, timeout=3, endpoint=endpoint, name="bob",
+                                curve_server_key_file=server_pub,
+                                curve_client_key_file=allowed_secret) as remote:
+                local, seen = engine.status(), remote.status()
+    shown = json.dumps(local)  # the control: the ipc socket's status names all of it
+    secrets = ("tenant-alice-engine", str(run_dir), str(disk), engine.client_id)
+    assert all(s in shown for s in secrets), shown
+    assert not [s for s in secrets if s in json.dumps(seen)], seen
+    assert seen["clients"] == local["clients"] == 2 and seen["kv"]["registered"] is True
+    assert [t["uri"] for t in seen["storage"]] == ["disk://(not shown over tcp)"]
+    assert seen["storage"][0]["healthy"] is True
 
 
 def test_a_tcp_client_without_the_daemons_status_segment_is_told_tcp_is_same_host_only(curve_daemon):

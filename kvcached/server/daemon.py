@@ -45,7 +45,7 @@ from .daemon_stop import StopsDaemon
 from .run_dir import prepare_run_dir, sweep_socket_files, take_instance_lock
 from .sockets import curve_router, io_threads, ipc_router
 from .status import StatusThread
-from .status_report import degraded, stats_line
+from .status_report import degraded, for_tcp_peer, stats_line
 from .status_block import StatusSegment
 from .task_events import EventSink
 
@@ -362,7 +362,7 @@ class Daemon(StopsDaemon):
         # an invariant walk of the index and the host pool (tests, fuzzing); first, so that one
         # refused (BUSY: walked too often) costs no status snapshot
         walked = self.service.check() if req.body["check"] else None
-        out = {"status": self.status()}
+        out = {"status": self.status(tcp_peer=routing_id[:1] == CURVE_TAG)}
         if walked is not None:
             out["check"] = walked
         return out
@@ -438,7 +438,9 @@ class Daemon(StopsDaemon):
             sweep_kv_segments(pid)
 
     # status ---------------------------------------------------------------
-    def status(self) -> dict:
+    def status(self, tcp_peer: bool = False) -> dict:
+        """The daemon's status; for a client on a CURVE socket, without the names and paths
+        `for_tcp_peer` leaves out."""
         sig = self.status_block
         status = {
             "instance": self.cfg.instance, "pid": os.getpid(), "epoch": sig.epoch if sig else 0,
@@ -456,6 +458,8 @@ class Daemon(StopsDaemon):
         }
         if self.service is not None:
             status.update(self.service.status())
+        if tcp_peer:
+            status = for_tcp_peer(status)
         lag = time.monotonic() - self._loop_turned
         status["stalled"] = lag > LOOP_STALL_S and not self.stop_requested.is_set()
         status["degraded"] = degraded(status, lag)

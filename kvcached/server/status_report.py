@@ -1,5 +1,6 @@
-"""What the daemon's status says beyond its fields: the reasons it is degraded, the summary
-line logged every --stats-interval-s, and the table `kvcached status` prints."""
+"""What the daemon's status says beyond its fields: the reasons it is degraded, what a client
+over TCP is not shown, the summary line logged every --stats-interval-s, and the table
+`kvcached status` prints."""
 from __future__ import annotations
 
 from ..logs import shown
@@ -13,6 +14,22 @@ def degraded(status: dict, lag: float) -> list[str]:
     for tier in status.get("storage", []):
         if not tier.get("healthy", True):
             out.append(f"storage {tier['uri']} unhealthy: {tier.get('last_error') or 'down'}")
+    return out
+
+
+TCP_HIDDEN = "(not shown over tcp)"
+
+
+def for_tcp_peer(status: dict) -> dict:
+    """The status a client on a CURVE socket gets: the same counts, without what names the host's
+    other clients and paths, or where the storage tiers are (`status` on the ipc socket, the
+    status socket and `kvcached status` show it all). Applied before `degraded` is made from it."""
+    out = {k: v for k, v in status.items() if k not in ("run_dir", "client_names")}
+    if isinstance(out.get("kv"), dict) and out["kv"].get("owner") is not None:
+        out["kv"] = {**out["kv"], "owner": TCP_HIDDEN}
+    out["storage"] = [{**tier, "uri": tier["uri"].split(":", 1)[0] + "://" + TCP_HIDDEN,
+                       "last_error": TCP_HIDDEN if tier.get("last_error") else ""}
+                      for tier in status.get("storage", [])]
     return out
 
 
