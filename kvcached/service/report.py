@@ -37,8 +37,9 @@ class InvariantWalk:
 
 def check_service(svc) -> str:
     """Walk the invariants: the index's own; every indexed host block allocated and not
-    free; every pin held by a live task and every live task's pins held; every busy
-    progress slot a live load's. Returns "ok" or what is wrong."""
+    free; every pin held by a live task and every live task's pins held; every entry a load
+    copies from still indexed; every busy progress slot a live load's. Returns "ok" or what
+    is wrong."""
     with svc.host.lock:
         try:
             svc.host.index.check()
@@ -69,6 +70,12 @@ def _check_pins_and_slots(svc) -> str:
     for e in svc.storage.lent_pins.values():  # backups whose write is late: pinned until it returns
         held[id(e)] = held.get(id(e), 0) + 1
         pinned[id(e)] = e
+    for task in svc._live_tasks():  # what a load copies from stays indexed until it ends
+        if task.kind == TaskKind.LOAD:
+            for e in task.entries:
+                if not e.live:
+                    return (f"failed: entry {e.key.hex()} left the index while load task {task.task_id} "
+                            "copies from it (its host block can be reused under the copy)")
     for e in pinned.values():
         if e.refs != held[id(e)]:
             return f"failed: entry {e.key.hex()} has {e.refs} pins, live tasks hold {held[id(e)]}"

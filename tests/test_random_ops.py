@@ -1,0 +1,197 @@
+"""Random concurrent work against one daemon, its host tier too small for the blocks in play:
+offloads and layer-wise loads kept in flight by the engine while an operator deletes, prefetches,
+looks up and clears the host tier. Every block's content is a function of its key, so a loaded
+block that differs from its key's content is a wrong byte served, whatever the interleaving
+(a pin released early, a host page reused under a load, a record read back into the wrong
+block). Seeded: a failure names the seed; KVCACHED_SOAK_OPS scales the run."""
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+
+import pytest
+import torch
+from conftest import disk_uri, kv_parts, small_kv
+
+from kvcached_client import BlockHasher, launch
+from kvcached_proto import RequestError, TaskFailed
+
+LAYERS, BLOCKS, SHAPE = 2, 96, (16, 4, 64)  # 8 KiB a part: a host page of 32 KiB
+HOST_GB = 48 * 32 * 1024 / 2**30            # 48 pages for 12 documents of 8 blocks
+DOCS, DOC_BLOCKS = 12, 8
+MAX_INFLIGHT = 6
+
+
+class Contents:
+    """Each key's bytes, per layer and part; made once per key from the key itself."""
+
+    def __init__(self, kv):
+        self.kv, self._made = kv, {}
+
+    def of(self, key: bytes) -> list[torch.Tensor]:
+        if key not in self._made:
+            gen = torch.Generator().manual_seed(int.from_bytes(key[:8], "little") & (2**63 - 1))
+            self._made[key] = [torch.randn(t.shape[1:], generator=gen).to(t.dtype)
+                               for layer in self.kv for t in kv_parts(layer)]
+        return self._made[key]
+
+    def write(self, block: int, key: bytes) -> None:
+        parts = [t for layer in self.kv for t in kv_parts(layer)]
+        for t, value in zip(parts, self.of(key)):
+            t[block].copy_(value)
+
+    def holds(self, block: int, key: bytes) -> bool:
+        parts = [t for layer in self.kv for t in kv_parts(layer)]
+        return all(torch.equal(t[block], value) for t, value in zip(parts, self.of(key)))
+
+
+def _docs() -> list[list[bytes]]:
+    hasher = BlockHasher("random-ops")
+    return [hasher.hash_blocks([d * 100_000 + i for i in range(16 * DOC_BLOCKS)], 16)
+            for d in range(DOCS)]
+
+
+def _paused_deletes(op, docs, rng) -> str:
+    """The engine's loads queue up holding their pins while the daemon is paused; deletes meet
+    them, and the invariant walk runs before the loads do."""
+    op.pause()
+    try:
+        time.sleep(0.003)
+        for _ in range(3):
+            op.delete(rng.choice(docs)[rng.randrange(DOC_BLOCKS):])
+        return op.check()
+    finally:
+        op.resume()
+
+
+def _operator(d, docs, seed: int, stop: threading.Event, errors: list, done: dict) -> None:
+    rng = random.Random(seed + 1)
+    try:
+        with d.connect(role="operator", timeout=30) as op:
+            while not stop.is_set():
+                keys, what = rng.choice(docs), rng.random()
+                if what < 0.3:
+                    name = "delete"
+                    op.delete(keys[rng.randrange(DOC_BLOCKS):])
+                elif what < 0.5:
+                    name = "prefetch"
+                    op.prefetch(keys)
+                elif what < 0.75:
+                    name = "lookup"
+                    op.lookup(keys)
+                elif what < 0.85:  # the invariant walk, while the engine's tasks run
+                    name, walked = "check", op.check()
+                    if walked != "ok":
+                        errors.append(f"check: {walked}")
+                elif what < 0.9:
+                    name = "clear"
+                    op.clear(tier="host")
+                else:
+                    name, walked = "paused deletes", _paused_deletes(op, docs, rng)
+                    if walked != "ok":
+                        errors.append(f"check while paused: {walked}")
+                done[name] = done.get(name, 0) + 1
+                stop.wait(rng.random() * 0.004)
+    except Exception as exc:  # reported by the test
+        errors.append(f"operator: {exc!r}")
+
+
+class Engine:
+    """The engine's side: device blocks held by the op in flight that uses them, waited for in
+    any order; every load's leading blocks compared with their keys' contents."""
+
+    def __init__(self, client, contents, rng):
+        self.c, self.contents, self.rng = client, contents, rng
+        self.free, self.inflight = set(range(BLOCKS)), []
+        self.loaded = self.wrong = self.missed = 0
+
+    def offload(self, keys) -> None:
+        blocks = self.rng.sample(sorted(self.free), len(keys))
+        for b, k in zip(blocks, keys):
+            self.contents.write(b, k)
+        self._start("offload", self.c.offload(blocks, keys), blocks, keys)
+
+    def load(self, keys) -> None:
+        blocks = self.rng.sample(sorted(self.free), len(keys))
+        for layer in self.contents.kv:
+            for t in kv_parts(layer):
+                t[blocks] = 0  # nothing of an earlier use can pass for the load's bytes
+        self._start("load", self.c.load(keys, blocks), blocks, keys)
+
+    def _start(self, kind, task, blocks, keys) -> None:
+        self.free -= set(blocks)
+        self.inflight.append((kind, task, blocks, keys))
+
+    def finish_one(self) -> None:
+        kind, task, blocks, keys = self.inflight.pop(self.rng.randrange(len(self.inflight)))
+        if kind == "offload":
+            task.wait(30)
+        else:
+            if self.rng.random() < 0.5:
+                try:  # a load that ends with no block (a miss; queued at a clear) raises here
+                    task.wait_layer(self.rng.randrange(LAYERS), timeout=30)
+                except TaskFailed:
+                    pass
+            n = task.wait(30)
+            self.loaded += n
+            self.missed += len(keys) - n
+            self.wrong += sum(not self.contents.holds(b, k) for b, k in zip(blocks[:n], keys[:n]))
+        self.free |= set(blocks)
+
+
+SETUPS = {  # seed: the daemon's settings beyond the disk tier
+    1: [],
+    2: ["--host-layout", "page_first", "--storage-write-policy", "write_back", "--redis"],
+}
+
+
+@pytest.mark.parametrize("seed", sorted(SETUPS))
+def test_random_concurrent_ops_under_eviction_never_serve_a_wrong_byte(run_dir, instance, disk_dir, seed,
+                                                                        request):
+    ops = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 4
+    rng, docs = random.Random(seed), _docs()
+    kv = small_kv(num_layers=LAYERS, num_blocks=BLOCKS, block_shape=SHAPE, seed=seed)
+    contents = Contents(kv)
+    # the check itself: a block written from one key is not taken for another's
+    contents.write(0, docs[0][0])
+    assert contents.holds(0, docs[0][0]) and not contents.holds(0, docs[0][1])
+    stop, errors, done = threading.Event(), [], {}
+    extra = ["--storage", disk_uri(disk_dir), *SETUPS[seed]]
+    if "--redis" in extra:  # a second storage tier, a real server
+        extra[extra.index("--redis"):] = ["--storage", request.getfixturevalue("redis_server").uri]
+    with launch(instance=instance, run_dir=run_dir, host_cache_gb=HOST_GB, extra_args=extra,
+                wait_storage=True) as d:
+        with d.connect(timeout=30) as c:
+            c.register_kv_cache(kv)
+            engine = Engine(c, contents, rng)
+            operator = threading.Thread(target=_operator, args=(d, docs, seed, stop, errors, done))
+            operator.start()
+            try:
+                for _ in range(ops):
+                    keys = rng.choice(docs)[:rng.randint(1, DOC_BLOCKS)]
+                    if engine.inflight and (len(engine.inflight) >= MAX_INFLIGHT
+                                            or len(engine.free) < DOC_BLOCKS or rng.random() < 0.25):
+                        engine.finish_one()
+                    elif rng.random() < 0.45:
+                        engine.offload(keys)
+                    else:
+                        engine.load(keys)
+                while engine.inflight:
+                    engine.finish_one()
+            except RequestError as exc:
+                errors.append(f"engine: {exc!r}")
+            finally:
+                stop.set()
+                operator.join(60)
+            assert not operator.is_alive()
+            assert c.check() == "ok"
+            s = c.status()
+    assert not errors, (seed, errors)
+    assert engine.wrong == 0, f"seed {seed}: {engine.wrong} of {engine.loaded} loaded blocks wrong"
+    # not a run that loaded nothing: hits from both tiers, evictions, and the operator's work
+    assert engine.loaded > ops // 4 and engine.missed > 0, (engine.loaded, engine.missed)
+    assert s["host"]["evictions"] > 0 and s["lookups"]["loaded_from_storage"] > 0, s
+    assert len(done) == 6, done  # every kind of the operator's work ran
+    assert s["tasks"]["inflight"] == 0 and s["host"]["pinned_blocks"] == 0, s["tasks"]
