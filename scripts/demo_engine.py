@@ -12,6 +12,7 @@ each load gives the same logits (allclose at the dtype's tolerance) and tokens a
 from __future__ import annotations
 
 import argparse
+import inspect
 import subprocess
 import sys
 import time
@@ -27,6 +28,12 @@ class ShortLoad(Exception):
 
 
 TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def cache_arg(model) -> str:
+    """The forward's name for the KV cache passed in: `cache` since transformers 5.24
+    (`past_key_values` is deprecated there), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
 def build_model(hidden: int, layers: int, heads: int, kv_heads: int, vocab: int, seed: int = 0,
@@ -47,6 +54,7 @@ class DemoEngine:
     def __init__(self, model, manager: PrefixCacheManager, kv, block_size: int, layerwise: bool = True):
         self.model, self.mgr, self.kv, self.bs = model, manager, kv, block_size
         self.cfg = model.config
+        self.cache_arg = cache_arg(model)
         self.layerwise = layerwise
         self._pending_layers: dict[int, object] = {}
         if layerwise:
@@ -101,7 +109,7 @@ class DemoEngine:
             cache, computed = self._cache_for(rid, table, computed)
             ids = torch.as_tensor(prompt[computed:])[None]
             pos = torch.arange(computed, len(prompt))[None]
-            out = self.model(ids, past_key_values=cache, position_ids=pos, use_cache=True)
+            out = self.model(ids, **{self.cache_arg: cache}, position_ids=pos, use_cache=True)
         finally:
             self.layerwise = saved
             self._pending_layers.clear()
@@ -126,7 +134,7 @@ class DemoEngine:
         seq = list(prompt) + [token]
         for _ in range(max_new_tokens - 1):
             table = self.mgr.allocate(rid, 1)
-            out = self.model(torch.tensor([[token]]), past_key_values=cache,
+            out = self.model(torch.tensor([[token]]), **{self.cache_arg: cache},
                              position_ids=torch.tensor([[len(seq) - 1]]), use_cache=True)
             self._scatter(cache, table, len(seq) - 1, len(seq))
             self.mgr.commit(rid, len(seq), seq)

@@ -68,5 +68,6 @@ def test_a_wrong_block_would_be_seen():
             if i == 1:
                 k[0, 0, 3] += 0.5
             cache.update(k, v, i)
-        part = model(ids[:, 32:], past_key_values=cache, position_ids=torch.arange(32, 40)[None])
+        part = model(ids[:, 32:], **{demo_engine.cache_arg(model): cache},
+                     position_ids=torch.arange(32, 40)[None])
     assert not torch.allclose(part.logits[0, -1], full.logits[0, -1], rtol=1e-4, atol=1e-4)

@@ -245,6 +245,29 @@ def test_evicted_blocks_come_back_from_the_host_tier(daemon, policy):
     mgr.close()
 
 
+def test_write_back_keeps_every_branch_of_a_prefix_evicted_at_once(daemon):
+    """X with two continuations Y and Z, all three evicted by one allocation: the chains go out
+    as [X, Y] then [Z] led by X. X's block was freed once its own chain's offload settled, and
+    the second offload named block -1 (BAD_FIELD): Z was lost, the engine warned."""
+    kv = new_kv()
+    mgr = manager(daemon, kv, "write_back")
+    eng = SimEngine(mgr, kv)
+    x = toks(BS, 1)
+    for rid, tail in (("p", toks(BS, 2)), ("q", toks(BS, 3))):
+        eng.prefill(rid, x + tail + [1])
+        mgr.release(rid)
+    eng.prefill("big", toks(11 * BS, 4) + [1])  # all 12 GPU blocks: X, Y and Z go
+    assert mgr.stats()["offload_failures"] == 0, mgr.stats()
+    with daemon.connect() as c:
+        for tail in (toks(BS, 2), toks(BS, 3)):
+            assert c.lookup(BlockHasher(NS).hash_blocks(x + tail, BS)) == (2, 0)
+    mgr.release("big")
+    hit, computed = eng.prefill("q2", x + toks(BS, 3) + [2])  # Z's KV comes back, checked
+    assert hit.host_tokens == computed == 2 * BS, hit
+    mgr.release("q2")
+    mgr.close()
+
+
 def test_selective_write_through_offloads_after_two_hits(daemon):
     kv = new_kv()
     mgr = manager(daemon, kv, "write_through_selective")

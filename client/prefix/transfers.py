@@ -92,8 +92,10 @@ class Transfers:
         client = self.link.client
         if client is None or not nodes:
             return None
-        head = nodes[0].parent
-        lead = [head] if head is not None and head.state == READY and head.offloading is None else []
+        head = nodes[0].parent  # (a parent evicted with the chain whose offload settled before
+        # this one has no block any more: the daemon holds it from that offload)
+        lead = [head] if (head is not None and head.state == READY and head.offloading is None
+                          and head.block >= 0) else []
         sent = lead + nodes
         task = self.call(client.offload, [n.block for n in sent], [n.key for n in sent])
         if task is None:

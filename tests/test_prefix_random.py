@@ -1,0 +1,155 @@
+"""PrefixCacheManager under random work against a real daemon: requests of shared documents with
+tails of their own live at once (matched, loaded layer by layer or whole, computed, decoded,
+preempted, released in any order), too many for the GPU blocks (evictions, offloads) and for
+the daemon's host tier (its disk tier serves the rest). The engine writes each full block's KV
+as a function of its key and checks every block the manager says is computed before using it:
+a block reused while an offload reads it, a load landing in a block given to another request, or
+a tree node pointing at the wrong block would be a wrong byte. Seeded; KVCACHED_SOAK_OPS scales
+it."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import pytest
+from conftest import disk_uri, kv_parts, small_kv, sweep_crashed, wait_until
+from test_prefix import BS, NS, content
+
+from kvcached_client import BlockHasher, launch
+from kvcached_client.prefix import PrefixCacheManager
+from kvcached_client.prefix.tree import NoFreeBlocks
+
+GPU_BLOCKS, LAYERS = 40, 2
+HOST_GB = 64 * LAYERS * 2 * BS * 2 * 64 * 2 / 2**30  # 64 pages of (BS, 2, 64) bfloat16 K and V
+DOCS = 8
+
+
+class Request:
+    def __init__(self, rid, tokens):
+        self.rid, self.tokens, self.phase = rid, tokens, "new"
+
+
+class RandomEngine:
+    """Drives the manager one phase of one request at a time, and checks what it is given."""
+
+    def __init__(self, mgr, kv, rng):
+        self.mgr, self.kv, self.rng = mgr, kv, rng
+        self.hasher = BlockHasher(NS)
+        self.docs = [[rng.randrange(1000) for _ in range(BS * rng.randint(2, 6))] for _ in range(DOCS)]
+        self.live: list[Request] = []
+        self.made = self.checked = self.no_room = 0
+        self.wrong: list[str] = []
+
+    def new_request(self) -> Request:
+        doc = self.rng.choice(self.docs)
+        tokens = doc[: BS * self.rng.randint(1, len(doc) // BS)]
+        tokens += [self.rng.randrange(1000) for _ in range(self.rng.randint(1, 2 * BS))]
+        self.made += 1
+        return Request(f"r{self.made}", tokens)
+
+    def _check(self, req, table, computed) -> None:
+        keys = self.hasher.hash_blocks(req.tokens, BS)
+        for i in range(computed // BS):
+            for t in (t for layer in self.kv for t in kv_parts(layer)):
+                if not __import__("torch").equal(t[table[i]], content(keys[i], t.shape[1:], t.dtype)):
+                    self.wrong.append(f"{req.rid} block {i} (GPU block {table[i]})")
+        self.checked += computed // BS
+
+    def _write(self, req, table, start_token) -> None:
+        """The forward: KV for the blocks from the one holding start_token to the last full one."""
+        keys = self.hasher.hash_blocks(req.tokens, BS)
+        for i in range(start_token // BS, len(keys)):
+            for t in (t for layer in self.kv for t in kv_parts(layer)):
+                t[table[i]] = content(keys[i], t.shape[1:], t.dtype)
+
+    def advance(self, req) -> None:
+        mgr = self.mgr
+        if req.phase == "new":
+            mgr.match(req.rid, req.tokens)
+            req.phase = "matched"
+        elif req.phase == "matched":
+            if self.rng.random() < 0.5:
+                mgr.wait_layer(req.rid, self.rng.randrange(LAYERS), timeout=30)
+            computed = mgr.wait_loaded(req.rid, timeout=30)
+            try:
+                table = mgr.allocate(req.rid, len(req.tokens) - computed)
+            except NoFreeBlocks:  # the engine preempts it
+                self.no_room += 1
+                return self.finish(req)
+            self._check(req, table, computed)
+            self._write(req, table, computed)
+            mgr.commit(req.rid, len(req.tokens))
+            req.phase, req.table = "decoding", table
+        elif req.phase == "decoding":
+            if self.rng.random() < 0.4:
+                return self.finish(req)
+            start = len(req.tokens)
+            req.tokens = req.tokens + [self.rng.randrange(1000) for _ in range(self.rng.randint(1, BS))]
+            try:
+                req.table = mgr.allocate(req.rid, len(req.tokens) - start)
+            except NoFreeBlocks:
+                self.no_room += 1
+                return self.finish(req)
+            self._write(req, req.table, start)
+            mgr.commit(req.rid, len(req.tokens), req.tokens)
+
+    def finish(self, req) -> None:
+        if req.phase != "new":
+            self.mgr.release(req.rid)
+        self.live.remove(req)
+
+
+@pytest.mark.parametrize("policy,seed,restarts", [("write_through", 1, False), ("write_back", 2, False),
+                                                  ("write_through_selective", 3, False),
+                                                  ("write_through", 4, True)])
+def test_random_requests_are_only_ever_given_their_own_kv(run_dir, instance, disk_dir, policy, seed,
+                                                          restarts):
+    """With restarts, the daemon is killed (-9) three times mid-run, each once the manager has
+    attached again, and a successor started on the same disk tier 40 steps later: the engine
+    goes on GPU-only meanwhile, never sees an error, and the manager reattaches in the
+    background."""
+    steps = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 2
+    rng = random.Random(seed)
+    kv = small_kv(num_layers=LAYERS, num_blocks=GPU_BLOCKS, block_shape=(BS, 2, 64), seed=seed)
+    start = lambda: launch(instance=instance, run_dir=run_dir, host_cache_gb=HOST_GB,  # noqa: E731
+                           extra_args=["--storage", disk_uri(disk_dir)], wait_storage=True)
+    kills = [steps * k // 5 for k in (1, 2, 3)] if restarts else []  # once attached again
+    restart_at = None
+    d = start()
+    try:
+        mgr = PrefixCacheManager(GPU_BLOCKS, BS, client=d.connect(timeout=10), namespace=NS,
+                                 kv_caches=kv, write_policy=policy)
+        eng = RandomEngine(mgr, kv, rng)
+        for n in range(steps):
+            if kills and n >= kills[0] and mgr.attached and restart_at is None:
+                kills.pop(0)
+                os.kill(d.pid, signal.SIGKILL)
+                d.proc.wait(10)
+                sweep_crashed(instance)
+                restart_at = n + 40
+            elif n == restart_at:  # GPU-only steps take microseconds: give the watcher its turn
+                d, restart_at = start(), None
+                wait_until(lambda: mgr.attached or mgr.link.has_ready(), 10,
+                           "the manager's watcher to have the successor's connection ready")
+            if len(eng.live) < 4 and (not eng.live or rng.random() < 0.3):
+                eng.live.append(eng.new_request())
+            eng.advance(rng.choice(eng.live))
+            if n % 50 == 0:
+                mgr.check()
+        for req in list(eng.live):
+            eng.finish(req)
+        mgr.check()
+        stats = mgr.stats()
+        mgr.close()
+    finally:
+        d.stop()
+    assert not eng.wrong, f"seed {seed}: wrong KV given for {eng.wrong[:5]} ({len(eng.wrong)} blocks)"
+    # a run that exercised the tiers: GPU, host and storage hits, evictions, loads
+    assert eng.checked > steps // 4, eng.checked
+    assert stats["evictions"] > 0 and stats["gpu_hit_tokens"] > 0, stats
+    assert stats["host_hit_tokens"] > 0 and stats["loaded_blocks"] > 0, stats
+    if restarts:  # each successor attached; a failed offload is one the kill cut short
+        assert not kills and stats["detaches"] == 3 and stats["attaches"] >= 3, stats
+    else:
+        assert stats["offload_failures"] == 0 and stats["daemon_errors"] == 0, stats
