@@ -13,10 +13,11 @@ import random
 import signal
 
 import pytest
-from conftest import disk_uri, kv_parts, small_kv, sweep_crashed, wait_until
+import torch
+from conftest import disk_uri, kv_parts, ranks, small_kv, sweep_crashed, wait_until
 from test_prefix import BS, NS, content
 
-from kvcached_client import BlockHasher, launch
+from kvcached_client import BlockHasher, Client, GroupClient, launch
 from kvcached_client.prefix import PrefixCacheManager
 from kvcached_client.prefix.tree import NoFreeBlocks
 
@@ -33,8 +34,10 @@ class Request:
 class RandomEngine:
     """Drives the manager one phase of one request at a time, and checks what it is given."""
 
-    def __init__(self, mgr, kv, rng):
-        self.mgr, self.kv, self.rng = mgr, kv, rng
+    def __init__(self, mgr, shards, rng):
+        """shards: the KV cache of each tensor-parallel rank (one for a single daemon); a
+        block's KV on rank r is a function of its key and r."""
+        self.mgr, self.shards, self.rng = mgr, shards, rng
         self.hasher = BlockHasher(NS)
         self.docs = [[rng.randrange(1000) for _ in range(BS * rng.randint(2, 6))] for _ in range(DOCS)]
         self.live: list[Request] = []
@@ -48,20 +51,24 @@ class RandomEngine:
         self.made += 1
         return Request(f"r{self.made}", tokens)
 
+    def _tensors(self):
+        """(rank, tensor) for every layer and part of every shard."""
+        return [(r, t) for r, kv in enumerate(self.shards) for layer in kv for t in kv_parts(layer)]
+
     def _check(self, req, table, computed) -> None:
         keys = self.hasher.hash_blocks(req.tokens, BS)
         for i in range(computed // BS):
-            for t in (t for layer in self.kv for t in kv_parts(layer)):
-                if not __import__("torch").equal(t[table[i]], content(keys[i], t.shape[1:], t.dtype)):
-                    self.wrong.append(f"{req.rid} block {i} (GPU block {table[i]})")
+            for r, t in self._tensors():
+                if not torch.equal(t[table[i]], content(bytes([r]) + keys[i], t.shape[1:], t.dtype)):
+                    self.wrong.append(f"{req.rid} block {i} (GPU block {table[i]}, rank {r})")
         self.checked += computed // BS
 
     def _write(self, req, table, start_token) -> None:
         """The forward: KV for the blocks from the one holding start_token to the last full one."""
         keys = self.hasher.hash_blocks(req.tokens, BS)
         for i in range(start_token // BS, len(keys)):
-            for t in (t for layer in self.kv for t in kv_parts(layer)):
-                t[table[i]] = content(keys[i], t.shape[1:], t.dtype)
+            for r, t in self._tensors():
+                t[table[i]] = content(bytes([r]) + keys[i], t.shape[1:], t.dtype)
 
     def advance(self, req) -> None:
         mgr = self.mgr
@@ -100,6 +107,35 @@ class RandomEngine:
         self.live.remove(req)
 
 
+def _run(mgr, eng, rng, steps: int, between=lambda n: None) -> dict:
+    """`steps` random steps over at most 4 live requests (between(n) first at each), then every
+    request released; the manager's books checked along the way. Returns its stats."""
+    for n in range(steps):
+        between(n)
+        if len(eng.live) < 4 and (not eng.live or rng.random() < 0.3):
+            eng.live.append(eng.new_request())
+        eng.advance(rng.choice(eng.live))
+        if n % 50 == 0:
+            mgr.check()
+    for req in list(eng.live):
+        eng.finish(req)
+    mgr.check()
+    return mgr.stats()
+
+
+def _exercised(eng, stats, steps) -> None:
+    """No wrong block, and a run that exercised the tiers: GPU, host and storage hits, evictions,
+    loads."""
+    assert not eng.wrong, f"wrong KV given for {eng.wrong[:5]} ({len(eng.wrong)} blocks)"
+    assert eng.checked > steps // 4, eng.checked
+    assert stats["evictions"] > 0 and stats["gpu_hit_tokens"] > 0, stats
+    assert stats["host_hit_tokens"] > 0 and stats["loaded_blocks"] > 0, stats
+
+
+def _kv(seed, rank=0):
+    return small_kv(num_layers=LAYERS, num_blocks=GPU_BLOCKS, block_shape=(BS, 2, 64), seed=seed + rank)
+
+
 @pytest.mark.parametrize("policy,seed,restarts", [("write_through", 1, False), ("write_back", 2, False),
                                                   ("write_through_selective", 3, False),
                                                   ("write_through", 4, True)])
@@ -110,46 +146,58 @@ def test_random_requests_are_only_ever_given_their_own_kv(run_dir, instance, dis
     goes on GPU-only meanwhile, never sees an error, and the manager reattaches in the
     background."""
     steps = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 2
-    rng = random.Random(seed)
-    kv = small_kv(num_layers=LAYERS, num_blocks=GPU_BLOCKS, block_shape=(BS, 2, 64), seed=seed)
+    rng, kv = random.Random(seed), _kv(seed)
     start = lambda: launch(instance=instance, run_dir=run_dir, host_cache_gb=HOST_GB,  # noqa: E731
                            extra_args=["--storage", disk_uri(disk_dir)], wait_storage=True)
     kills = [steps * k // 5 for k in (1, 2, 3)] if restarts else []  # once attached again
-    restart_at = None
-    d = start()
+    state = {"daemon": start(), "restart_at": None}
+
+    def between(n):
+        if kills and n >= kills[0] and mgr.attached and state["restart_at"] is None:
+            kills.pop(0)
+            os.kill(state["daemon"].pid, signal.SIGKILL)
+            state["daemon"].proc.wait(10)
+            sweep_crashed(instance)
+            state["restart_at"] = n + 40
+        elif n == state["restart_at"]:  # GPU-only steps take microseconds: give the watcher its turn
+            state["daemon"], state["restart_at"] = start(), None
+            wait_until(lambda: mgr.attached or mgr.link.has_ready(), 10,
+                       "the manager's watcher to have the successor's connection ready")
+
     try:
-        mgr = PrefixCacheManager(GPU_BLOCKS, BS, client=d.connect(timeout=10), namespace=NS,
-                                 kv_caches=kv, write_policy=policy)
-        eng = RandomEngine(mgr, kv, rng)
-        for n in range(steps):
-            if kills and n >= kills[0] and mgr.attached and restart_at is None:
-                kills.pop(0)
-                os.kill(d.pid, signal.SIGKILL)
-                d.proc.wait(10)
-                sweep_crashed(instance)
-                restart_at = n + 40
-            elif n == restart_at:  # GPU-only steps take microseconds: give the watcher its turn
-                d, restart_at = start(), None
-                wait_until(lambda: mgr.attached or mgr.link.has_ready(), 10,
-                           "the manager's watcher to have the successor's connection ready")
-            if len(eng.live) < 4 and (not eng.live or rng.random() < 0.3):
-                eng.live.append(eng.new_request())
-            eng.advance(rng.choice(eng.live))
-            if n % 50 == 0:
-                mgr.check()
-        for req in list(eng.live):
-            eng.finish(req)
-        mgr.check()
-        stats = mgr.stats()
+        mgr = PrefixCacheManager(GPU_BLOCKS, BS, client=state["daemon"].connect(timeout=10),
+                                 namespace=NS, kv_caches=kv, write_policy=policy)
+        eng = RandomEngine(mgr, [kv], rng)
+        stats = _run(mgr, eng, rng, steps, between)
         mgr.close()
     finally:
-        d.stop()
-    assert not eng.wrong, f"seed {seed}: wrong KV given for {eng.wrong[:5]} ({len(eng.wrong)} blocks)"
-    # a run that exercised the tiers: GPU, host and storage hits, evictions, loads
-    assert eng.checked > steps // 4, eng.checked
-    assert stats["evictions"] > 0 and stats["gpu_hit_tokens"] > 0, stats
-    assert stats["host_hit_tokens"] > 0 and stats["loaded_blocks"] > 0, stats
+        state["daemon"].stop()
+    _exercised(eng, stats, steps)
     if restarts:  # each successor attached; a failed offload is one the kill cut short
         assert not kills and stats["detaches"] == 3 and stats["attaches"] >= 3, stats
     else:
         assert stats["offload_failures"] == 0 and stats["daemon_errors"] == 0, stats
+
+
+def test_random_requests_over_two_tensor_parallel_ranks(run_dir, tmp_path):
+    """The same over a GroupClient of two ranks, each with its own daemon, host tier and disk
+    tier; rank 1's host tier is cleared now and then, so the ranks hold different blocks and
+    every hit is the shorter rank's: each rank's shard is checked."""
+    steps, seed = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 2, 5
+    rng = random.Random(seed)
+    shards = [_kv(seed, r) for r in range(2)]
+    extra = lambda r: ["--storage", disk_uri(str(tmp_path / f"disk{r}"))]  # noqa: E731
+    with ranks(run_dir, 2, extra) as (names, _), Client.connect(names[1], run_dir, role="operator") as op:
+        g = GroupClient.connect(names, run_dir=run_dir)
+        mgr = PrefixCacheManager(GPU_BLOCKS, BS, client=g, namespace=NS, kv_caches=shards)
+        eng = RandomEngine(mgr, shards, rng)
+
+        def between(n):
+            if n % 97 == 96:
+                op.clear(tier="host")
+
+        stats = _run(mgr, eng, rng, steps, between)
+        mgr.close()
+        g.close()
+    _exercised(eng, stats, steps)
+    assert stats["offload_failures"] == 0 and stats["daemon_errors"] == 0, stats
