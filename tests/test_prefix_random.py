@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
 
 import pytest
 import torch
 from conftest import disk_uri, kv_parts, ranks, small_kv, sweep_crashed, wait_until
 from test_prefix import BS, NS, content
 
+from kvcached.bench import process_stop
 from kvcached_client import BlockHasher, Client, GroupClient, launch
 from kvcached_client.prefix import PrefixCacheManager
 from kvcached_client.prefix.tree import NoFreeBlocks
@@ -136,45 +138,62 @@ def _kv(seed, rank=0):
     return small_kv(num_layers=LAYERS, num_blocks=GPU_BLOCKS, block_shape=(BS, 2, 64), seed=seed + rank)
 
 
-@pytest.mark.parametrize("policy,seed,restarts", [("write_through", 1, False), ("write_back", 2, False),
-                                                  ("write_through_selective", 3, False),
-                                                  ("write_through", 4, True)])
+@pytest.mark.parametrize("policy,seed,faults", [("write_through", 1, None), ("write_back", 2, None),
+                                                ("write_through_selective", 3, None),
+                                                ("write_through", 4, "kills"), ("write_back", 6, "freezes")])
 def test_random_requests_are_only_ever_given_their_own_kv(run_dir, instance, disk_dir, policy, seed,
-                                                          restarts):
-    """With restarts, the daemon is killed (-9) three times mid-run, each once the manager has
-    attached again, and a successor started on the same disk tier 40 steps later: the engine
-    goes on GPU-only meanwhile, never sees an error, and the manager reattaches in the
-    background."""
+                                                          faults):
+    """kills: the daemon is killed (-9) three times mid-run, each once the manager has attached
+    again, and a successor started on the same disk tier 40 steps later: the engine goes on
+    GPU-only meanwhile, never sees an error, and the manager reattaches in the background.
+    freezes: every 150 steps while attached, the daemon is stopped (SIGSTOP) for 0.4-0.8 s
+    against a hang threshold of 0.3 s, so loads and offloads in flight end late or not at all
+    from the manager's side: it detaches, holds the blocks they may still write, and attaches
+    again once the daemon goes on."""
     steps = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 2
     rng, kv = random.Random(seed), _kv(seed)
     start = lambda: launch(instance=instance, run_dir=run_dir, host_cache_gb=HOST_GB,  # noqa: E731
                            extra_args=["--storage", disk_uri(disk_dir)], wait_storage=True)
-    kills = [steps * k // 5 for k in (1, 2, 3)] if restarts else []  # once attached again
-    state = {"daemon": start(), "restart_at": None}
+    kills = [steps * k // 5 for k in (1, 2, 3)] if faults == "kills" else []  # once attached again
+    state = {"daemon": start(), "restart_at": None, "thaw_at": None, "freezes": 0}
 
     def between(n):
+        daemon = state["daemon"]
         if kills and n >= kills[0] and mgr.attached and state["restart_at"] is None:
             kills.pop(0)
-            os.kill(state["daemon"].pid, signal.SIGKILL)
-            state["daemon"].proc.wait(10)
+            os.kill(daemon.pid, signal.SIGKILL)
+            daemon.proc.wait(10)
             sweep_crashed(instance)
             state["restart_at"] = n + 40
         elif n == state["restart_at"]:  # GPU-only steps take microseconds: give the watcher its turn
             state["daemon"], state["restart_at"] = start(), None
             wait_until(lambda: mgr.attached or mgr.link.has_ready(), 10,
                        "the manager's watcher to have the successor's connection ready")
+        elif faults == "freezes":
+            if state["thaw_at"] is None and n % 150 == 75 and mgr.attached:
+                process_stop.stop(daemon.pid, "the daemon")
+                state["thaw_at"], state["freezes"] = time.monotonic() + rng.uniform(0.4, 0.8), state["freezes"] + 1
+            elif state["thaw_at"] is not None and time.monotonic() > state["thaw_at"]:
+                process_stop.go_on(daemon.pid, "the daemon")
+                state["thaw_at"] = None
+            if state["thaw_at"] is not None or not mgr.attached:
+                time.sleep(0.004)  # an engine's step takes time: the watcher gets its turns
 
     try:
-        mgr = PrefixCacheManager(GPU_BLOCKS, BS, client=state["daemon"].connect(timeout=10),
+        hang_s = 0.3 if faults == "freezes" else None
+        mgr = PrefixCacheManager(GPU_BLOCKS, BS, client=state["daemon"].connect(timeout=10, hang_s=hang_s),
                                  namespace=NS, kv_caches=kv, write_policy=policy)
         eng = RandomEngine(mgr, [kv], rng)
         stats = _run(mgr, eng, rng, steps, between)
         mgr.close()
     finally:
+        process_stop.go_on(state["daemon"].pid, "the daemon")
         state["daemon"].stop()
     _exercised(eng, stats, steps)
-    if restarts:  # each successor attached; a failed offload is one the kill cut short
+    if faults == "kills":  # each successor attached; a failed offload is one the kill cut short
         assert not kills and stats["detaches"] == 3 and stats["attaches"] >= 3, stats
+    elif faults == "freezes":  # freezes seen as hangs, the same daemon attached again after
+        assert state["freezes"] >= 3 and stats["detaches"] >= 1 and stats["attaches"] >= 2, (state, stats)
     else:
         assert stats["offload_failures"] == 0 and stats["daemon_errors"] == 0, stats
 
