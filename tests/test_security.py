@@ -133,6 +133,22 @@ def test_a_tcp_client_is_not_shown_the_hosts_other_clients_paths_or_storage(run_
     assert seen["storage"][0]["healthy"] is True
 
 
+def test_the_tcp_view_of_a_sentinel_tier_hides_its_primary_and_keeps_its_health():
+    from kvcached.server.status_report import TCP_HIDDEN, degraded, for_tcp_peer
+
+    tier = {"uri": "redis+sentinel://s1:26379,s2:26379/0?service=kv", "healthy": False,
+            "primary": "10.0.0.7:6379", "last_error": "ConnectionError: 10.0.0.7:6379 refused",
+            "puts": 3}
+    seen = for_tcp_peer({"run_dir": "/run/x", "client_names": ["a"], "clients": 1,
+                         "kv": {"owner": None, "registered": False}, "storage": [tier]})
+    assert seen["storage"] == [{**tier, "uri": f"redis+sentinel://{TCP_HIDDEN}", "primary": TCP_HIDDEN,
+                                "last_error": TCP_HIDDEN}]
+    assert "10.0.0.7" not in str(seen) and "s1" not in str(seen) and "/run/x" not in str(seen)
+    assert seen["clients"] == 1 and seen["kv"] == {"owner": None, "registered": False}
+    seen["stalled"] = False
+    assert degraded(seen, 0.0) == [f"storage redis+sentinel://{TCP_HIDDEN} unhealthy: {TCP_HIDDEN}"]
+
+
 def test_a_tcp_client_without_the_daemons_status_segment_is_told_tcp_is_same_host_only(curve_daemon):
     """Before, the client died on the missing segment with no word of why (it reads liveness
     and layer progress from the daemon's shared memory: a client on another host cannot)."""

@@ -28,7 +28,8 @@ def for_tcp_peer(status: dict) -> dict:
     if isinstance(out.get("kv"), dict) and out["kv"].get("owner") is not None:
         out["kv"] = {**out["kv"], "owner": TCP_HIDDEN}
     out["storage"] = [{**tier, "uri": tier["uri"].split(":", 1)[0] + "://" + TCP_HIDDEN,
-                       "last_error": TCP_HIDDEN if tier.get("last_error") else ""}
+                       "last_error": TCP_HIDDEN if tier.get("last_error") else "",
+                       **({"primary": TCP_HIDDEN} if tier.get("primary") else {})}
                       for tier in status.get("storage", [])]
     return out
 
