@@ -19,7 +19,7 @@ from kvcached_client import BlockHasher, launch
 from kvcached_proto import RequestError, TaskFailed
 
 LAYERS, BLOCKS, SHAPE = 2, 96, (16, 4, 64)  # 8 KiB a part: a host page of 32 KiB
-HOST_GB = 48 * 32 * 1024 / 2**30            # 48 pages for 12 documents of 8 blocks
+PAGE = 32 * 1024
 DOCS, DOC_BLOCKS = 12, 8
 MAX_INFLIGHT = 6
 
@@ -147,9 +147,11 @@ class Engine:
         self.free |= set(blocks)
 
 
-SETUPS = {  # seed: the daemon's settings beyond the disk tier
-    1: [],
-    2: ["--host-layout", "page_first", "--storage-write-policy", "write_back", "--redis"],
+SETUPS = {  # seed: host pages (96 blocks in play), the daemon's settings beyond the disk tier
+    1: (48, []),
+    # write_back stores only what the host tier evicts: a smaller tier, so that loads from
+    # storage are many (with 48 pages 3 to 16 in a run, none in one full-suite run)
+    2: (24, ["--host-layout", "page_first", "--storage-write-policy", "write_back", "--redis"]),
 }
 
 
@@ -164,10 +166,11 @@ def test_random_concurrent_ops_under_eviction_never_serve_a_wrong_byte(run_dir, 
     contents.write(0, docs[0][0])
     assert contents.holds(0, docs[0][0]) and not contents.holds(0, docs[0][1])
     stop, errors, done = threading.Event(), [], {}
-    extra = ["--storage", disk_uri(disk_dir), *SETUPS[seed]]
+    pages, settings = SETUPS[seed]
+    extra = ["--storage", disk_uri(disk_dir), *settings]
     if "--redis" in extra:  # a second storage tier, a real server
         extra[extra.index("--redis"):] = ["--storage", request.getfixturevalue("redis_server").uri]
-    with launch(instance=instance, run_dir=run_dir, host_cache_gb=HOST_GB, extra_args=extra,
+    with launch(instance=instance, run_dir=run_dir, host_cache_gb=pages * PAGE / 2**30, extra_args=extra,
                 wait_storage=True) as d:
         with d.connect(timeout=30) as c:
             c.register_kv_cache(kv)
