@@ -60,9 +60,10 @@ class RandomEngine:
     def _check(self, req, table, computed) -> None:
         keys = self.hasher.hash_blocks(req.tokens, BS)
         for i in range(computed // BS):
-            for r, t in self._tensors():
-                if not torch.equal(t[table[i]], content(bytes([r]) + keys[i], t.shape[1:], t.dtype)):
-                    self.wrong.append(f"{req.rid} block {i} (GPU block {table[i]}, rank {r})")
+            bad = sorted({r for r, t in self._tensors()
+                          if not torch.equal(t[table[i]], content(bytes([r]) + keys[i], t.shape[1:], t.dtype))})
+            if bad:
+                self.wrong.append(f"{req.rid} block {i} (GPU block {table[i]}, ranks {bad})")
         self.checked += computed // BS
 
     def _write(self, req, table, start_token) -> None:
@@ -77,6 +78,8 @@ class RandomEngine:
         if req.phase == "new":
             mgr.match(req.rid, req.tokens)
             req.phase = "matched"
+            if self.rng.random() < 0.5:  # as an engine does: its loads waited for at once
+                self.advance(req)
         elif req.phase == "matched":
             if self.rng.random() < 0.5:
                 mgr.wait_layer(req.rid, self.rng.randrange(LAYERS), timeout=30)
