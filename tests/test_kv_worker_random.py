@@ -36,6 +36,8 @@ class Steps:
         hasher = BlockHasher("worker-random")
         self.docs = [hasher.hash_blocks([d * 10_000 + t for t in range(DOC_BLOCKS * BS)], BS)
                      for d in range(DOCS)]
+        a, b = self.docs[0][:2]  # the check tells keys apart
+        assert not torch.equal(content(a, (BS, 8), torch.float32), content(b, (BS, 8), torch.float32))
         self.free = set(range(24))
         self.running: dict[str, list[int]] = {}
         self.finishing: dict[str, list[int]] = {}  # finished, not reported yet: its blocks

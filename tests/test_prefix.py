@@ -185,7 +185,7 @@ def test_bad_calls_are_typed_errors_and_change_nothing():
 
 def content(key: bytes, shape, dtype) -> torch.Tensor:
     """The KV a block with this key holds: a function of the key, so wrong KV is visible."""
-    gen = torch.Generator().manual_seed(int.from_bytes(key[:8], "little") & (2**62))
+    gen = torch.Generator().manual_seed(int.from_bytes(key[:8], "little") & (2**63 - 1))
     return torch.randn(shape, generator=gen).to(dtype)
 
 

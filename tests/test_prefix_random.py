@@ -42,6 +42,8 @@ class RandomEngine:
         self.mgr, self.shards, self.rng = mgr, shards, rng
         self.hasher = BlockHasher(NS)
         self.docs = [[rng.randrange(1000) for _ in range(BS * rng.randint(2, 6))] for _ in range(DOCS)]
+        a, b = self.hasher.hash_blocks(self.docs[0][: 2 * BS], BS)  # the check tells keys apart
+        assert not torch.equal(content(a, (BS, 8), torch.float32), content(b, (BS, 8), torch.float32))
         self.live: list[Request] = []
         self.made = self.checked = self.no_room = 0
         self.wrong: list[str] = []

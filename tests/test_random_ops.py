@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 from conftest import disk_uri, kv_parts, small_kv
+from test_prefix import content
 
 from kvcached_client import BlockHasher, launch
 from kvcached_proto import RequestError, TaskFailed
@@ -32,9 +33,8 @@ class Contents:
 
     def of(self, key: bytes) -> list[torch.Tensor]:
         if key not in self._made:
-            gen = torch.Generator().manual_seed(int.from_bytes(key[:8], "little") & (2**63 - 1))
-            self._made[key] = [torch.randn(t.shape[1:], generator=gen).to(t.dtype)
-                               for layer in self.kv for t in kv_parts(layer)]
+            self._made[key] = [content(bytes([i]) + key, t.shape[1:], t.dtype)
+                               for i, t in enumerate(t for layer in self.kv for t in kv_parts(layer))]
         return self._made[key]
 
     def write(self, block: int, key: bytes) -> None:

@@ -62,6 +62,10 @@ def _check_pins_and_slots(svc) -> str:
     held: dict[int, int] = {}
     pinned: dict[int, object] = {}
     for task in svc._live_tasks():
+        gone = next((e for e in task.entries if not e.live), None) if task.kind == TaskKind.LOAD else None
+        if gone is not None:  # what a load copies from stays indexed until it ends
+            return (f"failed: entry {gone.key.hex()} left the index while load task {task.task_id} "
+                    "copies from it (its host block can be reused under the copy)")
         pins = (task.entries + task.tail_pins
                 if task.kind in (TaskKind.LOAD, TaskKind.BACKUP, TaskKind.PREFETCH) else [])
         for e in pins:
@@ -70,12 +74,6 @@ def _check_pins_and_slots(svc) -> str:
     for e in svc.storage.lent_pins.values():  # backups whose write is late: pinned until it returns
         held[id(e)] = held.get(id(e), 0) + 1
         pinned[id(e)] = e
-    for task in svc._live_tasks():  # what a load copies from stays indexed until it ends
-        if task.kind == TaskKind.LOAD:
-            for e in task.entries:
-                if not e.live:
-                    return (f"failed: entry {e.key.hex()} left the index while load task {task.task_id} "
-                            "copies from it (its host block can be reused under the copy)")
     for e in pinned.values():
         if e.refs != held[id(e)]:
             return f"failed: entry {e.key.hex()} has {e.refs} pins, live tasks hold {held[id(e)]}"
