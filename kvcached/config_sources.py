@@ -30,7 +30,7 @@ except ModuleNotFoundError:  # Python 3.10
 ENV_PREFIX = "KVCACHED_"
 # read by the scripts and tests, not by the daemon's configuration
 NON_CONFIG_ENV = ("KVCACHED_INSTANCE", "KVCACHED_DISK", "KVCACHED_VENV", "KVCACHED_VLLM_VENV",
-                  "KVCACHED_VLLM_VERSION", "KVCACHED_SOAK_OPS", "KVCACHED_LOG_DIR",
+                  "KVCACHED_VLLM_VERSION", "KVCACHED_SOAK_OPS", "KVCACHED_SOAK_SEED", "KVCACHED_LOG_DIR",
                   "KVCACHED_HANG_S")
 _HINTS = typing.get_type_hints(DaemonConfig)
 _TYPES = {f.name: _HINTS[f.name] for f in dataclasses.fields(DaemonConfig)}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from kvcached.copy.transfer import CopyPlan
 from kvcached.service.host_tier import HostTier
 from kvcached.service.load_flow import LoadFlow
 from kvcached.service.offload_flow import OffloadFlow
+from kvcached.service.report import check_service
 from kvcached.service.registration import Registered
 from kvcached.service.task_table import TaskTable
 from kvcached.storage.base import StorageBackend
@@ -327,6 +329,87 @@ def test_a_cancelled_parked_load_gives_back_its_pins(flows, spec):
     assert ended[second["task"]]["status"] == TaskStatus.CANCELLED
     assert ended[first["task"]]["result"]["loaded"] == 2
     _no_pins(loads)
+
+
+@pytest.mark.parametrize("writer", ["offload", "fetch"])
+@pytest.mark.parametrize("reader", ["load", "prefetch"])
+def test_a_deleted_entry_being_written_stays_its_writers_when_a_task_waiting_on_it_leaves(
+        flows, spec, writer, reader):
+    """A WRITING entry (an offload's, or a load's fetch from storage) that a load or prefetch
+    of the key waits on instead of fetching it is deleted, then the waiting task is cancelled.
+    The entry's host block is still the writer's copy target: before, the waiter's unpin
+    removed the doomed entry and freed its block under the copy (another task could take it
+    and have its bytes overwritten), and the writer then failed with a KeyError. (Found by
+    test_random_shared_tier.py.)"""
+    loads, offloads, store, copier, events, _ = flows
+    keys = keys_for(1, seed=9)
+    _stored(store, loads, keys, [_page(spec, 900)])  # so the reader plans the key from storage
+    copier.device[3] = _page(spec, 901)
+    if writer == "offload":
+        hold, release = (lambda: offloads.worker.pause(10)), offloads.worker.resume
+    else:  # the first load's read waits in the store
+        hold, release = (lambda: store.gate.clear() or True), store.gate.set
+    assert hold()
+    try:
+        if writer == "offload":
+            first = offloads.start(Client(), Req(keys=keys), np.array([3]), None)["task"]
+        else:
+            first = loads.start(Client(), Req(keys=keys), np.arange(20, 21), None)["task"]
+        if reader == "load":
+            task = loads.start(Client(), Req(keys=keys), np.arange(10, 11), None)["task"]
+        else:
+            task = loads.storage.prefetch(Client(), Req(keys=keys, policy="best_effort", timeout_ms=0,
+                                                        block_tokens=256))["task"]
+        assert [t.task_id for t in loads.parked] == [task]  # it waits for the writer's entry
+        host = loads.host
+        with host.lock:
+            entry = host.index.get(keys[0])
+            assert host.index.delete(keys[0]) is None and entry.doomed  # in use: doomed
+        loads.end_cancelled(loads.take_parked(lambda t: t.task_id == task))
+        with host.lock:
+            assert host.pool.allocator.is_used(entry.block)  # no other task can be given it
+    finally:
+        release()
+    ended = events.wait(2)
+    assert ended[task]["status"] == TaskStatus.CANCELLED
+    assert ended[first]["status"] == TaskStatus.DONE, ended[first]
+    host = loads.host
+    with host.lock:  # the entry went with its writer's end; every block in use is an indexed one's
+        assert not entry.live
+        used = {b for b in range(host.pool.num_blocks) if host.pool.allocator.is_used(b)}
+        assert used == set(host.index.blocks())  # (a fetching load planned the key once more)
+        host.index.check()
+    _no_pins(loads)
+
+
+def test_the_invariant_walk_finds_a_block_written_with_no_entry_and_an_entry_with_no_writer(flows, spec):
+    """The walk (`status --check`) says when an offload's entry left the index while the copy
+    into its block is queued (the state the defect above made), and when an entry is WRITING
+    with no live task writing it."""
+    loads, offloads, _, copier, events, _ = flows
+    svc = SimpleNamespace(host=loads.host, storage=loads.storage, table=loads.table,
+                          _live_tasks=lambda: list(loads.table.tasks.values()))
+    keys = keys_for(2, seed=10)
+    copier.device[3] = _page(spec, 1000)
+    index = loads.host.index
+    assert offloads.worker.pause(10)
+    try:
+        off = offloads.start(Client(), Req(keys=keys[:1]), np.array([3]), None)
+        assert check_service(svc) == "ok"
+        with loads.host.lock:
+            entry = index.get(keys[0])
+            index._entries.pop(entry.key)  # the entry gone, the copy still to come
+            entry.live = False
+            assert "writes its host block" in check_service(svc)
+            index._entries[entry.key], entry.live = entry, True
+            orphan = index.insert(keys[1], loads.host.alloc(1)[0], None)
+            assert check_service(svc) == f"failed: entry {keys[1].hex()} is being written by no live task"
+            loads.host.free([index.discard(orphan)])
+            assert check_service(svc) == "ok"
+    finally:
+        offloads.worker.resume()
+    assert events.wait(1)[off["task"]]["status"] == TaskStatus.DONE
+    assert check_service(svc) == "ok"
 
 
 def test_write_through_backs_up_what_an_offload_stored(flows, spec):

@@ -130,8 +130,10 @@ class Engine:
         self.free -= set(blocks)
         self.inflight.append((kind, task, blocks, keys))
 
-    def finish_one(self) -> None:
+    def finish_one(self) -> tuple[str, list, int]:
+        """Wait for one op in flight, picked at random: (its kind, its keys, blocks loaded)."""
         kind, task, blocks, keys = self.inflight.pop(self.rng.randrange(len(self.inflight)))
+        n = 0
         if kind == "offload":
             task.wait(30)
         else:
@@ -145,6 +147,7 @@ class Engine:
             self.missed += len(keys) - n
             self.wrong += sum(not self.contents.holds(b, k) for b, k in zip(blocks[:n], keys[:n]))
         self.free |= set(blocks)
+        return kind, keys, n
 
 
 SETUPS = {  # seed: host pages (96 blocks in play), the daemon's settings beyond the disk tier

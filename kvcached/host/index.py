@@ -73,6 +73,9 @@ class BlockIndex:
     def pinned_entries(self) -> list[Entry]:
         return [e for e in self._entries.values() if e.refs]
 
+    def writing_entries(self) -> list[Entry]:
+        return [e for e in self._entries.values() if e.state == WRITING]
+
     def get(self, key: bytes) -> Entry | None:
         return self._entries.get(key)
 
@@ -149,7 +152,9 @@ class BlockIndex:
             e.refs += 1
 
     def unpin(self, entries: Iterable[Entry]) -> list[int]:
-        """Drop a reader; returns host blocks freed by doomed entries that became unused."""
+        """Drop a reader; returns host blocks freed by doomed entries that became unused. A
+        doomed entry still WRITING stays: its block is the target of its writer's copy (an
+        offload, a fetch), which discards the entry when it ends."""
         freed = []
         for e in entries:
             if e.refs <= 0:
@@ -157,7 +162,7 @@ class BlockIndex:
             e.refs -= 1
             if e.refs == 0:
                 self.pinned -= 1
-                if e.doomed and e.live:
+                if e.doomed and e.live and e.state != WRITING:
                     freed.append(self._remove(e))
                 else:
                     self._push(e)

@@ -260,6 +260,7 @@ class LoadFlow:
             task.entries = []
         elif task.kind == TaskKind.OFFLOAD:
             self.host.free([self.host.index.discard(e) for e in task.entries if e.live])
+            task.entries = []
         elif task.kind == TaskKind.BACKUP:
             self.storage.release_backup(task)
 

@@ -97,6 +97,7 @@ class OffloadFlow:
                         self.host.index.mark_ready(e)
                 self.host.free(freed)
                 self.table.counters.bytes["d2h"] += task.bytes_moved
+            task.entries = [e for e in task.entries if e.live]  # (what it wrote and is indexed)
         storage = self.loads.storage
         if task.cancelled:
             self.table.finish(task, TaskStatus.CANCELLED, {"stored": 0})

@@ -1,6 +1,7 @@
 """What the service reports: its status map, and its invariant walk (`status --check`,
 tests, fuzzing: the index's own; every indexed host block allocated and not free; every pin
-held by a live task and every live task's pins held; every busy progress slot a live load's)."""
+held by a live task and every live task's pins held; every entry being written indexed and
+its writer's; every busy progress slot a live load's)."""
 from __future__ import annotations
 
 import time
@@ -9,6 +10,7 @@ from kvcached_proto import ErrorCode
 
 from ..copy.transfer import TaskKind
 from ..errors import OpError
+from ..host.index import WRITING
 
 WALK_SHARE = 0.1  # of the daemon's time the invariant walk may take, at most
 
@@ -38,7 +40,8 @@ class InvariantWalk:
 def check_service(svc) -> str:
     """Walk the invariants: the index's own; every indexed host block allocated and not
     free; every pin held by a live task and every live task's pins held; every entry a load
-    copies from still indexed; every busy progress slot a live load's. Returns "ok" or what
+    copies from, an offload or a fetch copies into, still indexed, and every entry being
+    written a live task's; every busy progress slot a live load's. Returns "ok" or what
     is wrong."""
     with svc.host.lock:
         try:
@@ -61,11 +64,17 @@ def check_service(svc) -> str:
 def _check_pins_and_slots(svc) -> str:
     held: dict[int, int] = {}
     pinned: dict[int, object] = {}
+    written: set[int] = set()
     for task in svc._live_tasks():
         gone = next((e for e in task.entries if not e.live), None) if task.kind == TaskKind.LOAD else None
         if gone is not None:  # what a load copies from stays indexed until it ends
             return (f"failed: entry {gone.key.hex()} left the index while load task {task.task_id} "
                     "copies from it (its host block can be reused under the copy)")
+        for e in _written_by(task):  # and what an offload or a fetch copies into
+            if not e.live:
+                return (f"failed: entry {e.key.hex()} left the index while task {task.task_id} "
+                        "writes its host block (the block can be given to another under the copy)")
+            written.add(id(e))
         pins = (task.entries + task.tail_pins
                 if task.kind in (TaskKind.LOAD, TaskKind.BACKUP, TaskKind.PREFETCH) else [])
         for e in pins:
@@ -82,8 +91,19 @@ def _check_pins_and_slots(svc) -> str:
             return f"failed: entry {e.key.hex()} is pinned by no live task"
     if svc.host.index.pinned != len(pinned):
         return f"failed: {svc.host.index.pinned} pinned entries counted, live tasks pin {len(pinned)}"
+    for e in svc.host.index.writing_entries():
+        if id(e) not in written:
+            return f"failed: entry {e.key.hex()} is being written by no live task"
     wrong = svc.table.check_slots()
     return f"failed: {wrong}" if wrong else "ok"
+
+
+def _written_by(task) -> list:
+    """The entries whose host blocks a task copies into: an offload's still WRITING, a load's
+    or a prefetch's own fetch."""
+    if task.kind == TaskKind.OFFLOAD:
+        return [e for e in task.entries if e.state == WRITING]
+    return task.fetch if task.kind in (TaskKind.LOAD, TaskKind.PREFETCH) else []
 
 
 def status_of(svc) -> dict:
