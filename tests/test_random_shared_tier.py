@@ -1,5 +1,6 @@
 """Random concurrent work of two daemons over one shared storage tier (a Redis server; a Mooncake
-Store), as two machines of a fleet share it: each daemon's engine offloads and loads layer-wise
+Store), as two machines of a fleet share it, their host tiers laid out apart (layer_first,
+page_first): each daemon's engine offloads and loads layer-wise
 while an operator on each deletes, prefetches, looks up and clears its host tier. With one KV
 geometry the daemons serve each other's blocks, and every block is compared with its key's
 content; with two (another dtype, the same page size) neither may ever serve a block of a key
@@ -72,11 +73,13 @@ def test_two_daemons_on_one_tier_share_only_their_geometrys_blocks_and_every_byt
     rng, docs = random.Random(seed), _docs()
     uri = _tier(request, tier, tmp_path)
     dtypes = [torch.bfloat16, torch.bfloat16 if geometry == "same" else torch.float16]
-    args = dict(run_dir=run_dir, host_cache_gb=HOST_PAGES * PAGE / 2**30, wait_storage=True,
-                extra_args=["--storage", uri, "--host-layout", "page_first"])
+    args = dict(run_dir=run_dir, host_cache_gb=HOST_PAGES * PAGE / 2**30, wait_storage=True)
+    # the host layouts differ: a record's bytes are the block's whatever layout wrote it (a
+    # layer_first page is 4 pieces, through Mooncake's staging buffer; page_first one, zero-copy)
+    layouts = [["--storage", uri, "--host-layout", layout] for layout in ("layer_first", "page_first")]
     stop, errors, done = threading.Event(), [], [{}, {}]
-    with launch(instance=unique_instance("sha"), **args) as da, \
-            launch(instance=unique_instance("shb"), **args) as db, \
+    with launch(instance=unique_instance("sha"), extra_args=layouts[0], **args) as da, \
+            launch(instance=unique_instance("shb"), extra_args=layouts[1], **args) as db, \
             da.connect(timeout=30) as ca, db.connect(timeout=30) as cb:
         sides = [Side(ca, dtypes[0], seed), Side(cb, dtypes[1], seed + 100)]
         if geometry == "other":  # the check itself: one key's content differs between the two
