@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import time
 
-from kvcached_proto import DaemonUnavailable, KvcachedTimeout, TaskFailed, TaskStatus
+from kvcached_proto import DaemonUnavailable, ErrorCode, KvcachedTimeout, RequestError, TaskFailed, TaskStatus
 from kvcached_proto.shm_layout import SlotStatus
 
 SPIN_S = 0.02  # poll (yielding the CPU) this long before sleeping between reads
@@ -56,10 +56,17 @@ class Task:
 
     def cancel(self) -> str:
         """Ask the daemon to stop the task. Its completion event still follows: wait() for it
-        before reusing the device blocks it touches."""
+        before reusing the device blocks it touches. "cancelled" (it was queued), "finishing"
+        (it stops at its next layer or chunk) or "done" (it had ended: the daemon no longer
+        knows it, its end event read or on its way)."""
         if self.result is not None:
             return "done"
-        return self.client.cancel(self.id)
+        try:
+            return self.client.cancel(self.id)
+        except RequestError as exc:
+            if exc.code != ErrorCode.UNKNOWN_TASK:
+                raise
+            return "done"  # this client's task, not live: it ended before the cancel came
 
 
 class LoadTask(Task):
@@ -95,7 +102,7 @@ class LoadTask(Task):
         blocks = self.reply.get("device_blocks", ())
         self.client.hold(self.id, blocks)
         try:
-            self.client.cancel(self.id)
+            self.cancel()
             self._absorb(self.client.wait_event(self.id, self.client.timeout))
         except (KvcachedTimeout, DaemonUnavailable):  # the cancel or its ack not answered, or
             # the daemon seen hung or gone: it may still write them (a gone one's hold lifts)

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from conftest import keys_for, kv_parts, scramble, small_kv, snapshot, unique_instance, wait_until
+from conftest import blocks_equal, keys_for, kv_parts, scramble, small_kv, snapshot, unique_instance, wait_until
 from kvcached_client import (
     BlockHasher,
     KvcachedError,
@@ -227,6 +227,30 @@ def test_cancel_of_a_queued_load_reports_nothing_loaded(daemon):
         assert task.wait(10) == 0 and task.status == "cancelled"
         with pytest.raises(TaskFailed):
             task.wait_layer(0, timeout=5)
+
+
+def test_cancel_of_a_task_that_ended_before_its_end_was_read_says_done(daemon):
+    """The daemon has ended the task and forgotten it; the client has not read its end event
+    yet (an engine cancelling after a timeout, or a scheduler dropping a request, is that late
+    now and then). The cancel says "done" and the task ends as it did; before, it raised
+    RequestError(UNKNOWN_TASK) from `cancel()`, and from a `wait(timeout)` whose cancel met
+    it - an error no engine expects from either. (Found by test_random_ops.py's cancels.)"""
+    kv = small_kv()
+    with daemon.connect() as c:
+        c.register_kv_cache(kv)
+        keys = keys_for(4, 25)
+        expected = snapshot(kv, [0, 1, 2, 3])
+        offload = c.offload(list(range(4)), keys)
+        wait_until(lambda: c.status()["tasks"]["inflight"] == 0, 10, "the offload's end")
+        load = c.load(keys, [20, 21, 22, 23])  # (its blocks stored by then)
+        wait_until(lambda: c.status()["tasks"]["inflight"] == 0, 10, "the load's end")
+        assert offload.result is None and load.result is None  # ended, not yet read
+        assert offload.cancel() == "done" and load.cancel() == "done"
+        assert offload.wait(10)["stored"] == 4 and load.wait(10) == 4
+        assert blocks_equal(kv, [20, 21, 22, 23], expected)
+        with pytest.raises(RequestError) as e:  # a task id this client never had is still refused
+            c.cancel(10_000)
+        assert e.value.code == ErrorCode.UNKNOWN_TASK
 
 
 def _error_code(excinfo) -> int:

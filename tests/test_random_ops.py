@@ -23,6 +23,7 @@ LAYERS, BLOCKS, SHAPE = 2, 96, (16, 4, 64)  # 8 KiB a part: a host page of 32 Ki
 PAGE = 32 * 1024
 DOCS, DOC_BLOCKS = 12, 8
 MAX_INFLIGHT = 6
+CANCEL = 0.1  # of the ops waited for, cancelled first
 
 
 class Contents:
@@ -112,6 +113,7 @@ class Engine:
         self.c, self.contents, self.rng = client, contents, rng
         self.free, self.inflight = set(range(BLOCKS)), []
         self.loaded = self.wrong = self.missed = 0
+        self.cancels: dict[str, int] = {}  # the daemon's answer to each cancel: how many
 
     def offload(self, keys) -> None:
         blocks = self.rng.sample(sorted(self.free), len(keys))
@@ -131,9 +133,13 @@ class Engine:
         self.inflight.append((kind, task, blocks, keys))
 
     def finish_one(self) -> tuple[str, list, int]:
-        """Wait for one op in flight, picked at random: (its kind, its keys, blocks loaded)."""
+        """Wait for one op in flight, picked at random, now and then cancelled first (as a
+        timeout does): (its kind, its keys, blocks loaded)."""
         kind, task, blocks, keys = self.inflight.pop(self.rng.randrange(len(self.inflight)))
         n = 0
+        if self.rng.random() < CANCEL:
+            state = task.cancel()
+            self.cancels[state] = self.cancels.get(state, 0) + 1
         if kind == "offload":
             task.wait(30)
         else:
