@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -187,6 +188,28 @@ def test_pause_holds_new_work_until_resume(daemon):
         task = c.offload([1, 2], keys_for(2, 20))
         assert c.status()["tasks"]["queued"] == 1  # the daemon holds it, and runs none of it
         assert not task.done()
+        c.resume()
+        assert task.wait(10)["stored"] == 2
+        assert c.status()["state"] == "normal"
+
+
+@pytest.mark.parametrize("op", ["clear", "weights clear", "register"])
+def test_a_paused_daemon_stays_paused_through_a_clear_or_a_registration(daemon, op):
+    """A clear or a registration drains the copy workers and lets them go again; on a daemon an
+    operator had paused, they let them go too, and queued work ran while status said paused."""
+    kv = small_kv()
+    with daemon.connect() as c:
+        c.register_kv_cache(kv)
+        c.pause()
+        if op == "register":
+            c.register_kv_cache(kv)  # the engine registering again (after a reattach, say)
+        else:
+            c.clear(tier="host", weights_update=op == "weights clear")
+        assert c.status()["state"] == "paused"
+        task = c.offload([1, 2], keys_for(2, 26))
+        wait_until(lambda: c.status()["tasks"]["queued"] == 1, 5, "the offload queued")
+        time.sleep(0.2)  # (a worker let go takes it at once)
+        assert c.status()["tasks"]["queued"] == 1 and not task.done()
         c.resume()
         assert task.wait(10)["stored"] == 2
         assert c.status()["state"] == "normal"

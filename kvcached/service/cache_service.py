@@ -72,6 +72,7 @@ class CacheService:
         # runs work that may block (a drain) off the request thread; the server sets its
         # control worker's run_later here
         self.defer: Callable[[Callable[[], None]], None] = lambda work: work()
+        self._paused = False  # by the pause op, until resume: no drain lets the workers go
         # a load's or an offload's copies start once its reply is sent (replied)
         self._after_reply: list[tuple[CopyTask, Callable[[], None]]] = []
         self.loads.after_reply = self.offloads.after_reply = self._start_after_reply
@@ -363,17 +364,20 @@ class CacheService:
                 stored = self.storage.tiers.clear()
         finally:
             self._undrain()
-        self.status_block.set_state(State.CLEARED if weights else prior)
+        # a paused daemon stays paused (and says so) until resume
+        self.status_block.set_state(State.PAUSED if self._paused else State.CLEARED if weights else prior)
         log.info("[clear] %d host blocks and %d stored blocks dropped (tier %s, weights_update=%s)",
                  len(freed), stored, tier, weights)
         return ClearReply(cleared=len(freed) + stored, host_cleared=len(freed), storage_cleared=stored)
 
     def _pause(self, client, req) -> Empty:
         self._drain("pause", undrain_on_timeout=True)
+        self._paused = True
         self.status_block.set_state(State.PAUSED)
         return Empty()
 
     def _resume(self, client, req) -> Empty:
+        self._paused = False
         self._undrain()
         self.status_block.set_state(State.NORMAL)
         return Empty()
@@ -394,6 +398,10 @@ class CacheService:
             self._finish_cancelled(self.loads.take_parked(lambda t: True))
 
     def _undrain(self) -> None:
+        """The workers go on after a drain - unless the daemon is paused: a clear, a
+        registration or an engine leaving meanwhile leaves them paused until resume."""
+        if self._paused:
+            return
         for w in self._workers:
             w.resume()
 
