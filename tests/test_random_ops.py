@@ -27,25 +27,27 @@ CANCEL = 0.1  # of the ops waited for, cancelled first
 
 
 class Contents:
-    """Each key's bytes, per layer and part; made once per key from the key itself."""
+    """Each key's bytes, per layer and part, under the weights of an epoch (a weights update
+    starts the next one): made once per key and epoch from the key itself."""
 
     def __init__(self, kv):
-        self.kv, self._made = kv, {}
+        self.kv, self._made, self.epoch = kv, {}, 0
 
-    def of(self, key: bytes) -> list[torch.Tensor]:
-        if key not in self._made:
-            self._made[key] = [content(bytes([i]) + key, t.shape[1:], t.dtype)
-                               for i, t in enumerate(t for layer in self.kv for t in kv_parts(layer))]
-        return self._made[key]
+    def of(self, key: bytes, epoch: int | None = None) -> list[torch.Tensor]:
+        epoch = self.epoch if epoch is None else epoch
+        if (epoch, key) not in self._made:
+            self._made[epoch, key] = [content(bytes([i, epoch]) + key, t.shape[1:], t.dtype)
+                                      for i, t in enumerate(t for layer in self.kv for t in kv_parts(layer))]
+        return self._made[epoch, key]
 
     def write(self, block: int, key: bytes) -> None:
         parts = [t for layer in self.kv for t in kv_parts(layer)]
         for t, value in zip(parts, self.of(key)):
             t[block].copy_(value)
 
-    def holds(self, block: int, key: bytes) -> bool:
+    def holds(self, block: int, key: bytes, epoch: int | None = None) -> bool:
         parts = [t for layer in self.kv for t in kv_parts(layer)]
-        return all(torch.equal(t[block], value) for t, value in zip(parts, self.of(key)))
+        return all(torch.equal(t[block], value) for t, value in zip(parts, self.of(key, epoch)))
 
 
 def _docs() -> list[list[bytes]]:
@@ -112,7 +114,7 @@ class Engine:
     def __init__(self, client, contents, rng):
         self.c, self.contents, self.rng = client, contents, rng
         self.free, self.inflight = set(range(BLOCKS)), []
-        self.loaded = self.wrong = self.missed = 0
+        self.loaded = self.wrong = self.missed = self.updates = 0
         self.cancels: dict[str, int] = {}  # the daemon's answer to each cancel: how many
 
     def offload(self, keys) -> None:
@@ -128,14 +130,22 @@ class Engine:
                 t[blocks] = 0  # nothing of an earlier use can pass for the load's bytes
         self._start("load", self.c.load(keys, blocks), blocks, keys)
 
+    def weights_update(self) -> None:
+        """The weights change under the same keys (a careless engine's namespace): every tier
+        is cleared, as the connectors do, and the KV is the next epoch's from now on. No load
+        sent after it may bring a block of before it."""
+        self.c.clear(weights_update=True)
+        self.contents.epoch += 1
+        self.updates += 1
+
     def _start(self, kind, task, blocks, keys) -> None:
         self.free -= set(blocks)
-        self.inflight.append((kind, task, blocks, keys))
+        self.inflight.append((kind, task, blocks, keys, self.contents.epoch))
 
     def finish_one(self) -> tuple[str, list, int]:
         """Wait for one op in flight, picked at random, now and then cancelled first (as a
         timeout does): (its kind, its keys, blocks loaded)."""
-        kind, task, blocks, keys = self.inflight.pop(self.rng.randrange(len(self.inflight)))
+        kind, task, blocks, keys, epoch = self.inflight.pop(self.rng.randrange(len(self.inflight)))
         n = 0
         if self.rng.random() < CANCEL:
             state = task.cancel()
@@ -151,7 +161,7 @@ class Engine:
             n = task.wait(30)
             self.loaded += n
             self.missed += len(keys) - n
-            self.wrong += sum(not self.contents.holds(b, k) for b, k in zip(blocks[:n], keys[:n]))
+            self.wrong += sum(not self.contents.holds(b, k, epoch) for b, k in zip(blocks[:n], keys[:n]))
         self.free |= set(blocks)
         return kind, keys, n
 
@@ -171,9 +181,11 @@ def test_random_concurrent_ops_under_eviction_never_serve_a_wrong_byte(run_dir, 
     rng, docs = random.Random(seed), _docs()
     kv = small_kv(num_layers=LAYERS, num_blocks=BLOCKS, block_shape=SHAPE, seed=seed)
     contents = Contents(kv)
-    # the check itself: a block written from one key is not taken for another's
+    # the check itself: a block written from one key is not taken for another's, nor for its own
+    # under other weights
     contents.write(0, docs[0][0])
     assert contents.holds(0, docs[0][0]) and not contents.holds(0, docs[0][1])
+    assert not contents.holds(0, docs[0][0], epoch=1)
     stop, errors, done = threading.Event(), [], {}
     pages, settings = SETUPS[seed]
     extra = ["--storage", disk_uri(disk_dir), *settings]
@@ -189,9 +201,11 @@ def test_random_concurrent_ops_under_eviction_never_serve_a_wrong_byte(run_dir, 
                                         args=(d, docs, seed, permits, stop, errors, done))
             operator.start()
             try:
-                for _ in range(ops):
+                for step in range(ops):
                     if rng.random() < 0.3:
                         permits.release()  # the operator's next op, beside this one
+                    if step in (ops // 3, 2 * ops // 3):  # twice a run, with ops in flight
+                        engine.weights_update()
                     keys = rng.choice(docs)[:rng.randint(1, DOC_BLOCKS)]
                     if engine.inflight and (len(engine.inflight) >= MAX_INFLIGHT
                                             or len(engine.free) < DOC_BLOCKS or rng.random() < 0.25):
@@ -215,5 +229,5 @@ def test_random_concurrent_ops_under_eviction_never_serve_a_wrong_byte(run_dir, 
     # not a run that loaded nothing: hits from both tiers, evictions, and the operator's work
     assert engine.loaded > ops // 4 and engine.missed > 0, (engine.loaded, engine.missed)
     assert s["host"]["evictions"] > 0 and s["lookups"]["loaded_from_storage"] > 0, s
-    assert len(done) == 6, done  # every kind of the operator's work ran
+    assert len(done) == 6 and engine.updates == 2, (done, engine.updates)  # every kind of work ran
     assert s["tasks"]["inflight"] == 0 and s["host"]["pinned_blocks"] == 0, s["tasks"]
