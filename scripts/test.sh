@@ -8,7 +8,8 @@
 #                                                SGLang HiCache backend tests in it
 # (both flags may be given, in either order). The main suite runs on KVCACHED_TEST_WORKERS
 # pytest-xdist workers (default 3, on 2 cores too: most of its time is spent waiting on daemons;
-# 8.2-8.9 min on 2 cores with 3 (8.5-10.1 before a stop took 0.03 s), 9-10.7 with 2; 0 runs it
+# 6.9-7.3 min on 2 cores with 3 on the 2026-12-05 VM, 8.2-8.9 on the one before (8.5-10.1 before
+# a stop took 0.03 s), 9-10.7 with 2; 0 runs it
 # in one process), the vLLM suite on
 # KVCACHED_VLLM_WORKERS (default 0, one process: 6-7 min on 2 cores, its engines started from a
 # process that imported vLLM meanwhile and stopped in the background; 2 took 7.6 min, the two
