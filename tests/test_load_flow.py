@@ -14,6 +14,7 @@ import pytest
 from conftest import keys_for, small_kv, wait_until
 from kvcached.config import DaemonConfig
 from kvcached.copy.transfer import CopyPlan
+from kvcached.service.cache_service import CacheService
 from kvcached.service.host_tier import HostTier
 from kvcached.service.load_flow import LoadFlow
 from kvcached.service.offload_flow import OffloadFlow
@@ -385,10 +386,11 @@ def test_a_deleted_entry_being_written_stays_its_writers_when_a_task_waiting_on_
 def test_the_invariant_walk_finds_a_block_written_with_no_entry_and_an_entry_with_no_writer(flows, spec):
     """The walk (`status --check`) says when an offload's entry left the index while the copy
     into its block is queued (the state the defect above made), and when an entry is WRITING
-    with no live task writing it."""
-    loads, offloads, _, copier, events, _ = flows
-    svc = SimpleNamespace(host=loads.host, storage=loads.storage, table=loads.table,
-                          _live_tasks=lambda: list(loads.table.tasks.values()))
+    with no live task writing it; and it counts the pins of the backup the offload queued
+    while its write is held up (the state CI met when the backup was slower than the test)."""
+    loads, offloads, store, copier, events, _ = flows
+    svc = SimpleNamespace(host=loads.host, storage=loads.storage, table=loads.table)
+    svc._live_tasks = lambda: CacheService._live_tasks(svc)  # the service's: backups pin too
     keys = keys_for(2, seed=10)
     copier.device[3] = _page(spec, 1000)
     index = loads.host.index
@@ -408,7 +410,15 @@ def test_the_invariant_walk_finds_a_block_written_with_no_entry_and_an_entry_wit
             assert check_service(svc) == "ok"
     finally:
         offloads.worker.resume()
-    assert events.wait(1)[off["task"]]["status"] == TaskStatus.DONE
+    store.put_gate.clear()  # the write_through backup it queues waits, its entry pinned
+    try:
+        assert events.wait(1)[off["task"]]["status"] == TaskStatus.DONE
+        assert store.putting.wait(5)
+        assert index.get(keys[0]).refs == 1
+        assert check_service(svc) == "ok"
+    finally:
+        store.put_gate.set()
+    wait_until(lambda: index.get(keys[0]).refs == 0, 5, "the backup to end")
     assert check_service(svc) == "ok"
 
 
