@@ -109,19 +109,35 @@ def _operator(d, docs, seed: int, permits: threading.Semaphore, stop: threading.
 
 class Engine:
     """The engine's side: device blocks held by the op in flight that uses them, waited for in
-    any order; every load's leading blocks compared with their keys' contents."""
+    any order; every load's leading blocks compared with their keys' contents. It keeps the
+    keys it offloaded itself, to count the blocks it loaded of keys only another stored."""
 
     def __init__(self, client, contents, rng):
         self.c, self.contents, self.rng = client, contents, rng
         self.free, self.inflight = set(range(BLOCKS)), []
         self.loaded = self.wrong = self.missed = self.updates = 0
         self.cancels: dict[str, int] = {}  # the daemon's answer to each cancel: how many
+        self.own: set[bytes] = set()
+        self.theirs = 0  # blocks loaded whose key this engine never offloaded
+
+    def step(self, rng, docs) -> None:
+        """One engine step: wait for an op in flight (always when its blocks or its ops run
+        short), or offload or load a leading part of a document."""
+        keys = rng.choice(docs)[:rng.randint(1, DOC_BLOCKS)]
+        if self.inflight and (len(self.inflight) >= MAX_INFLIGHT or len(self.free) < DOC_BLOCKS
+                              or rng.random() < 0.25):
+            self.finish_one()
+        elif rng.random() < 0.45:
+            self.offload(keys)
+        else:
+            self.load(keys)
 
     def offload(self, keys) -> None:
         blocks = self.rng.sample(sorted(self.free), len(keys))
         for b, k in zip(blocks, keys):
             self.contents.write(b, k)
         self._start("offload", self.c.offload(blocks, keys), blocks, keys)
+        self.own.update(keys)
 
     def load(self, keys) -> None:
         blocks = self.rng.sample(sorted(self.free), len(keys))
@@ -162,6 +178,7 @@ class Engine:
             self.loaded += n
             self.missed += len(keys) - n
             self.wrong += sum(not self.contents.holds(b, k, epoch) for b, k in zip(blocks[:n], keys[:n]))
+            self.theirs += sum(k not in self.own for k in keys[:n])
         self.free |= set(blocks)
         return kind, keys, n
 
@@ -206,14 +223,7 @@ def test_random_concurrent_ops_under_eviction_never_serve_a_wrong_byte(run_dir, 
                         permits.release()  # the operator's next op, beside this one
                     if step in (ops // 3, 2 * ops // 3):  # twice a run, with ops in flight
                         engine.weights_update()
-                    keys = rng.choice(docs)[:rng.randint(1, DOC_BLOCKS)]
-                    if engine.inflight and (len(engine.inflight) >= MAX_INFLIGHT
-                                            or len(engine.free) < DOC_BLOCKS or rng.random() < 0.25):
-                        engine.finish_one()
-                    elif rng.random() < 0.45:
-                        engine.offload(keys)
-                    else:
-                        engine.load(keys)
+                    engine.step(rng, docs)
                 while engine.inflight:
                     engine.finish_one()
             except RequestError as exc:

@@ -1,11 +1,11 @@
-"""Random concurrent work of two daemons over one shared storage tier (a Redis server; a Mooncake
-Store), as two machines of a fleet share it, their host tiers laid out apart (layer_first,
-page_first): each daemon's engine offloads and loads layer-wise
-while an operator on each deletes, prefetches, looks up and clears its host tier. With one KV
-geometry the daemons serve each other's blocks, and every block is compared with its key's
-content; with two (another dtype, the same page size) neither may ever serve a block of a key
-only the other stored, under any interleaving of puts, gets, prefetches and evictions. Seeded;
-KVCACHED_SOAK_OPS scales the run, KVCACHED_SOAK_SEED moves its seeds."""
+"""Random concurrent work of two daemons over one shared storage tier (a Redis server; a
+Mooncake Store), as two machines of a fleet share it, their host tiers laid out apart
+(layer_first, page_first): each daemon's engine offloads and loads layer-wise while an operator
+on each deletes, prefetches, looks up and clears its host tier. With one KV geometry the daemons
+serve each other's blocks, and every block is compared with its key's content; with two
+(another dtype, the same page size) neither may ever serve a block of a key only the other
+stored, under any interleaving of puts, gets, prefetches and evictions. Seeded; KVCACHED_SOAK_OPS
+scales the run, KVCACHED_SOAK_SEED moves its seeds."""
 from __future__ import annotations
 
 import os
@@ -15,8 +15,7 @@ import threading
 import pytest
 import torch
 from conftest import small_kv, unique_instance
-from test_random_ops import (BLOCKS, DOC_BLOCKS, LAYERS, MAX_INFLIGHT, PAGE, SHAPE, Contents, Engine, _docs,
-                             _operator)
+from test_random_ops import BLOCKS, LAYERS, PAGE, SHAPE, Contents, Engine, _docs, _operator
 
 from kvcached.bench.mooncake_servers import MooncakeStore, available
 from kvcached_client import launch
@@ -25,32 +24,11 @@ from kvcached_proto import RequestError
 HOST_PAGES = 24  # of the 96 blocks in play: most loads of the other daemon's keys come from storage
 
 
-class Side:
-    """One daemon's engine: its own KV (a dtype of its own when the geometries differ) and the
-    keys it has offloaded itself, to tell its own blocks from the other daemon's."""
-
-    def __init__(self, client, dtype, seed):
-        self.kv = small_kv(num_layers=LAYERS, num_blocks=BLOCKS, block_shape=SHAPE, dtype=dtype, seed=seed)
-        client.register_kv_cache(self.kv)
-        self.engine = Engine(client, Contents(self.kv), random.Random(seed))
-        self.own: set[bytes] = set()
-        self.theirs = 0  # blocks loaded whose key only the other daemon stored
-
-    def step(self, rng, docs) -> None:
-        e, keys = self.engine, rng.choice(docs)[:rng.randint(1, DOC_BLOCKS)]
-        if e.inflight and (len(e.inflight) >= MAX_INFLIGHT or len(e.free) < DOC_BLOCKS
-                           or rng.random() < 0.25):
-            self.finish_one()
-        elif rng.random() < 0.45:
-            self.own.update(keys)
-            e.offload(keys)
-        else:
-            e.load(keys)
-
-    def finish_one(self) -> None:
-        kind, keys, n = self.engine.finish_one()
-        if kind == "load":
-            self.theirs += sum(k not in self.own for k in keys[:n])
+def _engine(client, dtype, seed) -> Engine:
+    """One daemon's engine, on KV of its own (a dtype of its own when the geometries differ)."""
+    kv = small_kv(num_layers=LAYERS, num_blocks=BLOCKS, block_shape=SHAPE, dtype=dtype, seed=seed)
+    client.register_kv_cache(kv)
+    return Engine(client, Contents(kv), random.Random(seed))
 
 
 def _tier(request, kind: str, tmp_path) -> str:
@@ -81,11 +59,10 @@ def test_two_daemons_on_one_tier_share_only_their_geometrys_blocks_and_every_byt
     with launch(instance=unique_instance("sha"), extra_args=layouts[0], **args) as da, \
             launch(instance=unique_instance("shb"), extra_args=layouts[1], **args) as db, \
             da.connect(timeout=30) as ca, db.connect(timeout=30) as cb:
-        sides = [Side(ca, dtypes[0], seed), Side(cb, dtypes[1], seed + 100)]
+        engines = [_engine(ca, dtypes[0], seed), _engine(cb, dtypes[1], seed + 100)]
         if geometry == "other":  # the check itself: one key's content differs between the two
             key = docs[0][0]
-            assert not torch.equal(sides[0].engine.contents.of(key)[0].float(),
-                                   sides[1].engine.contents.of(key)[0].float())
+            assert not torch.equal(engines[0].contents.of(key)[0].float(), engines[1].contents.of(key)[0].float())
         permits = [threading.Semaphore(0), threading.Semaphore(0)]
         operators = [threading.Thread(target=_operator,
                                       args=(d, docs, seed + i, permits[i], stop, errors, done[i]))
@@ -97,10 +74,10 @@ def test_two_daemons_on_one_tier_share_only_their_geometrys_blocks_and_every_byt
                 i = rng.randrange(2)
                 if rng.random() < 0.3:
                     permits[i].release()
-                sides[i].step(rng, docs)
-            for side in sides:
-                while side.engine.inflight:
-                    side.finish_one()
+                engines[i].step(rng, docs)
+            for e in engines:
+                while e.inflight:
+                    e.finish_one()
         except RequestError as exc:
             errors.append(f"engine: {exc!r}")
         finally:
@@ -111,12 +88,11 @@ def test_two_daemons_on_one_tier_share_only_their_geometrys_blocks_and_every_byt
         statuses = [c.status() for c in (ca, cb)]
         assert ca.check() == "ok" and cb.check() == "ok"
     assert not errors, (seed, errors)
-    for side, s in zip(sides, statuses):
-        e = side.engine
+    for e, s in zip(engines, statuses):
         assert e.wrong == 0, f"seed {seed}: {e.wrong} of {e.loaded} loaded blocks wrong"
         assert e.loaded > ops // 10 and s["lookups"]["loaded_from_storage"] > 0, (e.loaded, s["lookups"])
         assert s["tasks"]["inflight"] == 0 and s["host"]["pinned_blocks"] == 0, s["tasks"]
-    theirs = [side.theirs for side in sides]
+    theirs = [e.theirs for e in engines]
     if geometry == "same":  # each served blocks only the other daemon had stored
         assert min(theirs) > 0, theirs
     else:  # never a block of the other geometry
