@@ -5,20 +5,24 @@ run (their blocks rewritten at once, as the engine reuses them), and an operator
 daemon's host tier now and then (its disk tier keeps what it held). Every block's KV is a
 function of its key, so a loaded block that is not a load error and differs from its key's KV
 is a wrong byte: a save that read a block after its reuse, a load landing in the wrong block,
-a block handed back before its transfer ended. Both modes (direct and staging), two vLLM
-layouts; seeded; KVCACHED_SOAK_OPS scales it."""
+a block handed back before its transfer ended. Both modes (direct and staging), three vLLM
+layouts; also with the daemon killed and restarted, or frozen past the hang threshold, in the
+middle of steps; seeded; KVCACHED_SOAK_OPS scales it."""
 from __future__ import annotations
 
 import os
 import random
+import signal
+import time
 
 import pytest
 import torch
-from conftest import disk_uri
+from conftest import disk_uri, sweep_crashed, wait_until
 from kv_layouts import make_kv, parts_of
 from test_prefix import content
 from worker_util import make_worker
 
+from kvcached.bench import process_stop
 from kvcached_client import BlockHasher, launch
 from kvcached_client.kv_worker import BlockTransfer
 
@@ -31,8 +35,9 @@ class Steps:
     in the step it starts and runs on; it ends finished (its blocks held until the worker
     reports it) or preempted (its blocks reused at once)."""
 
-    def __init__(self, worker, kv, rng):
-        self.worker, self.kv, self.rng = worker, kv, rng
+    def __init__(self, worker, kv, rng, at=lambda point: None):
+        """at(point): called at points of each step ("loads sent", "layer 0", "saves sent")."""
+        self.worker, self.kv, self.rng, self.at = worker, kv, rng, at
         hasher = BlockHasher("worker-random")
         self.docs = [hasher.hash_blocks([d * 10_000 + t for t in range(DOC_BLOCKS * BS)], BS)
                      for d in range(DOCS)]
@@ -91,10 +96,14 @@ class Steps:
             for b, k in zip(save.block_ids, save.keys):
                 self._write(b, k)
         w.start_loads(loads)
+        self.at("loads sent")
         for layer in range(w.num_layers):
             w.layer_ready(layer)
+            if layer == 0:
+                self.at("layer 0")
         w.end_forward()
         w.start_saves(saves)
+        self.at("saves sent")
         for r in loads + saves:
             self.running[r.req_id] = r.block_ids
         self._report(w.finished(set(finished)))
@@ -114,34 +123,136 @@ class Steps:
         self._report(self.worker.finished(set(self.finishing)))
 
 
-@pytest.mark.parametrize("layout,mode,seed", [("LBNHC", "direct", 1), ("BLNHC", "staging", 2)])
-def test_random_steps_load_only_their_keys_kv(run_dir, instance, disk_dir, layout, mode, seed):
+class Faults:
+    """The daemon under the worker, and what befalls it in the middle of a step (right after its
+    loads are sent, or their first layer landed, or its saves are sent). kills: killed (-9)
+    three times, each once the worker is attached again, a successor started on the same disk
+    tier 30 steps later. freezes: every 100 steps while attached, stopped (SIGSTOP) for 0.4-0.8 s
+    against the worker's hang threshold of 0.3 s. Else the host tier is cleared every 61 steps."""
+
+    def __init__(self, kind, start, instance, steps, rng):
+        self.kind, self.start, self.instance, self.rng = kind, start, instance, rng
+        self.daemon = start()
+        self.op = self.daemon.connect(role="operator")
+        self.kills = [steps * k // 5 for k in (1, 2, 3)] if kind == "kills" else []
+        self.restart_at = self.thaw_at = self.fault = None
+        self.freezes, self.paused = 0, False
+        self.clients: list = []  # every client the worker attached with
+
+    def _soon(self, fn) -> None:
+        """fn at a point of the next step; half the time the daemon is paused first, so that
+        the step's loads or saves are queued, not yet copied, when it comes (CPU copies of a
+        few blocks end within microseconds of their reply)."""
+        self.paused = self.rng.random() < 0.5
+        if self.paused:
+            self.op.pause()
+        points = ["loads sent", "saves sent"] + ([] if self.paused else ["layer 0"])
+        self.fault = (self.rng.choice(points), fn)
+
+    def at(self, point: str) -> None:
+        """Steps' hook: the fault due in this step, at its point."""
+        if self.fault is not None and self.fault[0] == point:
+            self.fault[1]()
+            self.fault = None
+
+    def between(self, n, worker) -> None:
+        if self.fault is not None:  # (a step with no loads passes no "layer 0")
+            self.fault[1]()
+            self.fault = None
+        client = worker.link.client
+        if client is not None and not any(c is client for c in self.clients):
+            self.clients.append(client)
+        if self.kills and n >= self.kills[0] and client is not None and self.restart_at is None:
+            self.kills.pop(0)
+            self._soon(lambda: os.kill(self.daemon.pid, signal.SIGKILL))
+            self.op.close()
+            self.restart_at = n + 30
+        elif n == self.restart_at:
+            self.daemon.proc.wait(10)
+            sweep_crashed(self.instance)
+            self.daemon, self.restart_at = self.start(), None
+            self.op = self.daemon.connect(role="operator")
+            wait_until(lambda: worker.link.client is not None or worker.link.has_ready(), 10,
+                       "the worker's watcher to have the successor's connection ready")
+        elif self.kind == "freezes":
+            if self.thaw_at is None and n % 100 == 50 and client is not None:
+                self.thaw_at, self.freezes = time.monotonic() + self.rng.uniform(0.4, 0.8), self.freezes + 1
+                self._soon(lambda: process_stop.stop(self.daemon.pid, "the daemon"))
+            elif self.thaw_at is not None and time.monotonic() > self.thaw_at:
+                self._thaw()
+            if self.thaw_at is not None or client is None:
+                time.sleep(0.004)  # an engine's step takes time: the watcher gets its turns
+        elif n % 61 == 60 and self.restart_at is None:
+            self.op.clear(tier="host")
+
+    def _thaw(self) -> None:
+        process_stop.go_on(self.daemon.pid, "the daemon")
+        if self.paused:  # the queued work runs now, into blocks the worker still holds
+            self.op.resume()
+        self.thaw_at, self.paused = None, False
+
+    def settle(self, worker) -> None:
+        """The run's end: the daemon going on, or its successor started."""
+        if self.fault is not None and self.restart_at is None:
+            self.fault = None
+            self._thaw()
+        if self.thaw_at is not None:
+            self._thaw()
+        if self.restart_at is not None:
+            self.between(self.restart_at, worker)
+
+    def close(self) -> None:
+        process_stop.go_on(self.daemon.pid, "the daemon")
+        self.op.close()
+        self.daemon.stop()
+        sweep_crashed(self.instance)  # (a run that failed between a kill and the restart)
+
+
+@pytest.mark.parametrize("layout,mode,seed,faults", [("LBNHC", "direct", 1, None), ("BLNHC", "staging", 2, None),
+                                                     ("LBNHC", "direct", 3, "kills"),
+                                                     ("BLNHC", "staging", 4, "kills"),
+                                                     ("LBHNC", "direct", 5, "freezes")])
+def test_random_steps_load_only_their_keys_kv(run_dir, instance, disk_dir, layout, mode, seed, faults):
+    """Also with the daemon killed and restarted, or frozen past the hang threshold (Faults):
+    the loads in flight are load errors (recomputed) or their keys' KV, never another's."""
     steps = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 4
     rng = random.Random(seed)
     _, kv = make_kv(layout)
     page = sum(t[0].numel() * t.element_size() for row in parts_of(kv) for t in row)
-    with launch(instance=instance, run_dir=run_dir, host_cache_gb=HOST_PAGES * page / 2**30,
-                extra_args=["--storage", disk_uri(disk_dir)], wait_storage=True) as d, \
-            d.connect(role="operator") as op:
-        worker, got = make_worker(d, kv, direct=(mode == "direct"))
+    start = lambda: launch(instance=instance, run_dir=run_dir, host_cache_gb=HOST_PAGES * page / 2**30,  # noqa: E731
+                           extra_args=["--storage", disk_uri(disk_dir)], wait_storage=True)
+    fx = Faults(faults, start, instance, steps, rng)
+    try:
+        worker, got = make_worker(fx.daemon, kv, direct=(mode == "direct"),
+                                  hang_s=0.3 if faults == "freezes" else None)
         assert got == mode
-        sched = Steps(worker, kv, rng)
+        sched = Steps(worker, kv, rng, fx.at)
         try:
             for n in range(steps):
-                if n % 61 == 60:
-                    op.clear(tier="host")
+                fx.between(n, worker)
                 sched.step()
+            fx.settle(worker)
             for _ in range(200):
                 sched.drain()
                 if not sched.finishing:
                     break
-                worker.link.get().flush().wait(10)
+                client = worker.link.get()
+                if client is not None:
+                    client.flush().wait(10)
+                else:
+                    time.sleep(0.05)
             assert not sched.finishing, sorted(sched.finishing)
         finally:
             worker.close()
-        status, check = op.status(), op.check()
+        status, check = fx.op.status(), fx.op.check()
+    finally:
+        fx.close()
     assert not sched.wrong, f"seed {seed}: wrong KV in {sched.wrong[:5]} ({len(sched.wrong)} blocks)"
     assert check == "ok" and status["tasks"]["inflight"] == 0, status["tasks"]
     # a run that exercised it: loads served (from both tiers), misses, preemptions, evictions
     assert sched.checked > steps // 4 and sched.errors > 0 and sched.preempted > 0, vars(sched)
     assert status["lookups"]["loaded_from_storage"] > 0 and status["host"]["evictions"] > 0, (status["host"], status["lookups"])
+    if faults == "kills":  # each successor attached
+        assert not fx.kills and len(fx.clients) >= 4, (fx.kills, len(fx.clients))
+    elif faults == "freezes":  # seen as hangs: the worker attached again after
+        assert fx.freezes >= 3 and len(fx.clients) >= 2, (fx.freezes, len(fx.clients))

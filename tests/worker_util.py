@@ -16,11 +16,11 @@ SRC, DST = [3, 4, 5, 9, 17, 0], [20, 2, 11, 12, 13, 7]
 
 
 def make_worker(daemon, kv, direct=None, timeout=10.0, staging_blocks=32, num_blocks=24,
-                host_only_loads=False):
+                host_only_loads=False, hang_s=None):
     worker = KVWorker(None, staging_blocks=staging_blocks, direct=direct,
                       host_only_loads=host_only_loads)
     worker.link = DaemonLink(daemon.instance, daemon.run_dir, timeout, "test-worker",
-                             on_connect=worker.on_connect, retire=worker.retire)
+                             on_connect=worker.on_connect, retire=worker.retire, hang_s=hang_s)
     mode = worker.register({f"layer.{i}": e for i, e in enumerate(kv)}, num_blocks)
     assert worker.link.client is not None, "the daemon is up: the worker attaches at once"
     return worker, mode
