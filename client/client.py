@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 import zmq
 
-from kvcached_proto import (DaemonUnavailable, KvcachedError, KvcachedTimeout, Op, ProtocolError, decode,
-                            encode_request, pack_block_ids, pack_keys, request_error)
+from kvcached_proto import (DaemonUnavailable, ErrorCode, KvcachedError, KvcachedTimeout, Op, ProtocolError,
+                            RequestError, decode, encode_request, pack_block_ids, pack_keys, request_error)
 from kvcached_proto.codec import MAX_KEYS_PER_REQUEST
 from kvcached_proto.messages import ROLES, TaskStatus
 from kvcached_proto.paths import DEFAULT_INSTANCE, check_instance, request_endpoint, resolve_run_dir
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 DEFAULT_TIMEOUT_S = 5.0
 POLL_SLICE_MS = 20
 SEND_TIMEOUT_MS = 1000
+HELLO_AGAIN_S = 1.0  # a hello unanswered this long is sent again (its connection may be gone)
 BYE_LINGER_MS = 100
 KEY_TABLE_ENV = "KVCACHED_KEY_TABLE"  # "0": every lookup is a message (the key table unused)
 
@@ -150,12 +151,37 @@ class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
         self._sock.connect(self._endpoint)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
-        self.info = self._request(Op.HELLO, pid=os.getpid(), name=self.name, role=self.role)
+        self.info = self._hello()
         check_version(self.info.get("protocol_version", (0, 0)), "the daemon")
         if self.info["epoch"] != self.status_block.epoch:
             raise DaemonUnavailable("the daemon restarted during the handshake; connect again")
         if self._use_key_table and "key_table" in self.info.get("capabilities", ()):
             self.key_table = KeyTableReader(self.instance, self.info["epoch"], self.status_block)
+
+    def _hello(self) -> dict:
+        """The handshake, within the client's timeout. The connection may take a while (a TCP
+        and CURVE handshake behind a flood of them), and a hello may go out on a connection the
+        daemon shuts at once (past its per-peer cap, while others of this process or address
+        are still counted): zmq connects again, and the hello is sent again every
+        HELLO_AGAIN_S until it is answered."""
+        fields = dict(pid=os.getpid(), name=self.name, role=self.role)
+        deadline, sent = time.monotonic() + self.timeout, False
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                rid = self._send(Op.HELLO, fields, reach_s=max(0.0, min(left, HELLO_AGAIN_S)))
+                sent = True
+                return self._checked(self._reply(rid, Op.HELLO, max(0.0, min(left, HELLO_AGAIN_S))))
+            except (DaemonUnavailable, KvcachedTimeout, RequestError) as exc:
+                if isinstance(exc, RequestError) and exc.code != ErrorCode.BUSY:
+                    raise  # (BUSY: read after its connection was shut; the next one is new)
+                self._check_daemon()  # gone: said at once
+                if time.monotonic() >= deadline:
+                    if not sent:  # (a listener that refuses the handshake: no connection ever)
+                        raise DaemonUnavailable(f"cannot reach the daemon at {self._endpoint} "
+                                                f"within {self.timeout:g} s") from None
+                    raise KvcachedTimeout(f"no hello reply within {self.timeout:g} s "
+                                          "(set Client(timeout=...))") from None
 
     def _set_curve(self, server_key_file: str | None, client_key_file: str | None) -> None:
         import zmq.auth
@@ -204,12 +230,14 @@ class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
             self.status_block = None
 
     # plumbing -------------------------------------------------------------
-    def _send(self, op: Op, fields: dict) -> int:
+    def _send(self, op: Op, fields: dict, reach_s: float = SEND_TIMEOUT_MS / 1000) -> int:
+        """Send one request; DaemonUnavailable when the daemon is gone, or not connected
+        within reach_s."""
         if self._sock is None:
             raise DaemonUnavailable("client is closed")
         rid = next(self._rid)
         frame = encode_request(op, rid, self.client_id, **fields)
-        deadline = time.monotonic() + SEND_TIMEOUT_MS / 1000
+        deadline = time.monotonic() + reach_s
         with self._lock:
             if self._notes.pending:  # what local lookups saw reaches the daemon before this op
                 self._send_notes()
@@ -222,7 +250,7 @@ class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
                 self._check_daemon()
                 if time.monotonic() > deadline:
                     raise DaemonUnavailable(
-                        f"cannot reach the daemon at {self._endpoint} within {SEND_TIMEOUT_MS} ms")
+                        f"cannot reach the daemon at {self._endpoint} within {reach_s:g} s")
                 self._sock.poll(POLL_SLICE_MS, zmq.POLLOUT)
         return rid
 

@@ -158,6 +158,59 @@ def test_past_the_connection_cap_newcomers_are_refused_and_those_in_keep_their_s
         assert d.stop() == 0, d.text()
 
 
+def test_a_newcomer_refused_at_the_per_peer_cap_gets_in_once_a_place_frees_within_its_timeout(
+        run_dir, instance):
+    """A connection shut at the per-peer cap is made again by zmq, and the client's hello waits
+    for it as long as the client's timeout: it gets in once another connection of its process
+    (on TCP: of its address) closes. Before, the hello gave up after 1 s whatever the timeout:
+    an allowed TCP client failed to connect behind a flood of handshakes from its address while
+    the flood's closed connections were still counted (seen once in a full run under load)."""
+    import threading
+
+    with launch(instance=instance, run_dir=run_dir, host_cache_gb=0.01,
+                extra_args=["--max-connections-per-peer", "1"]) as d:
+        first = d.connect(timeout=5)
+        closer = threading.Timer(1.5, first.close)
+        closer.start()
+        try:
+            with d.connect(timeout=8) as later:  # refused until the first closes
+                assert later.ping() >= 0
+                assert first.status_block is None  # (it did close first)
+                # and no client is left registered for a connection shut at the cap
+                wait_until(lambda: later.status()["clients"] == 1, 5, "only the newcomer registered")
+        finally:
+            closer.join(10)
+        assert "it has 1 connections open (--max-connections-per-peer 1)" in open(d.log_path).read()
+
+
+def test_a_hello_that_came_on_a_connection_shut_at_the_cap_registers_no_client(run_dir, instance):
+    """The daemon stopped, a connection past the per-peer cap is made and says hello; when it
+    goes on, the connection is shut at its accept and its hello, read after that, is refused:
+    before, a client was registered for it that nothing would ever drop (its close handled
+    already), and its client id stayed taken - the client's next hello, on its next
+    connection, got CLIENT_ID_IN_USE."""
+    import zmq
+
+    from kvcached.bench import process_stop
+    from kvcached_proto import Op, encode, make_request
+
+    with launch(instance=instance, run_dir=run_dir, host_cache_gb=0.01,
+                extra_args=["--max-connections-per-peer", "1"]) as d, d.connect(timeout=5) as first:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        process_stop.stop(d.pid, "the daemon")
+        try:
+            sock.connect(f"ipc://{run_dir}/{instance}.sock")
+            sock.send(encode(make_request(Op.HELLO, 1, "ghost", pid=os.getpid(), name="", role="engine")))
+            time.sleep(0.1)
+        finally:
+            process_stop.go_on(d.pid, "the daemon")
+        wait_until(lambda: first.status()["connections"]["refused"] >= 1, 5, "the connection refused")
+        sock.close()
+        time.sleep(0.2)  # (the hello, if it came, handled)
+        assert first.status()["clients"] == 1
+
+
 @pytest.mark.slow
 def test_half_open_tcp_connections_never_exhaust_the_daemons_files(run_dir, instance, tmp_path):
     """1,200 TCP connections that never start the CURVE handshake, into a daemon limited to

@@ -239,6 +239,13 @@ class ConnectionGuard:
         said = _frame_peer(frame, conn.listener.startswith("ipc://"))
         return said is None or said == conn.peer
 
+    def is_open(self, fd: int, frame) -> bool:
+        """Whether message `frame`, from fd, came on a connection that is open and counted: not
+        one shut at accept (past a cap) or closed since, whose close's event may already have
+        been handled (nothing would ever drop a client registered for it)."""
+        conn = self._open.get(fd)
+        return conn is not None and not conn.shut and self.same_peer(fd, frame)
+
     def valid(self, fd: int) -> None:
         conn = self._open.get(fd)
         if conn is not None:

@@ -382,11 +382,15 @@ class Daemon(StopsDaemon):
                 raise OpError(ErrorCode.CLIENT_ID_IN_USE,
                               f"client id {req.client!r} is in use by another connection "
                               f"(pid {other.pid}); every connection needs its own id")
+        fd = self._last_fd
+        if fd >= 0 and not self.connections.is_open(fd, self._last_frame):
+            # shut at accept (past a cap) or closed since: no reply reaches it, and a client
+            # registered for it would stay (its close is handled already, or its fd another's);
+            # the client's hello goes again on its next connection
+            raise OpError(ErrorCode.BUSY, "this connection was closed before its hello was handled")
         old = self.clients.get(routing_id)
         if old is not None and old.client_id != req.client:
             self.service.drop_client(old)
-        # (a hello of a connection closed since, its fd another's now, claims no fd)
-        fd = self._last_fd if self.connections.same_peer(self._last_fd, self._last_frame) else -1
         self.clients[routing_id] = ClientInfo(
             req.client, routing_id, req.body["pid"], req.body["name"], time.monotonic_ns(),
             pid_visible=pid_alive(req.body["pid"]), fd=fd, role=role,
