@@ -419,4 +419,4 @@ def test_a_client_that_closes_takes_its_kv_mapping_with_it(daemon):
             assert other.status()["kv"]["registered"] is True
     with daemon.connect() as later:
         # the bye is sent without waiting for its reply
-        wait_until(lambda: later.status()["kv"]["registered"] is False, 2, "the mapping dropped")
+        wait_until(lambda: later.status()["kv"]["registered"] is False, 10, "the mapping dropped")
