@@ -24,8 +24,13 @@ class GroupTask:
         self.result: dict | None = None
 
     def done(self) -> bool:
+        """Whether every rank's task ended (failed or not: `wait` says how), as Task.done:
+        never raises TaskFailed."""
         if self.result is None and all(self._rank_done(r, t) for r, t in self.tasks.items()):
-            self.wait(0)
+            try:
+                self.wait(0)
+            except TaskFailed:
+                pass  # ended: status and result say so
         return self.result is not None
 
     def _rank_done(self, rank: int, task) -> bool:

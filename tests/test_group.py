@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import disk_uri, keys_for, ranks, small_kv, sweep_crashed, unique_instance, wait_until
 
-from kvcached_client import GroupClient, PrefixCacheManager, launch
+from kvcached_client import Client, GroupClient, PrefixCacheManager, launch
 from kvcached_client import rank_keys
 from kvcached_client.lookup_gate import LookupGate
-from kvcached_proto import KvcachedError
+from kvcached_proto import KvcachedError, TaskFailed
 
 BS = 16
 NBLK = 8
@@ -144,6 +144,27 @@ def test_a_killed_rank_means_zero_hits_and_is_named_within_the_timeout(run_dir):
         assert list(g.missing) == [1] and "exited" in g.missing[1]
         statuses = g.status()
         assert statuses[0]["instance"] == names[0] and statuses[1]["missing"]
+
+
+def test_an_offload_whose_rank_died_under_it_is_done_and_its_wait_says_which_rank_failed(run_dir):
+    """done() of a group offload (or prefetch) whose rank died with it queued says True, as a
+    Client task's does for a failed one; wait() raises TaskFailed naming the rank. Before,
+    done() raised TaskFailed too: PrefixCacheManager polls its offloads with done() when it
+    takes blocks, and an engine's allocate raised it (found by test_prefix_random's two-rank
+    run with a rank killed)."""
+    keys = keys_for(4, 61)
+    with ranks(run_dir, 2) as (names, handles), \
+            GroupClient.connect(names, run_dir=run_dir, timeout=2.0) as g, \
+            Client.connect(names[1], run_dir, role="operator") as op:
+        g.register_kv_cache(shards(2))
+        op.pause()  # rank 1's copy of the offload stays queued
+        task = g.offload(range(4), keys)
+        os.kill(handles[1].proc.pid, signal.SIGKILL)
+        handles[1].proc.wait(10)
+        wait_until(lambda: task.done(), 10, "the offload's end on both ranks")
+        with pytest.raises(TaskFailed, match=r"failed on ranks \[1\]"):
+            task.wait(1)
+        assert task.result["failed_ranks"] == [1] and task.result["ranks"][0]["stored"] == 4
 
 
 def test_a_missing_rank_at_start_is_reconnected_when_its_daemon_comes(run_dir):

@@ -225,3 +225,46 @@ def test_random_requests_over_two_tensor_parallel_ranks(run_dir, tmp_path):
         g.close()
     _exercised(eng, stats, steps)
     assert stats["offload_failures"] == 0 and stats["daemon_errors"] == 0, stats
+
+
+def test_random_requests_over_two_ranks_one_killed_and_restarted(run_dir, tmp_path):
+    """Two ranks again; rank 1's daemon is killed (-9) three times mid-run, with the manager's
+    loads and offloads in flight on both ranks, and a successor started on its disk tier 40
+    steps later: rank 0 has loaded what rank 1 has not, so a hit is the shorter rank's or none,
+    and every block the manager calls computed holds each rank's KV of its key (both shards
+    checked). The engine never sees an error (before, an offload that failed on the killed rank
+    raised TaskFailed out of `allocate`, from the manager's poll); the group reattaches rank 1 in
+    the background."""
+    steps, seed = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 2, 7
+    rng = random.Random(seed)
+    shards = [_kv(seed, r) for r in range(2)]
+    extra = lambda r: ["--storage", disk_uri(str(tmp_path / f"disk{r}"))]  # noqa: E731
+    kills = [steps * k // 5 for k in (1, 2, 3)]
+    with ranks(run_dir, 2, extra) as (names, handles):
+        g = GroupClient.connect(names, run_dir=run_dir)
+        state = {"restart_at": None}
+
+        def between(n):
+            if kills and n >= kills[0] and not g.missing and state["restart_at"] is None:
+                kills.pop(0)
+                os.kill(handles[1].pid, signal.SIGKILL)
+                handles[1].proc.wait(10)
+                sweep_crashed(names[1])
+                state["restart_at"] = n + 40
+            elif n == state["restart_at"]:
+                handles[1] = launch(instance=names[1], run_dir=run_dir, host_cache_gb=0.05,
+                                    extra_args=extra(1), wait_storage=True)
+                state["restart_at"] = None
+                wait_until(lambda: g.links[1].client is not None or g.links[1].has_ready(), 10,
+                           "the group's watcher to have rank 1's successor ready")
+
+        try:
+            mgr = PrefixCacheManager(GPU_BLOCKS, BS, client=g, namespace=NS, kv_caches=shards)
+            eng = RandomEngine(mgr, shards, rng)
+            stats = _run(mgr, eng, rng, steps, between)
+            assert not g.missing, g.missing  # rank 1's last successor attached
+            mgr.close()
+        finally:
+            g.close()
+    _exercised(eng, stats, steps)
+    assert not kills and state["restart_at"] is None, (kills, state)
