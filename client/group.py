@@ -323,6 +323,11 @@ class GroupClient:
         return out
 
     @property
+    def retiring(self) -> bool:
+        """Lost ranks' clients are still open (closed by held_blocks once they hold nothing)."""
+        return bool(self._retired)
+
+    @property
     def has_holds(self) -> bool:
         return any(c.has_holds for c in self._all_clients())
 

@@ -59,8 +59,9 @@ class HoldKeeper:
 
     def release(self) -> None:
         """Give back the parked blocks whose holds lifted; close retired clients that hold
-        nothing any more."""
-        if not (self.parked or self.retired):
+        nothing any more (here, and a GroupClient's own: its lost ranks' clients, which keep
+        their KV registered - a rank's successor cannot register while one is open)."""
+        if not (self.parked or self.retired or getattr(self._current(), "retiring", False)):
             return
         free = self.parked - self.held()
         self.parked -= free

@@ -294,6 +294,8 @@ def test_an_offload_whose_reply_never_came_is_revoked(daemon):
 
 
 class _FakeLink:
+    client = None  # (no daemon attached)
+
     def __init__(self):
         self.failures = []
 

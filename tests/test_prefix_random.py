@@ -227,24 +227,30 @@ def test_random_requests_over_two_tensor_parallel_ranks(run_dir, tmp_path):
     assert stats["offload_failures"] == 0 and stats["daemon_errors"] == 0, stats
 
 
-def test_random_requests_over_two_ranks_one_killed_and_restarted(run_dir, tmp_path):
-    """Two ranks again; rank 1's daemon is killed (-9) three times mid-run, with the manager's
-    loads and offloads in flight on both ranks, and a successor started on its disk tier 40
-    steps later: rank 0 has loaded what rank 1 has not, so a hit is the shorter rank's or none,
-    and every block the manager calls computed holds each rank's KV of its key (both shards
-    checked). The engine never sees an error (before, an offload that failed on the killed rank
-    raised TaskFailed out of `allocate`, from the manager's poll); the group reattaches rank 1 in
-    the background."""
-    steps, seed = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 2, 7
+@pytest.mark.parametrize("faults", ["kills", "freezes"])
+def test_random_requests_over_two_ranks_one_failing(run_dir, tmp_path, faults):
+    """Two ranks again, rank 1's daemon failing with the manager's loads and offloads in flight
+    on both ranks. kills: killed (-9) three times mid-run, a successor started on its disk tier
+    40 steps later. freezes: every 150 steps, stopped (SIGSTOP) for 0.4-0.8 s against a hang
+    threshold of 0.3 s. Rank 0 has loaded what rank 1 has not, so a hit is the shorter rank's or
+    none, and every block the manager calls computed holds each rank's KV of its key (both
+    shards checked). The engine never sees an error (before, an offload that failed on the
+    killed rank raised TaskFailed out of `allocate`, from the manager's poll); the group
+    reattaches rank 1 in the background."""
+    steps, seed = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 2, 7 + (faults == "freezes")
     rng = random.Random(seed)
     shards = [_kv(seed, r) for r in range(2)]
     extra = lambda r: ["--storage", disk_uri(str(tmp_path / f"disk{r}"))]  # noqa: E731
-    kills = [steps * k // 5 for k in (1, 2, 3)]
+    kills = [steps * k // 5 for k in (1, 2, 3)] if faults == "kills" else []
     with ranks(run_dir, 2, extra) as (names, handles):
-        g = GroupClient.connect(names, run_dir=run_dir)
-        state = {"restart_at": None}
+        g = GroupClient.connect(names, run_dir=run_dir, hang_s=0.3 if faults == "freezes" else None)
+        state = {"restart_at": None, "thaw_at": None, "freezes": 0}
+        attached: list = []  # each client rank 1 was attached with
 
         def between(n):
+            client = g.links[1].client
+            if client is not None and not any(c is client for c in attached):
+                attached.append(client)
             if kills and n >= kills[0] and not g.missing and state["restart_at"] is None:
                 kills.pop(0)
                 os.kill(handles[1].pid, signal.SIGKILL)
@@ -257,14 +263,32 @@ def test_random_requests_over_two_ranks_one_killed_and_restarted(run_dir, tmp_pa
                 state["restart_at"] = None
                 wait_until(lambda: g.links[1].client is not None or g.links[1].has_ready(), 10,
                            "the group's watcher to have rank 1's successor ready")
+            elif faults == "freezes":
+                if state["thaw_at"] is None and n % 150 == 75 and not g.missing:
+                    process_stop.stop(handles[1].pid, "rank 1's daemon")
+                    state["thaw_at"] = time.monotonic() + rng.uniform(0.4, 0.8)
+                    state["freezes"] += 1
+                elif state["thaw_at"] is not None and time.monotonic() > state["thaw_at"]:
+                    process_stop.go_on(handles[1].pid, "rank 1's daemon")
+                    state["thaw_at"] = None
+                if state["thaw_at"] is not None or g.missing:
+                    time.sleep(0.004)  # an engine's step takes time: the watcher gets its turns
 
         try:
             mgr = PrefixCacheManager(GPU_BLOCKS, BS, client=g, namespace=NS, kv_caches=shards)
             eng = RandomEngine(mgr, shards, rng)
             stats = _run(mgr, eng, rng, steps, between)
-            assert not g.missing, g.missing  # rank 1's last successor attached
+            process_stop.go_on(handles[1].pid, "rank 1's daemon")
+            deadline = time.monotonic() + 10  # the engine goes on; rank 1 is attached again
+            while g.missing and time.monotonic() < deadline:
+                stats = _run(mgr, eng, rng, 5)
+                time.sleep(0.05)
+            assert not g.missing, g.missing
             mgr.close()
         finally:
+            process_stop.go_on(handles[1].pid, "rank 1's daemon")
             g.close()
     _exercised(eng, stats, steps)
     assert not kills and state["restart_at"] is None, (kills, state)
+    # rank 1 attached again after each kill (a successor) and each freeze (the same daemon)
+    assert len(attached) >= 4 and (faults == "kills" or state["freezes"] >= 3), (len(attached), state)
