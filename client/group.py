@@ -128,8 +128,21 @@ class GroupClient:
         self._retired.append(client)
 
     def _dropped(self, rank: int, exc: Exception) -> None:
+        """The rank's client is dropped (its daemon gone or hung): its work in flight is made
+        safe now, before the client retires - a hung daemon may still write a load's blocks
+        (held until its end comes or the daemon dies) or read an offload's after the engine
+        reused them (revoked: the daemon stores nothing of it)."""
         log.warning("[group] rank %d (%s) is missing: %s", rank, self.instances[rank], str(exc))
         self.missing[rank] = str(exc)
+        client = self.links[rank].client
+        for task in list(self._live.values()):
+            t = task.tasks.get(rank)
+            if t is None or t.client is not client or t.result is not None:
+                continue
+            if isinstance(task, GroupLoadTask):
+                client.hold(t.id, t.reply.get("device_blocks", ()))
+            elif isinstance(task, GroupOffloadTask):
+                client.revoke(t)
 
     def _lost(self, rank: int, exc: Exception) -> None:
         self.links[rank].drop(exc)

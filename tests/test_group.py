@@ -167,6 +167,38 @@ def test_an_offload_whose_rank_died_under_it_is_done_and_its_wait_says_which_ran
         assert task.result["failed_ranks"] == [1] and task.result["ranks"][0]["stored"] == 4
 
 
+def test_a_hung_ranks_offload_is_revoked_when_the_rank_is_dropped(run_dir):
+    """Rank 1's daemon hangs (SIGSTOP past the hang threshold) with a group offload queued on
+    it; the group drops the rank, the offload fails, and the engine reuses the blocks. When the
+    daemon goes on, its copy reads the reused blocks: it must store nothing (the group revoked
+    the rank's offload when it dropped the rank). Before, it stored them under the keys: a later
+    load on rank 1 got another request's KV."""
+    from kvcached.bench import process_stop
+
+    keys = keys_for(4, 62)
+    kv = shards(2)
+    with ranks(run_dir, 2) as (names, handles), \
+            GroupClient.connect(names, run_dir=run_dir, timeout=2.0, hang_s=0.3) as g, \
+            Client.connect(names[1], run_dir, role="operator") as op:
+        g.register_kv_cache(kv)
+        op.pause()  # rank 1's copy of the offload stays queued
+        task = g.offload(range(4), keys)
+        process_stop.stop(handles[1].pid, "rank 1's daemon")
+        try:
+            with pytest.raises(TaskFailed, match=r"failed on ranks \[1\]"):
+                task.wait(5)
+            for layer in kv[1]:  # the engine reuses the blocks: another request's KV
+                for t in layer:
+                    t[:4] = 7
+        finally:
+            process_stop.go_on(handles[1].pid, "rank 1's daemon")
+        op.resume()
+        with Client.connect(names[1], run_dir) as later:
+            wait_until(lambda: later.status()["tasks"]["inflight"] + later.status()["tasks"]["queued"] == 0,
+                       10, "rank 1's offload ended")
+            assert later.lookup(rank_keys(keys, 1, 2)) == (0, 0)  # nothing of it stored
+
+
 def test_a_missing_rank_at_start_is_reconnected_when_its_daemon_comes(run_dir):
     names = [unique_instance("r0-"), unique_instance("r1-")]
     with launch(instance=names[0], run_dir=run_dir, host_cache_gb=0.05) as h0:
