@@ -199,6 +199,36 @@ def test_a_hung_ranks_offload_is_revoked_when_the_rank_is_dropped(run_dir):
             assert later.lookup(rank_keys(keys, 1, 2)) == (0, 0)  # nothing of it stored
 
 
+def test_a_hung_ranks_load_keeps_its_blocks_held_from_the_drop_until_its_end(run_dir):
+    """A group load queued on rank 1 when its daemon hangs; the rank is dropped by another call
+    (a lookup) before anyone waits for the load. Its blocks are held from the drop on - the
+    lost client is not closed, whoever asks for held blocks - until the daemon, going on,
+    ends the load. Before, held_blocks() closed the lost client at once (it held nothing yet)
+    and the load's wait could hold nothing: the engine could reuse blocks the daemon wrote."""
+    from kvcached.bench import process_stop
+
+    keys = keys_for(4, 63)
+    with ranks(run_dir, 2) as (names, handles), \
+            GroupClient.connect(names, run_dir=run_dir, timeout=2.0, hang_s=0.3) as g, \
+            Client.connect(names[1], run_dir, role="operator") as op:
+        g.register_kv_cache(shards(2))
+        g.offload(range(4), keys).wait(10)
+        op.pause()  # rank 1's copy of the load stays queued
+        task = g.load(keys, range(16, 20))
+        process_stop.stop(handles[1].pid, "rank 1's daemon")
+        try:
+            time.sleep(0.4)
+            assert g.lookup(keys) == (0, 0) and list(g.missing) == [1]  # dropped here
+            assert g.held_blocks() >= {16, 17, 18, 19}
+            assert task.wait(1) == 0
+            assert g.held_blocks() >= {16, 17, 18, 19}
+        finally:
+            process_stop.go_on(handles[1].pid, "rank 1's daemon")
+        op.resume()
+        wait_until(lambda: not g.held_blocks(), 10, "the hold lifting at the load's end")
+        assert not g.retiring  # the lost client closed once it held nothing
+
+
 def test_a_missing_rank_at_start_is_reconnected_when_its_daemon_comes(run_dir):
     names = [unique_instance("r0-"), unique_instance("r1-")]
     with launch(instance=names[0], run_dir=run_dir, host_cache_gb=0.05) as h0:
