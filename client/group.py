@@ -268,9 +268,26 @@ class GroupClient:
 
     def offload(self, device_blocks, keys: Sequence[bytes], priority: int = 0,
                 timeout: float | None = None) -> GroupOffloadTask:
+        """A rank that refused it (e.g. BUSY) fails the whole offload, raised once the other
+        ranks' offloads are revoked: the caller takes the blocks back, and those ranks would
+        read them after (they store nothing of it now). A missing rank stores nothing."""
         blocks = [int(b) for b in device_blocks]
+        failed: list[KvcachedError] = []
+
+        def one(rank: int, client: Client):
+            try:
+                return client.offload(blocks, self._keys(keys, rank), priority, timeout)
+            except DaemonUnavailable:
+                raise  # the rank is lost (_fan); its own offload revoked itself
+            except KvcachedError as exc:
+                failed.append(exc)
+
         self._ready()
-        tasks = self._fan(lambda r, c: c.offload(blocks, self._keys(keys, r), priority, timeout))
+        tasks = {r: t for r, t in self._fan(one).items() if t is not None}
+        if failed:
+            for task in tasks.values():
+                task.client.revoke(task)
+            raise failed[0]
         reply = {"accepted": min((t.reply.get("accepted", len(blocks)) for t in tasks.values()),
                                  default=0)}
         task = GroupOffloadTask(self, tasks, reply)

@@ -229,6 +229,38 @@ def test_a_hung_ranks_load_keeps_its_blocks_held_from_the_drop_until_its_end(run
         assert not g.retiring  # the lost client closed once it held nothing
 
 
+def test_an_offload_one_rank_refuses_is_revoked_on_the_others(run_dir):
+    """Rank 1 refuses an offload (BUSY: its queue is full) that rank 0 took: the group raises
+    the error, so the engine takes the blocks back - and rank 0's copy, still queued, must
+    store nothing (revoked). Before, rank 0 stored the blocks the engine had reused since under
+    the offload's keys: another request's KV on rank 0's next load (a load refused by a rank
+    already had its other ranks' blocks held)."""
+    keys_a, keys_b = keys_for(4, 64), keys_for(4, 65)
+    kv = shards(2)
+    extra = lambda r: ["--max-queued-tasks", "1"] if r == 1 else []  # noqa: E731
+    with ranks(run_dir, 2, extra) as (names, _), \
+            GroupClient.connect(names, run_dir=run_dir, timeout=2.0) as g, \
+            Client.connect(names[0], run_dir, role="operator") as op0, \
+            Client.connect(names[1], run_dir, role="operator") as op1:
+        g.register_kv_cache(kv)
+        op0.pause()
+        op1.pause()
+        first = g.offload(range(4), keys_a)  # queued on both ranks: rank 1's queue is full
+        with pytest.raises(KvcachedError, match="BUSY"):
+            g.offload(range(4, 8), keys_b)
+        for layer in kv[0]:  # the engine reuses the blocks: another request's KV
+            for t in layer:
+                t[4:8] = 7
+        op0.resume()
+        op1.resume()
+        first.wait(10)
+        g.flush().wait(10)  # (each rank's queue worked through)
+        assert g.clients[0].lookup(rank_keys(keys_b, 0, 2)) == (0, 0)  # nothing of it stored
+        # (a revoke also drops that rank's earlier offloads not yet done: rank 0's first, a lost
+        # hit; rank 1's stays)
+        assert g.clients[1].lookup(rank_keys(keys_a, 1, 2)) == (4, 0)
+
+
 def test_a_missing_rank_at_start_is_reconnected_when_its_daemon_comes(run_dir):
     names = [unique_instance("r0-"), unique_instance("r1-")]
     with launch(instance=names[0], run_dir=run_dir, host_cache_gb=0.05) as h0:
