@@ -219,8 +219,9 @@ def test_random_steps_load_only_their_keys_kv(run_dir, instance, disk_dir, layou
     rng = random.Random(seed)
     _, kv = make_kv(layout)
     page = sum(t[0].numel() * t.element_size() for row in parts_of(kv) for t in row)
-    start = lambda: launch(instance=instance, run_dir=run_dir, host_cache_gb=HOST_PAGES * page / 2**30,  # noqa: E731
-                           extra_args=["--storage", disk_uri(disk_dir)], wait_storage=True)
+    start = lambda: launch(  # noqa: E731
+        instance=instance, run_dir=run_dir, host_cache_gb=HOST_PAGES * page / 2**30,
+        extra_args=["--storage", disk_uri(disk_dir)], wait_storage=True)
     fx = Faults(faults, start, instance, steps, rng)
     try:
         worker, got = make_worker(fx.daemon, kv, direct=(mode == "direct"),
@@ -251,7 +252,8 @@ def test_random_steps_load_only_their_keys_kv(run_dir, instance, disk_dir, layou
     assert check == "ok" and status["tasks"]["inflight"] == 0, status["tasks"]
     # a run that exercised it: loads served (from both tiers), misses, preemptions, evictions
     assert sched.checked > steps // 4 and sched.errors > 0 and sched.preempted > 0, vars(sched)
-    assert status["lookups"]["loaded_from_storage"] > 0 and status["host"]["evictions"] > 0, (status["host"], status["lookups"])
+    assert status["lookups"]["loaded_from_storage"] > 0 and status["host"]["evictions"] > 0, \
+        (status["host"], status["lookups"])
     if faults == "kills":  # each successor attached
         assert not fx.kills and len(fx.clients) >= 4, (fx.kills, len(fx.clients))
     elif faults == "freezes":  # seen as hangs: the worker attached again after

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 
 import pytest
@@ -227,23 +228,29 @@ def test_random_requests_over_two_tensor_parallel_ranks(run_dir, tmp_path):
     assert stats["offload_failures"] == 0 and stats["daemon_errors"] == 0, stats
 
 
-@pytest.mark.parametrize("faults", ["kills", "freezes"])
+@pytest.mark.parametrize("faults", ["kills", "freezes", "busy"])
 def test_random_requests_over_two_ranks_one_failing(run_dir, tmp_path, faults):
     """Two ranks again, rank 1's daemon failing with the manager's loads and offloads in flight
     on both ranks. kills: killed (-9) three times mid-run, a successor started on its disk tier
     40 steps later. freezes: every 150 steps, stopped (SIGSTOP) for 0.4-0.8 s against a hang
-    threshold of 0.3 s. Rank 0 has loaded what rank 1 has not, so a hit is the shorter rank's or
+    threshold of 0.3 s. busy: rank 1 takes 2 queued tasks at most, and every 50 steps both
+    daemons are paused for 0.15 s, so rank 1 refuses (BUSY) loads and offloads that rank 0 took
+    (without the group revoking rank 0's offloads, the engine was given another request's KV in
+    every run). Rank 0 has loaded what rank 1 has not, so a hit is the shorter rank's or
     none, and every block the manager calls computed holds each rank's KV of its key (both
     shards checked). The engine never sees an error (before, an offload that failed on the
     killed rank raised TaskFailed out of `allocate`, from the manager's poll); the group
     reattaches rank 1 in the background."""
-    steps, seed = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 2, 7 + (faults == "freezes")
+    steps = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 2
+    seed = {"kills": 7, "freezes": 8, "busy": 9}[faults]
     rng = random.Random(seed)
     shards = [_kv(seed, r) for r in range(2)]
-    extra = lambda r: ["--storage", disk_uri(str(tmp_path / f"disk{r}"))]  # noqa: E731
+    busy = ["--max-queued-tasks", "2"] if faults == "busy" else []
+    extra = lambda r: ["--storage", disk_uri(str(tmp_path / f"disk{r}"))] + (busy if r == 1 else [])  # noqa: E731
     kills = [steps * k // 5 for k in (1, 2, 3)] if faults == "kills" else []
     with ranks(run_dir, 2, extra) as (names, handles):
         g = GroupClient.connect(names, run_dir=run_dir, hang_s=0.3 if faults == "freezes" else None)
+        ops = [Client.connect(name, run_dir, role="operator") for name in names]
         state = {"restart_at": None, "thaw_at": None, "freezes": 0}
         attached: list = []  # each client rank 1 was attached with
 
@@ -263,6 +270,11 @@ def test_random_requests_over_two_ranks_one_failing(run_dir, tmp_path, faults):
                 state["restart_at"] = None
                 wait_until(lambda: g.links[1].client is not None or g.links[1].has_ready(), 10,
                            "the group's watcher to have rank 1's successor ready")
+            elif faults == "busy" and n % 50 == 25:  # rank 1's queue fills: BUSY until both go on
+                for op in ops:
+                    op.pause()
+                state["timer"] = threading.Timer(0.15, lambda: [op.resume() for op in ops])
+                state["timer"].start()
             elif faults == "freezes":
                 if state["thaw_at"] is None and n % 150 == 75 and not g.missing:
                     process_stop.stop(handles[1].pid, "rank 1's daemon")
@@ -278,6 +290,8 @@ def test_random_requests_over_two_ranks_one_failing(run_dir, tmp_path, faults):
             mgr = PrefixCacheManager(GPU_BLOCKS, BS, client=g, namespace=NS, kv_caches=shards)
             eng = RandomEngine(mgr, shards, rng)
             stats = _run(mgr, eng, rng, steps, between)
+            if state.get("timer") is not None:
+                state["timer"].join(10)
             process_stop.go_on(handles[1].pid, "rank 1's daemon")
             deadline = time.monotonic() + 10  # the engine goes on; rank 1 is attached again
             while g.missing and time.monotonic() < deadline:
@@ -287,8 +301,11 @@ def test_random_requests_over_two_ranks_one_failing(run_dir, tmp_path, faults):
             mgr.close()
         finally:
             process_stop.go_on(handles[1].pid, "rank 1's daemon")
+            for op in ops:
+                op.close()
             g.close()
     _exercised(eng, stats, steps)
     assert not kills and state["restart_at"] is None, (kills, state)
     # rank 1 attached again after each kill (a successor) and each freeze (the same daemon)
-    assert len(attached) >= 4 and (faults == "kills" or state["freezes"] >= 3), (len(attached), state)
+    if faults != "busy":
+        assert len(attached) >= 4 and (faults == "kills" or state["freezes"] >= 3), (len(attached), state)
