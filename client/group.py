@@ -154,7 +154,10 @@ class GroupClient:
 
     def _ready(self) -> bool:
         """All ranks present; a successor the background has attached is taken (replacing a
-        rank whose daemon is gone), never waited for."""
+        rank whose daemon is gone), never waited for. Lost clients that hold nothing any more
+        are closed first: a rank's successor cannot register while its old one is open."""
+        if self._retired:
+            self.held_blocks()
         for rank, link in enumerate(self.links):
             link.refresh()
             self._present(rank)

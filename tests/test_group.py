@@ -261,6 +261,28 @@ def test_an_offload_one_rank_refuses_is_revoked_on_the_others(run_dir):
         assert g.clients[1].lookup(rank_keys(keys_a, 1, 2)) == (4, 0)
 
 
+def test_a_rank_that_hung_is_attached_again_by_the_groups_own_calls(run_dir):
+    """An engine that drives a GroupClient itself (no PrefixCacheManager, no held_blocks()
+    calls): rank 1's daemon hangs past the threshold and goes on; the group's lookups attach it
+    again. Before, its lost client stayed open with its KV registered and every reattach was
+    refused (KV_IN_USE): lookups said (0, 0) for good."""
+    from kvcached.bench import process_stop
+
+    keys = keys_for(4, 66)
+    with ranks(run_dir, 2) as (names, handles), \
+            GroupClient.connect(names, run_dir=run_dir, timeout=2.0, hang_s=0.3) as g:
+        g.register_kv_cache(shards(2))
+        g.offload(range(4), keys).wait(10)
+        process_stop.stop(handles[1].pid, "rank 1's daemon")
+        try:
+            time.sleep(0.4)
+            assert g.lookup(keys) == (0, 0) and list(g.missing) == [1]
+        finally:
+            process_stop.go_on(handles[1].pid, "rank 1's daemon")
+        wait_until(lambda: g.lookup(keys) == (4, 0), 10, "rank 1 attached again")
+        assert not g.missing
+
+
 def test_a_missing_rank_at_start_is_reconnected_when_its_daemon_comes(run_dir):
     names = [unique_instance("r0-"), unique_instance("r1-")]
     with launch(instance=names[0], run_dir=run_dir, host_cache_gb=0.05) as h0:
