@@ -36,7 +36,8 @@ class Steps:
     reports it) or preempted (its blocks reused at once)."""
 
     def __init__(self, worker, kv, rng, at=lambda point: None):
-        """at(point): called at points of each step ("loads sent", "layer 0", "saves sent")."""
+        """at(point): called at points of each step ("loads sent", "layer 0", "forward done",
+        "saves sent")."""
         self.worker, self.kv, self.rng, self.at = worker, kv, rng, at
         hasher = BlockHasher("worker-random")
         self.docs = [hasher.hash_blocks([d * 10_000 + t for t in range(DOC_BLOCKS * BS)], BS)
@@ -102,6 +103,7 @@ class Steps:
             if layer == 0:
                 self.at("layer 0")
         w.end_forward()
+        self.at("forward done")
         w.start_saves(saves)
         self.at("saves sent")
         for r in loads + saves:
@@ -135,41 +137,45 @@ class Faults:
         self.daemon = start()
         self.op = self.daemon.connect(role="operator")
         self.kills = [steps * k // 5 for k in (1, 2, 3)] if kind == "kills" else []
-        self.restart_at = self.thaw_at = self.fault = None
+        self.restart_at = self.thaw_at = None
+        self.fault: list = []  # (point, what) due in the next step, in order
         self.freezes, self.paused = 0, False
         self.clients: list = []  # every client the worker attached with
 
     def _soon(self, fn) -> None:
-        """fn at a point of the next step; half the time the daemon is paused first, so that
-        the step's loads or saves are queued, not yet copied, when it comes (CPU copies of a
-        few blocks end within microseconds of their reply)."""
-        self.paused = self.rng.random() < 0.5
-        if self.paused:
+        """fn at a point of the next step. 3 times in 4 the daemon is paused first, so that the
+        step's loads (2 in 4), or its saves, are queued, not yet copied, when fn comes (CPU copies of a
+        few blocks end within microseconds of their reply); paused only just before what it
+        queues, so no layer wait of the step waits on a paused daemon."""
+        r = self.rng.random()
+        self.paused = r < 0.75
+        if r < 0.5:  # its loads queued
             self.op.pause()
-        points = ["loads sent", "saves sent"] + ([] if self.paused else ["layer 0"])
-        self.fault = (self.rng.choice(points), fn)
+            self.fault = [("loads sent", fn)]
+        elif r < 0.75:  # its saves queued
+            self.fault = [("forward done", self.op.pause), ("saves sent", fn)]
+        else:
+            self.fault = [(self.rng.choice(["loads sent", "layer 0", "saves sent"]), fn)]
 
     def at(self, point: str) -> None:
-        """Steps' hook: the fault due in this step, at its point."""
-        if self.fault is not None and self.fault[0] == point:
-            self.fault[1]()
-            self.fault = None
+        """Steps' hook: what is due in this step at this point."""
+        while self.fault and self.fault[0][0] == point:
+            self.fault.pop(0)[1]()
 
     def between(self, n, worker) -> None:
-        if self.fault is not None:  # (a step with no loads passes no "layer 0")
-            self.fault[1]()
-            self.fault = None
+        while self.fault:  # (a step with no loads passes no "layer 0")
+            self.fault.pop(0)[1]()
         client = worker.link.client
         if client is not None and not any(c is client for c in self.clients):
             self.clients.append(client)
         if self.kills and n >= self.kills[0] and client is not None and self.restart_at is None:
             self.kills.pop(0)
             self._soon(lambda: os.kill(self.daemon.pid, signal.SIGKILL))
-            self.op.close()
             self.restart_at = n + 30
         elif n == self.restart_at:
             self.daemon.proc.wait(10)
             sweep_crashed(self.instance)
+            self.op.close()
             self.daemon, self.restart_at = self.start(), None
             self.op = self.daemon.connect(role="operator")
             wait_until(lambda: worker.link.client is not None or worker.link.has_ready(), 10,
@@ -193,8 +199,8 @@ class Faults:
 
     def settle(self, worker) -> None:
         """The run's end: the daemon going on, or its successor started."""
-        if self.fault is not None and self.restart_at is None:
-            self.fault = None
+        if self.fault and self.restart_at is None:
+            self.fault = []
             self._thaw()
         if self.thaw_at is not None:
             self._thaw()
