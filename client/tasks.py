@@ -129,6 +129,11 @@ class LoadTask(Task):
             raise IndexError(f"layer {layer} outside [0, {self.num_layers})")
         if self.num_blocks == 0:
             return
+        if self.client.status_block is None:  # its client closed (a daemon dropped meanwhile)
+            if self.result is not None:
+                return self._end_by_event(layer)
+            raise DaemonUnavailable(f"load task {self.id}: its client is closed, the load's "
+                                    "progress is not known")
         view, slot = self.client.status_block.view, self.slot
         timeout = self.client.timeout if timeout is None else timeout
         start = time.monotonic()
@@ -179,6 +184,8 @@ class LoadTask(Task):
         storage part came back short covers fewer than `num_blocks`)."""
         if self.result is not None:
             return int(self.result.get("loaded", 0))
+        if self.client.status_block is None:
+            return 0  # its client closed before its end was read: nothing of it is known valid
         view = self.client.status_block.view
         valid = view.slot_blocks_valid(self.slot)
         return valid if view.slot_task(self.slot) == self.id else self.wait()

@@ -10,6 +10,7 @@ import torch
 from conftest import blocks_equal, keys_for, kv_parts, scramble, small_kv, snapshot, unique_instance, wait_until
 from kvcached_client import (
     BlockHasher,
+    DaemonUnavailable,
     KvcachedError,
     KvcachedTimeout,
     ProtocolError,
@@ -278,6 +279,34 @@ def test_cancel_of_a_task_that_ended_before_its_end_was_read_says_done(daemon):
         with pytest.raises(RequestError) as e:  # a task id this client never had is still refused
             c.cancel(10_000)
         assert e.value.code == ErrorCode.UNKNOWN_TASK
+
+
+def test_a_load_whose_client_closed_says_daemon_unavailable_not_attribute_error(daemon):
+    """A step's second load, on a client its first load's failure closed (the vLLM worker
+    drops a client whose daemon failed, and one that holds nothing is closed at once): its
+    layer wait raised AttributeError (the status block gone) out of the engine's forward, where
+    the worker takes DaemonUnavailable as a load error (found by test_kv_worker_random's kill
+    soak, staging mode). It says DaemonUnavailable now, and no block of it counts as valid."""
+    kv = small_kv()
+    c = daemon.connect()
+    try:
+        c.register_kv_cache(kv)
+        keys = keys_for(4, 67)
+        c.offload(list(range(4)), keys).wait(10)
+        c.pause()  # (both queued, so neither is read as ended by the load calls)
+        load = c.load(keys, [20, 21, 22, 23])  # its end not taken before the client closes
+        done = c.load(keys[:1], [24])  # ...and one whose end was
+    finally:
+        c.resume()
+    done.wait(10)
+    wait_until(lambda: c.status()["tasks"]["inflight"] + c.status()["tasks"]["queued"] == 0, 10,
+               "the loads' ends")
+    c.close()
+    with pytest.raises(DaemonUnavailable, match="client is closed"):
+        load.wait_layer(0)
+    assert load.valid_blocks == 0
+    done.wait_layer(0)  # an end already read still answers
+    assert done.valid_blocks == 1
 
 
 def _error_code(excinfo) -> int:
