@@ -130,10 +130,7 @@ class LoadTask(Task):
         if self.num_blocks == 0:
             return
         if self.client.status_block is None:  # its client closed (a daemon dropped meanwhile)
-            if self.result is not None:
-                return self._end_by_event(layer)
-            raise DaemonUnavailable(f"load task {self.id}: its client is closed, the load's "
-                                    "progress is not known")
+            return self._closed(layer)
         view, slot = self.client.status_block.view, self.slot
         timeout = self.client.timeout if timeout is None else timeout
         start = time.monotonic()
@@ -189,6 +186,13 @@ class LoadTask(Task):
         view = self.client.status_block.view
         valid = view.slot_blocks_valid(self.slot)
         return valid if view.slot_task(self.slot) == self.id else self.wait()
+
+    def _closed(self, layer: int) -> None:
+        """wait_layer on a closed client: an end already read answers; else nothing is known."""
+        if self.result is not None:
+            return self._end_by_event(layer)
+        raise DaemonUnavailable(f"load task {self.id}: its client is closed, the load's "
+                                "progress is not known")
 
     def _end_by_event(self, layer: int) -> None:
         """The load has ended: its end event says whether its layers are in place (done, with
