@@ -185,6 +185,12 @@ def scramble(kv, value: int = 7) -> None:
             t.fill_(value)
 
 
+def no_tasks(client) -> bool:
+    """The daemon runs no task and has none queued (status's "inflight" leaves out the queued)."""
+    tasks = client.status()["tasks"]
+    return tasks["inflight"] + tasks["queued"] == 0
+
+
 def wait_until(predicate, timeout: float = 20.0, what: str = "the condition") -> None:
     """Poll predicate() until it is true; fail the test after `timeout` seconds."""
     import time

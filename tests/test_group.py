@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from conftest import disk_uri, keys_for, ranks, small_kv, sweep_crashed, unique_instance, wait_until
+from conftest import disk_uri, keys_for, no_tasks, ranks, small_kv, sweep_crashed, unique_instance, wait_until
 
 from kvcached_client import Client, GroupClient, PrefixCacheManager, launch
 from kvcached_client import rank_keys
@@ -194,8 +194,7 @@ def test_a_hung_ranks_offload_is_revoked_when_the_rank_is_dropped(run_dir):
             process_stop.go_on(handles[1].pid, "rank 1's daemon")
         op.resume()
         with Client.connect(names[1], run_dir) as later:
-            wait_until(lambda: later.status()["tasks"]["inflight"] + later.status()["tasks"]["queued"] == 0,
-                       10, "rank 1's offload ended")
+            wait_until(lambda: no_tasks(later), 10, "rank 1's offload ended")
             assert later.lookup(rank_keys(keys, 1, 2)) == (0, 0)  # nothing of it stored
 
 

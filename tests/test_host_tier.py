@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from conftest import blocks_equal, keys_for, kv_parts, scramble, small_kv, snapshot, unique_instance, wait_until
+from conftest import (blocks_equal, keys_for, kv_parts, no_tasks, scramble, small_kv, snapshot, unique_instance,
+                      wait_until)
 from kvcached_client import (
     BlockHasher,
     DaemonUnavailable,
@@ -264,14 +265,10 @@ def test_cancel_of_a_task_that_ended_before_its_end_was_read_says_done(daemon):
         c.register_kv_cache(kv)
         keys = keys_for(4, 25)
         expected = snapshot(kv, [0, 1, 2, 3])
-        def ended():  # ("inflight" leaves out tasks still queued for a copy worker)
-            tasks = c.status()["tasks"]
-            return tasks["inflight"] == tasks["queued"] == 0
-
         offload = c.offload(list(range(4)), keys)
-        wait_until(ended, 10, "the offload's end")
+        wait_until(lambda: no_tasks(c), 10, "the offload's end")
         load = c.load(keys, [20, 21, 22, 23])  # (its blocks stored by then)
-        wait_until(ended, 10, "the load's end")
+        wait_until(lambda: no_tasks(c), 10, "the load's end")
         assert offload.result is None and load.result is None  # ended, not yet read
         assert offload.cancel() == "done" and load.cancel() == "done"
         assert offload.wait(10)["stored"] == 4 and load.wait(10) == 4
@@ -299,8 +296,7 @@ def test_a_load_whose_client_closed_says_daemon_unavailable_not_attribute_error(
     finally:
         c.resume()
     done.wait(10)
-    wait_until(lambda: c.status()["tasks"]["inflight"] + c.status()["tasks"]["queued"] == 0, 10,
-               "the loads' ends")
+    wait_until(lambda: no_tasks(c), 10, "the loads' ends")
     c.close()
     with pytest.raises(DaemonUnavailable, match="client is closed"):
         load.wait_layer(0)

@@ -22,7 +22,7 @@ pytest.importorskip("vllm", reason="vLLM is installed in .venv-vllm: ./scripts/t
 # the suite-wide 120 s per test is too short for them
 pytestmark = pytest.mark.timeout(600)
 
-from conftest import disk_uri, free_port, sweep_crashed, wait_until  # noqa: E402
+from conftest import disk_uri, free_port, no_tasks, sweep_crashed, wait_until  # noqa: E402
 
 from kvcached_client import launch  # noqa: E402
 from kvcached_proto.liveness import pid_alive  # noqa: E402
@@ -145,11 +145,6 @@ def reference(model):
     return out
 
 
-def _idle(c) -> bool:
-    tasks = c.status()["tasks"]
-    return tasks["inflight"] + tasks["queued"] == 0
-
-
 def _wait_attached(daemon):
     vllm_driver.wait_attached(daemon)
 
@@ -191,7 +186,7 @@ def test_the_openai_server_as_the_readme_runs_it(model, reference, tmp_path, run
         server.post("/reset_prefix_cache?reset_external=true")  # a weight update's reset
         assert server.complete("B") == (reference["B"], 0)
         with daemon.connect() as c:  # its save lands after the reply (under load: after the next
-            wait_until(lambda: _idle(c), 30, "B's save in the host tier")  # request's lookup)
+            wait_until(lambda: no_tasks(c), 30, "B's save in the host tier")  # request's lookup)
         tokens, cached = server.complete("B")  # stored again since, under the new salt
         assert cached >= PREFIX
         server.post("/pause?clear_cache=true")
