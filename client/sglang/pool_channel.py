@@ -10,6 +10,7 @@ backend's `stats` and logged once per kind (storage.py).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from kvcached_proto import DaemonUnavailable, KvcachedTimeout, TaskStatus
@@ -33,8 +34,12 @@ class PoolChannel:
         self.keys = None  # PageKeys, set by the backend (and anew at each weight change)
         s = backend.settings
         label = f"sglang-{instance}" if name == "kv" else f"sglang-{instance}-{name}"
+        self._lock = threading.Lock()
+        self._calls: dict[int, int] = {}  # id(client) -> the calls in it now (SGLang's threads)
+        self._retired: list = []  # dropped clients kept open while a call uses them
         self.link: DaemonLink | None = DaemonLink(instance, s.run_dir, s.timeout_s, name=label,
-                                                  on_connect=self._register, hang_s=s.hang_s)
+                                                  on_connect=self._register, hang_s=s.hang_s,
+                                                  retire=self._retire)
 
     def _register(self, client) -> None:
         register_host_memory(client, self.layout, self.fds)
@@ -55,10 +60,12 @@ class PoolChannel:
     def call(self, what: str, fn, miss):
         """fn(client), or `miss` when no daemon is attached or the call failed (never raises)."""
         link, b = self.link, self.backend
-        client = link.refresh() if link is not None else None
-        if client is None:
-            b.stats["no_daemon"] += 1
-            return miss
+        with self._lock:
+            client = link.refresh() if link is not None else None
+            if client is None:
+                b.stats["no_daemon"] += 1
+                return miss
+            self._calls[id(client)] = self._calls.get(id(client), 0) + 1
         try:
             return fn(client)
         except Exception as exc:  # never into SGLang's threads: a miss
@@ -66,8 +73,30 @@ class PoolChannel:
             b._say(f"{what}:{type(exc).__name__}",
                    f"{what} failed, served as a miss: {type(exc).__name__}: {exc}")
             if isinstance(exc, DaemonUnavailable):
-                link.failed(exc)
+                with self._lock:
+                    link.failed(exc)
             return miss
+        finally:
+            self._left(client)
+
+    def _retire(self, client) -> None:
+        """A client dropped (its daemon gone or hung; the link's lock held) is closed once no call
+        uses it: a load in another of SGLang's threads may be waiting for a hung daemon to end
+        what it sent (_await_release), which only the open client can read - closed under it,
+        that wait would last until the daemon's process ended, stalling SGLang's prefetches."""
+        if self._calls.get(id(client)):
+            self._retired.append(client)
+        else:
+            client.close()
+
+    def _left(self, client) -> None:
+        with self._lock:
+            n = self._calls.pop(id(client)) - 1
+            if n:
+                self._calls[id(client)] = n
+            elif any(c is client for c in self._retired):
+                self._retired.remove(client)
+                client.close()
 
     # pages ---------------------------------------------------------------------------
     def lookup(self, hashes) -> int:
@@ -157,6 +186,10 @@ class PoolChannel:
         link, self.link = self.link, None
         if link is None:
             return
+        with self._lock:  # no call can take a client from the link now
+            retired, self._retired = self._retired, []
+        for client in retired:  # (a call still in one fails: a miss)
+            client.close()
         client = link.client
         if client is not None:
             try:

@@ -438,3 +438,25 @@ def test_a_load_sent_to_a_frozen_daemon_is_waited_for_until_the_daemon_ends_it(r
         assert result["got"] == [False] * 8  # not loaded as far as SGLang knows
         # the daemon did take it late (the test is not vacuous): the copy landed before return
         assert [sp.page_bytes(pool, p) for p in dst] == want
+
+
+def test_a_load_waiting_on_a_frozen_daemon_ends_once_it_wakes_though_another_call_dropped_it(
+        run_dir, monkeypatch):
+    """SGLang's prefetch thread waits for a load the frozen daemon never answered while its
+    backup thread's call finds the daemon hung and drops the connection. Once the daemon wakes
+    and ends the load, the prefetch returns: the dropped client stays open while a call uses it
+    (closed under the wait, the late end could not be read, and the prefetch thread waited
+    until the daemon's process ended)."""
+    monkeypatch.setenv("KVCACHED_HANG_S", "0.5")
+    with _stored_pages(run_dir, 8, 16, timeout_s=5) as (d, pool, backend, keys, dst, want):
+        process_stop.stop(d.pid)
+        caller, result = _get_in_thread(backend, pool, keys, dst)
+        time.sleep(1.0)  # the load sent, unanswered past the hang threshold
+        assert backend.batch_set_v1(keys[:2], sp.pages_of(pool, [1, 2])) == [False] * 2
+        assert backend.kv.link.client is None  # dropped
+        assert caller.is_alive(), "batch_get_v1 returned while the daemon could still take the load"
+        process_stop.go_on(d.pid)
+        caller.join(10)
+        assert not caller.is_alive(), "the prefetch still waits for a load the daemon ended"
+        assert result["got"] == [False] * 8
+        assert [sp.page_bytes(pool, p) for p in dst] == want  # the late load did land: not vacuous
