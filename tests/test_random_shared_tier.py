@@ -4,19 +4,23 @@ Mooncake Store), as two machines of a fleet share it, their host tiers laid out 
 on each deletes, prefetches, looks up and clears its host tier. With one KV geometry the daemons
 serve each other's blocks, and every block is compared with its key's content; with two
 (another dtype, the same page size) neither may ever serve a block of a key only the other
-stored, under any interleaving of puts, gets, prefetches and evictions. Seeded; KVCACHED_SOAK_OPS
-scales the run, KVCACHED_SOAK_SEED moves its seeds."""
+stored, under any interleaving of puts, gets, prefetches and evictions. Also with the Redis server
+frozen or restarted empty five times in the run: no wrong byte, no stalled engine, and the tier
+serving both daemons again after. Seeded; KVCACHED_SOAK_OPS scales the run, KVCACHED_SOAK_SEED
+moves its seeds."""
 from __future__ import annotations
 
 import os
 import random
 import threading
+import time
 
 import pytest
 import torch
-from conftest import small_kv, unique_instance
+from conftest import small_kv, unique_instance, wait_until
 from test_random_ops import BLOCKS, LAYERS, PAGE, SHAPE, Contents, Engine, _docs, _operator
 
+from kvcached.bench import process_stop
 from kvcached.bench.mooncake_servers import MooncakeStore, available
 from kvcached_client import launch
 from kvcached_proto import RequestError
@@ -41,15 +45,72 @@ def _tier(request, kind: str, tmp_path) -> str:
     return f"{store.uri}?segment_gb=0&host=127.0.0.1"
 
 
-@pytest.mark.parametrize("tier", ["redis", "mooncake"])
+class TierFaults(threading.Thread):
+    """What befalls the Redis server while the daemons work, each time the run says (`due`):
+    freezes (SIGSTOP for 0.3-1.2 s, past the tier's lookup and socket timeouts) or restarts
+    (stopped, and started again 0.1-0.4 s later empty, as a server without persistence comes
+    back)."""
+
+    def __init__(self, kind, server, seed):
+        super().__init__(name=f"tier-{kind}")
+        self.kind, self.server, self.rng = kind, server, random.Random(seed)
+        self.due, self.stop = threading.Semaphore(0), threading.Event()
+        self.asked = self.came = 0
+        self.error = None
+
+    def next(self) -> None:
+        """The next fault, once the one before is over (a restart takes a while)."""
+        deadline = time.monotonic() + 20
+        while self.came < self.asked and self.error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.asked += 1
+        self.due.release()
+
+    def tick(self, n: int, ops: int, clients) -> None:
+        """Step n of the run: a fault at five points of its first `ops` steps, their end at
+        `ops` (the `ops` steps after show the tier serving again)."""
+        if n < ops and n % (ops // 5) == ops // 10:
+            self.next()
+        elif n == ops:
+            self.end()
+            assert self.error is None and self.came == self.asked >= 3, (self.error, self.came)
+            wait_until(lambda: all(c.status()["storage"][0]["healthy"] for c in clients), 10,
+                       "the tier healthy again after the faults")
+            self.from_storage = [c.status()["lookups"]["loaded_from_storage"] for c in clients]
+
+    def end(self) -> None:
+        self.stop.set()
+        self.join(30)
+
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                if not self.due.acquire(timeout=0.05):
+                    continue
+                if self.kind == "freezes":
+                    with process_stop.stopped(self.server.proc.pid, "redis-server"):
+                        time.sleep(self.rng.uniform(0.3, 1.2))
+                else:
+                    self.server.stop()
+                    time.sleep(self.rng.uniform(0.1, 0.4))
+                    self.server.start()
+                self.came += 1
+        except Exception as exc:  # reported by the test
+            self.error = exc
+
+
+@pytest.mark.parametrize("tier,fault", [("redis", None), ("mooncake", None), ("redis", "freezes"),
+                                        ("redis", "restarts")])
 @pytest.mark.parametrize("geometry", ["same", "other"])
 def test_two_daemons_on_one_tier_share_only_their_geometrys_blocks_and_every_byte_is_right(
-        run_dir, tier, geometry, request, tmp_path):
+        run_dir, tier, fault, geometry, request, tmp_path):
+    """Also with the Redis server frozen or restarted empty, now and then (TierFaults)."""
     ops = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 4
-    seed = ({"redis": 11, "mooncake": 13}[tier] + (geometry == "other")
-            + int(os.environ.get("KVCACHED_SOAK_SEED", "0")))
+    seed = ({"redis": 11, "mooncake": 13}[tier] + (geometry == "other") + 2 * (fault == "freezes")
+            + 4 * (fault == "restarts") + int(os.environ.get("KVCACHED_SOAK_SEED", "0")))
     rng, docs = random.Random(seed), _docs()
     uri = _tier(request, tier, tmp_path)
+    faults = TierFaults(fault, request.getfixturevalue("redis_server"), seed) if fault else None
     dtypes = [torch.bfloat16, torch.bfloat16 if geometry == "same" else torch.float16]
     args = dict(run_dir=run_dir, host_cache_gb=HOST_PAGES * PAGE / 2**30, wait_storage=True)
     # the host layouts differ: a record's bytes are the block's whatever layout wrote it (a
@@ -67,10 +128,12 @@ def test_two_daemons_on_one_tier_share_only_their_geometrys_blocks_and_every_byt
         operators = [threading.Thread(target=_operator,
                                       args=(d, docs, seed + i, permits[i], stop, errors, done[i]))
                      for i, d in enumerate((da, db))]
-        for t in operators:
+        for t in operators + ([faults] if faults else []):
             t.start()
         try:
-            for _ in range(ops):
+            for n in range(ops + (ops if faults else 0)):
+                if faults:
+                    faults.tick(n, ops, (ca, cb))
                 i = rng.randrange(2)
                 if rng.random() < 0.3:
                     permits[i].release()
@@ -82,6 +145,8 @@ def test_two_daemons_on_one_tier_share_only_their_geometrys_blocks_and_every_byt
             errors.append(f"engine: {exc!r}")
         finally:
             stop.set()
+            if faults:
+                faults.end()
             for t in operators:
                 t.join(60)
         assert not any(t.is_alive() for t in operators)
@@ -92,8 +157,12 @@ def test_two_daemons_on_one_tier_share_only_their_geometrys_blocks_and_every_byt
         assert e.wrong == 0, f"seed {seed}: {e.wrong} of {e.loaded} loaded blocks wrong"
         assert e.loaded > ops // 10 and s["lookups"]["loaded_from_storage"] > 0, (e.loaded, s["lookups"])
         assert s["tasks"]["inflight"] == 0 and s["host"]["pinned_blocks"] == 0, s["tasks"]
+    if faults:  # the tier served each daemon again after the faults
+        assert all(s["lookups"]["loaded_from_storage"] > was for s, was in zip(statuses, faults.from_storage)), \
+            (faults.from_storage, [s["lookups"] for s in statuses])
     theirs = [e.theirs for e in engines]
-    if geometry == "same":  # each served blocks only the other daemon had stored
-        assert min(theirs) > 0, theirs
+    if geometry == "same":  # each served blocks only the other daemon had stored (with faults,
+        # over twice the steps, most keys were stored by both: blocks served across are fewer)
+        assert (sum(theirs) if faults else min(theirs)) > 0, theirs
     else:  # never a block of the other geometry
         assert theirs == [0, 0], theirs
