@@ -129,14 +129,16 @@ class Faults:
     """The daemon under the worker, and what befalls it in the middle of a step (right after its
     loads are sent, or their first layer landed, or its saves are sent). kills: killed (-9)
     three times, each once the worker is attached again, a successor started on the same disk
-    tier 30 steps later. freezes: every 100 steps while attached, stopped (SIGSTOP) for 0.4-0.8 s
+    tier 30 steps later; stops: the same with a graceful stop (SIGTERM: it drains what is queued
+    while the worker already counts it gone). freezes: every 100 steps while attached, stopped
+    (SIGSTOP) for 0.4-0.8 s
     against the worker's hang threshold of 0.3 s. Else the host tier is cleared every 61 steps."""
 
     def __init__(self, kind, start, instance, steps, rng):
         self.kind, self.start, self.instance, self.rng = kind, start, instance, rng
         self.daemon = start()
         self.op = self.daemon.connect(role="operator")
-        self.kills = [steps * k // 5 for k in (1, 2, 3)] if kind == "kills" else []
+        self.kills = [steps * k // 5 for k in (1, 2, 3)] if kind in ("kills", "stops") else []
         self.restart_at = self.thaw_at = None
         self.fault: list = []  # (point, what) due in the next step, in order
         self.freezes, self.paused = 0, False
@@ -170,10 +172,11 @@ class Faults:
             self.clients.append(client)
         if self.kills and n >= self.kills[0] and client is not None and self.restart_at is None:
             self.kills.pop(0)
-            self._soon(lambda: os.kill(self.daemon.pid, signal.SIGKILL))
+            how = signal.SIGKILL if self.kind == "kills" else signal.SIGTERM
+            self._soon(lambda: os.kill(self.daemon.pid, how))
             self.restart_at = n + 30
         elif n == self.restart_at:
-            self.daemon.proc.wait(10)
+            self.daemon.proc.wait(30)
             sweep_crashed(self.instance)
             self.op.close()
             self.daemon, self.restart_at = self.start(), None
@@ -217,7 +220,8 @@ class Faults:
 @pytest.mark.parametrize("layout,mode,seed,faults", [("LBNHC", "direct", 1, None), ("BLNHC", "staging", 2, None),
                                                      ("LBNHC", "direct", 3, "kills"),
                                                      ("BLNHC", "staging", 4, "kills"),
-                                                     ("LBHNC", "direct", 5, "freezes")])
+                                                     ("LBHNC", "direct", 5, "freezes"),
+                                                     ("LBNHC", "direct", 7, "stops")])
 def test_random_steps_load_only_their_keys_kv(run_dir, instance, disk_dir, layout, mode, seed, faults):
     """Also with the daemon killed and restarted, or frozen past the hang threshold (Faults):
     the loads in flight are load errors (recomputed) or their keys' KV, never another's."""
@@ -260,7 +264,7 @@ def test_random_steps_load_only_their_keys_kv(run_dir, instance, disk_dir, layou
     assert sched.checked > steps // 4 and sched.errors > 0 and sched.preempted > 0, vars(sched)
     assert status["lookups"]["loaded_from_storage"] > 0 and status["host"]["evictions"] > 0, \
         (status["host"], status["lookups"])
-    if faults == "kills":  # each successor attached
+    if faults in ("kills", "stops"):  # each successor attached
         assert not fx.kills and len(fx.clients) >= 4, (fx.kills, len(fx.clients))
     elif faults == "freezes":  # seen as hangs: the worker attached again after
         assert fx.freezes >= 3 and len(fx.clients) >= 2, (fx.freezes, len(fx.clients))
