@@ -131,8 +131,7 @@ class Faults:
     three times, each once the worker is attached again, a successor started on the same disk
     tier 30 steps later; stops: the same with a graceful stop (SIGTERM: it drains what is queued
     while the worker already counts it gone). freezes: every 100 steps while attached, stopped
-    (SIGSTOP) for 0.4-0.8 s
-    against the worker's hang threshold of 0.3 s. Else the host tier is cleared every 61 steps."""
+    (SIGSTOP) for 0.4-0.8 s against the worker's hang threshold of 0.3 s. Else the host tier is cleared every 61 steps."""
 
     def __init__(self, kind, start, instance, steps, rng):
         self.kind, self.start, self.instance, self.rng = kind, start, instance, rng
