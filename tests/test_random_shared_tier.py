@@ -4,8 +4,8 @@ Mooncake Store), as two machines of a fleet share it, their host tiers laid out 
 on each deletes, prefetches, looks up and clears its host tier. With one KV geometry the daemons
 serve each other's blocks, and every block is compared with its key's content; with two
 (another dtype, the same page size) neither may ever serve a block of a key only the other
-stored, under any interleaving of puts, gets, prefetches and evictions. Also with the Redis server
-frozen or restarted empty five times in the run: no wrong byte, no stalled engine, and the tier
+stored, under any interleaving of puts, gets, prefetches and evictions. Also with the tier's server
+frozen (Redis, Mooncake's master), or Redis restarted empty, five times in the run: no wrong byte, no stalled engine, and the tier
 serving both daemons again after. Seeded; KVCACHED_SOAK_OPS scales the run, KVCACHED_SOAK_SEED
 moves its seeds."""
 from __future__ import annotations
@@ -35,21 +35,23 @@ def _engine(client, dtype, seed) -> Engine:
     return Engine(client, Contents(kv), random.Random(seed))
 
 
-def _tier(request, kind: str, tmp_path) -> str:
+def _tier(request, kind: str, tmp_path):
+    """(the tier's URI, its server: RedisServer or MooncakeStore)."""
     if kind == "redis":
-        return request.getfixturevalue("redis_server").uri
+        server = request.getfixturevalue("redis_server")
+        return server.uri, server
     if not available():
         pytest.skip("the mooncake extra is not installed")
     store = MooncakeStore(provider_mb=128, log_dir=str(tmp_path))
     request.addfinalizer(store.close)
-    return f"{store.uri}?segment_gb=0&host=127.0.0.1"
+    return f"{store.uri}?segment_gb=0&host=127.0.0.1", store
 
 
 class TierFaults(threading.Thread):
-    """What befalls the Redis server while the daemons work, each time the run says (`due`):
-    freezes (SIGSTOP for 0.3-1.2 s, past the tier's lookup and socket timeouts) or restarts
-    (stopped, and started again 0.1-0.4 s later empty, as a server without persistence comes
-    back)."""
+    """What befalls the tier's server (redis-server; Mooncake's master) while the daemons work,
+    each time the run says (`due`): freezes (SIGSTOP for 0.3-1.2 s, past the tier's lookup and
+    I/O timeouts) or restarts (Redis: stopped, and started again 0.1-0.4 s later empty, as a
+    server without persistence comes back)."""
 
     def __init__(self, kind, server, seed):
         super().__init__(name=f"tier-{kind}")
@@ -88,7 +90,8 @@ class TierFaults(threading.Thread):
                 if not self.due.acquire(timeout=0.05):
                     continue
                 if self.kind == "freezes":
-                    with process_stop.stopped(self.server.proc.pid, "redis-server"):
+                    pid = self.server.proc.pid if hasattr(self.server, "proc") else self.server.master.pid
+                    with process_stop.stopped(pid, "the tier's server"):
                         time.sleep(self.rng.uniform(0.3, 1.2))
                 else:
                     self.server.stop()
@@ -100,17 +103,17 @@ class TierFaults(threading.Thread):
 
 
 @pytest.mark.parametrize("tier,fault", [("redis", None), ("mooncake", None), ("redis", "freezes"),
-                                        ("redis", "restarts")])
+                                        ("redis", "restarts"), ("mooncake", "freezes")])
 @pytest.mark.parametrize("geometry", ["same", "other"])
 def test_two_daemons_on_one_tier_share_only_their_geometrys_blocks_and_every_byte_is_right(
         run_dir, tier, fault, geometry, request, tmp_path):
-    """Also with the Redis server frozen or restarted empty, now and then (TierFaults)."""
+    """Also with the tier's server frozen, or Redis restarted empty, now and then (TierFaults)."""
     ops = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 4
     seed = ({"redis": 11, "mooncake": 13}[tier] + (geometry == "other") + 2 * (fault == "freezes")
             + 4 * (fault == "restarts") + int(os.environ.get("KVCACHED_SOAK_SEED", "0")))
     rng, docs = random.Random(seed), _docs()
-    uri = _tier(request, tier, tmp_path)
-    faults = TierFaults(fault, request.getfixturevalue("redis_server"), seed) if fault else None
+    uri, server = _tier(request, tier, tmp_path)
+    faults = TierFaults(fault, server, seed) if fault else None
     dtypes = [torch.bfloat16, torch.bfloat16 if geometry == "same" else torch.float16]
     args = dict(run_dir=run_dir, host_cache_gb=HOST_PAGES * PAGE / 2**30, wait_storage=True)
     # the host layouts differ: a record's bytes are the block's whatever layout wrote it (a
