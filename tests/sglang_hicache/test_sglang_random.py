@@ -4,20 +4,17 @@ model attached to one daemon, each with a backup thread (batch_set_v1) and a pre
 for them (evictions, the disk tier behind it), and an operator clearing the host tier now and
 then. A page's bytes are a function of its key, so every page a get says it loaded is compared
 with its key's, and no page of a get may change after the get returned (SGLang reuses them):
-a late copy. Also with the daemon killed (-9) and restarted on its disk tier, or frozen past
-the hang threshold, often with its copies queued. Seeded; KVCACHED_SOAK_OPS scales it. Runs in
-.venv-sglang."""
+a late copy. Also with the daemon killed (-9) and restarted on its disk tier, frozen past the
+hang threshold or paused past the calls' timeout, often with its copies queued; and with the
+second instance a process of its own (random_instance.py), killed in its calls. Seeded;
+KVCACHED_SOAK_OPS scales it. Runs in .venv-sglang."""
 from __future__ import annotations
 
-import ctypes
-import hashlib
 import os
 import random
 import signal
-import threading
 import time
 
-import numpy as np
 import pytest
 
 pytest.importorskip("sglang", reason="SGLang is installed in .venv-sglang: ./scripts/test.sh --with-sglang")
@@ -28,106 +25,13 @@ from conftest import disk_uri, no_tasks, sweep_crashed, wait_until  # noqa: E402
 
 from kvcached.bench import process_stop  # noqa: E402
 from kvcached_client import launch  # noqa: E402
-
-DOCS, DOC_PAGES = 10, 8
-HOST_PAGES = 40        # of the daemon's host tier: half the pages in play
-PAGE_BYTES = sp.LAYERS * 2 * sp.PAGE * sp.HEADS * sp.HEAD_DIM * 2  # an MHA page, K and V
-
-
-def _content(key: str, size: int) -> bytes:
-    seed = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
-    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
-
-
-def _write_page(pool, page: int, key: str) -> None:
-    ptrs, sizes = pool.get_page_buffer_meta(sp.pages_of(pool, [page]))
-    data, at = _content(key, sum(sizes)), 0
-    for p, s in zip(ptrs, sizes):
-        ctypes.memmove(p, data[at:at + s], s)
-        at += s
-
-
-class Instance:
-    """One SGLang instance: its pool split between its backup and its prefetch thread."""
-
-    def __init__(self, layout: str, extra: dict, docs, seed: int, ops: int):
-        self.pool = sp.make_pool("mha", layout, device_tokens=2048)
-        self.backend = sp.attach(self.pool, extra)
-        self.docs, self.seed, self.ops = docs, seed, ops
-        self.errors: list[str] = []
-        self.counts = {"set": 0, "got": 0, "exists": 0}
-        self.settled: dict[int, bytes] = {}  # a prefetch page: its bytes when its get returned
-        self.done = 0  # calls made, both threads (the faults' clock)
-        self.stop = threading.Event()  # the run's end, before `ops` calls a thread
-
-    def served(self) -> int:
-        return self.counts["set"] + self.counts["got"]
-
-    def _chain(self, rng):
-        keys = rng.choice(self.docs)
-        return keys[: rng.randint(1, DOC_PAGES)]
-
-    def backups(self) -> None:
-        rng = random.Random(self.seed)
-        for _ in range(self.ops):
-            if self.stop.is_set():
-                return
-            keys = self._chain(rng)
-            pages = rng.sample(range(1, 25), len(keys))  # soon reused
-            for page, key in zip(pages, keys):
-                _write_page(self.pool, page, key)
-            stored = self.backend.batch_set_v1(keys, sp.pages_of(self.pool, pages))
-            self.counts["set"] += sum(stored)
-            self.done += 1
-
-    def prefetches(self) -> None:
-        rng = random.Random(self.seed + 1)
-        for _ in range(self.ops):
-            if self.stop.is_set():
-                return
-            self._check_settled()
-            self.done += 1
-            keys = self._chain(rng)
-            if rng.random() < 0.3:
-                self.counts["exists"] += self.backend.batch_exists(keys)
-                continue
-            pages = rng.sample(range(100, 250), len(keys))
-            for page in pages:  # nothing earlier can pass for a page's bytes
-                self.settled.pop(page, None)
-                _write_page(self.pool, page, "scribble")
-            got = self.backend.batch_get_v1(keys, sp.pages_of(self.pool, pages))
-            for page, key, ok in zip(pages, keys, got):
-                self.settled[page] = now = sp.page_bytes(self.pool, page)
-                if ok and now != _content(key, PAGE_BYTES):
-                    self.errors.append(f"page of key {key[:12]} (host page {page}) wrong")
-            self.counts["got"] += sum(got)
-
-    def _check_settled(self) -> None:
-        """No page of a get that returned has changed since (a copy landing in a page SGLang
-        may have reused)."""
-        for page, was in list(self.settled.items()):
-            if sp.page_bytes(self.pool, page) != was:
-                self.errors.append(f"host page {page} written after its get returned")
-                self.settled.pop(page)
-
-    def run(self) -> list[threading.Thread]:
-        def guarded(fn):
-            try:
-                fn()
-            except Exception as exc:  # reported by the test
-                self.errors.append(f"{fn.__name__}: {exc!r}")
-        threads = [threading.Thread(target=guarded, args=(f,), name=f"{f.__name__}-{self.seed}")
-                   for f in (self.backups, self.prefetches)]
-        for t in threads:
-            t.start()
-        return threads
-
+from random_instance import DOCS, HOST_PAGES, PAGE_BYTES, Instance, _content, docs_of  # noqa: E402
 
 @pytest.mark.parametrize("layout,seed", [("page_first", 1), ("layer_first", 2)])
 def test_random_backups_and_prefetches_of_two_instances_load_only_their_keys_bytes(run_dir, tmp_path,
                                                                                    layout, seed):
     ops = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 8
-    docs = [sp.page_hashes(DOC_PAGES, seed=1000 * seed + d) for d in range(DOCS)]
+    docs = docs_of(seed)
     assert _content(docs[0][0], 64) != _content(docs[0][1], 64)  # the check can tell pages apart
     host_gb = HOST_PAGES * PAGE_BYTES / 2**30
     with launch(instance=f"sgr{os.getpid()}-{seed}", run_dir=run_dir, host_cache_gb=host_gb,
@@ -236,7 +140,7 @@ def test_random_calls_with_the_daemon_killed_frozen_or_paused_load_only_their_ke
     """Every call returns (a miss, never an exception), a page a get says it loaded is its key's,
     no page changes after its get returned, and the backends attach to each successor."""
     calls = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 10
-    docs = [sp.page_hashes(DOC_PAGES, seed=1000 * seed + d) for d in range(DOCS)]
+    docs = docs_of(seed)
     start = lambda: launch(  # noqa: E731
         instance=f"sgf{os.getpid()}-{seed}", run_dir=run_dir, host_cache_gb=HOST_PAGES * PAGE_BYTES / 2**30,
         extra_args=["--storage", disk_uri(str(tmp_path / "disk")), "--host-layout", layout],
@@ -270,3 +174,66 @@ def test_random_calls_with_the_daemon_killed_frozen_or_paused_load_only_their_ke
     assert all(s["errors"] + s["no_daemon"] > 0 for s in stats), stats  # the faults cost misses
     if kind == "kills":
         assert status["lookups"]["loaded_from_storage"] > 0, status["lookups"]
+
+
+@pytest.mark.faults
+def test_an_instance_killed_in_its_calls_costs_the_other_no_wrong_page(run_dir, tmp_path):
+    """A second SGLang instance on the daemon, a process of its own backing up half the
+    documents, is killed (-9) four times in the middle of its calls, 3 times in 4 with the
+    daemon paused so its copies are queued, and started again. The instance that stays backs up
+    the other half and loads every document: only its keys' bytes, many of them stored by the
+    killed ones; the daemon's invariants hold and nothing the dead held stays pinned."""
+    rng, docs = random.Random(7), docs_of(7)
+    instance = f"sgk{os.getpid()}"
+    with launch(instance=instance, run_dir=run_dir, host_cache_gb=HOST_PAGES * PAGE_BYTES / 2**30,
+                extra_args=["--storage", disk_uri(str(tmp_path / "disk"))], wait_storage=True) as d, \
+            d.connect(role="operator") as op:
+        extra = sp.extra_config(instance, run_dir, timeout_s=2.0)
+        stays = Instance("page_first", extra, docs, 70, ops=10**9, backed_up=docs[:DOCS // 2])
+        threads, killed_said = stays.run(), []
+        try:
+            for k in range(4):
+                killed_said += _killed_in_its_calls(op, rng, extra, k)
+        finally:
+            stays.stop.set()
+            for t in threads:
+                t.join(20)
+        wait_until(lambda: no_tasks(op), 10, "the daemon idle")
+        stays._check_settled()
+        status, check = op.status(), op.check()
+        stays.backend.close()
+    assert not stays.errors and not killed_said, (stays.errors[:5], killed_said[:5])
+    assert check == "ok"
+    assert status["host"]["pinned_blocks"] == 0, status["host"]
+    assert stays.counts["theirs"] > 0 and stays.counts["set"] > 0, stays.counts
+
+
+def _killed_in_its_calls(op, rng, extra, k: int) -> list[str]:
+    """One instance process started, killed (-9) 0.2-0.6 s into its calls: what it said (errors
+    it found in its own loads) and, once the daemon dropped its connection, nothing more."""
+    import json
+    import subprocess
+    import sys
+
+    args = dict(layout="page_first", extra=extra, docs_seed=7, seed=80 + k,
+                backed_up=list(range(DOCS // 2, DOCS)))
+    proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "random_instance.py"),
+                             json.dumps(args)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        clients = op.status()["clients"]
+        time.sleep(rng.uniform(0.2, 0.6))
+        paused = rng.random() < 0.75
+        if paused:
+            op.pause()
+            time.sleep(rng.uniform(0.01, 0.05))
+        proc.kill()
+        proc.wait(10)
+        if paused:
+            op.resume()
+        wait_until(lambda: op.status()["clients"] < clients, 10, "the killed instance's connection dropped")
+        return [line for line in proc.stdout.read().splitlines() if line]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
