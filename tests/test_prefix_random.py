@@ -228,71 +228,88 @@ def test_random_requests_over_two_tensor_parallel_ranks(run_dir, tmp_path):
     assert stats["offload_failures"] == 0 and stats["daemon_errors"] == 0, stats
 
 
+class RankFaults:
+    """What befalls rank 1's daemon between the manager's steps (`between`). kills: killed (-9)
+    three times mid-run, a successor started on its disk tier 40 steps later. freezes: every
+    150 steps, stopped (SIGSTOP) for 0.4-0.8 s against a hang threshold of 0.3 s. busy: every 50
+    steps both daemons are paused for 0.15 s, so rank 1 (2 queued tasks at most) refuses (BUSY)
+    loads and offloads that rank 0 took. `attached`: each client rank 1 was attached with."""
+
+    def __init__(self, kind, g, handles, start, ops, steps, rng):
+        """start(): rank 1's successor; ops: an operator client per rank."""
+        self.kind, self.g, self.handles, self.start, self.ops, self.rng = kind, g, handles, start, ops, rng
+        self.kills = [steps * k // 5 for k in (1, 2, 3)] if kind == "kills" else []
+        self.restart_at = self.thaw_at = self.timer = None
+        self.freezes = 0
+        self.attached: list = []
+
+    def between(self, n: int) -> None:
+        client = self.g.links[1].client
+        if client is not None and not any(c is client for c in self.attached):
+            self.attached.append(client)
+        if self.kills and n >= self.kills[0] and not self.g.missing and self.restart_at is None:
+            self.kills.pop(0)
+            os.kill(self.handles[1].pid, signal.SIGKILL)
+            self.handles[1].proc.wait(10)
+            sweep_crashed(self.handles[1].instance)
+            self.restart_at = n + 40
+        elif n == self.restart_at:
+            self.handles[1], self.restart_at = self.start(), None
+            wait_until(lambda: self.g.links[1].client is not None or self.g.links[1].has_ready(), 10,
+                       "the group's watcher to have rank 1's successor ready")
+        elif self.kind == "busy" and n % 50 == 25:  # rank 1's queue fills: BUSY until both go on
+            for op in self.ops:
+                op.pause()
+            self.timer = threading.Timer(0.15, lambda: [op.resume() for op in self.ops])
+            self.timer.start()
+        elif self.kind == "freezes":
+            self._freeze_or_thaw(n)
+
+    def _freeze_or_thaw(self, n: int) -> None:
+        if self.thaw_at is None and n % 150 == 75 and not self.g.missing:
+            process_stop.stop(self.handles[1].pid, "rank 1's daemon")
+            self.thaw_at = time.monotonic() + self.rng.uniform(0.4, 0.8)
+            self.freezes += 1
+        elif self.thaw_at is not None and time.monotonic() > self.thaw_at:
+            process_stop.go_on(self.handles[1].pid, "rank 1's daemon")
+            self.thaw_at = None
+        if self.thaw_at is not None or self.g.missing:
+            time.sleep(0.004)  # an engine's step takes time: the watcher gets its turns
+
+    def settle(self) -> None:
+        """The run's end: the timer done, rank 1's daemon going on."""
+        if self.timer is not None:
+            self.timer.join(10)
+        process_stop.go_on(self.handles[1].pid, "rank 1's daemon")
+
+
 @pytest.mark.parametrize("faults", ["kills", "freezes", "busy"])
 def test_random_requests_over_two_ranks_one_failing(run_dir, tmp_path, faults):
     """Two ranks again, rank 1's daemon failing with the manager's loads and offloads in flight
-    on both ranks. kills: killed (-9) three times mid-run, a successor started on its disk tier
-    40 steps later. freezes: every 150 steps, stopped (SIGSTOP) for 0.4-0.8 s against a hang
-    threshold of 0.3 s. busy: rank 1 takes 2 queued tasks at most, and every 50 steps both
-    daemons are paused for 0.15 s, so rank 1 refuses (BUSY) loads and offloads that rank 0 took
-    (without the group revoking rank 0's offloads, the engine was given another request's KV in
-    every run). Rank 0 has loaded what rank 1 has not, so a hit is the shorter rank's or
-    none, and every block the manager calls computed holds each rank's KV of its key (both
-    shards checked). The engine never sees an error (before, an offload that failed on the
-    killed rank raised TaskFailed out of `allocate`, from the manager's poll); the group
-    reattaches rank 1 in the background."""
+    on both ranks (RankFaults: killed, frozen, or refusing what rank 0 took - without the group
+    revoking rank 0's offloads, the engine was given another request's KV in every busy run).
+    Rank 0 has loaded what rank 1 has not, so a hit is the shorter rank's or none, and every
+    block the manager calls computed holds each rank's KV of its key (both shards checked). The
+    engine never sees an error (before, an offload that failed on the killed rank raised
+    TaskFailed out of `allocate`, from the manager's poll); the group reattaches rank 1 in the
+    background."""
     steps = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 2
     seed = {"kills": 7, "freezes": 8, "busy": 9}[faults]
     rng = random.Random(seed)
     shards = [_kv(seed, r) for r in range(2)]
     busy = ["--max-queued-tasks", "2"] if faults == "busy" else []
     extra = lambda r: ["--storage", disk_uri(str(tmp_path / f"disk{r}"))] + (busy if r == 1 else [])  # noqa: E731
-    kills = [steps * k // 5 for k in (1, 2, 3)] if faults == "kills" else []
     with ranks(run_dir, 2, extra) as (names, handles):
         g = GroupClient.connect(names, run_dir=run_dir, hang_s=0.3 if faults == "freezes" else None)
         ops = [Client.connect(name, run_dir, role="operator") for name in names]
-        state = {"restart_at": None, "thaw_at": None, "freezes": 0}
-        attached: list = []  # each client rank 1 was attached with
-
-        def between(n):
-            client = g.links[1].client
-            if client is not None and not any(c is client for c in attached):
-                attached.append(client)
-            if kills and n >= kills[0] and not g.missing and state["restart_at"] is None:
-                kills.pop(0)
-                os.kill(handles[1].pid, signal.SIGKILL)
-                handles[1].proc.wait(10)
-                sweep_crashed(names[1])
-                state["restart_at"] = n + 40
-            elif n == state["restart_at"]:
-                handles[1] = launch(instance=names[1], run_dir=run_dir, host_cache_gb=0.05,
-                                    extra_args=extra(1), wait_storage=True)
-                state["restart_at"] = None
-                wait_until(lambda: g.links[1].client is not None or g.links[1].has_ready(), 10,
-                           "the group's watcher to have rank 1's successor ready")
-            elif faults == "busy" and n % 50 == 25:  # rank 1's queue fills: BUSY until both go on
-                for op in ops:
-                    op.pause()
-                state["timer"] = threading.Timer(0.15, lambda: [op.resume() for op in ops])
-                state["timer"].start()
-            elif faults == "freezes":
-                if state["thaw_at"] is None and n % 150 == 75 and not g.missing:
-                    process_stop.stop(handles[1].pid, "rank 1's daemon")
-                    state["thaw_at"] = time.monotonic() + rng.uniform(0.4, 0.8)
-                    state["freezes"] += 1
-                elif state["thaw_at"] is not None and time.monotonic() > state["thaw_at"]:
-                    process_stop.go_on(handles[1].pid, "rank 1's daemon")
-                    state["thaw_at"] = None
-                if state["thaw_at"] is not None or g.missing:
-                    time.sleep(0.004)  # an engine's step takes time: the watcher gets its turns
-
+        start = lambda: launch(instance=names[1], run_dir=run_dir, host_cache_gb=0.05,  # noqa: E731
+                               extra_args=extra(1), wait_storage=True)
+        fx = RankFaults(faults, g, handles, start, ops, steps, rng)
         try:
             mgr = PrefixCacheManager(GPU_BLOCKS, BS, client=g, namespace=NS, kv_caches=shards)
             eng = RandomEngine(mgr, shards, rng)
-            stats = _run(mgr, eng, rng, steps, between)
-            if state.get("timer") is not None:
-                state["timer"].join(10)
-            process_stop.go_on(handles[1].pid, "rank 1's daemon")
+            stats = _run(mgr, eng, rng, steps, fx.between)
+            fx.settle()
             deadline = time.monotonic() + 10  # the engine goes on; rank 1 is attached again
             while g.missing and time.monotonic() < deadline:
                 stats = _run(mgr, eng, rng, 5)
@@ -305,7 +322,7 @@ def test_random_requests_over_two_ranks_one_failing(run_dir, tmp_path, faults):
                 op.close()
             g.close()
     _exercised(eng, stats, steps)
-    assert not kills and state["restart_at"] is None, (kills, state)
+    assert not fx.kills and fx.restart_at is None, (fx.kills, fx.restart_at)
     # rank 1 attached again after each kill (a successor) and each freeze (the same daemon)
     if faults != "busy":
-        assert len(attached) >= 4 and (faults == "kills" or state["freezes"] >= 3), (len(attached), state)
+        assert len(fx.attached) >= 4 and (faults == "kills" or fx.freezes >= 3), (len(fx.attached), fx.freezes)
