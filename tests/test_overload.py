@@ -198,6 +198,13 @@ def test_a_hello_that_came_on_a_connection_shut_at_the_cap_registers_no_client(r
                 extra_args=["--max-connections-per-peer", "1"]) as d, d.connect(timeout=5) as first:
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        own = 0  # this test's status calls since `handled` (each counted in its own answer)
+
+        def status() -> dict:
+            nonlocal own
+            own += 1
+            return first.status()
+        handled = first.status()["requests"]["handled"]
         process_stop.stop(d.pid, "the daemon")
         try:
             sock.connect(f"ipc://{run_dir}/{instance}.sock")
@@ -205,9 +212,10 @@ def test_a_hello_that_came_on_a_connection_shut_at_the_cap_registers_no_client(r
             time.sleep(0.1)
         finally:
             process_stop.go_on(d.pid, "the daemon")
-        wait_until(lambda: first.status()["connections"]["refused"] >= 1, 5, "the connection refused")
+        wait_until(lambda: status()["connections"]["refused"] >= 1, 5, "the connection refused")
+        wait_until(lambda: status()["requests"]["handled"] - handled - own >= 1, 5,
+                   "the ghost's hello read by the daemon")  # (else the check below could not fail)
         sock.close()
-        time.sleep(0.2)  # (the hello, if it came, handled)
         assert first.status()["clients"] == 1
 
 
