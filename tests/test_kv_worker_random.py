@@ -131,7 +131,8 @@ class Faults:
     three times, each once the worker is attached again, a successor started on the same disk
     tier 30 steps later; stops: the same with a graceful stop (SIGTERM: it drains what is queued
     while the worker already counts it gone). freezes: every 100 steps while attached, stopped
-    (SIGSTOP) for 0.4-0.8 s against the worker's hang threshold of 0.3 s. Else the host tier is cleared every 61 steps."""
+    (SIGSTOP) for 0.4-0.8 s against the worker's hang threshold of 0.3 s; pauses: every 40
+    steps paused as long against the worker's timeout of 0.3 s (slow, not hung). Else the host tier is cleared every 61 steps."""
 
     def __init__(self, kind, start, instance, steps, rng):
         self.kind, self.start, self.instance, self.rng = kind, start, instance, rng
@@ -182,16 +183,22 @@ class Faults:
             self.op = self.daemon.connect(role="operator")
             wait_until(lambda: worker.link.client is not None or worker.link.has_ready(), 10,
                        "the worker's watcher to have the successor's connection ready")
-        elif self.kind == "freezes":
-            if self.thaw_at is None and n % 100 == 50 and client is not None:
+        elif self.kind in ("freezes", "pauses"):
+            every = 100 if self.kind == "freezes" else 40
+            if self.thaw_at is None and n % every == every // 2 and client is not None:
                 self.thaw_at, self.freezes = time.monotonic() + self.rng.uniform(0.4, 0.8), self.freezes + 1
-                self._soon(lambda: process_stop.stop(self.daemon.pid, "the daemon"))
+                self._soon(lambda: process_stop.stop(self.daemon.pid, "the daemon")
+                           if self.kind == "freezes" else self._pause_long())
             elif self.thaw_at is not None and time.monotonic() > self.thaw_at:
                 self._thaw()
             if self.thaw_at is not None or client is None:
                 time.sleep(0.004)  # an engine's step takes time: the watcher gets its turns
         elif n % 61 == 60 and self.restart_at is None:
             self.op.clear(tier="host")
+
+    def _pause_long(self) -> None:
+        self.op.pause()
+        self.paused = True
 
     def _thaw(self) -> None:
         process_stop.go_on(self.daemon.pid, "the daemon")
@@ -220,7 +227,8 @@ class Faults:
                                                      ("LBNHC", "direct", 3, "kills"),
                                                      ("BLNHC", "staging", 4, "kills"),
                                                      ("LBHNC", "direct", 5, "freezes"),
-                                                     ("LBNHC", "direct", 7, "stops")])
+                                                     ("LBNHC", "direct", 7, "stops"),
+                                                     ("BLNHC", "direct", 8, "pauses")])
 def test_random_steps_load_only_their_keys_kv(run_dir, instance, disk_dir, layout, mode, seed, faults):
     """Also with the daemon killed and restarted, or frozen past the hang threshold (Faults):
     the loads in flight are load errors (recomputed) or their keys' KV, never another's."""
@@ -234,7 +242,8 @@ def test_random_steps_load_only_their_keys_kv(run_dir, instance, disk_dir, layou
     fx = Faults(faults, start, instance, steps, rng)
     try:
         worker, got = make_worker(fx.daemon, kv, direct=(mode == "direct"),
-                                  hang_s=0.3 if faults == "freezes" else None)
+                                  hang_s=0.3 if faults == "freezes" else None,
+                                  timeout=0.3 if faults == "pauses" else 10.0)
         assert got == mode
         sched = Steps(worker, kv, rng, fx.at)
         try:
@@ -265,5 +274,7 @@ def test_random_steps_load_only_their_keys_kv(run_dir, instance, disk_dir, layou
         (status["host"], status["lookups"])
     if faults in ("kills", "stops"):  # each successor attached
         assert not fx.kills and len(fx.clients) >= 4, (fx.kills, len(fx.clients))
+    elif faults == "pauses":  # slow, not gone: the one client throughout
+        assert fx.freezes >= 3 and len(fx.clients) == 1, (fx.freezes, len(fx.clients))
     elif faults == "freezes":  # seen as hangs: the worker attached again after
         assert fx.freezes >= 3 and len(fx.clients) >= 2, (fx.freezes, len(fx.clients))
