@@ -146,7 +146,8 @@ def _kv(seed, rank=0):
 
 @pytest.mark.parametrize("policy,seed,faults", [("write_through", 1, None), ("write_back", 2, None),
                                                 ("write_through_selective", 3, None),
-                                                ("write_through", 4, "kills"), ("write_back", 6, "freezes")])
+                                                ("write_through", 4, "kills"), ("write_back", 6, "freezes"),
+                                                ("write_back", 10, "pauses")])
 def test_random_requests_are_only_ever_given_their_own_kv(run_dir, instance, disk_dir, policy, seed,
                                                           faults):
     """kills: the daemon is killed (-9) three times mid-run, each once the manager has attached
@@ -155,7 +156,8 @@ def test_random_requests_are_only_ever_given_their_own_kv(run_dir, instance, dis
     freezes: every 150 steps while attached, the daemon is stopped (SIGSTOP) for 0.4-0.8 s
     against a hang threshold of 0.3 s, so loads and offloads in flight end late or not at all
     from the manager's side: it detaches, holds the blocks they may still write, and attaches
-    again once the daemon goes on."""
+    again once the daemon goes on. pauses: every 60 steps the daemon is paused (its operator's
+    pause: slow, not hung) for 0.4-0.8 s against the manager's timeout of 0.3 s."""
     steps = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 2
     rng, kv = random.Random(seed), _kv(seed)
     start = lambda: launch(instance=instance, run_dir=run_dir, host_cache_gb=HOST_GB,  # noqa: E731
@@ -175,6 +177,13 @@ def test_random_requests_are_only_ever_given_their_own_kv(run_dir, instance, dis
             state["daemon"], state["restart_at"] = start(), None
             wait_until(lambda: mgr.attached or mgr.link.has_ready(), 10,
                        "the manager's watcher to have the successor's connection ready")
+        elif faults == "pauses" and n % 60 == 30:  # (the engine may wait on it: a timer resumes)
+            if state.get("timer") is not None:
+                state["timer"].join(10)
+            state["op"].pause()
+            state["timer"] = threading.Timer(rng.uniform(0.4, 0.8), state["op"].resume)
+            state["timer"].start()
+            state["freezes"] += 1
         elif faults == "freezes":
             if state["thaw_at"] is None and n % 150 == 75 and mgr.attached:
                 process_stop.stop(daemon.pid, "the daemon")
@@ -187,17 +196,26 @@ def test_random_requests_are_only_ever_given_their_own_kv(run_dir, instance, dis
 
     try:
         hang_s = 0.3 if faults == "freezes" else None
-        mgr = PrefixCacheManager(GPU_BLOCKS, BS, client=state["daemon"].connect(timeout=10, hang_s=hang_s),
+        if faults == "pauses":
+            state["op"] = state["daemon"].connect(role="operator")
+        mgr = PrefixCacheManager(GPU_BLOCKS, BS, client=state["daemon"].connect(
+                                     timeout=0.3 if faults == "pauses" else 10, hang_s=hang_s),
                                  namespace=NS, kv_caches=kv, write_policy=policy)
         eng = RandomEngine(mgr, [kv], rng)
         stats = _run(mgr, eng, rng, steps, between)
         mgr.close()
     finally:
         process_stop.go_on(state["daemon"].pid, "the daemon")
+        if state.get("timer") is not None:
+            state["timer"].join(10)
+        if "op" in state:
+            state["op"].close()
         state["daemon"].stop()
     _exercised(eng, stats, steps)
     if faults == "kills":  # each successor attached; a failed offload is one the kill cut short
         assert not kills and stats["detaches"] == 3 and stats["attaches"] >= 3, stats
+    elif faults == "pauses":  # offloads timed out (cancelled, their blocks held till the end)
+        assert state["freezes"] >= 5 and stats["offload_failures"] > 0 and stats["detaches"] == 0, (state, stats)
     elif faults == "freezes":  # freezes seen as hangs, the same daemon attached again after
         assert state["freezes"] >= 3 and stats["detaches"] >= 1 and stats["attaches"] >= 2, (state, stats)
     else:
