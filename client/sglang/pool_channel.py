@@ -34,7 +34,7 @@ class PoolChannel:
         self.keys = None  # PageKeys, set by the backend (and anew at each weight change)
         s = backend.settings
         label = f"sglang-{instance}" if name == "kv" else f"sglang-{instance}-{name}"
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (the link's drop calls _retire with it held, or not: close)
         self._calls: dict[int, int] = {}  # id(client) -> the calls in it now (SGLang's threads)
         self._retired: list = []  # dropped clients kept open while a call uses them
         self.link: DaemonLink | None = DaemonLink(instance, s.run_dir, s.timeout_s, name=label,
@@ -80,14 +80,15 @@ class PoolChannel:
             self._left(client)
 
     def _retire(self, client) -> None:
-        """A client dropped (its daemon gone or hung; the link's lock held) is closed once no call
-        uses it: a load in another of SGLang's threads may be waiting for a hung daemon to end
-        what it sent (_await_release), which only the open client can read - closed under it,
-        that wait would last until the daemon's process ended, stalling SGLang's prefetches."""
-        if self._calls.get(id(client)):
-            self._retired.append(client)
-        else:
-            client.close()
+        """A client dropped (its daemon gone or hung) is closed once no call uses it: a load in
+        another of SGLang's threads may be waiting for a hung daemon to end what it sent
+        (_await_release), which only the open client can read - closed under it, that wait would
+        last until the daemon's process ended, stalling SGLang's prefetches."""
+        with self._lock:
+            if self._calls.get(id(client)):
+                self._retired.append(client)
+                return
+        client.close()
 
     def _left(self, client) -> None:
         with self._lock:
