@@ -425,7 +425,7 @@ class KVWorker:
                 h.client.revoke(h.task)
                 log.warning("[kv] save task %d of preempted request %s did not end in time: "
                             "revoked", h.task_id, h.req_id)
-            else:
+            elif not _stopped(h.task):
                 log.error("[kv] load %s of preempted request %s is not confirmed ended; its "
                           "blocks are reused now",
                           f"task {h.task_id}" if h.task_id > 0 else "(sent, never answered)", h.req_id)
@@ -457,3 +457,20 @@ class KVWorker:
             unlink_kv_cache(self._staging)  # segment's finalizer would never run
         for client in self._holds.retired:  # shutting down: their holds no longer matter
             client.close()
+
+
+def _stopped(task) -> bool:
+    """A load of a preempted request that did not end in time, cancelled: whether the daemon
+    confirmed it writes no more of it - a queued one (a slow or paused daemon's) is dropped at
+    once, a running one stops at its next layer and its end is waited for (the client's
+    timeout). Without this the engine reused the blocks a slow daemon's queued load then wrote
+    (another request's KV). False for a daemon that does not answer, or a load never answered."""
+    if task.id <= 0:
+        return False
+    try:
+        if task.cancel() != "finishing":  # "cancelled" (was queued) or "done"
+            return True
+        task.wait_end(task.client.timeout)
+        return True
+    except KvcachedError:
+        return False

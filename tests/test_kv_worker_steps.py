@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvcached.bench import process_stop
-from conftest import disk_uri, keys_for, sweep_crashed, wait_until
+from conftest import disk_uri, keys_for, no_tasks, sweep_crashed, wait_until
 from kv_layouts import fill, make_kv, parts_of
 from kvcached_client import DaemonUnavailable, launch
 from kvcached_client.kv_alloc import describe_kv_cache
@@ -243,6 +243,28 @@ def test_preempting_a_request_whose_load_went_unanswered_waits_for_it_then_goes_
             assert "not confirmed ended" in caplog.text
         finally:
             process_stop.go_on(daemon.pid)
+        finish(worker, "l")
+
+
+def test_preempting_a_request_whose_load_a_slow_daemon_has_queued_cancels_it_first(daemon, caplog):
+    """The daemon is slow (paused: a request's load still queued past the client's timeout)
+    when the engine preempts the request: preempt() cancels the load and the daemon confirms,
+    so nothing lands in the blocks the engine reuses (before, it logged "not confirmed ended"
+    and the queued load, run later, wrote its key's KV over the next request's)."""
+    with worker_with_saved(daemon, 43, "direct", timeout=0.3) as (kv, worker, keys), \
+            daemon.connect(role="operator") as control:
+        control.pause()
+        try:
+            step(worker, loads=[BlockTransfer("l", keys, DST)])  # queued: its layer waits time out
+            worker.preempt(["l"])  # in the next step
+            for row in parts_of(kv):  # the engine writes another request's KV there
+                for t in row:
+                    t[DST] = 7
+        finally:
+            control.resume()
+        wait_until(lambda: no_tasks(control), 10, "the daemon idle")
+        assert all(bool((b == 7).all()) for b in blocks_of(kv, DST)), "the load landed after the reuse"
+        assert "not confirmed ended" not in caplog.text
         finish(worker, "l")
 
 
