@@ -411,11 +411,12 @@ class KVWorker:
         """The engine is about to reuse these requests' blocks: each transfer on them ends first,
         waited for up to the client's timeout (a dead daemon's at once). A save still running
         then is revoked (the daemon discards it rather than store what it would read after the
-        reuse). A load cannot be: a daemon hung mid-load could still write those blocks."""
+        reuse); a load is cancelled and its end waited for (one more timeout for all of them).
+        A daemon hung mid-load that answers neither could still write those blocks: logged."""
         wanted = set(req_ids)
         held = [h for h in self._held if h.req_id in wanted]
         deadline = time.monotonic() + (held[0].client.timeout if held else 0)
-        for h in held:  # one deadline for all of them: the step waits one timeout at most
+        for h in held:  # one deadline for all of them
             try:
                 h.task.wait_end(max(0.01, deadline - time.monotonic()))
                 continue
@@ -425,7 +426,7 @@ class KVWorker:
                 h.client.revoke(h.task)
                 log.warning("[kv] save task %d of preempted request %s did not end in time: "
                             "revoked", h.task_id, h.req_id)
-            elif not _stopped(h.task):
+            elif not _stopped(h.task, deadline + h.client.timeout):  # (one more timeout, for all)
                 log.error("[kv] load %s of preempted request %s is not confirmed ended; its "
                           "blocks are reused now",
                           f"task {h.task_id}" if h.task_id > 0 else "(sent, never answered)", h.req_id)
@@ -459,18 +460,18 @@ class KVWorker:
             client.close()
 
 
-def _stopped(task) -> bool:
+def _stopped(task, deadline: float) -> bool:
     """A load of a preempted request that did not end in time, cancelled: whether the daemon
     confirmed it writes no more of it - a queued one (a slow or paused daemon's) is dropped at
-    once, a running one stops at its next layer and its end is waited for (the client's
-    timeout). Without this the engine reused the blocks a slow daemon's queued load then wrote
-    (another request's KV). False for a daemon that does not answer, or a load never answered."""
+    once, a running one stops at its next layer and its end is waited for (until `deadline`).
+    Without this the engine reused the blocks a slow daemon's queued load then wrote (another
+    request's KV). False for a daemon that does not answer, or a load never answered."""
     if task.id <= 0:
         return False
     try:
         if task.cancel() != "finishing":  # "cancelled" (was queued) or "done"
             return True
-        task.wait_end(task.client.timeout)
+        task.wait_end(max(0.01, deadline - time.monotonic()))
         return True
     except KvcachedError:
         return False
