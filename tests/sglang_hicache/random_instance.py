@@ -22,14 +22,14 @@ HOST_PAGES = 40        # of the daemon's host tier: half the pages in play
 PAGE_BYTES = sp.LAYERS * 2 * sp.PAGE * sp.HEADS * sp.HEAD_DIM * 2  # an MHA page, K and V
 
 
-def _content(key: str, size: int) -> bytes:
+def page_content(key: str, size: int) -> bytes:
     seed = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
 def _write_page(pool, page: int, key: str) -> None:
     ptrs, sizes = pool.get_page_buffer_meta(sp.pages_of(pool, [page]))
-    data, at = _content(key, sum(sizes)), 0
+    data, at = page_content(key, sum(sizes)), 0
     for p, s in zip(ptrs, sizes):
         ctypes.memmove(p, data[at:at + s], s)
         at += s
@@ -77,7 +77,7 @@ class Instance:
         for _ in range(self.ops):
             if self.stop.is_set():
                 return
-            self._check_settled()
+            self.check_settled()
             self.done += 1
             keys = self._chain(rng)
             if rng.random() < 0.3:
@@ -90,12 +90,12 @@ class Instance:
             got = self.backend.batch_get_v1(keys, sp.pages_of(self.pool, pages))
             for page, key, ok in zip(pages, keys, got):
                 self.settled[page] = now = sp.page_bytes(self.pool, page)
-                if ok and now != _content(key, PAGE_BYTES):
+                if ok and now != page_content(key, PAGE_BYTES):
                     self.errors.append(f"page of key {key[:12]} (host page {page}) wrong")
                 self.counts["theirs"] += bool(ok) and self.theirs(key)
             self.counts["got"] += sum(got)
 
-    def _check_settled(self) -> None:
+    def check_settled(self) -> None:
         """No page of a get that returned has changed since (a copy landing in a page SGLang
         may have reused)."""
         for page, was in list(self.settled.items()):

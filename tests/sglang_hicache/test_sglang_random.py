@@ -25,14 +25,15 @@ from conftest import disk_uri, no_tasks, sweep_crashed, wait_until  # noqa: E402
 
 from kvcached.bench import process_stop  # noqa: E402
 from kvcached_client import launch  # noqa: E402
-from random_instance import DOCS, HOST_PAGES, PAGE_BYTES, Instance, _content, docs_of  # noqa: E402
+from random_instance import DOCS, HOST_PAGES, PAGE_BYTES, Instance, docs_of, page_content  # noqa: E402
+
 
 @pytest.mark.parametrize("layout,seed", [("page_first", 1), ("layer_first", 2)])
 def test_random_backups_and_prefetches_of_two_instances_load_only_their_keys_bytes(run_dir, tmp_path,
                                                                                    layout, seed):
     ops = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 8
     docs = docs_of(seed)
-    assert _content(docs[0][0], 64) != _content(docs[0][1], 64)  # the check can tell pages apart
+    assert page_content(docs[0][0], 64) != page_content(docs[0][1], 64)  # the check can tell pages apart
     host_gb = HOST_PAGES * PAGE_BYTES / 2**30
     with launch(instance=f"sgr{os.getpid()}-{seed}", run_dir=run_dir, host_cache_gb=host_gb,
                 extra_args=["--storage", disk_uri(str(tmp_path / "disk")), "--host-layout",
@@ -161,7 +162,7 @@ def test_random_calls_with_the_daemon_killed_frozen_or_paused_load_only_their_ke
         assert not stuck, f"{stuck} still in a call 20 s after the run's end (the daemon running)"
         wait_until(lambda: no_tasks(fx.op), 10, "the daemon idle")
         for inst in instances:
-            inst._check_settled()
+            inst.check_settled()
         status, check = fx.op.status(), fx.op.check()
     finally:
         for inst in instances:
@@ -199,7 +200,7 @@ def test_an_instance_killed_in_its_calls_costs_the_other_no_wrong_page(run_dir, 
             for t in threads:
                 t.join(20)
         wait_until(lambda: no_tasks(op), 10, "the daemon idle")
-        stays._check_settled()
+        stays.check_settled()
         status, check = op.status(), op.check()
         stays.backend.close()
     assert not stays.errors and not killed_said, (stays.errors[:5], killed_said[:5])
