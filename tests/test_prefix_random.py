@@ -251,7 +251,9 @@ class RankFaults:
     three times mid-run, a successor started on its disk tier 40 steps later. freezes: every
     150 steps, stopped (SIGSTOP) for 0.4-0.8 s against a hang threshold of 0.3 s. busy: every 50
     steps both daemons are paused for 0.15 s, so rank 1 (2 queued tasks at most) refuses (BUSY)
-    loads and offloads that rank 0 took. `attached`: each client rank 1 was attached with."""
+    loads and offloads that rank 0 took. pauses: every 50 steps rank 1's daemon is paused for
+    0.4-0.8 s against the group's timeout of 0.3 s (slow, not hung: rank 0 ends what rank 1 does
+    not). `attached`: each client rank 1 was attached with."""
 
     def __init__(self, kind, g, handles, start, ops, steps, rng):
         """start(): rank 1's successor; ops: an operator client per rank."""
@@ -275,10 +277,13 @@ class RankFaults:
             self.handles[1], self.restart_at = self.start(), None
             wait_until(lambda: self.g.links[1].client is not None or self.g.links[1].has_ready(), 10,
                        "the group's watcher to have rank 1's successor ready")
-        elif self.kind == "busy" and n % 50 == 25:  # rank 1's queue fills: BUSY until both go on
-            for op in self.ops:
+        elif self.kind in ("busy", "pauses") and n % 50 == 25:  # busy: rank 1's queue fills,
+            if self.timer is not None:  # BUSY until both go on; pauses: past the 0.3 s timeout
+                self.timer.join(10)
+            for op in self.ops[1:] if self.kind == "pauses" else self.ops:
                 op.pause()
-            self.timer = threading.Timer(0.15, lambda: [op.resume() for op in self.ops])
+            self.timer = threading.Timer(0.15 if self.kind == "busy" else self.rng.uniform(0.4, 0.8),
+                                         lambda: [op.resume() for op in self.ops])
             self.timer.start()
         elif self.kind == "freezes":
             self._freeze_or_thaw(n)
@@ -301,24 +306,26 @@ class RankFaults:
         process_stop.go_on(self.handles[1].pid, "rank 1's daemon")
 
 
-@pytest.mark.parametrize("faults", ["kills", "freezes", "busy"])
+@pytest.mark.parametrize("faults", ["kills", "freezes", "busy", "pauses"])
 def test_random_requests_over_two_ranks_one_failing(run_dir, tmp_path, faults):
     """Two ranks again, rank 1's daemon failing with the manager's loads and offloads in flight
-    on both ranks (RankFaults: killed, frozen, or refusing what rank 0 took - without the group
-    revoking rank 0's offloads, the engine was given another request's KV in every busy run).
+    on both ranks (RankFaults: killed, frozen, slow, or refusing what rank 0 took - without the
+    group revoking rank 0's offloads, the engine was given another request's KV in every busy
+    run).
     Rank 0 has loaded what rank 1 has not, so a hit is the shorter rank's or none, and every
     block the manager calls computed holds each rank's KV of its key (both shards checked). The
     engine never sees an error (before, an offload that failed on the killed rank raised
     TaskFailed out of `allocate`, from the manager's poll); the group reattaches rank 1 in the
     background."""
     steps = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 2
-    seed = {"kills": 7, "freezes": 8, "busy": 9}[faults]
+    seed = {"kills": 7, "freezes": 8, "busy": 9, "pauses": 11}[faults]
     rng = random.Random(seed)
     shards = [_kv(seed, r) for r in range(2)]
     busy = ["--max-queued-tasks", "2"] if faults == "busy" else []
     extra = lambda r: ["--storage", disk_uri(str(tmp_path / f"disk{r}"))] + (busy if r == 1 else [])  # noqa: E731
     with ranks(run_dir, 2, extra) as (names, handles):
-        g = GroupClient.connect(names, run_dir=run_dir, hang_s=0.3 if faults == "freezes" else None)
+        g = GroupClient.connect(names, run_dir=run_dir, hang_s=0.3 if faults == "freezes" else None,
+                                timeout=0.3 if faults == "pauses" else 10.0)
         ops = [Client.connect(name, run_dir, role="operator") for name in names]
         start = lambda: launch(instance=names[1], run_dir=run_dir, host_cache_gb=0.05,  # noqa: E731
                                extra_args=extra(1), wait_storage=True)
@@ -342,5 +349,5 @@ def test_random_requests_over_two_ranks_one_failing(run_dir, tmp_path, faults):
     _exercised(eng, stats, steps)
     assert not fx.kills and fx.restart_at is None, (fx.kills, fx.restart_at)
     # rank 1 attached again after each kill (a successor) and each freeze (the same daemon)
-    if faults != "busy":
+    if faults not in ("busy", "pauses"):
         assert len(fx.attached) >= 4 and (faults == "kills" or fx.freezes >= 3), (len(fx.attached), fx.freezes)
