@@ -426,7 +426,10 @@ class KVWorker:
                 h.client.revoke(h.task)
                 log.warning("[kv] save task %d of preempted request %s did not end in time: "
                             "revoked", h.task_id, h.req_id)
-            elif not _stopped(h.task, deadline + h.client.timeout):  # (one more timeout, for all)
+            elif _stopped(h.task, deadline + h.client.timeout):  # (one more timeout, for all)
+                log.warning("[kv] load task %d of preempted request %s did not end in time: "
+                            "cancelled", h.task_id, h.req_id)
+            else:
                 log.error("[kv] load %s of preempted request %s is not confirmed ended; its "
                           "blocks are reused now",
                           f"task {h.task_id}" if h.task_id > 0 else "(sent, never answered)", h.req_id)

@@ -10,9 +10,12 @@ second instance a process of its own (random_instance.py), killed in its calls. 
 KVCACHED_SOAK_OPS scales it. Runs in .venv-sglang."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -212,10 +215,6 @@ def test_an_instance_killed_in_its_calls_costs_the_other_no_wrong_page(run_dir, 
 def _killed_in_its_calls(op, rng, extra, k: int) -> list[str]:
     """One instance process started, killed (-9) 0.2-0.6 s into its calls: what it said (errors
     it found in its own loads) and, once the daemon dropped its connection, nothing more."""
-    import json
-    import subprocess
-    import sys
-
     args = dict(layout="page_first", extra=extra, docs_seed=7, seed=80 + k,
                 backed_up=list(range(DOCS // 2, DOCS)))
     proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "random_instance.py"),
