@@ -119,6 +119,7 @@ class Engine:
         self.cancels: dict[str, int] = {}  # the daemon's answer to each cancel: how many
         self.own: set[bytes] = set()
         self.theirs = 0  # blocks loaded whose key this engine never offloaded
+        self.stores = None  # the documents (first keys) it may offload; None: all; others it loads
 
     def step(self, rng, docs) -> None:
         """One engine step: wait for an op in flight (always when its blocks or its ops run
@@ -127,7 +128,7 @@ class Engine:
         if self.inflight and (len(self.inflight) >= MAX_INFLIGHT or len(self.free) < DOC_BLOCKS
                               or rng.random() < 0.25):
             self.finish_one()
-        elif rng.random() < 0.45:
+        elif rng.random() < 0.45 and (self.stores is None or keys[0] in self.stores):
             self.offload(keys)
         else:
             self.load(keys)

@@ -1,13 +1,14 @@
 """Random concurrent work of two daemons over one shared storage tier (a Redis server; a
 Mooncake Store), as two machines of a fleet share it, their host tiers laid out apart
-(layer_first, page_first): each daemon's engine offloads and loads layer-wise while an operator
-on each deletes, prefetches, looks up and clears its host tier. With one KV geometry the daemons
-serve each other's blocks, and every block is compared with its key's content; with two
-(another dtype, the same page size) neither may ever serve a block of a key only the other
-stored, under any interleaving of puts, gets, prefetches and evictions. Also with the tier's server
-frozen (Redis, Mooncake's master), or Redis restarted empty, five times in the run: no wrong byte, no stalled engine, and the tier
-serving both daemons again after. Seeded; KVCACHED_SOAK_OPS scales the run, KVCACHED_SOAK_SEED
-moves its seeds."""
+(layer_first, page_first): each daemon's engine offloads and loads layer-wise (a third of the
+documents each offloads alone, a third both) while an operator on each deletes, prefetches,
+looks up and clears its host tier. With one KV geometry the daemons serve each other's blocks,
+and every block is compared with its key's content; with two (another dtype, the same page
+size) neither may ever serve a block of a key only the other stored, under any interleaving of
+puts, gets, prefetches and evictions. Also with the tier's server frozen (Redis, Mooncake's
+master), or Redis restarted empty, five times in the run: no wrong byte, no stalled engine, and
+the tier serving both daemons again after. Seeded; KVCACHED_SOAK_OPS scales the run,
+KVCACHED_SOAK_SEED moves its seeds."""
 from __future__ import annotations
 
 import os
@@ -124,6 +125,8 @@ def test_two_daemons_on_one_tier_share_only_their_geometrys_blocks_and_every_byt
             launch(instance=unique_instance("shb"), extra_args=layouts[1], **args) as db, \
             da.connect(timeout=30) as ca, db.connect(timeout=30) as cb:
         engines = [_engine(ca, dtypes[0], seed), _engine(cb, dtypes[1], seed + 100)]
+        for i, e in enumerate(engines):  # a third of the documents each offloads alone, a third both
+            e.stores = {d[0] for n, d in enumerate(docs) if n % 3 in (i, 2)}
         if geometry == "other":  # the check itself: one key's content differs between the two
             key = docs[0][0]
             assert not torch.equal(engines[0].contents.of(key)[0].float(), engines[1].contents.of(key)[0].float())
@@ -164,8 +167,7 @@ def test_two_daemons_on_one_tier_share_only_their_geometrys_blocks_and_every_byt
         assert all(s["lookups"]["loaded_from_storage"] > was for s, was in zip(statuses, faults.from_storage)), \
             (faults.from_storage, [s["lookups"] for s in statuses])
     theirs = [e.theirs for e in engines]
-    if geometry == "same":  # each served blocks only the other daemon had stored (with faults,
-        # over twice the steps, most keys were stored by both: blocks served across are fewer)
-        assert (sum(theirs) if faults else min(theirs)) > 0, theirs
+    if geometry == "same":  # each served blocks only the other daemon had stored
+        assert min(theirs) > 0, theirs
     else:  # never a block of the other geometry
         assert theirs == [0, 0], theirs
