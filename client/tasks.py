@@ -92,6 +92,8 @@ class LoadTask(Task):
             self.wait_end(timeout)
         except KvcachedTimeout as exc:
             raise self._hold(exc) from None
+        except DaemonUnavailable as exc:
+            raise self._hold_hung(exc) from None
         order = self.client.order
         if order is not None and (self.id in order.released_loads or order.released):
             return 0  # a stream wait of it was let go: the engine may have read before it landed
@@ -113,6 +115,21 @@ class LoadTask(Task):
         exc.held_blocks = exc.fenced_blocks = []
         exc.args = (f"{exc.args[0]}; cancelled ({self.status}, {self.result.get('loaded', 0)} "
                     "blocks valid), the daemon confirmed: its device blocks are free to reuse",)
+        return exc
+
+    def _hold_hung(self, exc: DaemonUnavailable) -> DaemonUnavailable:
+        """The daemon was seen hung in the wait: one that wakes still runs the load (nothing
+        cancelled it), so its device blocks are held until its end event; a gone one writes
+        nothing more."""
+        blocks = [int(b) for b in self.reply.get("device_blocks", ())]
+        sig = self.client.status_block
+        if sig is None or sig.gone() or not blocks:
+            exc.held_blocks = exc.fenced_blocks = []
+            return exc
+        self.client.hold(self.id, blocks)
+        exc.held_blocks = exc.fenced_blocks = blocks
+        exc.args = (f"{exc.args[0]}; load {self.id} may still run when the daemon wakes: device "
+                    f"blocks {blocks[:8]}{'...' if len(blocks) > 8 else ''} stay held",)
         return exc
 
     def wait_layer(self, layer: int, timeout: float | None = None, spin_s: float = SPIN_S,

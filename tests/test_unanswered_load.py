@@ -2,7 +2,8 @@
 the client gave up on it at the hang threshold. A daemon that wakes still reads the request and
 copies into the blocks the engine named, so those blocks stay held until the daemon's late reply
 refuses the load, the load it made ends, or the daemon is gone. Without the hold, the engine
-handed the blocks to another request and the late copy overwrote its KV."""
+handed the blocks to another request and the late copy overwrote its KV. The same holds for a
+load the daemon answered, when the engine's wait for it finds the daemon hung."""
 from __future__ import annotations
 
 import os
@@ -63,6 +64,35 @@ def test_its_blocks_stay_held_until_the_load_the_daemon_took_late_ends(daemon):
         assert not c._events, "the late load's end event is nobody's: not kept"
         _fill(kv, DST, 7)  # now the engine reuses them: nothing overwrites them
         assert c.status()["tasks"]["inflight"] == 0 and _all(kv, DST, 7)
+
+
+def test_a_load_whose_wait_finds_the_daemon_hung_holds_its_blocks_until_it_ends(daemon):
+    """The load was answered and queued (the daemon paused), then the daemon froze: the wait
+    raises DaemonUnavailable at the hang threshold, and nothing cancelled the load, so a daemon
+    that wakes runs it. Its blocks stay held until its end (they were free at once before: an
+    engine could hand them on, and SGLang's backend did)."""
+    kv = small_kv(num_layers=2, num_blocks=16)
+    keys = keys_for(len(SRC), 47)
+    with daemon.connect(timeout=30, hang_s=0.5) as c, daemon.connect(role="operator", timeout=30) as owner:
+        c.register_kv_cache(kv)
+        _fill(kv, SRC, 3)
+        c.offload(SRC, keys).wait(10)
+        _fill(kv, DST, 5)
+        owner.pause()  # the load answered, and queued
+        task = c.load(keys, DST)
+        process_stop.stop(daemon.pid)
+        try:
+            with pytest.raises(DaemonUnavailable, match="stay held") as e:
+                task.wait(10)
+            assert e.value.held_blocks == DST and c.held_blocks() == set(DST)
+            assert _all(kv, DST, 5)
+        finally:
+            process_stop.go_on(daemon.pid)
+        owner.resume()
+        wait_until(lambda: c.held_blocks() == set(), 20, "the hold lifted at the load's end")
+        # the daemon did run it once awake: the copy landed while the blocks were held
+        assert _all(kv, DST, 3), "the load did not run (the test proves nothing)"
+        assert task.done() and c.status()["tasks"]["inflight"] == 0
 
 
 def test_a_reply_read_by_another_thread_before_the_hold_is_made_is_not_lost(daemon):

@@ -131,8 +131,8 @@ class PoolChannel:
             raise
         try:
             loaded = task.wait(self.backend.settings.timeout_s)
-        except KvcachedTimeout as exc:
-            if getattr(exc, "held_blocks", None):
+        except (KvcachedTimeout, DaemonUnavailable) as exc:  # timed out, or seen hung: held
+            if getattr(exc, "held_blocks", None):  # while a daemon that wakes may still write
                 self._await_release(client, task)
             raise
         self.backend._measured("prefetch", loaded, start, self.page_bytes)

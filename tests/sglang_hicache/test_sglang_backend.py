@@ -421,6 +421,29 @@ def test_a_load_the_daemon_froze_under_is_waited_for_until_it_ends(run_dir, monk
             assert not ok or sp.page_bytes(pool, page) == w
 
 
+def test_a_load_whose_wait_finds_the_daemon_hung_is_waited_for_until_it_ends(run_dir, monkeypatch):
+    """The daemon is SIGSTOPped with a load queued, its hang threshold (0.5 s) shorter than the
+    calls' timeout: the load's wait sees the daemon hung (DaemonUnavailable, not a timeout), and
+    a daemon that wakes still runs the load. batch_get_v1 returns only once it ended (it
+    returned a miss at the hang threshold, and SGLang could reuse pages the late copy then
+    landed in: found by test_sglang_random's freezes case)."""
+    monkeypatch.setenv("KVCACHED_HANG_S", "0.5")
+    with _stored_pages(run_dir, 16, 15, timeout_s=5) as (d, pool, backend, keys, dst, want):
+        with d.connect(role="operator", timeout=10) as owner:
+            owner.pause()  # the load stays queued
+            caller, result = _get_in_thread(backend, pool, keys, dst)
+            wait_until(lambda: owner.status()["tasks"]["queued"] >= 1, 5, "the load queued")
+            process_stop.stop(d.pid)
+            caller.join(2.0)  # four hang thresholds
+            assert caller.is_alive(), "batch_get_v1 returned while the daemon could still copy"
+            process_stop.go_on(d.pid)
+            owner.resume()
+            caller.join(10)
+            assert not caller.is_alive()
+        assert result["got"] == [False] * 16  # a miss as far as SGLang knows
+        assert [sp.page_bytes(pool, p) for p in dst] == want  # the late copy landed before return
+
+
 def test_a_load_sent_to_a_frozen_daemon_is_waited_for_until_the_daemon_ends_it(run_dir, monkeypatch):
     """The daemon is SIGSTOPped before the load request reaches it: the request gets no reply,
     yet the daemon reads it when it wakes and copies into the pages. batch_get_v1 returns only
