@@ -1,0 +1,208 @@
+"""Random concurrent work against one daemon while its disk tier is damaged, or fills up, under
+it: the engine offloads and loads layer-wise while an operator deletes, prefetches, looks up and
+clears the host tier (test_random_ops), and between the engine's steps a record file is damaged
+as a failing disk or a careless hand damages it (a bit flipped in the payload or the header, cut
+short, emptied, removed, overwritten by another key's record or by junk of its size), or, on a
+2 MiB filesystem, a ballast file takes the free space and gives it back. A damaged record is a
+miss, never data: every block loaded is compared with its key's content, and the host tier is
+small, so most loads read the disk. After the faults, as many steps again without them: the
+tier serves loads again; then the daemon restarts on the damaged directory and every document is
+loaded once more. Seeded; KVCACHED_SOAK_OPS scales the run, KVCACHED_SOAK_SEED moves its
+seed."""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import tempfile
+import threading
+import time
+
+import pytest
+from conftest import disk_uri, small_kv, wait_until
+from storage_util import files
+from test_random_ops import BLOCKS, LAYERS, PAGE, SHAPE, Contents, Engine, _docs, _operator
+
+from kvcached_client import launch
+from kvcached_proto import RequestError
+
+HOST_PAGES = 16  # of the 96 blocks in play: most loads read the disk tier
+HEADER = 48  # record.py's header; the payload follows
+DAMAGE = ("flip_payload", "flip_header", "truncate", "empty", "remove", "foreign", "junk")
+
+
+class DiskFaults:
+    """What befalls the disk tier's directory between the engine's steps (`tick`): a record
+    damaged every few steps ("damage"), or the filesystem's free space taken by a ballast file
+    for 0.2-0.6 s, then given back for 1.2-2 s, past the tier's probe that raises its limit again
+    ("full"; by the clock: the steps are fast)."""
+
+    def __init__(self, kind: str, root: str, seed: int):
+        self.kind, self.root, self.rng = kind, root, random.Random(seed)
+        self.done: dict[str, int] = {}
+        self.ballast = os.path.join(root, "ballast")
+        self.next_s = 0.0  # (full) when the ballast comes or goes next
+
+    def tick(self, n: int) -> None:
+        if self.kind == "damage":
+            if n % 4 == 0:
+                self.damage()
+        elif time.monotonic() >= self.next_s:
+            held = os.path.exists(self.ballast)
+            self.free() if held else self.fill()
+            self.next_s = time.monotonic() + (self.rng.uniform(1.2, 2.0) if held else self.rng.uniform(0.2, 0.6))
+
+    def over(self, n: int, ops: int) -> bool:
+        """The faults' part of the run is over: `ops` steps, and (full) three fills, given back."""
+        if self.kind == "full" and (self.done.get("fill", 0) < 3 or os.path.exists(self.ballast)):
+            return False
+        return n >= ops
+
+    def _did(self, what: str) -> None:
+        self.done[what] = self.done.get(what, 0) + 1
+
+    def damage(self, how: str | None = None) -> None:
+        records = files(self.root)
+        if len(records) < 2:
+            return
+        path, how = self.rng.choice(records), how or self.rng.choice(DAMAGE)
+        try:
+            getattr(self, how)(path, [r for r in records if r != path])
+        except FileNotFoundError:  # evicted or found damaged meanwhile
+            return
+        self._did(how)
+
+    def _flip(self, path: str, start: int) -> None:
+        with open(path, "r+b") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size <= start:
+                raise FileNotFoundError(path)  # cut short already: nothing there to flip
+            off = self.rng.randrange(start, size) if start else self.rng.randrange(HEADER)
+            f.seek(off)
+            byte = f.read(1)[0] ^ (1 << self.rng.randrange(8))
+            f.seek(off)
+            f.write(bytes([byte]))
+
+    def flip_payload(self, path, others) -> None:
+        self._flip(path, HEADER)
+
+    def flip_header(self, path, others) -> None:
+        self._flip(path, 0)
+
+    def truncate(self, path, others) -> None:
+        size = os.path.getsize(path)
+        if not size:
+            raise FileNotFoundError(path)  # emptied already: nothing to cut
+        os.truncate(path, self.rng.randrange(size))
+
+    def empty(self, path, others) -> None:
+        os.truncate(path, 0)
+
+    def remove(self, path, others) -> None:
+        os.unlink(path)
+
+    def foreign(self, path, others) -> None:  # a whole record, of another key, under this name
+        data = open(self.rng.choice(others), "rb").read()
+        with open(path, "r+b") as f:
+            f.write(data)
+            f.truncate(len(data))
+
+    def junk(self, path, others) -> None:
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:
+            f.write(self.rng.randbytes(size))
+
+    def fill(self) -> None:
+        """Take the filesystem's free space but room for 0-2 records."""
+        st = os.statvfs(self.root)
+        free = st.f_bavail * st.f_frsize - self.rng.randrange(3) * (PAGE + 4096)
+        if free > 0:
+            with open(self.ballast, "wb") as f:
+                try:
+                    f.write(b"\0" * free)
+                except OSError:  # the daemon wrote meanwhile: full all the same
+                    pass
+            self._did("fill")
+
+    def free(self) -> None:
+        os.unlink(self.ballast)
+        self._did("free")
+
+
+def _step(engine, rng, docs, permits, n: int) -> int:
+    """One engine step, and now and then a permit for the operator's next op: n + 1."""
+    if rng.random() < 0.3:
+        permits.release()
+    engine.step(rng, docs)
+    return n + 1
+
+
+@pytest.fixture
+def small_fs():
+    """A 2 MiB filesystem (tmpfs) for the disk tier: 96 records do not fit in it."""
+    path = tempfile.mkdtemp(prefix="kvsmall-", dir="/tmp")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", path],
+                       capture_output=True)
+    if r.returncode != 0:
+        os.rmdir(path)
+        pytest.skip(f"cannot mount a size-limited tmpfs here: {r.stderr.decode().strip()}")
+    yield path
+    subprocess.run(["umount", path], check=True)
+    os.rmdir(path)
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("kind,seed", [("damage", 21), ("full", 22)])
+def test_random_ops_on_a_damaged_or_full_disk_tier_never_serve_a_wrong_byte(run_dir, instance, request,
+                                                                            kind, seed):
+    ops = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 4
+    seed += int(os.environ.get("KVCACHED_SOAK_SEED", "0"))
+    root = request.getfixturevalue("disk_dir" if kind == "damage" else "small_fs")
+    rng, docs, faults = random.Random(seed), _docs(), DiskFaults(kind, root, seed)
+    kv = small_kv(num_layers=LAYERS, num_blocks=BLOCKS, block_shape=SHAPE, seed=seed)
+    stop, errors, done = threading.Event(), [], {}
+    args = dict(instance=instance, run_dir=run_dir, host_cache_gb=HOST_PAGES * PAGE / 2**30,
+                extra_args=["--storage", disk_uri(root)], wait_storage=True)
+    with launch(**args) as d, d.connect(timeout=30) as c:
+        c.register_kv_cache(kv)
+        engine, permits = Engine(c, Contents(kv), rng), threading.Semaphore(0)
+        operator = threading.Thread(target=_operator, args=(d, docs, seed, permits, stop, errors, done))
+        operator.start()
+        try:
+            n = 0
+            while not faults.over(n, ops):
+                faults.tick(n)
+                n = _step(engine, rng, docs, permits, n)
+            wait_until(lambda: c.status()["storage"][0]["healthy"], 10, "the disk tier healthy")
+            if kind == "full":  # the probe raised the limit again (half the filesystem at least)
+                wait_until(lambda: c.status()["storage"][0]["limit_bytes"] >= 1 << 20, 10, "room again")
+            was = c.status()["lookups"]["loaded_from_storage"]
+            for n in range(n, n + ops):
+                _step(engine, rng, docs, permits, n)
+            while engine.inflight:
+                engine.finish_one()
+        except RequestError as exc:
+            errors.append(f"engine: {exc!r}")
+        finally:
+            stop.set()
+            operator.join(60)
+        assert not operator.is_alive()
+        assert c.check() == "ok"
+        s = c.status()
+    assert not errors, (seed, errors)
+    assert engine.wrong == 0, f"seed {seed}: {engine.wrong} of {engine.loaded} loaded blocks wrong"
+    assert s["tasks"]["inflight"] == 0 and s["host"]["pinned_blocks"] == 0, s["tasks"]
+    assert s["lookups"]["loaded_from_storage"] > was, (was, s["lookups"])  # served again after
+    if kind == "damage":  # every kind of damage, and reads that met it
+        assert set(faults.done) == set(DAMAGE) and engine.missed > 0, faults.done
+        for how in DAMAGE:  # more, while the daemon is down: its restart reads them back
+            faults.damage(how)
+        with launch(**args) as d, d.connect(timeout=30) as c:
+            c.register_kv_cache(kv)
+            after = Engine(c, Contents(kv), random.Random(seed))
+            for keys in docs:
+                after.load(keys)
+                after.finish_one()
+        assert after.wrong == 0 and after.loaded > 0, (after.wrong, after.loaded)
+    else:
+        assert faults.done.get("fill", 0) >= 3 and s["storage"][0]["enospc"] > 0, (faults.done, s["storage"])
