@@ -2,11 +2,13 @@
 blocks of tasks that timed out, or whose daemon hung, which the daemon may still write until it
 confirms the task's end (hold_keeper.py keeps them out of an engine's free list); a load whose
 reply never came is held the same way, under its request id. A part of Client (client.py): it
-uses the client's `_holds`, `_unanswered`, `_late_loads`, `_events`, `_replies`, `_lock`,
-`_pump`, `_wait`, `_check_daemon`, `order`, `status_block` and `_gone_after_close`."""
+uses the client's `_holds`, `_unanswered`, `_late_loads`, `_events`, `_ended_ids`, `_replies`,
+`_lock`, `_pump`, `_wait`, `_check_daemon`, `order`, `status_block` and `_gone_after_close`."""
 from __future__ import annotations
 
 from kvcached_proto import DaemonUnavailable, KvcachedError
+
+ENDED_KEPT = 4096  # ids of the tasks whose end was read last: a hold made after it is not kept
 
 from .renamed import Renamed
 from .tasks import UnansweredLoad
@@ -32,6 +34,7 @@ class KeepsHolds:
     def _ended(self, event: dict) -> None:
         """File a task's end event; the task's hold lifts (a late load's: nobody waits for it)."""
         task = event.get("task", 0)
+        self._ended_ids.append(task)
         self._holds.pop(task, None)
         key = self._late_loads.pop(task, None)
         if key is None:
@@ -83,8 +86,10 @@ class KeepsHolds:
             self.order.revoke(fence)
 
     def hold(self, task_id: int, blocks) -> None:
-        """Hold `blocks` out of reuse until task_id's end event arrives."""
-        if task_id not in self._events:  # an end already read needs no hold
+        """Hold `blocks` out of reuse until task_id's end event arrives. An end already read
+        needs none, taken by its task or not (a hold made after a wait took the end of a load
+        that failed lasted until the daemon's process was gone)."""
+        if task_id not in self._events and task_id not in self._ended_ids:
             self._holds[task_id] = list(blocks)
 
     def held_blocks(self) -> set[int]:

@@ -227,6 +227,7 @@ class Faults:
                                                      ("LBNHC", "direct", 3, "kills"),
                                                      ("BLNHC", "staging", 4, "kills"),
                                                      ("LBHNC", "direct", 5, "freezes"),
+                                                     ("BLNHC", "staging", 6, "freezes"),
                                                      ("LBNHC", "direct", 7, "stops"),
                                                      ("BLNHC", "direct", 8, "pauses")])
 def test_random_steps_load_only_their_keys_kv(run_dir, instance, disk_dir, layout, mode, seed, faults):

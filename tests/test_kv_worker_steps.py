@@ -230,6 +230,61 @@ def test_a_load_whose_reply_never_came_keeps_its_blocks_until_the_daemon_ends_it
                 assert torch.equal(got, exp)
 
 
+@pytest.mark.parametrize("mode", ["direct", "staging"])
+def test_a_load_whose_layer_wait_finds_the_daemon_hung_keeps_its_blocks_until_it_ends(
+        daemon, monkeypatch, mode):
+    """The daemon answered the load, queued it (paused) and froze: the layer wait finds it hung
+    (0.5 s threshold) and the step fails the load, but a daemon that wakes still runs it. The
+    blocks it copies into stay out of reuse until it ended: the request's own (direct), or the
+    staging blocks (the client dropped at the failure held nothing then and was closed at once,
+    and the staging blocks went back to the free list for the next load)."""
+    monkeypatch.setenv("KVCACHED_HANG_S", "0.5")
+    with worker_with_saved(daemon, 45, mode) as (kv, worker, keys), \
+            daemon.connect(role="operator", timeout=30) as control:
+        control.pause()
+        worker.start_loads([BlockTransfer("l", keys, DST)])  # answered, queued
+        process_stop.stop(daemon.pid)
+        try:
+            for layer in range(len(worker._layers)):
+                worker.layer_ready(layer)
+            worker.end_forward()
+            assert worker.load_errors() == set(DST)
+            if mode == "direct":
+                assert worker.finished({"l"}) == set(), "its blocks reported free to reuse"
+            else:
+                assert len(worker._holds.parked) == len(DST), "staging blocks handed back"
+        finally:
+            process_stop.go_on(daemon.pid)
+        control.resume()
+        finish(worker, "l")
+        wait_until(lambda: not worker._holds.holding() or worker._holds.release(), 20,
+                   "the staging blocks given back")
+        if mode == "direct":  # the daemon did run it once awake: the test is not vacuous
+            for got, exp in zip(blocks_of(kv, DST), blocks_of(kv, SRC)):
+                assert torch.equal(got, exp)
+
+
+@pytest.mark.parametrize("mode", ["direct", "staging"])
+def test_a_load_the_daemon_cancelled_before_its_first_layer_holds_nothing(daemon, mode):
+    """A queued load the daemon cancels (an operator's clear) fails its first layer wait, which
+    read its end: the request is reported finished and its blocks are free. The worker held the
+    request after that failure under the task's id, and with its end already read, the hold
+    lasted until the daemon's process was gone: the request was never reported, its blocks never
+    freed (a leak of each load that failed before a layer: a clear, a storage read that failed)."""
+    with worker_with_saved(daemon, 47, mode) as (kv, worker, keys), \
+            daemon.connect(role="operator", timeout=30) as control:
+        control.pause()
+        worker.start_loads([BlockTransfer("l", keys, DST)])
+        control.clear(tier="host")  # cancels the queued load
+        control.resume()
+        for layer in range(len(worker._layers)):
+            worker.layer_ready(layer)
+        worker.end_forward()
+        assert worker.load_errors() == set(DST)
+        finish(worker, "l")
+        assert not worker.link.client.held_blocks() and not worker._holds.parked
+
+
 def test_preempting_a_request_whose_load_went_unanswered_waits_for_it_then_goes_on(
         daemon, monkeypatch, caplog):
     """preempt() waits for a held load's end: for one whose reply never came it has no task to
