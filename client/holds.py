@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from kvcached_proto import DaemonUnavailable, KvcachedError
 
-ENDED_KEPT = 4096  # ids of the tasks whose end was read last: a hold made after it is not kept
-
 from .renamed import Renamed
 from .tasks import UnansweredLoad
+
+ENDED_KEPT = 4096  # ids of the tasks whose end was read last: a hold made after it is not kept
 
 
 class KeepsHolds:

@@ -229,7 +229,8 @@ class Faults:
                                                      ("LBHNC", "direct", 5, "freezes"),
                                                      ("BLNHC", "staging", 6, "freezes"),
                                                      ("LBNHC", "direct", 7, "stops"),
-                                                     ("BLNHC", "direct", 8, "pauses")])
+                                                     ("BLNHC", "direct", 8, "pauses"),
+                                                     ("LBNHC", "staging", 9, "pauses")])
 def test_random_steps_load_only_their_keys_kv(run_dir, instance, disk_dir, layout, mode, seed, faults):
     """Also with the daemon killed and restarted, or frozen past the hang threshold (Faults):
     the loads in flight are load errors (recomputed) or their keys' KV, never another's."""
