@@ -121,6 +121,8 @@ class LoadTask(Task):
         """The daemon was seen hung in the wait: one that wakes still runs the load (nothing
         cancelled it), so its device blocks are held until its end event; a gone one writes
         nothing more."""
+        if hasattr(exc, "held_blocks"):  # (from this load's wait, within wait_layer)
+            return exc
         blocks = [int(b) for b in self.reply.get("device_blocks", ())]
         sig = self.client.status_block
         if sig is None or sig.gone() or not blocks:
@@ -140,8 +142,15 @@ class LoadTask(Task):
         `spin_s` (a layer usually lands within that), then sleeping with a growing backoff.
         CUDA KV: the counter moves once the layer's copies are queued, and this makes `stream`
         (default: the current stream) wait for them on the GPU; work queued on that stream
-        afterwards sees the layer, the CPU does not wait for the copies.
+        afterwards sees the layer, the CPU does not wait for the copies. A daemon seen hung
+        raises DaemonUnavailable with the load's device blocks held (as `wait`).
         """
+        try:
+            self._wait_layer(layer, timeout, spin_s, stream)
+        except DaemonUnavailable as exc:
+            raise self._hold_hung(exc) from None
+
+    def _wait_layer(self, layer: int, timeout: float | None, spin_s: float, stream) -> None:
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} outside [0, {self.num_layers})")
         if self.num_blocks == 0:

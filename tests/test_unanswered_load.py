@@ -66,11 +66,12 @@ def test_its_blocks_stay_held_until_the_load_the_daemon_took_late_ends(daemon):
         assert c.status()["tasks"]["inflight"] == 0 and _all(kv, DST, 7)
 
 
-def test_a_load_whose_wait_finds_the_daemon_hung_holds_its_blocks_until_it_ends(daemon):
+@pytest.mark.parametrize("wait", ["wait", "wait_layer"])
+def test_a_load_whose_wait_finds_the_daemon_hung_holds_its_blocks_until_it_ends(daemon, wait):
     """The load was answered and queued (the daemon paused), then the daemon froze: the wait
-    raises DaemonUnavailable at the hang threshold, and nothing cancelled the load, so a daemon
-    that wakes runs it. Its blocks stay held until its end (they were free at once before: an
-    engine could hand them on, and SGLang's backend did)."""
+    (for its end, or a layer) raises DaemonUnavailable at the hang threshold, and nothing
+    cancelled the load, so a daemon that wakes runs it. Its blocks stay held until its end (they
+    were free at once before: an engine could hand them on, and SGLang's backend did)."""
     kv = small_kv(num_layers=2, num_blocks=16)
     keys = keys_for(len(SRC), 47)
     with daemon.connect(timeout=30, hang_s=0.5) as c, daemon.connect(role="operator", timeout=30) as owner:
@@ -83,8 +84,9 @@ def test_a_load_whose_wait_finds_the_daemon_hung_holds_its_blocks_until_it_ends(
         process_stop.stop(daemon.pid)
         try:
             with pytest.raises(DaemonUnavailable, match="stay held") as e:
-                task.wait(10)
+                task.wait(10) if wait == "wait" else task.wait_layer(1, timeout=10)
             assert e.value.held_blocks == DST and c.held_blocks() == set(DST)
+            assert str(e.value).count("stay held") == 1
             assert _all(kv, DST, 5)
         finally:
             process_stop.go_on(daemon.pid)
