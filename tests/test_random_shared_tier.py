@@ -6,13 +6,15 @@ looks up and clears its host tier. With one KV geometry the daemons serve each o
 and every block is compared with its key's content; with two (another dtype, the same page
 size) neither may ever serve a block of a key only the other stored, under any interleaving of
 puts, gets, prefetches and evictions. Also with the tier's server frozen (Redis, Mooncake's
-master), or Redis restarted empty, five times in the run: no wrong byte, no stalled engine, and
-the tier serving both daemons again after. Seeded; KVCACHED_SOAK_OPS scales the run,
+master), Redis restarted empty, or Redis's records tampered with (another writer, bit rot),
+five times in the run: no wrong byte, no stalled engine, and the tier serving both daemons
+again after. Seeded; KVCACHED_SOAK_OPS scales the run,
 KVCACHED_SOAK_SEED moves its seeds."""
 from __future__ import annotations
 
 import os
 import random
+import re
 import threading
 import time
 
@@ -48,11 +50,17 @@ def _tier(request, kind: str, tmp_path):
     return f"{store.uri}?segment_gb=0&host=127.0.0.1", store
 
 
+RECORD_NAME = re.compile(rb"^kvcached:[0-9a-f]{32}$")  # a block's record (redis_store.py)
+TAMPER = ("flip", "truncate", "extend", "remove", "foreign", "junk", "retype")
+
+
 class TierFaults(threading.Thread):
     """What befalls the tier's server (redis-server; Mooncake's master) while the daemons work,
     each time the run says (`due`): freezes (SIGSTOP for 0.3-1.2 s, past the tier's lookup and
-    I/O timeouts) or restarts (Redis: stopped, and started again 0.1-0.4 s later empty, as a
-    server without persistence comes back)."""
+    I/O timeouts), restarts (Redis: stopped, and started again 0.1-0.4 s later empty, as a
+    server without persistence comes back) or tampers (Redis: another writer on the same keys,
+    or bit rot - 8 records, each a bit flipped, cut short, extended, removed, overwritten by
+    another key's record or by junk of its size, or replaced by a list)."""
 
     def __init__(self, kind, server, seed):
         super().__init__(name=f"tier-{kind}")
@@ -60,6 +68,7 @@ class TierFaults(threading.Thread):
         self.due, self.stop = threading.Semaphore(0), threading.Event()
         self.asked = self.came = 0
         self.error = None
+        self.tampered: dict[str, int] = {}
 
     def next(self) -> None:
         """The next fault, once the one before is over (a restart takes a while)."""
@@ -70,9 +79,11 @@ class TierFaults(threading.Thread):
         self.due.release()
 
     def tick(self, n: int, ops: int, clients) -> None:
-        """Step n of the run: a fault at five points of its first `ops` steps, their end at
-        `ops` (the `ops` steps after show the tier serving again)."""
-        if n < ops and n % (ops // 5) == ops // 10:
+        """Step n of the run: a fault at five points of its first `ops` steps (tampering: at
+        25, a few records each time, so that some are read before they are stored again), their
+        end at `ops` (the `ops` steps after show the tier serving again)."""
+        points = 25 if self.kind == "tampers" else 5
+        if n < ops and n % (ops // points) == ops // (2 * points):
             self.next()
         elif n == ops:
             self.end()
@@ -94,6 +105,8 @@ class TierFaults(threading.Thread):
                     pid = self.server.proc.pid if hasattr(self.server, "proc") else self.server.master.pid
                     with process_stop.stopped(pid, "the tier's server"):
                         time.sleep(self.rng.uniform(0.3, 1.2))
+                elif self.kind == "tampers":
+                    self.tamper(self.server.client())
                 else:
                     self.server.stop()
                     time.sleep(self.rng.uniform(0.1, 0.4))
@@ -103,15 +116,44 @@ class TierFaults(threading.Thread):
             self.error = exc
 
 
+    def tamper(self, r) -> None:
+        names = sorted(n for n in r.scan_iter(count=1000) if RECORD_NAME.match(n))
+        for _ in range(8 if len(names) > 1 else 0):
+            name, how = self.rng.choice(names), self.rng.choice(TAMPER)
+            value = r.get(name) if r.type(name) == b"string" else None
+            if not value:
+                continue
+            if how == "flip":
+                off = self.rng.randrange(len(value))
+                r.setrange(name, off, bytes([value[off] ^ (1 << self.rng.randrange(8))]))
+            elif how == "truncate":
+                r.set(name, value[:self.rng.randrange(len(value))])
+            elif how == "extend":
+                r.append(name, self.rng.randbytes(self.rng.randint(1, 64)))
+            elif how == "remove":
+                r.delete(name)
+            elif how == "foreign":  # a whole record, of another key, under this name
+                other = self.rng.choice(names)
+                r.set(name, (r.get(other) if r.type(other) == b"string" else None) or b"")
+            elif how == "junk":
+                r.set(name, self.rng.randbytes(len(value)))
+            else:
+                r.delete(name)
+                r.rpush(name, value)
+            self.tampered[how] = self.tampered.get(how, 0) + 1
+
+
 @pytest.mark.parametrize("tier,fault", [("redis", None), ("mooncake", None), ("redis", "freezes"),
-                                        ("redis", "restarts"), ("mooncake", "freezes")])
+                                        ("redis", "restarts"), ("mooncake", "freezes"),
+                                        ("redis", "tampers")])
 @pytest.mark.parametrize("geometry", ["same", "other"])
 def test_two_daemons_on_one_tier_share_only_their_geometrys_blocks_and_every_byte_is_right(
         run_dir, tier, fault, geometry, request, tmp_path):
     """Also with the tier's server frozen, or Redis restarted empty, now and then (TierFaults)."""
     ops = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 4
     seed = ({"redis": 11, "mooncake": 13}[tier] + (geometry == "other") + 2 * (fault == "freezes")
-            + 4 * (fault == "restarts") + int(os.environ.get("KVCACHED_SOAK_SEED", "0")))
+            + 4 * (fault == "restarts") + 8 * (fault == "tampers")
+            + int(os.environ.get("KVCACHED_SOAK_SEED", "0")))
     rng, docs = random.Random(seed), _docs()
     uri, server = _tier(request, tier, tmp_path)
     faults = TierFaults(fault, server, seed) if fault else None
@@ -163,6 +205,8 @@ def test_two_daemons_on_one_tier_share_only_their_geometrys_blocks_and_every_byt
         assert e.wrong == 0, f"seed {seed}: {e.wrong} of {e.loaded} loaded blocks wrong"
         assert e.loaded > ops // 10 and s["lookups"]["loaded_from_storage"] > 0, (e.loaded, s["lookups"])
         assert s["tasks"]["inflight"] == 0 and s["host"]["pinned_blocks"] == 0, s["tasks"]
+    if fault == "tampers":  # every kind of tampering
+        assert set(faults.tampered) == set(TAMPER), faults.tampered
     if faults:  # the tier served each daemon again after the faults
         assert all(s["lookups"]["loaded_from_storage"] > was for s, was in zip(statuses, faults.from_storage)), \
             (faults.from_storage, [s["lookups"] for s in statuses])
