@@ -4,10 +4,11 @@ model attached to one daemon, each with a backup thread (batch_set_v1) and a pre
 for them (evictions, the disk tier behind it), and an operator clearing the host tier now and
 then. A page's bytes are a function of its key, so every page a get says it loaded is compared
 with its key's, and no page of a get may change after the get returned (SGLang reuses them):
-a late copy. Also with the daemon killed (-9) and restarted on its disk tier, frozen past the
-hang threshold or paused past the calls' timeout, often with its copies queued; and with the
+a late copy. Also with the daemon killed (-9), or stopped gracefully (SIGTERM), and restarted
+on its disk tier, frozen past the hang threshold or paused past the calls' timeout, often with
+its copies queued; and with the
 second instance a process of its own (random_instance.py), killed in its calls. Seeded;
-KVCACHED_SOAK_OPS scales it. Runs in .venv-sglang."""
+KVCACHED_SOAK_OPS scales it, KVCACHED_SOAK_SEED moves its seeds. Runs in .venv-sglang."""
 from __future__ import annotations
 
 import json
@@ -35,6 +36,7 @@ from random_instance import DOCS, HOST_PAGES, PAGE_BYTES, Instance, docs_of, pag
 def test_random_backups_and_prefetches_of_two_instances_load_only_their_keys_bytes(run_dir, tmp_path,
                                                                                    layout, seed):
     ops = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 8
+    seed += int(os.environ.get("KVCACHED_SOAK_SEED", "0"))
     docs = docs_of(seed)
     assert page_content(docs[0][0], 64) != page_content(docs[0][1], 64)  # the check can tell pages apart
     host_gb = HOST_PAGES * PAGE_BYTES / 2**30
@@ -64,7 +66,8 @@ def test_random_backups_and_prefetches_of_two_instances_load_only_their_keys_byt
 
 class Faults:
     """The daemon under the instances and what befalls it as their calls go on. kills: killed
-    (-9) three times, a successor started on the same disk tier 0.1-0.4 s later. freezes: stopped
+    (-9) three times, a successor started on the same disk tier 0.1-0.4 s later; stops: the same
+    with a graceful stop (SIGTERM: it drains what is queued). freezes: stopped
     (SIGSTOP) eight times for 0.4-0.8 s against the backends' hang threshold of 0.3 s. 3 times in 4
     the daemon is paused (its operator's pause) 10-60 ms first, so the calls' copies are queued
     when the fault comes (CPU copies of a few pages end within microseconds of their reply).
@@ -79,7 +82,8 @@ class Faults:
     def run(self, instances, calls_between: int) -> None:
         """Each fault, and the run's end, once `calls_between` calls were made since the last
         fault and each instance was served since (a page stored or loaded: attached again)."""
-        for fault in [self._kill] * 3 if self.kind == "kills" else [getattr(self, "_" + self.kind[:-1])] * 8:
+        n = 3 if self.kind in ("kills", "stops") else 8
+        for fault in [getattr(self, "_" + self.kind[:-1])] * n:
             self._wait(instances, calls_between)
             fault()
             self.came += 1
@@ -105,15 +109,19 @@ class Faults:
             return True
         return False
 
-    def _kill(self) -> None:
+    def _kill(self, how=signal.SIGKILL) -> None:
         self._paused()
-        os.kill(self.daemon.pid, signal.SIGKILL)
-        self.daemon.proc.wait(10)
+        os.kill(self.daemon.pid, how)
+        self.daemon.proc.wait(60)
         self.op.close()
         sweep_crashed(self.daemon.instance)
         time.sleep(self.rng.uniform(0.1, 0.4))  # misses meanwhile
         self.daemon = self.start()
         self.op = self.daemon.connect(role="operator")
+
+    def _stop(self) -> None:
+        """A graceful stop (SIGTERM: it drains what is queued, paused or not), then a successor."""
+        self._kill(signal.SIGTERM)
 
     def _freeze(self) -> None:
         paused = self._paused()
@@ -138,12 +146,13 @@ class Faults:
 
 @pytest.mark.faults
 @pytest.mark.parametrize("kind,layout,seed", [("kills", "page_first", 3), ("freezes", "layer_first", 4),
-                                              ("pauses", "page_first", 5)])
+                                              ("pauses", "page_first", 5), ("stops", "layer_first", 6)])
 def test_random_calls_with_the_daemon_killed_frozen_or_paused_load_only_their_keys_bytes(
         run_dir, tmp_path, kind, layout, seed):
     """Every call returns (a miss, never an exception), a page a get says it loaded is its key's,
     no page changes after its get returned, and the backends attach to each successor."""
     calls = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 10
+    seed += int(os.environ.get("KVCACHED_SOAK_SEED", "0"))
     docs = docs_of(seed)
     start = lambda: launch(  # noqa: E731
         instance=f"sgf{os.getpid()}-{seed}", run_dir=run_dir, host_cache_gb=HOST_PAGES * PAGE_BYTES / 2**30,
