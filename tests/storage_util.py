@@ -1,9 +1,11 @@
 """What the storage tests share: a daemon with storage tiers, blocks stored on its disk tier only
 (or in any tier only), a record's path, a record hung on a filesystem, the load state, a
-redis-server stopped, a disk tier's writes held."""
+redis-server stopped, a disk tier's writes held, a filesystem that fills up."""
 import contextlib
 import glob
 import os
+import subprocess
+import tempfile
 import threading
 
 import pytest
@@ -13,6 +15,23 @@ from kvcached_client import launch
 from kvcached.bench import process_stop
 
 PAGE_SHAPE = (16, 2, 64)  # 4 layers x (K, V) x 4 KiB = 32 KiB per block
+
+
+@contextlib.contextmanager
+def small_filesystem(size: str):
+    """A tmpfs of `size` (mount's notation: "1m") under /tmp, unmounted and removed after; the
+    test is skipped where it cannot be mounted (mounting needs root)."""
+    path = tempfile.mkdtemp(prefix="kvfull-", dir="/tmp")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", path],
+                       capture_output=True)
+    if r.returncode != 0:
+        os.rmdir(path)
+        pytest.skip(f"cannot mount a size-limited tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", path], check=True)
+        os.rmdir(path)
 
 
 def files(root):

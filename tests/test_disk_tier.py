@@ -3,8 +3,6 @@ records, storage readiness, a full disk and its capacity."""
 import glob
 import os
 import signal
-import subprocess
-import tempfile
 import threading
 import time
 
@@ -13,8 +11,8 @@ import pytest
 from conftest import blocks_equal, disk_uri, keys_for, scramble, small_kv, snapshot, stored, wait_until
 from kvcached_client import Client, KvcachedTimeout
 from kvcached_proto import MAX_KEYS_PER_REQUEST, Busy, ErrorCode, Op, RequestError, pack_keys
-from storage_util import (PAGE_SHAPE, files, offload_and_flush, on_disk_only, record_path, start,
-                          stored_with_one_record_hung)
+from storage_util import (PAGE_SHAPE, files, offload_and_flush, on_disk_only, record_path, small_filesystem,
+                          start, stored_with_one_record_hung)
 
 
 def test_blocks_survive_a_daemon_restart_on_disk(run_dir, instance, disk_dir):
@@ -340,15 +338,8 @@ def test_deletes_while_the_index_is_rebuilt_keep_a_bounded_set_then_wait(run_dir
 @pytest.fixture
 def tiny_fs():
     """A 1 MiB filesystem (tmpfs) that fills up."""
-    path = tempfile.mkdtemp(prefix="kvfull-", dir="/tmp")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", path],
-                       capture_output=True)
-    if r.returncode != 0:
-        os.rmdir(path)
-        pytest.skip(f"cannot mount a size-limited tmpfs here: {r.stderr.decode().strip()}")
-    yield path
-    subprocess.run(["umount", path], check=True)
-    os.rmdir(path)
+    with small_filesystem("1m") as path:
+        yield path
 
 
 @pytest.mark.faults

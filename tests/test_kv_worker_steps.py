@@ -205,46 +205,25 @@ def test_a_steps_loads_go_out_together_and_each_lands_as_the_daemon_answered_it(
 
 
 @pytest.mark.parametrize("mode", ["direct", "staging"])
-def test_a_load_whose_reply_never_came_keeps_its_blocks_until_the_daemon_ends_it(
-        daemon, monkeypatch, mode):
-    """The daemon hangs with the load request on its socket: the step fails the load, and the
-    blocks the daemon would copy into when it wakes (the request's own in direct mode, staging
-    blocks in staging mode) are not handed back until the load it takes late has ended."""
-    monkeypatch.setenv("KVCACHED_HANG_S", "0.5")
-    with worker_with_saved(daemon, 31, mode) as (kv, worker, keys):
-        process_stop.stop(daemon.pid)
-        try:
-            _, errors = step(worker, loads=[BlockTransfer("l", keys, DST)])
-            assert errors == set(DST)
-            if mode == "direct":
-                assert worker.finished({"l"}) == set(), "its blocks reported free to reuse"
-            else:
-                assert len(worker._holds.parked) == len(DST), "staging blocks handed back"
-        finally:
-            process_stop.go_on(daemon.pid)
-        finish(worker, "l")
-        wait_until(lambda: not worker._holds.holding() or worker._holds.release(), 20,
-                   "the staging blocks given back")
-        if mode == "direct":  # the daemon did take it late: the test is not vacuous
-            for got, exp in zip(blocks_of(kv, DST), blocks_of(kv, SRC)):
-                assert torch.equal(got, exp)
-
-
-@pytest.mark.parametrize("mode", ["direct", "staging"])
+@pytest.mark.parametrize("hung", ["before its reply", "after its reply"])
 def test_a_load_whose_layer_wait_finds_the_daemon_hung_keeps_its_blocks_until_it_ends(
-        daemon, monkeypatch, mode):
-    """The daemon answered the load, queued it (paused) and froze: the layer wait finds it hung
-    (0.5 s threshold) and the step fails the load, but a daemon that wakes still runs it. The
-    blocks it copies into stay out of reuse until it ended: the request's own (direct), or the
-    staging blocks (the client dropped at the failure held nothing then and was closed at once,
-    and the staging blocks went back to the free list for the next load)."""
+        daemon, monkeypatch, mode, hung):
+    """The daemon hangs (SIGSTOP, 0.5 s threshold) with the load request on its socket, or after
+    it answered and queued the load (paused): the step fails the load, but a daemon that wakes
+    still runs it. The blocks it copies into (the request's own in direct mode, staging blocks in
+    staging mode) are not handed back until it ended. (After the reply, staging: the client
+    dropped at the failure held nothing then and was closed at once, and the staging blocks went
+    back to the free list.)"""
     monkeypatch.setenv("KVCACHED_HANG_S", "0.5")
-    with worker_with_saved(daemon, 45, mode) as (kv, worker, keys), \
+    with worker_with_saved(daemon, 31, mode) as (kv, worker, keys), \
             daemon.connect(role="operator", timeout=30) as control:
-        control.pause()
-        worker.start_loads([BlockTransfer("l", keys, DST)])  # answered, queued
+        if hung == "after its reply":
+            control.pause()
+            worker.start_loads([BlockTransfer("l", keys, DST)])  # answered, queued
         process_stop.stop(daemon.pid)
         try:
+            if hung == "before its reply":
+                worker.start_loads([BlockTransfer("l", keys, DST)])
             for layer in range(len(worker._layers)):
                 worker.layer_ready(layer)
             worker.end_forward()

@@ -13,18 +13,14 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import tempfile
-import threading
 import time
 
 import pytest
 from conftest import disk_uri, small_kv, wait_until
-from storage_util import files
-from test_random_ops import BLOCKS, LAYERS, PAGE, SHAPE, Contents, Engine, _docs, _operator
+from storage_util import files, small_filesystem
+from test_random_ops import BLOCKS, LAYERS, PAGE, SHAPE, Contents, Engine, _docs, operated
 
 from kvcached_client import launch
-from kvcached_proto import RequestError
 
 HOST_PAGES = 16  # of the 96 blocks in play: most loads read the disk tier
 HEADER = 48  # record.py's header; the payload follows
@@ -140,15 +136,8 @@ def _step(engine, rng, docs, permits, n: int) -> int:
 @pytest.fixture
 def small_fs():
     """A 2 MiB filesystem (tmpfs) for the disk tier: 96 records do not fit in it."""
-    path = tempfile.mkdtemp(prefix="kvsmall-", dir="/tmp")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", path],
-                       capture_output=True)
-    if r.returncode != 0:
-        os.rmdir(path)
-        pytest.skip(f"cannot mount a size-limited tmpfs here: {r.stderr.decode().strip()}")
-    yield path
-    subprocess.run(["umount", path], check=True)
-    os.rmdir(path)
+    with small_filesystem("2m") as path:
+        yield path
 
 
 @pytest.mark.faults
@@ -160,15 +149,13 @@ def test_random_ops_on_a_damaged_or_full_disk_tier_never_serve_a_wrong_byte(run_
     root = request.getfixturevalue("disk_dir" if kind == "damage" else "small_fs")
     rng, docs, faults = random.Random(seed), _docs(), DiskFaults(kind, root, seed)
     kv = small_kv(num_layers=LAYERS, num_blocks=BLOCKS, block_shape=SHAPE, seed=seed)
-    stop, errors, done = threading.Event(), [], {}
+    errors = []
     args = dict(instance=instance, run_dir=run_dir, host_cache_gb=HOST_PAGES * PAGE / 2**30,
                 extra_args=["--storage", disk_uri(root)], wait_storage=True)
     with launch(**args) as d, d.connect(timeout=30) as c:
         c.register_kv_cache(kv)
-        engine, permits = Engine(c, Contents(kv), rng), threading.Semaphore(0)
-        operator = threading.Thread(target=_operator, args=(d, docs, seed, permits, stop, errors, done))
-        operator.start()
-        try:
+        engine = Engine(c, Contents(kv), rng)
+        with operated(d, docs, seed, errors, {}) as permits:
             n = 0
             while not faults.over(n, ops):
                 faults.tick(n)
@@ -179,14 +166,7 @@ def test_random_ops_on_a_damaged_or_full_disk_tier_never_serve_a_wrong_byte(run_
             was = c.status()["lookups"]["loaded_from_storage"]
             for n in range(n, n + ops):
                 _step(engine, rng, docs, permits, n)
-            while engine.inflight:
-                engine.finish_one()
-        except RequestError as exc:
-            errors.append(f"engine: {exc!r}")
-        finally:
-            stop.set()
-            operator.join(60)
-        assert not operator.is_alive()
+            engine.drain()
         assert c.check() == "ok"
         s = c.status()
     assert not errors, (seed, errors)

@@ -6,6 +6,7 @@ block that differs from its key's content is a wrong byte served, whatever the i
 block). Seeded: a failure names the seed; KVCACHED_SOAK_OPS scales the run."""
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import threading
@@ -107,6 +108,24 @@ def _operator(d, docs, seed: int, permits: threading.Semaphore, stop: threading.
         errors.append(f"operator: {exc!r}")
 
 
+@contextlib.contextmanager
+def operated(d, docs, seed: int, errors: list, done: dict):
+    """The operator's thread (`_operator`) beside the engine's loop in the with-block, which gets
+    its permits; a RequestError out of the loop is an error of the run; at the end the operator
+    stops and is joined."""
+    stop, permits = threading.Event(), threading.Semaphore(0)
+    operator = threading.Thread(target=_operator, args=(d, docs, seed, permits, stop, errors, done))
+    operator.start()
+    try:
+        yield permits
+    except RequestError as exc:
+        errors.append(f"engine: {exc!r}")
+    finally:
+        stop.set()
+        operator.join(60)
+    assert not operator.is_alive()
+
+
 class Engine:
     """The engine's side: device blocks held by the op in flight that uses them, waited for in
     any order; every load's leading blocks compared with their keys' contents. It keeps the
@@ -132,6 +151,11 @@ class Engine:
             self.offload(keys)
         else:
             self.load(keys)
+
+    def drain(self) -> None:
+        """Wait for every op in flight."""
+        while self.inflight:
+            self.finish_one()
 
     def offload(self, keys) -> None:
         blocks = self.rng.sample(sorted(self.free), len(keys))
@@ -204,7 +228,7 @@ def test_random_concurrent_ops_under_eviction_never_serve_a_wrong_byte(run_dir, 
     contents.write(0, docs[0][0])
     assert contents.holds(0, docs[0][0]) and not contents.holds(0, docs[0][1])
     assert not contents.holds(0, docs[0][0], epoch=1)
-    stop, errors, done = threading.Event(), [], {}
+    errors, done = [], {}
     pages, settings = SETUPS[seed]
     extra = ["--storage", disk_uri(disk_dir), *settings]
     if "--redis" in extra:  # a second storage tier, a real server
@@ -214,25 +238,14 @@ def test_random_concurrent_ops_under_eviction_never_serve_a_wrong_byte(run_dir, 
         with d.connect(timeout=30) as c:
             c.register_kv_cache(kv)
             engine = Engine(c, contents, rng)
-            permits = threading.Semaphore(0)
-            operator = threading.Thread(target=_operator,
-                                        args=(d, docs, seed, permits, stop, errors, done))
-            operator.start()
-            try:
+            with operated(d, docs, seed, errors, done) as permits:
                 for step in range(ops):
                     if rng.random() < 0.3:
                         permits.release()  # the operator's next op, beside this one
                     if step in (ops // 3, 2 * ops // 3):  # twice a run, with ops in flight
                         engine.weights_update()
                     engine.step(rng, docs)
-                while engine.inflight:
-                    engine.finish_one()
-            except RequestError as exc:
-                errors.append(f"engine: {exc!r}")
-            finally:
-                stop.set()
-                operator.join(60)
-            assert not operator.is_alive()
+                engine.drain()
             assert c.check() == "ok"
             s = c.status()
     assert not errors, (seed, errors)
