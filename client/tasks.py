@@ -118,9 +118,9 @@ class LoadTask(Task):
         return exc
 
     def _hold_hung(self, exc: DaemonUnavailable) -> DaemonUnavailable:
-        """The daemon was seen hung in the wait: one that wakes still runs the load (nothing
-        cancelled it), so its device blocks are held until its end event; a gone one writes
-        nothing more."""
+        """The daemon was seen hung (or stopping) in the wait: one that wakes (or drains) still
+        runs the load, which nothing cancelled, so its device blocks are held until its end event;
+        a gone one writes nothing more."""
         if hasattr(exc, "held_blocks"):  # (from this load's wait, within wait_layer)
             return exc
         blocks = [int(b) for b in self.reply.get("device_blocks", ())]
@@ -130,8 +130,9 @@ class LoadTask(Task):
             return exc
         self.client.hold(self.id, blocks)
         exc.held_blocks = exc.fenced_blocks = blocks
-        exc.args = (f"{exc.args[0]}; load {self.id} may still run when the daemon wakes: device "
-                    f"blocks {blocks[:8]}{'...' if len(blocks) > 8 else ''} stay held",)
+        exc.args = (f"{exc.args[0]}; load {self.id} may still run (a daemon that wakes, or drains "
+                    f"at a stop, runs it): device blocks {blocks[:8]}{'...' if len(blocks) > 8 else ''} "
+                    "stay held",)
         return exc
 
     def wait_layer(self, layer: int, timeout: float | None = None, spin_s: float = SPIN_S,
