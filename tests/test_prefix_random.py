@@ -147,12 +147,13 @@ def _kv(seed, rank=0):
 @pytest.mark.parametrize("policy,seed,faults", [("write_through", 1, None), ("write_back", 2, None),
                                                 ("write_through_selective", 3, None),
                                                 ("write_through", 4, "kills"), ("write_back", 6, "freezes"),
-                                                ("write_back", 10, "pauses")])
+                                                ("write_back", 10, "pauses"), ("write_through", 12, "stops")])
 def test_random_requests_are_only_ever_given_their_own_kv(run_dir, instance, disk_dir, policy, seed,
                                                           faults):
     """kills: the daemon is killed (-9) three times mid-run, each once the manager has attached
     again, and a successor started on the same disk tier 40 steps later: the engine goes on
     GPU-only meanwhile, never sees an error, and the manager reattaches in the background.
+    stops: the same with a graceful stop (SIGTERM: it drains what is queued).
     freezes: every 150 steps while attached, the daemon is stopped (SIGSTOP) for 0.4-0.8 s
     against a hang threshold of 0.3 s, so loads and offloads in flight end late or not at all
     from the manager's side: it detaches, holds the blocks they may still write, and attaches
@@ -162,15 +163,15 @@ def test_random_requests_are_only_ever_given_their_own_kv(run_dir, instance, dis
     rng, kv = random.Random(seed), _kv(seed)
     start = lambda: launch(instance=instance, run_dir=run_dir, host_cache_gb=HOST_GB,  # noqa: E731
                            extra_args=["--storage", disk_uri(disk_dir)], wait_storage=True)
-    kills = [steps * k // 5 for k in (1, 2, 3)] if faults == "kills" else []  # once attached again
+    kills = [steps * k // 5 for k in (1, 2, 3)] if faults in ("kills", "stops") else []  # once attached again
     state = {"daemon": start(), "restart_at": None, "thaw_at": None, "freezes": 0}
 
     def between(n):
         daemon = state["daemon"]
         if kills and n >= kills[0] and mgr.attached and state["restart_at"] is None:
             kills.pop(0)
-            os.kill(daemon.pid, signal.SIGKILL)
-            daemon.proc.wait(10)
+            os.kill(daemon.pid, signal.SIGKILL if faults == "kills" else signal.SIGTERM)
+            daemon.proc.wait(60)
             sweep_crashed(instance)
             state["restart_at"] = n + 40
         elif n == state["restart_at"]:  # GPU-only steps take microseconds: give the watcher its turn
@@ -212,7 +213,7 @@ def test_random_requests_are_only_ever_given_their_own_kv(run_dir, instance, dis
             state["op"].close()
         state["daemon"].stop()
     _exercised(eng, stats, steps)
-    if faults == "kills":  # each successor attached; a failed offload is one the kill cut short
+    if faults in ("kills", "stops"):  # each successor attached; a failed offload: one the kill cut short
         assert not kills and stats["detaches"] == 3 and stats["attaches"] >= 3, stats
     elif faults == "pauses":  # offloads timed out (cancelled, their blocks held till the end)
         assert state["freezes"] >= 5 and stats["offload_failures"] > 0 and stats["detaches"] == 0, (state, stats)
