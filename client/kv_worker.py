@@ -281,8 +281,7 @@ class KVWorker:
             p.failed = True
             if self.mode == "direct":  # held before the link may drop the client: a hung
                 self._hold(p.req_id, p.task, p.client, p.blocks, "load")  # end still lifts it
-            else:  # its staging blocks, the same way (the keeper parks them at end_forward)
-                p.client.hold(p.task.id, p.staging)
+            # (staging: a wait that found the daemon hung held the load's staging blocks itself)
             self._daemon_failed(exc)
             return
         if p.valid and self.mode == "staging":
