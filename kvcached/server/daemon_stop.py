@@ -4,6 +4,9 @@ even if an earlier one fails."""
 from __future__ import annotations
 
 import logging
+import select
+import threading
+import time
 
 from kvcached_proto.liveness import pid_alive
 from kvcached_proto.shm_layout import State
@@ -14,6 +17,7 @@ from .run_dir import remove_instance_files
 log = logging.getLogger("kvcached.server.daemon")  # the daemon's logger, as before the split
 
 DYING_GRACE_S = 0.5  # at shutdown, for engines whose connection closed to finish dying
+ROUTER_LINGER_MS = 1000  # at shutdown, for the last end events to reach their clients
 
 
 class StopsDaemon:
@@ -40,8 +44,33 @@ class StopsDaemon:
             raise errors[0]
 
     def _close_service(self) -> None:
+        """The drain runs on a thread of its own while this one (the sockets' owner) sends the
+        end events of the tasks it runs as they end: a load queued before the stop ends DONE for
+        its engine (the status block says UP, and beats, until the sockets are closed), not as a
+        failed load of a daemon that exited."""
         if self.status_block is not None:
             self.status_block.set_state(State.STOPPING)
+        failed: list[BaseException] = []
+
+        def drain() -> None:
+            try:
+                self._drain_service()
+            except BaseException as exc:
+                failed.append(exc)
+            finally:
+                if self.events is not None:
+                    self.events.wake()
+
+        worker = threading.Thread(target=drain, name="kvcached-stop", daemon=True)
+        worker.start()
+        while worker.is_alive():
+            self._forward_drained(0.05)
+        worker.join()
+        self._forward_drained(0)
+        if failed:
+            raise failed[0]
+
+    def _drain_service(self) -> None:
         if self.control is not None:  # (made after the service: its module is imported)
             from ..service.cache_service import DRAIN_TIMEOUT_S
 
@@ -49,6 +78,15 @@ class StopsDaemon:
         if self.service is not None:
             service, self.service = self.service, None
             service.close()
+
+    def _forward_drained(self, wait_s: float) -> None:
+        """The end events queued (waiting up to wait_s for one), sent as the loop sends them;
+        none without the sockets (a start that failed part way)."""
+        if self.events is None or self._router is None:
+            time.sleep(wait_s)
+            return
+        select.select([self.events.pull], [], [], wait_s)
+        self._forward_events()
 
     def _sweep_dead_engines(self) -> None:
         """The reaper sweeps a dead engine's segments on its next turn; a stop that comes
@@ -71,11 +109,11 @@ class StopsDaemon:
         for mon in self._monitors:
             mon.close(linger=0)
         self._monitors = []
-        if self._router is not None:
-            self._router.close(linger=0)
+        if self._router is not None:  # the drained tasks' end events go out first (bounded)
+            self._router.close(linger=ROUTER_LINGER_MS)
             self._router = None
         if self._curve_router is not None:
-            self._curve_router.close(linger=0)
+            self._curve_router.close(linger=ROUTER_LINGER_MS)
             self._curve_router = None
         if self._auth is not None:
             self._auth.stop()

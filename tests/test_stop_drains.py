@@ -1,0 +1,105 @@
+"""A graceful stop (SIGTERM, `kvcached stop`) runs the copies already queued before it exits,
+and their engines read them as done: the load's blocks in place, its hit kept, nothing held.
+Before, the end events of the tasks it drained were never sent: a client waiting for one saw
+the daemon exit, and every load in flight at a stop failed (a lost hit; SGLang's prefetch
+waited for the process to end)."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from conftest import blocks_equal, keys_for, small_kv, snapshot, wait_until
+from kvcached_client import DaemonUnavailable, launch
+from kvcached.bench import process_stop
+from kvcached_proto.shm_layout import State
+
+SRC, DST, SRC2 = [0, 1, 2, 3], [8, 9, 10, 11], [4, 5]
+FROZEN_S = 0.3  # the stop held up this long (well under the hang threshold)
+
+
+def _kv():
+    return small_kv(num_layers=2, num_blocks=16)
+
+
+def _stop_slowly(h, c) -> threading.Thread:
+    """SIGTERM; once the daemon says it is stopping, it is frozen for FROZEN_S (as a drain of
+    many copies would take): the client's waits go on through a stopping daemon's silence
+    (seen: the load still running when the freeze began)."""
+    def freeze() -> None:
+        deadline = time.monotonic() + 10
+        while c.status_block.view.state != State.STOPPING and time.monotonic() < deadline:
+            pass
+        with process_stop.stopped(h.pid):
+            time.sleep(FROZEN_S)
+
+    thread = threading.Thread(target=freeze, daemon=True)
+    thread.start()
+    os.kill(h.pid, signal.SIGTERM)
+    return thread
+
+
+def _queued(c, kv, seed):
+    """A load and an offload queued behind an operator's pause; returns (load, offload,
+    the load's expected bytes)."""
+    keys = keys_for(len(SRC), seed)
+    expected = snapshot(kv, SRC)
+    c.offload(SRC, keys).wait(30)
+    assert not blocks_equal(kv, DST, expected)  # (random: what the load must overwrite)
+    c.pause()
+    load = c.load(keys, DST)
+    offload = c.offload(SRC2, keys_for(len(SRC2), seed + 1))
+    assert load.num_blocks == len(DST)
+    return load, offload, expected
+
+
+@pytest.mark.parametrize("wait", ["wait", "wait_layer", "done"])
+def test_a_load_queued_at_a_graceful_stop_ends_done_with_its_blocks_in_place(run_dir, instance, wait):
+    h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)
+    try:
+        kv = _kv()
+        with h.connect(timeout=30, hang_s=2) as c:
+            c.register_kv_cache(kv)
+            load, offload, expected = _queued(c, kv, 61)
+            freezer = _stop_slowly(h, c)
+            if wait == "wait":
+                assert load.wait(30) == len(DST)
+            elif wait == "wait_layer":
+                load.wait_layer(1, timeout=30)
+            else:
+                wait_until(load.done, 30, "the load's end")
+            assert blocks_equal(kv, DST, expected), "the load's blocks are not its bytes"
+            assert load.wait(30) == len(DST) and load.status.name == "DONE"
+            assert offload.wait(30)["stored"] == len(SRC2)
+            assert not c.held_blocks()
+            freezer.join(10)
+        assert h.proc.wait(30) == 0
+    finally:
+        h.stop()
+
+
+def test_a_stopping_daemon_that_hangs_still_fails_the_wait_and_holds_the_blocks_until_it_ends(
+        run_dir, instance):
+    """Stopping is no reason to wait past the hang threshold: a daemon frozen in its stop is
+    hung as any other, and its load's blocks stay held until its end event comes."""
+    h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)
+    try:
+        kv = _kv()
+        with h.connect(timeout=30, hang_s=0.5) as c:
+            c.register_kv_cache(kv)
+            load, _, expected = _queued(c, kv, 71)
+            process_stop.stop(h.pid)
+            try:
+                os.kill(h.pid, signal.SIGTERM)  # (taken when it goes on)
+                with pytest.raises(DaemonUnavailable, match="hung") as e:
+                    load.wait(30)
+                assert e.value.held_blocks == DST and c.held_blocks() == set(DST)
+            finally:
+                process_stop.go_on(h.pid)
+            wait_until(lambda: not c.held_blocks(), 30, "the hold to lift")
+            assert blocks_equal(kv, DST, expected)
+        assert h.proc.wait(30) == 0
+    finally:
+        h.stop()
