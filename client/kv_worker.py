@@ -35,7 +35,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from kvcached_proto.errors import DaemonUnavailable, KvcachedError
+from kvcached_proto.errors import DaemonUnavailable, KvcachedError, TaskFailed
 
 from .block_copy import copy_blocks
 from .client import Client
@@ -282,7 +282,11 @@ class KVWorker:
             if self.mode == "direct":  # held before the link may drop the client: a hung
                 self._hold(p.req_id, p.task, p.client, p.blocks, "load")  # end still lifts it
             # (staging: a wait that found the daemon hung held the load's staging blocks itself)
-            self._daemon_failed(exc)
+            if isinstance(exc, TaskFailed):  # it ended short (a clear cancelled it, a storage
+                # read failed): the daemon answered; its blocks count in load_errors
+                log.info("[kvcached] %s: request %s recomputes %d blocks", str(exc), p.req_id, p.valid)
+            else:
+                self._daemon_failed(exc)
             return
         if p.valid and self.mode == "staging":
             self._copy(layer, p.staging[: p.valid], p.blocks[: p.valid], to_staging=False)

@@ -4,6 +4,8 @@ revoked offloads, a direct load counted only once its copies ended, the staging 
 close."""
 from __future__ import annotations
 
+import logging
+
 import os
 import signal
 
@@ -244,12 +246,15 @@ def test_a_load_whose_layer_wait_finds_the_daemon_hung_keeps_its_blocks_until_it
 
 
 @pytest.mark.parametrize("mode", ["direct", "staging"])
-def test_a_load_the_daemon_cancelled_before_its_first_layer_holds_nothing(daemon, mode):
+def test_a_load_the_daemon_cancelled_before_its_first_layer_holds_nothing(daemon, mode, caplog):
     """A queued load the daemon cancels (an operator's clear) fails its first layer wait, which
     read its end: the request is reported finished and its blocks are free. The worker held the
     request after that failure under the task's id, and with its end already read, the hold
     lasted until the daemon's process was gone: the request was never reported, its blocks never
-    freed (a leak of each load that failed before a layer: a clear, a storage read that failed)."""
+    freed (a leak of each load that failed before a layer: a clear, a storage read that failed).
+    It is a load that ended short, not a call that failed: the daemon stays in use, and the
+    worker said "kvcached call failed" and counted a daemon error."""
+    caplog.set_level(logging.INFO, logger="kvcached_client")
     with worker_with_saved(daemon, 47, mode) as (kv, worker, keys), \
             daemon.connect(role="operator", timeout=30) as control:
         control.pause()
@@ -262,6 +267,8 @@ def test_a_load_the_daemon_cancelled_before_its_first_layer_holds_nothing(daemon
         assert worker.load_errors() == set(DST)
         finish(worker, "l")
         assert not worker.link.client.held_blocks() and not worker._holds.parked
+        assert worker.counters["daemon_errors"] == 0 and worker.counters["load_errors"] == len(DST)
+        assert "call failed" not in caplog.text and "ended (cancelled)" in caplog.text
 
 
 def test_preempting_a_request_whose_load_went_unanswered_waits_for_it_then_goes_on(
