@@ -49,7 +49,7 @@ def weights_identity(model: str, revision: str | None = None) -> str:
         if isinstance(path, str):
             return "commit:" + os.path.basename(os.path.dirname(path))
     except Exception as exc:  # no hub library, or an id it cannot parse: the revision is all
-        log.debug("[keys] no cached commit for %s: %s", model, exc)  # there is to go by
+        log.debug("[keys] no cached commit for %s: %s", model, str(exc))  # there is to go by
     return f"revision:{revision or 'main'}"
 
 

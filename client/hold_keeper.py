@@ -41,7 +41,7 @@ class HoldKeeper:
             try:
                 out |= client.held_blocks()
             except KvcachedError as exc:
-                log.debug("[hold] check: %s", exc)
+                log.debug("[hold] check: %s", str(exc))
                 out |= client.held_without_check
         return out
 

@@ -186,7 +186,7 @@ def _close(conn) -> None:
     try:
         conn.close()
     except Exception as exc:  # closing a half-made connection must not raise over the cause
-        log.debug("closing a connection that was not taken: %s", exc)
+        log.debug("closing a connection that was not taken: %s", str(exc))
 
 
 def reconnector(client) -> Callable[[], object]:

@@ -196,5 +196,5 @@ class PoolChannel:
             try:
                 client.unregister_kv_cache(timeout=min(self.backend.settings.timeout_s, 2.0))
             except Exception as exc:  # gone already: its KV mapping goes with the connection
-                log.info("[sglang] unregister at close: %s", exc)
+                log.info("[sglang] unregister at close: %s", str(exc))
         link.close()

@@ -111,7 +111,7 @@ class SidePools:
             channel = self._side_channel(name, host_pool, {self.settings.instance} |
                                          {c.instance for c in self.sides.values()})
         except ConfigError as exc:
-            log.error("[sglang] %s: its pages miss", exc)
+            log.error("[sglang] %s: its pages miss", str(exc))
             return
         with self._keys_lock:
             if self._closing.is_set():  # closed meanwhile: close() did not see this one

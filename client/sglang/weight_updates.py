@@ -62,7 +62,7 @@ def _install() -> bool:
     try:
         cls = importlib.import_module(UPDATER).SchedulerWeightUpdaterManager
     except Exception as exc:  # another SGLang: its updater is elsewhere, or missing
-        log.info("[sglang] weight updater not found (%s: %s)", type(exc).__name__, exc)
+        log.info("[sglang] weight updater not found (%s: %s)", type(exc).__name__, str(exc))
         return False
     names = [n for n, fn in vars(cls).items() if n.startswith("update_weights_from_") and callable(fn)]
     for name in names:
@@ -99,7 +99,7 @@ def _tell(backend, version, salt, cleared: bool) -> None:
         backend.weights_replaced(version, salt, pool_cleared=cleared)
     except Exception as exc:
         log.error("[sglang] re-keying after a weight update failed (%s: %s): this backend is "
-                  "closed, so it serves no page of the old weights", type(exc).__name__, exc)
+                  "closed, so it serves no page of the old weights", type(exc).__name__, str(exc))
         try:
             backend.close()  # drops its link first: from then on every call is a miss
         except Exception as err:
@@ -120,5 +120,5 @@ def shared_salt(group) -> str:
         return str(box[0])
     except Exception as exc:
         log.warning("[sglang] the salt after a weight update was not shared with the other "
-                    "ranks (%s: %s): this rank keys its pages with its own", type(exc).__name__, exc)
+                    "ranks (%s: %s): this rank keys its pages with its own", type(exc).__name__, str(exc))
         return salt

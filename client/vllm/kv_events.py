@@ -326,12 +326,12 @@ class KVEventsReporter:
             self.enabled = False
             self.forget_all()  # what another rank's daemon announced is reported removed
         elif isinstance(exc, (DaemonUnavailable, KvcachedTimeout)):  # slow, hung or gone: the
-            log.debug("[vllm] kv events of rank %d: %s", rank, exc)  # step goes on; asked again
+            log.debug("[vllm] kv events of rank %d: %s", rank, str(exc))  # step goes on; asked again
             self._quiet_until = time.monotonic() + QUIET_S  # after QUIET_S (the link sees a gone one)
             if isinstance(exc, KvcachedTimeout):  # a daemon slower than the wait: a longer one
                 self._wait_s = min(MAX_REQUEST_S, 2 * (self._wait_s or self.request_s))
         else:  # a refusal that is not the daemon's absence: said, asked again at the next poll
-            log.warning("[vllm] kv events of rank %d: %s", rank, exc)
+            log.warning("[vllm] kv events of rank %d: %s", rank, str(exc))
 
     def take(self) -> list:
         out, self._out = self._out, []
