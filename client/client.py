@@ -291,8 +291,10 @@ class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
             raise request_error(err.get("code", 0), err.get("message", "no message"))
         return reply
 
-    def _wait(self, take: Callable[[], object], timeout: float | None, what, knob: str):
-        """Pump the socket until take() returns something; check the daemon while waiting."""
+    def _wait(self, take: Callable[[], object], timeout: float | None, what, knob: str,
+              drains: bool = False):
+        """Pump the socket until take() returns something; check the daemon while waiting
+        (`drains`: a daemon stopping still sends it - a task's end, not a reply)."""
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while True:
@@ -301,7 +303,7 @@ class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
                 return got
             left = deadline - time.monotonic()
             if left <= 0:
-                self._check_daemon()
+                self._check_daemon(drains)
                 what = f"{what.name.lower()} reply" if isinstance(what, Op) else what
                 raise KvcachedTimeout(f"no {what} within {timeout:.3g} s (set {knob})")
             slice_s = min(left, POLL_SLICE_MS / 1000)
@@ -312,7 +314,7 @@ class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
                 finally:
                     self._lock.release()
             if not received:
-                self._check_daemon()  # silence: make sure the daemon is still there
+                self._check_daemon(drains)  # silence: make sure the daemon is still there
 
     def _pump(self, wait_s: float) -> bool:
         """Read and file every frame that is waiting; True if at least one arrived."""
@@ -349,10 +351,12 @@ class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
         except Exception:  # DaemonUnavailable, or a reader closed under us by another thread
             return False
 
-    def _check_daemon(self) -> None:
+    def _check_daemon(self, drains: bool = False) -> None:
+        """DaemonUnavailable unless the daemon is up - or, with `drains`, stopping: it still
+        ends the tasks queued before its stop (StatusReader.check_alive)."""
         if self.status_block is None:
             raise DaemonUnavailable("client is closed")
-        self.status_block.check_alive()
+        self.status_block.check_alive(drains)
         if self.order is not None and self.order.released:
             # its progress words say "landed" for good: no later layer wait would hold
             raise DaemonUnavailable("this connection's order words were released (its daemon "

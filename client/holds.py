@@ -20,11 +20,13 @@ class KeepsHolds:
 
     def wait_event(self, task_id: int, timeout: float | None) -> dict:
         return self._wait(lambda: self._events.pop(task_id, None), timeout,
-                          f"completion of task {task_id}", "wait(timeout=...)")
+                          f"completion of task {task_id}", "wait(timeout=...)", drains=True)
 
-    def poll_events(self) -> None:
-        """Read whatever has arrived without blocking (for task.done())."""
-        self._check_daemon()
+    def poll_events(self, drains: bool = False) -> None:
+        """Read whatever has arrived without blocking (for task.done()). DaemonUnavailable for
+        a daemon of no use; `drains` (a task's own waits): not for one stopping, which still
+        sends the ends of the tasks it drains."""
+        self._check_daemon(drains)
         if self._lock.acquire(blocking=False):
             try:
                 self._pump(0)
@@ -107,7 +109,7 @@ class KeepsHolds:
     def _refresh_holds(self) -> None:
         if self._holds:
             try:
-                self.poll_events()
+                self.poll_events(drains=True)
             except DaemonUnavailable:
                 sig = self.status_block
                 gone = sig.gone() if sig is not None else self._gone_after_close()

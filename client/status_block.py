@@ -137,11 +137,16 @@ class StatusReader:
             return lambda: not process_alive(pid, start)
         return lambda: not pid_alive(pid)
 
-    def check_alive(self) -> None:
-        """Raise DaemonUnavailable if the daemon exited, stopped, or has missed its heartbeat
-        for longer than the hang threshold."""
+    def check_alive(self, drains: bool = False) -> None:
+        """Raise DaemonUnavailable if the daemon exited, is stopping, or has missed its
+        heartbeat for longer than the hang threshold. A stopping daemon answers no request, but
+        runs the tasks queued before its stop and sends their ends: with `drains` (a wait for
+        such an end) it is no error."""
         if self.gone():
             raise DaemonUnavailable(f"kvcached daemon pid {self.pid} has exited")
+        if not drains and self.view.state == State.STOPPING:
+            raise DaemonUnavailable(f"kvcached daemon pid {self.pid} is stopping: it answers no "
+                                    "request (the tasks queued before its stop still end)")
         if not self.view.flags & Flag.UP:
             state = "starting" if self.view.state == State.STARTING else "stopping or stopped"
             raise DaemonUnavailable(f"kvcached daemon pid {self.pid} is {state}")

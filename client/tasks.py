@@ -29,7 +29,7 @@ class Task:
 
     def done(self) -> bool:
         if self.result is None:
-            self.client.poll_events()
+            self.client.poll_events(drains=True)
         return self.collect()
 
     def collect(self) -> bool:
@@ -179,7 +179,7 @@ class LoadTask(Task):
                         order = self.client.order
                         if order is not None:
                             if order.cuda or order.released:  # a wait for a daemon gone would
-                                self.client._check_daemon()  # only end by release (and a
+                                self.client._check_daemon(True)  # only end by release (and a
                                 # released connection's words pass every wait: not in place)
                             order.wait_loaded(slot, layer, self.id, stream)
                         return
@@ -196,7 +196,7 @@ class LoadTask(Task):
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
             if now >= next_check:
                 next_check = now + LIVENESS_EVERY_S
-                self.client.poll_events()  # also checks that the daemon is alive
+                self.client.poll_events(drains=True)  # also checks that the daemon is alive
                 if now - start > timeout:
                     raise KvcachedTimeout(
                         f"layer {layer} of load task {self.id} not in place within {timeout:.3g} s "

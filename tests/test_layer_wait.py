@@ -66,7 +66,7 @@ def next_load_begins(view):
 def load_task(view: StatusView, status: TaskStatus, loaded: int) -> LoadTask:
     event = {"status": status.value, "result": {"loaded": loaded}}
     client = SimpleNamespace(status_block=SimpleNamespace(view=view), timeout=1.0, order=None,
-                             poll_events=lambda: None, take_event=lambda task_id: event,
+                             poll_events=lambda drains=False: None, take_event=lambda task_id: event,
                              wait_event=lambda task_id, timeout: event)
     return LoadTask(client, TASK, {"slot": SLOT, "blocks": BLOCKS, "num_layers": LAYERS})
 

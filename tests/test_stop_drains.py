@@ -5,6 +5,7 @@ the daemon exit, and every load in flight at a stop failed (a lost hit; SGLang's
 waited for the process to end)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -24,20 +25,27 @@ def _kv():
     return small_kv(num_layers=2, num_blocks=16)
 
 
+@contextlib.contextmanager
+def _frozen_stopping(h, c):
+    """SIGTERM; the daemon frozen as soon as it says it is stopping (before its drain can end),
+    for the block: a drain that takes as long (many copies, backups to a slow tier)."""
+    os.kill(h.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while c.status_block.view.state != State.STOPPING:
+        assert time.monotonic() < deadline, "the daemon did not begin its stop"
+    with process_stop.stopped(h.pid):
+        yield
+
+
 def _stop_slowly(h, c) -> threading.Thread:
-    """SIGTERM; once the daemon says it is stopping, it is frozen for FROZEN_S (as a drain of
-    many copies would take): the client's waits go on through a stopping daemon's silence
-    (seen: the load still running when the freeze began)."""
+    """The stop frozen for FROZEN_S on a thread: the client's waits go on through a stopping
+    daemon's silence (seen: the load still running when the freeze began)."""
     def freeze() -> None:
-        deadline = time.monotonic() + 10
-        while c.status_block.view.state != State.STOPPING and time.monotonic() < deadline:
-            pass
-        with process_stop.stopped(h.pid):
+        with _frozen_stopping(h, c):
             time.sleep(FROZEN_S)
 
     thread = threading.Thread(target=freeze, daemon=True)
     thread.start()
-    os.kill(h.pid, signal.SIGTERM)
     return thread
 
 
@@ -100,6 +108,29 @@ def test_a_stopping_daemon_that_hangs_still_fails_the_wait_and_holds_the_blocks_
                 process_stop.go_on(h.pid)
             wait_until(lambda: not c.held_blocks(), 30, "the hold to lift")
             assert blocks_equal(kv, DST, expected)
+        assert h.proc.wait(30) == 0
+    finally:
+        h.stop()
+
+
+def test_a_request_to_a_stopping_daemon_is_refused_at_once_while_its_drain_goes_on(run_dir, instance):
+    """A stopping daemon reads no more requests; its drain may take long (backups written to a
+    slow tier, up to the drain timeout). A request sent meanwhile waited for the client's whole
+    timeout (every engine step stalled that long); it is DaemonUnavailable at once now, so the
+    engine goes on without the daemon, while the load queued before the stop still ends done."""
+    h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)
+    try:
+        kv = _kv()
+        with h.connect(timeout=30, hang_s=30) as c:
+            c.register_kv_cache(kv)
+            load, _, expected = _queued(c, kv, 81)
+            with _frozen_stopping(h, c):  # its drain goes on for as long as this takes
+                with pytest.raises(DaemonUnavailable, match="is stopping"):
+                    c.offload(SRC2, keys_for(len(SRC2), 83))  # (timeout 30 s: not a timeout)
+                with pytest.raises(DaemonUnavailable, match="is stopping"):
+                    c.load(keys_for(len(SRC), 81), SRC)
+            assert load.wait(30) == len(DST) and blocks_equal(kv, DST, expected)
+            wait_until(lambda: not c.held_blocks(), 30, "the refused load's hold to lift")
         assert h.proc.wait(30) == 0
     finally:
         h.stop()
