@@ -106,7 +106,7 @@ OP_SPECS: dict[Op, OpSpec] = {
             admin=True, blocking=True,
         ),
         OpSpec(Op.PAUSE, admin=True, blocking=True),
-        OpSpec(Op.RESUME, admin=True),
+        OpSpec(Op.RESUME, admin=True, blocking=True),  # (after a pause still draining)
     )
 }
 

@@ -1,16 +1,16 @@
 """The disk tier through real daemons: blocks across a restart, damaged, planted and hung
-records, storage readiness, a full disk and its capacity."""
+records, storage readiness, a full disk and its capacity (drains waiting on a hung read:
+test_control_worker.py)."""
 import glob
 import os
 import signal
 import threading
-import time
 
 import pytest
 
 from conftest import blocks_equal, disk_uri, keys_for, scramble, small_kv, snapshot, stored, wait_until
-from kvcached_client import Client, KvcachedTimeout
-from kvcached_proto import MAX_KEYS_PER_REQUEST, Busy, ErrorCode, Op, RequestError, pack_keys
+from kvcached_client import KvcachedTimeout
+from kvcached_proto import MAX_KEYS_PER_REQUEST, Busy, Op, pack_keys
 from storage_util import (PAGE_SHAPE, files, offload_and_flush, on_disk_only, record_path, small_filesystem,
                           start, stored_with_one_record_hung)
 
@@ -150,80 +150,6 @@ def test_a_record_on_a_hung_filesystem_costs_its_load_a_deadline_not_the_daemon(
         if h is not None:
             h.proc.wait(20)
             assert h.stop() == 0
-
-
-@pytest.mark.slow
-def test_a_gone_engines_mapping_is_dropped_off_the_request_thread(run_dir, instance, disk_dir):
-    """An engine says bye while its load's fetch waits on a hung read (the tier's I/O deadline
-    is 3 s): its KV mapping goes only after the copies in flight drained, on the control worker,
-    so another client's ping and status are answered while the mapping is still there (before:
-    the request thread drained, and they were answered after it was gone). Meanwhile the
-    mapping serves no op, not even one from a hello that reuses the gone client's id."""
-    kv, keys, expected, uri, fs = stored_with_one_record_hung(run_dir, instance, disk_dir, 2, 3)
-    h = None
-    try:
-        h = start(run_dir, instance, uri)
-        with h.connect(timeout=10) as other:
-            c = h.connect(timeout=10)
-            c.register_kv_cache(kv)
-            c.load(keys, list(range(20, 28)))
-            wait_until(lambda: fs.held, 5, "the fetch reaching the hung read")
-            c.close()  # bye: its tasks are cancelled, its mapping is to go
-            wait_until(lambda: other.status()["clients"] == 1, 5, "the bye")
-            assert other.ping() >= 0
-            s = other.status()
-            assert s["kv"]["registered"] is True  # answered while the drain waits
-            assert "is gone" in s["kv"]["lost"]
-            # meanwhile no one copies through the mapping: not even a hello reusing its id
-            impostor = Client(instance, run_dir, timeout=5)
-            impostor.client_id = c.client_id
-            impostor._open()
-            with pytest.raises(RequestError) as e:
-                impostor.load(keys, list(range(20, 28)))
-            assert e.value.code == ErrorCode.KV_MISMATCH
-            with pytest.raises(RequestError) as e:
-                impostor.pause()  # nor act as the engine that registered it
-            assert e.value.code == ErrorCode.FORBIDDEN
-            impostor.close()
-            wait_until(lambda: other.status()["kv"]["registered"] is False, 15, "the mapping dropped")
-            assert other.check() == "ok"
-    finally:
-        fs.close()
-        if h is not None:
-            h.stop()
-
-
-@pytest.mark.faults
-@pytest.mark.slow
-def test_a_drain_waiting_on_a_hung_read_does_not_hold_the_request_thread(run_dir, instance, disk_dir):
-    """pause drains the copies in flight: here a fetch held by a hung read until the tier's
-    3 s I/O deadline. The drain runs on the control worker, so another client's ping, lookup
-    and status are answered while the pause is still waiting (before: after it)."""
-    import threading
-
-    kv, keys, expected, uri, fs = stored_with_one_record_hung(run_dir, instance, disk_dir, 2, 3)
-    h = None
-    try:
-        h = start(run_dir, instance, uri)
-        with h.connect(timeout=10) as c, h.connect(timeout=10) as other:
-            c.register_kv_cache(kv)
-            load = c.load(keys, list(range(20, 28)))
-            wait_until(lambda: fs.held, 5, "the fetch reaching the hung read")
-            paused = threading.Thread(target=c.pause)
-            paused.start()
-            time.sleep(0.2)  # the pause is at the daemon, waiting for the fetch to drain
-            assert other.ping() >= 0 and other.lookup(keys[:1]) is not None
-            assert other.status()["instance"] == instance
-            assert paused.is_alive(), "the pause ended before the other client was answered"
-            paused.join(15)
-            assert not paused.is_alive()
-            c.resume()
-            assert load.wait(10) == 2
-            assert c.check() == "ok"
-    finally:
-        fs.close()  # the late read ends (EIO): the daemon's process can exit
-        if h is not None:
-            h.stop()
 
 
 @pytest.mark.faults
