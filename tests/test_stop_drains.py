@@ -117,14 +117,19 @@ def test_a_request_to_a_stopping_daemon_is_refused_at_once_while_its_drain_goes_
     """A stopping daemon reads no more requests; its drain may take long (backups written to a
     slow tier, up to the drain timeout). A request sent meanwhile waited for the client's whole
     timeout (every engine step stalled that long); it is DaemonUnavailable at once now, so the
-    engine goes on without the daemon, while the load queued before the stop still ends done."""
+    engine goes on without the daemon, while the load queued before the stop still ends done.
+    A lookup is no hit either: the key table closes as the stop begins (a hit found there
+    planned a load the stopping daemon would never read)."""
     h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)
     try:
         kv = _kv()
         with h.connect(timeout=30, hang_s=30) as c:
             c.register_kv_cache(kv)
             load, _, expected = _queued(c, kv, 81)
+            assert c.lookup(keys_for(len(SRC), 81)) == (len(SRC), 0)  # (from the key table)
             with _frozen_stopping(h, c):  # its drain goes on for as long as this takes
+                with pytest.raises(DaemonUnavailable, match="is stopping"):
+                    c.lookup(keys_for(len(SRC), 81))  # not from a table the daemon closed
                 with pytest.raises(DaemonUnavailable, match="is stopping"):
                     c.offload(SRC2, keys_for(len(SRC2), 83))  # (timeout 30 s: not a timeout)
                 with pytest.raises(DaemonUnavailable, match="is stopping"):

@@ -50,6 +50,8 @@ class StopsDaemon:
         failed load of a daemon that exited."""
         if self.status_block is not None:
             self.status_block.set_state(State.STOPPING)
+        if self.service is not None:  # lookups go to the daemon, which reads them no more: the
+            self.service.keys.close()  # client says at once it is stopping (no hit to plan on)
         failed: list[BaseException] = []
 
         def drain() -> None:
