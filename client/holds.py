@@ -44,7 +44,7 @@ class KeepsHolds:
         else:
             self._holds.pop(key, None)
 
-    def _hold_unanswered(self, rid: int, blocks, exc: KvcachedError) -> KvcachedError:
+    def _hold_unanswered(self, rid: int, blocks, exc: KvcachedError, fence: int = 0) -> KvcachedError:
         """A load was sent and its reply did not come: a daemon that only hung may still take
         it when it wakes and write `blocks`. They are held under -rid until its late reply
         refuses it or the task it made ends (`_late_load`), or the daemon is gone."""
@@ -60,7 +60,7 @@ class KeepsHolds:
             if came is not None:
                 self._late_load(came)
         exc.held_blocks = exc.fenced_blocks = blocks
-        exc.unanswered = UnansweredLoad(self, -rid)
+        exc.unanswered = UnansweredLoad(self, -rid, fence)
         exc.args = (f"{exc.args[0]}; the load was sent and a daemon that wakes may still take it: "
                     f"device blocks {blocks[:8]}{'...' if len(blocks) > 8 else ''} stay held",)
         return exc
@@ -78,9 +78,11 @@ class KeepsHolds:
             self._holds.pop(key, None)
 
     def revoke(self, task) -> None:
-        """The engine reuses an offload's blocks before the task ended (e.g. a preempted
-        request): the daemon discards it, and this registration's earlier offloads that have
-        not completed, rather than store what it read. Shared memory: works with a hung daemon."""
+        """The engine reuses a task's blocks before the task ended (e.g. a preempted request):
+        the daemon discards an offload, and this registration's earlier offloads that have not
+        completed, rather than store what it read; a load, and the earlier loads still running,
+        stop before their next layer (cancelled). Shared memory: works with a hung daemon, read
+        as soon as it wakes (a cancel is read later: after the next layers were copied)."""
         self._revoke(task.reply.get("fence", 0))
 
     def _revoke(self, fence: int) -> None:

@@ -434,10 +434,12 @@ class KVWorker:
             elif _stopped(h.task, deadline + h.client.timeout):  # (one more timeout, for all)
                 log.warning("[kv] load task %d of preempted request %s did not end in time: "
                             "cancelled", h.task_id, h.req_id)
-            else:
-                log.error("[kv] load %s of preempted request %s is not confirmed ended; its "
-                          "blocks are reused now",
-                          f"task {h.task_id}" if h.task_id > 0 else "(sent, never answered)", h.req_id)
+            else:  # a daemon that wakes reads the revoke before its next layer (the cancel later)
+                h.client.revoke(h.task)
+                log.warning("[kv] load %s of preempted request %s is not confirmed ended: revoked "
+                            "(a daemon that wakes copies none of its layers not begun), its blocks "
+                            "are reused now",
+                            f"task {h.task_id}" if h.task_id > 0 else "(sent, never answered)", h.req_id)
         self._reap_held()
 
     def finished(self, finished_req_ids) -> set[str]:

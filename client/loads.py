@@ -62,19 +62,22 @@ class SendsLoads:
         out: list[LoadTask | KvcachedError] = []
         down = False  # once the daemon is seen down, the rest take what already came only
         for rid, (_, blocks) in zip(sent, loads):
-            out.append(self._load_reply(rid, blocks, time.monotonic() if down else deadline))
+            out.append(self._load_reply(rid, blocks, time.monotonic() if down else deadline,
+                                        fence.get("fence", 0)))
             down = down or isinstance(out[-1], DaemonUnavailable)
         return out
 
-    def _load_reply(self, rid: int | KvcachedError, blocks, deadline: float) -> LoadTask | KvcachedError:
+    def _load_reply(self, rid: int | KvcachedError, blocks, deadline: float,
+                    fence: int = 0) -> LoadTask | KvcachedError:
         if isinstance(rid, KvcachedError):
             return rid
         try:
             reply = self._checked(self._reply(rid, Op.LOAD, max(0.0, deadline - time.monotonic()),
                                               forget=False))
         except (KvcachedTimeout, DaemonUnavailable) as exc:  # sent, and no reply came
-            return self._hold_unanswered(rid, blocks, exc)
+            return self._hold_unanswered(rid, blocks, exc, fence)
         except KvcachedError as exc:  # the daemon refused it
             return exc
         reply["device_blocks"] = np.asarray(blocks)[: reply["blocks"]].astype(np.int64).tolist()
+        reply["fence"] = fence  # (what revoke() writes for it)
         return LoadTask(self, reply["task"], reply)

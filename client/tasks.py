@@ -240,9 +240,10 @@ class UnansweredLoad:
     kind = "load"
     result = None
 
-    def __init__(self, client, key: int):
+    def __init__(self, client, key: int, fence: int = 0):
         self.client = client
         self.id = key
+        self.reply = {"fence": fence}  # (revoke(): a daemon that takes it late stops it first)
 
     def done(self) -> bool:
         return self.id not in self.client.held_tasks()

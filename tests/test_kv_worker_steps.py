@@ -271,20 +271,31 @@ def test_a_load_the_daemon_cancelled_before_its_first_layer_holds_nothing(daemon
         assert "call failed" not in caplog.text and "ended (cancelled)" in caplog.text
 
 
-def test_preempting_a_request_whose_load_went_unanswered_waits_for_it_then_goes_on(
+def test_preempting_a_request_whose_load_went_unanswered_revokes_it_then_goes_on(
         daemon, monkeypatch, caplog):
     """preempt() waits for a held load's end: for one whose reply never came it has no task to
-    wait on (it raised AttributeError), so it waits for the hold to lift, up to the timeout."""
+    wait on (it raised AttributeError), so it waits for the hold to lift, up to the timeout.
+    Then the engine reuses the blocks: the daemon that wakes takes the load late, and copied it
+    into them over the next request's KV; the load is revoked now and ends with nothing copied."""
     monkeypatch.setenv("KVCACHED_HANG_S", "0.5")
     with worker_with_saved(daemon, 41, "direct", timeout=1.0) as (kv, worker, keys):
+        loaded = blocks_of(kv, SRC)
         process_stop.stop(daemon.pid)
         try:
             step(worker, loads=[BlockTransfer("l", keys, DST)])
             worker.preempt(["l"])
-            assert "not confirmed ended" in caplog.text
+            assert "not confirmed ended: revoked" in caplog.text
+            gen = torch.Generator().manual_seed(43)
+            for row in parts_of(kv):  # the next request's KV in the blocks
+                for t in row:
+                    t[DST] = torch.randn(t[DST].shape, generator=gen).to(t.dtype)
+            reused = blocks_of(kv, DST)
         finally:
             process_stop.go_on(daemon.pid)
-        finish(worker, "l")
+        finish(worker, "l")  # the late load ended
+        for got, theirs, late in zip(blocks_of(kv, DST), reused, loaded):
+            assert not torch.equal(got, late), "the revoked load was copied into the reused blocks"
+            assert torch.equal(got, theirs)
 
 
 def test_preempting_a_request_whose_load_a_slow_daemon_has_queued_cancels_it_first(daemon, caplog):

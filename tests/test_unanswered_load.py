@@ -17,7 +17,7 @@ from kvcached_client import DaemonUnavailable, GroupClient, PrefixCacheManager, 
 from kvcached_proto import KvcachedError
 from kvcached.bench import process_stop
 
-SRC, DST = [0, 1, 2, 3], [8, 9, 10, 11]
+SRC, DST, SRC2 = [0, 1, 2, 3], [8, 9, 10, 11], [4, 5, 6, 7]
 
 
 def _fill(kv, blocks, value) -> None:
@@ -97,6 +97,29 @@ def test_a_load_whose_wait_finds_the_daemon_hung_holds_its_blocks_until_it_ends(
         assert task.done() and c.status()["tasks"]["inflight"] == 0
 
 
+def test_a_revoked_load_copies_no_layer_not_begun_and_a_later_load_runs(daemon):
+    """The engine reuses a load's blocks before its end (a preempted request, with the daemon
+    hung: its cancel is read only after it woke, by when its copy thread had copied the next
+    layers into them): the revoke, in shared memory, is read before each layer. The load ends
+    cancelled with nothing copied; a load sent after the revoke runs as any other."""
+    kv = small_kv(num_layers=2, num_blocks=16)
+    keys = keys_for(len(SRC), 49)
+    with daemon.connect(timeout=30) as c, daemon.connect(role="operator", timeout=30) as owner:
+        c.register_kv_cache(kv)
+        _fill(kv, SRC, 3)
+        c.offload(SRC, keys).wait(10)
+        _fill(kv, DST, 5)
+        _fill(kv, SRC2, 6)
+        owner.pause()  # the loads answered, and queued
+        revoked = c.load(keys, DST)
+        c.revoke(revoked)
+        later = c.load(keys, SRC2)
+        owner.resume()
+        assert revoked.wait(10) == 0 and revoked.status.name == "CANCELLED"
+        assert _all(kv, DST, 5), "a revoked load was copied"
+        assert later.wait(10) == len(SRC) and _all(kv, SRC2, 3)
+
+
 def test_a_reply_read_by_another_thread_before_the_hold_is_made_is_not_lost(daemon):
     """The reply comes just after the wait gave up, and a pump files it before the client
     registers the hold: the hold must still follow it (it stayed forever: blocks lost)."""
@@ -107,9 +130,9 @@ def test_a_reply_read_by_another_thread_before_the_hold_is_made_is_not_lost(daem
         c.offload(SRC, keys).wait(10)
         hold = c._hold_unanswered
 
-        def reply_meanwhile(rid, blocks, exc):
+        def reply_meanwhile(rid, blocks, exc, fence=0):
             wait_until(lambda: (c._pump(0.01), rid in c._replies)[1], 10, "the late reply")
-            return hold(rid, blocks, exc)
+            return hold(rid, blocks, exc, fence)
 
         c._hold_unanswered = reply_meanwhile
         real_reply = c._reply

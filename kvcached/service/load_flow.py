@@ -177,24 +177,28 @@ class LoadFlow:
             copier = self.reg.copier_of(task.client_id)
             task.started_ns = time.monotonic_ns()
             self.status_block.slot_set_valid(task.slot, task.num_blocks)
-            plans.append((task, copier, copier.plan(TaskKind.LOAD, task.dev_blocks, task.host_blocks)))
+            plans.append((task, copier, copier.plan(TaskKind.LOAD, task.dev_blocks, task.host_blocks),
+                          self.reg.of(task.client_id).order))
             copier.begin_load(task)  # the copies wait for the engine's fence
             task.ready_ns = time.monotonic_ns()
         for layer in range(self.reg.num_layers if plans else 0):
-            for task, copier, plan in plans:
+            for task, copier, plan, order in plans:
                 if task.cancelled:
                     continue
+                if order is not None and order.revoked(task.fence):  # read before each layer:
+                    task.cancelled = True  # the engine reuses the blocks (a request preempted
+                    continue  # while this daemon hung: its cancel is not read yet)
                 task.bytes_moved += copier.load_layer(layer, plan)
                 copier.layer_loaded(task, layer)  # the slot's order word for the layer
                 self.status_block.slot_layer_done(task.slot, layer + 1)
                 if layer == 0:
                     task.first_layer_ns = time.monotonic_ns()
         queued = time.monotonic_ns()
-        for task, _, _ in plans:
+        for task, *_ in plans:
             task.queued_ns = queued
-        for copier in {id(c): c for _, c, _ in plans}.values():
+        for copier in {id(c): c for _, c, _, _ in plans}.values():
             copier.sync(TaskKind.LOAD)  # every copy landed before the host blocks are unpinned
-        for task in self.intact([t for t, _, _ in plans]):
+        for task in self.intact([t for t, *_ in plans]):
             self.complete(task)
 
     def runnable(self, batch: list[CopyTask]) -> list[CopyTask]:
