@@ -5,9 +5,12 @@ run (their blocks rewritten at once, as the engine reuses them), and an operator
 daemon's host tier now and then (its disk tier keeps what it held). Every block's KV is a
 function of its key, so a loaded block that is not a load error and differs from its key's KV
 is a wrong byte: a save that read a block after its reuse, a load landing in the wrong block,
-a block handed back before its transfer ended. Both modes (direct and staging), three vLLM
-layouts; also with the daemon killed and restarted, or frozen past the hang threshold, in the
-middle of steps; seeded; KVCACHED_SOAK_OPS scales it."""
+a block handed back before its transfer ended; and a free block (its request reported
+finished or preempted) that changes before it is taken again is a late copy into blocks the
+engine took back. Both modes (direct and staging), three vLLM layouts; also with the daemon
+killed and restarted, or frozen past the hang threshold (and the client's timeout: preempted
+loads revoked), in the middle of steps; seeded; KVCACHED_SOAK_OPS scales it, KVCACHED_SOAK_SEED
+moves its seeds."""
 from __future__ import annotations
 
 import os
@@ -49,6 +52,9 @@ class Steps:
         self.finishing: dict[str, list[int]] = {}  # finished, not reported yet: its blocks
         self.made = self.checked = self.errors = self.preempted = 0
         self.wrong: list[str] = []
+        # a free block keeps what it held when it was freed until it is taken again: a write
+        # meanwhile is a late copy (a load the daemon ran after the engine took the blocks back)
+        self.freed = {b: self._snapshot(b) for b in self.free}
 
     def _tensors(self):
         return [t for row in parts_of(self.kv) for t in row]
@@ -61,18 +67,28 @@ class Steps:
         return all(torch.equal(t[block], content(bytes([i]) + key, t.shape[1:], t.dtype))
                    for i, t in enumerate(self._tensors()))
 
+    def _snapshot(self, block: int) -> list:
+        return [t[block].clone() for t in self._tensors()]
+
+    def _freed(self, blocks) -> None:
+        self.free |= set(blocks)
+        self.freed.update({b: self._snapshot(b) for b in blocks})
+
     def _request(self) -> BlockTransfer | None:
         keys = self.rng.choice(self.docs)[: self.rng.randint(1, DOC_BLOCKS)]
         if len(self.free) < len(keys):
             return None
         blocks = self.rng.sample(sorted(self.free), len(keys))
         self.free -= set(blocks)
+        for b in blocks:
+            if not all(torch.equal(t[b], was) for t, was in zip(self._tensors(), self.freed.pop(b))):
+                self.wrong.append(f"free block {b} written")
         self.made += 1
         return BlockTransfer(f"r{self.made}", keys, blocks)
 
     def _report(self, done) -> None:
         for rid in done:
-            self.free |= set(self.finishing.pop(rid))
+            self._freed(self.finishing.pop(rid))
 
     def step(self) -> None:
         w, rng = self.worker, self.rng
@@ -81,9 +97,10 @@ class Steps:
         if preempt:  # the engine takes these requests' blocks back now, their saves perhaps running
             w.preempt(preempt)
             for rid in preempt:
-                for b in self.running.pop(rid):
+                blocks = self.running.pop(rid)
+                for b in blocks:
                     self._write(b, None)  # reused at once: another request's KV lands there
-                    self.free.add(b)
+                self._freed(blocks)
             self.preempted += len(preempt)
         finished = [r for r in ending if r not in preempt]
         for rid in finished:
@@ -131,8 +148,10 @@ class Faults:
     three times, each once the worker is attached again, a successor started on the same disk
     tier 30 steps later; stops: the same with a graceful stop (SIGTERM: it drains what is queued
     while the worker already counts it gone). freezes: every 100 steps while attached, stopped
-    (SIGSTOP) for 0.4-0.8 s against the worker's hang threshold of 0.3 s; pauses: every 40
-    steps paused as long against the worker's timeout of 0.3 s (slow, not hung). Else the host tier is cleared every 61 steps."""
+    (SIGSTOP) for 0.4-0.8 s against the worker's hang threshold of 0.3 s; hangs: the same
+    against a timeout of 0.3 s too, so a preempted request's load is not confirmed ended and is
+    revoked; pauses: every 40 steps paused as long against the worker's timeout of 0.3 s (slow,
+    not hung). Else the host tier is cleared every 61 steps."""
 
     def __init__(self, kind, start, instance, steps, rng):
         self.kind, self.start, self.instance, self.rng = kind, start, instance, rng
@@ -183,12 +202,12 @@ class Faults:
             self.op = self.daemon.connect(role="operator")
             wait_until(lambda: worker.link.client is not None or worker.link.has_ready(), 10,
                        "the worker's watcher to have the successor's connection ready")
-        elif self.kind in ("freezes", "pauses"):
-            every = 100 if self.kind == "freezes" else 40
+        elif self.kind in ("freezes", "hangs", "pauses"):
+            every = 40 if self.kind == "pauses" else 100
             if self.thaw_at is None and n % every == every // 2 and client is not None:
                 self.thaw_at, self.freezes = time.monotonic() + self.rng.uniform(0.4, 0.8), self.freezes + 1
                 self._soon(lambda: process_stop.stop(self.daemon.pid, "the daemon")
-                           if self.kind == "freezes" else self._pause_long())
+                           if self.kind != "pauses" else self._pause_long())
             elif self.thaw_at is not None and time.monotonic() > self.thaw_at:
                 self._thaw()
             if self.thaw_at is not None or client is None:
@@ -227,14 +246,17 @@ class Faults:
                                                      ("LBNHC", "direct", 3, "kills"),
                                                      ("BLNHC", "staging", 4, "kills"),
                                                      ("LBHNC", "direct", 5, "freezes"),
+                                                     ("LBNHC", "direct", 10, "hangs"),
                                                      ("BLNHC", "staging", 6, "freezes"),
                                                      ("LBNHC", "direct", 7, "stops"),
                                                      ("BLNHC", "direct", 8, "pauses"),
                                                      ("LBNHC", "staging", 9, "pauses")])
 def test_random_steps_load_only_their_keys_kv(run_dir, instance, disk_dir, layout, mode, seed, faults):
     """Also with the daemon killed and restarted, or frozen past the hang threshold (Faults):
-    the loads in flight are load errors (recomputed) or their keys' KV, never another's."""
+    the loads in flight are load errors (recomputed) or their keys' KV, never another's, and
+    nothing lands in a block after the engine took it back."""
     steps = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 4
+    seed += int(os.environ.get("KVCACHED_SOAK_SEED", "0"))
     rng = random.Random(seed)
     _, kv = make_kv(layout)
     page = sum(t[0].numel() * t.element_size() for row in parts_of(kv) for t in row)
@@ -244,8 +266,8 @@ def test_random_steps_load_only_their_keys_kv(run_dir, instance, disk_dir, layou
     fx = Faults(faults, start, instance, steps, rng)
     try:
         worker, got = make_worker(fx.daemon, kv, direct=(mode == "direct"),
-                                  hang_s=0.3 if faults == "freezes" else None,
-                                  timeout=0.3 if faults == "pauses" else 10.0)
+                                  hang_s=0.3 if faults in ("freezes", "hangs") else None,
+                                  timeout=0.3 if faults in ("pauses", "hangs") else 10.0)
         assert got == mode
         sched = Steps(worker, kv, rng, fx.at)
         try:
@@ -278,5 +300,5 @@ def test_random_steps_load_only_their_keys_kv(run_dir, instance, disk_dir, layou
         assert not fx.kills and len(fx.clients) >= 4, (fx.kills, len(fx.clients))
     elif faults == "pauses":  # slow, not gone: the one client throughout
         assert fx.freezes >= 3 and len(fx.clients) == 1, (fx.freezes, len(fx.clients))
-    elif faults == "freezes":  # seen as hangs: the worker attached again after
+    elif faults in ("freezes", "hangs"):  # seen as hangs: the worker attached again after
         assert fx.freezes >= 3 and len(fx.clients) >= 2, (fx.freezes, len(fx.clients))
