@@ -4,8 +4,9 @@ preempted, released in any order), too many for the GPU blocks (evictions, offlo
 the daemon's host tier (its disk tier serves the rest). The engine writes each full block's KV
 as a function of its key and checks every block the manager says is computed before using it:
 a block reused while an offload reads it, a load landing in a block given to another request, or
-a tree node pointing at the wrong block would be a wrong byte. Seeded; KVCACHED_SOAK_OPS scales
-it."""
+a tree node pointing at the wrong block would be a wrong byte; so would a block in the free
+pool that changes before it is handed out again (a copy landing after its blocks were freed).
+Seeded; KVCACHED_SOAK_OPS scales it, KVCACHED_SOAK_SEED moves the single daemon's seeds."""
 from __future__ import annotations
 
 import os
@@ -37,10 +38,12 @@ class Request:
 class RandomEngine:
     """Drives the manager one phase of one request at a time, and checks what it is given."""
 
-    def __init__(self, mgr, shards, rng):
+    def __init__(self, mgr, shards, rng, wait_s: float | None = 30):
         """shards: the KV cache of each tensor-parallel rank (one for a single daemon); a
-        block's KV on rank r is a function of its key and r."""
-        self.mgr, self.shards, self.rng = mgr, shards, rng
+        block's KV on rank r is a function of its key and r. wait_s: how long a load is waited
+        for (None: the client's timeout)."""
+        self.mgr, self.shards, self.rng, self.wait_s = mgr, shards, rng, wait_s
+        self.after_match = lambda: None  # a fault's hook: its loads sent, none waited for yet
         self.hasher = BlockHasher(NS)
         self.docs = [[rng.randrange(1000) for _ in range(BS * rng.randint(2, 6))] for _ in range(DOCS)]
         a, b = self.hasher.hash_blocks(self.docs[0][: 2 * BS], BS)  # the check tells keys apart
@@ -48,6 +51,30 @@ class RandomEngine:
         self.live: list[Request] = []
         self.made = self.checked = self.no_room = 0
         self.wrong: list[str] = []
+        self._watch_free_blocks()
+
+    def _watch_free_blocks(self) -> None:
+        """A GPU block back in the manager's free pool keeps what it held until the pool hands
+        it out again: a change meanwhile is a late copy (a load that landed after its blocks
+        were freed)."""
+        freed: dict[int, list] = {}
+        pool, holds = self.mgr.blocks.pool, self.mgr.blocks.holds
+        give, take = holds._give, pool.take
+
+        def gave(blocks) -> None:
+            blocks = list(blocks)
+            give(blocks)
+            freed.update({b: [t[b].clone() for _, t in self._tensors()] for b in blocks})
+
+        def took(n: int) -> list[int]:
+            out = take(n)
+            for b in out:
+                was = freed.pop(b, None)
+                if was is not None and not all(torch.equal(t[b], w) for (_, t), w in zip(self._tensors(), was)):
+                    self.wrong.append(f"free GPU block {b} written")
+            return out
+
+        holds._give, pool.take = gave, took
 
     def new_request(self) -> Request:
         doc = self.rng.choice(self.docs)
@@ -80,13 +107,14 @@ class RandomEngine:
         mgr = self.mgr
         if req.phase == "new":
             mgr.match(req.rid, req.tokens)
+            self.after_match()
             req.phase = "matched"
             if self.rng.random() < 0.5:  # as an engine does: its loads waited for at once
                 self.advance(req)
         elif req.phase == "matched":
             if self.rng.random() < 0.5:
-                mgr.wait_layer(req.rid, self.rng.randrange(LAYERS), timeout=30)
-            computed = mgr.wait_loaded(req.rid, timeout=30)
+                mgr.wait_layer(req.rid, self.rng.randrange(LAYERS), timeout=self.wait_s)
+            computed = mgr.wait_loaded(req.rid, timeout=self.wait_s)
             try:
                 table = mgr.allocate(req.rid, len(req.tokens) - computed)
             except NoFreeBlocks:  # the engine preempts it
@@ -154,12 +182,14 @@ def test_random_requests_are_only_ever_given_their_own_kv(run_dir, instance, dis
     again, and a successor started on the same disk tier 40 steps later: the engine goes on
     GPU-only meanwhile, never sees an error, and the manager reattaches in the background.
     stops: the same with a graceful stop (SIGTERM: it drains what is queued).
-    freezes: every 150 steps while attached, the daemon is stopped (SIGSTOP) for 0.4-0.8 s
-    against a hang threshold of 0.3 s, so loads and offloads in flight end late or not at all
+    freezes: every 150 steps while attached, the daemon is stopped (SIGSTOP) for 0.4-0.8 s, right
+    after the next match that sent loads, against a hang threshold of 0.3 s, so loads and
+    offloads in flight end late or not at all
     from the manager's side: it detaches, holds the blocks they may still write, and attaches
     again once the daemon goes on. pauses: every 60 steps the daemon is paused (its operator's
     pause: slow, not hung) for 0.4-0.8 s against the manager's timeout of 0.3 s."""
     steps = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 2
+    seed += int(os.environ.get("KVCACHED_SOAK_SEED", "0"))
     rng, kv = random.Random(seed), _kv(seed)
     start = lambda: launch(instance=instance, run_dir=run_dir, host_cache_gb=HOST_GB,  # noqa: E731
                            extra_args=["--storage", disk_uri(disk_dir)], wait_storage=True)
@@ -187,13 +217,18 @@ def test_random_requests_are_only_ever_given_their_own_kv(run_dir, instance, dis
             state["freezes"] += 1
         elif faults == "freezes":
             if state["thaw_at"] is None and n % 150 == 75 and mgr.attached:
-                process_stop.stop(daemon.pid, "the daemon")
-                state["thaw_at"], state["freezes"] = time.monotonic() + rng.uniform(0.4, 0.8), state["freezes"] + 1
+                state["freeze_due"] = True  # at the next match: loads in flight
             elif state["thaw_at"] is not None and time.monotonic() > state["thaw_at"]:
                 process_stop.go_on(daemon.pid, "the daemon")
                 state["thaw_at"] = None
             if state["thaw_at"] is not None or not mgr.attached:
                 time.sleep(0.004)  # an engine's step takes time: the watcher gets its turns
+
+    def freeze() -> None:
+        if state.get("freeze_due") and state["thaw_at"] is None and mgr.transfers.loads:
+            del state["freeze_due"]
+            process_stop.stop(state["daemon"].pid, "the daemon")
+            state["thaw_at"], state["freezes"] = time.monotonic() + rng.uniform(0.4, 0.8), state["freezes"] + 1
 
     try:
         hang_s = 0.3 if faults == "freezes" else None
@@ -202,7 +237,8 @@ def test_random_requests_are_only_ever_given_their_own_kv(run_dir, instance, dis
         mgr = PrefixCacheManager(GPU_BLOCKS, BS, client=state["daemon"].connect(
                                      timeout=0.3 if faults == "pauses" else 10, hang_s=hang_s),
                                  namespace=NS, kv_caches=kv, write_policy=policy)
-        eng = RandomEngine(mgr, [kv], rng)
+        eng = RandomEngine(mgr, [kv], rng, wait_s=None if faults == "pauses" else 30)  # (0.3 s:
+        eng.after_match = freeze  # loads of a paused daemon time out, cancelled)
         stats = _run(mgr, eng, rng, steps, between)
         mgr.close()
     finally:
