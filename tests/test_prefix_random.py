@@ -6,7 +6,7 @@ as a function of its key and checks every block the manager says is computed bef
 a block reused while an offload reads it, a load landing in a block given to another request, or
 a tree node pointing at the wrong block would be a wrong byte; so would a block in the free
 pool that changes before it is handed out again (a copy landing after its blocks were freed).
-Seeded; KVCACHED_SOAK_OPS scales it, KVCACHED_SOAK_SEED moves the single daemon's seeds."""
+Seeded; KVCACHED_SOAK_OPS scales it, KVCACHED_SOAK_SEED moves its seeds."""
 from __future__ import annotations
 
 import os
@@ -286,7 +286,8 @@ def test_random_requests_over_two_tensor_parallel_ranks(run_dir, tmp_path):
 class RankFaults:
     """What befalls rank 1's daemon between the manager's steps (`between`). kills: killed (-9)
     three times mid-run, a successor started on its disk tier 40 steps later. freezes: every
-    150 steps, stopped (SIGSTOP) for 0.4-0.8 s against a hang threshold of 0.3 s. busy: every 50
+    150 steps, at the next match that sent loads, stopped (SIGSTOP) for 0.4-0.8 s against a hang
+    threshold of 0.3 s. busy: every 50
     steps both daemons are paused for 0.15 s, so rank 1 (2 queued tasks at most) refuses (BUSY)
     loads and offloads that rank 0 took. pauses: every 50 steps rank 1's daemon is paused for
     0.4-0.8 s against the group's timeout of 0.3 s (slow, not hung: rank 0 ends what rank 1 does
@@ -297,7 +298,7 @@ class RankFaults:
         self.kind, self.g, self.handles, self.start, self.ops, self.rng = kind, g, handles, start, ops, rng
         self.kills = [steps * k // 5 for k in (1, 2, 3)] if kind == "kills" else []
         self.restart_at = self.thaw_at = self.timer = None
-        self.freezes = 0
+        self.freezes, self.freeze_due = 0, False
         self.attached: list = []
 
     def between(self, n: int) -> None:
@@ -327,14 +328,19 @@ class RankFaults:
 
     def _freeze_or_thaw(self, n: int) -> None:
         if self.thaw_at is None and n % 150 == 75 and not self.g.missing:
-            process_stop.stop(self.handles[1].pid, "rank 1's daemon")
-            self.thaw_at = time.monotonic() + self.rng.uniform(0.4, 0.8)
-            self.freezes += 1
+            self.freeze_due = True  # at the next match that sent loads (after_match)
         elif self.thaw_at is not None and time.monotonic() > self.thaw_at:
             process_stop.go_on(self.handles[1].pid, "rank 1's daemon")
             self.thaw_at = None
         if self.thaw_at is not None or self.g.missing:
             time.sleep(0.004)  # an engine's step takes time: the watcher gets its turns
+
+    def after_match(self, mgr) -> None:
+        if self.freeze_due and self.thaw_at is None and mgr.transfers.loads:
+            self.freeze_due = False
+            process_stop.stop(self.handles[1].pid, "rank 1's daemon")
+            self.thaw_at = time.monotonic() + self.rng.uniform(0.4, 0.8)
+            self.freezes += 1
 
     def settle(self) -> None:
         """The run's end: the timer done, rank 1's daemon going on."""
@@ -355,7 +361,7 @@ def test_random_requests_over_two_ranks_one_failing(run_dir, tmp_path, faults):
     TaskFailed out of `allocate`, from the manager's poll); the group reattaches rank 1 in the
     background."""
     steps = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 2
-    seed = {"kills": 7, "freezes": 8, "busy": 9, "pauses": 11}[faults]
+    seed = {"kills": 7, "freezes": 8, "busy": 9, "pauses": 11}[faults] + int(os.environ.get("KVCACHED_SOAK_SEED", "0"))
     rng = random.Random(seed)
     shards = [_kv(seed, r) for r in range(2)]
     busy = ["--max-queued-tasks", "2"] if faults == "busy" else []
@@ -370,6 +376,7 @@ def test_random_requests_over_two_ranks_one_failing(run_dir, tmp_path, faults):
         try:
             mgr = PrefixCacheManager(GPU_BLOCKS, BS, client=g, namespace=NS, kv_caches=shards)
             eng = RandomEngine(mgr, shards, rng)
+            eng.after_match = lambda: fx.after_match(mgr)
             stats = _run(mgr, eng, rng, steps, fx.between)
             fx.settle()
             deadline = time.monotonic() + 10  # the engine goes on; rank 1 is attached again
