@@ -23,7 +23,7 @@ from kvcached_proto import (DaemonUnavailable, ErrorCode, KvcachedError, Kvcache
 from kvcached_proto.codec import MAX_KEYS_PER_REQUEST
 from kvcached_proto.messages import ROLES, TaskStatus
 from kvcached_proto.paths import DEFAULT_INSTANCE, check_instance, request_endpoint, resolve_run_dir
-from kvcached_proto.order_words import REVOKE_WORD
+from kvcached_proto.order_words import LOAD_REVOKE_WORD, REVOKE_WORD
 from kvcached_proto.version import PROTOCOL_VERSION, check_version
 
 from .daemon_ops import AsksDaemon
@@ -291,10 +291,8 @@ class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
             raise request_error(err.get("code", 0), err.get("message", "no message"))
         return reply
 
-    def _wait(self, take: Callable[[], object], timeout: float | None, what, knob: str,
-              drains: bool = False):
-        """Pump the socket until take() returns something; check the daemon while waiting
-        (`drains`: a daemon stopping still sends it - a task's end, not a reply)."""
+    def _wait(self, take: Callable[[], object], timeout: float | None, what, knob: str, drains=False):
+        """Pump the socket until take() returns something; check the daemon (_check_daemon)."""
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while True:
@@ -352,8 +350,7 @@ class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
             return False
 
     def _check_daemon(self, drains: bool = False) -> None:
-        """DaemonUnavailable unless the daemon is up - or, with `drains`, stopping: it still
-        ends the tasks queued before its stop (StatusReader.check_alive)."""
+        """DaemonUnavailable unless the daemon is up (`drains`: or stopping, StatusReader.check_alive)."""
         if self.status_block is None:
             raise DaemonUnavailable("client is closed")
         self.status_block.check_alive(drains)
@@ -392,6 +389,7 @@ class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
         order = EngineOrder(layout["device"], layout["num_layers"], self._daemon_lost)
         layout["order_segment"] = order.name
         layout["revoke_word"] = REVOKE_WORD
+        layout["load_revoke_word"] = LOAD_REVOKE_WORD  # (a daemon before 1.14 ignores it)
         try:
             reply = self._request(Op.REGISTER_KV, timeout, layout=layout)
         except BaseException:

@@ -30,13 +30,14 @@ from kvcached_proto.errors import DaemonUnavailable, KvcachedTimeout, TaskFailed
 from kvcached_proto.order_words import (
     FENCE_WORDS,
     RELEASED,
+    LOAD_REVOKE_WORD,
     REVOKE_WORD,
     load_word,
     reached,
     segment_bytes,
 )
 
-FENCE_SLOTS = REVOKE_WORD  # the fence words this engine uses: every word below the revoke word
+FENCE_SLOTS = LOAD_REVOKE_WORD  # the fence words this engine uses: every word below the revoke words
 from kvcached_proto.shm_layout import NUM_SLOTS
 
 from .kv_alloc import _shared_cpu_buffer
@@ -183,12 +184,14 @@ class EngineOrder:
             raise DaemonUnavailable(f"queuing {op} on the order words failed "
                                     f"({type(exc).__name__}: {exc}); this connection is not used") from None
 
-    def revoke(self, fence: int) -> None:
+    def revoke(self, fence: int, load: bool = False) -> None:
         """Offloads sent with a fence up to `fence` that have not completed are discarded by
-        the daemon: the engine is about to reuse their blocks (the word only grows)."""
+        the daemon (`load`: loads copy no layer more): the engine is about to reuse their
+        blocks (the word only grows)."""
+        word = LOAD_REVOKE_WORD if load else REVOKE_WORD
         with self._cv:
-            if not reached(self.words[REVOKE_WORD], fence):
-                self.words[REVOKE_WORD] = fence
+            if not reached(self.words[word], fence):
+                self.words[word] = fence
 
     def wait_loaded(self, slot: int, layer: int, task_id: int, stream=None) -> None:
         """Make `stream` wait for the daemon's copies of `layer` of load `task_id` (CPU: check

@@ -83,11 +83,11 @@ class KeepsHolds:
         completed, rather than store what it read; a load, and the earlier loads still running,
         stop before their next layer (cancelled). Shared memory: works with a hung daemon, read
         as soon as it wakes (a cancel is read later: after the next layers were copied)."""
-        self._revoke(task.reply.get("fence", 0))
+        self._revoke(task.reply.get("fence", 0), load=task.kind == "load")
 
-    def _revoke(self, fence: int) -> None:
+    def _revoke(self, fence: int, load: bool = False) -> None:
         if self.order is not None and fence:
-            self.order.revoke(fence)
+            self.order.revoke(fence, load)
 
     def hold(self, task_id: int, blocks) -> None:
         """Hold `blocks` out of reuse until task_id's end event arrives. An end already read

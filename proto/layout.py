@@ -9,6 +9,7 @@
                                 # of the geometry: a different one voids the host tier's blocks
       "order_segment": name,    # the engine's order words (order_words.py); required on CUDA
       "revoke_word": 255,       # optional (1.5): the order word of revoked offloads
+      "load_revoke_word": 254,  # optional (1.14): the order word of revoked loads
       "allocations": [handle],  # the backing allocations (1.4)
       "tensors": [              # L * P entries, layer-major
         {"layer": i, "part": j, "name": "k" | "v" | "kv" | "latent" | "scale" | ...,
@@ -35,7 +36,7 @@ from .errors import ProtocolError
 from .fd_pass import MAX_FDS, TOKEN_RE
 from .geometry import Region, check_disjoint
 from .ops import ErrorCode
-from .order_words import REVOKE_WORD
+from .order_words import LOAD_REVOKE_WORD, REVOKE_WORD
 
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
@@ -80,6 +81,7 @@ class LayoutSpec:
     kv_layout: str = ""  # how a block's bytes are ordered (the engine's word for it)
     gpu_uuid: str | None = None
     revoke_word: int | None = None  # order word of revoked offloads (1.5; order_words.py)
+    load_revoke_word: int | None = None  # order word of revoked loads (1.14)
 
     @property
     def page_bytes(self) -> int:
@@ -149,13 +151,14 @@ def parse_layout(layout: dict) -> LayoutSpec:
     return LayoutSpec(device, num_layers, num_blocks, tuple(parts), tuple(specs),
                       tuple(allocations), _short_str(layout, "order_segment", 2, 255),
                       _short_str(layout, "kv_layout", 0, 256) or "",
-                      _short_str(layout, "gpu_uuid", 1, 64), _revoke_word(layout))
+                      _short_str(layout, "gpu_uuid", 1, 64), _revoke_word(layout, "revoke_word", REVOKE_WORD),
+                      _revoke_word(layout, "load_revoke_word", LOAD_REVOKE_WORD))
 
 
-def _revoke_word(layout: dict) -> int | None:
-    if layout.get("revoke_word") is None:
+def _revoke_word(layout: dict, name: str, word: int) -> int | None:
+    if layout.get(name) is None:
         return None
-    return _int(layout, "revoke_word", REVOKE_WORD, REVOKE_WORD, "")
+    return _int(layout, name, word, word, "")
 
 
 def _short_str(layout: dict, name: str, lo: int, hi: int) -> str | None:

@@ -9,6 +9,11 @@ processes map it and register it with CUDA, so a stream of either can write or w
                                                   after its KV work, sends (fence_word, fence)
                                                   with an offload or a load; the daemon's copy
                                                   stream waits for word >= seq before copying
+    word LOAD_REVOKE_WORD (FENCE_WORDS - 2)       revoked loads (protocol 1.14, when the layout
+                                                  names it): the engine's CPU writes the highest
+                                                  load fence it revoked; a load sent with a fence
+                                                  <= the word copies no layer more (cancelled:
+                                                  the engine reused its blocks)
     word REVOKE_WORD (FENCE_WORDS - 1)            revoked offloads (protocol 1.5, when the layout
                                                   names it): the engine's CPU writes the highest
                                                   offload fence it revoked; an offload of its
@@ -33,6 +38,8 @@ from __future__ import annotations
 
 FENCE_WORDS = 256
 REVOKE_WORD = FENCE_WORDS - 1  # not a fence word for an engine that names it in its layout
+LOAD_REVOKE_WORD = FENCE_WORDS - 2  # (1.14) the same, for loads: apart, so that an offload
+# revoked stops none of the loads the engine still waits for
 WORD_BYTES = 8
 RELEASED = 1 << 62  # >= every value either side waits for, under the GEQ rule
 PAGE = 4096

@@ -323,7 +323,7 @@ def test_preempting_a_request_whose_load_a_slow_daemon_has_queued_cancels_it_fir
 def test_a_revoke_word_other_than_the_last_fence_word_is_refused():
     from kvcached_proto.errors import ProtocolError
     from kvcached_proto.layout import parse_layout
-    from kvcached_proto.order_words import REVOKE_WORD
+    from kvcached_proto.order_words import LOAD_REVOKE_WORD, REVOKE_WORD
 
     raw, kv = make_kv("LBNHC")
     layout = describe_kv_cache(kv)
@@ -332,6 +332,11 @@ def test_a_revoke_word_other_than_the_last_fence_word_is_refused():
     for bad in (0, REVOKE_WORD + 1, "255", True):
         with pytest.raises(ProtocolError, match="revoke_word"):
             parse_layout(dict(layout, revoke_word=bad))
+    assert parse_layout(dict(layout, load_revoke_word=LOAD_REVOKE_WORD)).load_revoke_word == 254
+    assert parse_layout(layout).load_revoke_word is None  # a 1.13 engine: loads are not revoked
+    for bad in (REVOKE_WORD, 0, "254"):
+        with pytest.raises(ProtocolError, match="load_revoke_word"):
+            parse_layout(dict(layout, load_revoke_word=bad))
 
 
 def test_an_offload_whose_reply_never_came_is_revoked(daemon):

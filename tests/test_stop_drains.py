@@ -63,54 +63,54 @@ def _queued(c, kv, seed):
     return load, offload, expected
 
 
-@pytest.mark.parametrize("wait", ["wait", "wait_layer", "done"])
-def test_a_load_queued_at_a_graceful_stop_ends_done_with_its_blocks_in_place(run_dir, instance, wait):
+@contextlib.contextmanager
+def _queued_at_a_daemon(run_dir, instance, hang_s: float, seed: int):
+    """A daemon, an engine's client with a load and an offload queued behind a pause (_queued):
+    yields (daemon, client, kv, load, offload, the load's expected bytes); the daemon must have
+    exited cleanly by the end (the test stops it)."""
     h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)
     try:
         kv = _kv()
-        with h.connect(timeout=30, hang_s=2) as c:
+        with h.connect(timeout=30, hang_s=hang_s) as c:
             c.register_kv_cache(kv)
-            load, offload, expected = _queued(c, kv, 61)
-            freezer = _stop_slowly(h, c)
-            if wait == "wait":
-                assert load.wait(30) == len(DST)
-            elif wait == "wait_layer":
-                load.wait_layer(1, timeout=30)
-            else:
-                wait_until(load.done, 30, "the load's end")
-            assert blocks_equal(kv, DST, expected), "the load's blocks are not its bytes"
-            assert load.wait(30) == len(DST) and load.status.name == "DONE"
-            assert offload.wait(30)["stored"] == len(SRC2)
-            assert not c.held_blocks()
-            freezer.join(10)
+            yield (h, c, kv, *_queued(c, kv, seed))
         assert h.proc.wait(30) == 0
     finally:
         h.stop()
+
+
+@pytest.mark.parametrize("wait", ["wait", "wait_layer", "done"])
+def test_a_load_queued_at_a_graceful_stop_ends_done_with_its_blocks_in_place(run_dir, instance, wait):
+    with _queued_at_a_daemon(run_dir, instance, 2, 61) as (h, c, kv, load, offload, expected):
+        freezer = _stop_slowly(h, c)
+        if wait == "wait":
+            assert load.wait(30) == len(DST)
+        elif wait == "wait_layer":
+            load.wait_layer(1, timeout=30)
+        else:
+            wait_until(load.done, 30, "the load's end")
+        assert blocks_equal(kv, DST, expected), "the load's blocks are not its bytes"
+        assert load.wait(30) == len(DST) and load.status.name == "DONE"
+        assert offload.wait(30)["stored"] == len(SRC2)
+        assert not c.held_blocks()
+        freezer.join(10)
 
 
 def test_a_stopping_daemon_that_hangs_still_fails_the_wait_and_holds_the_blocks_until_it_ends(
         run_dir, instance):
     """Stopping is no reason to wait past the hang threshold: a daemon frozen in its stop is
     hung as any other, and its load's blocks stay held until its end event comes."""
-    h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)
-    try:
-        kv = _kv()
-        with h.connect(timeout=30, hang_s=0.5) as c:
-            c.register_kv_cache(kv)
-            load, _, expected = _queued(c, kv, 71)
-            process_stop.stop(h.pid)
-            try:
-                os.kill(h.pid, signal.SIGTERM)  # (taken when it goes on)
-                with pytest.raises(DaemonUnavailable, match="hung") as e:
-                    load.wait(30)
-                assert e.value.held_blocks == DST and c.held_blocks() == set(DST)
-            finally:
-                process_stop.go_on(h.pid)
-            wait_until(lambda: not c.held_blocks(), 30, "the hold to lift")
-            assert blocks_equal(kv, DST, expected)
-        assert h.proc.wait(30) == 0
-    finally:
-        h.stop()
+    with _queued_at_a_daemon(run_dir, instance, 0.5, 71) as (h, c, kv, load, _, expected):
+        process_stop.stop(h.pid)
+        try:
+            os.kill(h.pid, signal.SIGTERM)  # (taken when it goes on)
+            with pytest.raises(DaemonUnavailable, match="hung") as e:
+                load.wait(30)
+            assert e.value.held_blocks == DST and c.held_blocks() == set(DST)
+        finally:
+            process_stop.go_on(h.pid)
+        wait_until(lambda: not c.held_blocks(), 30, "the hold to lift")
+        assert blocks_equal(kv, DST, expected)
 
 
 def test_a_request_to_a_stopping_daemon_is_refused_at_once_while_its_drain_goes_on(run_dir, instance):
@@ -120,22 +120,14 @@ def test_a_request_to_a_stopping_daemon_is_refused_at_once_while_its_drain_goes_
     engine goes on without the daemon, while the load queued before the stop still ends done.
     A lookup is no hit either: the key table closes as the stop begins (a hit found there
     planned a load the stopping daemon would never read)."""
-    h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)
-    try:
-        kv = _kv()
-        with h.connect(timeout=30, hang_s=30) as c:
-            c.register_kv_cache(kv)
-            load, _, expected = _queued(c, kv, 81)
-            assert c.lookup(keys_for(len(SRC), 81)) == (len(SRC), 0)  # (from the key table)
-            with _frozen_stopping(h, c):  # its drain goes on for as long as this takes
-                with pytest.raises(DaemonUnavailable, match="is stopping"):
-                    c.lookup(keys_for(len(SRC), 81))  # not from a table the daemon closed
-                with pytest.raises(DaemonUnavailable, match="is stopping"):
-                    c.offload(SRC2, keys_for(len(SRC2), 83))  # (timeout 30 s: not a timeout)
-                with pytest.raises(DaemonUnavailable, match="is stopping"):
-                    c.load(keys_for(len(SRC), 81), SRC)
-            assert load.wait(30) == len(DST) and blocks_equal(kv, DST, expected)
-            wait_until(lambda: not c.held_blocks(), 30, "the refused load's hold to lift")
-        assert h.proc.wait(30) == 0
-    finally:
-        h.stop()
+    with _queued_at_a_daemon(run_dir, instance, 30, 81) as (h, c, kv, load, _, expected):
+        assert c.lookup(keys_for(len(SRC), 81)) == (len(SRC), 0)  # (from the key table)
+        with _frozen_stopping(h, c):  # its drain goes on for as long as this takes
+            with pytest.raises(DaemonUnavailable, match="is stopping"):
+                c.lookup(keys_for(len(SRC), 81))  # not from a table the daemon closed
+            with pytest.raises(DaemonUnavailable, match="is stopping"):
+                c.offload(SRC2, keys_for(len(SRC2), 83))  # (timeout 30 s: not a timeout)
+            with pytest.raises(DaemonUnavailable, match="is stopping"):
+                c.load(keys_for(len(SRC), 81), SRC)
+        assert load.wait(30) == len(DST) and blocks_equal(kv, DST, expected)
+        wait_until(lambda: not c.held_blocks(), 30, "the refused load's hold to lift")

@@ -120,6 +120,27 @@ def test_a_revoked_load_copies_no_layer_not_begun_and_a_later_load_runs(daemon):
         assert later.wait(10) == len(SRC) and _all(kv, SRC2, 3)
 
 
+def test_an_offload_revoked_stops_no_load_sent_before_it(daemon):
+    """Loads have a revoke word of their own: an offload revoked (its reply never came, say)
+    discards that offload, not the loads the engine still waits for (with one word, a load sent
+    before it ended cancelled: a lost hit - seen at a graceful stop, whose refused offload
+    revoked the load the stop was draining)."""
+    kv = small_kv(num_layers=2, num_blocks=16)
+    keys = keys_for(len(SRC), 53)
+    with daemon.connect(timeout=30) as c, daemon.connect(role="operator", timeout=30) as owner:
+        c.register_kv_cache(kv)
+        _fill(kv, SRC, 3)
+        c.offload(SRC, keys).wait(10)
+        _fill(kv, DST, 5)
+        owner.pause()
+        load = c.load(keys, DST)
+        offload = c.offload(SRC2, keys_for(len(SRC2), 55))
+        c.revoke(offload)
+        owner.resume()
+        assert offload.wait(10)["stored"] == 0 and offload.status.name == "CANCELLED"
+        assert load.wait(10) == len(SRC) and _all(kv, DST, 3)
+
+
 def test_a_reply_read_by_another_thread_before_the_hold_is_made_is_not_lost(daemon):
     """The reply comes just after the wait gave up, and a pump files it before the client
     registers the hold: the hold must still follow it (it stayed forever: blocks lost)."""

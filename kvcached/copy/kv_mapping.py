@@ -84,7 +84,8 @@ class KVRegistration:
             if spec.order_segment is not None:
                 # on the GPU as this process numbers it: the engine's cuda:N may be another
                 self.order = DaemonOrder(self._map_order(spec.order_segment), spec.num_layers,
-                                         self.local_device, spec.revoke_word)
+                                         self.local_device, spec.revoke_word,
+                                         load_revoke_word=spec.load_revoke_word)
         except BaseException:
             self.close()
             raise

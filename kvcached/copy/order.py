@@ -31,13 +31,15 @@ def _cuda_ops(device: str, address: int, nbytes: int):
 
 class DaemonOrder:
     def __init__(self, words: np.ndarray, num_layers: int, device: str,
-                 revoke_word: int | None = None, ops_factory=None):
+                 revoke_word: int | None = None, ops_factory=None,
+                 load_revoke_word: int | None = None):
         """device: this process's name of the KV's GPU (cuda:N found by its UUID, not the
         engine's ordinal). ops_factory(device, address, nbytes): the stream operations (a test
         passes a recording one; default: the CUDA driver's)."""
         self.words = words
         self.num_layers = num_layers
         self.revoke_word = revoke_word
+        self.load_revoke_word = load_revoke_word
         self.ops = None
         if device.startswith("cuda"):
             try:
@@ -52,7 +54,7 @@ class DaemonOrder:
             return None
         if not 0 <= fence_word < FENCE_WORDS:
             raise OpError(ErrorCode.BAD_FIELD, f"fence_word: {fence_word} outside [0, {FENCE_WORDS})")
-        if fence_word == self.revoke_word:
+        if fence_word in (self.revoke_word, self.load_revoke_word):
             raise OpError(ErrorCode.BAD_FIELD, f"fence_word: {fence_word} is this registration's "
                           "revoke word, not a fence word")
         if self.ops is None and not reached(self.words[fence_word], fence):
@@ -77,6 +79,12 @@ class DaemonOrder:
         (copier.sync). An offload sent without a fence cannot be revoked."""
         return (self.revoke_word is not None and fence is not None
                 and reached(self.words[self.revoke_word], fence[1]))
+
+    def load_revoked(self, fence: tuple[int, int] | None) -> bool:
+        """The engine revoked the load sent with this fence (it reused the blocks before the
+        load was confirmed ended): read before each layer, it copies no layer more."""
+        return (self.load_revoke_word is not None and fence is not None
+                and reached(self.words[self.load_revoke_word], fence[1]))
 
     def release_fences(self) -> None:
         self.words[:FENCE_WORDS] = RELEASED

@@ -185,7 +185,7 @@ class LoadFlow:
             for task, copier, plan, order in plans:
                 if task.cancelled:
                     continue
-                if order is not None and order.revoked(task.fence):  # read before each layer:
+                if order is not None and order.load_revoked(task.fence):  # read before each layer:
                     task.cancelled = True  # the engine reuses the blocks (a request preempted
                     continue  # while this daemon hung: its cancel is not read yet)
                 task.bytes_moved += copier.load_layer(layer, plan)
