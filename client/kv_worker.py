@@ -284,7 +284,7 @@ class KVWorker:
             # (staging: a wait that found the daemon hung held the load's staging blocks itself)
             if isinstance(exc, TaskFailed):  # it ended short (a clear cancelled it, a storage
                 # read failed): the daemon answered; its blocks count in load_errors
-                log.info("[kvcached] %s: request %s recomputes %d blocks", str(exc), p.req_id, p.valid)
+                log.info("[kv] %s: request %s recomputes %d blocks", str(exc), p.req_id, p.valid)
             else:
                 self._daemon_failed(exc)
             return
