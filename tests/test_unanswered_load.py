@@ -6,6 +6,7 @@ handed the blocks to another request and the late copy overwrote its KV. The sam
 load the daemon answered, when the engine's wait for it finds the daemon hung."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
@@ -97,20 +98,32 @@ def test_a_load_whose_wait_finds_the_daemon_hung_holds_its_blocks_until_it_ends(
         assert task.done() and c.status()["tasks"]["inflight"] == 0
 
 
-def test_a_revoked_load_copies_no_layer_not_begun_and_a_later_load_runs(daemon):
-    """The engine reuses a load's blocks before its end (a preempted request, with the daemon
-    hung: its cancel is read only after it woke, by when its copy thread had copied the next
-    layers into them): the revoke, in shared memory, is read before each layer. The load ends
-    cancelled with nothing copied; a load sent after the revoke runs as any other."""
+@contextlib.contextmanager
+def _paused_with_stored(daemon, seed: int):
+    """SRC stored (3s), DST 5s and SRC2 6s in the engine's KV, the daemon paused by an operator
+    (what is sent is answered and queued): yields (client, kv, SRC's keys, the operator, who
+    resumes it - at the latest when the block ends)."""
     kv = small_kv(num_layers=2, num_blocks=16)
-    keys = keys_for(len(SRC), 49)
+    keys = keys_for(len(SRC), seed)
     with daemon.connect(timeout=30) as c, daemon.connect(role="operator", timeout=30) as owner:
         c.register_kv_cache(kv)
         _fill(kv, SRC, 3)
         c.offload(SRC, keys).wait(10)
         _fill(kv, DST, 5)
         _fill(kv, SRC2, 6)
-        owner.pause()  # the loads answered, and queued
+        owner.pause()
+        try:
+            yield c, kv, keys, owner
+        finally:
+            owner.resume()
+
+
+def test_a_revoked_load_copies_no_layer_not_begun_and_a_later_load_runs(daemon):
+    """The engine reuses a load's blocks before its end (a preempted request, with the daemon
+    hung: its cancel is read only after it woke, by when its copy thread had copied the next
+    layers into them): the revoke, in shared memory, is read before each layer. The load ends
+    cancelled with nothing copied; a load sent after the revoke runs as any other."""
+    with _paused_with_stored(daemon, 49) as (c, kv, keys, owner):
         revoked = c.load(keys, DST)
         c.revoke(revoked)
         later = c.load(keys, SRC2)
@@ -125,14 +138,7 @@ def test_an_offload_revoked_stops_no_load_sent_before_it(daemon):
     discards that offload, not the loads the engine still waits for (with one word, a load sent
     before it ended cancelled: a lost hit - seen at a graceful stop, whose refused offload
     revoked the load the stop was draining)."""
-    kv = small_kv(num_layers=2, num_blocks=16)
-    keys = keys_for(len(SRC), 53)
-    with daemon.connect(timeout=30) as c, daemon.connect(role="operator", timeout=30) as owner:
-        c.register_kv_cache(kv)
-        _fill(kv, SRC, 3)
-        c.offload(SRC, keys).wait(10)
-        _fill(kv, DST, 5)
-        owner.pause()
+    with _paused_with_stored(daemon, 53) as (c, kv, keys, owner):
         load = c.load(keys, DST)
         offload = c.offload(SRC2, keys_for(len(SRC2), 55))
         c.revoke(offload)
