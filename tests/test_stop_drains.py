@@ -98,8 +98,9 @@ def test_a_load_queued_at_a_graceful_stop_ends_done_with_its_blocks_in_place(run
 
 def test_a_stopping_daemon_that_hangs_still_fails_the_wait_and_holds_the_blocks_until_it_ends(
         run_dir, instance):
-    """Stopping is no reason to wait past the hang threshold: a daemon frozen in its stop is
-    hung as any other, and its load's blocks stay held until its end event comes."""
+    """A daemon frozen as its stop is asked (SIGTERM pending) is hung as any other: the wait
+    fails at the hang threshold, the load's blocks stay held, and the hold lifts when the
+    stop, going on, drains the load and sends its end."""
     with _queued_at_a_daemon(run_dir, instance, 0.5, 71) as (h, c, kv, load, _, expected):
         process_stop.stop(h.pid)
         try:

@@ -51,7 +51,10 @@ class StopsDaemon:
         if self.status_block is not None:
             self.status_block.set_state(State.STOPPING)
         if self.service is not None:  # lookups go to the daemon, which reads them no more: the
-            self.service.keys.close()  # client says at once it is stopping (no hit to plan on)
+            try:  # client says at once it is stopping (no hit to plan on)
+                self.service.keys.close()
+            except Exception:  # the drain runs all the same (the service closes the table again)
+                log.exception("[shutdown] closing the key table failed")
         failed: list[BaseException] = []
 
         def drain() -> None:
