@@ -1,6 +1,7 @@
 """kvcached_client: the thin engine-side client of the kvcached daemon."""
 from kvcached_proto.errors import (
     Busy,
+    DaemonStopping,
     DaemonUnavailable,
     KvcachedError,
     KvcachedTimeout,
@@ -21,6 +22,6 @@ from .tasks import LoadTask, Task
 
 __all__ = [
     "Client", "BlockHasher", "make_namespace", "allocate_kv_cache", "allocate_kv_buffer", "launch", "DaemonHandle",
-    "Task", "LoadTask", "GroupClient", "rank_keys", "PrefixCacheManager", "MMItem", "NoFreeBlocks", "Reattacher", "Busy", "DaemonUnavailable", "KvcachedError", "KvcachedTimeout",
+    "Task", "LoadTask", "GroupClient", "rank_keys", "PrefixCacheManager", "MMItem", "NoFreeBlocks", "Reattacher", "Busy", "DaemonStopping", "DaemonUnavailable", "KvcachedError", "KvcachedTimeout",
     "ProtocolError", "RequestError", "TaskFailed",
 ]

@@ -8,7 +8,7 @@ import time
 
 import posix_ipc
 
-from kvcached_proto.errors import DaemonUnavailable, KvcachedTimeout
+from kvcached_proto.errors import DaemonStopping, DaemonUnavailable, KvcachedTimeout
 from kvcached_proto.liveness import pid_alive, pid_namespace, process_alive
 from kvcached_proto.shm_layout import (LAYOUT_VERSION, MAGIC, SEGMENT_BYTES, Flag, StatusView, State,
                                       segment_name)
@@ -145,7 +145,7 @@ class StatusReader:
         if self.gone():
             raise DaemonUnavailable(f"kvcached daemon pid {self.pid} has exited")
         if not drains and self.view.state == State.STOPPING:
-            raise DaemonUnavailable(f"kvcached daemon pid {self.pid} is stopping: it answers no "
+            raise DaemonStopping(f"kvcached daemon pid {self.pid} is stopping: it answers no "
                                     "request (the tasks queued before its stop still end)")
         if not self.view.flags & Flag.UP:
             state = "starting" if self.view.state == State.STARTING else "stopping or stopped"

@@ -28,8 +28,9 @@ class Task:
         self.result = event.get("result") or {}
 
     def done(self) -> bool:
-        if self.result is None:
-            self.client.poll_events(drains=True)
+        if self.collect():  # its end read already (a closed client's too): no I/O
+            return True
+        self.client.poll_events(drains=True)
         return self.collect()
 
     def collect(self) -> bool:

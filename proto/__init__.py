@@ -15,6 +15,7 @@ from .codec import (
 from .errors import (
     Busy,
     CodedError,
+    DaemonStopping,
     DaemonUnavailable,
     KvcachedError,
     KvcachedTimeout,
@@ -42,7 +43,7 @@ from .version import PROTOCOL_VERSION
 __all__ = [
     "KEY_BYTES", "MAX_BLOCKS_PER_REQUEST", "MAX_FRAME_BYTES", "MAX_KEYS_PER_REQUEST",
     "MAX_REQUEST_BYTES", "decode", "decode_request", "encode", "pack_block_ids", "pack_keys", "unpack_block_ids", "unpack_keys",
-    "Busy", "CodedError", "DaemonUnavailable", "KvcachedError", "KvcachedTimeout", "ProtocolError",
+    "Busy", "CodedError", "DaemonStopping", "DaemonUnavailable", "KvcachedError", "KvcachedTimeout", "ProtocolError",
     "RequestError", "TaskFailed", "request_error", "OP_SPECS", "Request", "error_reply",
     "TaskStatus", "reply_for",
     "encode_request", "make_request", "ok_reply", "parse_request", "task_event", "ErrorCode", "Op",

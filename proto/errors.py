@@ -42,6 +42,11 @@ class DaemonUnavailable(KvcachedError):
     """The daemon is not running, died, or stopped answering."""
 
 
+class DaemonStopping(DaemonUnavailable):
+    """The daemon is stopping gracefully: it answers no request, but runs the tasks queued
+    before its stop and sends their ends (a wait for one of them goes on)."""
+
+
 class KvcachedTimeout(KvcachedError, TimeoutError):
     """A wait ran past its timeout; the message names the knob that sets it."""
 

@@ -24,6 +24,7 @@ from kvcached.bench import process_stop
 from kvcached_client import BlockHasher, Client, GroupClient, launch
 from kvcached_client.prefix import PrefixCacheManager
 from kvcached_client.prefix.tree import NoFreeBlocks
+from kvcached_proto.shm_layout import State
 
 GPU_BLOCKS, LAYERS = 40, 2
 HOST_GB = 64 * LAYERS * 2 * BS * 2 * 64 * 2 / 2**30  # 64 pages of (BS, 2, 64) bfloat16 K and V
@@ -181,7 +182,10 @@ def test_random_requests_are_only_ever_given_their_own_kv(run_dir, instance, dis
     """kills: the daemon is killed (-9) three times mid-run, each once the manager has attached
     again, and a successor started on the same disk tier 40 steps later: the engine goes on
     GPU-only meanwhile, never sees an error, and the manager reattaches in the background.
-    stops: the same with a graceful stop (SIGTERM: it drains what is queued).
+    stops: the same with a graceful stop (SIGTERM: it drains what is queued), sent right after
+    a match that sent loads, the daemon frozen for 0.1-0.3 s once stopping: the engine steps on
+    meanwhile, its calls refused (the manager detaches) while the loads sent before the stop
+    still end and keep their hits.
     freezes: every 150 steps while attached, the daemon is stopped (SIGSTOP) for 0.4-0.8 s, right
     after the next match that sent loads, against a hang threshold of 0.3 s, so loads and
     offloads in flight end late or not at all
@@ -194,13 +198,23 @@ def test_random_requests_are_only_ever_given_their_own_kv(run_dir, instance, dis
     start = lambda: launch(instance=instance, run_dir=run_dir, host_cache_gb=HOST_GB,  # noqa: E731
                            extra_args=["--storage", disk_uri(disk_dir)], wait_storage=True)
     kills = [steps * k // 5 for k in (1, 2, 3)] if faults in ("kills", "stops") else []  # once attached again
-    state = {"daemon": start(), "restart_at": None, "thaw_at": None, "freezes": 0}
+    state = {"daemon": start(), "restart_at": None, "thaw_at": None, "freezes": 0, "kept": 0}
 
     def between(n):
         daemon = state["daemon"]
-        if kills and n >= kills[0] and mgr.attached and state["restart_at"] is None:
+        if state.get("stopping"):  # a graceful stop, frozen while it drains: the engine steps on
+            if daemon.proc.poll() is None:
+                time.sleep(0.004)
+                return
+            assert daemon.proc.returncode == 0, daemon.proc.returncode
+            sweep_crashed(instance)
+            state["stopping"], state["restart_at"] = False, n + 40
+        elif kills and n >= kills[0] and mgr.attached and state["restart_at"] is None:
+            if faults == "stops":
+                state["stop_due"] = True  # at the next match that sent loads (freeze)
+                return
             kills.pop(0)
-            os.kill(daemon.pid, signal.SIGKILL if faults == "kills" else signal.SIGTERM)
+            os.kill(daemon.pid, signal.SIGKILL)
             daemon.proc.wait(60)
             sweep_crashed(instance)
             state["restart_at"] = n + 40
@@ -225,6 +239,21 @@ def test_random_requests_are_only_ever_given_their_own_kv(run_dir, instance, dis
                 time.sleep(0.004)  # an engine's step takes time: the watcher gets its turns
 
     def freeze() -> None:
+        if state.get("stop_due") and mgr.transfers.loads:
+            del state["stop_due"]
+            kills.pop(0)
+            status = mgr.client.status_block
+            os.kill(state["daemon"].pid, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while status.view.state != State.STOPPING:  # (spun: the drain may end in ms)
+                assert time.monotonic() < deadline, "the daemon did not begin its stop"
+            process_stop.stop(state["daemon"].pid, "the daemon")
+            state["stopping"] = True  # (a timer: the engine may wait for its loads meanwhile)
+            state["timer"] = threading.Timer(rng.uniform(0.1, 0.3), process_stop.go_on,
+                                             (state["daemon"].pid, "the daemon"))
+            state["timer"].start()
+            mgr.try_attach()  # the engine checks its daemon: refused, it detaches
+            state["kept"] += len(mgr.transfers.loads)  # (they counted as failed here before)
         if state.get("freeze_due") and state["thaw_at"] is None and mgr.transfers.loads:
             del state["freeze_due"]
             process_stop.stop(state["daemon"].pid, "the daemon")
@@ -251,6 +280,8 @@ def test_random_requests_are_only_ever_given_their_own_kv(run_dir, instance, dis
     _exercised(eng, stats, steps)
     if faults in ("kills", "stops"):  # each successor attached; a failed offload: one the kill cut short
         assert not kills and stats["detaches"] == 3 and stats["attaches"] >= 3, stats
+        if faults == "stops":  # loads sent before a stop, in flight after the manager detached
+            assert state["kept"] >= 1, state
     elif faults == "pauses":  # offloads timed out (cancelled, their blocks held till the end)
         assert state["freezes"] >= 5 and stats["offload_failures"] > 0 and stats["detaches"] == 0, (state, stats)
     elif faults == "freezes":  # freezes seen as hangs, the same daemon attached again after

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import threading
 import time
 
 import pytest
-from conftest import blocks_equal, keys_for, small_kv, snapshot, wait_until
-from kvcached_client import DaemonUnavailable, launch
+from conftest import blocks_equal, keys_for, scramble, small_kv, snapshot, wait_until
+from kvcached_client import DaemonUnavailable, PrefixCacheManager, launch
 from kvcached.bench import process_stop
 from kvcached_proto.shm_layout import State
 
@@ -132,3 +133,42 @@ def test_a_request_to_a_stopping_daemon_is_refused_at_once_while_its_drain_goes_
                 c.load(keys_for(len(SRC), 81), SRC)
         assert load.wait(30) == len(DST) and blocks_equal(kv, DST, expected)
         wait_until(lambda: not c.held_blocks(), 30, "the refused load's hold to lift")
+
+
+def test_a_prefix_managers_load_in_flight_at_a_stop_keeps_its_hit(run_dir, instance):
+    """A PrefixCacheManager whose next call a stopping daemon refuses drops its client (the
+    engine goes on GPU-only). Its loads sent before the stop still end, their blocks in place:
+    they stay in flight and keep their hit. They counted as failed before (the request
+    recomputed a prefix whose KV had landed)."""
+    bs, n = 16, 4
+    rng = random.Random(91)
+    prompt = [rng.randrange(1000) for _ in range(n * bs)]
+    h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)
+    try:
+        kv = small_kv(num_layers=2, num_blocks=12)
+        c = h.connect(timeout=30, hang_s=30)
+        mgr = PrefixCacheManager(12, bs, client=c, namespace="stop-test", kv_caches=kv)
+        mgr.match("a", prompt + [1])
+        table = mgr.allocate("a", n * bs + 1)
+        expected = snapshot(kv, table[:n])  # (random: the KV "a" computed)
+        mgr.commit("a", n * bs + 1)
+        mgr.settle(30)  # backed up to the host tier (write_through)
+        mgr.release("a")
+        mgr.drop_gpu_cache()
+        scramble(kv)
+        c.pause()
+        hit = mgr.match("b", prompt + [2])  # a host hit: its load queued behind the pause
+        assert hit.host_tokens == n * bs
+        with _frozen_stopping(h, c):
+            mgr.match("c", prompt[::-1] + [3])  # its lookup refused: the manager detaches
+            assert not mgr.attached and mgr.stats()["detaches"] == 1
+        assert mgr.wait_loaded("b", timeout=30) == n * bs, "the load drained at the stop was lost"
+        assert blocks_equal(kv, hit.block_ids, expected)
+        assert mgr.stats()["loaded_blocks"] == n and mgr.stats()["load_short_blocks"] == 0
+        mgr.release("b")
+        mgr.release("c")
+        mgr.check()
+        assert h.proc.wait(30) == 0
+        mgr.close()
+    finally:
+        h.stop()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from kvcached_proto.errors import DaemonUnavailable, KvcachedError, KvcachedTimeout, TaskFailed
+from kvcached_proto.errors import DaemonStopping, DaemonUnavailable, KvcachedError, KvcachedTimeout, TaskFailed
 
 from ..daemon_link import DaemonLink
 from .blocks import GpuBlocks
@@ -58,8 +58,10 @@ class Transfers:
         try:
             loaded = load.task.wait(timeout)
         except DaemonUnavailable as exc:
-            self.link.drop(exc)  # settles this load (held while the daemon may write)
-            return
+            if load.client is self.link.client:
+                self.link.drop(exc)  # settles this load (held while the daemon may write)
+                return
+            loaded = 0  # of a client dropped at a stop (its blocks held by the wait)
         except KvcachedTimeout as exc:  # cancelled; held by the client until the ack
             log.warning("[prefix] load timed out: %s", str(exc))
             loaded = 0
@@ -152,7 +154,10 @@ class Transfers:
                 if load.task.done():
                     self.resolve(load, 0)
             except DaemonUnavailable as exc:
-                self.link.drop(exc)
+                if load.client is self.link.client:
+                    self.link.drop(exc)
+                else:  # of a client dropped at a stop, whose daemon is gone now
+                    self.settle_load(load, 0)
 
     def settle(self, timeout: float | None = None) -> None:
         """Wait for every load and offload in flight (each bounded by timeout, or the client's)."""
@@ -163,10 +168,13 @@ class Transfers:
 
     def hold_and_fail(self, client, exc: Exception) -> None:
         """`client`'s daemon is gone or hung: what it had in flight may still touch device blocks
-        if it is only hung, so those blocks stay held; the work counts as failed."""
+        if it is only hung, so those blocks stay held; the work counts as failed. A daemon
+        stopping gracefully still runs the loads queued before its stop and sends their ends:
+        they stay in flight (held, the client kept by the hold keeper), their hits kept."""
         for load in [ld for ld in self.loads if ld.client is client]:
             client.hold(load.task.id, [n.block for n in load.nodes])
-            self.settle_load(load, 0)
+            if not isinstance(exc, DaemonStopping):
+                self.settle_load(load, 0)
         for off in [o for o in self.offloads if o.client is client]:
             client.hold(off.task.id, [n.block for n in off.nodes])
             self.settle_offload(off, ok=False)
