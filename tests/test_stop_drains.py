@@ -13,8 +13,8 @@ import threading
 import time
 
 import pytest
-from conftest import blocks_equal, keys_for, scramble, small_kv, snapshot, wait_until
-from kvcached_client import DaemonUnavailable, PrefixCacheManager, launch
+from conftest import blocks_equal, keys_for, ranks, scramble, small_kv, snapshot, wait_until
+from kvcached_client import DaemonUnavailable, GroupClient, PrefixCacheManager, launch
 from kvcached.bench import process_stop
 from kvcached_proto.shm_layout import State
 
@@ -172,3 +172,44 @@ def test_a_prefix_managers_load_in_flight_at_a_stop_keeps_its_hit(run_dir, insta
         mgr.close()
     finally:
         h.stop()
+
+
+def test_a_group_loads_in_flight_on_a_stopping_rank_keep_their_hit(run_dir):
+    """Two tensor-parallel ranks, rank 1 stopped gracefully while a load is queued on both: the
+    group marks rank 1 missing at its next call (lookups find nothing while it is), holds the
+    rank's blocks and keeps its client until the load's end, so the load ends whole on both
+    ranks, each rank's blocks its own bytes."""
+    bs, n = 16, 4
+    rng = random.Random(93)
+    prompt = [rng.randrange(1000) for _ in range(n * bs)]
+    with ranks(run_dir, 2) as (names, handles):
+        shards = [small_kv(num_layers=2, num_blocks=12, seed=r) for r in range(2)]
+        g = GroupClient.connect(names, run_dir=run_dir, timeout=30, hang_s=30)
+        mgr = PrefixCacheManager(12, bs, client=g, namespace="stop-test", kv_caches=shards)
+        mgr.match("a", prompt + [1])
+        table = mgr.allocate("a", n * bs + 1)
+        expected = [snapshot(kv, table[:n]) for kv in shards]
+        mgr.commit("a", n * bs + 1)
+        mgr.settle(30)
+        mgr.release("a")
+        mgr.drop_gpu_cache()
+        for kv in shards:
+            scramble(kv)
+        for c in g.clients:
+            c.pause()
+        hit = mgr.match("b", prompt + [2])  # its loads queued behind the pauses
+        assert hit.host_tokens == n * bs
+        with _frozen_stopping(handles[1], g.clients[1]):
+            assert mgr.match("c", prompt[::-1] + [3]).cached_tokens == 0  # rank 1 refused
+            assert 1 in g.missing
+            mgr.match("d", prompt[1:] + [4])  # (the group closes a lost rank's client that holds nothing)
+            g.clients[0].resume()
+        assert mgr.wait_loaded("b", timeout=30) == n * bs, "the load drained at the stop was lost"
+        for kv, exp in zip(shards, expected):
+            assert blocks_equal(kv, hit.block_ids, exp)
+        for rid in "bcd":
+            mgr.release(rid)
+        mgr.check()
+        assert handles[1].proc.wait(30) == 0
+        mgr.close()
+        g.close()
