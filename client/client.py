@@ -7,7 +7,6 @@ of a hang.
 """
 from __future__ import annotations
 
-import collections
 import itertools
 import os
 import threading
@@ -27,7 +26,7 @@ from kvcached_proto.order_words import LOAD_REVOKE_WORD, REVOKE_WORD
 from kvcached_proto.version import PROTOCOL_VERSION, check_version
 
 from .daemon_ops import AsksDaemon
-from .holds import ENDED_KEPT, KeepsHolds
+from .holds import KeepsHolds
 from .key_events import FollowsKeys
 from .key_table import KeyTableReader, LookupNotes, SendsNotes
 from .loads import SendsLoads
@@ -78,7 +77,7 @@ class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
         self._holds: dict[int, list[int]] = {}  # task id -> device blocks it may still write
         self._unanswered: dict[int, int] = {}  # rid of a load whose reply did not come -> its hold
         self._late_loads: dict[int, int] = {}  # task id of such a load, once it came -> its hold
-        self._ended_ids: collections.deque[int] = collections.deque(maxlen=ENDED_KEPT)  # (holds.py)
+        self._init_task_books()  # the ids of tasks ended, and of Tasks let go (holds.py)
         if key_table is None:
             key_table = os.environ.get(KEY_TABLE_ENV, "1") != "0"
         self._use_key_table = key_table

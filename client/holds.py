@@ -6,15 +6,45 @@ uses the client's `_holds`, `_unanswered`, `_late_loads`, `_events`, `_ended_ids
 `_lock`, `_pump`, `_wait`, `_check_daemon`, `order`, `status_block` and `_gone_after_close`."""
 from __future__ import annotations
 
+import collections
+import weakref
+
 from kvcached_proto import DaemonUnavailable, KvcachedError
 
 from .renamed import Renamed
 from .tasks import UnansweredLoad
 
 ENDED_KEPT = 4096  # ids of the tasks whose end was read last: a hold made after it is not kept
+LET_GO_KEPT = 65536  # ids of the Tasks let go before their end (~6 MB at most): it is not kept
+
+
+def _let_go(client_ref, task_id: int) -> None:
+    client = client_ref()
+    if client is not None:
+        client._task_let_go(task_id)
 
 
 class KeepsHolds:
+    def _init_task_books(self) -> None:
+        self._ended_ids: collections.deque[int] = collections.deque(maxlen=ENDED_KEPT)
+        self._let_go: collections.OrderedDict[int, None] = collections.OrderedDict()
+
+    def track(self, task) -> None:
+        """A Task made for this client (tasks.py): once its caller lets it go, nobody can take
+        its end event, so none is kept for it. Each end was kept for good: an engine that sends
+        backups and never waits for them grew by one event per offload."""
+        if task.id:  # (the client weakly: a strong one kept it, and its KV, while the Task lived,
+            # and for good where the two referred to each other - a cycle the GC no longer freed)
+            weakref.finalize(task, _let_go, weakref.ref(self), task.id).atexit = False
+
+    def _task_let_go(self, task_id: int) -> None:
+        """(Any thread, lock-free: `_ended` files an end and then looks here, this notes the id
+        and then takes the end, so whichever comes second drops it.)"""
+        self._let_go[task_id] = None
+        if len(self._let_go) > LET_GO_KEPT:
+            self._let_go.popitem(last=False)
+        self._events.pop(task_id, None)
+
     def take_event(self, task_id: int) -> dict | None:
         return self._events.pop(task_id, None)
 
@@ -41,6 +71,8 @@ class KeepsHolds:
         key = self._late_loads.pop(task, None)
         if key is None:
             self._events[task] = event
+            if task in self._let_go:  # its Task let go: nobody takes it (see _task_let_go)
+                self._events.pop(task, None)
         else:
             self._holds.pop(key, None)
 

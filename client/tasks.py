@@ -21,6 +21,9 @@ class Task:
         self.reply = reply
         self.status: TaskStatus | None = None
         self.result: dict | None = None
+        track = getattr(client, "track", None)  # (its end event is dropped once this is let go)
+        if track is not None:
+            track(self)
 
     def _absorb(self, event: dict) -> None:
         status = event.get("status")

@@ -278,6 +278,35 @@ def test_cancel_of_a_task_that_ended_before_its_end_was_read_says_done(daemon):
         assert e.value.code == ErrorCode.UNKNOWN_TASK
 
 
+def test_the_end_of_a_task_its_caller_let_go_is_not_kept(daemon):
+    """An engine that sends backups and never waits for them (`client.offload(...)`, the Task
+    dropped): each end event was kept for good, one per offload, a client that grew for as long
+    as the engine served. Now an end is dropped once its Task is let go (before or after the end
+    came); a Task still held gets its end however many were dropped around it."""
+    kv = small_kv()
+    with daemon.connect() as c:
+        c.register_kv_cache(kv)
+        c.pause()
+        kept = c.offload([0], keys_for(1, 91))  # (queued: its end comes after the others')
+        for i in range(300):  # ended before their Tasks were let go, or after: both
+            c.offload([i % 64], keys_for(1, 1000 + i))
+            if i % 50 == 0:
+                c.resume() if i % 100 == 0 else c.pause()
+        c.resume()
+        flush = c.flush()
+        flush.wait(30)
+        wait_until(lambda: no_tasks(c), 10, "the offloads' ends")
+        c.poll_events()
+        assert len(c._events) <= 1, len(c._events)  # at most the kept Task's end, unread
+        assert kept.wait(10)["stored"] == 1
+        assert not c._events
+        late = c.offload([1], keys_for(1, 92))
+        wait_until(lambda: no_tasks(c), 10, "the offload's end")
+        c.poll_events()
+        del late  # its end read (not taken): taken now
+        assert not c._events
+
+
 def test_a_load_whose_client_closed_says_daemon_unavailable_not_attribute_error(daemon):
     """A step's second load, on a client its first load's failure closed (the vLLM worker
     drops a client whose daemon failed, and one that holds nothing is closed at once): its
