@@ -29,7 +29,7 @@ class KeepsHolds:
         self._ended_ids: collections.deque[int] = collections.deque(maxlen=ENDED_KEPT)
         self._let_go: collections.OrderedDict[int, None] = collections.OrderedDict()
 
-    def track(self, task) -> None:
+    def _track_task(self, task) -> None:
         """A Task made for this client (tasks.py): once its caller lets it go, nobody can take
         its end event, so none is kept for it. Each end was kept for good: an engine that sends
         backups and never waits for them grew by one event per offload."""

@@ -146,7 +146,7 @@ class StatusReader:
             raise DaemonUnavailable(f"kvcached daemon pid {self.pid} has exited")
         if not drains and self.view.state == State.STOPPING:
             raise DaemonStopping(f"kvcached daemon pid {self.pid} is stopping: it answers no "
-                                    "request (the tasks queued before its stop still end)")
+                                 "request (the tasks queued before its stop still end)")
         if not self.view.flags & Flag.UP:
             state = "starting" if self.view.state == State.STARTING else "stopping or stopped"
             raise DaemonUnavailable(f"kvcached daemon pid {self.pid} is {state}")

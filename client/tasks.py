@@ -21,7 +21,7 @@ class Task:
         self.reply = reply
         self.status: TaskStatus | None = None
         self.result: dict | None = None
-        track = getattr(client, "track", None)  # (its end event is dropped once this is let go)
+        track = getattr(client, "_track_task", None)  # (its end is dropped once this is let go)
         if track is not None:
             track(self)
 
