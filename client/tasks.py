@@ -5,7 +5,7 @@ import os
 import time
 
 from kvcached_proto import DaemonUnavailable, ErrorCode, KvcachedTimeout, RequestError, TaskFailed, TaskStatus
-from kvcached_proto.shm_layout import SlotStatus
+from kvcached_proto.shm_layout import Flag, SlotStatus, State
 
 SPIN_S = 0.02  # poll (yielding the CPU) this long before sleeping between reads
 MIN_BACKOFF_S = 0.00005
@@ -97,11 +97,42 @@ class LoadTask(Task):
         except KvcachedTimeout as exc:
             raise self._hold(exc) from None
         except DaemonUnavailable as exc:
-            raise self._hold_hung(exc) from None
+            if not self._ended_in_slot():
+                raise self._hold_hung(exc) from None
         order = self.client.order
         if order is not None and (self.id in order.released_loads or order.released):
             return 0  # a stream wait of it was let go: the engine may have read before it landed
         return int(self.result.get("loaded", 0))
+
+    def done(self) -> bool:
+        try:
+            return super().done()
+        except DaemonUnavailable:
+            if self._ended_in_slot():
+                return True
+            raise
+
+    def _ended_in_slot(self) -> bool:
+        """A daemon that stopped gracefully ran this load to its end, but the end event it sent
+        is lost when the engine did not read it before the daemon exited (the socket drops what
+        it holds of a closed connection): the load's slot in the status block, written before
+        the event, still says how it ended. Only for a daemon that completed its stop (stopping,
+        no longer up: its copy workers joined, every copy done); a killed one's slot may not be
+        final."""
+        sig = self.client.status_block
+        if self.result is not None or sig is None or not sig.gone():
+            return self.result is not None
+        view, slot = sig.view, self.slot
+        if view.state != State.STOPPING or view.flags & Flag.UP or view.slot_task(slot) != self.id:
+            return False
+        status = view.slot_status(slot)
+        if status <= SlotStatus.RUNNING or view.slot_task(slot) != self.id:
+            return False
+        full = status == SlotStatus.DONE and view.slot_layers_done(slot) >= self.num_layers
+        loaded = min(view.slot_blocks_valid(slot), self.num_blocks) if full else 0
+        self._absorb({"status": TaskStatus.DONE if full else TaskStatus.FAILED,
+                      "result": {"loaded": loaded, "from_slot": True}})
+        return True
 
     def _hold(self, exc: KvcachedTimeout) -> KvcachedTimeout:
         """Cancel after a timeout; wait (client timeout) for the daemon's ack; hold if none."""

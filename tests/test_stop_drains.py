@@ -213,3 +213,21 @@ def test_a_group_loads_in_flight_on_a_stopping_rank_keep_their_hit(run_dir):
         assert handles[1].proc.wait(30) == 0
         mgr.close()
         g.close()
+
+
+def test_a_load_drained_at_a_stop_ends_done_though_its_end_was_not_read_before_the_exit(
+        run_dir, instance):
+    """The engine reads nothing until the stopped daemon has exited: the end events it sent are
+    lost with the connection (the socket drops what it holds of a closed one). A load's slot in
+    the status block still says how it ended: `done()` and `wait()` read it there (both said
+    "has exited", and a load whose blocks had landed counted failed). An offload has no slot:
+    its wait still says the daemon exited, and it holds nothing (the daemon is gone)."""
+    with _queued_at_a_daemon(run_dir, instance, 30, 97) as (h, c, kv, load, offload, expected):
+        os.kill(h.pid, signal.SIGTERM)
+        assert h.proc.wait(30) == 0
+        assert load.done(), "the load's end, in its slot, was not read"
+        assert load.wait(5) == len(DST) and load.status.name == "DONE"
+        assert blocks_equal(kv, DST, expected)
+        with pytest.raises(DaemonUnavailable, match="has exited"):
+            offload.wait(5)
+        assert not c.held_blocks()
