@@ -122,8 +122,12 @@ def test_a_flood_of_ipc_connections_is_refused_past_the_caps_and_the_daemon_live
         try:
             with d.connect(timeout=5) as c:
                 assert c.ping() >= 0
-                conns = c.status()["connections"]
                 cap = 2 * per_process
+                # the daemon counts the accepts as its loop turns: on a busy machine some only
+                # after the flood's processes have made them (seen: 1,141 of 1,184 refused)
+                wait_until(lambda: c.status()["connections"]["refused"] >= 1200 - cap, 30,
+                           "the connections past the caps refused")
+                conns = c.status()["connections"]
                 assert conns["open"] <= cap + 1 and conns["refused"] >= 1200 - cap, conns
             assert fetch_status(instance, run_dir, timeout=5)["pid"] == d.proc.pid
         finally:
