@@ -119,14 +119,16 @@ class LoadTask(Task):
         the event, still says how it ended. Only for a daemon that completed its stop (stopping,
         no longer up: its copy workers joined, every copy done); a killed one's slot may not be
         final."""
+        if self.result is not None:
+            return True
         sig = self.client.status_block
-        if self.result is not None or sig is None or not sig.gone():
-            return self.result is not None
-        view, slot = sig.view, self.slot
+        if sig is None or not sig.gone():
+            return False
+        view, slot = sig.view, self.slot  # (final: its writer is gone)
         if view.state != State.STOPPING or view.flags & Flag.UP or view.slot_task(slot) != self.id:
             return False
         status = view.slot_status(slot)
-        if status <= SlotStatus.RUNNING or view.slot_task(slot) != self.id:
+        if status <= SlotStatus.RUNNING:
             return False
         full = status == SlotStatus.DONE and view.slot_layers_done(slot) >= self.num_layers
         loaded = min(view.slot_blocks_valid(slot), self.num_blocks) if full else 0

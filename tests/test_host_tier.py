@@ -287,7 +287,7 @@ def test_the_end_of_a_task_its_caller_let_go_is_not_kept(daemon):
     with daemon.connect() as c:
         c.register_kv_cache(kv)
         c.pause()
-        kept = c.offload([0], keys_for(1, 91))  # (queued: its end comes after the others')
+        kept = c.offload([0], keys_for(1, 91))  # (held: its end is kept until it is taken)
         for i in range(300):  # ended before their Tasks were let go, or after: both
             c.offload([i % 64], keys_for(1, 1000 + i))
             if i % 50 == 0:

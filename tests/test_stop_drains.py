@@ -135,6 +135,23 @@ def test_a_request_to_a_stopping_daemon_is_refused_at_once_while_its_drain_goes_
         wait_until(lambda: not c.held_blocks(), 30, "the refused load's hold to lift")
 
 
+def _cached_then_dropped(mgr, shards, prompt, bs) -> list:
+    """The prompt's blocks computed (random KV), backed up to the host tier (write_through) and
+    dropped from the GPU cache, every shard scrambled: a match finds them in the host tier.
+    Returns each shard's snapshot of them."""
+    n = len(prompt) // bs
+    mgr.match("a", prompt + [1])
+    table = mgr.allocate("a", n * bs + 1)
+    expected = [snapshot(kv, table[:n]) for kv in shards]
+    mgr.commit("a", n * bs + 1)
+    mgr.settle(30)
+    mgr.release("a")
+    mgr.drop_gpu_cache()
+    for kv in shards:
+        scramble(kv)
+    return expected
+
+
 def test_a_prefix_managers_load_in_flight_at_a_stop_keeps_its_hit(run_dir, instance):
     """A PrefixCacheManager whose next call a stopping daemon refuses drops its client (the
     engine goes on GPU-only). Its loads sent before the stop still end, their blocks in place:
@@ -148,14 +165,7 @@ def test_a_prefix_managers_load_in_flight_at_a_stop_keeps_its_hit(run_dir, insta
         kv = small_kv(num_layers=2, num_blocks=12)
         c = h.connect(timeout=30, hang_s=30)
         mgr = PrefixCacheManager(12, bs, client=c, namespace="stop-test", kv_caches=kv)
-        mgr.match("a", prompt + [1])
-        table = mgr.allocate("a", n * bs + 1)
-        expected = snapshot(kv, table[:n])  # (random: the KV "a" computed)
-        mgr.commit("a", n * bs + 1)
-        mgr.settle(30)  # backed up to the host tier (write_through)
-        mgr.release("a")
-        mgr.drop_gpu_cache()
-        scramble(kv)
+        [expected] = _cached_then_dropped(mgr, [kv], prompt, bs)
         c.pause()
         hit = mgr.match("b", prompt + [2])  # a host hit: its load queued behind the pause
         assert hit.host_tokens == n * bs
@@ -186,15 +196,7 @@ def test_a_group_loads_in_flight_on_a_stopping_rank_keep_their_hit(run_dir):
         shards = [small_kv(num_layers=2, num_blocks=12, seed=r) for r in range(2)]
         g = GroupClient.connect(names, run_dir=run_dir, timeout=30, hang_s=30)
         mgr = PrefixCacheManager(12, bs, client=g, namespace="stop-test", kv_caches=shards)
-        mgr.match("a", prompt + [1])
-        table = mgr.allocate("a", n * bs + 1)
-        expected = [snapshot(kv, table[:n]) for kv in shards]
-        mgr.commit("a", n * bs + 1)
-        mgr.settle(30)
-        mgr.release("a")
-        mgr.drop_gpu_cache()
-        for kv in shards:
-            scramble(kv)
+        expected = _cached_then_dropped(mgr, shards, prompt, bs)
         for c in g.clients:
             c.pause()
         hit = mgr.match("b", prompt + [2])  # its loads queued behind the pauses
@@ -202,7 +204,7 @@ def test_a_group_loads_in_flight_on_a_stopping_rank_keep_their_hit(run_dir):
         with _frozen_stopping(handles[1], g.clients[1]):
             assert mgr.match("c", prompt[::-1] + [3]).cached_tokens == 0  # rank 1 refused
             assert 1 in g.missing
-            mgr.match("d", prompt[1:] + [4])  # (the group closes a lost rank's client that holds nothing)
+            mgr.match("d", prompt[1:] + [4])  # (the group closes a lost rank's idle client)
             g.clients[0].resume()
         assert mgr.wait_loaded("b", timeout=30) == n * bs, "the load drained at the stop was lost"
         for kv, exp in zip(shards, expected):
