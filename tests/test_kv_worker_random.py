@@ -20,7 +20,7 @@ import time
 
 import pytest
 import torch
-from conftest import disk_uri, sweep_crashed, wait_until
+from conftest import disk_uri, no_tasks, sweep_crashed, wait_until
 from kv_layouts import make_kv, parts_of
 from test_prefix import content
 from worker_util import make_worker
@@ -287,6 +287,9 @@ def test_random_steps_load_only_their_keys_kv(run_dir, instance, disk_dir, layou
             assert not sched.finishing, sorted(sched.finishing)
         finally:
             worker.close()
+        # a load the daemon (frozen until the run's end) still ran at the worker's bye ends in
+        # the bye's drain, after the bye's reply: every task must end, none at once
+        wait_until(lambda: no_tasks(fx.op), 10, "the daemon to end the closed worker's tasks")
         status, check = fx.op.status(), fx.op.check()
     finally:
         fx.close()
