@@ -13,13 +13,13 @@ import zmq
 
 from kvcached_client.kv_views import BLOCK_CONTIGUOUS
 from kvcached_proto import DaemonUnavailable, KvcachedError, Op, decode, encode, make_request
-from kvcached_proto.liveness import pid_alive
 from kvcached_proto.paths import DEFAULT_INSTANCE, resolve_run_dir, status_endpoint
 
 from .config import COPY_STRATEGIES, HOST_LAYOUTS
 from .errors import StartupError
 from .host.policies import POLICIES
 from .server.status_report import format_status
+from .cli_stop import cmd_stop
 from .tools.offline_policies import OFFLINE_POLICIES
 
 
@@ -138,7 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--watch", type=float, default=0, metavar="N",
                         help="refresh every N seconds until Ctrl-C")
 
-    stop = sub.add_parser("stop", help="stop a running daemon gracefully")
+    stop = sub.add_parser(
+        "stop", help="stop a running daemon gracefully",
+        description="Asks the daemon to stop (the shutdown op: it finishes the tasks and backups "
+                    "queued, then exits) and waits for its exit. A daemon that cannot "
+                    "take the op (hung, still starting) is sent SIGTERM, the same way out once "
+                    "it runs again; one already stopping is waited for.")
     _common(stop)
     stop.add_argument("--timeout", type=float, default=30.0,
                       help="seconds to wait for the exit (default: %(default)s)")
@@ -367,24 +372,6 @@ def _status_loop(args, stop: list[bool]) -> int:
         until = time.monotonic() + args.watch
         while not stop and time.monotonic() < until:
             time.sleep(min(0.05, args.watch))
-    return 0
-
-
-def cmd_stop(args) -> int:
-    from kvcached_client import Client
-
-    with Client.connect(instance=args.instance, run_dir=args.run_dir, name="kvcached-cli",
-                        role="operator") as c:
-        pid = c.info["pid"]
-        c.shutdown()
-    deadline = time.monotonic() + args.timeout
-    while pid_alive(pid):
-        if time.monotonic() > deadline:
-            print(f"kvcached stop: pid {pid} still running after {args.timeout} s (--timeout)",
-                  file=sys.stderr)
-            return 1
-        time.sleep(0.05)
-    print(f"stopped instance {args.instance} (pid {pid})")
     return 0
 
 

@@ -1,0 +1,115 @@
+"""`kvcached stop` for a daemon that cannot take the shutdown op: hung, still starting, or
+stopping already. Each fails with a stop that only sends the op ("missed its heartbeat", "is
+starting", "is stopping": exit 1, the daemon left running)."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import sweep_crashed
+from kvcached.bench import process_stop
+from kvcached_client import launch
+from kvcached_client.status_block import StatusReader
+from kvcached_proto import DaemonUnavailable
+from kvcached_proto.shm_layout import State
+
+pytestmark = pytest.mark.faults
+
+
+def _stop(instance, run_dir, *extra, hang_s="0.3"):
+    """`kvcached stop` started (its hang threshold hang_s); returns the process."""
+    return subprocess.Popen([sys.executable, "-m", "kvcached", "stop", "--instance", instance,
+                             "--run-dir", run_dir, *extra], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "KVCACHED_HANG_S": hang_s})
+
+
+def _state(instance):
+    try:
+        reader = StatusReader(instance)
+    except DaemonUnavailable:
+        return None
+    try:
+        return reader.view.state
+    finally:
+        reader.close()
+
+
+def test_a_hung_daemon_is_sent_sigterm_and_stops_gracefully_once_it_runs_again(run_dir, instance):
+    """Frozen past the hang threshold: the stop cannot be asked over the socket. Sent SIGTERM,
+    it takes the graceful way out when it goes on; a stop whose --timeout ends first says how
+    to end it now."""
+    h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)
+    try:
+        process_stop.stop(h.pid, "the daemon")
+        time.sleep(0.5)  # its heartbeat missed for longer than the stop's threshold (0.3 s)
+        out, err = _stop(instance, run_dir, "--timeout", "0.5").communicate(timeout=30)
+        assert "missed its heartbeat" in err and "sent it SIGTERM" in err, err
+        assert f"kill -KILL {h.pid}" in err and not out  # exit 1 below: still frozen
+        assert h.proc.poll() is None
+        late = _stop(instance, run_dir, "--timeout", "30")  # a second stop, left to wait
+        time.sleep(0.5)
+        process_stop.go_on(h.pid, "the daemon")
+        out, err = late.communicate(timeout=30)
+        assert late.returncode == 0 and f"stopped instance {instance} (pid {h.pid})" in out, err
+        assert h.proc.wait(30) == 0  # the graceful stop: it exits 0 and removes its segment
+        assert not os.path.exists(f"/dev/shm/kvcached.{os.getuid()}.{instance}")
+    finally:
+        process_stop.go_on(h.pid, "the daemon")
+        h.stop()
+        sweep_crashed(instance)
+
+
+def test_a_daemon_stopping_already_is_waited_for(run_dir, instance):
+    h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)
+    try:
+        reader = StatusReader(instance)
+        try:
+            os.kill(h.pid, 15)
+            deadline = time.monotonic() + 10
+            while reader.view.state != State.STOPPING:  # (spun: the stop of an idle daemon is short)
+                assert time.monotonic() < deadline, "the daemon did not begin its stop"
+            process_stop.stop(h.pid, "the daemon")  # (a long drain: backups to a slow tier)
+        finally:
+            reader.close()
+        stop = _stop(instance, run_dir, "--timeout", "30", hang_s="30")
+        time.sleep(0.5)
+        assert stop.poll() is None  # it waits for the exit
+        process_stop.go_on(h.pid, "the daemon")
+        out, err = stop.communicate(timeout=30)
+        assert stop.returncode == 0 and "stopping already" in err and "stopped instance" in out, err
+        assert "SIGTERM" not in err and h.proc.wait(30) == 0
+    finally:
+        process_stop.go_on(h.pid, "the daemon")
+        h.stop()
+        sweep_crashed(instance)
+
+
+def test_a_daemon_still_starting_is_ended(run_dir, instance):
+    """Frozen while it starts (its status block made, the host pool not yet): SIGTERM ends a
+    start (nothing to drain); its next start sweeps what it left."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvcached", "serve", "--instance", instance,
+                             "--run-dir", run_dir, "--host-cache-gb", "0.25"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while _state(instance) != State.STARTING:  # (spun: the window is about a second)
+            assert time.monotonic() < deadline and proc.poll() is None, "no start seen"
+        process_stop.stop(proc.pid, "the daemon")
+        stop = _stop(instance, run_dir, "--timeout", "30", hang_s="30")
+        time.sleep(0.5)
+        process_stop.go_on(proc.pid, "the daemon")
+        out, err = stop.communicate(timeout=30)
+        assert stop.returncode == 0 and "is starting" in err and "sent it SIGTERM" in err, err
+        assert proc.wait(30) == -15
+        sweep_crashed(instance)
+        h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)  # the successor starts
+        h.stop()
+    finally:
+        process_stop.go_on(proc.pid, "the daemon")
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        sweep_crashed(instance)
