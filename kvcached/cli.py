@@ -5,21 +5,17 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
-import time
-
-import zmq
 
 from kvcached_client.kv_views import BLOCK_CONTIGUOUS
-from kvcached_proto import DaemonUnavailable, KvcachedError, Op, decode, encode, make_request
-from kvcached_proto.paths import DEFAULT_INSTANCE, resolve_run_dir, status_endpoint
+from kvcached_proto import KvcachedError
+from kvcached_proto.paths import DEFAULT_INSTANCE
 
+from .cli_status import cmd_status
+from .cli_stop import cmd_stop
 from .config import COPY_STRATEGIES, HOST_LAYOUTS
 from .errors import StartupError
 from .host.policies import POLICIES
-from .server.status_report import format_status
-from .cli_stop import cmd_stop
 from .tools.offline_policies import OFFLINE_POLICIES
 
 
@@ -130,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser(
         "status", help="show a running daemon's status",
         description="Exit status: 0 the daemon answered; 3 no daemon answered; 4 it answered "
-                    "but its request loop is stalled (it serves no requests). Other trouble "
+                    "but its request loop is stalled (it serves no requests); 5 it is starting "
+                    "(its host pool is being pinned: --watch waits it out). Other trouble "
                     "(a storage tier down or stuck) is listed under `degraded` with exit 0.")
     _common(status)
     status.add_argument("--json", action="store_true", help="print the status as JSON")
@@ -281,54 +278,6 @@ def config_as_toml(d: dict) -> str:
     return "\n".join(f"{k} = {value(v)}" for k, v in d.items())
 
 
-def fetch_status(instance: str, run_dir: str | None, timeout: float) -> dict:
-    """Ask the status socket. Raises DaemonUnavailable at once when no daemon of that name
-    runs (no socket, or its process is gone), else when nobody answers in time."""
-    run_dir = resolve_run_dir(run_dir)
-    _check_running(instance, run_dir)
-    endpoint = status_endpoint(run_dir, instance)
-    sock = zmq.Context.instance().socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(endpoint)
-        sock.send(encode(make_request(Op.STATUS, 1, "kvcached-cli")))
-        if not sock.poll(int(timeout * 1000)):
-            raise DaemonUnavailable(f"daemon {instance!r} did not answer at {endpoint} within "
-                                    f"{timeout} s (--timeout)")
-        reply = decode(sock.recv())
-    finally:
-        sock.close(linger=0)
-    if not reply.get("ok"):
-        raise KvcachedError(f"status failed: {reply.get('error')}")
-    return reply["status"]
-
-
-def _check_running(instance: str, run_dir: str) -> None:
-    """A daemon holds its instance lock (flock) while it lives; the kernel drops it when the
-    process dies, however it died - unlike its pid, which another pid namespace cannot see,
-    and its heartbeat, fresh for seconds after a kill -9."""
-    import fcntl
-
-    from kvcached_proto.paths import lock_path, socket_paths
-
-    if not os.path.exists(socket_paths(run_dir, instance)[1]):
-        raise DaemonUnavailable(f"no daemon {instance!r} is running in {run_dir} (no status socket)")
-    try:
-        fd = os.open(lock_path(run_dir, instance),
-                     os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise DaemonUnavailable(f"no daemon {instance!r} is running in {run_dir} (no instance "
-                                "lock; its sockets are left from a daemon that died)") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return  # held: the daemon lives
-    finally:
-        os.close(fd)  # drops a shared lock we may have taken
-    raise DaemonUnavailable(f"no daemon {instance!r} is running in {run_dir} (its process is "
-                            "gone; its files are left from a daemon that died)")
-
-
 def unknown_env_warnings(environ) -> list[str]:
     """KVCACHED_* variables that name no setting (a typo is otherwise silently ignored)."""
     import difflib
@@ -342,37 +291,6 @@ def unknown_env_warnings(environ) -> list[str]:
         hint = f"; did you mean {close[0]}?" if close else ""
         out.append(f"{name} is not a kvcached setting and is ignored{hint}")
     return out
-
-
-def cmd_status(args) -> int:
-    stop: list[bool] = []
-    if args.watch:  # Ctrl-C ends the watch between two refreshes, never inside a socket call
-        signal.signal(signal.SIGINT, lambda *_: stop.append(True))
-    try:
-        return _status_loop(args, stop)
-    except KeyboardInterrupt:
-        return 0
-    except BrokenPipeError:  # `status --watch | head`: the reader is done, and so are we
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-
-
-def _status_loop(args, stop: list[bool]) -> int:
-    while not stop:
-        try:
-            s = fetch_status(args.instance, args.run_dir, args.timeout)
-        except DaemonUnavailable as exc:
-            print(f"kvcached status: {exc}", file=sys.stderr)
-            return 3
-        if args.watch:
-            print("\033[2J\033[H" + time.strftime("%H:%M:%S"), flush=False)
-        print(json.dumps(s, indent=2, sort_keys=True) if args.json else format_status(s), flush=True)
-        if not args.watch:
-            return 4 if s.get("stalled") else 0
-        until = time.monotonic() + args.watch
-        while not stop and time.monotonic() < until:
-            time.sleep(min(0.05, args.watch))
-    return 0
 
 
 def cmd_clear(args) -> int:

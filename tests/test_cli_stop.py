@@ -1,7 +1,9 @@
 """`kvcached stop` for a daemon that cannot take the shutdown op: hung, still starting, or
-stopping already. Each fails with a stop that only sends the op ("missed its heartbeat", "is
-starting", "is stopping": exit 1, the daemon left running)."""
+stopping already (each fails with a stop that only sends the op: "missed its heartbeat", "is
+starting", "is stopping": exit 1, the daemon left running); `kvcached status` of one starting."""
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -67,7 +69,7 @@ def test_a_daemon_stopping_already_is_waited_for(run_dir, instance):
     try:
         reader = StatusReader(instance)
         try:
-            os.kill(h.pid, 15)
+            os.kill(h.pid, signal.SIGTERM)
             deadline = time.monotonic() + 10
             while reader.view.state != State.STOPPING:  # (spun: the stop of an idle daemon is short)
                 assert time.monotonic() < deadline, "the daemon did not begin its stop"
@@ -87,9 +89,10 @@ def test_a_daemon_stopping_already_is_waited_for(run_dir, instance):
         sweep_crashed(instance)
 
 
-def test_a_daemon_still_starting_is_ended(run_dir, instance):
-    """Frozen while it starts (its status block made, the host pool not yet): SIGTERM ends a
-    start (nothing to drain); its next start sweeps what it left."""
+@contextlib.contextmanager
+def _frozen_starting(run_dir, instance):
+    """A daemon frozen while it starts (its status block made, its host pool and status socket
+    not yet); killed and swept after the block if still there."""
     proc = subprocess.Popen([sys.executable, "-m", "kvcached", "serve", "--instance", instance,
                              "--run-dir", run_dir, "--host-cache-gb", "0.25"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -98,18 +101,46 @@ def test_a_daemon_still_starting_is_ended(run_dir, instance):
         while _state(instance) != State.STARTING:  # (spun: the window is about a second)
             assert time.monotonic() < deadline and proc.poll() is None, "no start seen"
         process_stop.stop(proc.pid, "the daemon")
+        yield proc
+    finally:
+        process_stop.go_on(proc.pid, "the daemon")
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(30)
+        sweep_crashed(instance)
+
+
+def test_a_daemon_still_starting_is_ended(run_dir, instance):
+    """SIGTERM ends a start (nothing to drain); its next start sweeps what it left."""
+    with _frozen_starting(run_dir, instance) as proc:
         stop = _stop(instance, run_dir, "--timeout", "30", hang_s="30")
         time.sleep(0.5)
         process_stop.go_on(proc.pid, "the daemon")
         out, err = stop.communicate(timeout=30)
         assert stop.returncode == 0 and "is starting" in err and "sent it SIGTERM" in err, err
-        assert proc.wait(30) == -15
+        assert proc.wait(30) == -signal.SIGTERM
         sweep_crashed(instance)
         h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)  # the successor starts
         h.stop()
-    finally:
+
+
+def test_status_of_a_starting_daemon_says_so_and_watch_waits_it_out(run_dir, instance):
+    """Not "no daemon" (exit 3: a liveness probe would restart a daemon pinning tens of GiB)."""
+    with _frozen_starting(run_dir, instance) as proc:
+        out = subprocess.run([sys.executable, "-m", "kvcached", "status", "--instance", instance,
+                              "--run-dir", run_dir], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 5 and f"(pid {proc.pid}) is starting" in out.stderr, out.stderr
+        watch = subprocess.Popen([sys.executable, "-m", "kvcached", "status", "--instance",
+                                  instance, "--run-dir", run_dir, "--json", "--watch", "0.1"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(1.0)
+        assert watch.poll() is None  # still watching
         process_stop.go_on(proc.pid, "the daemon")
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        sweep_crashed(instance)
+        deadline = time.monotonic() + 30
+        line = ""
+        while '"pid"' not in line:  # the status, once the daemon is up
+            assert time.monotonic() < deadline and watch.poll() is None, "no status came"
+            line = watch.stdout.readline()
+        watch.send_signal(signal.SIGINT)
+        _, err = watch.communicate(timeout=30)
+        assert watch.returncode == 0 and "is starting" in err, err

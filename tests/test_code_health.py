@@ -126,7 +126,7 @@ DAEMON_PARTS = {
 }
 BASE = {"kvcached", "kvcached.errors", "kvcached.logs"}
 CONFIG = {"kvcached.config", "kvcached.config_sources"}
-CLI = {"kvcached.cli", "kvcached.cli_stop", "kvcached.__main__"}
+CLI = {"kvcached.cli", "kvcached.cli_status", "kvcached.cli_stop", "kvcached.__main__"}
 # engine side: integrations sit over the shared core and beside each other, never under it
 CLIENT_INTEGRATIONS = ("prefix", "vllm")
 

@@ -113,7 +113,7 @@ def test_a_flood_of_ipc_connections_is_refused_past_the_caps_and_the_daemon_live
     another engine connects and is served, and so is a status. Before, libzmq's accept hit
     EMFILE and aborted the daemon (-6): on the request socket until its cap, on the status
     socket until this test."""
-    from kvcached.cli import fetch_status
+    from kvcached.cli_status import fetch_status
 
     d = _LimitedDaemon(run_dir, instance)
     try:
