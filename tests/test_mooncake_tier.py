@@ -195,6 +195,44 @@ def test_a_master_that_stops_answering_stalls_no_request_beyond_the_deadline(run
 
 
 @pytest.mark.faults
+def test_a_backup_the_stopped_master_holds_keeps_its_pages_until_it_returns(run_dir, instance, store):
+    """A backup's put to a master that stops answering once it began is late (past its 5 s);
+    its host pages stay on loan meanwhile: a host clear and new offloads do not reuse them. Once
+    the master answers, the put ends and stores the bytes offloaded, which load byte-exact (with
+    the pages reused meanwhile, the record's checksum fails: a miss)."""
+    kv = small_kv(block_shape=PAGE_SHAPE, seed=8)
+    keys, later, src = keys_for(4, 79), keys_for(8, 80), list(range(4))
+    expected = snapshot(kv, src)
+    # page_first: the put reads the host pages themselves (layer_first stages them); the put
+    # begins well before the probe's call to the stopped master is late (2 s)
+    h = start(run_dir, instance, _uri(store) + "&io_timeout_s=2", extra=["--host-layout", "page_first"])
+    try:
+        with h.connect(timeout=10) as c, h.connect(timeout=1.5) as other:
+            c.register_kv_cache(kv)
+            store.stop_master(True)
+            try:
+                with pings_answered(other):
+                    c.offload(src, keys).wait(10)  # its backup's put waits on the master
+                    wait_until(lambda: "a block write" in _tier(c)["last_error"], 20,
+                               "the put to be late")
+                    c.clear(tier="host")  # the entries go; their pages stay on loan
+                    scramble(kv, 3)
+                    c.offload(list(range(8)), later).wait(10)  # other bytes into the host tier
+                    assert c.status()["host"]["pinned_blocks"] >= len(src)
+            finally:
+                store.stop_master(False)
+            wait_until(lambda: _tier(c)["healthy"], 40, "the tier back once the late put returned")
+            assert c.status()["host"]["pinned_blocks"] == 0
+            c.clear(tier="host")
+            assert c.lookup(keys) == (0, 4)  # the late put stored them
+            assert c.load(keys, list(range(10, 14))).wait(10) == 4
+            assert blocks_equal(kv, list(range(10, 14)), expected) and _tier(c)["corrupt"] == 0
+    finally:
+        store.stop_master(False)
+        h.stop()
+
+
+@pytest.mark.faults
 def test_a_delete_the_stopped_master_missed_is_done_before_the_tier_serves_again(run_dir, instance, store):
     """SIGSTOP on the master, then a delete: the tier owes it (the deleted blocks were hits once
     the master answered again); once back, the probe removes them before the tier serves."""
