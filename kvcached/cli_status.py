@@ -31,14 +31,16 @@ def cmd_status(args) -> int:
 
 
 def _status_loop(args, stop: list[bool]) -> int:
+    said = ""  # (a watch says a start once, not at every refresh)
     while not stop:
         try:
             s = fetch_status(args.instance, args.run_dir, args.timeout)
         except DaemonStarting as exc:
-            print(f"kvcached status: {exc}", file=sys.stderr, flush=True)
+            if str(exc) != said:
+                print(f"kvcached status: {exc}", file=sys.stderr, flush=True)
             if not args.watch:
                 return 5
-            s = None
+            s, said = None, str(exc)
         except DaemonUnavailable as exc:
             print(f"kvcached status: {exc}", file=sys.stderr)
             return 3
