@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "the CPU time a layer takes to queue; not yet run on a GPU; refused "
                             "above 1 with another strategy)")
     serve.add_argument("--metrics-port", type=int, default=S,
-                       help="serve Prometheus /metrics on this port (default: 0 = off)")
+                       help="serve Prometheus /metrics and a /health check on this port "
+                            "(default: 0 = off)")
     serve.add_argument("--metrics-addr", default=S, help="address for /metrics (default: 127.0.0.1)")
     serve.add_argument("--log-level", default=S, help="DEBUG, INFO, WARNING, ERROR (default: INFO)")
     serve.add_argument("--log-format", choices=["text", "json"], default=S,

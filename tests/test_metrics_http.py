@@ -185,3 +185,62 @@ def test_an_error_serving_one_connection_costs_that_connection_only(server, monk
     assert _exchange(server.port, b"GET /metrics HTTP/1.1\r\n\r\n") == b""  # closed, no answer
     monkeypatch.setattr(server, "_answer", answer)
     assert _exchange(server.port, b"GET /metrics HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 200")
+
+
+def test_health_answers_from_the_check_it_was_given_and_renders_nothing():
+    said = [(True, "normal")]
+
+    def check():
+        if isinstance(said[0], Exception):
+            raise said[0]
+        return said[0]
+    srv = MetricsServer("127.0.0.1", 0, lambda accept: (b"up 1\n", "text/plain"), health=check)
+    try:
+        got = _exchange(srv.port, b"GET /health HTTP/1.1\r\n\r\n")
+        assert got.startswith(b"HTTP/1.1 200") and got.endswith(b"\r\n\r\nnormal\n")
+        said[0] = (False, "stalled: the request loop has not turned for 6.0 s")
+        got = _exchange(srv.port, b"GET /health?verbose=1 HTTP/1.1\r\n\r\n")
+        assert got.startswith(b"HTTP/1.1 503") and got.endswith(b"for 6.0 s\n")
+        head = _exchange(srv.port, b"HEAD /health HTTP/1.1\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503") and head.endswith(b"\r\n\r\n")
+        said[0] = RuntimeError("a bug")
+        assert _exchange(srv.port, b"GET /health HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 500")
+        assert srv.counts["renders"] == 0 and srv.counts["served"] == 3
+    finally:
+        srv.close()
+    plain = MetricsServer("127.0.0.1", 0, lambda accept: (b"up 1\n", "text/plain"))
+    try:  # a server given no check has no /health
+        assert _exchange(plain.port, b"GET /health HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 404")
+    finally:
+        plain.close()
+
+
+def test_the_health_a_daemon_reports():
+    from kvcached.server.status_report import health
+
+    assert health("normal", 0.1, False, 5.0) == (True, "normal")
+    assert health("paused", 0.1, False, 5.0) == (True, "paused")  # an operator's pause serves
+    assert health("normal", 5.5, False, 5.0) == (False, "stalled: the request loop has not "
+                                                       "turned for 5.5 s")
+    assert health("normal", 9.0, True, 5.0) == (False, "stopping")  # a stop's drain: not stalled
+    assert health("stopping", 0.1, False, 5.0) == (False, "stopping")
+
+
+def test_a_daemons_health_endpoint(run_dir):
+    """200 and its state while it serves (paused too); no port after its stop."""
+    port = free_port()
+    h = launch(instance=unique_instance("mh"), run_dir=run_dir, host_cache_gb=0.05,
+               extra_args=["--metrics-port", str(port)])
+    url = f"http://127.0.0.1:{port}/health"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            assert r.status == 200 and r.read() == b"normal\n"
+        with h.connect(role="operator") as c:
+            c.pause()
+            assert urllib.request.urlopen(url, timeout=10).read() == b"paused\n"
+            c.resume()
+        assert urllib.request.urlopen(url, timeout=10).read() == b"normal\n"
+    finally:
+        h.stop()
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(url, timeout=2)

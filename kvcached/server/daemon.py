@@ -45,7 +45,7 @@ from .daemon_stop import StopsDaemon
 from .run_dir import prepare_run_dir, sweep_socket_files, take_instance_lock
 from .sockets import curve_router, io_threads, ipc_router
 from .status import StatusThread
-from .status_report import degraded, for_tcp_peer, stats_line
+from .status_report import degraded, for_tcp_peer, health, stats_line
 from .status_block import StatusSegment
 from .task_events import EventSink
 
@@ -153,7 +153,8 @@ class Daemon(StopsDaemon):
         self.control.start()
         self.service.defer = self.control.run_later  # a gone client's KV mapping: after a drain
         try:
-            self.metrics = Metrics(cfg.instance, self.status, cfg.metrics_port, cfg.metrics_addr)
+            self.metrics = Metrics(cfg.instance, self.status, cfg.metrics_port, cfg.metrics_addr,
+                                   self.health)
         except OSError as exc:
             raise StartupError(f"--metrics-port {cfg.metrics_port}: cannot listen on "
                                f"{cfg.metrics_addr}: {exc.strerror}") from None
@@ -442,6 +443,12 @@ class Daemon(StopsDaemon):
             sweep_kv_segments(pid)
 
     # status ---------------------------------------------------------------
+    def health(self) -> tuple[bool, str]:
+        """GET /health on the metrics port (status_report.health): no lock, no snapshot."""
+        sig = self.status_block
+        return health(sig.state.name.lower() if sig else "stopping",
+                      time.monotonic() - self._loop_turned, self.stop_requested.is_set(), LOOP_STALL_S)
+
     def status(self, tcp_peer: bool = False) -> dict:
         """The daemon's status; for a client on a CURVE socket, without the names and paths
         `for_tcp_peer` leaves out."""

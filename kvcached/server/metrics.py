@@ -157,7 +157,8 @@ class StatusCollector:
 
 
 class Metrics:
-    def __init__(self, instance: str, snapshot: Callable[[], dict], port: int, addr: str):
+    def __init__(self, instance: str, snapshot: Callable[[], dict], port: int, addr: str,
+                 health: Callable[[], tuple[bool, str]] | None = None):
         self.registry = CollectorRegistry()
         self.registry.register(StatusCollector(instance, snapshot))
         self.latency = Histogram("kvcached_task_duration_seconds", "Task latency from request to end",
@@ -165,8 +166,9 @@ class Metrics:
         self.instance = instance
         self._server = None
         if port:  # our own server (metrics_http: bounded), not prometheus_client's
-            self._server = MetricsServer(addr, port, self.render, self.format_of)
-            log.info("[metrics] serving /metrics on http://%s:%d", addr, port)
+            self._server = MetricsServer(addr, port, self.render, self.format_of, health)
+            log.info("[metrics] serving /metrics%s on http://%s:%d",
+                     " and /health" if health is not None else "", addr, port)
 
     @staticmethod
     def format_of(accept: str) -> str:

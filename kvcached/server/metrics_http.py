@@ -8,8 +8,9 @@ snapshot each, each under the host tier's lock, which the copies take too. Here:
 - one thread serves every connection through a selector; at most MAX_CONNECTIONS are open, and a
   connection past that closes the oldest (so a flood cannot keep a real scrape out for long);
 - a connection has DEADLINE_S to send its request and take the answer, then it is closed;
-- a request is at most MAX_REQUEST_BYTES; GET (or HEAD) of /metrics or / only, others get 404,
-  405, 400 or 431; every answer closes its connection;
+- a request is at most MAX_REQUEST_BYTES; GET (or HEAD) of /metrics or / only (and /health
+  when the daemon gave a health check: 200 or 503 and a line, no rendering, no lock), others
+  get 404, 405, 400 or 431; every answer closes its connection;
 - the exposition is rendered at most once per MIN_RENDER_S for each format (text, OpenMetrics:
   `format_of` says which an Accept header gets), and the scrapes in between share it: a flood
   of scrapes costs the daemon a few status snapshots a second, whatever headers they send.
@@ -33,8 +34,10 @@ MAX_REQUEST_BYTES = 8192
 MIN_RENDER_S = 0.25
 POLL_S = 0.2  # the loop's turn with nothing to do: deadlines (a stop wakes it: stop_flag.py)
 PATHS = ("/metrics", "/")
+HEALTH_PATH = "/health"
 
 Render = Callable[[str], tuple[bytes, str]]  # Accept header -> (body, content type)
+Health = Callable[[], tuple[bool, str]]  # -> (serving, why)
 FormatOf = Callable[[str], str]  # Accept header -> the format it gets (what renderings are shared by)
 
 
@@ -48,7 +51,8 @@ class _Conn:
 
 
 class MetricsServer:
-    def __init__(self, addr: str, port: int, render: Render, format_of: FormatOf = str):
+    def __init__(self, addr: str, port: int, render: Render, format_of: FormatOf = str,
+                 health: Health | None = None):
         family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM,
                                                        flags=socket.AI_PASSIVE)[0]
         self._listener = socket.socket(family, socket.SOCK_STREAM)
@@ -61,7 +65,7 @@ class MetricsServer:
             raise
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
-        self._render, self._format_of = render, format_of
+        self._render, self._format_of, self._health = render, format_of, health
         self._rendered: dict[str, tuple[float, bytes, str]] = {}  # format -> (when, body, type)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ)
@@ -146,6 +150,14 @@ class MetricsServer:
         method, target = parts[0], parts[1].split("?", 1)[0]
         if method not in ("GET", "HEAD"):
             return "405 Method Not Allowed", b"", "text/plain", False
+        if target == HEALTH_PATH and self._health is not None:
+            try:
+                ok, why = self._health()
+            except Exception:
+                log.exception("[metrics] the health check failed")
+                return "500 Internal Server Error", b"", "text/plain", False
+            return ("200 OK" if ok else "503 Service Unavailable"), (why + "\n").encode(), \
+                "text/plain; charset=utf-8", method == "HEAD"
         if target not in PATHS:
             return "404 Not Found", b"", "text/plain", False
         accept = ""
@@ -175,7 +187,7 @@ class MetricsServer:
         return made[1], made[2]
 
     def _respond(self, conn: _Conn, status: str, body: bytes, ctype: str, head_only: bool) -> None:
-        self.counts["served" if status.startswith("200") else "refused"] += 1
+        self.counts["served" if status.startswith(("200", "503")) else "refused"] += 1
         head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
                 "Connection: close\r\n\r\n").encode("latin-1")
         conn.out = memoryview(head if head_only else head + body)
