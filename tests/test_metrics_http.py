@@ -224,6 +224,7 @@ def test_the_health_a_daemon_reports():
                                                        "turned for 5.5 s")
     assert health("normal", 9.0, True, 5.0) == (False, "stopping")  # a stop's drain: not stalled
     assert health("stopping", 0.1, False, 5.0) == (False, "stopping")
+    assert health("starting", 60.0, False, 5.0) == (False, "starting")  # (its pool pinned meanwhile)
 
 
 def test_a_daemons_health_endpoint(run_dir):

@@ -170,6 +170,7 @@ class Daemon(StopsDaemon):
         self.fd_inbox.start()
         self.service.fd_inbox = self.fd_inbox
         self._install_signal_handlers()
+        self._loop_turned = time.monotonic()  # (not the pool's pinning: status and /health read it)
         self.status_block.set_state(State.NORMAL)
         self.status_block.set_flag(Flag.UP)
         log.info(
