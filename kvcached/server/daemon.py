@@ -149,6 +149,7 @@ class Daemon(StopsDaemon):
         from ..service.cache_service import CacheService
 
         self.service = CacheService(cfg, self.status_block, self.events)
+        self._loop_turned = time.monotonic()  # (not the pool's pinning: status and /health read it)
         self.control = ControlWorker(self.events)  # ops that may block, off the request thread
         self.control.start()
         self.service.defer = self.control.run_later  # a gone client's KV mapping: after a drain
@@ -170,7 +171,6 @@ class Daemon(StopsDaemon):
         self.fd_inbox.start()
         self.service.fd_inbox = self.fd_inbox
         self._install_signal_handlers()
-        self._loop_turned = time.monotonic()  # (not the pool's pinning: status and /health read it)
         self.status_block.set_state(State.NORMAL)
         self.status_block.set_flag(Flag.UP)
         log.info(
