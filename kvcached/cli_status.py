@@ -139,4 +139,8 @@ def _starting_or_stopping(instance: str) -> DaemonUnavailable:
     if state == State.STARTING:
         return DaemonStarting(f"daemon {instance!r} (pid {pid}) is starting: no status socket "
                               "yet (its host pool is being allocated and pinned)")
-    return DaemonUnavailable(f"daemon {instance!r} (pid {pid}) is stopping: its sockets are closed")
+    if state == State.STOPPING:
+        return DaemonUnavailable(f"daemon {instance!r} (pid {pid}) is stopping: its sockets are closed")
+    return DaemonUnavailable(f"daemon {instance!r} (pid {pid}) runs ({state.name.lower()}) but its "
+                             "status socket file is gone (removed by hand?): `kvcached stop` and "
+                             "a new start make it again")

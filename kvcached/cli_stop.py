@@ -30,19 +30,22 @@ def cmd_stop(args) -> int:
                   file=sys.stderr)
             return 1
         time.sleep(0.05)
-    print(f"stopped instance {args.instance} (pid {pid})")
+    print(f"stopped instance {args.instance}" + (f" (pid {pid})" if pid else ""))
     return 0
 
 
 def _without_the_op(instance: str, exc: Exception) -> int:
     """The pid of a daemon that runs but did not take the shutdown op, once it was sent
-    SIGTERM (none when it is stopping already); `exc` again for one that is not there or whose
-    process cannot be told apart from a pid reused (another pid namespace, no pidfd)."""
+    SIGTERM (none when it is stopping already; 0 for one whose stop ended meanwhile); `exc`
+    again for one that is not there or whose process cannot be told apart from a pid reused
+    (another pid namespace, no pidfd)."""
     from kvcached_client.status_block import StatusReader
 
     try:
         reader = StatusReader(instance)
     except DaemonUnavailable:
+        if isinstance(exc, DaemonStopping):
+            return 0  # its stop ended meanwhile (its block unlinked)
         raise exc from None  # no daemon: what the connect said
     try:
         if reader.gone():

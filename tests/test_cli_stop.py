@@ -52,7 +52,8 @@ def test_a_hung_daemon_is_sent_sigterm_and_stops_gracefully_once_it_runs_again(r
         assert f"kill -KILL {h.pid}" in err and not out  # exit 1 below: still frozen
         assert h.proc.poll() is None
         late = _stop(instance, run_dir, "--timeout", "30")  # a second stop, left to wait
-        time.sleep(0.5)
+        said = late.stderr.readline()  # (it waits for the exit from here on)
+        assert "sent it SIGTERM" in said, said
         process_stop.go_on(h.pid, "the daemon")
         out, err = late.communicate(timeout=30)
         assert late.returncode == 0 and f"stopped instance {instance} (pid {h.pid})" in out, err
@@ -77,12 +78,12 @@ def test_a_daemon_stopping_already_is_waited_for(run_dir, instance):
         finally:
             reader.close()
         stop = _stop(instance, run_dir, "--timeout", "30", hang_s="30")
-        time.sleep(0.5)
-        assert stop.poll() is None  # it waits for the exit
+        said = stop.stderr.readline()  # (it waits for the exit from here on)
+        assert "stopping already" in said and stop.poll() is None, said
         process_stop.go_on(h.pid, "the daemon")
         out, err = stop.communicate(timeout=30)
-        assert stop.returncode == 0 and "stopping already" in err and "stopped instance" in out, err
-        assert "SIGTERM" not in err and h.proc.wait(30) == 0
+        assert stop.returncode == 0 and "stopped instance" in out, err
+        assert "SIGTERM" not in said + err and h.proc.wait(30) == 0
     finally:
         process_stop.go_on(h.pid, "the daemon")
         h.stop()
@@ -114,10 +115,11 @@ def test_a_daemon_still_starting_is_ended(run_dir, instance):
     """SIGTERM ends a start (nothing to drain); its next start sweeps what it left."""
     with _frozen_starting(run_dir, instance) as proc:
         stop = _stop(instance, run_dir, "--timeout", "30", hang_s="30")
-        time.sleep(0.5)
+        said = stop.stderr.readline()  # (it waits for the exit from here on)
+        assert "is starting" in said and "sent it SIGTERM" in said, said
         process_stop.go_on(proc.pid, "the daemon")
         out, err = stop.communicate(timeout=30)
-        assert stop.returncode == 0 and "is starting" in err and "sent it SIGTERM" in err, err
+        assert stop.returncode == 0 and "stopped instance" in out, err
         assert proc.wait(30) == -signal.SIGTERM
         sweep_crashed(instance)
         h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)  # the successor starts
@@ -144,3 +146,17 @@ def test_status_of_a_starting_daemon_says_so_and_watch_waits_it_out(run_dir, ins
         watch.send_signal(signal.SIGINT)
         _, err = watch.communicate(timeout=30)
         assert watch.returncode == 0 and err.count("is starting") == 1, err  # said once
+
+
+def test_status_of_a_daemon_whose_status_socket_file_was_removed_says_so(run_dir, instance):
+    from kvcached_proto.paths import socket_paths
+
+    h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)
+    try:
+        os.unlink(socket_paths(run_dir, instance)[1])
+        out = subprocess.run([sys.executable, "-m", "kvcached", "status", "--instance", instance,
+                              "--run-dir", run_dir], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 3 and f"(pid {h.pid}) runs (normal)" in out.stderr, out.stderr
+    finally:
+        h.stop()
+        sweep_crashed(instance)
