@@ -51,13 +51,13 @@ def _without_the_op(instance: str, exc: Exception) -> int:
         if reader.gone():
             raise exc
         pid = reader.pid
+        if reader.pidfd < 0:  # the pid may not be the daemon's: neither signalled nor waited on
+            raise DaemonUnavailable(f"{exc}; its process is not visible from here (another pid "
+                                    "namespace?): stop it where it runs") from None
         if isinstance(exc, DaemonStopping) or reader.view.state == State.STOPPING:
             print(f"kvcached stop: instance {instance} (pid {pid}) is stopping already: "
                   "waiting for its exit", file=sys.stderr)
             return pid
-        if reader.pidfd < 0:  # the pid may not be the daemon's: not signalled
-            raise DaemonUnavailable(f"{exc}; its process is not visible from here (another pid "
-                                    "namespace?): stop it where it runs") from None
         try:
             signal.pidfd_send_signal(reader.pidfd, signal.SIGTERM)  # this process, not a reuse
         except ProcessLookupError:  # it exited meanwhile
