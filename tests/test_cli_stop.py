@@ -160,3 +160,47 @@ def test_status_of_a_daemon_whose_status_socket_file_was_removed_says_so(run_dir
     finally:
         h.stop()
         sweep_crashed(instance)
+
+
+def _segment_naming(instance, pid, pid_start, pid_ns):
+    """A status block naming (pid, pid_start) in pid namespace pid_ns, up, its beat now."""
+    import mmap
+
+    import posix_ipc
+
+    from kvcached_proto.shm_layout import SEGMENT_BYTES, Flag, StatusView, segment_name
+
+    shm = posix_ipc.SharedMemory(segment_name(os.getuid(), instance), posix_ipc.O_CREX,
+                                 mode=0o600, size=SEGMENT_BYTES)
+    with mmap.mmap(shm.fd, SEGMENT_BYTES) as mm:
+        view = StatusView(mm)
+        view.init_header(pid, 12345, pid_start, pid_ns)
+        view.set_heartbeat(time.monotonic_ns())
+        view.set_flag(Flag.UP)
+        view.release()
+    shm.close_fd()
+
+
+@pytest.mark.parametrize("case", ["another pid namespace", "a reused pid"])
+def test_stop_never_signals_a_process_it_cannot_tell_is_the_daemon(run_dir, instance, case):
+    """A status block whose beats stopped names a live process that may not be the daemon:
+    one in another pid namespace (its pid means another process here), or a pid reused since
+    the daemon died (another start time). Nothing is signalled; the stop says why, exit 1."""
+    from kvcached_proto.liveness import pid_namespace, start_ticks
+
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        if case == "another pid namespace":
+            _segment_naming(instance, other.pid, start_ticks(other.pid), pid_namespace() + 1)
+        else:
+            _segment_naming(instance, other.pid, start_ticks(other.pid) + 1, pid_namespace())
+        time.sleep(0.5)  # its beats stopped (the stop's threshold: 0.3 s)
+        out, err = _stop(instance, run_dir, "--timeout", "2").communicate(timeout=30)
+        said = "not visible from here" if case == "another pid namespace" else "has exited"
+        assert said in err and "SIGTERM" not in err and not out, err
+        time.sleep(0.2)
+        assert other.poll() is None  # not signalled
+    finally:
+        other.kill()
+        other.wait()
+        sweep_crashed(instance)
