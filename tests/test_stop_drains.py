@@ -233,3 +233,20 @@ def test_a_load_drained_at_a_stop_ends_done_though_its_end_was_not_read_before_t
         with pytest.raises(DaemonUnavailable, match="has exited"):
             offload.wait(5)
         assert not c.held_blocks()
+
+
+def test_the_ends_a_stop_sent_reach_an_engine_that_reads_a_step_later(run_dir, instance):
+    """The engine reads its socket 0.15 s after the stop began (a step later): by then the
+    drain of its queued load and offload has ended. The daemon keeps its connections open 0.5 s
+    after the last end it sent, so both ends are read, the offload's too, which has no slot to
+    fall back on (before: the daemon exited at once and the socket dropped the unread ends -
+    "has exited")."""
+    with _queued_at_a_daemon(run_dir, instance, 30, 99) as (h, c, kv, load, offload, expected):
+        os.kill(h.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while c.status_block.view.state != State.STOPPING:  # (spun: no read of the socket)
+            assert time.monotonic() < deadline, "the daemon did not begin its stop"
+        time.sleep(0.15)
+        assert offload.wait(5)["stored"] == len(SRC2)
+        assert load.wait(5) == len(DST) and blocks_equal(kv, DST, expected)
+        assert not c.held_blocks()

@@ -280,12 +280,15 @@ class Daemon(StopsDaemon):
         elif client.pid_visible:
             self._gone_pids.add(client.pid)  # its KV segments go once the process has
 
-    def _forward_events(self) -> None:
+    def _forward_events(self) -> int:
+        sent = 0
         for routing_id, payload in self.events.drain():
             try:
                 self._send_to(routing_id, payload)
+                sent += 1
             except zmq.Again:
                 log.warning("[events] send queue of a client is full; event dropped")
+        return sent
 
     def _handle(self, frames: list[bytes]) -> None:
         routing_id, body = frames[0], frames[1:]

@@ -18,6 +18,10 @@ log = logging.getLogger("kvcached.server.daemon")  # the daemon's logger, as bef
 
 DYING_GRACE_S = 0.5  # at shutdown, for engines whose connection closed to finish dying
 ROUTER_LINGER_MS = 1000  # at shutdown, for the last end events to reach their clients
+# After the last end event a stop sent, its connections stay open this long: an engine's socket
+# drops what it had not read of a connection that closed, so an engine reading at least this
+# often (every step does) gets every end of a drain; a load's end is in its slot besides.
+END_GRACE_S = 0.5
 
 
 class StopsDaemon:
@@ -68,10 +72,15 @@ class StopsDaemon:
 
         worker = threading.Thread(target=drain, name="kvcached-stop", daemon=True)
         worker.start()
+        last_sent = None
         while worker.is_alive():
-            self._forward_drained(0.05)
+            if self._forward_drained(0.05):
+                last_sent = time.monotonic()
         worker.join()
-        self._forward_drained(0)
+        if self._forward_drained(0):
+            last_sent = time.monotonic()
+        while last_sent is not None and time.monotonic() < last_sent + END_GRACE_S:
+            self._forward_drained(min(0.05, last_sent + END_GRACE_S - time.monotonic()))
         if failed:
             raise failed[0]
 
@@ -84,14 +93,14 @@ class StopsDaemon:
             service, self.service = self.service, None
             service.close()
 
-    def _forward_drained(self, wait_s: float) -> None:
+    def _forward_drained(self, wait_s: float) -> int:
         """The end events queued (waiting up to wait_s for one), sent as the loop sends them;
-        none without the sockets (a start that failed part way)."""
+        none without the sockets (a start that failed part way). Returns how many went."""
         if self.events is None or self._router is None:
-            time.sleep(wait_s)
-            return
-        select.select([self.events.pull], [], [], wait_s)
-        self._forward_events()
+            time.sleep(max(0.0, wait_s))
+            return 0
+        select.select([self.events.pull], [], [], max(0.0, wait_s))
+        return self._forward_events()
 
     def _sweep_dead_engines(self) -> None:
         """The reaper sweeps a dead engine's segments on its next turn; a stop that comes
