@@ -42,14 +42,18 @@ def test_a_flood_of_costly_frames_leaves_others_served_and_memory_bounded(run_di
 
 @pytest.mark.slow
 def test_a_flood_over_many_connections_is_bounded_and_its_memory_given_back(run_dir, instance):
-    """Two processes send 2 MiB junk frames over 32 connections each: the daemon holds about a
-    frame per connection at the peak (with 8 MiB frames, the cap before, four times that), and
-    once the flood is over it gives the heap back (it kept it before: +400 MB for good after 512
-    such connections)."""
+    """Two processes send 2 MiB junk frames over 32 connections each: the daemon holds at most
+    RECV_HWM queued frames and the one it reads per connection at the peak (about one when it
+    keeps up; a daemon short of CPU holds more: +665 MiB seen under a loaded suite, within the
+    bound; with 8 MiB frames, the cap before, four times that), and once the flood is over it
+    gives the heap back (it kept it before: +400 MB for good after 512 such connections)."""
+    from kvcached.server.sockets import RECV_HWM
+
+    bound_mib = 64 * (RECV_HWM + 1) * 2 + 96  # 64 connections' frames, and the daemon's own
     with launch(instance=instance, run_dir=run_dir, host_cache_gb=0.05) as d:
         r = frame_flood(d, kind="junk", flooders=2, seconds=3, sockets=32)
         assert r["frames_sent"] > 64 and r["pings"] > 0, r
-        assert r["rss_peak_mib"] - r["rss_before_mib"] <= RSS_BOUND_MIB, r
+        assert r["rss_peak_mib"] - r["rss_before_mib"] <= bound_mib, r
         assert r["rss_after_mib"] - r["rss_before_mib"] <= 32, r
         assert "[memory] gave back" in open(d.log_path).read()
 
@@ -519,3 +523,59 @@ def test_the_status_socket_holds_a_few_messages_of_a_connection_each_way(daemon)
         ctx.destroy(linger=0)
     with daemon.connect() as c:
         assert c.status()["connections"]["open"] == 1
+
+
+_SLOW_READER = r'''
+import os, sys, time, subprocess, zmq
+from kvcached.server.sockets import _router
+beat_ms, path = int(sys.argv[1]), sys.argv[2]
+ctx = zmq.Context()
+r = _router(ctx)
+if beat_ms:
+    r.setsockopt(zmq.HEARTBEAT_IVL, beat_ms)
+r.bind(path)
+flood = subprocess.Popen([sys.executable, "-c", """
+import sys, time, zmq
+ctx, end = zmq.Context(), time.time() + 5
+while time.time() < end:
+    socks = [ctx.socket(zmq.DEALER) for _ in range(20)]
+    for s in socks:
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(sys.argv[1])
+    for _ in range(30):
+        for s in socks:
+            try:
+                s.send(b"x" * 1000, zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+    time.sleep(0.02)
+    for s in socks:
+        s.close(0)
+""", path])
+end = time.time() + 6
+while time.time() < end:
+    if r.poll(5):
+        for _ in range(3):  # slower than the flood: each connection's queue stays full
+            try:
+                r.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+    time.sleep(0.01)
+flood.wait()
+print("survived")
+'''
+
+
+@pytest.mark.slow
+def test_the_request_sockets_survive_a_flood_of_connections_that_fill_and_close(tmp_path):
+    """A flood of connections that fill their queue and close, read slower than it comes: a
+    request socket with the daemon's settings lives through it. With a ZMTP heartbeat (the
+    daemon had one, every 1 s) libzmq aborts the process ("!_io_error", stream_engine_base.cpp:
+    310): seen once as the faults bench's daemon dying; this test with the 1 s beat put back
+    aborted 3 runs of 3 on an idle machine (fewer under load: the flood is slower then)."""
+    def run(beat_ms):
+        return subprocess.run([sys.executable, "-c", _SLOW_READER, str(beat_ms),
+                               f"ipc://{tmp_path}/r{beat_ms}.sock"], capture_output=True,
+                              text=True, timeout=60)
+    out = run(0)
+    assert out.returncode == 0 and "survived" in out.stdout, out.stderr[-2000:]
