@@ -30,12 +30,18 @@ def _kv():
 def _frozen_stopping(h, c):
     """SIGTERM; the daemon frozen as soon as it says it is stopping (before its drain can end),
     for the block: a drain that takes as long (many copies, backups to a slow tier)."""
+    _term_until_stopping(h, c)
+    with process_stop.stopped(h.pid):
+        yield
+
+
+def _term_until_stopping(h, c) -> None:
+    """SIGTERM; returns as soon as the status block says stopping (spun: the stop of a daemon
+    with little queued is short, and the client reads nothing of its socket meanwhile)."""
     os.kill(h.pid, signal.SIGTERM)
     deadline = time.monotonic() + 10
     while c.status_block.view.state != State.STOPPING:
         assert time.monotonic() < deadline, "the daemon did not begin its stop"
-    with process_stop.stopped(h.pid):
-        yield
 
 
 def _stop_slowly(h, c) -> threading.Thread:
@@ -242,10 +248,7 @@ def test_the_ends_a_stop_sent_reach_an_engine_that_reads_a_step_later(run_dir, i
     fall back on (before: the daemon exited at once and the socket dropped the unread ends -
     "has exited")."""
     with _queued_at_a_daemon(run_dir, instance, 30, 99) as (h, c, kv, load, offload, expected):
-        os.kill(h.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while c.status_block.view.state != State.STOPPING:  # (spun: no read of the socket)
-            assert time.monotonic() < deadline, "the daemon did not begin its stop"
+        _term_until_stopping(h, c)
         time.sleep(0.15)
         assert offload.wait(5)["stored"] == len(SRC2)
         assert load.wait(5) == len(DST) and blocks_equal(kv, DST, expected)

@@ -20,11 +20,13 @@ def degraded(status: dict, lag: float) -> list[str]:
 def health(state: str, lag: float, stopping: bool, stall_s: float) -> tuple[bool, str]:
     """What `GET /health` on the metrics port answers (200 when True, else 503), with a line
     saying why: the daemon serves while its request loop turns (paused or clearing included);
-    not when it is starting, stopping or its loop has not turned for stall_s (what a restart mends, as
-    `kvcached status` exit 4). A store that is down does not fail it. No lock is taken: a probe
+    not when it is starting, stopping or its loop has not turned for stall_s (what a restart
+    mends, as `kvcached status` exit 4). A store that is down does not fail it. No lock is taken: a probe
     costs the daemon nothing that copies wait on."""
-    if stopping or state in ("stopping", "starting"):
-        return False, "stopping" if stopping or state == "stopping" else "starting"
+    if stopping or state == "stopping":
+        return False, "stopping"
+    if state == "starting":
+        return False, "starting"
     if lag > stall_s:
         return False, f"stalled: the request loop has not turned for {lag:.1f} s"
     return True, state
