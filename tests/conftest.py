@@ -76,6 +76,7 @@ def daemon_logs(tmp_path_factory):
 @pytest.fixture(scope="session", autouse=True)
 def no_leftovers():
     before = our_segments()
+    children_tmp = _private_tmpdir()
     yield
     import gc
 
@@ -90,9 +91,21 @@ def no_leftovers():
     if engines is not None:
         engines.reap()
     alive = children.live_children()
+    shutil.rmtree(children_tmp, ignore_errors=True)  # (after the engines: theirs are in it)
     assert not leaked, "tests leaked shared-memory segments: " + ", ".join(
         f"{n} (first seen after {_born_in.get(n, 'the last test')})" for n in sorted(leaked))
     assert not alive, f"tests leaked child processes: {alive}"
+
+
+def _private_tmpdir() -> str:
+    """$TMPDIR of every child process, removed at the session's end: vLLM puts its engines'
+    ipc sockets and its distributed-init files in the temp dir and leaves them there when its
+    process is stopped (some 14 sockets a run of test_vllm_server.py were left in /tmp). This
+    process's own temp dir was chosen before (tempfile caches it)."""
+    tempfile.gettempdir()
+    path = tempfile.mkdtemp(prefix="kvt-tmp-", dir="/tmp")
+    os.environ["TMPDIR"] = path
+    return path
 
 
 def _short_dir():
