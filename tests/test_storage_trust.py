@@ -143,6 +143,25 @@ def test_a_record_planted_by_another_uid_in_an_open_disk_dir_is_never_served(run
         h.stop()
 
 
+def test_a_record_whose_owner_changed_while_the_daemon_ran_is_a_miss_and_removed(run_dir, instance,
+                                                                                disk_dir):
+    """The start's index checked every record's owner; a record that belongs to another uid
+    by the time it is read (given away by a process with CAP_CHOWN, restored from a backup as
+    another user) is checked again as it is opened: a miss, counted as corrupt and removed, and
+    the blocks before it load byte-exact."""
+    _other_uid()
+    keys = keys_for(6, 91)
+    with in_storage_only(run_dir, instance, disk_uri(disk_dir), keys) as (c, kv, expected, _h):
+        path = record_path(disk_dir, keys[3], kv)
+        os.chown(path, OTHER_UID, -1)
+        scramble(kv, 5)
+        assert c.load(keys, list(range(10, 16))).wait(10) == 3
+        assert blocks_equal(kv, list(range(10, 16)), expected, upto=3)
+        assert not os.path.exists(path)
+        assert c.status()["storage"][0]["corrupt"] == 1
+        assert c.lookup(keys) == (3, 0)  # blocks 0-2 now in the host tier; 3 is gone from both
+
+
 def _plant_shard(shard, path, data):
     os.mkdir(shard, 0o755)
     return _plant(path, data)
