@@ -18,6 +18,7 @@ from kvcached_proto.liveness import pid_namespace, start_ticks
 from kvcached_proto.shm_layout import SEGMENT_BYTES, Flag, StatusView, segment_name
 from kvcached_proto.paths import socket_paths
 from kvcached.bench import process_stop
+from kvcached.server.status_block import StatusSegment
 
 STATUS_KEYS = {"instance", "pid", "epoch", "state", "protocol_version", "host", "kv", "storage",
                "clients", "tasks"}
@@ -88,6 +89,36 @@ def test_a_hung_daemon_is_seen_through_its_heartbeat(daemon):
     finally:
         process_stop.go_on(daemon.pid)
         c.close()
+
+
+def _hold_the_gil(seconds: float) -> None:
+    """A C call that keeps the GIL all along (PyDLL does not release it), as a stuck extension
+    call would."""
+    import ctypes
+
+    ctypes.PyDLL(None).usleep(int(seconds * 1e6))
+
+
+def test_a_stall_of_an_up_daemon_has_every_threads_stack_written_to_its_log(instance, capfd, caplog):
+    """The heartbeat stops while a call holds the GIL; faulthandler's thread (which needs none)
+    writes every thread's stack 1.5 s into it, naming the call, and the late beat's warning
+    points at it. Before the daemon is up (a start touching its pool) a stall writes nothing."""
+    block = StatusSegment(instance)
+    try:
+        time.sleep(0.4)
+        _hold_the_gil(2.0)
+        time.sleep(0.3)
+        assert "Timeout (" not in capfd.readouterr().err
+        block.set_flag(Flag.UP)
+        time.sleep(0.4)
+        _hold_the_gil(2.0)
+        time.sleep(0.3)
+        err = capfd.readouterr().err
+    finally:
+        block.close()
+    assert "Timeout (0:00:01.500000)!" in err, err
+    assert "in _hold_the_gil" in err and "in _beat" in err
+    assert caplog.text.count("faulthandler was due to write") == 1
 
 
 @pytest.mark.faults

@@ -5,10 +5,12 @@ died is swept at start, after checking that its recorded pid is gone.
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import mmap
 import os
 import secrets
+import sys
 import threading
 import time
 
@@ -32,6 +34,13 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_PERIOD_S = 0.05
 LATE_BEAT_S = 0.25
+# A beat this late (once the daemon is up) has faulthandler's own thread, which needs no GIL,
+# write every thread's stack to the log: what held the daemon (a call holding the GIL, a lock),
+# or nothing (all threads idle: the machine did not run the process). Armed again every
+# STALL_REARM_S, so it fires 1.25-1.5 s into a stall; at most STALL_DUMPS in a daemon's life.
+STALL_DUMP_S = 1.5
+STALL_REARM_S = 0.25
+STALL_DUMPS = 5
 
 
 def _owner_of_existing(name: str) -> tuple[int, int, int] | None:
@@ -122,16 +131,35 @@ class StatusSegment:
                     "its contents were not read", self.name, uid, os.getuid())
 
     def _beat(self) -> None:
-        last = time.monotonic_ns()
-        while not self._stop.wait(HEARTBEAT_PERIOD_S):
-            now = time.monotonic_ns()
-            self.view.set_heartbeat(now)
-            gap = (now - last) / 1e9
-            last = now
-            if gap > self.max_gap_s:
-                self.max_gap_s = gap
-            if gap > LATE_BEAT_S:  # the process was starved (GIL held, CPU taken): say so
-                log.warning("[heartbeat] beat %.2f s apart (expected %.2f s)", gap, HEARTBEAT_PERIOD_S)
+        last, armed, dumps = time.monotonic_ns(), 0, STALL_DUMPS
+        try:
+            while not self._stop.wait(HEARTBEAT_PERIOD_S):
+                now = time.monotonic_ns()
+                self.view.set_heartbeat(now)
+                gap = (now - last) / 1e9
+                last = now
+                if gap > self.max_gap_s:
+                    self.max_gap_s = gap
+                if gap > LATE_BEAT_S:  # the process was starved (GIL held, CPU taken): say so
+                    dumped = armed and now - armed >= STALL_DUMP_S * 1e9  # (it fired)
+                    dumps -= bool(dumped)
+                    log.warning("[heartbeat] beat %.2f s apart (expected %.2f s)%s", gap, HEARTBEAT_PERIOD_S,
+                                "; faulthandler was due to write every thread's stack 1.5 s into "
+                                "it (its Timeout line)" if dumped else "")
+                armed = self._arm_stall_dump(now, armed, dumps)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+
+    def _arm_stall_dump(self, now: int, armed: int, dumps: int) -> int:
+        """The stall dump armed again (when due, the daemon up and dumps left): when it was."""
+        if dumps <= 0 or not self.view.flags & Flag.UP:
+            if armed:
+                faulthandler.cancel_dump_traceback_later()
+            return 0
+        if now - armed < STALL_REARM_S * 1e9:
+            return armed
+        faulthandler.dump_traceback_later(STALL_DUMP_S, file=sys.stderr)
+        return now
 
     def set_flag(self, flag: Flag, on: bool = True) -> None:
         with self._flags_lock:
