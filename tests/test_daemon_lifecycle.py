@@ -121,6 +121,22 @@ def test_a_stall_of_an_up_daemon_has_every_threads_stack_written_to_its_log(inst
     assert caplog.text.count("faulthandler was due to write") == 1
 
 
+def test_a_daemon_without_stderr_beats_on_without_stall_dumps(instance, monkeypatch, caplog):
+    """Started with stderr closed (sys.stderr None), faulthandler has nowhere to write: the
+    dumps are off, said once, and the heartbeat goes on."""
+    monkeypatch.setattr(sys, "stderr", None)
+    block = StatusSegment(instance)
+    try:
+        block.set_flag(Flag.UP)
+        time.sleep(0.5)
+        beat = block.view.heartbeat_ns
+        time.sleep(0.3)
+        assert block.view.heartbeat_ns > beat and block._thread.is_alive()
+    finally:
+        block.close()
+    assert caplog.text.count("stall dumps are off: sys.stderr is None") == 1
+
+
 @pytest.mark.faults
 def test_connecting_right_after_kill_9_is_refused_by_the_recorded_identity(daemon):
     """The heartbeat is still fresh and the up flag still set: the pid and start time the

@@ -88,6 +88,7 @@ class StatusSegment:
         self._stop = threading.Event()
         self._flags_lock = threading.Lock()  # flags are set from several threads (read-modify-write)
         self.max_gap_s = 0.0
+        self._stall_dumps = True  # (off for good if faulthandler cannot write to stderr)
         self._thread = threading.Thread(target=self._beat, name="kvcached-heartbeat", daemon=True)
         self._thread.start()
         self._closed = False
@@ -152,13 +153,18 @@ class StatusSegment:
 
     def _arm_stall_dump(self, now: int, armed: int, dumps: int) -> int:
         """The stall dump armed again (when due, the daemon up and dumps left): when it was."""
-        if dumps <= 0 or not self.view.flags & Flag.UP:
+        if dumps <= 0 or not self._stall_dumps or not self.view.flags & Flag.UP:
             if armed:
                 faulthandler.cancel_dump_traceback_later()
             return 0
         if now - armed < STALL_REARM_S * 1e9:
             return armed
-        faulthandler.dump_traceback_later(STALL_DUMP_S, file=sys.stderr)
+        try:
+            faulthandler.dump_traceback_later(STALL_DUMP_S, file=sys.stderr)
+        except (RuntimeError, ValueError, OSError, AttributeError) as exc:  # no stderr to write to
+            log.warning("[heartbeat] stall dumps are off: %s", exc)  # (once: the heartbeat goes on)
+            self._stall_dumps = False
+            return 0
         return now
 
     def set_flag(self, flag: Flag, on: bool = True) -> None:
