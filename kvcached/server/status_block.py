@@ -142,11 +142,11 @@ class StatusSegment:
                 if gap > self.max_gap_s:
                     self.max_gap_s = gap
                 if gap > LATE_BEAT_S:  # the process was starved (GIL held, CPU taken): say so
-                    dumped = armed and now - armed >= STALL_DUMP_S * 1e9  # (it fired)
+                    dumped = armed and now - armed >= STALL_DUMP_S * 1e9  # (it was due)
                     dumps -= bool(dumped)
                     log.warning("[heartbeat] beat %.2f s apart (expected %.2f s)%s", gap, HEARTBEAT_PERIOD_S,
-                                "; faulthandler was due to write every thread's stack 1.5 s into "
-                                "it (its Timeout line)" if dumped else "")
+                                f"; faulthandler was due to write every thread's stack {STALL_DUMP_S:g} "
+                                "s into it (its Timeout line)" if dumped else "")
                 armed = self._arm_stall_dump(now, armed, dumps)
         finally:
             faulthandler.cancel_dump_traceback_later()
