@@ -14,7 +14,7 @@ import torch
 from conftest import (blocks_equal, disk_uri, geometry_of, keys_for, scramble, small_kv, snapshot,
                       stored, wait_until)
 from kv_layouts import vllm_kv
-from kvcached.storage.record import pack_header
+from kvcached.storage.record import HEADER_BYTES, BadRecord, pack_header, verify
 from kvcached_client.kv_alloc import describe_kv_cache
 from kvcached_proto.layout import parse_layout
 from test_security import OTHER_UID, _other_uid, run_as_other_uid
@@ -239,3 +239,33 @@ def test_a_disk_tier_whose_directory_is_gone_reports_no_hits(run_dir, instance, 
         wait_until(lambda: not c.status()["storage"][0]["healthy"], 10, "the tier unhealthy")
         assert c.lookup(keys) == (0, 0)
         assert c.load(keys, list(range(10, 16))).wait(10) == 0
+
+
+# the record format (pure logic: every tier reads records through these checks) -----------------
+
+def _record_cases():
+    g1, g2 = bytes(range(16)), bytes(range(100, 116))
+    key, page = bytes(range(40, 56)), os.urandom(256)
+    good = pack_header(key, [page], g1) + page
+
+    def flipped(at):
+        bad = bytearray(good)
+        bad[at] ^= 0x01
+        return bytes(bad)
+    return key, g1, len(page), good, {
+        "cut in its header": (good[:HEADER_BYTES - 1], f"record of {HEADER_BYTES - 1} bytes"),
+        "another format": (flipped(0), "not a kvcached block record"),
+        "another key": (pack_header(bytes(16), [page], g1) + page, "another key"),
+        "another geometry": (pack_header(key, [page], g2) + page, "another KV geometry"),
+        "a payload cut": (good[:-1], "expected"),
+        "a payload byte flipped": (flipped(HEADER_BYTES + 7), "checksum mismatch"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_record_cases()[4]))
+def test_a_record_that_is_not_this_keys_this_geometrys_and_whole_is_refused(case):
+    key, geometry, size, good, bad = _record_cases()
+    verify(good, key, size, geometry)  # the control: the record it was made from passes
+    record, why = bad[case]
+    with pytest.raises(BadRecord, match=why):
+        verify(record, key, size, geometry)
