@@ -245,3 +245,33 @@ def test_a_daemons_health_endpoint(run_dir):
         h.stop()
     with pytest.raises((urllib.error.URLError, ConnectionError)):
         urllib.request.urlopen(url, timeout=2)
+
+
+def test_late_heartbeats_are_counted_in_status_and_metrics(run_dir):
+    """A daemon stopped 0.6 s (SIGSTOP) beats late once: status and /metrics count it and the
+    longest gap covers the stop."""
+    from kvcached.bench import process_stop
+
+    port = free_port()
+    h = launch(instance=unique_instance("mb"), run_dir=run_dir, host_cache_gb=0.05,
+               extra_args=["--metrics-port", str(port)])
+
+    def scraped() -> dict:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        return {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples
+                if s.name.startswith("kvcached_heartbeat")}
+    try:
+        with h.connect(role="operator") as c:
+            before = c.status()["heartbeat_late_beats"]
+            process_stop.stop(h.pid)
+            time.sleep(0.6)
+            process_stop.go_on(h.pid)
+            status = c.status()
+            assert status["heartbeat_late_beats"] >= before + 1
+            assert status["heartbeat_max_gap_s"] >= 0.55
+            time.sleep(0.3)  # (a rendering is shared for 0.25 s)
+            got = scraped()
+            assert got["kvcached_heartbeat_late_total"] >= before + 1
+            assert got["kvcached_heartbeat_max_gap_seconds"] >= 0.55
+    finally:
+        h.stop()

@@ -470,6 +470,7 @@ class Daemon(StopsDaemon):
                             **({"auth_denied": self._auth.denied} if self._auth else {})},
             "requests": dict(self.requests),
             "heartbeat_max_gap_s": round(sig.max_gap_s, 3) if sig else 0.0,
+            "heartbeat_late_beats": sig.late_beats if sig else 0,
         }
         if self.service is not None:
             status.update(self.service.status())

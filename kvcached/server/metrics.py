@@ -34,6 +34,9 @@ metrics_http.MetricsServer (one thread, bounded; a rendering shared for MIN_REND
     kvcached_queue_depth                                               gauge
     kvcached_host_bytes_used / kvcached_host_bytes_capacity            gauges
     kvcached_clients                                                   gauge
+    kvcached_heartbeat_late_total                                      counter (beats later than
+                                  0.25 s: the daemon starved or held; engines call it hung at 2 s)
+    kvcached_heartbeat_max_gap_seconds                                 gauge (the longest since start)
 """
 from __future__ import annotations
 
@@ -99,12 +102,18 @@ class StatusCollector:
         gaps.add_metric([i, "all"], voids.get("host", 0))
         gaps.add_metric([i, "storage"], voids.get("storage", 0))
         yield gaps
+        late = fam(CounterMetricFamily, "kvcached_heartbeat_late", "Heartbeats later than 0.25 s "
+                   "(engines call a daemon hung when one is 2 s late)")
+        late.add_metric([i], s.get("heartbeat_late_beats", 0))
+        yield late
         yield from self._tiers(s)
         for name, doc, value in (
             ("kvcached_queue_depth", "Tasks queued", s["tasks"].get("queued", 0)),
             ("kvcached_host_bytes_used", "Host tier bytes in use", s["host"]["used_bytes"]),
             ("kvcached_host_bytes_capacity", "Host tier capacity", s["host"]["capacity_bytes"]),
             ("kvcached_clients", "Connected clients", s.get("clients", 0)),
+            ("kvcached_heartbeat_max_gap_seconds", "The longest gap between heartbeats since start",
+             s.get("heartbeat_max_gap_s", 0.0)),
         ):
             g = fam(GaugeMetricFamily, name, doc)
             g.add_metric([i], value)

@@ -88,6 +88,7 @@ class StatusSegment:
         self._stop = threading.Event()
         self._flags_lock = threading.Lock()  # flags are set from several threads (read-modify-write)
         self.max_gap_s = 0.0
+        self.late_beats = 0  # beats later than LATE_BEAT_S (status, /metrics)
         self._stall_dumps = True  # (off for good if faulthandler cannot write to stderr)
         self._thread = threading.Thread(target=self._beat, name="kvcached-heartbeat", daemon=True)
         self._thread.start()
@@ -142,6 +143,7 @@ class StatusSegment:
                 if gap > self.max_gap_s:
                     self.max_gap_s = gap
                 if gap > LATE_BEAT_S:  # the process was starved (GIL held, CPU taken): say so
+                    self.late_beats += 1
                     dumped = armed and now - armed >= STALL_DUMP_S * 1e9  # (it was due)
                     dumps -= bool(dumped)
                     log.warning("[heartbeat] beat %.2f s apart (expected %.2f s)%s", gap, HEARTBEAT_PERIOD_S,
