@@ -1,6 +1,7 @@
 """The /metrics server (kvcached.server.metrics_http): answers, refusals, deadlines and what a
 flood of connections or scrapes costs a real daemon."""
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -273,5 +274,8 @@ def test_late_heartbeats_are_counted_in_status_and_metrics(run_dir):
             got = scraped()
             assert got["kvcached_heartbeat_late_total"] >= before + 1
             assert got["kvcached_heartbeat_max_gap_seconds"] >= 0.55
+        table = subprocess.run([sys.executable, "-m", "kvcached", "status", "--instance", h.instance,
+                                "--run-dir", run_dir], capture_output=True, text=True, timeout=30).stdout
+        assert re.search(r"\nheartbeat +[1-9]\d* beats late \(over 0.25 s\), the longest gap \d+\.\d\d s", table), table
     finally:
         h.stop()
