@@ -199,6 +199,8 @@ class Daemon(StopsDaemon):
         next_reap = time.monotonic() + CLIENT_REAP_PERIOD_S
         next_stats = time.monotonic() + self.cfg.stats_interval_s
         next_keys = 0.0
+        self._loop_turned = time.monotonic()
+        self.status_block.watch_loop(lambda: time.monotonic() - self._loop_turned, LOOP_STALL_S)
         while not self.stop_requested.is_set():
             self._loop_turned = time.monotonic()
             ready = dict(poller.poll(POLL_MS))

@@ -13,6 +13,7 @@ import secrets
 import sys
 import threading
 import time
+from typing import Callable
 
 import posix_ipc
 
@@ -92,6 +93,9 @@ class StatusSegment:
         self.max_gap_s = 0.0
         self.late_beats = 0  # beats later than LATE_BEAT_S (status, /metrics)
         self._stall_dumps = True  # (off for good if faulthandler cannot write to stderr)
+        self._loop_lag: Callable[[], float] | None = None  # watch_loop
+        self._loop_stall_s = 0.0
+        self._loop_dumped = False  # (this stall of the loop's)
         self._thread = threading.Thread(target=self._beat, name="kvcached-heartbeat", daemon=True)
         self._thread.start()
         self._closed = False
@@ -152,6 +156,7 @@ class StatusSegment:
                                 f"; faulthandler was due to write every thread's stack {STALL_DUMP_S:g} "
                                 "s into it (its Timeout line)" if dumped else "")
                 armed = self._arm_stall_dump(now, armed, dumps)
+                dumps -= self._check_loop(dumps)
         finally:
             faulthandler.cancel_dump_traceback_later()
 
@@ -170,6 +175,34 @@ class StatusSegment:
             self._stall_dumps = False
             return 0
         return now
+
+    def watch_loop(self, lag: Callable[[], float], stall_s: float) -> None:
+        """From now on the heartbeat watches the request loop too: once lag() (how long since it
+        last turned) reaches stall_s while the daemon is not stopping, every thread's stack is
+        written to the log, once a stall (a loop stuck in a call that released the GIL beats on,
+        so the stall dump above never fires for it)."""
+        self._loop_lag, self._loop_stall_s = lag, stall_s
+
+    def _check_loop(self, dumps: int) -> bool:
+        """True when it wrote a dump of the loop's stall."""
+        if self._loop_lag is None:
+            return False
+        lag = self._loop_lag()
+        if lag < self._loop_stall_s or self.view.state == State.STOPPING:
+            self._loop_dumped = False
+            return False
+        if self._loop_dumped or dumps <= 0 or not self._stall_dumps:
+            return False
+        self._loop_dumped = True
+        log.warning("[heartbeat] the request loop has not turned for %.1f s; every thread's stack "
+                    "follows", lag)
+        try:
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        except (RuntimeError, ValueError, OSError, AttributeError) as exc:
+            log.warning("[heartbeat] stall dumps are off: %s", exc)
+            self._stall_dumps = False
+            return False
+        return True
 
     def set_flag(self, flag: Flag, on: bool = True) -> None:
         with self._flags_lock:
