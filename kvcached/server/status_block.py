@@ -35,14 +35,10 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_PERIOD_S = 0.05
 LATE_BEAT_S = 0.25
-# A beat this late (once the daemon is up) has faulthandler's own thread, which needs no GIL,
-# write every thread's stack to the log: what held the daemon (a call holding the GIL, a lock),
-# or nothing (all threads idle: the machine did not run the process). Armed again every
-# STALL_REARM_S, so it fires 1-1.5 s into a stall; at most STALL_DUMPS in a daemon's life. (A
-# re-arm joins the last watchdog thread with the GIL held: 66 us at the median, 5 ms at most
-# under the loaded suite, so not at every beat.)
-STALL_DUMP_S = 1.5
-STALL_REARM_S = 0.5
+# At most this many dumps of every thread's stack in a daemon's life (watch_loop). No timed dump
+# of a beat that is late (faulthandler.dump_traceback_later): its thread reads the others'
+# frames without the GIL, and a daemon SIGSTOPped past its timeout died of SIGSEGV when the dump
+# raced the threads that woke with it (tests/test_host_tier.py's hung-daemon cancel).
 STALL_DUMPS = 5
 
 
@@ -92,7 +88,7 @@ class StatusSegment:
         self._flags_lock = threading.Lock()  # flags are set from several threads (read-modify-write)
         self.max_gap_s = 0.0
         self.late_beats = 0  # beats later than LATE_BEAT_S (status, /metrics)
-        self._stall_dumps = True  # (off for good if faulthandler cannot write to stderr)
+        self._dumps_left = STALL_DUMPS  # (0 for good if faulthandler cannot write to stderr)
         self._loop_lag: Callable[[], float] | None = None  # watch_loop
         self._loop_stall_s = 0.0
         self._loop_dumped = False  # (this stall of the loop's)
@@ -139,70 +135,46 @@ class StatusSegment:
                     "its contents were not read", self.name, uid, os.getuid())
 
     def _beat(self) -> None:
-        last, armed, dumps = time.monotonic_ns(), 0, STALL_DUMPS
-        try:
-            while not self._stop.wait(HEARTBEAT_PERIOD_S):
-                now = time.monotonic_ns()
-                self.view.set_heartbeat(now)
-                gap = (now - last) / 1e9
-                last = now
-                if gap > self.max_gap_s:
-                    self.max_gap_s = gap
-                if gap > LATE_BEAT_S:  # the process was starved (GIL held, CPU taken): say so
-                    self.late_beats += 1
-                    dumped = armed and now - armed >= STALL_DUMP_S * 1e9  # (it was due)
-                    dumps -= bool(dumped)
-                    log.warning("[heartbeat] beat %.2f s apart (expected %.2f s)%s", gap, HEARTBEAT_PERIOD_S,
-                                f"; faulthandler was due to write every thread's stack {STALL_DUMP_S:g} "
-                                "s into it (its Timeout line)" if dumped else "")
-                armed = self._arm_stall_dump(now, armed, dumps)
-                dumps -= self._check_loop(dumps)
-        finally:
-            faulthandler.cancel_dump_traceback_later()
-
-    def _arm_stall_dump(self, now: int, armed: int, dumps: int) -> int:
-        """The stall dump armed again (when due, the daemon up and dumps left): when it was."""
-        if dumps <= 0 or not self._stall_dumps or not self.view.flags & Flag.UP:
-            if armed:
-                faulthandler.cancel_dump_traceback_later()
-            return 0
-        if now - armed < STALL_REARM_S * 1e9:
-            return armed
-        try:
-            faulthandler.dump_traceback_later(STALL_DUMP_S, file=sys.stderr)
-        except (RuntimeError, ValueError, OSError, AttributeError) as exc:  # no stderr to write to
-            log.warning("[heartbeat] stall dumps are off: %s", exc)  # (once: the heartbeat goes on)
-            self._stall_dumps = False
-            return 0
-        return now
+        last = time.monotonic_ns()
+        while not self._stop.wait(HEARTBEAT_PERIOD_S):
+            now = time.monotonic_ns()
+            self.view.set_heartbeat(now)
+            gap = (now - last) / 1e9
+            last = now
+            if gap > self.max_gap_s:
+                self.max_gap_s = gap
+            if gap > LATE_BEAT_S:  # the process was starved (GIL held, CPU taken): say so
+                self.late_beats += 1
+                log.warning("[heartbeat] beat %.2f s apart (expected %.2f s)", gap, HEARTBEAT_PERIOD_S)
+            self._check_loop()
 
     def watch_loop(self, lag: Callable[[], float], stall_s: float) -> None:
         """From now on the heartbeat watches the request loop too: once lag() (how long since it
         last turned) reaches stall_s while the daemon is not stopping, every thread's stack is
-        written to the log, once a stall (a loop stuck in a call that released the GIL beats on,
-        so the stall dump above never fires for it)."""
+        written to the log, once a stall (a loop stuck in a call that let the GIL go beats on:
+        engines do not call it hung; status and /health call it stalled)."""
         self._loop_lag, self._loop_stall_s = lag, stall_s
 
-    def _check_loop(self, dumps: int) -> bool:
-        """True when it wrote a dump of the loop's stall."""
+    def _check_loop(self) -> None:
+        """A dump of every thread's stack, once a stall of the loop. Written from this thread,
+        holding the GIL: no other thread's frames change under it."""
         if self._loop_lag is None:
-            return False
+            return
         lag = self._loop_lag()
         if lag < self._loop_stall_s or self.view.state == State.STOPPING:
             self._loop_dumped = False
-            return False
-        if self._loop_dumped or dumps <= 0 or not self._stall_dumps:
-            return False
+            return
+        if self._loop_dumped or self._dumps_left <= 0:
+            return
         self._loop_dumped = True
         log.warning("[heartbeat] the request loop has not turned for %.1f s; every thread's stack "
                     "follows", lag)
         try:
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        except (RuntimeError, ValueError, OSError, AttributeError) as exc:
-            log.warning("[heartbeat] stall dumps are off: %s", exc)
-            self._stall_dumps = False
-            return False
-        return True
+            self._dumps_left -= 1
+        except (RuntimeError, ValueError, OSError, AttributeError) as exc:  # no stderr to write to
+            log.warning("[heartbeat] stall dumps are off: %s", exc)  # (once: the heartbeat goes on)
+            self._dumps_left = 0
 
     def set_flag(self, flag: Flag, on: bool = True) -> None:
         with self._flags_lock:
