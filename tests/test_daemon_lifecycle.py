@@ -1,6 +1,4 @@
 """The daemon as a process: start, handshake, status, stop, crash, restart, side by side."""
-import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -17,10 +15,9 @@ from kvcached_client import Client, DaemonUnavailable, KvcachedError, launch
 from kvcached_client.launch import _ready
 from kvcached_client.status_block import DEFAULT_HANG_S, hang_threshold
 from kvcached_proto.liveness import pid_namespace, start_ticks
-from kvcached_proto.shm_layout import SEGMENT_BYTES, Flag, State, StatusView, segment_name
+from kvcached_proto.shm_layout import SEGMENT_BYTES, Flag, StatusView, segment_name
 from kvcached_proto.paths import socket_paths
 from kvcached.bench import process_stop
-from kvcached.server.status_block import StatusSegment
 
 STATUS_KEYS = {"instance", "pid", "epoch", "state", "protocol_version", "host", "kv", "storage",
                "clients", "tasks"}
@@ -91,83 +88,6 @@ def test_a_hung_daemon_is_seen_through_its_heartbeat(daemon):
     finally:
         process_stop.go_on(daemon.pid)
         c.close()
-
-
-def test_a_request_loop_stuck_past_its_stall_time_has_every_threads_stack_written_once(instance, capfd,
-                                                                                    caplog):
-    """The loop stuck in a call that released the GIL (the heartbeat beats on): once it has not
-    turned for its stall time, the heartbeat writes every thread's stack - once a stall, none
-    while it turns, none while the daemon stops (a drain does not turn it)."""
-    lag = [0.0]
-    block = StatusSegment(instance)
-    try:
-        block.watch_loop(lambda: lag[0], 0.5)
-        time.sleep(0.3)
-        assert "Thread 0x" not in capfd.readouterr().err
-        lag[0] = 0.6
-        time.sleep(0.5)
-        err = capfd.readouterr().err
-        assert "in test_a_request_loop_stuck" in err and "in _beat" in err, err
-        time.sleep(0.3)
-        assert "Thread 0x" not in capfd.readouterr().err  # once a stall
-        lag[0] = 0.0
-        time.sleep(0.2)
-        block.set_state(State.STOPPING)
-        lag[0] = 0.6
-        time.sleep(0.3)
-        assert "Thread 0x" not in capfd.readouterr().err
-    finally:
-        block.close()
-    assert caplog.text.count("the request loop has not turned for 0.6 s") == 1
-
-
-@contextlib.contextmanager
-def _main_thread_held(pid: int):
-    """The process's main thread alone in a ptrace-stop (PTRACE_SEIZE + PTRACE_INTERRUPT): its
-    other threads run on. A stop signal would stop them all."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
-    if libc.ptrace(0x4206, pid, None, None) != 0:  # PTRACE_SEIZE
-        pytest.skip(f"ptrace refused (errno {ctypes.get_errno()})")
-    try:
-        assert libc.ptrace(0x4207, pid, None, None) == 0  # PTRACE_INTERRUPT
-        wait_until(lambda: os.waitpid(pid, os.WNOHANG | 0x40000000)[0] == pid, 10,
-                   "the main thread's ptrace-stop")  # (0x40000000: __WALL)
-        yield
-    finally:
-        libc.ptrace(17, pid, None, None)  # PTRACE_DETACH
-
-
-@pytest.mark.faults
-def test_a_daemon_whose_request_loop_is_held_writes_where_it_is(daemon):
-    """The daemon's main thread held (the heartbeat beats on: no engine calls it hung): once its
-    loop has not turned for 5 s the log has every thread's stack, the loop's frame among them."""
-    with _main_thread_held(daemon.pid):
-        wait_until(lambda: "the request loop has not turned" in open(daemon.log_path).read(), 10,
-                   "the loop's stall in the log")
-        time.sleep(0.2)  # (the dump follows its line)
-    log = open(daemon.log_path).read()
-    dump = log[log.index("the request loop has not turned"):]
-    assert "in _loop" in dump and "in _beat" in dump, dump
-    with daemon.connect() as c:
-        c.ping()
-
-
-def test_a_daemon_without_stderr_beats_on_without_stall_dumps(instance, monkeypatch, caplog):
-    """Started with stderr closed (sys.stderr None), faulthandler has nowhere to write a stalled
-    loop's dump: the dumps are off, said once, and the heartbeat goes on."""
-    monkeypatch.setattr(sys, "stderr", None)
-    block = StatusSegment(instance)
-    try:
-        block.set_flag(Flag.UP)
-        block.watch_loop(lambda: 1.0, 0.5)
-        time.sleep(0.5)
-        beat = block.view.heartbeat_ns
-        time.sleep(0.3)
-        assert block.view.heartbeat_ns > beat and block._thread.is_alive()
-    finally:
-        block.close()
-    assert caplog.text.count("stall dumps are off: sys.stderr is None") == 1
 
 
 @pytest.mark.faults

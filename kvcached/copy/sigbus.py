@@ -9,7 +9,6 @@ from __future__ import annotations
 import faulthandler
 import logging
 import mmap
-import signal
 import sys
 
 log = logging.getLogger(__name__)
@@ -25,12 +24,11 @@ def available() -> bool:
 
 
 def install() -> None:
-    """Once per daemon: faulthandler first (a genuine crash leaves a traceback in the log;
-    SIGUSR1 writes every thread's stack there), then the guard, which hands faults outside
-    guarded mappings on to it."""
+    """Once per daemon: faulthandler first (a genuine crash leaves a traceback in the log), then
+    the guard, which hands faults outside guarded mappings on to it. (`kill -USR1` is not
+    faulthandler's: server/stack_dump.py.)"""
     if not faulthandler.is_enabled():
         faulthandler.enable(file=sys.stderr, all_threads=True)
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # `kill -USR1`: stacks
     if _sigbus is not None:
         _sigbus.install()
     else:

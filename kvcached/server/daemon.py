@@ -46,6 +46,7 @@ from .run_dir import prepare_run_dir, sweep_socket_files, take_instance_lock
 from .sockets import curve_router, io_threads, ipc_router
 from .status import StatusThread
 from .status_report import degraded, for_tcp_peer, health, stats_line
+from .stack_dump import StackDumps
 from .status_block import StatusSegment
 from .task_events import EventSink
 
@@ -94,6 +95,7 @@ class Daemon(StopsDaemon):
         self.events: EventSink | None = None
         self.control: ControlWorker | None = None
         self.status_block: StatusSegment | None = None
+        self.dumps = StackDumps()  # every thread's stack in the log: on USR1, a stalled loop
         self.service: CacheService | None = None
         self._status_thread: StatusThread | None = None
         self.fd_inbox: FdInbox | None = None
@@ -123,6 +125,7 @@ class Daemon(StopsDaemon):
         cfg = self.cfg
         os.umask(0o077)  # socket files and anything else we create: owner only
         sigbus.install()  # a client's shrunken KV segment must not kill the daemon
+        self.dumps.listen_for_usr1()  # (the heartbeat writes the stacks: stack_dump.py)
         machine.check_device(cfg.device)
         machine.check_host_memory(cfg.host_cache_bytes)
         files = raise_files_limit()
@@ -134,7 +137,7 @@ class Daemon(StopsDaemon):
         prepare_run_dir(cfg.run_dir)
         self._lock_fd = take_instance_lock(cfg.run_dir, cfg.instance)
         sweep_socket_files(cfg.run_dir, cfg.instance)
-        self.status_block = StatusSegment(cfg.instance)
+        self.status_block = StatusSegment(cfg.instance, self.dumps)
         self._ctx = zmq.Context(io_threads=io_threads(bool(cfg.curve_secret_key_file)))
         self.events = EventSink()
         self._router = ipc_router(self._ctx, request_endpoint(cfg.run_dir, cfg.instance))

@@ -42,6 +42,7 @@ class StopsDaemon:
             except BaseException as exc:
                 log.exception("[shutdown] %s failed", step.__name__)
                 errors.append(exc)
+        self.dumps.close()  # (after the status block's heartbeat, which reads its pipe, stopped)
         if owned:
             log.info("[shutdown] instance %s stopped", self.cfg.instance)
         if errors:

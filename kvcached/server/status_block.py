@@ -5,12 +5,10 @@ died is swept at start, after checking that its recorded pid is gone.
 """
 from __future__ import annotations
 
-import faulthandler
 import logging
 import mmap
 import os
 import secrets
-import sys
 import threading
 import time
 from typing import Callable
@@ -30,16 +28,16 @@ from kvcached_proto.shm_layout import (
 )
 
 from ..errors import StartupError
+from .stack_dump import StackDumps
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_PERIOD_S = 0.05
 LATE_BEAT_S = 0.25
-# At most this many dumps of every thread's stack in a daemon's life (watch_loop). No timed dump
-# of a beat that is late (faulthandler.dump_traceback_later): its thread reads the others'
-# frames without the GIL, and a daemon SIGSTOPped past its timeout died of SIGSEGV when the dump
-# raced the threads that woke with it (tests/test_host_tier.py's hung-daemon cancel).
-STALL_DUMPS = 5
+# No timed dump of a beat that is late (faulthandler.dump_traceback_later): its thread reads the
+# others' frames without the GIL, and a daemon SIGSTOPped past its timeout died of SIGSEGV when
+# the dump raced the threads that woke with it (tests/test_host_tier.py's hung-daemon cancel).
+# The dumps there are (stack_dump.py) are written by the heartbeat, holding the GIL.
 
 
 def _owner_of_existing(name: str) -> tuple[int, int, int] | None:
@@ -67,7 +65,7 @@ def _owner_of_existing(name: str) -> tuple[int, int, int] | None:
 class StatusSegment:
     """Creates the segment (O_EXCL, 0600), keeps the heartbeat, and unlinks it on close."""
 
-    def __init__(self, instance: str):
+    def __init__(self, instance: str, dumps: StackDumps | None = None):
         self.name = segment_name(os.getuid(), instance)
         self.epoch = secrets.randbits(63) | 1
         self._sweep_stale()
@@ -88,10 +86,7 @@ class StatusSegment:
         self._flags_lock = threading.Lock()  # flags are set from several threads (read-modify-write)
         self.max_gap_s = 0.0
         self.late_beats = 0  # beats later than LATE_BEAT_S (status, /metrics)
-        self._dumps_left = STALL_DUMPS  # (0 for good if faulthandler cannot write to stderr)
-        self._loop_lag: Callable[[], float] | None = None  # watch_loop
-        self._loop_stall_s = 0.0
-        self._loop_dumped = False  # (this stall of the loop's)
+        self.dumps = dumps or StackDumps()  # every thread's stack, on USR1 and a stalled loop
         self._thread = threading.Thread(target=self._beat, name="kvcached-heartbeat", daemon=True)
         self._thread.start()
         self._closed = False
@@ -146,35 +141,14 @@ class StatusSegment:
             if gap > LATE_BEAT_S:  # the process was starved (GIL held, CPU taken): say so
                 self.late_beats += 1
                 log.warning("[heartbeat] beat %.2f s apart (expected %.2f s)", gap, HEARTBEAT_PERIOD_S)
-            self._check_loop()
+            self.dumps.on_beat(self.view.state == State.STOPPING)
 
     def watch_loop(self, lag: Callable[[], float], stall_s: float) -> None:
         """From now on the heartbeat watches the request loop too: once lag() (how long since it
         last turned) reaches stall_s while the daemon is not stopping, every thread's stack is
         written to the log, once a stall (a loop stuck in a call that let the GIL go beats on:
         engines do not call it hung; status and /health call it stalled)."""
-        self._loop_lag, self._loop_stall_s = lag, stall_s
-
-    def _check_loop(self) -> None:
-        """A dump of every thread's stack, once a stall of the loop. Written from this thread,
-        holding the GIL: no other thread's frames change under it."""
-        if self._loop_lag is None:
-            return
-        lag = self._loop_lag()
-        if lag < self._loop_stall_s or self.view.state == State.STOPPING:
-            self._loop_dumped = False
-            return
-        if self._loop_dumped or self._dumps_left <= 0:
-            return
-        self._loop_dumped = True
-        log.warning("[heartbeat] the request loop has not turned for %.1f s; every thread's stack "
-                    "follows", lag)
-        try:
-            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-            self._dumps_left -= 1
-        except (RuntimeError, ValueError, OSError, AttributeError) as exc:  # no stderr to write to
-            log.warning("[heartbeat] stall dumps are off: %s", exc)  # (once: the heartbeat goes on)
-            self._dumps_left = 0
+        self.dumps.watch_loop(lag, stall_s)
 
     def set_flag(self, flag: Flag, on: bool = True) -> None:
         with self._flags_lock:
@@ -205,6 +179,7 @@ class StatusSegment:
         self._closed = True
         self._stop.set()
         self._thread.join(timeout=1.0)
+        self.dumps.close()
         # what clients' hang threshold must leave room for (docs/performance.md, "A daemon fault")
         log.info("[heartbeat] largest gap between beats: %.3f s", self.max_gap_s)
         self.set_flag(Flag.UP, False)
