@@ -25,7 +25,9 @@ from kvcached_proto.paths import DEFAULT_INSTANCE, check_instance, request_endpo
 from kvcached_proto.order_words import LOAD_REVOKE_WORD, REVOKE_WORD
 from kvcached_proto.version import PROTOCOL_VERSION, check_version
 
+from .curve_keys import set_curve
 from .daemon_ops import AsksDaemon
+from .forks import check_not_forked, current_pid
 from .holds import KeepsHolds
 from .key_events import FollowsKeys
 from .key_table import KeyTableReader, LookupNotes, SendsNotes
@@ -63,6 +65,7 @@ class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
         self.hang_s = hang_threshold(hang_s)
         self.name = name
         self.client_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._pid = current_pid()  # (a forked child's calls raise: forks.py)
         self._endpoint = endpoint or request_endpoint(self.run_dir, self.instance)
         self._curve = (curve_server_key_file, curve_client_key_file)
         self._rid = itertools.count(1)
@@ -148,7 +151,7 @@ class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
         # taken off the connection as it comes, read late or not (the daemon closes a connection its replies fill)
         self._sock.setsockopt(zmq.RCVHWM, 0)
         if any(self._curve):
-            self._set_curve(*self._curve)
+            set_curve(self._sock, *self._curve)
         self._sock.connect(self._endpoint)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
@@ -184,18 +187,6 @@ class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
                     raise KvcachedTimeout(f"no hello reply within {self.timeout:g} s "
                                           "(set Client(timeout=...))") from None
 
-    def _set_curve(self, server_key_file: str | None, client_key_file: str | None) -> None:
-        import zmq.auth
-
-        if not (server_key_file and client_key_file):
-            raise ValueError("CURVE needs both curve_server_key_file and curve_client_key_file")
-        server_public, _ = zmq.auth.load_certificate(server_key_file)
-        public, secret = zmq.auth.load_certificate(client_key_file)
-        if not secret:
-            raise ValueError(f"{client_key_file} holds no secret key (use NAME.key_secret)")
-        self._sock.curve_serverkey = server_public
-        self._sock.curve_publickey, self._sock.curve_secretkey = public, secret
-
     # context manager ------------------------------------------------------
     def __enter__(self) -> "Client":
         return self
@@ -207,8 +198,9 @@ class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
         if self._closed:
             return
         self._closed = True
+        forked = current_pid() != self._pid  # a child's copies: nothing sent, nothing unlinked
         if self._sock is not None:
-            if self.info:
+            if self.info and not forked:
                 # said hello: the notes left (answered: a close's linger could drop them), then
                 # bye, best effort, without waiting for a reply
                 self._notes_stop.set()
@@ -218,11 +210,12 @@ class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
                                     zmq.NOBLOCK)
                 except zmq.ZMQError as exc:
                     self._bye_error = exc  # the daemon is gone or unreachable: nothing to tell it
-            self._sock.close(linger=BYE_LINGER_MS)
+            if not forked:  # (pyzmq leaves the parent's socket alone in a child)
+                self._sock.close(linger=BYE_LINGER_MS)
             self._sock = None
-        if self.order is not None:
+        if self.order is not None and not forked:
             self.order.close(self.status_block.identity_check() if self.status_block is not None else None)
-            self.order = None
+        self.order = None
         if self.key_table is not None:
             self.key_table.close()
         if self.status_block is not None:
@@ -236,6 +229,7 @@ class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
         within reach_s."""
         if self._sock is None:
             raise DaemonUnavailable("client is closed")
+        check_not_forked(self._pid)
         rid = next(self._rid)
         frame = encode_request(op, rid, self.client_id, **fields)
         deadline = time.monotonic() + reach_s
@@ -318,6 +312,7 @@ class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
         sock = self._sock
         if sock is None:
             raise DaemonUnavailable("client is closed")
+        check_not_forked(self._pid)
         timeout_ms = int(wait_s * 1000)
         received = False
         while self._poller.poll(timeout_ms):
@@ -352,6 +347,7 @@ class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
         """DaemonUnavailable unless the daemon is up (`drains`: or stopping, StatusReader.check_alive)."""
         if self.status_block is None:
             raise DaemonUnavailable("client is closed")
+        check_not_forked(self._pid)
         self.status_block.check_alive(drains)
         if self.order is not None and self.order.released:
             # its progress words say "landed" for good: no later layer wait would hold
@@ -447,6 +443,7 @@ class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
         by the lookup op. Either answer pins nothing: a load plans from what is there then."""
         table = self.key_table
         if table is not None:
+            check_not_forked(self._pid)
             if not isinstance(keys, (list, tuple, bytes)):
                 keys = list(keys)
             if len(keys) <= MAX_KEYS_PER_REQUEST:

@@ -27,6 +27,8 @@ from kvcached_proto.geometry import gpu_uuid
 from kvcached_proto.layout import DTYPE_BYTES
 from kvcached_proto.paths import kv_segment_name
 
+from .forks import current_pid
+
 _lock = threading.Lock()
 NAME_TRIES = 8  # random names taken already (by chance, or planted) before an allocation fails
 
@@ -50,6 +52,13 @@ def _unlink(name: str) -> None:
         posix_ipc.unlink_shared_memory(name)
     except posix_ipc.ExistentialError:
         pass  # already swept (e.g. by the daemon after a restart); nothing left to free
+
+
+def _unlink_mine(name: str, owner: int) -> None:
+    """The finalizer of a segment `owner` made: in a child it forked (which drops the tensors it
+    inherited, or exits through the interpreter) the parent's segment stays (forks.py)."""
+    if current_pid() == owner:
+        _unlink(name)
 
 
 def unlink_kv_cache(tensors) -> int:
@@ -116,7 +125,7 @@ def _shared_cpu_buffer(nbytes: int) -> tuple[mmap.mmap, str]:
         raise
     finally:
         shm.close_fd()
-    weakref.finalize(mm, _unlink, name)
+    weakref.finalize(mm, _unlink_mine, name, current_pid())
     return mm, name
 
 
