@@ -66,6 +66,15 @@ def fd_socket_path(run_dir: str, instance: str) -> str:
 SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared-memory segments, as files
 
 
+def segment_inode(name: str) -> int | None:
+    """The inode of shared-memory segment `name`'s file under /dev/shm (not followed), or None
+    when there is none: whether the name is still the segment a process made (its fstat)."""
+    try:
+        return os.lstat(os.path.join(SHM_DIR, name.lstrip("/"))).st_ino
+    except FileNotFoundError:
+        return None
+
+
 def segment_owner(name: str) -> int | None:
     """The uid owning shared-memory segment `name` (its file under /dev/shm, not followed:
     shm_open does not follow links either), or None when there is none. A segment named for

@@ -76,6 +76,10 @@ class BlockIndex:
     def writing_entries(self) -> list[Entry]:
         return [e for e in self._entries.values() if e.state == WRITING]
 
+    def loadable_keys(self) -> list[bytes]:
+        """What prefix() would answer for (READY, not doomed): on_visible's state of them all."""
+        return [e.key for e in self._entries.values() if e.state == READY and not e.doomed]
+
     def get(self, key: bytes) -> Entry | None:
         return self._entries.get(key)
 

@@ -41,6 +41,7 @@ from .connections import STATUS_PER_PEER, ConnectionGuard, connection_caps, rais
 from .metrics import Metrics
 from .fd_inbox import FdInbox
 from .heap_trim import LARGE_BYTES, HeapTrim
+from .instance_files import HealsFiles
 from .daemon_stop import StopsDaemon
 from .run_dir import prepare_run_dir, sweep_socket_files, take_instance_lock
 from .sockets import curve_router, io_threads, ipc_router
@@ -70,7 +71,7 @@ REFUSED_CODES = frozenset((ErrorCode.BAD_FRAME, ErrorCode.FRAME_TOO_LARGE, Error
                            ErrorCode.BAD_FIELD, ErrorCode.TOO_MANY_ITEMS))
 
 
-class Daemon(StopsDaemon):
+class Daemon(StopsDaemon, HealsFiles):
     def __init__(self, config: DaemonConfig):
         self.cfg = config
         self.started_ns = time.monotonic_ns()
@@ -223,6 +224,7 @@ class Daemon(StopsDaemon):
                 self._reap_dead_clients()
                 self.service.expire_parked()
                 self._heap.maybe_trim(time.monotonic())
+                self._heal_files()  # (once a second: instance_files.py)
                 next_reap = time.monotonic() + CLIENT_REAP_PERIOD_S
             if time.monotonic() >= next_stats:
                 log.info("[stats] %s", stats_line(self.status()))

@@ -25,6 +25,7 @@ import time
 from kvcached_proto.fd_pass import MAX_FDS, MAX_PENDING, MAX_PENDING_FDS, TOKEN_TTL_S, parse_request
 
 from ..logs import LineBudget
+from .instance_files import CHECK_EVERY_S, socket_file_there
 from .stop_flag import StopFlag
 
 log = logging.getLogger(__name__)
@@ -44,17 +45,40 @@ def _close_all(fds) -> None:
 
 
 class FdInbox(threading.Thread):
+    def _listen(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(self.path)  # under the daemon's umask 077: 0600
+            sock.listen(64)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _heal(self, sel) -> None:
+        """(About once a second.) The socket's file gone from the run dir: listen there anew
+        (the run dir is made again by the request thread: until then, the next second)."""
+        if time.monotonic() < self._next_check:
+            return
+        self._next_check = time.monotonic() + CHECK_EVERY_S
+        if socket_file_there(self.path):
+            return
+        try:
+            sock = self._listen()
+        except OSError:
+            return
+        sel.unregister(self._sock)
+        self._sock.close()
+        self._sock = sock
+        sel.register(sock, selectors.EVENT_READ)
+        log.warning("[fds] the fd socket %s was gone from the run dir: listening there again", self.path)
+
     def __init__(self, path: str):
         super().__init__(name="kvcached-fds", daemon=True)
         self.path = path
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self._sock.bind(path)  # under the daemon's umask 077: 0600
-            self._sock.listen(64)
-            self._sock.setblocking(False)
-        except BaseException:
-            self._sock.close()
-            raise
+        self._sock = self._listen()
+        self._next_check = 0.0  # its file there (instance_files.py)
         self._pending: dict[str, tuple[float, list[int]]] = {}
         self._lock = threading.Lock()
         self._stopping = StopFlag()
@@ -70,6 +94,7 @@ class FdInbox(threading.Thread):
         try:
             while not self._stopping.is_set():
                 self._expire()
+                self._heal(sel)
                 for key, _ in sel.select(timeout=POLL_S):
                     if key.fileobj == self._stopping.fd:
                         continue

@@ -112,8 +112,10 @@ def sweep_socket_files(run_dir: str, instance: str) -> None:
 
 
 def remove_instance_files(run_dir: str, instance: str, lock_fd: int) -> None:
-    for path in socket_paths(run_dir, instance):
-        if os.path.lexists(path):
+    """(The run dir, or files in it, may be gone already: instance_files.py.)"""
+    for path in [*socket_paths(run_dir, instance), lock_path(run_dir, instance)]:
+        try:
             os.unlink(path)
-    os.unlink(lock_path(run_dir, instance))
+        except FileNotFoundError:
+            pass
     os.close(lock_fd)

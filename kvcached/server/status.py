@@ -17,6 +17,7 @@ from kvcached_proto import ErrorCode, Op, ProtocolError, decode_request, encode,
 from kvcached_proto.codec import encode_with
 from kvcached_proto.messages import parse_request, reply_for
 
+from .instance_files import CHECK_EVERY_S, socket_file_there
 from .sockets import LOCAL_IO
 from .stop_flag import StopFlag
 
@@ -46,6 +47,7 @@ class StatusThread(threading.Thread):
         self._snapshot = snapshot
         self._shared: tuple[float, bytes] | None = None  # (taken at, the status encoded)
         self._stopping = StopFlag()
+        self._next_check = 0.0  # its file there (instance_files.py)
 
     def run(self) -> None:
         try:
@@ -53,6 +55,7 @@ class StatusThread(threading.Thread):
             poller.register(self._sock, zmq.POLLIN)
             poller.register(self._stopping.fd, zmq.POLLIN)
             while not self._stopping.is_set():
+                self._heal()
                 if self._sock not in dict(poller.poll(POLL_MS)):
                     continue
                 frame = self._sock.recv()
@@ -62,6 +65,20 @@ class StatusThread(threading.Thread):
                 log.error("[status] status socket failed: %s", exc)
         finally:
             self._sock.close(linger=0)
+
+    def _heal(self) -> None:
+        """(About once a second.) The socket's file gone from the run dir: bound there again
+        (the run dir is made again by the request thread: until then, the next second)."""
+        if time.monotonic() < self._next_check:
+            return
+        self._next_check = time.monotonic() + CHECK_EVERY_S
+        if socket_file_there(self.endpoint[len("ipc://"):]):
+            return
+        try:
+            self._sock.bind(self.endpoint)
+        except zmq.ZMQError:
+            return
+        log.warning("[status] the status socket %s was gone from the run dir: bound again", self.endpoint)
 
     def _answer(self, frame: bytes) -> bytes:
         rid = 0

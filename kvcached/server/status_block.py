@@ -2,6 +2,12 @@
 
 The daemon is the only writer and the only one that unlinks. A segment left by a daemon that
 died is swept at start, after checking that its recorded pid is gone.
+
+A segment whose name is removed while the daemon runs (systemd-logind removes a user's shared
+memory at the user's last logout where RemoveIPC=yes, its default; an operator's rm) is made
+anew within a second (heal): a copy, filled and written before its name appears (it is linked
+into place), and from then on every write goes to both, so engines attached keep reading theirs
+and new ones attach to the new one. A segment another process put under the name is left alone.
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ from typing import Callable
 import posix_ipc
 
 from kvcached_proto.liveness import pid_alive, pid_namespace, process_alive, start_ticks
-from kvcached_proto.paths import segment_owner
+from kvcached_proto.paths import SHM_DIR, segment_inode, segment_owner
 from kvcached_proto.shm_layout import (
     MAGIC,
     SEGMENT_BYTES,
@@ -38,6 +44,20 @@ LATE_BEAT_S = 0.25
 # others' frames without the GIL, and a daemon SIGSTOPped past its timeout died of SIGSEGV when
 # the dump raced the threads that woke with it (tests/test_host_tier.py's hung-daemon cancel).
 # The dumps there are (stack_dump.py) are written by the heartbeat, holding the GIL.
+HEAL_EVERY_BEATS = 20  # the segment's name checked about once a second
+MAX_HEALS = 16  # segments made anew in a daemon's life (each one's mapping is kept to the end)
+REMOVED_HOW = ("systemd-logind removes a user's shared memory at the user's last logout where "
+               "RemoveIPC=yes: run the daemon as a system user, set RemoveIPC=no in "
+               "/etc/systemd/logind.conf, or `loginctl enable-linger USER`")
+
+
+def _create(name: str) -> tuple[mmap.mmap, int]:
+    """A new segment (O_EXCL, 0600) mapped: (mapping, inode)."""
+    shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o600, size=SEGMENT_BYTES)
+    try:
+        return mmap.mmap(shm.fd, SEGMENT_BYTES), os.fstat(shm.fd).st_ino
+    finally:
+        shm.close_fd()
 
 
 def _owner_of_existing(name: str) -> tuple[int, int, int] | None:
@@ -70,18 +90,16 @@ class StatusSegment:
         self.epoch = secrets.randbits(63) | 1
         self._sweep_stale()
         try:
-            shm = posix_ipc.SharedMemory(
-                self.name, flags=posix_ipc.O_CREX, mode=0o600, size=SEGMENT_BYTES
-            )
+            self._mm, self._ino = _create(self.name)
         except posix_ipc.ExistentialError:
             raise StartupError(f"shared-memory segment {self.name} appeared while starting") from None
-        try:
-            self._mm = mmap.mmap(shm.fd, SEGMENT_BYTES)
-        finally:
-            shm.close_fd()
         self.view = StatusView(self._mm)
         self.view.init_header(os.getpid(), self.epoch, start_ticks(os.getpid()) or 0, pid_namespace())
         self.view.set_heartbeat(time.monotonic_ns())
+        self._views = (self.view,)  # every write goes to each (heal: the newest is self.view)
+        self._made = [(self._mm, self.view)]  # (kept until close: a writer may hold an older _views)
+        self.heals = 0
+        self._said_foreign = False
         self._stop = threading.Event()
         self._flags_lock = threading.Lock()  # flags are set from several threads (read-modify-write)
         self.max_gap_s = 0.0
@@ -130,10 +148,14 @@ class StatusSegment:
                     "its contents were not read", self.name, uid, os.getuid())
 
     def _beat(self) -> None:
-        last = time.monotonic_ns()
+        last, beats = time.monotonic_ns(), 0
         while not self._stop.wait(HEARTBEAT_PERIOD_S):
             now = time.monotonic_ns()
-            self.view.set_heartbeat(now)
+            for view in self._views:
+                view.set_heartbeat(now)
+            beats += 1
+            if beats % HEAL_EVERY_BEATS == 0 and self.heals < MAX_HEALS:
+                self._heal()
             gap = (now - last) / 1e9
             last = now
             if gap > self.max_gap_s:
@@ -150,28 +172,71 @@ class StatusSegment:
         engines do not call it hung; status and /health call it stalled)."""
         self.dumps.watch_loop(lag, stall_s)
 
+    def _heal(self) -> None:
+        """(The heartbeat thread.) The segment's name gone: a copy made, written from now on,
+        and linked under the name once whole (a client never opens it half made)."""
+        ino = segment_inode(self.name)
+        if ino == self._ino:
+            return
+        if ino is not None:  # not this daemon's: another process's to answer for
+            if not self._said_foreign:
+                self._said_foreign = True
+                log.error("[heartbeat] segment %s is no longer this daemon's (another process "
+                          "made one under its name): engines that attach now read that one", self.name)
+            return
+        spare = f"{self.name}.heal.{secrets.token_hex(4)}"
+        try:
+            mm, ino = _create(spare)
+        except (posix_ipc.Error, OSError) as exc:
+            log.error("[heartbeat] segment %s was removed and cannot be made anew: %s", self.name, exc)
+            self.heals = MAX_HEALS
+            return
+        mm[:] = self._mm[:]  # the header (pid, epoch) as it is; the heartbeat is this thread's
+        view = StatusView(mm)
+        self._made.append((mm, view))
+        self._views = (*self._views, view)
+        try:
+            os.link(os.path.join(SHM_DIR, spare.lstrip("/")), os.path.join(SHM_DIR, self.name.lstrip("/")))
+        except OSError:  # made meanwhile: the next check sees whose
+            self._views = self._views[:-1]
+            return
+        finally:
+            posix_ipc.unlink_shared_memory(spare)
+        self.view, self._mm, self._ino = view, mm, ino
+        self.heals += 1
+        log.warning("[heartbeat] segment %s was removed from /dev/shm while the daemon ran; made "
+                    "it anew (engines attached go on with theirs, new ones attach to it). Likely "
+                    "cause: %s", self.name, REMOVED_HOW)
+
     def set_flag(self, flag: Flag, on: bool = True) -> None:
         with self._flags_lock:
-            self.view.set_flag(flag, on)
+            for view in self._views:
+                view.set_flag(flag, on)
 
     def set_state(self, state: State) -> None:
-        self.view.set_state(state)
+        for view in self._views:
+            view.set_state(state)
 
     @property
     def state(self) -> State:
         return self.view.state
 
     def slot_begin(self, slot: int, task_id: int, num_layers: int) -> None:
-        self.view.slot_begin(slot, task_id, num_layers)
+        for view in self._views:
+            view.slot_begin(slot, task_id, num_layers)
 
     def slot_layer_done(self, slot: int, layers_done: int) -> None:
-        self.view.slot_layer_done(slot, layers_done, time.monotonic_ns())
+        now = time.monotonic_ns()
+        for view in self._views:
+            view.slot_layer_done(slot, layers_done, now)
 
     def slot_set_valid(self, slot: int, blocks_valid: int) -> None:
-        self.view.slot_set_valid(slot, blocks_valid)
+        for view in self._views:
+            view.slot_set_valid(slot, blocks_valid)
 
     def slot_finish(self, slot: int, status: SlotStatus, blocks_valid: int) -> None:
-        self.view.slot_finish(slot, status, blocks_valid)
+        for view in self._views:
+            view.slot_finish(slot, status, blocks_valid)
 
     def close(self) -> None:
         if self._closed:
@@ -183,9 +248,14 @@ class StatusSegment:
         # what clients' hang threshold must leave room for (docs/performance.md, "A daemon fault")
         log.info("[heartbeat] largest gap between beats: %.3f s", self.max_gap_s)
         self.set_flag(Flag.UP, False)
-        self.view.release()
-        self._mm.close()
-        try:
-            posix_ipc.unlink_shared_memory(self.name)
-        except posix_ipc.ExistentialError:
+        for mm, view in self._made:
+            view.release()
+            mm.close()
+        ino = segment_inode(self.name)
+        if ino is None:
             log.warning("[shutdown] segment %s was already gone", self.name)
+        elif ino == self._ino:  # (one another process put under the name is theirs)
+            try:
+                posix_ipc.unlink_shared_memory(self.name)
+            except posix_ipc.ExistentialError:
+                pass

@@ -125,6 +125,12 @@ class CacheService:
                 log.exception("[dispatch] task %d did not start", task.task_id)
                 self.loads.failed([task], exc)
 
+    def heal_key_table(self) -> None:
+        """(The request thread, about once a second.) A key table whose name went from /dev/shm
+        is made anew with what it held (key_publisher.heal)."""
+        with self.host.lock:
+            self.keys.heal(self.host.index.loadable_keys, self.host.pool.num_blocks)
+
     def capabilities(self) -> list[str]:
         return ["layerwise_load", "host_tier", f"host_layout:{self.cfg.host_layout}",
                 *(["cuda_ipc"] if self.cfg.device.startswith("cuda") else ["cpu_shm", "fd_pool"]),

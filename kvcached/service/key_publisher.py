@@ -22,12 +22,12 @@ import mmap
 import os
 import secrets
 import threading
-from typing import Callable
+from typing import Callable, Iterable
 
 import posix_ipc
 
 from ..storage.record import stored_key
-from kvcached_proto.paths import segment_owner
+from kvcached_proto.paths import segment_inode, segment_owner
 from kvcached_proto.key_table import (HOST_BIT, MAX_STORAGE_TIERS, Flags, max_count, native, segment_name,
                                       table_bytes, table_slots)
 
@@ -41,6 +41,8 @@ class KeyPublisher:
         self._kt = native() if enabled else None
         self._lock = threading.RLock()
         self._mm: mmap.mmap | None = None
+        self._ino = 0  # the table's file in /dev/shm (heal)
+        self._nslots = 0
         self._geometry: bytes | None = None
         self._storage_limit = 0  # storage keys stop here: the rest is kept for the host's
         self._storage_full = False
@@ -108,6 +110,7 @@ class KeyPublisher:
                 return False
             try:
                 self._mm = mmap.mmap(shm.fd, table_bytes(nslots))
+                self._ino, self._nslots = os.fstat(shm.fd).st_ino, nslots
             finally:
                 shm.close_fd()
             self._kt.init(self._mm, nslots, self.epoch, secrets.randbits(64), max_count(nslots))
@@ -122,6 +125,28 @@ class KeyPublisher:
                     flags |= Flags.STORAGE_COMPLETE
             self._kt.set_flags(self._mm, flags, 0)
             self._storage_flags = 0
+        return True
+
+    def heal(self, loadable: Callable[[], Iterable[bytes]], host_blocks: int) -> bool:
+        """(Host lock held; about once a second.) The table's name gone from /dev/shm while the
+        daemon ran (status_block.py says by what): a new table under it, holding the host's
+        loadable keys and the local tiers' again; readers of the old one see it closed and
+        open the new one. True if it was made. A table another process put under the name is
+        left alone (clients check whose it is)."""
+        with self._lock:
+            if self._mm is None or segment_inode(self.name) is not None:
+                return False
+            if not self._new_table(self._nslots, host_blocks):
+                return False
+            mm = self._mm
+            for key in loadable():
+                if self._kt.update(mm, key, HOST_BIT, 0) < 0:
+                    self._refuse("host", Flags.HOST_COMPLETE)
+                    break
+        self._watch_local()
+        self.refresh()
+        log.warning("[keys] the key table %s was removed from /dev/shm while the daemon ran: made "
+                    "it anew, with the keys it held", self.name)
         return True
 
     def _watch_local(self) -> None:
@@ -175,10 +200,8 @@ class KeyPublisher:
         self._kt.set_flags(self._mm, 0, Flags.OPEN)  # readers that still map it drop it
         self._mm.close()
         self._mm = None
-        try:
+        if segment_inode(self.name) == self._ino:  # (gone, or another's under the name: not unlinked)
             posix_ipc.unlink_shared_memory(self.name)
-        except posix_ipc.ExistentialError:
-            log.warning("[keys] the key table %s was already gone", self.name)
 
     def close(self) -> None:
         with self._lock:
