@@ -1,9 +1,24 @@
-"""Logging set-up for the daemon: text lines or one JSON object per line, stable [tags]."""
+"""Logging set-up for the daemon: text lines or one JSON object per line, stable [tags].
+
+The daemon's threads never write the log themselves: a record goes into a bounded queue and a
+thread of its own writes it to stderr (LogQueue). A stderr that does not take what it is given -
+a pipe nobody reads, a container log driver that blocks - holds that thread alone: before, the
+request thread blocked in its next log line and stopped answering every engine (a daemon started
+with its stderr an unread pipe answered no hello after 13 sessions), and SIGTERM could not stop
+it. Past QUEUE_RECORDS waiting, records are dropped and counted (status `log_lines_dropped`);
+the next line written says how many went.
+"""
 from __future__ import annotations
 
 import json
 import logging
+import queue
+import sys
+import threading
 import time
+
+QUEUE_RECORDS = 4096
+FLUSH_S = 2.0  # at the stop: how long the writer may take to write what waits
 
 
 def shown(text) -> str:
@@ -69,8 +84,56 @@ class LineBudget:
         logger.log(level, msg, *args)
 
 
-def setup_logging(level: str, fmt: str) -> None:
-    handler = logging.StreamHandler()
+class LogQueue(logging.Handler):
+    """Formats a record in the logging thread and queues the line, never waiting; a writer
+    thread takes the lines to the stream."""
+
+    def __init__(self, stream=None, records: int = QUEUE_RECORDS):
+        super().__init__()
+        self.stream = stream if stream is not None else sys.stderr
+        self.dropped = 0  # lines that found the queue full
+        self._told = 0  # of them, said in the log
+        self._lines: queue.Queue = queue.Queue(maxsize=records)
+        self._writer = threading.Thread(target=self._write, name="kvcached-log", daemon=True)
+        self._writer.start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+        except Exception:  # noqa: BLE001 - a bad record is not the caller's failure
+            self.handleError(record)
+            return
+        try:
+            self._lines.put_nowait(line)
+        except queue.Full:
+            self.dropped += 1
+
+    def _write(self) -> None:
+        while True:
+            line = self._lines.get()
+            if line is None:
+                return
+            if self.dropped > self._told:
+                gone, self._told = self.dropped - self._told, self.dropped
+                line = f"[log] {gone} log lines dropped: stderr did not take them in time\n{line}"
+            try:
+                self.stream.write(line + "\n")
+                self.stream.flush()
+            except Exception:  # noqa: BLE001 - stderr closed or none: nothing to tell it
+                pass
+
+    def close(self) -> None:
+        """Write what waits, for at most FLUSH_S (a stderr that takes nothing keeps it)."""
+        try:
+            self._lines.put(None, timeout=FLUSH_S)
+        except queue.Full:
+            pass
+        self._writer.join(FLUSH_S)
+        super().close()
+
+
+def setup_logging(level: str, fmt: str) -> LogQueue:
+    handler = LogQueue()
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
@@ -78,3 +141,9 @@ def setup_logging(level: str, fmt: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    return handler
+
+
+def lines_dropped() -> int:
+    """Log lines the daemon's LogQueue dropped (0 without one: an embedding's own logging)."""
+    return sum(getattr(h, "dropped", 0) for h in logging.getLogger().handlers if isinstance(h, LogQueue))

@@ -33,7 +33,7 @@ from ..config import DaemonConfig
 from ..copy import sigbus
 from ..errors import OpError, StartupError
 from ..host import machine
-from ..logs import LineBudget
+from ..logs import LineBudget, lines_dropped
 from .access import ClientInfo, check_admin, check_kv_owner
 from .control import ENGINES, OTHERS, ControlWorker
 from .kv_sweep import sweep_kv_segments
@@ -478,6 +478,7 @@ class Daemon(StopsDaemon, HealsFiles):
             "requests": dict(self.requests),
             "heartbeat_max_gap_s": round(sig.max_gap_s, 3) if sig else 0.0,
             "heartbeat_late_beats": sig.late_beats if sig else 0,
+            "log_lines_dropped": lines_dropped(),  # (stderr did not take them: logs.py)
         }
         if self.service is not None:
             status.update(self.service.status())

@@ -106,6 +106,10 @@ class StatusCollector:
                    "(engines call a daemon hung when one is 2 s late)")
         late.add_metric([i], s.get("heartbeat_late_beats", 0))
         yield late
+        dropped = fam(CounterMetricFamily, "kvcached_log_lines_dropped", "Log lines dropped: "
+                      "stderr did not take them in time (a pipe nobody reads, a blocking log driver)")
+        dropped.add_metric([i], s.get("log_lines_dropped", 0))
+        yield dropped
         yield from self._tiers(s)
         for name, doc, value in (
             ("kvcached_queue_depth", "Tasks queued", s["tasks"].get("queued", 0)),

@@ -11,8 +11,10 @@ between are one request). A daemon one of whose threads keeps the GIL (it does n
 call it hung) writes neither; `py-spy dump --pid PID` or gdb reads it from outside.
 
 A stalled loop's dump: at most STALL_DUMPS in a daemon's life, once a stall, not while the daemon
-stops (its drain does not turn the loop). Without a stderr (a daemon started with it closed)
-there are no dumps, said once; the heartbeat goes on.
+stops (its drain does not turn the loop). faulthandler writes the stacks into a memfd, and they go
+to the log as lines of their own (`[stacks] ...`, JSON objects where the log is JSON), through the
+log's queue (logs.py): a stderr that takes nothing holds neither the heartbeat nor the daemon. A
+dump that cannot be taken turns the dumps off, said once; the heartbeat goes on.
 """
 from __future__ import annotations
 
@@ -20,7 +22,6 @@ import faulthandler
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from typing import Callable
@@ -29,6 +30,18 @@ log = logging.getLogger(__name__)
 
 STALL_DUMPS = 5
 USR1_EVERY_S = 1.0
+
+
+def stacks() -> str:
+    """Every thread's stack as faulthandler writes it (it writes to a file descriptor only)."""
+    fd = os.memfd_create("kvcached-stacks", os.MFD_CLOEXEC)
+    try:
+        with open(fd, "w+b", closefd=False) as f:
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        size = os.lseek(fd, 0, os.SEEK_END)
+        return os.pread(fd, size, 0).decode(errors="replace")
+    finally:
+        os.close(fd)
 
 
 def _asked(_signum, _frame) -> None:
@@ -112,14 +125,17 @@ class StackDumps:
     def _write(self, *line) -> bool:
         if self._off:
             return False
-        log.warning(*line)
         try:
-            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-            return True
-        except (RuntimeError, ValueError, OSError, AttributeError) as exc:  # no stderr to write to
+            text = stacks()
+        except (RuntimeError, ValueError, OSError, AttributeError) as exc:
             log.warning("[heartbeat] stack dumps are off: %s", exc)  # (once: the heartbeat goes on)
             self._off = True
             return False
+        log.warning(*line)
+        for row in text.splitlines():
+            if row:
+                log.warning("[stacks] %s", row)
+        return True
 
     def close(self) -> None:
         """(The main thread, after the heartbeat stopped.) USR1 and the wakeup fd as they were."""

@@ -101,6 +101,8 @@ def format_status(s: dict) -> str:
         *([("copies", _copies_line(tasks["copy_phases"]))] if tasks.get("copy_phases") else []),
         *([("heartbeat", f"{s['heartbeat_late_beats']} beats late (over 0.25 s), the longest gap "
                          f"{s.get('heartbeat_max_gap_s', 0):.2f} s")] if s.get("heartbeat_late_beats") else []),
+        *([("log", f"{s['log_lines_dropped']} lines dropped: stderr did not take them in time")]
+          if s.get("log_lines_dropped") else []),
     ]
     for st in s["storage"]:
         used = (f"  {_gib(st['used_bytes'])} / {_gib(st['capacity_bytes'])}"
