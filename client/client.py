@@ -422,16 +422,18 @@ class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
         wait (on the GPU) for the work queued so far on `stream` (default: the current
         stream), so the engine calls this right after queuing its KV writes, with no
         synchronize. Either way the blocks stay the daemon's to read until the task ends. An
-        offload whose reply does not come (KvcachedTimeout, DaemonUnavailable) is revoked
-        before the error is raised: the blocks are the caller's again."""
+        offload whose reply does not come (KvcachedTimeout, DaemonUnavailable, an interrupt
+        while waiting) is revoked before the error is raised: the blocks are the caller's again."""
         fields = {"keys": pack_keys(keys), "blocks": pack_block_ids(device_blocks),
                   "priority": priority, **self._fence(stream)}
         try:
             reply = self._request(Op.OFFLOAD, timeout, **fields)
-        except (KvcachedTimeout, DaemonUnavailable):
-            # no reply: a daemon that is slow or hung may still take it and read the blocks
-            # after the caller reused them; revoked, it stores nothing of it
-            self._revoke(fields.get("fence", 0))
+        except BaseException as exc:
+            # no reply (a timeout, a daemon hung or gone, an interrupt while waiting): a daemon
+            # that is slow or hung may still take it and read the blocks after the caller
+            # reused them; revoked, it stores nothing of it (a refusal copies nothing)
+            if isinstance(exc, (KvcachedTimeout, DaemonUnavailable)) or not isinstance(exc, KvcachedError):
+                self._revoke(fields.get("fence", 0))
             raise
         reply["fence"] = fields.get("fence", 0)
         return Task(self, reply["task"], "offload", reply)

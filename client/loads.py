@@ -21,9 +21,10 @@ class SendsLoads:
         daemon's copies wait (on the GPU) for the work queued so far on `stream` (default: the
         current stream; e.g. the engine zeroing newly allocated blocks). host_only: plan the
         host tier's leading blocks only, never a storage read. A load sent whose reply does
-        not come (KvcachedTimeout, DaemonUnavailable) may still be taken by a daemon that only
-        hung: its device blocks are held (the error's `.held_blocks`, `held_blocks()`) until
-        the daemon's late reply refuses it, the load it made ends, or the daemon is gone."""
+        not come (KvcachedTimeout, DaemonUnavailable, an interrupt while waiting) may still be
+        taken by a daemon that only hung: its device blocks are held (the error's
+        `.held_blocks`, `held_blocks()`) until the daemon's late reply refuses it, the load it
+        made ends, or the daemon is gone."""
         got = self.load_batch([(keys, device_blocks)], priority, timeout, stream, host_only)[0]
         if isinstance(got, BaseException):
             raise got
@@ -48,23 +49,31 @@ class SendsLoads:
                 frames.append(exc)
         fence = self._fence(stream) if any(isinstance(f, dict) for f in frames) else {}
         sent: list[int | KvcachedError] = []
-        unreachable: KvcachedError | None = None
-        for fields in frames:
-            if isinstance(fields, KvcachedError) or unreachable is not None:
-                sent.append(fields if isinstance(fields, KvcachedError) else unreachable)
-                continue
-            try:
-                sent.append(self._send(Op.LOAD, dict(fields, **fence)))
-            except KvcachedError as exc:  # not sent (the daemon is unreachable): nor the rest
-                unreachable = exc
-                sent.append(exc)
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         out: list[LoadTask | KvcachedError] = []
-        down = False  # once the daemon is seen down, the rest take what already came only
-        for rid, (_, blocks) in zip(sent, loads):
-            out.append(self._load_reply(rid, blocks, time.monotonic() if down else deadline,
-                                        fence.get("fence", 0)))
-            down = down or isinstance(out[-1], DaemonUnavailable)
+        try:
+            unreachable: KvcachedError | None = None
+            for fields in frames:
+                if isinstance(fields, KvcachedError) or unreachable is not None:
+                    sent.append(fields if isinstance(fields, KvcachedError) else unreachable)
+                    continue
+                try:
+                    sent.append(self._send(Op.LOAD, dict(fields, **fence)))
+                except KvcachedError as exc:  # not sent (the daemon is unreachable): nor the rest
+                    unreachable = exc
+                    sent.append(exc)
+            deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+            down = False  # once the daemon is seen down, the rest take what already came only
+            for rid, (_, blocks) in zip(sent, loads):
+                out.append(self._load_reply(rid, blocks, time.monotonic() if down else deadline,
+                                            fence.get("fence", 0)))
+                down = down or isinstance(out[-1], DaemonUnavailable)
+        except BaseException:  # interrupted (KeyboardInterrupt, a signal handler's SystemExit)
+            # while loads were out: those sent and not answered may still be taken and copied
+            # into their blocks, which stay held as for a reply that did not come
+            for rid, (_, blocks) in list(zip(sent, loads))[len(out):]:
+                if not isinstance(rid, KvcachedError):
+                    self._hold_unanswered(rid, blocks, KvcachedTimeout("interrupted"), fence.get("fence", 0))
+            raise
         return out
 
     def _load_reply(self, rid: int | KvcachedError, blocks, deadline: float,

@@ -1,0 +1,97 @@
+"""A call interrupted while it waits for the daemon's reply (Ctrl-C in an engine driven from a
+notebook, a signal handler that raises): the request was sent, and a daemon that takes it copies
+all the same. A load's blocks stay held until the load it made ends, as for a reply that did not
+come; an offload is revoked, so blocks the engine reuses are never stored under its keys. Before,
+neither: the late load overwrote blocks the engine had handed on, and the late offload stored the
+reused blocks' bytes under the old keys."""
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+import pytest
+
+from conftest import keys_for, small_kv, wait_until
+from kvcached_proto import DaemonUnavailable
+from kvcached.bench import process_stop
+
+SRC, DST = [0, 1, 2, 3], [8, 9, 10, 11]
+
+
+def _fill(kv, blocks, value) -> None:
+    for k, v in kv:
+        k[blocks] = value
+        v[blocks] = value
+
+
+def _all(kv, blocks, value) -> bool:
+    return all(bool((k[blocks] == value).all()) and bool((v[blocks] == value).all()) for k, v in kv)
+
+
+def _interrupt(_signum, _frame):
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _interrupted_in(seconds: float):
+    """A KeyboardInterrupt in this (the main) thread `seconds` from now, from a signal as Ctrl-C's."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
+    old = signal.signal(signal.SIGUSR2, _interrupt)
+    timer = threading.Timer(seconds, signal.pthread_kill, (threading.main_thread().ident, signal.SIGUSR2))
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        timer.join()
+        signal.signal(signal.SIGUSR2, old)
+
+
+@contextlib.contextmanager
+def _stopped(daemon):
+    process_stop.stop(daemon.pid)
+    try:
+        yield
+    finally:
+        process_stop.go_on(daemon.pid)
+
+
+def test_a_load_interrupted_while_it_waits_for_its_reply_holds_its_blocks(daemon):
+    kv = small_kv(num_layers=2, num_blocks=16)
+    keys = keys_for(len(SRC), 43)
+    with daemon.connect(timeout=30, hang_s=30) as c:
+        c.register_kv_cache(kv)
+        _fill(kv, SRC, 3)
+        c.offload(SRC, keys).wait(10)
+        _fill(kv, DST, 5)
+        with _stopped(daemon):
+            with _interrupted_in(0.3), pytest.raises(KeyboardInterrupt):
+                c.load(keys, DST)
+            assert c.held_blocks() == set(DST), "an interrupted load's blocks are not held"
+        wait_until(lambda: c.held_blocks() == set(), 20, "the late load's end")
+        assert _all(kv, DST, 3), "the late load did not run (the test proves nothing)"
+
+
+def test_an_offload_interrupted_while_it_waits_for_its_reply_is_revoked(daemon):
+    kv = small_kv(num_layers=2, num_blocks=16)
+    keys = keys_for(len(SRC), 47)
+    with daemon.connect(timeout=30, hang_s=30) as c, daemon.connect(timeout=10) as probe:
+        c.register_kv_cache(kv)
+        _fill(kv, SRC, 3)
+        with _stopped(daemon):
+            with _interrupted_in(0.3), pytest.raises(KeyboardInterrupt):
+                c.offload(SRC, keys)
+            _fill(kv, SRC, 1)  # the engine reuses the blocks
+
+        def ended() -> list:
+            try:
+                c.poll_events()
+            except DaemonUnavailable:
+                return []
+            return [e for e in c._events.values() if e.get("status") is not None]
+
+        wait_until(lambda: ended(), 20, "the daemon ran the offload it took late")
+        assert [e["status"] for e in ended()] == ["cancelled"]
+        assert probe.lookup(keys) == (0, 0)
