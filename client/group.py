@@ -29,8 +29,19 @@ from .key_scheme import KeyScheme
 from .renamed import Renamed
 from .daemon_link import DaemonLink
 from .group_tasks import GroupLoadTask, GroupOffloadTask, GroupPrefetchTask, GroupTask
+from .tasks import LoadTask, Task
 
 log = logging.getLogger(__name__)
+
+
+def _abandon(result) -> None:
+    """What a rank's load or offload started, its caller gone (interrupted, _fan): a load's
+    blocks held until it ends, an offload revoked (its blocks will be reused)."""
+    for task in result if isinstance(result, list) else [result]:
+        if isinstance(task, LoadTask):
+            task.client.hold(task.id, task.reply.get("device_blocks", ()))
+        elif isinstance(task, Task):
+            task.client.revoke(task)
 
 
 class GroupClient:
@@ -163,19 +174,29 @@ class GroupClient:
             self._present(rank)
         return not self.missing
 
-    def _fan(self, call) -> dict[int, object]:
+    def _fan(self, call, abandon=None) -> dict[int, object]:
         """call(rank, client) on every present rank in parallel; results by rank. A rank that
-        turns out gone is marked missing and left out; other errors are raised."""
+        turns out gone is marked missing and left out; other errors are raised. Interrupted
+        while waiting (KeyboardInterrupt, a signal handler's exception), it lets the ranks'
+        calls end first (each bounded by its client's timeout, and one whose reply does not
+        come holds or revokes itself) and `abandon` settles what they started - a load's
+        blocks held, an offload revoked - before the interrupt goes on up: no caller will."""
         ranks = [r for r, c in enumerate(self.clients) if c is not None]
         futures = {r: self._pool.submit(call, r, self.clients[r]) for r in ranks}
         out, error = {}, None
-        for r, fut in futures.items():
-            try:
-                out[r] = fut.result()
-            except DaemonUnavailable as exc:
-                self._lost(r, exc)
-            except Exception as exc:  # surfaced below, after every rank's call has ended
-                error = error or exc
+        try:
+            for r, fut in futures.items():
+                try:
+                    out[r] = fut.result()
+                except DaemonUnavailable as exc:
+                    self._lost(r, exc)
+                except Exception as exc:  # surfaced below, after every rank's call has ended
+                    error = error or exc
+        except BaseException:
+            for fut in futures.values() if abandon is not None else ():
+                if fut.exception() is None:  # (waits for the call to end)
+                    abandon(fut.result())
+            raise
         if error is not None:
             raise error
         return out
@@ -221,7 +242,7 @@ class GroupClient:
             except KvcachedError as exc:
                 failed.append(exc)
 
-        tasks = {r: t for r, t in self._fan(one).items() if t is not None} if self._ready() else {}
+        tasks = {r: t for r, t in self._fan(one, _abandon).items() if t is not None} if self._ready() else {}
         return self._group_load(blocks, tasks, failed)
 
     def load_batch(self, loads: Sequence[tuple[Sequence[bytes], Sequence[int]]], priority: int = 0,
@@ -233,7 +254,7 @@ class GroupClient:
         loads = [(list(keys), [int(b) for b in blocks]) for keys, blocks in loads]
         per_rank = self._fan(lambda r, c: c.load_batch(
             [(self._keys(keys, r), blocks) for keys, blocks in loads], priority, timeout,
-            host_only=host_only)) if self._ready() else {}
+            host_only=host_only), _abandon) if self._ready() else {}
         out: list[GroupLoadTask | KvcachedError] = []
         for i, (_, blocks) in enumerate(loads):
             tasks, failed = {}, []
@@ -286,7 +307,7 @@ class GroupClient:
                 failed.append(exc)
 
         self._ready()
-        tasks = {r: t for r, t in self._fan(one).items() if t is not None}
+        tasks = {r: t for r, t in self._fan(one, _abandon).items() if t is not None}
         if failed:
             for task in tasks.values():
                 task.client.revoke(task)
