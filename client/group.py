@@ -21,7 +21,8 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-from kvcached_proto.errors import DaemonUnavailable, KvcachedError
+from kvcached_proto.codec import check_block_ids
+from kvcached_proto.errors import DaemonUnavailable, KvcachedError, ProtocolError
 from kvcached_proto.paths import resolve_run_dir
 
 from .client import DEFAULT_TIMEOUT_S, Client
@@ -32,6 +33,15 @@ from .group_tasks import GroupLoadTask, GroupOffloadTask, GroupPrefetchTask, Gro
 from .tasks import LoadTask, Task
 
 log = logging.getLogger(__name__)
+
+
+def _ids(blocks) -> list:
+    """A load's block ids as ints; ids that are not (floats, a mask) as they came, for each
+    rank's load_batch to refuse that load alone."""
+    try:
+        return check_block_ids(blocks).tolist()
+    except ProtocolError:
+        return blocks
 
 
 def _abandon(result) -> None:
@@ -231,7 +241,7 @@ class GroupClient:
         """A rank whose load raised (e.g. BUSY) fails the whole load, raised once the other
         ranks' loads, which still write the blocks, are held (a rank whose reply never came
         holds its own); a missing rank makes a load of 0 blocks."""
-        blocks = [int(b) for b in device_blocks]
+        blocks = check_block_ids(device_blocks).tolist()  # (1.5 is refused, not block 1)
         failed: list[KvcachedError] = []
 
         def one(rank: int, client: Client):
@@ -251,7 +261,7 @@ class GroupClient:
         """Client.load_batch on every rank (the ranks in parallel, one round trip each): each
         load, in order, as load() makes it, or the KvcachedError a rank gave it (that load's
         blocks held on the other ranks, as load() holds them)."""
-        loads = [(list(keys), [int(b) for b in blocks]) for keys, blocks in loads]
+        loads = [(list(keys), _ids(blocks)) for keys, blocks in loads]
         per_rank = self._fan(lambda r, c: c.load_batch(
             [(self._keys(keys, r), blocks) for keys, blocks in loads], priority, timeout,
             host_only=host_only), _abandon) if self._ready() else {}
@@ -295,7 +305,7 @@ class GroupClient:
         """A rank that refused it (e.g. BUSY) fails the whole offload, raised once the other
         ranks' offloads are revoked: the caller takes the blocks back, and those ranks would
         read them after (they store nothing of it now). A missing rank stores nothing."""
-        blocks = [int(b) for b in device_blocks]
+        blocks = check_block_ids(device_blocks).tolist()
         failed: list[KvcachedError] = []
 
         def one(rank: int, client: Client):

@@ -73,12 +73,14 @@ def decode(frame: bytes) -> dict:
 
 
 def pack_keys(keys: Iterable[bytes]) -> bytes:
+    """Every key a KEY_BYTES digest, each one checked (an 8-byte key beside a 24-byte one joined
+    to two keys' length, and were sent as two other keys)."""
     keys = keys if isinstance(keys, (list, tuple)) else list(keys)
     try:
         blob = b"".join(keys)
     except TypeError:
         blob = None
-    if blob is None or len(blob) != KEY_BYTES * len(keys):
+    if blob is None or len(blob) != KEY_BYTES * len(keys) or any(len(k) != KEY_BYTES for k in keys):
         for i, k in enumerate(keys):
             if not isinstance(k, (bytes, bytearray, memoryview)) or len(k) != KEY_BYTES:
                 raise ProtocolError(ErrorCode.BAD_FIELD, f"keys[{i}] is not a {KEY_BYTES}-byte digest")
@@ -132,13 +134,25 @@ def unpack_keys(blob: bytes, field: str = "keys") -> PackedKeys:
     return PackedKeys(blob)
 
 
-def pack_block_ids(block_ids: Sequence[int] | np.ndarray) -> bytes:
-    arr = np.asarray(block_ids)
+def check_block_ids(block_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """The block ids as a one-dimensional integer array, or ProtocolError: floats are refused,
+    not truncated (1.5 was sent as block 1: another request's), and so are booleans (a mask
+    passed for ids was sent as blocks 0 and 1) and anything else that is not integers."""
+    try:
+        arr = np.asarray(block_ids)
+    except Exception as exc:  # noqa: BLE001 - a CUDA tensor, ragged lists: said as what it is
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"block ids: {type(exc).__name__}: {exc}") from None
     if arr.ndim != 1:
         raise ProtocolError(ErrorCode.BAD_FIELD, "block ids must be one-dimensional")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"block ids must be integers, not {arr.dtype}")
     if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
         raise ProtocolError(ErrorCode.BAD_FIELD, "block ids must fit in int32 and be >= 0")
-    return arr.astype(_BLOCK_DTYPE, copy=False).tobytes()
+    return arr
+
+
+def pack_block_ids(block_ids: Sequence[int] | np.ndarray) -> bytes:
+    return check_block_ids(block_ids).astype(_BLOCK_DTYPE, copy=False).tobytes()
 
 
 def unpack_block_ids(blob: bytes, field: str = "blocks") -> np.ndarray:
