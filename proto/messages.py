@@ -228,7 +228,11 @@ def make_request(op: Op, rid: int, client: str, **fields) -> dict:
 def encode_request(op: Op, rid: int, client: str, **fields) -> bytes:
     """The frame of a request, or ProtocolError (FRAME_TOO_LARGE) for one the daemon would not
     take: past MAX_REQUEST_BYTES it refuses it, or, much past, drops the connection unanswered."""
-    frame = encode(make_request(op, rid, client, **fields))
+    try:
+        frame = encode(make_request(op, rid, client, **fields))
+    except (OverflowError, TypeError, ValueError) as exc:  # an int past 64 bits, an object msgpack has no type for
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"a {op.name.lower()} request cannot be encoded: "
+                            f"{type(exc).__name__}: {exc}") from None
     if len(frame) > MAX_REQUEST_BYTES:
         raise ProtocolError(ErrorCode.FRAME_TOO_LARGE, f"a {op.name.lower()} request of "
                             f"{len(frame)} bytes: a request may have {MAX_REQUEST_BYTES}")

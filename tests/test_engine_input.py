@@ -50,6 +50,8 @@ def test_a_client_sends_nothing_for_bad_ids_and_the_kv_stays_as_it_was(daemon):
                 c.load(keys, ids)
             with pytest.raises(ProtocolError, match="block ids"):
                 c.offload(ids, keys)
+        with pytest.raises(ProtocolError, match="cannot be encoded"):  # (msgpack's OverflowError)
+            c.load(keys, [8, 9, 10, 11], priority=2**70)
         good, bad = c.load_batch([(keys, [8, 9, 10, 11]), (keys, [12.0, 13.0, 14.0, 15.0])])
         assert isinstance(bad, ProtocolError) and good.wait(10) == 4
         for part, before in zip((t for layer in kv for t in kv_parts(layer)), snap):
