@@ -16,6 +16,7 @@ import weakref
 from kvcached_proto.errors import DaemonUnavailable, KvcachedError, KvcachedTimeout
 from kvcached_proto.paths import DEFAULT_INSTANCE, check_instance, resolve_run_dir
 
+from .forks import current_pid
 from .status_block import StatusReader
 
 STDERR_TAIL_LINES = 20
@@ -47,6 +48,14 @@ def _terminate(proc: subprocess.Popen, timeout: float, log_path: str, keep_log: 
     return proc.returncode
 
 
+def _terminate_mine(launcher: int, *args) -> None:
+    """The finalizer: only in the process that launched the daemon. In a child it forked, the
+    daemon is not the child's (its Popen saw it as exited, with code 0, and the log of the
+    running daemon was deleted at the child's exit); the parent stops it (forks.py)."""
+    if current_pid() == launcher:
+        _terminate(*args)
+
+
 class DaemonHandle:
     def __init__(self, proc: subprocess.Popen, instance: str, run_dir: str, log_path: str,
                  keep_log: bool = False):
@@ -56,7 +65,8 @@ class DaemonHandle:
         self.run_dir = run_dir
         self.log_path = log_path
         self.keep_log = keep_log
-        self._finalizer = weakref.finalize(self, _terminate, proc, 10.0, log_path, keep_log)
+        self._finalizer = weakref.finalize(self, _terminate_mine, current_pid(), proc, 10.0, log_path,
+                                           keep_log)
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """Graceful stop (SIGTERM), SIGKILL after timeout; returns the exit code."""

@@ -35,3 +35,26 @@ def test_a_forked_child_is_told_at_once_and_leaves_its_parents_cache_alone(daemo
     assert parent["segments"] and parent["left"] == parent["segments"], parent
     assert parent["loaded"] == 8 and parent["same"], parent
 
+
+
+LAUNCHER = """
+import os, sys, time
+from kvcached_client import launch
+d = launch(instance=sys.argv[1], run_dir=sys.argv[2], host_cache_gb=0.0625)
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # through the interpreter: the handle's finalizer is the parent's, not run here
+os.waitpid(pid, 0)
+print(d.alive(), os.path.exists(d.log_path), flush=True)
+print(d.stop(), flush=True)
+"""
+
+
+def test_a_child_of_the_process_that_launched_a_daemon_leaves_it_and_its_log_alone(run_dir, instance):
+    """(Before: the child's exit ran the launch handle's finalizer, whose Popen saw a daemon not
+    its own as exited with code 0, and deleted the running daemon's log.)"""
+    env = {k: v for k, v in os.environ.items() if k != "KVCACHED_LOG_DIR"}  # (a log it removes)
+    proc = subprocess.run([sys.executable, "-c", LAUNCHER, instance, run_dir], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True", "True", "0"], proc.stdout
