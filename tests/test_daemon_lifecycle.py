@@ -47,9 +47,11 @@ def test_launch_hello_status_stop(daemon):
     assert not os.path.exists(_segment(daemon.instance))
 
 
-def test_sigterm_leaves_no_socket_and_no_segment(daemon):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_leaves_no_socket_and_no_segment(daemon, signum):
+    """SIGTERM, and SIGHUP (a terminal closed: before, it killed the daemon on the spot)."""
     assert os.path.exists(_segment(daemon.instance))
-    os.kill(daemon.pid, signal.SIGTERM)
+    os.kill(daemon.pid, signum)
     daemon.proc.wait(10)
     assert daemon.proc.returncode == 0
     assert not os.path.exists(_segment(daemon.instance))

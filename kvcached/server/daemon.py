@@ -188,8 +188,8 @@ class Daemon(StopsDaemon, HealsFiles):
         def request_stop(signum, _frame):
             self.stop_requested.set()
             self.events.wake()
-        signal.signal(signal.SIGTERM, request_stop)
-        signal.signal(signal.SIGINT, request_stop)
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # (HUP: a terminal closed)
+            signal.signal(signum, request_stop)
 
     # main loop ------------------------------------------------------------
     def _loop(self) -> None:
