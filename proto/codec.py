@@ -80,7 +80,7 @@ def pack_keys(keys: Iterable[bytes]) -> bytes:
         blob = b"".join(keys)
     except TypeError:
         blob = None
-    if blob is None or len(blob) != KEY_BYTES * len(keys) or any(len(k) != KEY_BYTES for k in keys):
+    if blob is None or len(blob) != KEY_BYTES * len(keys) or (keys and set(map(len, keys)) != {KEY_BYTES}):
         for i, k in enumerate(keys):
             if not isinstance(k, (bytes, bytearray, memoryview)) or len(k) != KEY_BYTES:
                 raise ProtocolError(ErrorCode.BAD_FIELD, f"keys[{i}] is not a {KEY_BYTES}-byte digest")
