@@ -97,3 +97,21 @@ def test_a_segment_another_process_put_under_the_name_is_left_alone(run_dir, ins
     finally:
         posix_ipc.unlink_shared_memory(name)
     assert open(d.log_path).read().count("is no longer this daemon's") == 1
+
+
+def test_the_beat_goes_on_whatever_a_heal_meets(instance, monkeypatch, caplog):
+    """A heal that fails in a way nobody foresaw (here its spare segment cannot be made, then a
+    bug) is logged and not tried again; the heartbeat goes on (engines would call it hung)."""
+    import kvcached.server.status_block as sb
+
+    block = sb.StatusSegment(instance)
+    try:
+        posix_ipc.unlink_shared_memory(block.name)
+        monkeypatch.setattr(sb, "_create", lambda name: (_ for _ in ()).throw(RuntimeError("a bug")))
+        time.sleep(1.5)
+        beat = block.view.heartbeat_ns
+        time.sleep(0.3)
+        assert block.view.heartbeat_ns > beat and block._thread.is_alive()
+        assert block.heals == sb.MAX_HEALS and "making segment" in caplog.text
+    finally:
+        block.close()

@@ -51,7 +51,7 @@ def _asked(_signum, _frame) -> None:
 class StackDumps:
     def __init__(self) -> None:
         self._stall_left = STALL_DUMPS
-        self._off = False  # no stderr to write to
+        self._off = False  # a dump could not be taken (said once)
         self._lag: Callable[[], float] | None = None  # watch_loop
         self._stall_s = 0.0
         self._stalled = False  # (this stall of the loop's dumped already)

@@ -155,7 +155,11 @@ class StatusSegment:
                 view.set_heartbeat(now)
             beats += 1
             if beats % HEAL_EVERY_BEATS == 0 and self.heals < MAX_HEALS:
-                self._heal()
+                try:
+                    self._heal()
+                except Exception:  # noqa: BLE001 - the beat goes on, whatever a heal met
+                    log.exception("[heartbeat] making segment %s anew failed; not tried again", self.name)
+                    self.heals = MAX_HEALS
             gap = (now - last) / 1e9
             last = now
             if gap > self.max_gap_s:
@@ -163,7 +167,10 @@ class StatusSegment:
             if gap > LATE_BEAT_S:  # the process was starved (GIL held, CPU taken): say so
                 self.late_beats += 1
                 log.warning("[heartbeat] beat %.2f s apart (expected %.2f s)", gap, HEARTBEAT_PERIOD_S)
-            self.dumps.on_beat(self.view.state == State.STOPPING)
+            try:
+                self.dumps.on_beat(self.view.state == State.STOPPING)
+            except Exception:  # noqa: BLE001 - (a bug in a dump must not stop the beat)
+                log.exception("[heartbeat] a stack dump failed")
 
     def watch_loop(self, lag: Callable[[], float], stall_s: float) -> None:
         """From now on the heartbeat watches the request loop too: once lag() (how long since it
@@ -191,17 +198,21 @@ class StatusSegment:
             log.error("[heartbeat] segment %s was removed and cannot be made anew: %s", self.name, exc)
             self.heals = MAX_HEALS
             return
-        mm[:] = self._mm[:]  # the header (pid, epoch) as it is; the heartbeat is this thread's
-        view = StatusView(mm)
-        self._made.append((mm, view))
-        self._views = (*self._views, view)
+        with self._flags_lock:  # (no flag or state set between the copy and the fan-out)
+            mm[:] = self._mm[:]  # the header (pid, epoch) as it is; the heartbeat is this thread's
+            view = StatusView(mm)
+            self._made.append((mm, view))
+            self._views = (*self._views, view)
         try:
             os.link(os.path.join(SHM_DIR, spare.lstrip("/")), os.path.join(SHM_DIR, self.name.lstrip("/")))
         except OSError:  # made meanwhile: the next check sees whose
             self._views = self._views[:-1]
             return
         finally:
-            posix_ipc.unlink_shared_memory(spare)
+            try:
+                posix_ipc.unlink_shared_memory(spare)
+            except posix_ipc.ExistentialError:
+                pass
         self.view, self._mm, self._ino = view, mm, ino
         self.heals += 1
         log.warning("[heartbeat] segment %s was removed from /dev/shm while the daemon ran; made "
@@ -214,8 +225,9 @@ class StatusSegment:
                 view.set_flag(flag, on)
 
     def set_state(self, state: State) -> None:
-        for view in self._views:
-            view.set_state(state)
+        with self._flags_lock:
+            for view in self._views:
+                view.set_state(state)
 
     @property
     def state(self) -> State:

@@ -98,8 +98,9 @@ class KeyPublisher:
             log.info("[keys] key table %s: %d slots (%.1f MiB) for %d host blocks and %d local "
                      "storage blocks", self.name, nslots, table_bytes(nslots) / 2**20, host_blocks, storage)
 
-    def _new_table(self, nslots: int, host_blocks: int) -> bool:
-        """The old table closed and a new, empty one made; False where it cannot be."""
+    def _new_table(self, nslots: int, host_blocks: int, host_complete: bool = True) -> bool:
+        """The old table closed and a new, empty one made; False where it cannot be.
+        host_complete=False: readers ask the daemon for host keys until it is set (heal)."""
         with self._lock:
             self._close_table()
             try:
@@ -116,7 +117,7 @@ class KeyPublisher:
             self._kt.init(self._mm, nslots, self.epoch, secrets.randbits(64), max_count(nslots))
             self._storage_limit = max(0, max_count(nslots) - host_blocks)  # room kept for the host
             self._storage_full = False
-            flags = Flags.OPEN | Flags.HOST_COMPLETE
+            flags = Flags.OPEN | (Flags.HOST_COMPLETE if host_complete else 0)
             if not self._local and not self._remote:
                 flags |= Flags.NO_STORAGE
             if self._remote:
@@ -136,13 +137,17 @@ class KeyPublisher:
         with self._lock:
             if self._mm is None or segment_inode(self.name) is not None:
                 return False
-            if not self._new_table(self._nslots, host_blocks):
+            if not self._new_table(self._nslots, host_blocks, host_complete=False):
                 return False
             mm = self._mm
-            for key in loadable():
+            for key in loadable():  # (a reader asks the daemon until they are all in)
                 if self._kt.update(mm, key, HOST_BIT, 0) < 0:
-                    self._refuse("host", Flags.HOST_COMPLETE)
+                    self.refused["host"] += 1
+                    log.warning("[keys] the key table is full: lookups that need its host keys are "
+                                "answered by the daemon until the next table")
                     break
+            else:
+                self._kt.set_flags(mm, Flags.HOST_COMPLETE, 0)
         self._watch_local()
         self.refresh()
         log.warning("[keys] the key table %s was removed from /dev/shm while the daemon ran: made "
