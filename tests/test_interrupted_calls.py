@@ -14,22 +14,10 @@ import pytest
 import torch
 
 from conftest import keys_for, ranks, small_kv, wait_until
+from test_unanswered_load import DST, SRC, _all, _fill
 from kvcached_client import GroupClient
 from kvcached_proto import DaemonUnavailable
 from kvcached.bench import process_stop
-
-SRC, DST = [0, 1, 2, 3], [8, 9, 10, 11]
-
-
-def _fill(kv, blocks, value) -> None:
-    for k, v in kv:
-        k[blocks] = value
-        v[blocks] = value
-
-
-def _all(kv, blocks, value) -> bool:
-    return all(bool((k[blocks] == value).all()) and bool((v[blocks] == value).all()) for k, v in kv)
-
 
 def _interrupt(_signum, _frame):
     raise KeyboardInterrupt
