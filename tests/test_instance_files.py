@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import kv_parts, small_kv, wait_until
-from kvcached_client import Client, launch
+from kvcached_client import Client, RequestError, launch
 from kvcached_proto.paths import socket_paths
 
 pytestmark = pytest.mark.faults
@@ -115,3 +115,13 @@ def test_the_beat_goes_on_whatever_a_heal_meets(instance, monkeypatch, caplog):
         assert block.heals == sb.MAX_HEALS and "making segment" in caplog.text
     finally:
         block.close()
+
+
+def test_an_engine_whose_own_kv_segments_were_removed_is_told_why_it_cannot_register_again(daemon):
+    """Its mapping still works for it, but a daemon (a restarted one) cannot map what has no name."""
+    kv = small_kv(num_layers=2, num_blocks=16)
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(f"kvcached.{os.getuid()}.kv.{os.getpid()}."):
+            os.unlink(f"/dev/shm/{name}")
+    with daemon.connect(timeout=5) as c, pytest.raises(RequestError, match="does not exist.*RemoveIPC"):
+        c.register_kv_cache(kv)

@@ -170,7 +170,10 @@ class KVRegistration:
         try:
             shm = posix_ipc.SharedMemory(name, flags=0)
         except posix_ipc.ExistentialError:
-            raise OpError(ErrorCode.KV_MISMATCH, f"KV segment {name} does not exist") from None
+            raise OpError(ErrorCode.KV_MISMATCH, f"KV segment {name} does not exist (unlinked while "
+                          "the engine held it? systemd-logind removes a user's shared memory at the "
+                          "user's last logout where RemoveIPC=yes: the engine must allocate its KV "
+                          "cache again)") from None
         except posix_ipc.PermissionsError:
             raise OpError(ErrorCode.KV_MISMATCH, f"KV segment {name} is not readable by the daemon") from None
         try:
