@@ -205,7 +205,10 @@ class GroupClient:
         except BaseException:
             for fut in futures.values() if abandon is not None else ():
                 if fut.exception() is None:  # (waits for the call to end)
-                    abandon(fut.result())
+                    try:
+                        abandon(fut.result())
+                    except Exception:  # noqa: BLE001 - the interrupt goes up, not this
+                        log.exception("[group] settling a rank's call after an interrupt failed")
             raise
         if error is not None:
             raise error

@@ -146,4 +146,4 @@ def setup_logging(level: str, fmt: str) -> LogQueue:
 
 def lines_dropped() -> int:
     """Log lines the daemon's LogQueue dropped (0 without one: an embedding's own logging)."""
-    return sum(getattr(h, "dropped", 0) for h in logging.getLogger().handlers if isinstance(h, LogQueue))
+    return sum(h.dropped for h in logging.getLogger().handlers if isinstance(h, LogQueue))

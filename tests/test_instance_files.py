@@ -125,3 +125,24 @@ def test_an_engine_whose_own_kv_segments_were_removed_is_told_why_it_cannot_regi
             os.unlink(f"/dev/shm/{name}")
     with daemon.connect(timeout=5) as c, pytest.raises(RequestError, match="does not exist.*RemoveIPC"):
         c.register_kv_cache(kv)
+
+
+def test_a_key_table_removed_again_and_again_is_made_anew_a_bounded_number_of_times(instance):
+    """Each heal re-tells the disk tiers' whole index under the host lock: a name removed over
+    and over (a process deleting it in a loop) costs the daemon MAX_HEALS of them, then lookups
+    go as messages."""
+    from kvcached.service import key_publisher
+    from kvcached_proto.key_table import segment_name
+
+    publisher = key_publisher.KeyPublisher(instance, 7)
+    name = segment_name(os.getuid(), instance)
+    try:
+        publisher.rebuild(64, bytes(16), 4096)
+        for _ in range(key_publisher.MAX_HEALS):
+            posix_ipc.unlink_shared_memory(name)
+            assert publisher.heal(lambda: [b"k" * 16], 64)
+        posix_ipc.unlink_shared_memory(name)
+        assert not publisher.heal(lambda: [b"k" * 16], 64)
+        assert not os.path.exists(f"/dev/shm{name}")
+    finally:
+        publisher.close()

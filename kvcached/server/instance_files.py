@@ -46,7 +46,6 @@ class HealsFiles:
     """Daemon's check of its run-dir files and key table; uses cfg, _lock_fd, _router, service."""
 
     _next_files_check = 0.0
-    files_healed = 0
 
     def _heal_files(self) -> None:
         now = time.monotonic()
@@ -75,7 +74,6 @@ class HealsFiles:
                       "its lock" if not lock_there else "the request socket", exc)
             self._next_files_check = now + 30 * CHECK_EVERY_S
             return
-        self.files_healed += 1
         gone = [what for what, there in (("lock", lock_there), ("request socket", socket_there))
                 if not there]
         log.warning("[files] the %s of instance %s %s gone from the run dir %s (removed while the "

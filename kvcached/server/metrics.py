@@ -37,6 +37,8 @@ metrics_http.MetricsServer (one thread, bounded; a rendering shared for MIN_REND
     kvcached_heartbeat_late_total                                      counter (beats later than
                                   0.25 s: the daemon starved or held; engines call it hung at 2 s)
     kvcached_heartbeat_max_gap_seconds                                 gauge (the longest since start)
+    kvcached_log_lines_dropped_total                                   counter (lines stderr did not
+                                  take in time: logs.py)
 """
 from __future__ import annotations
 

@@ -33,6 +33,8 @@ from kvcached_proto.key_table import (HOST_BIT, MAX_STORAGE_TIERS, Flags, max_co
 
 log = logging.getLogger(__name__)
 
+MAX_HEALS = 16  # tables made anew in a daemon's life (as for the status segment: status_block.py)
+
 
 class KeyPublisher:
     def __init__(self, instance: str, epoch: int, tiers=(), enabled: bool = True):
@@ -42,6 +44,7 @@ class KeyPublisher:
         self._lock = threading.RLock()
         self._mm: mmap.mmap | None = None
         self._ino = 0  # the table's file in /dev/shm (heal)
+        self.heals = 0
         self._nslots = 0
         self._geometry: bytes | None = None
         self._storage_limit = 0  # storage keys stop here: the rest is kept for the host's
@@ -135,8 +138,9 @@ class KeyPublisher:
         open the new one. True if it was made. A table another process put under the name is
         left alone (clients check whose it is)."""
         with self._lock:
-            if self._mm is None or segment_inode(self.name) is not None:
+            if self._mm is None or self.heals >= MAX_HEALS or segment_inode(self.name) is not None:
                 return False
+            self.heals += 1  # (each one re-tells the disk tiers' whole index, under the host lock)
             if not self._new_table(self._nslots, host_blocks, host_complete=False):
                 return False
             mm = self._mm
