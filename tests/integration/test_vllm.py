@@ -197,6 +197,8 @@ def test_a_kv_consumer_loads_what_a_kv_producer_stored_and_stores_nothing(
             s = c.status()
         assert s["bytes"].get("d2h", 0) == 0 and s["storage_io"]["prefetched"] > 0, s
         assert producer.gen("X")["num_cached_tokens"] == 3 * block  # not in redis either
+        with daemons["producer"].connect() as c:  # (its offload of X landed: not a race with the
+            c.flush().wait(30)  # lookup of the next request, which once saw 96 of 448 tokens)
         # the control: the producer stores what it computes, so its X now hits whole
         assert producer.gen("X")["num_cached_tokens"] == len(vllm_driver.PREFIX)
         # a decode request right after its prefill, as a proxy sends it (no flush): D's last 7
