@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # imported lazily at run time: the CLI uses this package with
 from kvcached_proto.errors import KvcachedError
 from kvcached_proto.geometry import gpu_uuid
 from kvcached_proto.layout import DTYPE_BYTES
+from kvcached_proto import shm_room
 from kvcached_proto.paths import kv_segment_name
 
 from .forks import current_pid
@@ -95,15 +96,9 @@ def _reserve(fd: int, nbytes: int) -> None:
     """Take the segment's memory now: a sparse one on a /dev/shm without room would kill the
     engine with SIGBUS at its first KV write (Docker's default /dev/shm is 64 MiB)."""
     try:
-        os.posix_fallocate(fd, 0, nbytes)
-    except OSError as exc:
-        fs = os.statvfs("/dev/shm")
-        free = fs.f_bavail * fs.f_frsize
-        raise KvcachedError(
-            f"/dev/shm has no room for {nbytes / 2**20:.1f} MiB of KV cache ({free / 2**20:.1f} "
-            f"MiB free: {exc.strerror}); give the engine's container a larger /dev/shm "
-            "(docker run --shm-size=..., or --ipc host; Kubernetes: an emptyDir with medium "
-            "Memory mounted there)") from None
+        shm_room.reserve(fd, nbytes, "KV cache")
+    except shm_room.NoShmRoom as exc:
+        raise KvcachedError(f"{exc.strerror}; {shm_room.ADVICE}") from None
 
 
 def _shared_cpu_buffer(nbytes: int) -> tuple[mmap.mmap, str]:

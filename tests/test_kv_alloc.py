@@ -30,7 +30,7 @@ def test_a_collection_while_describing_the_kv_cache_does_not_deadlock():
 
 
 _SMALL_SHM = r"""
-import os, sys, tempfile
+import os, sys
 from kvcached_client import KvcachedError, RequestError, allocate_kv_cache, launch
 import kvcached_client.kv_alloc as kv_alloc
 try:
@@ -42,7 +42,7 @@ sparse = kv_alloc._reserve
 kv_alloc._reserve = lambda fd, n: None  # a segment made without reserving, as before
 kv = allocate_kv_cache(2, 64, (16, 2, 128))
 kv_alloc._reserve = sparse
-run_dir = tempfile.mkdtemp(dir="/tmp")
+run_dir = sys.argv[1]
 with launch(instance="smallshm", run_dir=run_dir, host_cache_gb=0.01) as d, d.connect() as c:
     try:
         c.register_kv_cache(kv)
@@ -66,7 +66,7 @@ def test_kv_on_a_dev_shm_without_room_is_refused_at_allocation_not_a_sigbus_late
     script = tmp_path / "small_shm.py"
     script.write_text(_SMALL_SHM)
     out = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=512k tmpfs /dev/shm "
-                          f"&& exec {sys.executable} {script}"], capture_output=True, text=True,
+                          f"&& exec {sys.executable} {script} {tmp_path / 'run'}"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()

@@ -24,7 +24,7 @@ import numpy as np
 import posix_ipc
 import torch
 
-from kvcached_proto import ErrorCode
+from kvcached_proto import ErrorCode, shm_room
 from kvcached_proto.geometry import Region, check_disjoint, gpu_uuid
 from kvcached_proto.layout import LayoutSpec
 from kvcached_proto.order_words import segment_bytes
@@ -206,12 +206,10 @@ class KVRegistration:
         self._maps[name], self._guards[name] = mm, guard
         _prefault(mm)  # guarded: a segment shrunk meanwhile shows up as `lost`, not SIGBUS
         if guard.faulted:
-            fs = os.statvfs("/dev/shm")
             raise OpError(ErrorCode.KV_MISMATCH, f"KV segment {name} faulted when touched: it "
                           f"shrank while it was mapped, or it is sparse and /dev/shm has no room "
-                          f"for it ({len(mm) / 2**20:.1f} MiB; {fs.f_bavail * fs.f_frsize / 2**20:.1f} "
-                          "MiB free): give the engine's container a larger /dev/shm (docker "
-                          "--shm-size, or --ipc host)")
+                          f"for it ({len(mm) / 2**20:.1f} MiB; {shm_room.free_bytes() / 2**20:.1f} "
+                          f"MiB free): {shm_room.ADVICE}")
         return mm
 
     def close(self) -> None:

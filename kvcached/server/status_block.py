@@ -21,6 +21,7 @@ from typing import Callable
 
 import posix_ipc
 
+from kvcached_proto import shm_room
 from kvcached_proto.liveness import pid_alive, pid_namespace, process_alive, start_ticks
 from kvcached_proto.paths import SHM_DIR, segment_inode, segment_owner
 from kvcached_proto.shm_layout import (
@@ -55,7 +56,11 @@ def _create(name: str) -> tuple[mmap.mmap, int]:
     """A new segment (O_EXCL, 0600) mapped: (mapping, inode)."""
     shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o600, size=SEGMENT_BYTES)
     try:
+        shm_room.reserve(shm.fd, SEGMENT_BYTES, "status segment")  # (sparse: a SIGBUS at a write)
         return mmap.mmap(shm.fd, SEGMENT_BYTES), os.fstat(shm.fd).st_ino
+    except BaseException:
+        posix_ipc.unlink_shared_memory(name)
+        raise
     finally:
         shm.close_fd()
 
@@ -93,6 +98,8 @@ class StatusSegment:
             self._mm, self._ino = _create(self.name)
         except posix_ipc.ExistentialError:
             raise StartupError(f"shared-memory segment {self.name} appeared while starting") from None
+        except shm_room.NoShmRoom as exc:
+            raise StartupError(f"{exc.strerror}; {shm_room.ADVICE}") from None
         self.view = StatusView(self._mm)
         self.view.init_header(os.getpid(), self.epoch, start_ticks(os.getpid()) or 0, pid_namespace())
         self.view.set_heartbeat(time.monotonic_ns())

@@ -27,9 +27,10 @@ from typing import Callable, Iterable
 import posix_ipc
 
 from ..storage.record import stored_key
+from kvcached_proto import shm_room
 from kvcached_proto.paths import segment_inode, segment_owner
-from kvcached_proto.key_table import (HOST_BIT, MAX_STORAGE_TIERS, Flags, max_count, native, segment_name,
-                                      table_bytes, table_slots)
+from kvcached_proto.key_table import (HOST_BIT, MAX_STORAGE_TIERS, MIN_SLOTS, Flags, max_count, native,
+                                      segment_name, table_bytes, table_slots)
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,8 @@ class KeyPublisher:
         if made:
             self.refresh()
             log.info("[keys] key table %s: %d slots (%.1f MiB) for %d host blocks and %d local "
-                     "storage blocks", self.name, nslots, table_bytes(nslots) / 2**20, host_blocks, storage)
+                     "storage blocks", self.name, self._nslots, table_bytes(self._nslots) / 2**20,
+                     host_blocks, storage)
 
     def _new_table(self, nslots: int, host_blocks: int, host_complete: bool = True) -> bool:
         """The old table closed and a new, empty one made; False where it cannot be.
@@ -107,8 +109,7 @@ class KeyPublisher:
         with self._lock:
             self._close_table()
             try:
-                shm = posix_ipc.SharedMemory(self.name, flags=posix_ipc.O_CREX, mode=0o600,
-                                             size=table_bytes(nslots))
+                shm, nslots = self._make_segment(nslots, host_blocks)
             except (posix_ipc.ExistentialError, OSError, ValueError) as exc:
                 log.warning("[keys] cannot make the key table %s (%s): clients send lookups", self.name, exc)
                 return False
@@ -130,6 +131,35 @@ class KeyPublisher:
             self._kt.set_flags(self._mm, flags, 0)
             self._storage_flags = 0
         return True
+
+    def _make_segment(self, nslots: int, host_blocks: int) -> tuple[posix_ipc.SharedMemory, int]:
+        """The table's segment, its memory taken (a sparse one killed the daemon with SIGBUS
+        as its slots were written on a /dev/shm without room: Docker's 64 MiB). It takes at
+        most half of what /dev/shm has free (the engines' KV segments live there too): where
+        `nslots` do not fit, a table of half as many, down to MIN_SLOTS, holds what it can and
+        says in its flags what it lacks (clients ask the daemon for that)."""
+        wanted, why = nslots, None
+        while True:
+            if nslots > MIN_SLOTS and table_bytes(nslots) > shm_room.free_bytes() // 2:
+                why, nslots = why or f"/dev/shm has {shm_room.free_bytes() / 2**20:.1f} MiB free", nslots // 2
+                continue
+            shm = posix_ipc.SharedMemory(self.name, flags=posix_ipc.O_CREX, mode=0o600,
+                                         size=table_bytes(nslots))
+            try:
+                shm_room.reserve(shm.fd, table_bytes(nslots), "key table")
+            except BaseException as exc:
+                shm.close_fd()
+                posix_ipc.unlink_shared_memory(self.name)
+                if not isinstance(exc, shm_room.NoShmRoom) or nslots <= MIN_SLOTS:
+                    raise
+                why, nslots = why or exc.strerror, nslots // 2
+                continue
+            if why is not None:
+                log.warning("[keys] %s: a key table of %d slots (%.1f MiB) instead of %d (%.1f "
+                            "MiB), for %d host blocks and the local storage's: lookups of what it "
+                            "cannot hold go to the daemon; %s", why, nslots, table_bytes(nslots) / 2**20,
+                            wanted, table_bytes(wanted) / 2**20, host_blocks, shm_room.ADVICE)
+            return shm, nslots
 
     def heal(self, loadable: Callable[[], Iterable[bytes]], host_blocks: int) -> bool:
         """(Host lock held; about once a second.) The table's name gone from /dev/shm while the
