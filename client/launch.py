@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 import weakref
+from urllib.parse import urlsplit
 
 from kvcached_proto.errors import DaemonUnavailable, KvcachedError, KvcachedTimeout
 from kvcached_proto.paths import DEFAULT_INSTANCE, check_instance, resolve_run_dir
@@ -112,8 +113,9 @@ def launch(instance: str = DEFAULT_INSTANCE, device: str = "cpu", host_cache_gb:
     exits non-zero always leaves its log, and says where."""
     check_instance(instance)
     run_dir = resolve_run_dir(run_dir)
+    args, env = _storage_off_the_command_line(list(map(str, extra_args)), env)
     cmd = [sys.executable, "-m", "kvcached", "serve", "--instance", instance, "--device", device,
-           "--host-cache-gb", str(host_cache_gb), "--run-dir", run_dir, *map(str, extra_args)]
+           "--host-cache-gb", str(host_cache_gb), "--run-dir", run_dir, *args]
     keep = log_path is not None or bool(os.environ.get("KVCACHED_LOG_DIR"))
     if log_path is None:
         log_dir = os.environ.get("KVCACHED_LOG_DIR") or None
@@ -142,6 +144,33 @@ def launch(instance: str = DEFAULT_INSTANCE, device: str = "cpu", host_cache_gb:
             raise KvcachedTimeout(
                 f"kvcached serve not ready within {ready_timeout} s (set launch(ready_timeout=...)):\n{tail}")
         time.sleep(0.02)
+
+
+def _has_password(uri: str) -> bool:
+    try:
+        return urlsplit(uri).password is not None
+    except ValueError:  # a malformed URI (the daemon says how): one with userinfo, kept off argv
+        return "@" in uri
+
+
+def _storage_off_the_command_line(args: list[str], env: dict | None) -> tuple[list[str], dict | None]:
+    """`--storage` URIs go to the daemon in $KVCACHED_STORAGE (which they override, as the
+    flags would) where one holds a password: a command line is every user's to read (ps,
+    /proc/PID/cmdline), a process's environment its own user's."""
+    rest, uris, i = [], [], 0
+    while i < len(args):
+        if args[i] == "--storage" and i + 1 < len(args):
+            uris.append(args[i + 1])
+            i += 2
+            continue
+        if args[i].startswith("--storage="):
+            uris.append(args[i].split("=", 1)[1])
+        else:
+            rest.append(args[i])
+        i += 1
+    if not any(map(_has_password, uris)):
+        return args, env
+    return rest, {**(os.environ if env is None else env), "KVCACHED_STORAGE": ",".join(uris)}
 
 
 def _ready(instance: str, pid: int, storage: bool = False) -> bool:

@@ -86,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "disk:///abs/path?capacity_gb=F[&io_timeout_s=F][&fsync=1], "
                             "redis://host:port/db, redis+cluster://host:port, "
                             "redis+sentinel://host:port[,host:port...]/db?service=NAME, "
-                            "mooncake://master_host:port[?segment_gb=F&host=ADDR&protocol=tcp|rdma]")
+                            "mooncake://master_host:port[?segment_gb=F&host=ADDR&protocol=tcp|rdma]. "
+                            "A password here is every local user's to read (ps): give such a URI "
+                            "in $KVCACHED_STORAGE or a --config file of mode 0600")
     serve.add_argument("--storage-write-policy", default=S,
                        choices=["write_through", "write_through_selective", "write_back"],
                        help="when host blocks go to storage (default: write_through)")
@@ -233,7 +235,7 @@ def cmd_serve(args) -> int:
     from .logs import setup_logging
 
     setup_logging(cfg.log_level, cfg.log_format)
-    for warning in unknown_env_warnings(os.environ):
+    for warning in unknown_env_warnings(os.environ) + password_warnings(args):
         log.warning("[config] %s", warning)
     from .server.daemon import Daemon  # imports torch; keep `status`/`stop` fast
 
@@ -246,6 +248,25 @@ def cmd_serve(args) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)
+
+
+def password_warnings(args) -> list[str]:
+    """A storage password where others can read it: on the command line (every user of the
+    host reads it: ps, /proc/PID/cmdline), or in a config file group or others may read. The
+    environment is the process's own (/proc/PID/environ is its user's)."""
+    from .config_sources import from_file
+    from .storage.uris import redact
+
+    out = [f"the password of storage tier {redact(uri)} is on the command line, where every "
+           f"user of this host can read it (ps, /proc/{os.getpid()}/cmdline): give the URI in "
+           "$KVCACHED_STORAGE or in a --config file of mode 0600 instead"
+           for uri in getattr(args, "storage", None) or () if redact(uri) != uri]
+    if args.config and any(redact(u) != u for u in from_file(args.config).get("storage", ())):
+        mode = os.stat(args.config).st_mode & 0o777
+        if mode & 0o044:
+            out.append(f"--config {args.config} holds a storage password and is readable by "
+                       f"group or others (mode {mode:o}): chmod 600 it")
+    return out
 
 
 def cmd_keygen(args) -> int:

@@ -9,13 +9,14 @@ the wrong type are rejected with a message that names them and where they came f
     storage = ["disk:///var/cache/kvcached?capacity_gb=500"]
 
 Environment: KVCACHED_HOST_CACHE_GB=64, KVCACHED_STORAGE="disk:///a,redis://r:6379/0" (lists
-are comma-separated), KVCACHED_STORAGE_WRITER=false. A KVCACHED_* variable that names no key,
+are comma-separated; a Sentinel URI keeps its own commas), KVCACHED_STORAGE_WRITER=false. A KVCACHED_* variable that names no key,
 and is none of those the scripts and tests read (NON_CONFIG_ENV), is warned about at start.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
 from typing import Any, Mapping
 
@@ -34,6 +35,7 @@ NON_CONFIG_ENV = ("KVCACHED_INSTANCE", "KVCACHED_DISK", "KVCACHED_VENV", "KVCACH
                   "KVCACHED_HANG_S")
 _HINTS = typing.get_type_hints(DaemonConfig)
 _TYPES = {f.name: _HINTS[f.name] for f in dataclasses.fields(DaemonConfig)}
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
@@ -66,11 +68,24 @@ def _coerce(key: str, value: Any, source: str) -> Any:
         return value
     if hint == list[str]:
         if isinstance(value, str):
-            return [v.strip() for v in value.split(",") if v.strip()]
+            return split_list(value)
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return list(value)
         raise StartupError(f"{where} = {value!r}: expected a list of strings")
     raise AssertionError(f"no coercion for {key}: {hint}")
+
+
+def split_list(value: str) -> list[str]:
+    """A comma-separated list of an environment variable. A URI may hold commas (a Sentinel
+    tier's hosts, `redis+sentinel://h1:26379,h2:26379/0?service=m`): a piece with no scheme
+    after one with one goes on that URI."""
+    out: list[str] = []
+    for piece in (v.strip() for v in value.split(",")):
+        if out and piece and "://" in out[-1] and not _SCHEME.match(piece):
+            out[-1] += "," + piece
+        elif piece:
+            out.append(piece)
+    return out
 
 
 def from_file(path: str) -> dict:

@@ -320,3 +320,45 @@ def test_what_clients_repeat_is_logged_a_bounded_number_of_times(run_dir):
             s.close()
             ctx.term()
         assert open(d.log_path).read().count("[handshake] client loop") <= 20
+
+
+def test_a_sentinel_uri_in_the_environment_is_one_tier():
+    """KVCACHED_STORAGE is comma-separated, and a Sentinel URI lists its sentinels with commas:
+    it was cut into 'redis+sentinel://h1:26379' (refused: no service) and 'h2:26379/0?...'."""
+    sentinel = "redis+sentinel://:pw@h1:26379,h2:26380/0?service=m"
+    cfg = _config(env={"KVCACHED_STORAGE": f"{sentinel}, disk:///tmp/x,"})
+    assert cfg["storage"] == ["redis+sentinel://:***@h1:26379,h2:26380/0?service=m", "disk:///tmp/x"]
+
+
+def _startup_log(*args) -> str:
+    """What `kvcached serve` logs up to its ready line (then stopped with SIGTERM)."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvcached", "serve", *args],
+                            stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if " ready: pid " in line or len(lines) > 200:
+                break
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        lines.append(proc.communicate(timeout=30)[1])
+    return "".join(lines)
+
+
+def test_a_storage_password_where_others_read_it_is_warned_about(tmp_path, run_dir):
+    """On the command line every user of the host reads it (ps); in a config file others may
+    read, so do they. The warning names the tier without its password."""
+    secret, port = "hunter2-secret", free_port()  # no server there: the tier is down, the daemon up
+    conf = tmp_path / "kvcached.toml"
+    conf.write_text(f'storage = ["redis://:{secret}@127.0.0.1:{port}/1"]\n')
+    conf.chmod(0o644)
+    common = ["--instance", unique_instance("pw"), "--run-dir", run_dir, "--host-cache-gb", "0.01",
+              "--config", str(conf)]
+    log = _startup_log(*common, "--storage", f"redis://:{secret}@127.0.0.1:{port}/0")
+    assert " ready: pid " in log and secret not in log
+    assert f"storage tier redis://:***@127.0.0.1:{port}/0 is on the command line" in log
+    assert f"--config {conf} holds a storage password and is readable by group or others" in log
+    conf.chmod(0o600)
+    log = _startup_log(*common)  # the file private, nothing on the command line: no warning
+    assert " ready: pid " in log and "password" not in log

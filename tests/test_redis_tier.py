@@ -43,6 +43,11 @@ def test_a_password_in_the_uri_authenticates_and_is_shown_nowhere(run_dir, insta
                 assert c.lookup(keys) == (0, 6)
                 status = json.dumps(c.status())
                 assert c.status()["storage"][0]["healthy"]
+                # launch() gives the URI in the daemon's environment, not on its command line
+                # (every user's to read): the healthy tier above authenticated with it
+                with open(f"/proc/{h.proc.pid}/cmdline", "rb") as f:
+                    cmdline = f.read().decode()
+                assert SECRET not in cmdline and "--metrics-port" in cmdline
                 metrics = _metrics(port)
                 server.stop()  # an outage: its log line names the tier
                 wait_until(lambda: not c.status()["storage"][0]["healthy"], 5, "the outage seen")
