@@ -338,6 +338,7 @@ def _disk_with_a_hung_unlink(tmp_path, monkeypatch):
     made = [DiskBackend(root, 1 << 30, io_timeout_s=0.2)]
 
     def next_start() -> DiskBackend:  # with another capacity: the record is the root's
+        made[0].close()  # the first daemon stopped (its unlink still hung): the root is free
         made.append(DiskBackend(root, 2 << 30, io_timeout_s=0.2, uri=f"disk://{root}?capacity_gb=2"))
         made[-1].owe_clear(OwedRecord(path))
         assert made[-1].indexed.wait(10)

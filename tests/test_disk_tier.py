@@ -403,3 +403,44 @@ def test_the_index_rebuild_leaves_this_processs_writes_in_progress_alone(tmp_pat
     found, removed = list_records(str(tmp_path), set())
     assert found == [] and removed == 1
     assert ours.exists() and not crashed.exists()
+
+
+@pytest.mark.faults
+def test_a_second_daemon_on_a_disk_tiers_directory_is_refused_by_name(run_dir, instance, disk_dir):
+    """One config file for every GPU of a node gives every daemon the same directory: each
+    indexed only its own writes, evicted for a capacity it took for its own, and a start of one
+    removed the others' writes in progress (temp files of another pid) - now the second is
+    refused at start, naming the first; the first works on, and a successor of a killed one
+    (the kernel drops the lock) finds its blocks. A lock file planted as a link is replaced,
+    the link's target untouched."""
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    keys, src, dst = keys_for(8, 40), list(range(8)), list(range(20, 28))
+    expected = snapshot(kv, src)
+    target = os.path.join(run_dir, "not-the-lock")
+    open(target, "w").write("keep")
+    os.symlink(target, os.path.join(disk_dir, ".kvcached.lock"))
+    first = start(run_dir, instance, disk_uri(disk_dir))
+    try:
+        with first.connect() as c:
+            c.register_kv_cache(kv)
+            with pytest.raises(Exception, match=rf"in use by the daemon of pid {first.proc.pid}; give each "
+                                                r"daemon a directory of its own"):
+                start(run_dir, instance + "b", disk_uri(disk_dir))
+            with pytest.raises(Exception, match="names the directory twice"):
+                start(run_dir, instance + "c", disk_uri(os.path.join(run_dir, "d2")),
+                      disk_uri(os.path.join(run_dir, "d2") + "/"))
+            offload_and_flush(c, kv, keys, src)
+        first.proc.kill()
+        first.proc.wait(10)
+    finally:
+        first.stop()
+    assert open(target).read() == "keep"
+    successor = start(run_dir, instance, disk_uri(disk_dir))  # (it sweeps what the kill left)
+    try:
+        with successor.connect() as c:
+            c.register_kv_cache(kv)
+            wait_until(lambda: c.lookup(keys) == (0, 8), 10, "the first daemon's blocks indexed")
+            scramble(kv, 5)
+            assert c.load(keys, dst).wait(10) == 8 and blocks_equal(kv, dst, expected)
+    finally:
+        successor.stop()

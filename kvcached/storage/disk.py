@@ -2,27 +2,26 @@
 
     {root}/{key[0] as 2 hex}/{key as 32 hex}.kvb      (record.py format; the stored key)
 
-Writes go to a temp file in the same shard, then os.replace: a crash leaves either the old
-state or the whole new file, never half a block. The file name is the key, so the index is
-rebuilt by listing the shards at start (in a background thread; the tier reports no hits until
-it is done, and puts, deletes and clears made meanwhile win over what the listing finds),
-oldest modification first for LRU. Capacity is enforced by evicting the least recently used
-files; a chain put or read together is ordered head-last, so a prefix loses its tail first and
-what stays is still a loadable prefix. A filesystem that fills up below the capacity (ENOSPC:
-it is smaller, or shared) sets a lower limit - a few blocks under what the filesystem holds for
-the tier then - and the tier evicts to stay under it, so new blocks keep coming in; status says
+Writes go to a temp file in the same shard, then os.replace: a crash leaves either the old state
+or the whole new file, never half a block. The file name is the key, so the index is rebuilt by
+listing the shards at start (in a background thread; the tier reports no hits until it is done,
+and puts, deletes and clears made meanwhile win over what the listing finds), oldest
+modification first for LRU. Capacity is enforced by evicting the least recently used files; a
+chain put or read together is ordered head-last, so a prefix loses its tail first and what stays
+is still a loadable prefix. A filesystem that fills up below the capacity (ENOSPC: it is
+smaller, or shared) sets a lower limit - a few blocks under what the filesystem holds for the
+tier then - and the tier evicts to stay under it, so new blocks keep coming in; status says
 `full` with `limit_bytes` (logged once), and the probe raises the limit again as the filesystem
-frees room.
-fsync is off by default (a crash may lose recent blocks, never corrupt one: torn files fail
-their checksum); `?fsync=1` turns it on.
+frees room. fsync is off by default (a crash may lose recent blocks, never corrupt one: torn
+files fail their checksum); `?fsync=1` turns it on. One tier per root (disk_lock.py).
 
 No file I/O runs on the caller's thread without a deadline (iothreads.py): reads and writes run
-on I/O threads, and one that has not returned after `io_timeout_s` (default 5) is reported
-late - its key a miss, its page on loan until it returns - and the tier is `stuck`: unhealthy,
-no hits, puts dropped, until every late operation has returned. A probe stats the root once a
+on I/O threads, and one that has not returned after `io_timeout_s` (default 5) is reported late
+(its key a miss, its page on loan until it returns), and the tier is `stuck`: unhealthy, no
+hits, puts dropped, until every late operation has returned. A probe stats the root once a
 second on its own thread, so an idle tier on a hung filesystem shows it too. Records are opened
-non-blocking and without following links, and anything but a regular file is damage (a FIFO
-in place of a record would otherwise block its reader forever).
+non-blocking and without following links, and anything but a regular file is damage (a FIFO in
+place of a record would otherwise block its reader forever).
 """
 from __future__ import annotations
 
@@ -35,7 +34,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from . import owned
+from . import disk_lock, owned
 from .base import StorageBackend
 from .disk_clear import DiskClears
 from .disk_health import ENOSPC_TRIES, PROBE_EVERY_S, DiskHealth
@@ -90,6 +89,7 @@ class DiskBackend(DiskHealth, StorageBackend):
         self._on_cleared = _ignore
         self._on_health: Callable[[], None] = _ignore  # the tier stopped or started answering
         self._io = IOThreads(IO_THREADS, "kvcached-disk")
+        self._root_lock = disk_lock.RootLock()  # (taken in _make_root)
         self._make_root()
         self.indexed = threading.Event()
         self._rebuild_thread = threading.Thread(target=self._rebuild, name="kvcached-disk-index",
@@ -104,13 +104,13 @@ class DiskBackend(DiskHealth, StorageBackend):
         return cls(o["root"], o["capacity_bytes"], o["fsync"], uri, o["io_timeout_s"], on_ready)
 
     def _make_root(self) -> None:
-        """The root, made on an I/O thread: a hung filesystem leaves the tier stuck at start
-        instead of hanging the daemon's start-up."""
+        """The root, made on an I/O thread (a hung filesystem leaves the tier stuck, not the start)."""
         def make():
             os.makedirs(self.root, mode=0o700, exist_ok=True)
             owned.secure_root(self.root)
             if not os.access(self.root, os.W_OK):
                 raise PermissionError(errno.EACCES, "not writable", self.root)
+            self._root_lock.take(self.root)
 
         try:
             run_bounded(self._io, make, [()], self.io_timeout_s, self._late_op("mkdir of the root"),
@@ -493,6 +493,7 @@ class DiskBackend(DiskHealth, StorageBackend):
         self._closed.set()
         self._rebuild_thread.join(timeout=1.0)
         self._io.shutdown(timeout=self.io_timeout_s)
+        self._root_lock.release()
 
 
 def _ignore(*_args) -> None:

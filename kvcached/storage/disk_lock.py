@@ -1,0 +1,71 @@
+"""One daemon per disk-tier directory. A tier's index is its own process's (built from the files
+at start, kept in memory after), so two daemons on one directory - one config file for every GPU
+of a node is enough - each evicted for a capacity it thought its own, neither found what the
+other wrote, a clear of one emptied both, and a start of one removed the other's writes in
+progress as a crashed write's leftovers. The root holds a lock file (flock: the kernel drops it
+however the daemon dies) for the tier's life; a second tier on it is refused at start, naming
+the holder. Daemons share blocks through a redis:// or mooncake:// tier.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+
+LOCK_NAME = ".kvcached.lock"
+_OPEN = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class DiskInUse(OSError):
+    """Another disk tier (this daemon's or another's) holds the directory."""
+
+
+def hold(root: str) -> int:
+    """Take the root's lock and write this pid in it; its fd (close it to let go). DiskInUse
+    where another tier holds it. A lock file that is not a regular file of this user was
+    planted: it is removed and made anew."""
+    path = os.path.join(root, LOCK_NAME)
+    for _ in range(2):
+        try:
+            fd = os.open(path, _OPEN, 0o600)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:  # (a link in its place: removed below)
+                raise
+            os.unlink(path)
+            continue
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+            break
+        os.close(fd)
+        os.unlink(path)
+    else:
+        raise OSError(errno.EEXIST, f"{path} is not this user's file and keeps coming back")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        why = ("in use by this daemon already: its --storage names the directory twice"
+               if holder == str(os.getpid()) else
+               f"in use by the daemon of pid {holder}; give each daemon a directory of its own "
+               "(daemons share blocks through a redis:// or mooncake:// tier)")
+        raise DiskInUse(errno.EBUSY, why) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+class RootLock:
+    """A tier's hold on its root: taken once, released at the tier's close (or by the kernel)."""
+
+    def __init__(self):
+        self._fd = -1
+
+    def take(self, root: str) -> None:
+        self._fd = hold(root)
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
