@@ -444,3 +444,21 @@ def test_a_second_daemon_on_a_disk_tiers_directory_is_refused_by_name(run_dir, i
             assert c.load(keys, dst).wait(10) == 8 and blocks_equal(kv, dst, expected)
     finally:
         successor.stop()
+
+
+def test_a_filesystem_that_takes_no_locks_keeps_the_tier_with_a_warning(tmp_path, monkeypatch, caplog):
+    """NFS mounted `nolock`, some FUSE filesystems: flock fails with ENOLCK. The tier is used,
+    and the log says nothing keeps a second daemon off it (refusing it would refuse the start)."""
+    import errno
+    from kvcached.storage import disk, disk_lock
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(disk_lock.fcntl, "flock", no_locks)
+    tier = disk.DiskBackend(str(tmp_path), capacity_bytes=1 << 30)
+    try:
+        assert tier.indexed.wait(10) and tier.health()
+        assert "the filesystem takes no locks (No locks available)" in caplog.text
+    finally:
+        tier.close()

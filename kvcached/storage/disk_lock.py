@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import stat
 
 LOCK_NAME = ".kvcached.lock"
+UNLOCKABLE = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # NFS mounted nolock, some FUSE
+log = logging.getLogger(__name__)
 _OPEN = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
@@ -51,6 +54,12 @@ def hold(root: str) -> int:
                f"in use by the daemon of pid {holder}; give each daemon a directory of its own "
                "(daemons share blocks through a redis:// or mooncake:// tier)")
         raise DiskInUse(errno.EBUSY, why) from None
+    except OSError as exc:
+        if exc.errno not in UNLOCKABLE:
+            os.close(fd)
+            raise
+        log.warning("[disk] %s: the filesystem takes no locks (%s): nothing keeps a second daemon "
+                    "off this directory; give each daemon its own", root, exc.strerror)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
