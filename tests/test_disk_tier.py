@@ -412,7 +412,7 @@ def test_a_second_daemon_on_a_disk_tiers_directory_is_refused_by_name(run_dir, i
     removed the others' writes in progress (temp files of another pid) - now the second is
     refused at start, naming the first; the first works on, and a successor of a killed one
     (the kernel drops the lock) finds its blocks. A lock file planted as a link is replaced,
-    the link's target untouched."""
+    the link's target untouched. A tier that does not write may share a writer's directory."""
     kv = small_kv(block_shape=PAGE_SHAPE)
     keys, src, dst = keys_for(8, 40), list(range(8)), list(range(20, 28))
     expected = snapshot(kv, src)
@@ -429,6 +429,12 @@ def test_a_second_daemon_on_a_disk_tiers_directory_is_refused_by_name(run_dir, i
             with pytest.raises(Exception, match="names the directory twice"):
                 start(run_dir, instance + "c", disk_uri(os.path.join(run_dir, "d2")),
                       disk_uri(os.path.join(run_dir, "d2") + "/"))
+            # an MLA model's other ranks (--no-storage-writer) read the writer's directory, and
+            # remove nothing there at start (a temp file of another pid: a write in progress)
+            temp = os.path.join(disk_dir, "ab", "ab" + "0" * 30 + ".kvb.99999.1.tmp")
+            open(temp, "wb").write(b"half")
+            start(run_dir, instance + "r", disk_uri(disk_dir), extra=["--no-storage-writer"]).stop()
+            assert os.path.exists(temp)
             offload_and_flush(c, kv, keys, src)
         first.proc.kill()
         first.proc.wait(10)

@@ -76,7 +76,7 @@ def test_mla_only_the_writer_rank_puts_to_shared_storage_and_every_rank_reads(ru
         g.offload(range(NBLK), keys).wait(10)
         g.flush().wait(10)
         puts = [s["storage"][0]["puts"] for s in g.status()]
-        files = [p for p in (tmp_path / "shared").rglob("*") if p.is_file()]
+        files = list((tmp_path / "shared").rglob("*.kvb"))
         assert len(files) == NBLK
     assert puts[1] == 0 and puts[0] == NBLK, puts
     with ranks(run_dir, 2, extra) as (names, _), \

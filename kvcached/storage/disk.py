@@ -47,8 +47,7 @@ from .uris import DISK_IO_TIMEOUT_S, parse_disk_uri
 
 log = logging.getLogger(__name__)
 
-# file I/O and checksums release the GIL: a few blocks in flight at once (2 measured best on
-# 2 cores; more cores take more)
+# file I/O and checksums release the GIL: a few blocks in flight (2 best on 2 cores; more take more)
 IO_THREADS = max(2, min(8, os.cpu_count() or 2))
 IO_TIMEOUT_S = DISK_IO_TIMEOUT_S
 _OPEN_READ = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -58,7 +57,8 @@ class DiskBackend(DiskHealth, StorageBackend):
     local_keys = True  # its index is this process's: the key table can publish it (watch_keys)
 
     def __init__(self, root: str, capacity_bytes: int, fsync: bool = False, uri: str = "",
-                 io_timeout_s: float = IO_TIMEOUT_S, on_ready: Callable[[], None] | None = None):
+                 io_timeout_s: float = IO_TIMEOUT_S, on_ready: Callable[[], None] | None = None,
+                 writer: bool = True):
         self.root = os.path.abspath(root)
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
@@ -89,7 +89,7 @@ class DiskBackend(DiskHealth, StorageBackend):
         self._on_cleared = _ignore
         self._on_health: Callable[[], None] = _ignore  # the tier stopped or started answering
         self._io = IOThreads(IO_THREADS, "kvcached-disk")
-        self._root_lock = disk_lock.RootLock()  # (taken in _make_root)
+        self._root_lock = disk_lock.RootLock(writer)  # (taken in _make_root, by a writer)
         self._make_root()
         self.indexed = threading.Event()
         self._rebuild_thread = threading.Thread(target=self._rebuild, name="kvcached-disk-index",
@@ -99,9 +99,9 @@ class DiskBackend(DiskHealth, StorageBackend):
         self._prober.start()
 
     @classmethod
-    def from_uri(cls, uri: str, on_ready: Callable[[], None] | None = None) -> "DiskBackend":
+    def from_uri(cls, uri: str, on_ready: Callable[[], None] | None = None, writer: bool = True):
         o = parse_disk_uri(uri)
-        return cls(o["root"], o["capacity_bytes"], o["fsync"], uri, o["io_timeout_s"], on_ready)
+        return cls(o["root"], o["capacity_bytes"], o["fsync"], uri, o["io_timeout_s"], on_ready, writer)
 
     def _make_root(self) -> None:
         """The root, made on an I/O thread (a hung filesystem leaves the tier stuck, not the start)."""
@@ -141,7 +141,7 @@ class DiskBackend(DiskHealth, StorageBackend):
                 if not owned.usable_shard(os.path.join(self.root, f"{shard:02x}")):
                     self._unusable.add(shard)
             finishing = self._clears.found_at_start()
-            found, removed = list_records(self.root, self._unusable)
+            found, removed = list_records(self.root, self._unusable, self._root_lock.writer)
             self._merge(found, finishing)
             log.info("[disk] %s: %d blocks (%.2f GiB) indexed in %.1f s, %d stray files removed",
                      self.root, len(self._lru), self.used_bytes / 2**30,

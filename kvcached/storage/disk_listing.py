@@ -17,11 +17,12 @@ PROGRESS_EVERY = 100_000
 MAX_DELETED_WHILE_INDEXING = 262_144  # keys (~25 MB) kept for the merge; more: the delete waits
 
 
-def list_records(root: str, unusable: set[int]) -> tuple[list, int]:
+def list_records(root: str, unusable: set[int], remove: bool = True) -> tuple[list, int]:
     """(mtime_ns, key, size) of every record file of this uid in the usable shards, and how
     many other files were removed (temp files of a crashed write, links, FIFOs, another user's
     files); a directory where a record goes is left alone, and so is a temp file of this
-    process (a put running beside the listing: removing it failed that put)."""
+    process (a put running beside the listing: removing it failed that put). remove=False (a
+    tier that does not write, beside the writer's puts): nothing is removed, nor indexed."""
     found, removed = [], 0
     foreign = 0
     own_temp = f".kvb.{os.getpid()}."  # disk.py names its temp files {record}.{pid}.{thread}.tmp
@@ -40,7 +41,7 @@ def list_records(root: str, unusable: set[int]) -> tuple[list, int]:
                 log.warning("[disk] %s: a directory where records go; left alone", entry.path)
             elif own_temp in entry.name and entry.name.endswith(".tmp") and owned.is_ours(st):
                 continue  # this process's write in progress
-            else:  # temp files of a crashed write, links, FIFOs, another user's files
+            elif remove:  # temp files of a crashed write, links, FIFOs, another user's files
                 foreign += not owned.is_ours(st)
                 os.unlink(entry.path)
                 removed += 1

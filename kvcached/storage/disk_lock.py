@@ -4,7 +4,8 @@ of a node is enough - each evicted for a capacity it thought its own, neither fo
 other wrote, a clear of one emptied both, and a start of one removed the other's writes in
 progress as a crashed write's leftovers. The root holds a lock file (flock: the kernel drops it
 however the daemon dies) for the tier's life; a second tier on it is refused at start, naming
-the holder. Daemons share blocks through a redis:// or mooncake:// tier.
+the holder. Daemons share blocks through a redis:// or mooncake:// tier; the one exception, the
+ranks of an MLA model, share the writer rank's directory with `--no-storage-writer` (RootLock).
 """
 from __future__ import annotations
 
@@ -66,13 +67,17 @@ def hold(root: str) -> int:
 
 
 class RootLock:
-    """A tier's hold on its root: taken once, released at the tier's close (or by the kernel)."""
+    """A tier's hold on its root: taken once, released at the tier's close (or by the kernel).
+    A tier that does not write (`--no-storage-writer`: the ranks of an MLA model but one, which
+    share the writer's directory and read it) takes none, and removes nothing it finds."""
 
-    def __init__(self):
+    def __init__(self, writer: bool = True):
+        self.writer = writer
         self._fd = -1
 
     def take(self, root: str) -> None:
-        self._fd = hold(root)
+        if self.writer:
+            self._fd = hold(root)
 
     def release(self) -> None:
         fd, self._fd = self._fd, -1

@@ -46,10 +46,10 @@ def parse_uri(uri: str) -> dict:
     return parse(uri)
 
 
-def open_backend(uri: str, on_ready=None) -> StorageBackend:
+def open_backend(uri: str, on_ready=None, writer: bool = True) -> StorageBackend:
     scheme = scheme_of(uri)
     if scheme == "disk":
-        return DiskBackend.from_uri(uri, on_ready)
+        return DiskBackend.from_uri(uri, on_ready, writer)
     if scheme in REDIS_SCHEMES:
         from .redis_store import RedisBackend
 
@@ -78,7 +78,7 @@ class StorageTiers:
         self._opened = self._ready_said = False
         try:
             for uri in uris:
-                self.backends.append(open_backend(uri, self._backend_ready))
+                self.backends.append(open_backend(uri, self._backend_ready, writer))
         except BaseException:
             self.close()
             raise
