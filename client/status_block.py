@@ -10,6 +10,7 @@ import posix_ipc
 
 from kvcached_proto.errors import DaemonStopping, DaemonUnavailable, KvcachedTimeout
 from kvcached_proto.liveness import pid_alive, pid_namespace, process_alive
+from kvcached_proto.paths import SHM_DIR
 from kvcached_proto.shm_layout import (LAYOUT_VERSION, MAGIC, SEGMENT_BYTES, Flag, StatusView, State,
                                       segment_name)
 
@@ -40,6 +41,21 @@ def hang_threshold(hang_s: float | None = None) -> float:
     return float(hang_s)
 
 
+def other_users(instance: str) -> list[int]:
+    """The uids, other than this process's, of the status segments under `instance`'s name in
+    /dev/shm: a daemon of another user there (or one that died) is not this user's."""
+    suffix, me, out = f".{instance}", os.getuid(), []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return out
+    for name in names:
+        uid = name.removeprefix("kvcached.").removesuffix(suffix)
+        if name.startswith("kvcached.") and name.endswith(suffix) and uid.isdigit() and int(uid) != me:
+            out.append(int(uid))
+    return sorted(out)
+
+
 class StatusReader:
     def __init__(self, instance: str, hang_s: float | None = None, run_dir: str | None = None):
         self.hang_s = hang_threshold(hang_s)
@@ -49,10 +65,15 @@ class StatusReader:
         try:
             shm = posix_ipc.SharedMemory(self.name, flags=0)
         except posix_ipc.ExistentialError:
+            others = other_users(instance)
             raise DaemonUnavailable(
-                f"no kvcached daemon named {instance!r} (segment {self.name} missing); "
-                f"start one with `kvcached serve --instance {instance}"
-                f"{f' --run-dir {run_dir}' if run_dir else ''}`"
+                f"no kvcached daemon of this user (uid {os.getuid()}) named {instance!r} "
+                f"(segment {self.name} missing); "
+                + (f"a daemon of uid {', '.join(map(str, others))} has that name: a daemon serves "
+                   f"its own user's engines only, so run the engine as that user, or a daemon as "
+                   f"this one (`kvcached serve --instance {instance}`)" if others else
+                   f"start one with `kvcached serve --instance {instance}"
+                   f"{f' --run-dir {run_dir}' if run_dir else ''}`")
             ) from None
         try:
             owner = os.fstat(shm.fd).st_uid

@@ -640,3 +640,21 @@ def test_only_the_registered_engine_may_copy_into_or_out_of_its_kv(daemon):
             assert e.value.code == ErrorCode.FORBIDDEN
         assert all(torch.equal(x, y) for x, y in zip(before, [t for layer in kv for t in layer]))
         assert b.lookup(KEYS_A) == (4, 0)  # lookups stay open to every client
+
+
+def _connect_error(instance: str, run_dir: str) -> str:
+    try:
+        Client.connect(instance, run_dir, timeout=1).close()
+        return "connected"
+    except DaemonUnavailable as exc:
+        return str(exc)
+
+
+def test_an_engine_of_another_user_is_told_whose_daemon_has_the_name(daemon):
+    """A sidecar container running as root and an engine container as another user (sharing
+    the run dir and /dev/shm): the engine was told "no kvcached daemon named X; start one" about
+    a running daemon. Now it is told a daemon of which uid has the name, and why it is not its."""
+    said = run_as_other_uid(_connect_error, daemon.instance, daemon.run_dir)
+    assert f"no kvcached daemon of this user (uid {OTHER_UID}) named {daemon.instance!r}" in said, said
+    assert f"a daemon of uid {os.getuid()} has that name" in said and "run the engine as that user" in said
+    assert "start one" in _connect_error(daemon.instance + "x", daemon.run_dir)  # no one's: start one
