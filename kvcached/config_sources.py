@@ -9,8 +9,9 @@ the wrong type are rejected with a message that names them and where they came f
     storage = ["disk:///var/cache/kvcached?capacity_gb=500"]
 
 Environment: KVCACHED_HOST_CACHE_GB=64, KVCACHED_STORAGE="disk:///a,redis://r:6379/0" (lists
-are comma-separated; a Sentinel URI keeps its own commas), KVCACHED_STORAGE_WRITER=false. A KVCACHED_* variable that names no key,
-and is none of those the scripts and tests read (NON_CONFIG_ENV), is warned about at start.
+are comma-separated; a Sentinel URI keeps its own commas), KVCACHED_STORAGE_WRITER=false. A
+KVCACHED_* variable that names no key, and is none of those the scripts and tests read
+(NON_CONFIG_ENV), is warned about at start.
 """
 from __future__ import annotations
 

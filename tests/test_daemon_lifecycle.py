@@ -415,3 +415,29 @@ def test_the_segments_of_an_engine_killed_after_its_bye_are_swept(daemon):
         if child.poll() is None:
             child.kill()
             child.wait(10)
+
+
+def test_a_run_dir_too_deep_for_a_unix_socket_refuses_the_start_and_exits(tmp_path):
+    """A socket's path may have 107 bytes (a Kubernetes volume's path on the host is deep): the
+    bind failed, and the daemon hung at start for good - the socket that failed to bind kept
+    its ZeroMQ context from closing. Now the start is refused at once, saying what to change;
+    a bind that fails otherwise exits too (no run dir is left to a hung daemon)."""
+    deep = tmp_path / ("d" * 60) / ("e" * 40)
+    instance = unique_instance("deep")
+    try:
+        out = subprocess.run([sys.executable, "-m", "kvcached", "serve", "--instance", instance,
+                              "--run-dir", str(deep), "--host-cache-gb", "0.01"],
+                             capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the daemon hung at start on a socket path it cannot bind")
+    assert out.returncode == 1, out.stderr
+    assert "a Unix socket's path may have 107: give a shorter --run-dir" in out.stderr
+    assert not os.path.exists(f"/dev/shm{segment_name(os.getuid(), instance)}")
+    from kvcached.server import sockets
+    import zmq
+    ctx = zmq.Context()
+    try:
+        with pytest.raises(Exception, match="cannot listen on"):
+            sockets.ipc_router(ctx, f"ipc://{tmp_path}/no-such-dir/x.sock")
+    finally:
+        ctx.term()  # returns: the socket that failed to bind is closed (it hung here)

@@ -22,6 +22,7 @@ from ..errors import StartupError
 
 log = logging.getLogger(__name__)
 
+SUN_PATH_MAX = 107  # bytes of a Unix socket's path: sizeof(sockaddr_un.sun_path) - 1 on Linux
 _OPEN_LOCK = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
@@ -81,9 +82,22 @@ def _open_lock(path: str) -> int:
                        "lock; the run dir is not private")
 
 
+def check_socket_paths(run_dir: str, instance: str) -> None:
+    """StartupError where a socket's path is longer than a Unix socket may have (a deep run dir:
+    a Kubernetes volume's path on the host, say). Binding it failed, and the daemon hung at
+    start instead of exiting (the socket that failed to bind kept its ZeroMQ context open)."""
+    longest = max(socket_paths(run_dir, instance), key=lambda p: len(os.fsencode(p)))
+    if len(os.fsencode(longest)) > SUN_PATH_MAX:
+        raise StartupError(f"socket path {longest} is {len(os.fsencode(longest))} bytes; a Unix "
+                           f"socket's path may have {SUN_PATH_MAX}: give a shorter --run-dir "
+                           "(or instance name)")
+
+
 def take_instance_lock(run_dir: str, instance: str) -> int:
     """Hold the instance's lock (flock, dropped by the kernel however the daemon dies) and write
-    our pid in it; returns its fd. StartupError when a live daemon holds it."""
+    our pid in it; returns its fd. StartupError when a live daemon holds it (or the instance's
+    sockets could not be made there: check_socket_paths)."""
+    check_socket_paths(run_dir, instance)
     path = lock_path(run_dir, instance)
     try:
         fd = _open_lock(path)

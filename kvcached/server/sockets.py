@@ -66,7 +66,13 @@ def _router(ctx: zmq.Context) -> zmq.Socket:
 def ipc_router(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     sock = _router(ctx)
     sock.setsockopt(zmq.AFFINITY, LOCAL_IO)
-    sock.bind(endpoint)
+    try:
+        sock.bind(endpoint)
+    except BaseException as exc:
+        sock.close(linger=0)  # (left open, it kept the context's term() - the stop - waiting)
+        if isinstance(exc, zmq.ZMQError):
+            raise StartupError(f"cannot listen on {endpoint}: {exc}") from None
+        raise
     return sock
 
 
