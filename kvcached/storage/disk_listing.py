@@ -22,7 +22,7 @@ def list_records(root: str, unusable: set[int], remove: bool = True) -> tuple[li
     many other files were removed (temp files of a crashed write, links, FIFOs, another user's
     files); a directory where a record goes is left alone, and so is a temp file of this
     process (a put running beside the listing: removing it failed that put). remove=False (a
-    tier that does not write, beside the writer's puts): nothing is removed, nor indexed."""
+    tier that does not write, beside the writer's puts): nothing is removed."""
     found, removed = [], 0
     foreign = 0
     own_temp = f".kvb.{os.getpid()}."  # disk.py names its temp files {record}.{pid}.{thread}.tmp
