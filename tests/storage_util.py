@@ -18,12 +18,13 @@ PAGE_SHAPE = (16, 2, 64)  # 4 layers x (K, V) x 4 KiB = 32 KiB per block
 
 
 @contextlib.contextmanager
-def small_filesystem(size: str):
-    """A tmpfs of `size` (mount's notation: "1m") under /tmp, unmounted and removed after; the
-    test is skipped where it cannot be mounted (mounting needs root)."""
+def small_filesystem(size: str, inodes: int | None = None):
+    """A tmpfs of `size` (mount's notation: "1m") and of `inodes` inodes where given, under
+    /tmp, unmounted and removed after; the test is skipped where it cannot be mounted (mounting
+    needs root)."""
     path = tempfile.mkdtemp(prefix="kvfull-", dir="/tmp")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", path],
-                       capture_output=True)
+    opts = f"size={size},mode=0700" + (f",nr_inodes={inodes}" if inodes else "")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", path], capture_output=True)
     if r.returncode != 0:
         os.rmdir(path)
         pytest.skip(f"cannot mount a size-limited tmpfs here: {r.stderr.decode().strip()}")

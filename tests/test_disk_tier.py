@@ -195,6 +195,7 @@ def test_storage_readiness_is_shown_and_waited_for_and_what_changed_meanwhile_wi
         offload_and_flush(c, kv, old, list(range(8)))
     h.stop()
     shard = next(f"{b:02x}" for b in range(256) if b not in {stored(k, kv)[0] for k in old + new})
+    os.makedirs(os.path.join(disk_dir, shard), mode=0o700, exist_ok=True)  # (a put makes it)
     fs = hangfs.HangFS(os.path.join(disk_dir, shard), f"{shard}{'0' * 30}.kvb", 4096, hang="readdir")
     h = start(run_dir, instance, disk_uri(disk_dir), wait_storage=False)
     try:
@@ -241,6 +242,7 @@ def test_deletes_while_the_index_is_rebuilt_keep_a_bounded_set_then_wait(run_dir
         offload_and_flush(c, kv, old, list(range(4)))
     h.stop()
     shard = next(f"{b:02x}" for b in range(256) if b not in {stored(k, kv)[0] for k in old})
+    os.makedirs(os.path.join(disk_dir, shard), mode=0o700, exist_ok=True)  # (a put makes it)
     fs = hangfs.HangFS(os.path.join(disk_dir, shard), f"{shard}{'0' * 30}.kvb", 4096, hang="readdir")
     h = start(run_dir, instance, disk_uri(disk_dir), wait_storage=False)
     try:
@@ -431,6 +433,7 @@ def test_a_second_daemon_on_a_disk_tiers_directory_is_refused_by_name(run_dir, i
                       disk_uri(os.path.join(run_dir, "d2") + "/"))
             # an MLA model's other ranks (--no-storage-writer) read the writer's directory, and
             # remove nothing there at start (a temp file of another pid: a write in progress)
+            os.makedirs(os.path.join(disk_dir, "ab"), mode=0o700, exist_ok=True)
             temp = os.path.join(disk_dir, "ab", "ab" + "0" * 30 + ".kvb.99999.1.tmp")
             open(temp, "wb").write(b"half")
             start(run_dir, instance + "r", disk_uri(disk_dir), extra=["--no-storage-writer"]).stop()

@@ -203,9 +203,10 @@ def test_a_disk_root_of_another_uid_is_refused_at_start(run_dir, instance, disk_
 
 @pytest.mark.slow
 def test_a_shard_dir_replaced_by_a_link_is_made_a_directory_again(run_dir, instance, disk_dir, tmp_path):
-    """A shard turned into a link to elsewhere: at start the link is replaced by a directory
-    (what is behind it is not served), and blocks stored into that shard from then on are
-    indexed after a restart (written through the link, they never were)."""
+    """A shard turned into a link to elsewhere: at start the link is removed (what is behind it
+    is not served), the next block stored into that shard makes it a directory again, and
+    blocks stored there from then on are indexed after a restart (written through the link,
+    they never were)."""
     kv, keys, _ = _stored_and_stopped(run_dir, instance, disk_dir)
     shard = os.path.dirname(record_path(disk_dir, keys[2], kv))
     elsewhere = str(tmp_path / "elsewhere")
@@ -214,13 +215,14 @@ def test_a_shard_dir_replaced_by_a_link_is_made_a_directory_again(run_dir, insta
     h = start(run_dir, instance, disk_uri(disk_dir))
     try:
         with h.connect() as c:
-            assert not os.path.islink(shard) and os.path.isdir(shard)
+            assert not os.path.lexists(shard)
             c.register_kv_cache(kv)
             assert c.lookup(keys)[1] == 2
             c.offload([2], [keys[2]]).wait(10)
             c.flush().wait(10)
     finally:
         h.stop()
+    assert os.path.isdir(shard) and not os.path.islink(shard)
     assert os.path.isfile(record_path(disk_dir, keys[2], kv))
     h = start(run_dir, instance, disk_uri(disk_dir))
     try:

@@ -8,11 +8,11 @@ listing the shards at start (in a background thread; the tier reports no hits un
 and puts, deletes and clears made meanwhile win over what the listing finds), oldest
 modification first for LRU. Capacity is enforced by evicting the least recently used files; a
 chain put or read together is ordered head-last, so a prefix loses its tail first and what stays
-is still a loadable prefix. A filesystem that fills up below the capacity (ENOSPC: it is
-smaller, or shared) sets a lower limit - a few blocks under what the filesystem holds for the
-tier then - and the tier evicts to stay under it, so new blocks keep coming in; status says
-`full` with `limit_bytes` (logged once), and the probe raises the limit again as the filesystem
-frees room. fsync is off by default (a crash may lose recent blocks, never corrupt one: torn
+is still a loadable prefix. A filesystem that fills up below the capacity (ENOSPC, of bytes or
+inodes: it is smaller, or shared) sets a lower limit - a few blocks under what the filesystem
+holds for the tier then - and the tier evicts to stay under it, so new blocks keep coming in;
+status says `full` with `limit_bytes` (logged once), and the probe raises the limit again as the
+filesystem frees room. fsync is off by default (a crash may lose recent blocks, never corrupt one: torn
 files fail their checksum); `?fsync=1` turns it on. One tier per root (disk_lock.py).
 
 No file I/O runs on the caller's thread without a deadline (iothreads.py): reads and writes run
@@ -137,7 +137,7 @@ class DiskBackend(DiskHealth, StorageBackend):
     def _rebuild(self) -> None:
         started, removed = time.monotonic(), 0
         try:
-            for shard in range(256):  # made (and checked) once here, not stat'ed on every put
+            for shard in range(256):  # checked once here, not stat'ed on every put
                 if not owned.usable_shard(os.path.join(self.root, f"{shard:02x}")):
                     self._unusable.add(shard)
             finishing = self._clears.found_at_start()

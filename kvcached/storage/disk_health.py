@@ -63,9 +63,13 @@ class DiskHealth:
             self._probe_since = 0.0
 
     def _regrow(self, fs) -> None:
-        """Raise a limit the filesystem set, by what it has free beyond a slack."""
+        """Raise a limit the filesystem set, by what it has free beyond a slack: bytes, and
+        inodes (one a record) where the filesystem counts them."""
         total, free = fs.f_blocks * fs.f_frsize, fs.f_bavail * fs.f_frsize
         slack = min(FS_SLACK_MAX, max(total // 20, 16 * self._block_bytes))
+        if fs.f_files:  # bytes free but no inodes would raise it only to meet ENOSPC again
+            inodes = fs.f_favail - max(fs.f_files // 20, 16)
+            free = min(free, slack + max(0, inodes) * self._block_bytes)
         if free <= slack:
             return
         with self._lock:
@@ -97,12 +101,14 @@ class DiskHealth:
         self.counters["enospc"] += 1
         with self._evicting:
             self._evicting.wait_for(lambda: not self._victims_pending, timeout=1.0)
-        free = 0
+        free, what = 0, "full"
         try:
             st = os.statvfs(self.root)
             free = st.f_bavail * st.f_frsize
             if free >= 2 * size and (not st.f_files or st.f_favail > 2):
                 return  # room now (blocks and inodes): the caller retries under the same limit
+            if st.f_files and st.f_favail <= 2:  # out of inodes (one a record), not of bytes:
+                free, what = 0, "out of inodes"  # what is freed is the records evicted
         except OSError:
             pass
         with self._lock:
@@ -113,6 +119,6 @@ class DiskHealth:
             self.limit_bytes = limit = max(0, min(was, fits))
             first = was == self.capacity_bytes > limit
         if first:
-            log.warning("[disk] %s: the filesystem is full at %.3f GiB, below the tier's capacity "
-                        "(%.3f GiB); the tier now evicts to stay under %.3f GiB", self.root,
+            log.warning("[disk] %s: the filesystem is %s at %.3f GiB, below the tier's capacity "
+                        "(%.3f GiB); the tier now evicts to stay under %.3f GiB", self.root, what,
                         self.used_bytes / 2**30, self.capacity_bytes / 2**30, limit / 2**30)

@@ -30,25 +30,40 @@ def list_records(root: str, unusable: set[int], remove: bool = True) -> tuple[li
         if not (shard.is_dir(follow_symlinks=False) and _SHARD_RE.match(shard.name)) \
                 or int(shard.name, 16) in unusable:
             continue
-        for entry in os.scandir(shard.path):
-            st = entry.stat(follow_symlinks=False)
-            if (_NAME_RE.match(entry.name) and entry.name.startswith(shard.name)
-                    and stat.S_ISREG(st.st_mode) and owned.is_ours(st)):
-                found.append((st.st_mtime_ns, bytes.fromhex(entry.name[:32]), st.st_size))
-                if len(found) % PROGRESS_EVERY == 0:
-                    log.info("[disk] indexing %s: %d files", root, len(found))
-            elif stat.S_ISDIR(st.st_mode):
-                log.warning("[disk] %s: a directory where records go; left alone", entry.path)
-            elif own_temp in entry.name and entry.name.endswith(".tmp") and owned.is_ours(st):
-                continue  # this process's write in progress
-            elif remove:  # temp files of a crashed write, links, FIFOs, another user's files
-                foreign += not owned.is_ours(st)
-                os.unlink(entry.path)
-                removed += 1
+        try:
+            records, gone, others = _list_shard(shard, own_temp, remove)
+        except OSError as exc:  # this shard alone: the others' records are indexed
+            log.error("[disk] shard %s cannot be listed (%s): left unused (no record in it is "
+                      "served or written) until a start lists it", shard.path, exc)
+            unusable.add(int(shard.name, 16))
+            continue
+        found += records
+        removed, foreign = removed + gone, foreign + others
+        if len(found) // PROGRESS_EVERY > (len(found) - len(records)) // PROGRESS_EVERY:
+            log.info("[disk] indexing %s: %d files", root, len(found))
     if foreign:
         log.warning("[disk] %s: %d files of other users among the records (planted?); removed, "
                     "never served", root, foreign)
     return found, removed
+
+
+def _list_shard(shard: os.DirEntry, own_temp: str, remove: bool) -> tuple[list, int, int]:
+    """list_records' part for one shard: its records, the files removed, the other users'."""
+    found, removed, foreign = [], 0, 0
+    for entry in os.scandir(shard.path):
+        st = entry.stat(follow_symlinks=False)
+        if (_NAME_RE.match(entry.name) and entry.name.startswith(shard.name)
+                and stat.S_ISREG(st.st_mode) and owned.is_ours(st)):
+            found.append((st.st_mtime_ns, bytes.fromhex(entry.name[:32]), st.st_size))
+        elif stat.S_ISDIR(st.st_mode):
+            log.warning("[disk] %s: a directory where records go; left alone", entry.path)
+        elif own_temp in entry.name and entry.name.endswith(".tmp") and owned.is_ours(st):
+            continue  # this process's write in progress
+        elif remove:  # temp files of a crashed write, links, FIFOs, another user's files
+            foreign += not owned.is_ours(st)
+            os.unlink(entry.path)
+            removed += 1
+    return found, removed, foreign
 
 
 class WhileIndexing:

@@ -4,8 +4,9 @@ checksum carries no secret and keys are predictable), so:
 
 - the root must be the daemon's; one that group or others may write is made 0700 (with a
   warning), as the run dir is; one of another user is refused at start;
-- a shard directory that is a link, or is not the daemon's, is replaced (a link) or left
-  unused (another user's), with a warning; one that group or others may write is made 0700;
+- a shard directory that is a link, or is not the daemon's, is removed (a link: its first put
+  makes the directory) or left unused (another user's), with a warning; one of another mode
+  than 0700 is made 0700;
 - a record file of another owner is damage: removed at start, a miss when read.
 """
 from __future__ import annotations
@@ -38,23 +39,25 @@ def secure_root(root: str) -> None:
 
 
 def usable_shard(path: str) -> bool:
-    """Make the shard directory at path one the tier may use; False when it must stay unused."""
+    """Make the shard directory at path one the tier may use; False when it must stay unused.
+    A missing one is left to its first put to make (disk_write.py): made here, all 256 of them
+    took inodes a filesystem short of them needed for records, and a mkdir that failed (no
+    inode, no byte left) failed the whole index rebuild."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        os.mkdir(path, PRIVATE)
         return True
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        log.warning("[disk] %s is not a directory of its own (a link or a file): replaced by one; "
-                    "records reached through it are not served", path)
+        log.warning("[disk] %s is not a directory of its own (a link or a file): removed (its "
+                    "first put makes the directory); records reached through it are not served",
+                    path)
         os.unlink(path)
-        os.mkdir(path, PRIVATE)
         return True
     if not is_ours(st):
         log.error("[disk] shard %s belongs to uid %d: left unused (no record in it is served or "
                   "written); remove it to use it again", path, st.st_uid)
         return False
-    if st.st_mode & 0o077:
+    if stat.S_IMODE(st.st_mode) != PRIVATE:  # (0o000 or 0o500 too: the listing needs rwx)
         log.warning("[disk] shard %s was mode %o: made 0700", path, stat.S_IMODE(st.st_mode))
         os.chmod(path, PRIVATE)
     return True

@@ -1,0 +1,117 @@
+"""A disk tier on a filesystem that runs out of inodes (one a record, one a shard directory)
+before it runs out of bytes - many small files of other programs on a node's shared disk - and
+shards its index rebuild cannot list."""
+import errno
+import os
+import stat
+import time
+
+import pytest
+
+from conftest import blocks_equal, disk_uri, keys_for, scramble, small_kv, snapshot, stored
+from kvcached.storage import disk_listing, owned
+from kvcached.storage.disk_health import PROBE_EVERY_S
+from storage_util import PAGE_SHAPE, offload_and_flush, small_filesystem, start
+
+
+def _fill_inodes(path: str) -> int:
+    """Empty files under path until the filesystem has no inode left (another program's)."""
+    os.mkdir(path)
+    n = 0
+    while True:
+        try:
+            os.close(os.open(os.path.join(path, f"f{n}"), os.O_CREAT | os.O_WRONLY, 0o600))
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+            return n
+        n += 1
+
+
+@pytest.mark.faults
+def test_a_filesystem_out_of_inodes_at_restart_serves_what_the_tier_holds_and_keeps_storing(
+        run_dir, instance):
+    """24 records stored, then the filesystem's last inodes taken by another program, then the
+    daemon restarted: its index rebuild lists the 24 records and serves them byte-exact, and new
+    blocks take the inodes of the oldest records it evicts (said once; the probe, which finds
+    bytes free, does not raise the limit again to meet ENOSPC at the next put). Before, the
+    rebuild made all 256 shard directories: the 64-inode filesystem had none left for a record
+    (every put failed), and at the restart the mkdir that failed ended the rebuild - the tier
+    indexed nothing, served none of its records and, as bytes were free, never evicted one."""
+    kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=128)
+    old = keys_for(24, 2)
+    shards = {stored(k, kv)[0] for k in old}
+    new = [k for k in keys_for(600, 3) if stored(k, kv)[0] in shards][:16]  # (no new directory)
+    assert len(new) == 16
+    kept_old = snapshot(kv, list(range(24)))
+    with small_filesystem("16m", inodes=64) as fs:
+        uri = disk_uri(os.path.join(fs, "tier"), capacity_gb=1.0)
+        h = start(run_dir, instance, uri, host_gb=0.01)
+        try:
+            with h.connect() as c:
+                c.register_kv_cache(kv)
+                offload_and_flush(c, kv, old, list(range(24)))
+                assert c.status()["storage"][0]["blocks"] == 24
+        finally:
+            h.stop()
+        assert _fill_inodes(os.path.join(fs, "other")) > 0
+        h = start(run_dir, instance, uri, host_gb=0.01)
+        try:
+            with h.connect() as c:
+                c.register_kv_cache(kv)
+                assert c.lookup(old) == (0, 24), c.status()["storage"][0]
+                scramble(kv, 1)
+                assert c.load(old, list(range(24, 48))).wait(10) == 24
+                assert blocks_equal(kv, list(range(24, 48)), kept_old)
+                kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=128, seed=5)  # other bytes
+                c.register_kv_cache(kv)
+                kept_new = snapshot(kv, list(range(48, 64)))
+                offload_and_flush(c, kv, new[:4], list(range(48, 52)))
+                time.sleep(2.5 * PROBE_EVERY_S)  # (the probe looks at the filesystem meanwhile)
+                disk = c.status()["storage"][0]  # not raised again for the bytes free
+                assert disk["full"] and disk["limit_bytes"] <= disk["used_bytes"], disk
+                offload_and_flush(c, kv, new[4:], list(range(52, 64)))
+                disk = c.status()["storage"][0]
+                assert disk["full"] and disk["evicted"] >= 16 and disk["put_errors"] == 0, disk
+                c.clear(tier="host")
+                assert c.lookup(new) == (0, 16), c.status()["storage"][0]
+                scramble(kv, 2)
+                assert c.load(new, list(range(64, 80))).wait(10) == 16
+                assert blocks_equal(kv, list(range(64, 80)), kept_new)
+            with open(h.log_path) as f:
+                log = f.read()
+            assert log.count("the filesystem is out of inodes") == 1, log[-3000:]
+            assert "index rebuild failed" not in log
+        finally:
+            h.stop()
+
+
+def test_a_shard_that_cannot_be_listed_is_left_unused_and_the_others_are_indexed(tmp_path, monkeypatch):
+    """One shard's listing fails (EIO): its records are neither indexed nor written again, the
+    other shards' are indexed. Before, the whole rebuild failed and the tier indexed nothing."""
+    for shard, name in (("0a", "0a" + "1" * 30), ("0b", "0b" + "2" * 30), ("0c", "0c" + "3" * 30)):
+        os.mkdir(tmp_path / shard, 0o700)
+        (tmp_path / shard / f"{name}.kvb").write_bytes(b"x" * 64)
+    listed = disk_listing._list_shard
+
+    def failing(shard, *args):
+        if shard.name == "0b":
+            raise OSError(errno.EIO, "Input/output error")
+        return listed(shard, *args)
+
+    monkeypatch.setattr(disk_listing, "_list_shard", failing)
+    unusable: set[int] = set()
+    found, removed = disk_listing.list_records(str(tmp_path), unusable)
+    assert sorted(key[0] for _t, key, _n in found) == [0x0a, 0x0c] and removed == 0
+    assert unusable == {0x0b}
+
+
+def test_a_shard_is_made_by_its_first_put_and_one_of_another_mode_is_made_0700(tmp_path):
+    """The rebuild makes no shard directory (a missing one is usable: its first put makes it),
+    and one of mode 000 or 0500 (the listing needs rwx) is made 0700."""
+    assert owned.usable_shard(str(tmp_path / "00")) and not (tmp_path / "00").exists()
+    for mode in (0o000, 0o500, 0o755):
+        path = tmp_path / f"{mode:02x}"
+        os.mkdir(path)
+        os.chmod(path, mode)
+        assert owned.usable_shard(str(path))
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
