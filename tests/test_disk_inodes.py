@@ -4,6 +4,7 @@ shards its index rebuild cannot list."""
 import errno
 import os
 import stat
+import subprocess
 import time
 
 import pytest
@@ -115,3 +116,51 @@ def test_a_shard_is_made_by_its_first_put_and_one_of_another_mode_is_made_0700(t
         os.chmod(path, mode)
         assert owned.usable_shard(str(path))
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
+
+
+@pytest.mark.faults
+def test_a_filesystem_that_cannot_keep_a_record_is_refused_at_start_by_name(run_dir, instance, tmp_path):
+    """The disk tier's start writes a trial record as its puts do (a temp file, then a rename)
+    and reads it back: where the rename is refused (here the trial's name is a mount point:
+    EBUSY, as a bucket mount without rename refuses it) the daemon's start fails saying so.
+    Before, it started, and every put of its life failed, each with a line in the log. A full
+    filesystem starts (the trial finds no room: the tier evicts for it), out of bytes or of
+    inodes (the lock file not made: a warning). Before, a restart on a full filesystem was
+    refused: the lock file's pid could not be written."""
+    root = tmp_path / "tier"
+    root.mkdir(mode=0o700)
+    target = root / ".kvcached.trial"
+    target.write_bytes(b"")
+    (tmp_path / "other").write_bytes(b"")
+    if subprocess.run(["mount", "--bind", str(tmp_path / "other"), str(target)]).returncode:
+        pytest.skip("cannot bind-mount here (needs root)")
+    try:
+        with pytest.raises(Exception, match=r"cannot use .*tier as the disk tier: a record cannot "
+                                            r"be written there \(Device or resource busy\)"):
+            start(run_dir, instance, disk_uri(str(root)))
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
+    with small_filesystem("64k") as fs:
+        with open(os.path.join(fs, "filler"), "wb") as f:
+            with pytest.raises(OSError):
+                f.write(b"\0" * (1 << 20))
+        h = start(run_dir, instance, disk_uri(fs))
+        try:
+            with h.connect() as c:
+                assert c.status()["storage"][0]["healthy"]
+            assert not [n for n in os.listdir(fs) if n.startswith(".kvcached.trial")]
+        finally:
+            h.stop()
+        with open(h.log_path) as f:
+            assert "no room for a trial record" in f.read()
+    with small_filesystem("1m", inodes=8) as fs:
+        assert _fill_inodes(os.path.join(fs, "other")) > 0
+        h = start(run_dir, instance, disk_uri(fs))
+        try:
+            with h.connect() as c:
+                assert c.status()["storage"][0]["healthy"]
+        finally:
+            h.stop()
+        with open(h.log_path) as f:
+            log = f.read()
+        assert "no room for the lock file" in log and "no room for a trial record" in log, log

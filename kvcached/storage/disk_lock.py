@@ -6,6 +6,8 @@ progress as a crashed write's leftovers. The root holds a lock file (flock: the 
 however the daemon dies) for the tier's life; a second tier on it is refused at start, naming
 the holder. Daemons share blocks through a redis:// or mooncake:// tier; the one exception, the
 ranks of an MLA model, share the writer rank's directory with `--no-storage-writer` (RootLock).
+Holding the lock, a writer writes a trial record there as its puts do, reads it back and
+removes it (disk_write.trial): a filesystem that cannot keep a record is refused at start.
 """
 from __future__ import annotations
 
@@ -15,7 +17,10 @@ import logging
 import os
 import stat
 
+from . import disk_write
+
 LOCK_NAME = ".kvcached.lock"
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 UNLOCKABLE = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # NFS mounted nolock, some FUSE
 log = logging.getLogger(__name__)
 _OPEN = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -26,14 +31,20 @@ class DiskInUse(OSError):
 
 
 def hold(root: str) -> int:
-    """Take the root's lock and write this pid in it; its fd (close it to let go). DiskInUse
-    where another tier holds it. A lock file that is not a regular file of this user was
-    planted: it is removed and made anew."""
+    """Take the root's lock and write this pid in it; its fd (close it to let go), -1 where a
+    filesystem without room (no inode) cannot make the lock file: a full filesystem must not
+    keep the daemon from starting (the tier evicts for room), so that is a warning, as a
+    filesystem that takes no locks is. DiskInUse where another tier holds it. A lock file that
+    is not a regular file of this user was planted: it is removed and made anew."""
     path = os.path.join(root, LOCK_NAME)
     for _ in range(2):
         try:
             fd = os.open(path, _OPEN, 0o600)
         except OSError as exc:
+            if exc.errno in NO_ROOM:
+                log.warning("[disk] %s: no room for the lock file (%s): nothing keeps a second "
+                            "daemon off this directory until a start makes it", root, exc.strerror)
+                return -1
             if exc.errno != errno.ELOOP:  # (a link in its place: removed below)
                 raise
             os.unlink(path)
@@ -62,7 +73,12 @@ def hold(root: str) -> int:
         log.warning("[disk] %s: the filesystem takes no locks (%s): nothing keeps a second daemon "
                     "off this directory; give each daemon its own", root, exc.strerror)
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as exc:  # held all the same: a second tier is refused, not told by whom
+        if exc.errno not in NO_ROOM:
+            os.close(fd)
+            raise
     return fd
 
 
@@ -76,8 +92,15 @@ class RootLock:
         self._fd = -1
 
     def take(self, root: str) -> None:
+        """A writer's hold, then a trial record (disk_write.trial: OSError where the
+        filesystem cannot keep one, the hold let go)."""
         if self.writer:
             self._fd = hold(root)
+            try:
+                disk_write.trial(root)
+            except BaseException:
+                self.release()
+                raise
 
     def release(self) -> None:
         fd, self._fd = self._fd, -1

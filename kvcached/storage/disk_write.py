@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 
-from .record import pack_header
+from .record import GEOMETRY_BYTES, HEADER_BYTES, BadRecord, pack_header, verify
 
 log = logging.getLogger(__name__)
 
@@ -50,3 +50,36 @@ def _write_all(fd: int, pieces, total: int) -> None:
     flat = memoryview(b"".join(bytes(p) for p in pieces))  # rare: finish the rest plainly
     while done < total:
         done += os.write(fd, flat[done:])
+
+
+TRIAL = ".kvcached.trial"  # (in the root, beside the shards: the listing never reads it)
+
+
+def trial(root: str) -> None:
+    """(A writing tier's start.) One record written as every put writes it (a temp file opened
+    O_EXCL|O_NOFOLLOW, then os.replace), read back and removed: a filesystem that cannot do one
+    of these (a bucket mount without rename) raises OSError here, named, rather than failing
+    every put of the daemon's life, each logged. A full one passes: the tier evicts for room."""
+    for name in os.listdir(root):
+        if name.startswith(TRIAL) and name.endswith(".tmp"):  # a crashed start's
+            os.unlink(os.path.join(root, name))
+    path, payload, key = os.path.join(root, TRIAL), os.urandom(4096), os.urandom(16)
+    geometry = os.urandom(GEOMETRY_BYTES)
+    size = HEADER_BYTES + len(payload)
+    err = write_record(path, key, [payload], size, geometry, False)
+    if err is not None and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        log.warning("[disk] %s: no room for a trial record (%s); the tier starts full", root,
+                    err.strerror)
+        return
+    if err is not None:
+        raise OSError(err.errno, f"a record cannot be written there ({err.strerror})")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            verify(os.pread(fd, size + 1, 0), key, len(payload), geometry)
+        finally:
+            os.close(fd)
+    except BadRecord as exc:
+        raise OSError(errno.EIO, f"a record written there reads back otherwise ({exc})") from None
+    finally:
+        os.unlink(path)
