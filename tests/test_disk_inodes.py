@@ -2,16 +2,21 @@
 before it runs out of bytes - many small files of other programs on a node's shared disk - and
 shards its index rebuild cannot list."""
 import errno
+import glob
 import os
+import shutil
+import signal
 import stat
 import subprocess
 import time
 
 import pytest
 
-from conftest import blocks_equal, disk_uri, keys_for, scramble, small_kv, snapshot, stored
+from conftest import blocks_equal, disk_uri, keys_for, scramble, small_kv, snapshot, stored, wait_until
 from kvcached.storage import disk_listing, owned
 from kvcached.storage.disk_health import PROBE_EVERY_S
+from kvcached.storage.disk_owed import OwedUnlinks
+from kvcached.storage.owed_clear import OwedRecord
 from storage_util import PAGE_SHAPE, offload_and_flush, small_filesystem, start
 
 
@@ -164,3 +169,81 @@ def test_a_filesystem_that_cannot_keep_a_record_is_refused_at_start_by_name(run_
         with open(h.log_path) as f:
             log = f.read()
         assert "no room for the lock file" in log and "no room for a trial record" in log, log
+
+
+def _offload_many(c, n: int, seed: int) -> list[bytes]:
+    keys = []
+    for i in range(0, n, 256):
+        part = keys_for(256, seed + i)
+        c.offload(list(range(256)), part).wait(30)
+        keys += part
+    c.flush().wait(60)
+    return keys
+
+
+@pytest.mark.faults
+def test_a_clear_that_cannot_be_marked_is_owed_in_the_run_dir_until_its_files_are_gone(run_dir, instance):
+    """A weight update's clear on a filesystem with no inode left for the clear's mark: owed in
+    the run dir's record instead. The daemon killed before its unlinks were done clears the tier
+    at its next start (before, it indexed the 2,000 old blocks again and would serve them after
+    the weight update); a clear whose unlinks are done is owed no more (blocks stored after it
+    survive a restart)."""
+    kv = small_kv(num_blocks=256, block_shape=(16, 2, 8))
+    with small_filesystem("256m", inodes=2400) as fs:
+        uri = disk_uri(os.path.join(fs, "tier"))
+        h = start(run_dir, instance, uri, host_gb=0.01)
+        try:
+            with h.connect() as c:
+                c.register_kv_cache(kv)
+                _offload_many(c, 512, 1000)
+                _fill_inodes(os.path.join(fs, "other"))
+                c.clear(weights_update=True)
+                wait_until(lambda: not c.status()["storage"][0]["clear_owed"], 10, "the clear done")
+                kept = _offload_many(c, 256, 5000)  # (the inodes the clear freed)
+        finally:
+            h.stop()
+        shutil.rmtree(os.path.join(fs, "other"))
+        h = start(run_dir, instance, uri, host_gb=0.01)
+        try:
+            with h.connect() as c:
+                c.register_kv_cache(kv)
+                assert c.lookup(kept) == (0, 256)
+                old = _offload_many(c, 1536, 9000)
+                assert c.status()["storage"][0]["blocks"] == 1536 + 256
+                _fill_inodes(os.path.join(fs, "more"))
+                c.clear(weights_update=True)
+                os.kill(h.pid, signal.SIGKILL)
+                h.proc.wait(10)
+        finally:
+            h.stop()
+        assert len(glob.glob(os.path.join(fs, "tier", "??", "*.kvb"))) > 100  # (left by the kill)
+        h = start(run_dir, instance, uri, host_gb=0.01)
+        try:
+            with h.connect() as c:
+                c.register_kv_cache(kv)
+                assert c.status()["storage"][0]["blocks"] == 0
+                assert c.lookup(old) == (0, 0) and c.lookup(kept) == (0, 0)
+        finally:
+            h.stop()
+
+
+def test_an_unmarked_clear_stays_owed_while_another_is_or_a_delete_went_unkept(tmp_path):
+    """OwedUnlinks with the run dir's real record: a clear whose mark failed is on record until
+    its unlinks are done; not released while a second such clear is not done, nor after a
+    delete that was not kept (the owed clear was to remove its files)."""
+    record = OwedRecord(str(tmp_path / "i.clears-owed"))
+    owed = OwedUnlinks("disk:///x")
+    owed.attach(record)
+    owed.clear_unmarked()
+    owed.clear_unmarked()
+    assert OwedRecord(record.path).owed("disk:///x")
+    owed.unmarked_done()
+    assert owed.clear_owed and OwedRecord(record.path).owed("disk:///x")
+    owed.unmarked_done()
+    assert not owed.clear_owed and not OwedRecord(record.path).owed("disk:///x")
+    owed.clear_unmarked()
+    owed.unconfirmed(owed.begin([b"k" * 16]))  # its unlink failed: the clear owes it
+    owed.unmarked_done()
+    assert owed.clear_owed and OwedRecord(record.path).owed("disk:///x")
+    owed.cleared()
+    assert not owed.clear_owed and not OwedRecord(record.path).owed("disk:///x")

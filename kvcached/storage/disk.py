@@ -462,12 +462,15 @@ class DiskBackend(DiskHealth, StorageBackend):
         write begun before lands after); the files go on an I/O thread, under the clear's mark
         (disk_clear.py). Returns how many blocks were indexed."""
         self._clears.hold()
+        then = [self._clears.unlinked]
         try:
             run_bounded(self._io, self._clears.mark, [()], self.io_timeout_s,
                         self._late_op("the clear's mark"), lambda _i: self._late_returned())
-        except OSError as exc:  # the clear goes on; only a crash before its unlinks could
-            log.warning("[disk] %s: cannot mark the clear (%s); a crash before its files are "
-                        "removed would index them again", self.root, exc)  # bring them back
+        except OSError as exc:  # the clear goes on, owed in the run dir until its files go
+            self._owed.clear_unmarked()
+            log.warning("[disk] %s: cannot mark the clear (%s); it is owed in the run dir until "
+                        "its files are removed (a start before then clears the tier)", self.root, exc)
+            then += [self._owed.unmarked_done] if self.indexed.is_set() else []
         with self._lock:
             self._clears.new_generation()
             keys = list(self._lru)
@@ -476,18 +479,8 @@ class DiskBackend(DiskHealth, StorageBackend):
             self._on_cleared()
             if not self.indexed.is_set() and self._meanwhile.clear():
                 self._clears.hold()  # the rebuild's merge unlinks what it finds, then lets go
-        self._unlink_later(keys, [self._clears.unlinked])
+        self._unlink_later(keys, then)
         return len(keys)
-
-    def usage(self) -> dict:
-        with self._lock:
-            blocks = len(self._lru)
-        stuck = self._stuck()
-        return {"used_bytes": self.used_bytes, "capacity_bytes": self.capacity_bytes,
-                "limit_bytes": self.limit_bytes, "full": self.limit_bytes < self.capacity_bytes,
-                "blocks": blocks, "ready": self.indexed.is_set(), "stuck": bool(stuck),
-                "deletes_owed": self._owed.count(), "clear_owed": self._owed.clear_owed,
-                "last_error": stuck or self._probe_error or self.last_error, **self.counters}
 
     def close(self) -> None:
         self._closed.set()

@@ -1,7 +1,7 @@
 """The disk tier's health and room (a part of DiskBackend, disk.py): I/O past its deadline, the
 probe that stats the root once a second, and the limit a filesystem that fills up below the
 tier's capacity sets (lowered at ENOSPC, raised again by the probe as the filesystem frees
-room)."""
+room), and what status reports of it (usage)."""
 from __future__ import annotations
 
 import errno
@@ -89,6 +89,16 @@ class DiskHealth:
 
     def health(self) -> bool:
         return not self._stuck() and not self._probe_error
+
+    def usage(self) -> dict:
+        with self._lock:
+            blocks = len(self._lru)
+        stuck = self._stuck()
+        return {"used_bytes": self.used_bytes, "capacity_bytes": self.capacity_bytes,
+                "limit_bytes": self.limit_bytes, "full": self.limit_bytes < self.capacity_bytes,
+                "blocks": blocks, "ready": self.indexed.is_set(), "stuck": bool(stuck),
+                "deletes_owed": self._owed.count(), "clear_owed": self._owed.clear_owed,
+                "last_error": stuck or self._probe_error or self.last_error, **self.counters}
 
     def _on_full(self, size: int) -> None:
         """ENOSPC below the limit (the filesystem is smaller, or shared): lower the limit to what

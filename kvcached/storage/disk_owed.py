@@ -30,7 +30,9 @@ class OwedUnlinks:
         self._lock = threading.Lock()
         self._record = None
         self._owed: dict[bytes, int] = {}  # key -> deletes of it not done yet
-        self.clear_owed = False  # too many to keep: the next start clears the tier
+        self.clear_owed = False  # on record: the next start clears the tier
+        self._unmarked = 0  # clears whose mark could not be written, their unlinks not done
+        self._must_clear = False  # a delete not kept (too many, or under an owed clear)
 
     def attach(self, record) -> tuple[bool, Unlinks | None]:
         """(At start.) Keep owed keys in record; whether the last run owed a clear (the caller
@@ -52,11 +54,36 @@ class OwedUnlinks:
     def cleared(self) -> None:
         """The tier was cleared (its own mark keeps that clear whole across a stop)."""
         with self._lock:
-            self.clear_owed = False
+            self.clear_owed = self._must_clear = False
+            self._unmarked = 0
             self._owed.clear()
             if self._record is not None:
                 self._record.note_deletes(self.uri, ())
                 self._record.note(self.uri, False)
+
+    def clear_unmarked(self) -> None:
+        """A clear whose mark could not be written on the tier's filesystem (no inode left,
+        read-only): owed on record in the run dir instead, before its index forgets anything,
+        so a daemon stopped before its unlinks are done (killed, or they failed) clears the
+        tier at its next start rather than index the old blocks again. Released by
+        unmarked_done() once they are done."""
+        with self._lock:
+            self._unmarked += 1
+            self.clear_owed = True
+            if self._record is not None:
+                self._record.note(self.uri, True)
+
+    def unmarked_done(self) -> None:
+        """(An I/O thread.) Every file such a clear forgot is gone: not owed any more, unless
+        another one is or a delete went unkept meanwhile."""
+        with self._lock:
+            self._unmarked -= 1
+            if self._unmarked or self._must_clear:
+                return
+            self.clear_owed = False
+            if self._record is not None:
+                self._record.note(self.uri, False)
+            self._write()
 
     def begin(self, keys) -> Unlinks:
         return Unlinks(self, keys)
@@ -64,10 +91,13 @@ class OwedUnlinks:
     def unconfirmed(self, unlinks: Unlinks) -> None:
         """The delete answers: its keys are owed unless their unlinks are done already."""
         with self._lock:
-            if unlinks.finished or not unlinks.keys or self.clear_owed:
+            if unlinks.finished or not unlinks.keys:
+                return
+            if self.clear_owed:  # (not kept: the owed clear removes them)
+                self._must_clear = True
                 return
             if len(self._owed.keys() | unlinks.keys) > MAX_OWED_DELETES:
-                self.clear_owed = True  # on record before the keys are dropped from it
+                self.clear_owed = self._must_clear = True  # on record before the keys go
                 if self._record is not None:
                     self._record.note(self.uri, True)
                 self._owed.clear()
