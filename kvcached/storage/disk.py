@@ -82,6 +82,7 @@ class DiskBackend(DiskHealth, StorageBackend):
         self._owed = OwedUnlinks(f"disk://{self.root}")
         self._probe_since = 0.0  # monotonic start of the probe in progress, 0 when none
         self._probe_error = ""
+        self._root_id: tuple[int, int] | None = None  # (device, inode) of the root at start
         self._closed = threading.Event()
         self._unusable: set[int] = set()  # shards of another user (owned.py): never read or written
         self._on_ready = on_ready
@@ -107,7 +108,7 @@ class DiskBackend(DiskHealth, StorageBackend):
         """The root, made on an I/O thread (a hung filesystem leaves the tier stuck, not the start)."""
         def make():
             os.makedirs(self.root, mode=0o700, exist_ok=True)
-            owned.secure_root(self.root)
+            self._root_id = owned.secure_root(self.root)
             if not os.access(self.root, os.W_OK):
                 raise PermissionError(errno.EACCES, "not writable", self.root)
             self._root_lock.take(self.root)
@@ -321,7 +322,7 @@ class DiskBackend(DiskHealth, StorageBackend):
         return True
 
     def put(self, keys, buffers, geometry, release=None) -> list:
-        if self._stuck():
+        if not self.health():  # stuck, or the root is gone (unmounted, removed, not writable)
             self.counters["dropped_puts"] += len(keys)
             return [False] * len(keys)
         items = [(k, b, geometry) for k, b in zip(keys, buffers)]
@@ -385,7 +386,7 @@ class DiskBackend(DiskHealth, StorageBackend):
         return True
 
     def _write(self, key: bytes, pieces, size: int, geometry: bytes) -> OSError | None:
-        return write_record(self._path(key), key, pieces, size, geometry, self.fsync)
+        return write_record(self._path(key), key, pieces, size, geometry, self.fsync, self._same_root)
 
     def _remove(self, key: bytes) -> bool:
         self._forget(key)

@@ -47,7 +47,7 @@ class DiskHealth:
         while not self._closed.wait(PROBE_EVERY_S):
             self._probe_since = time.monotonic()
             try:
-                st = os.stat(self.root)
+                st = self._same_root()
                 if not stat.S_ISDIR(st.st_mode) or not os.access(self.root, os.W_OK):
                     raise OSError(errno.EACCES, "not a writable directory")
                 if self._probe_error:
@@ -61,6 +61,19 @@ class DiskHealth:
                 if first:
                     self._on_health()
             self._probe_since = 0.0
+
+    def _same_root(self) -> os.stat_result:
+        """The root's stat; OSError (ESTALE) where the path names another directory than the
+        tier started on: its volume unmounted (the path is then the mount point's own
+        directory, on the filesystem beneath), or the directory removed and made again. The
+        tier is then unhealthy (no hits, puts dropped) until a restart: before, it went on
+        writing blocks onto the filesystem beneath - a node's root disk, say."""
+        st = os.stat(self.root)
+        if self._root_id is not None and (st.st_dev, st.st_ino) != self._root_id:
+            raise OSError(errno.ESTALE, "no longer the directory the tier started on (its volume "
+                                        "unmounted, or removed and made again); restart the daemon "
+                                        "to use what is there now")
+        return st
 
     def _regrow(self, fs) -> None:
         """Raise a limit the filesystem set, by what it has free beyond a slack: bytes, and

@@ -6,6 +6,7 @@ import errno
 import logging
 import os
 import threading
+from typing import Callable
 
 from .record import GEOMETRY_BYTES, HEADER_BYTES, BadRecord, pack_header, verify
 
@@ -15,15 +16,18 @@ _OPEN_TEMP = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def write_record(path: str, key: bytes, pieces, size: int, geometry: bytes,
-                 fsync: bool) -> OSError | None:
+                 fsync: bool, check_root: Callable[[], None] | None = None) -> OSError | None:
     """The record of key at path; None when it is in place, else the error (nothing of it is
-    left behind)."""
+    left behind). A missing shard directory is made (its first put, or removed under us), once
+    check_root() has not raised: the root is still the tier's own directory."""
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
         try:
             fd = os.open(tmp, _OPEN_TEMP, 0o600)
-        except FileNotFoundError:  # the shard dir was removed under us: make it again
-            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        except FileNotFoundError:
+            if check_root is not None:
+                check_root()
+            os.mkdir(os.path.dirname(path), 0o700)
             fd = os.open(tmp, _OPEN_TEMP, 0o600)
         try:
             _write_all(fd, [pack_header(key, pieces, geometry), *pieces], size)

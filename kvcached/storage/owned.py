@@ -24,8 +24,9 @@ def is_ours(st: os.stat_result) -> bool:
     return st.st_uid == os.geteuid()
 
 
-def secure_root(root: str) -> None:
-    """Raise PermissionError for a root the daemon must not use; tighten one it may."""
+def secure_root(root: str) -> tuple[int, int]:
+    """Raise PermissionError for a root the daemon must not use; tighten one it may. Its
+    (device, inode): which directory the tier is on (disk_health.py checks it stays)."""
     st = os.stat(root)
     if not stat.S_ISDIR(st.st_mode):
         raise NotADirectoryError(f"{root} is not a directory")
@@ -36,6 +37,7 @@ def secure_root(root: str) -> None:
         log.warning("[disk] %s was mode %o: another user could plant records there; made 0700",
                     root, stat.S_IMODE(st.st_mode))
         os.chmod(root, PRIVATE)
+    return st.st_dev, st.st_ino
 
 
 def usable_shard(path: str) -> bool:

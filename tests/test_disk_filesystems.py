@@ -1,6 +1,7 @@
-"""A disk tier on a filesystem that runs out of inodes (one a record, one a shard directory)
-before it runs out of bytes - many small files of other programs on a node's shared disk - and
-shards its index rebuild cannot list."""
+"""A disk tier on the filesystems deployments give it: one that runs out of inodes (one a
+record, one a shard directory) before it runs out of bytes - many small files of other programs
+on a node's shared disk - one full at start, one that cannot keep a record, a volume unmounted
+under the running tier, and shards its index rebuild cannot list."""
 import errno
 import glob
 import os
@@ -247,3 +248,38 @@ def test_an_unmarked_clear_stays_owed_while_another_is_or_a_delete_went_unkept(t
     assert owed.clear_owed and OwedRecord(record.path).owed("disk:///x")
     owed.cleared()
     assert not owed.clear_owed and not OwedRecord(record.path).owed("disk:///x")
+
+
+@pytest.mark.faults
+def test_a_volume_unmounted_under_the_tier_makes_it_unhealthy_and_nothing_is_written_beneath(
+        run_dir, instance, tmp_path):
+    """The tier's root a volume (a tmpfs) unmounted while the daemon runs (umount -l: the lock
+    file is open): the path is then the mount point's own directory, on the filesystem beneath.
+    The tier says so (unhealthy, the reason in status), reports no hits, and writes nothing
+    there, the puts in the probe's second before it saw included. Before, it stayed healthy,
+    kept reporting the blocks of the volume gone, and wrote every new block onto the filesystem
+    beneath (a node's root disk)."""
+    root = tmp_path / "vol"
+    root.mkdir(mode=0o700)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=0700", "tmpfs", str(root)]).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    kv = small_kv(num_blocks=64, block_shape=PAGE_SHAPE)
+    old = keys_for(8)
+    h = start(run_dir, instance, disk_uri(str(root)), host_gb=0.01)
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, old, list(range(8)))
+            subprocess.run(["umount", "-l", str(root)], check=True)
+            offload_and_flush(c, kv, keys_for(8, 5), list(range(8, 16)))  # (before the probe)
+            wait_until(lambda: not c.status()["storage"][0]["healthy"], 5, "the tier unhealthy")
+            offload_and_flush(c, kv, keys_for(8, 6), list(range(16, 24)))
+            disk = c.status()["storage"][0]
+            assert "no longer the directory the tier started on" in disk["last_error"], disk
+            assert disk["dropped_puts"] == 8 and disk["puts"] == 8, disk
+            c.clear(tier="host")
+            assert c.lookup(old) == (0, 0)
+    finally:
+        h.stop()
+        subprocess.run(["umount", str(root)], capture_output=True)  # (if the test failed first)
+    assert os.listdir(root) == []
