@@ -2,6 +2,7 @@
 record, one a shard directory) before it runs out of bytes - many small files of other programs
 on a node's shared disk - one full at start, one that cannot keep a record, a volume unmounted
 under the running tier, and shards its index rebuild cannot list."""
+import contextlib
 import errno
 import glob
 import os
@@ -208,21 +209,32 @@ def test_a_clear_that_cannot_be_marked_is_owed_in_the_run_dir_until_its_files_ar
         try:
             with h.connect() as c:
                 c.register_kv_cache(kv)
-                assert c.lookup(kept) == (0, 256)
-                old = _offload_many(c, 1536, 9000)
-                assert c.status()["storage"][0]["blocks"] == 1536 + 256
-                _fill_inodes(os.path.join(fs, "more"))
-                c.clear(weights_update=True)
-                os.kill(h.pid, signal.SIGKILL)
-                h.proc.wait(10)
+                assert c.lookup(kept) == (0, 256), c.status()["storage"][0]
         finally:
             h.stop()
-        assert len(glob.glob(os.path.join(fs, "tier", "??", "*.kvb"))) > 100  # (left by the kill)
+        for attempt in range(3):  # (the kill must land before the unlinks are done)
+            h = start(run_dir, instance, uri, host_gb=0.01)
+            try:
+                with h.connect() as c:
+                    c.register_kv_cache(kv)
+                    old = _offload_many(c, 1536, 9000 + 10_000 * attempt)
+                    assert c.status()["storage"][0]["blocks"] > 1000, c.status()["storage"][0]
+                    _fill_inodes(os.path.join(fs, f"more{attempt}"))
+                    c.clear(weights_update=True)
+                    os.kill(h.pid, signal.SIGKILL)
+                    h.proc.wait(10)
+            finally:
+                h.stop()
+            if len(glob.glob(os.path.join(fs, "tier", "??", "*.kvb"))) > 100:
+                break
+            shutil.rmtree(os.path.join(fs, f"more{attempt}"))
+        else:
+            pytest.fail("each kill came after the clear's unlinks were done")
         h = start(run_dir, instance, uri, host_gb=0.01)
         try:
             with h.connect() as c:
                 c.register_kv_cache(kv)
-                assert c.status()["storage"][0]["blocks"] == 0
+                assert c.status()["storage"][0]["blocks"] == 0, c.status()["storage"][0]
                 assert c.lookup(old) == (0, 0) and c.lookup(kept) == (0, 0)
         finally:
             h.stop()
@@ -283,3 +295,43 @@ def test_a_volume_unmounted_under_the_tier_makes_it_unhealthy_and_nothing_is_wri
         h.stop()
         subprocess.run(["umount", str(root)], capture_output=True)  # (if the test failed first)
     assert os.listdir(root) == []
+
+
+def test_a_quota_met_evicts_for_room_and_the_limit_stays_lowered(tmp_path, monkeypatch, caplog):
+    """EDQUOT (a user's quota, or a directory's: an emptyDir's on XFS) where statvfs shows the
+    filesystem's free bytes, not the quota's: the tier lowers its limit under what it holds,
+    evicts and stores the new block; the probe does not raise the limit again from the free
+    bytes it sees. Before, EDQUOT was a plain write error: every put failed from the quota on.
+    (The quota is the write's answer here; a real one needs another uid and quota tools.)"""
+    from kvcached.storage import disk
+
+    tier = disk.DiskBackend(str(tmp_path), capacity_bytes=1 << 30)
+    try:
+        assert tier.indexed.wait(10)
+        page = [memoryview(bytes([7]) * 4096)]
+        keys = [bytes([i]) * 16 for i in range(1, 41)]
+        assert tier.put(keys[:32], [page] * 32, bytes(16)) == [True] * 32
+        real, quota = tier._write, 32 * (4096 + disk.HEADER_BYTES)
+
+        def held() -> int:
+            total = 0
+            for f in glob.glob(os.path.join(str(tmp_path), "??", "*.kvb")):
+                with contextlib.suppress(FileNotFoundError):  # (evicted meanwhile)
+                    total += os.path.getsize(f)
+            return total
+
+        def write(key, pieces, size, geometry):  # the quota: what the files hold
+            if held() + size > quota:
+                return OSError(errno.EDQUOT, "Disk quota exceeded")
+            return real(key, pieces, size, geometry)
+
+        tier._write = write
+        assert tier.put(keys[32:], [page] * 8, bytes(16)) == [True] * 8
+        assert tier.exists_prefix(keys[32:]) == 8 and tier.counters["put_errors"] == 0
+        assert tier.limit_bytes < quota and tier.counters["evicted"] >= 8
+        lowered = tier.limit_bytes
+        time.sleep(2.5 * PROBE_EVERY_S)  # the probe sees the filesystem's free bytes
+        assert tier.limit_bytes == lowered and tier.usage()["full"]
+        assert "the filesystem is over its quota" in caplog.text
+    finally:
+        tier.close()

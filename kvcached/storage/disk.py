@@ -74,6 +74,7 @@ class DiskBackend(DiskHealth, StorageBackend):
         self.last_error = ""
         self.limit_bytes = capacity_bytes  # lowered when the filesystem fills up first
         self._block_bytes = 0  # size of the last record written (the probe's slack)
+        self._quota_met = False  # EDQUOT met: the limit stays lowered (disk_health.py)
         self._late = 0  # I/O operations past their deadline that have not returned yet
         self._meanwhile = WhileIndexing()  # deletes and clears before the index was whole
         self._clears = DiskClears(self.root)  # a clear's mark and generations (disk_clear.py)
@@ -352,10 +353,10 @@ class DiskBackend(DiskHealth, StorageBackend):
         if size > self.capacity_bytes or not self._evict_over_capacity(size):
             return False
         err, tries = self._write(key, pieces, size, geometry), 1
-        while err is not None and err.errno == errno.ENOSPC and tries < ENOSPC_TRIES:
+        while err is not None and err.errno in (errno.ENOSPC, errno.EDQUOT) and tries < ENOSPC_TRIES:
             with self._lock:  # another I/O thread's write may take the room a retry found
                 self.used_bytes -= size  # the reservation, taken again under the new limit
-            self._on_full(size)
+            self._on_full(size, err.errno)
             if not self._evict_over_capacity(size):
                 return False
             err, tries = self._write(key, pieces, size, geometry), tries + 1

@@ -53,7 +53,7 @@ class DiskHealth:
                 if self._probe_error:
                     self._probe_error = ""
                     self._on_health()
-                if self.limit_bytes < self.capacity_bytes:
+                if self.limit_bytes < self.capacity_bytes and not self._quota_met:
                     self._regrow(os.statvfs(self.root))
             except OSError as exc:
                 first = not self._probe_error
@@ -113,24 +113,28 @@ class DiskHealth:
                 "deletes_owed": self._owed.count(), "clear_owed": self._owed.clear_owed,
                 "last_error": stuck or self._probe_error or self.last_error, **self.counters}
 
-    def _on_full(self, size: int) -> None:
+    def _on_full(self, size: int, err: int = errno.ENOSPC) -> None:
         """ENOSPC below the limit (the filesystem is smaller, or shared): lower the limit to what
         the filesystem holds for the tier (its bytes and the free space) less a few blocks; the
         caller evicts down to it and retries. From the filesystem's state, not from the limit:
         puts that hit ENOSPC together each lowered it again (a few blocks under the last
         value), and four of them took a 1 MiB tier's limit to 0. Not lowered when the space was
         only held by records evicted and not yet unlinked (another put's): once those are gone
-        the filesystem has room."""
+        the filesystem has room. EDQUOT (a user's or a directory's quota, which statvfs may not
+        show) is a full filesystem whose free space is what the evictions free; the probe does
+        not raise that limit again (it cannot see the quota's room): a restart does."""
         self.counters["enospc"] += 1
         with self._evicting:
             self._evicting.wait_for(lambda: not self._victims_pending, timeout=1.0)
-        free, what = 0, "full"
+        free, what = 0, "over its quota" if err == errno.EDQUOT else "full"
         try:
             st = os.statvfs(self.root)
             free = st.f_bavail * st.f_frsize
-            if free >= 2 * size and (not st.f_files or st.f_favail > 2):
+            if err == errno.EDQUOT:
+                free, self._quota_met = 0, True
+            elif free >= 2 * size and (not st.f_files or st.f_favail > 2):
                 return  # room now (blocks and inodes): the caller retries under the same limit
-            if st.f_files and st.f_favail <= 2:  # out of inodes (one a record), not of bytes:
+            elif st.f_files and st.f_favail <= 2:  # out of inodes (one a record), not of bytes:
                 free, what = 0, "out of inodes"  # what is freed is the records evicted
         except OSError:
             pass
