@@ -96,6 +96,44 @@ def test_mla_only_the_writer_rank_puts_to_shared_storage_and_every_rank_reads(ru
             assert same(kv[0], i, 16 + i)
 
 
+@pytest.mark.faults
+def test_mla_readers_find_what_the_writer_stored_since_they_started_and_remove_nothing(run_dir, tmp_path):
+    """An MLA group running: the writer rank stores blocks after every rank started; with the
+    host tiers cleared the group finds them on storage and every rank loads them byte-exact,
+    the reader from the writer's files. Blocks the writer deletes are not reported by the
+    reader; a damaged record is a miss for the reader, which leaves the file to the writer.
+    Before, a reader's index was what its start listed: the group (the least of its ranks)
+    found none of the blocks stored since (0 storage hits)."""
+    from kvcached.storage.record import stored_key
+    from conftest import geometry_of
+
+    storage = disk_uri(str(tmp_path / "shared"), 0.1)
+    keys = keys_for(NBLK, 2)
+    kv = [small_kv(num_layers=2, num_blocks=32, block_shape=(BS, 8), kv_pair=False, seed=5)] * 2
+
+    def extra(rank):
+        return ["--storage", storage] + ([] if rank == 0 else ["--no-storage-writer"])
+
+    with ranks(run_dir, 2, extra) as (names, _), \
+            GroupClient.connect(names, run_dir=run_dir, mla=True) as g:
+        g.register_kv_cache(kv)
+        g.offload(range(NBLK), keys).wait(10)
+        g.flush().wait(10)
+        g.clear(tier="host")
+        assert g.lookup(keys) == (0, NBLK)
+        assert g.load(keys, range(16, 16 + NBLK)).wait(10) == NBLK
+        assert all(same(kv[0], i, 16 + i) for i in range(NBLK))
+        g.clear(tier="host")
+        g.clients[0].delete(keys[6:])  # (the writer's own: storage too)
+        reader = g.clients[1]
+        assert reader.lookup(keys) == (0, 6)
+        path = next((tmp_path / "shared").rglob(stored_key(keys[2], geometry_of(kv[0])).hex() + ".kvb"))
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) - 1)
+        assert reader.load(keys[:6], range(16, 22)).wait(10) == 2
+        assert path.exists()
+
+
 def test_a_batch_of_loads_agrees_on_each_loads_shortest_prefix(run_dir):
     """GroupClient.load_batch: each load of the batch is the load() of it - the prefix every
     rank holds, bytes exact on every rank - or the error a rank gave it, while the others go;

@@ -29,7 +29,6 @@ import collections
 import errno
 import logging
 import os
-import stat
 import threading
 import time
 from typing import Callable, Sequence
@@ -40,9 +39,10 @@ from .disk_clear import DiskClears
 from .disk_health import ENOSPC_TRIES, PROBE_EVERY_S, DiskHealth
 from .disk_listing import WhileIndexing, list_records
 from .disk_owed import OwedUnlinks
+from .disk_read import READER_LOOKUP_S, files_prefix, read_record
 from .disk_write import write_record
 from .iothreads import IOThreads, run_bounded
-from .record import HEADER_BYTES, BadRecord, check_header, check_payload, nbytes
+from .record import HEADER_BYTES, BadRecord, nbytes
 from .uris import DISK_IO_TIMEOUT_S, parse_disk_uri
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,6 @@ log = logging.getLogger(__name__)
 # file I/O and checksums release the GIL: a few blocks in flight (2 best on 2 cores; more take more)
 IO_THREADS = max(2, min(8, os.cpu_count() or 2))
 IO_TIMEOUT_S = DISK_IO_TIMEOUT_S
-_OPEN_READ = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class DiskBackend(DiskHealth, StorageBackend):
@@ -62,6 +61,7 @@ class DiskBackend(DiskHealth, StorageBackend):
         self.root = os.path.abspath(root)
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
+        self.local_keys = writer  # a reader's index is not the directory's (disk_read.py)
         self.uri = uri or f"disk://{self.root}"
         self.io_timeout_s = io_timeout_s
         self._lock = threading.Lock()
@@ -253,6 +253,10 @@ class DiskBackend(DiskHealth, StorageBackend):
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
         if not self.indexed.is_set() or not self.health():  # stuck, or the root is gone
             return 0
+        if not self.local_keys:  # a reader: the writer's files as they are now (disk_read.py)
+            n = run_bounded(self._io, files_prefix, [([self._path(k) for k in keys],)], READER_LOOKUP_S,
+                            self._late_op("a lookup's stat"), lambda _i: self._late_returned())[0]
+            return n or 0
         n = 0
         with self._lock:
             for key in keys:
@@ -294,30 +298,17 @@ class DiskBackend(DiskHealth, StorageBackend):
 
     def _get_one(self, key: bytes, pieces, geometry: bytes) -> bool:
         with self._lock:
-            if key not in self._lru:
+            if key not in self._lru and self.local_keys:  # (a reader opens what it was not told)
                 return False
-        want = nbytes(pieces)
         try:
-            fd = os.open(self._path(key), _OPEN_READ)
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    raise BadRecord("not a regular file")
-                if not owned.is_ours(st):
-                    raise BadRecord(f"a file of uid {st.st_uid}, not this daemon's")
-                crc = check_header(os.read(fd, HEADER_BYTES), key, want, geometry)
-                if os.readv(fd, pieces) != want or os.read(fd, 1):
-                    raise BadRecord("short or long file")
-            finally:
-                os.close(fd)
-            check_payload(pieces, crc)
+            read_record(self._path(key), key, pieces, geometry)
         except FileNotFoundError:
             self._forget(key)
             return False
         except (BadRecord, OSError) as exc:
-            log.warning("[disk] %s: %s; removed", key.hex(), exc)
+            log.warning("[disk] %s: %s; %s", key.hex(), exc, "removed" if self.local_keys else "a miss")
             self.counters["corrupt"] += 1
-            self._remove(key)
+            self._remove(key) if self.local_keys else self._forget(key)
             return False
         self.counters["gets"] += 1
         return True
