@@ -3,7 +3,8 @@ it: the engine offloads and loads layer-wise while an operator deletes, prefetch
 clears the host tier (test_random_ops), and between the engine's steps a record file is damaged
 as a failing disk or a careless hand damages it (a bit flipped in the payload or the header, cut
 short, emptied, removed, overwritten by another key's record or by junk of its size), or, on a
-2 MiB filesystem, a ballast file takes the free space and gives it back. A damaged record is a
+2 MiB filesystem, a ballast file takes the free space and gives it back (on a 320-inode one,
+ballast files take the free inodes). A damaged record is a
 miss, never data: every block loaded is compared with its key's content, and the host tier is
 small, so most loads read the disk. After the faults, as many steps again without them: the
 tier serves loads again; then the daemon restarts on the damaged directory and every document is
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import time
 
 import pytest
@@ -31,7 +33,7 @@ class DiskFaults:
     """What befalls the disk tier's directory between the engine's steps (`tick`): a record
     damaged every few steps ("damage"), or the filesystem's free space taken by a ballast file
     for 0.2-0.6 s, then given back for 1.2-2 s, past the tier's probe that raises its limit again
-    ("full"; by the clock: the steps are fast)."""
+    ("full"; by the clock: the steps are fast), or its free inodes so ("inodes")."""
 
     def __init__(self, kind: str, root: str, seed: int):
         self.kind, self.root, self.rng = kind, root, random.Random(seed)
@@ -50,7 +52,7 @@ class DiskFaults:
 
     def over(self, n: int, ops: int) -> bool:
         """The faults' part of the run is over: `ops` steps, and (full) three fills, given back."""
-        if self.kind == "full" and (self.done.get("fill", 0) < 3 or os.path.exists(self.ballast)):
+        if self.kind != "damage" and (self.done.get("fill", 0) < 3 or os.path.exists(self.ballast)):
             return False
         return n >= ops
 
@@ -109,7 +111,16 @@ class DiskFaults:
             f.write(self.rng.randbytes(size))
 
     def fill(self) -> None:
-        """Take the filesystem's free space but room for 0-2 records."""
+        """Take the filesystem's free space (its inodes, "inodes") but room for 0-2 records."""
+        if self.kind == "inodes":
+            os.makedirs(self.ballast, exist_ok=True)
+            for i in range(max(0, os.statvfs(self.root).f_favail - self.rng.randrange(3))):
+                try:
+                    os.close(os.open(os.path.join(self.ballast, str(i)), os.O_CREAT | os.O_WRONLY, 0o600))
+                except OSError:  # the daemon took the last ones meanwhile
+                    break
+            self._did("fill")
+            return
         st = os.statvfs(self.root)
         free = st.f_bavail * st.f_frsize - self.rng.randrange(3) * (PAGE + 4096)
         if free > 0:
@@ -121,7 +132,7 @@ class DiskFaults:
             self._did("fill")
 
     def free(self) -> None:
-        os.unlink(self.ballast)
+        shutil.rmtree(self.ballast) if self.kind == "inodes" else os.unlink(self.ballast)
         self._did("free")
 
 
@@ -140,13 +151,21 @@ def small_fs():
         yield path
 
 
+@pytest.fixture
+def few_inodes_fs():
+    """A filesystem (tmpfs) of 64 MiB but 320 inodes: the 96 records and their up to 96 shard
+    directories fit until the ballast takes the inodes left."""
+    with small_filesystem("64m", inodes=320) as path:
+        yield path
+
+
 @pytest.mark.faults
-@pytest.mark.parametrize("kind,seed", [("damage", 21), ("full", 22)])
+@pytest.mark.parametrize("kind,seed", [("damage", 21), ("full", 22), ("inodes", 23)])
 def test_random_ops_on_a_damaged_or_full_disk_tier_never_serve_a_wrong_byte(run_dir, instance, request,
                                                                             kind, seed):
     ops = int(os.environ.get("KVCACHED_SOAK_OPS", "2000")) // 4
     seed += int(os.environ.get("KVCACHED_SOAK_SEED", "0"))
-    root = request.getfixturevalue("disk_dir" if kind == "damage" else "small_fs")
+    root = request.getfixturevalue({"damage": "disk_dir", "full": "small_fs", "inodes": "few_inodes_fs"}[kind])
     rng, docs, faults = random.Random(seed), _docs(), DiskFaults(kind, root, seed)
     kv = small_kv(num_layers=LAYERS, num_blocks=BLOCKS, block_shape=SHAPE, seed=seed)
     errors = []
@@ -173,6 +192,7 @@ def test_random_ops_on_a_damaged_or_full_disk_tier_never_serve_a_wrong_byte(run_
     assert engine.wrong == 0, f"seed {seed}: {engine.wrong} of {engine.loaded} loaded blocks wrong"
     assert s["tasks"]["inflight"] == 0 and s["host"]["pinned_blocks"] == 0, s["tasks"]
     assert s["lookups"]["loaded_from_storage"] > was, (was, s["lookups"])  # served again after
+    assert kind == "damage" or s["storage"][0]["enospc"] > 0, s["storage"][0]  # (it was full)
     if kind == "damage":  # every kind of damage, and reads that met it
         assert set(faults.done) == set(DAMAGE) and engine.missed > 0, faults.done
         for how in DAMAGE:  # more, while the daemon is down: its restart reads them back

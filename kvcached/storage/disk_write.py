@@ -2,6 +2,7 @@
 leaves either the old state or the whole new file, never half a block (disk.py)."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -27,7 +28,8 @@ def write_record(path: str, key: bytes, pieces, size: int, geometry: bytes,
         except FileNotFoundError:
             if check_root is not None:
                 check_root()
-            os.mkdir(os.path.dirname(path), 0o700)
+            with contextlib.suppress(FileExistsError):  # (another I/O thread's put made it)
+                os.mkdir(os.path.dirname(path), 0o700)
             fd = os.open(tmp, _OPEN_TEMP, 0o600)
         try:
             _write_all(fd, [pack_header(key, pieces, geometry), *pieces], size)
