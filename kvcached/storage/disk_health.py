@@ -104,8 +104,8 @@ class DiskHealth:
         return not self._stuck() and not self._probe_error
 
     def usage(self) -> dict:
-        with self._lock:
-            blocks = len(self._lru)
+        with self._lock:  # (a reader's index is what its start listed: its count says nothing)
+            blocks = len(self._lru) if self.local_keys else None
         stuck = self._stuck()
         return {"used_bytes": self.used_bytes, "capacity_bytes": self.capacity_bytes,
                 "limit_bytes": self.limit_bytes, "full": self.limit_bytes < self.capacity_bytes,
