@@ -61,20 +61,29 @@ def test_ranks_store_their_shard_under_their_own_keys(run_dir):
             assert c0.lookup(keys) == (0, 0)
 
 
+def _mla_kv(seed):
+    """An MLA model's KV: the same latent on every rank (one tensor, registered by both)."""
+    return [small_kv(num_layers=2, num_blocks=32, block_shape=(BS, 8), kv_pair=False, seed=seed)] * 2
+
+
+def _mla_ranks(tmp_path):
+    """The ranks' daemon flags: one disk directory, rank 0 its writer."""
+    storage = disk_uri(str(tmp_path / "shared"), 0.1)
+    return lambda rank: ["--storage", storage] + ([] if rank == 0 else ["--no-storage-writer"])
+
+
+def _offload_flushed(g, kv, keys):
+    g.register_kv_cache(kv)
+    g.offload(range(NBLK), keys).wait(10)
+    g.flush().wait(10)
+
+
 @pytest.mark.slow
 def test_mla_only_the_writer_rank_puts_to_shared_storage_and_every_rank_reads(run_dir, tmp_path):
-    storage = disk_uri(str(tmp_path / "shared"), 0.1)
-    keys = keys_for(NBLK, 1)
-    kv = [small_kv(num_layers=2, num_blocks=32, block_shape=(BS, 8), kv_pair=False, seed=3)] * 2
-
-    def extra(rank):
-        return ["--storage", storage] + ([] if rank == 0 else ["--no-storage-writer"])
-
+    keys, kv, extra = keys_for(NBLK, 1), _mla_kv(3), _mla_ranks(tmp_path)
     with ranks(run_dir, 2, extra) as (names, _), \
             GroupClient.connect(names, run_dir=run_dir, mla=True) as g:
-        g.register_kv_cache(kv)
-        g.offload(range(NBLK), keys).wait(10)
-        g.flush().wait(10)
+        _offload_flushed(g, kv, keys)
         puts = [s["storage"][0]["puts"] for s in g.status()]
         files = list((tmp_path / "shared").rglob("*.kvb"))
         assert len(files) == NBLK
@@ -107,18 +116,10 @@ def test_mla_readers_find_what_the_writer_stored_since_they_started_and_remove_n
     from kvcached.storage.record import stored_key
     from conftest import geometry_of
 
-    storage = disk_uri(str(tmp_path / "shared"), 0.1)
-    keys = keys_for(NBLK, 2)
-    kv = [small_kv(num_layers=2, num_blocks=32, block_shape=(BS, 8), kv_pair=False, seed=5)] * 2
-
-    def extra(rank):
-        return ["--storage", storage] + ([] if rank == 0 else ["--no-storage-writer"])
-
-    with ranks(run_dir, 2, extra) as (names, _), \
+    keys, kv = keys_for(NBLK, 2), _mla_kv(5)
+    with ranks(run_dir, 2, _mla_ranks(tmp_path)) as (names, _), \
             GroupClient.connect(names, run_dir=run_dir, mla=True) as g:
-        g.register_kv_cache(kv)
-        g.offload(range(NBLK), keys).wait(10)
-        g.flush().wait(10)
+        _offload_flushed(g, kv, keys)
         g.clear(tier="host")
         assert g.lookup(keys) == (0, NBLK)
         assert g.load(keys, range(16, 16 + NBLK)).wait(10) == NBLK
