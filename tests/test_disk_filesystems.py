@@ -354,3 +354,51 @@ def test_puts_racing_into_a_shard_not_made_yet_are_all_stored(tmp_path):
             assert tier.counters["put_errors"] == 0 and tier.exists_prefix(keys) == 64
         finally:
             tier.close()
+
+
+def test_a_reader_started_during_the_writers_clear_serves_nothing_written_before_it(tmp_path):
+    """A reader (--no-storage-writer) that starts while the writer's clear is under way (its
+    mark in the directory, its unlinks not done): the records written before the mark are not
+    served, a record written after it is, and the reader finishes no clear; its own deletes and
+    clears remove no file either (the writer removes them)."""
+    from kvcached.storage import disk
+    from kvcached.storage.disk_clear import MARK
+    from kvcached.storage.record import GEOMETRY_BYTES
+
+    geometry = bytes(GEOMETRY_BYTES)
+    page = [memoryview(bytes([9]) * 4096)]
+    old, new = [bytes([1]) * 16, bytes([2]) * 16], bytes([3]) * 16
+    writer = disk.DiskBackend(str(tmp_path), capacity_bytes=1 << 30)
+    try:
+        assert writer.indexed.wait(10) and writer.put(old, [page] * 2, geometry) == [True, True]
+    finally:
+        writer.close()
+    mark = tmp_path / MARK
+    mark.write_bytes(b"")
+    later = time.time_ns() + 10**9
+    os.utime(mark, ns=(later - 10**8, later - 10**8))  # (the clock's tick: a second between)
+    writer_file = None
+    reader = disk.DiskBackend(str(tmp_path), capacity_bytes=1 << 30, writer=False)
+    try:
+        assert reader.indexed.wait(10)
+        assert reader.exists_prefix(old) == 0
+        got = [memoryview(bytearray(4096))]
+        assert reader.get_into(old[:1], [got], geometry) == [False]
+        records = glob.glob(os.path.join(str(tmp_path), "??", "*.kvb"))
+        assert len(records) == 2 and mark.exists()
+        writer_file = disk.DiskBackend(str(tmp_path / "elsewhere"), capacity_bytes=1 << 30)  # (a put)
+        assert writer_file.indexed.wait(10) and writer_file.put([new], [page], geometry) == [True]
+        path = reader._path(new)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        shutil.copy(writer_file._path(new), path)
+        os.utime(path, ns=(later, later))  # written after the mark
+        assert reader.exists_prefix([new]) == 1 and reader.get_into([new], [got], geometry) == [True]
+        assert bytes(got[0]) == bytes(page[0])
+        reader.delete(old + [new])  # (fanned out to every rank: the writer removes the files)
+        reader.clear()
+        time.sleep(0.2)
+        assert len(glob.glob(os.path.join(str(tmp_path), "??", "*.kvb"))) == 3 and mark.exists()
+    finally:
+        reader.close()
+        if writer_file is not None:
+            writer_file.close()

@@ -74,7 +74,7 @@ def _mla_ranks(tmp_path):
 
 def _offload_flushed(g, kv, keys):
     g.register_kv_cache(kv)
-    g.offload(range(NBLK), keys).wait(10)
+    g.offload(range(len(keys)), keys).wait(10)
     g.flush().wait(10)
 
 
@@ -110,8 +110,9 @@ def test_mla_readers_find_what_the_writer_stored_since_they_started_and_remove_n
     """An MLA group running: the writer rank stores blocks after every rank started; with the
     host tiers cleared the group finds them on storage and every rank loads them byte-exact,
     the reader from the writer's files. Blocks the writer deletes are not reported by the
-    reader; a damaged record is a miss for the reader, which leaves the file to the writer.
-    Before, a reader's index was what its start listed: the group (the least of its ranks)
+    reader; a damaged record is a miss for the reader, which leaves the file to the writer. After
+    a weight update's clear the reader serves no file written before it, even one the writer's
+    unlinks have not removed yet, and finds what the writer stores after it. Before, a reader's index was what its start listed: the group (the least of its ranks)
     found none of the blocks stored since (0 storage hits)."""
     from kvcached.storage.record import stored_key
     from conftest import geometry_of
@@ -133,6 +134,22 @@ def test_mla_readers_find_what_the_writer_stored_since_they_started_and_remove_n
             f.truncate(os.path.getsize(path) - 1)
         assert reader.load(keys[:6], range(16, 22)).wait(10) == 2
         assert path.exists()
+        # a weight update's clear; the writer's unlinks lag (a file of before put back): the
+        # reader serves nothing written before it, and what the writer stores after it
+        first = next((tmp_path / "shared").rglob(stored_key(keys[0], geometry_of(kv[0])).hex() + ".kvb"))
+        kept = first.read_bytes()
+        mtime = first.stat().st_mtime_ns
+        g.clear(weights_update=True)
+        assert reader.lookup(keys) == (0, 0)
+        wait_until(lambda: not first.exists(), 10, "the writer's unlinks")
+        first.write_bytes(kept)
+        os.utime(first, ns=(mtime, mtime))
+        assert reader.lookup(keys) == (0, 0)
+        assert reader.load(keys[:1], [16]).wait(10) == 0
+        after = keys_for(2, 3)
+        _offload_flushed(g, kv, after)
+        g.clear(tier="host")
+        assert reader.lookup(after) == (0, 2) and g.load(after, [20, 21]).wait(10) == 2
 
 
 def test_a_batch_of_loads_agrees_on_each_loads_shortest_prefix(run_dir):

@@ -39,7 +39,7 @@ from .disk_clear import DiskClears
 from .disk_health import ENOSPC_TRIES, PROBE_EVERY_S, DiskHealth
 from .disk_listing import WhileIndexing, list_records
 from .disk_owed import OwedUnlinks
-from .disk_read import READER_LOOKUP_S, files_prefix, read_record
+from .disk_read import READER_LOOKUP_S, ReaderTier, files_prefix, read_record
 from .disk_write import write_record
 from .iothreads import IOThreads, run_bounded
 from .record import HEADER_BYTES, BadRecord, nbytes
@@ -52,7 +52,7 @@ IO_THREADS = max(2, min(8, os.cpu_count() or 2))
 IO_TIMEOUT_S = DISK_IO_TIMEOUT_S
 
 
-class DiskBackend(DiskHealth, StorageBackend):
+class DiskBackend(DiskHealth, ReaderTier, StorageBackend):
     local_keys = True  # its index is this process's: the key table can publish it (watch_keys)
 
     def __init__(self, root: str, capacity_bytes: int, fsync: bool = False, uri: str = "",
@@ -62,6 +62,7 @@ class DiskBackend(DiskHealth, StorageBackend):
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         self.local_keys = writer  # a reader's index is not the directory's (disk_read.py)
+        self._written_after_ns = 0  # (a reader) files written at or before this are not served
         self.uri = uri or f"disk://{self.root}"
         self.io_timeout_s = io_timeout_s
         self._lock = threading.Lock()
@@ -142,7 +143,7 @@ class DiskBackend(DiskHealth, StorageBackend):
             for shard in range(256):  # checked once here, not stat'ed on every put
                 if not owned.usable_shard(os.path.join(self.root, f"{shard:02x}")):
                     self._unusable.add(shard)
-            finishing = self._clears.found_at_start()
+            finishing = self._clears.found_at_start() if self.local_keys else self._reader_start()
             found, removed = list_records(self.root, self._unusable, self._root_lock.writer)
             self._merge(found, finishing)
             log.info("[disk] %s: %d blocks (%.2f GiB) indexed in %.1f s, %d stray files removed",
@@ -254,7 +255,8 @@ class DiskBackend(DiskHealth, StorageBackend):
         if not self.indexed.is_set() or not self.health():  # stuck, or the root is gone
             return 0
         if not self.local_keys:  # a reader: the writer's files as they are now (disk_read.py)
-            n = run_bounded(self._io, files_prefix, [([self._path(k) for k in keys],)], READER_LOOKUP_S,
+            paths = [self._path(k) for k in keys]
+            n = run_bounded(self._io, files_prefix, [(paths, self._written_after_ns)], READER_LOOKUP_S,
                             self._late_op("a lookup's stat"), lambda _i: self._late_returned())[0]
             return n or 0
         n = 0
@@ -301,7 +303,7 @@ class DiskBackend(DiskHealth, StorageBackend):
             if key not in self._lru and self.local_keys:  # (a reader opens what it was not told)
                 return False
         try:
-            read_record(self._path(key), key, pieces, geometry)
+            read_record(self._path(key), key, pieces, geometry, self._written_after_ns)
         except FileNotFoundError:
             self._forget(key)
             return False
@@ -395,6 +397,8 @@ class DiskBackend(DiskHealth, StorageBackend):
         """Forget the keys now; their files go on an I/O thread (no file I/O on the caller's),
         waited for up to the tier's deadline: a daemon stopped after the delete's answer would
         index files still there at its next start."""
+        if not self.local_keys:  # a reader: the writer removes the files (disk_read.py)
+            return self._reader_forget(keys)
         gone = []
         with self._lock:
             for key in keys:
@@ -454,6 +458,8 @@ class DiskBackend(DiskHealth, StorageBackend):
         """Forget every block now (what the index rebuild still finds goes too, and what a
         write begun before lands after); the files go on an I/O thread, under the clear's mark
         (disk_clear.py). Returns how many blocks were indexed."""
+        if not self.local_keys:  # a reader: the writer removes the files (disk_read.py)
+            return self._reader_forget((), clear=True)
         self._clears.hold()
         then = [self._clears.unlinked]
         try:

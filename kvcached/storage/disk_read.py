@@ -7,12 +7,19 @@ evictions, are not in it. Before, a reader found none of the blocks the writer s
 reader started (a tensor-parallel group's lookup, the least of its ranks', had no storage hits
 for them), and reported blocks the writer had evicted. So a reader looks at the files
 themselves: its lookups stat them (on an I/O thread, with a lookup's deadline), its reads open
-them whether indexed or not, and it removes nothing it reads (a damaged record is the writer's
-to remove)."""
+them whether indexed or not, and it removes nothing (a damaged record, a delete's or a clear's
+files are the writer's to remove). A clear - a weight update's, fanned out to every rank - hides
+from a reader every file written before it (by its mtime) whatever the writer's unlinks have
+done yet, and a reader that starts while the writer's clear is under way (its mark) hides the
+files written before the mark. (A filesystem's file times come from a clock no later than
+time.time_ns(): a file written after a clear in the same tick is hidden too, a miss, not
+wrong bytes.)"""
 from __future__ import annotations
 
+import errno
 import os
 import stat
+import time
 
 from . import owned
 from .record import HEADER_BYTES, BadRecord, check_header, check_payload, nbytes
@@ -21,14 +28,17 @@ OPEN_READ = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 READER_LOOKUP_S = 0.25  # a reader's stat of a lookup's files: at most this long (as Redis's)
 
 
-def read_record(path: str, key: bytes, pieces, geometry: bytes) -> None:
+def read_record(path: str, key: bytes, pieces, geometry: bytes, after_ns: int = 0) -> None:
     """The record of key at path into pieces; BadRecord where it is not a whole, intact record
     of key from this geometry (a FIFO or a link in its place included: opened non-blocking,
-    without following links), OSError (FileNotFoundError: not there)."""
+    without following links), OSError (FileNotFoundError: not there, or written at or before
+    after_ns)."""
     want = nbytes(pieces)
     fd = os.open(path, OPEN_READ)
     try:
         st = os.fstat(fd)
+        if st.st_mtime_ns <= after_ns:
+            raise FileNotFoundError(errno.ENOENT, "written before the last clear", path)
         if not stat.S_ISREG(st.st_mode):
             raise BadRecord("not a regular file")
         if not owned.is_ours(st):
@@ -41,15 +51,42 @@ def read_record(path: str, key: bytes, pieces, geometry: bytes) -> None:
     check_payload(pieces, crc)
 
 
-def files_prefix(paths) -> int:
-    """How many leading paths are record files of this user now."""
+def files_prefix(paths, after_ns: int) -> int:
+    """How many leading paths are record files of this user written after after_ns."""
     n = 0
     for path in paths:
         try:
             st = os.stat(path, follow_symlinks=False)
         except OSError:
             break
-        if not (stat.S_ISREG(st.st_mode) and owned.is_ours(st)):
+        if not (stat.S_ISREG(st.st_mode) and owned.is_ours(st)) or st.st_mtime_ns <= after_ns:
             break
         n += 1
     return n
+
+
+class ReaderTier:
+    """DiskBackend's part as a reader (its local_keys False), on the state its __init__ makes
+    (the index and its lock, the clears' mark) and `_written_after_ns`."""
+
+    def _reader_forget(self, keys, clear: bool = False) -> int:
+        """A reader's delete or clear: its index forgets them, nothing is unlinked; a clear
+        hides every file written before it from now on."""
+        if clear:
+            self._written_after_ns = time.time_ns()
+        with self._lock:
+            gone = [k for k in (list(self._lru) if clear else keys) if k in self._lru]
+            for key in gone:
+                self.used_bytes -= self._lru.pop(key)
+            if gone:
+                self._on_keys(gone, False)
+        return len(gone)
+
+    def _reader_start(self) -> bool:
+        """(Its index rebuild.) A reader finishes no clear (False); one under way, the writer's
+        mark there, hides what was written before the mark."""
+        try:
+            self._written_after_ns = max(self._written_after_ns, os.stat(self._clears.path).st_mtime_ns)
+        except OSError:
+            pass
+        return False
