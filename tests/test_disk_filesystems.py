@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import blocks_equal, disk_uri, keys_for, scramble, small_kv, snapshot, stored, wait_until
+from conftest import blocks_equal, disk_uri, keys_for, scramble, small_kv, snapshot, stored, unique_instance, wait_until
 from kvcached.storage import disk_listing, owned
 from kvcached.storage.disk_health import PROBE_EVERY_S
 from kvcached.storage.disk_owed import OwedUnlinks
@@ -402,3 +402,38 @@ def test_a_reader_started_during_the_writers_clear_serves_nothing_written_before
         reader.close()
         if writer_file is not None:
             writer_file.close()
+
+
+@pytest.mark.faults
+def test_a_reader_on_a_read_only_view_of_the_writers_directory_reads_it(run_dir, tmp_path):
+    """An MLA reader rank given the writer's directory read-only (a volume mounted read-only
+    into the reader's container; here a read-only bind mount) starts, stays healthy, and finds
+    and loads what the writer stores. Before, its start was refused ("not writable")."""
+    shared, view = tmp_path / "shared", tmp_path / "view"
+    shared.mkdir(mode=0o700)
+    view.mkdir(mode=0o700)
+    if subprocess.run(["mount", "--bind", str(shared), str(view)]).returncode:
+        pytest.skip("cannot bind-mount here (needs root)")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], check=True)
+        kv, keys = small_kv(block_shape=PAGE_SHAPE), keys_for(4, 8)
+        expected = snapshot(kv, [0, 1, 2, 3])
+        writer, reader = start(run_dir, unique_instance("w"), disk_uri(str(shared))), None
+        try:
+            reader = start(run_dir, unique_instance("r"), disk_uri(str(view)), extra=["--no-storage-writer"])
+            with writer.connect() as cw, reader.connect() as cr:
+                cw.register_kv_cache(kv)
+                cr.register_kv_cache(kv)
+                offload_and_flush(cw, kv, keys, [0, 1, 2, 3])
+                time.sleep(2 * PROBE_EVERY_S)  # (its probe has looked at the directory)
+                assert cr.status()["storage"][0]["healthy"], cr.status()["storage"][0]
+                assert cr.lookup(keys) == (0, 4)
+                scramble(kv, 1)
+                assert cr.load(keys, [10, 11, 12, 13]).wait(10) == 4
+                assert blocks_equal(kv, [10, 11, 12, 13], expected)
+        finally:
+            writer.stop()
+            if reader is not None:
+                reader.stop()
+    finally:
+        subprocess.run(["umount", str(view)], check=True)

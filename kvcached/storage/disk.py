@@ -108,10 +108,10 @@ class DiskBackend(DiskHealth, ReaderTier, StorageBackend):
 
     def _make_root(self) -> None:
         """The root, made on an I/O thread (a hung filesystem leaves the tier stuck, not the start)."""
-        def make():
+        def make():  # (a reader's may be a read-only view of the writer's directory)
             os.makedirs(self.root, mode=0o700, exist_ok=True)
-            self._root_id = owned.secure_root(self.root)
-            if not os.access(self.root, os.W_OK):
+            self._root_id = owned.secure_root(self.root, tighten=self.local_keys)
+            if self.local_keys and not os.access(self.root, os.W_OK):
                 raise PermissionError(errno.EACCES, "not writable", self.root)
             self._root_lock.take(self.root)
 

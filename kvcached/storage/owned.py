@@ -24,15 +24,19 @@ def is_ours(st: os.stat_result) -> bool:
     return st.st_uid == os.geteuid()
 
 
-def secure_root(root: str) -> tuple[int, int]:
-    """Raise PermissionError for a root the daemon must not use; tighten one it may. Its
-    (device, inode): which directory the tier is on (disk_health.py checks it stays)."""
+def secure_root(root: str, tighten: bool = True) -> tuple[int, int]:
+    """Raise PermissionError for a root the daemon must not use; tighten one it may (a reader,
+    tighten=False, which may see the writer's directory read-only: refuse one others may
+    write). Its (device, inode): which directory the tier is on (disk_health.py checks it)."""
     st = os.stat(root)
     if not stat.S_ISDIR(st.st_mode):
         raise NotADirectoryError(f"{root} is not a directory")
     if not is_ours(st):
         raise PermissionError(f"{root} belongs to uid {st.st_uid}, not to this daemon's "
                               f"({os.geteuid()}): records another user can write are never served")
+    if st.st_mode & 0o077 and not tighten:
+        raise PermissionError(f"{root} is mode {stat.S_IMODE(st.st_mode):o}: another user could "
+                              "plant records there (its writer makes it 0700)")
     if st.st_mode & 0o077:
         log.warning("[disk] %s was mode %o: another user could plant records there; made 0700",
                     root, stat.S_IMODE(st.st_mode))
