@@ -295,6 +295,8 @@ def test_a_volume_unmounted_under_the_tier_makes_it_unhealthy_and_nothing_is_wri
         h.stop()
         subprocess.run(["umount", str(root)], capture_output=True)  # (if the test failed first)
     assert os.listdir(root) == []
+    with open(h.log_path) as f:  # said once, by the probe, for an operator reading the log
+        assert f.read().count("the tier serves nothing and drops its puts") == 1
 
 
 def test_a_quota_met_evicts_for_room_and_the_limit_stays_lowered(tmp_path, monkeypatch, caplog):

@@ -52,6 +52,7 @@ class DiskHealth:
                     raise OSError(errno.EACCES, "not a writable directory")  # (a reader reads)
                 if self._probe_error:
                     self._probe_error = ""
+                    log.warning("[disk] %s answers again: the tier serves and stores again", self.root)
                     self._on_health()
                 if self.limit_bytes < self.capacity_bytes and not self._quota_met:
                     self._regrow(os.statvfs(self.root))
@@ -59,6 +60,8 @@ class DiskHealth:
                 first = not self._probe_error
                 self._probe_error = f"{self.root}: {exc.strerror or exc}"
                 if first:
+                    log.error("[disk] %s; the tier serves nothing and drops its puts until it "
+                              "answers again", self._probe_error)
                     self._on_health()
             self._probe_since = 0.0
 
