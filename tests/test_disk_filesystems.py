@@ -439,3 +439,33 @@ def test_a_reader_on_a_read_only_view_of_the_writers_directory_reads_it(run_dir,
                 reader.stop()
     finally:
         subprocess.run(["umount", str(view)], check=True)
+
+
+def test_a_readers_lookups_do_not_wait_behind_its_reads(tmp_path, caplog):
+    """A reader's lookups stat the writer's files on a thread of their own: with its I/O
+    threads busy (here each held by a read that has not returned: loads of many blocks from a
+    slow disk) a lookup still answers, and the tier is not called stuck. Before, the stat
+    queued behind the reads, was cancelled at its 0.25 s deadline (0 hits) and the tier logged
+    itself stuck for that while."""
+    import threading
+
+    from kvcached.storage import disk
+
+    writer = disk.DiskBackend(str(tmp_path), capacity_bytes=1 << 30)
+    keys = [os.urandom(16) for _ in range(4)]
+    try:
+        assert writer.indexed.wait(10)
+        assert writer.put(keys, [[memoryview(bytes(4096))]] * 4, bytes(16)) == [True] * 4
+    finally:
+        writer.close()
+    reader = disk.DiskBackend(str(tmp_path), capacity_bytes=1 << 30, writer=False)
+    busy = threading.Event()
+    try:
+        assert reader.indexed.wait(10)
+        for _ in range(disk.IO_THREADS):
+            reader._io.submit(busy.wait, 10)
+        assert reader.exists_prefix(keys) == 4 and reader.health()
+        assert "has not returned" not in caplog.text
+    finally:
+        busy.set()
+        reader.close()

@@ -92,6 +92,9 @@ class DiskBackend(DiskHealth, ReaderTier, StorageBackend):
         self._on_cleared = _ignore
         self._on_health: Callable[[], None] = _ignore  # the tier stopped or started answering
         self._io = IOThreads(IO_THREADS, "kvcached-disk")
+        # (a reader) its lookups' stats on a thread of their own: queued behind loads' reads
+        # they missed their deadline and the tier was called stuck under load
+        self._stat_io = None if writer else IOThreads(1, "kvcached-disk-stat")
         self._root_lock = disk_lock.RootLock(writer)  # (taken in _make_root, by a writer)
         self._make_root()
         self.indexed = threading.Event()
@@ -256,7 +259,7 @@ class DiskBackend(DiskHealth, ReaderTier, StorageBackend):
             return 0
         if not self.local_keys:  # a reader: the writer's files as they are now (disk_read.py)
             paths = [self._path(k) for k in keys]
-            n = run_bounded(self._io, files_prefix, [(paths, self._written_after_ns)], READER_LOOKUP_S,
+            n = run_bounded(self._stat_io, files_prefix, [(paths, self._written_after_ns)], READER_LOOKUP_S,
                             self._late_op("a lookup's stat"), lambda _i: self._late_returned())[0]
             return n or 0
         n = 0
@@ -485,6 +488,8 @@ class DiskBackend(DiskHealth, ReaderTier, StorageBackend):
         self._closed.set()
         self._rebuild_thread.join(timeout=1.0)
         self._io.shutdown(timeout=self.io_timeout_s)
+        if self._stat_io is not None:
+            self._stat_io.shutdown(timeout=READER_LOOKUP_S)
         self._root_lock.release()
 
 

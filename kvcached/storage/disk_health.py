@@ -130,11 +130,12 @@ class DiskHealth:
         with self._evicting:
             self._evicting.wait_for(lambda: not self._victims_pending, timeout=1.0)
         free, what = 0, "over its quota" if err == errno.EDQUOT else "full"
+        self._quota_met = self._quota_met or err == errno.EDQUOT
         try:
             st = os.statvfs(self.root)
             free = st.f_bavail * st.f_frsize
             if err == errno.EDQUOT:
-                free, self._quota_met = 0, True
+                free = 0
             elif free >= 2 * size and (not st.f_files or st.f_favail > 2):
                 return  # room now (blocks and inodes): the caller retries under the same limit
             elif st.f_files and st.f_favail <= 2:  # out of inodes (one a record), not of bytes:
