@@ -469,3 +469,23 @@ def test_a_readers_lookups_do_not_wait_behind_its_reads(tmp_path, caplog):
     finally:
         busy.set()
         reader.close()
+
+
+def test_a_capacity_under_one_block_says_why_nothing_is_stored(run_dir, instance, tmp_path):
+    """capacity_gb under one block's record: every put is dropped, counted, and the reason is in
+    status and, once, in the log. Before, the tier stored nothing and nothing said why (puts 0,
+    put_errors 0, dropped_puts 0, no last_error)."""
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    h = start(run_dir, instance, disk_uri(str(tmp_path / "tier"), capacity_gb=0.00001))
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+            offload_and_flush(c, kv, keys_for(4), [0, 1, 2, 3])
+            offload_and_flush(c, kv, keys_for(4, 1), [4, 5, 6, 7])
+            disk = c.status()["storage"][0]
+            assert disk["dropped_puts"] == 8 and disk["blocks"] == 0, disk
+            assert "larger than the tier's capacity" in disk["last_error"], disk
+    finally:
+        h.stop()
+    with open(h.log_path) as f:
+        assert f.read().count("larger than the tier's capacity") == 1

@@ -346,7 +346,9 @@ class DiskBackend(DiskHealth, ReaderTier, StorageBackend):
     def _put_new(self, key: bytes, pieces, geometry: bytes, gen: int) -> bool:
         size = HEADER_BYTES + nbytes(pieces)
         self._block_bytes = size
-        if size > self.capacity_bytes or not self._evict_over_capacity(size):
+        if size > self.capacity_bytes:
+            return self._too_big(size)
+        if not self._evict_over_capacity(size):
             return False
         err, tries = self._write(key, pieces, size, geometry), 1
         while err is not None and err.errno in (errno.ENOSPC, errno.EDQUOT) and tries < ENOSPC_TRIES:

@@ -116,6 +116,16 @@ class DiskHealth:
                 "deletes_owed": self._owed.count(), "clear_owed": self._owed.clear_owed,
                 "last_error": stuck or self._probe_error or self.last_error, **self.counters}
 
+    def _too_big(self, size: int) -> bool:
+        """A block larger than the tier's whole capacity: dropped, counted, said once (before,
+        a capacity_gb under one block stored nothing, and nothing said why). False."""
+        self.counters["dropped_puts"] += 1
+        if not self.last_error.startswith("a block of"):
+            self.last_error = (f"a block of {size} bytes is larger than the tier's capacity "
+                               f"({self.capacity_bytes} bytes): nothing is stored; raise capacity_gb")
+            log.error("[disk] %s: %s", self.root, self.last_error)
+        return False
+
     def _on_full(self, size: int, err: int = errno.ENOSPC) -> None:
         """ENOSPC below the limit (the filesystem is smaller, or shared): lower the limit to what
         the filesystem holds for the tier (its bytes and the free space) less a few blocks; the
