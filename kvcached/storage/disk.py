@@ -40,7 +40,7 @@ from .disk_health import ENOSPC_TRIES, PROBE_EVERY_S, DiskHealth
 from .disk_listing import WhileIndexing, list_records
 from .disk_owed import OwedUnlinks
 from .disk_read import READER_LOOKUP_S, ReaderTier, files_prefix, read_record
-from .disk_write import write_record
+from .disk_write import NO_ROOM, write_record
 from .iothreads import IOThreads, run_bounded
 from .record import HEADER_BYTES, BadRecord, nbytes
 from .uris import DISK_IO_TIMEOUT_S, parse_disk_uri
@@ -92,8 +92,7 @@ class DiskBackend(DiskHealth, ReaderTier, StorageBackend):
         self._on_cleared = _ignore
         self._on_health: Callable[[], None] = _ignore  # the tier stopped or started answering
         self._io = IOThreads(IO_THREADS, "kvcached-disk")
-        # (a reader) its lookups' stats on a thread of their own: queued behind loads' reads
-        # they missed their deadline and the tier was called stuck under load
+        # (a reader) its lookups' stats: behind loads' reads they missed their deadline
         self._stat_io = None if writer else IOThreads(1, "kvcached-disk-stat")
         self._root_lock = disk_lock.RootLock(writer)  # (taken in _make_root, by a writer)
         self._make_root()
@@ -143,11 +142,13 @@ class DiskBackend(DiskHealth, ReaderTier, StorageBackend):
     def _rebuild(self) -> None:
         started, removed = time.monotonic(), 0
         try:
+            if not self.local_keys:  # a reader lists nothing: it looks at the files (disk_read.py)
+                return self._reader_start()
             for shard in range(256):  # checked once here, not stat'ed on every put
                 if not owned.usable_shard(os.path.join(self.root, f"{shard:02x}")):
                     self._unusable.add(shard)
-            finishing = self._clears.found_at_start() if self.local_keys else self._reader_start()
-            found, removed = list_records(self.root, self._unusable, self._root_lock.writer)
+            finishing = self._clears.found_at_start()
+            found, removed = list_records(self.root, self._unusable)
             self._merge(found, finishing)
             log.info("[disk] %s: %d blocks (%.2f GiB) indexed in %.1f s, %d stray files removed",
                      self.root, len(self._lru), self.used_bytes / 2**30,
@@ -351,7 +352,7 @@ class DiskBackend(DiskHealth, ReaderTier, StorageBackend):
         if not self._evict_over_capacity(size):
             return False
         err, tries = self._write(key, pieces, size, geometry), 1
-        while err is not None and err.errno in (errno.ENOSPC, errno.EDQUOT) and tries < ENOSPC_TRIES:
+        while err is not None and err.errno in NO_ROOM and tries < ENOSPC_TRIES:
             with self._lock:  # another I/O thread's write may take the room a retry found
                 self.used_bytes -= size  # the reservation, taken again under the new limit
             self._on_full(size, err.errno)
@@ -402,8 +403,8 @@ class DiskBackend(DiskHealth, ReaderTier, StorageBackend):
         """Forget the keys now; their files go on an I/O thread (no file I/O on the caller's),
         waited for up to the tier's deadline: a daemon stopped after the delete's answer would
         index files still there at its next start."""
-        if not self.local_keys:  # a reader: the writer removes the files (disk_read.py)
-            return self._reader_forget(keys)
+        if not self.local_keys:  # a reader keeps no index: the writer removes the files
+            return 0
         gone = []
         with self._lock:
             for key in keys:
@@ -464,7 +465,7 @@ class DiskBackend(DiskHealth, ReaderTier, StorageBackend):
         write begun before lands after); the files go on an I/O thread, under the clear's mark
         (disk_clear.py). Returns how many blocks were indexed."""
         if not self.local_keys:  # a reader: the writer removes the files (disk_read.py)
-            return self._reader_forget((), clear=True)
+            return self._reader_clear()
         self._clears.hold()
         then = [self._clears.unlinked]
         try:

@@ -17,12 +17,12 @@ PROGRESS_EVERY = 100_000
 MAX_DELETED_WHILE_INDEXING = 262_144  # keys (~25 MB) kept for the merge; more: the delete waits
 
 
-def list_records(root: str, unusable: set[int], remove: bool = True) -> tuple[list, int]:
+def list_records(root: str, unusable: set[int]) -> tuple[list, int]:
     """(mtime_ns, key, size) of every record file of this uid in the usable shards, and how
     many other files were removed (temp files of a crashed write, links, FIFOs, another user's
     files); a directory where a record goes is left alone, and so is a temp file of this
-    process (a put running beside the listing: removing it failed that put). remove=False (a
-    tier that does not write, beside the writer's puts): nothing is removed."""
+    process (a put running beside the listing: removing it failed that put). (A tier that does
+    not write lists nothing: disk_read.py.)"""
     found, removed = [], 0
     foreign = 0
     own_temp = f".kvb.{os.getpid()}."  # disk.py names its temp files {record}.{pid}.{thread}.tmp
@@ -31,7 +31,7 @@ def list_records(root: str, unusable: set[int], remove: bool = True) -> tuple[li
                 or int(shard.name, 16) in unusable:
             continue
         try:
-            records, gone, others = _list_shard(shard, own_temp, remove)
+            records, gone, others = _list_shard(shard, own_temp)
         except OSError as exc:  # this shard alone: the others' records are indexed
             log.error("[disk] shard %s cannot be listed (%s): left unused (no record in it is "
                       "served or written) until a start lists it", shard.path, exc)
@@ -47,7 +47,7 @@ def list_records(root: str, unusable: set[int], remove: bool = True) -> tuple[li
     return found, removed
 
 
-def _list_shard(shard: os.DirEntry, own_temp: str, remove: bool) -> tuple[list, int, int]:
+def _list_shard(shard: os.DirEntry, own_temp: str) -> tuple[list, int, int]:
     """list_records' part for one shard: its records, the files removed, the other users'."""
     found, removed, foreign = [], 0, 0
     for entry in os.scandir(shard.path):
@@ -59,7 +59,7 @@ def _list_shard(shard: os.DirEntry, own_temp: str, remove: bool) -> tuple[list, 
             log.warning("[disk] %s: a directory where records go; left alone", entry.path)
         elif own_temp in entry.name and entry.name.endswith(".tmp") and owned.is_ours(st):
             continue  # this process's write in progress
-        elif remove:  # temp files of a crashed write, links, FIFOs, another user's files
+        else:  # temp files of a crashed write, links, FIFOs, another user's files
             foreign += not owned.is_ours(st)
             os.unlink(entry.path)
             removed += 1

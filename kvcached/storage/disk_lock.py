@@ -18,9 +18,9 @@ import os
 import stat
 
 from . import disk_write
+from .disk_write import NO_ROOM
 
 LOCK_NAME = ".kvcached.lock"
-NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 UNLOCKABLE = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # NFS mounted nolock, some FUSE
 log = logging.getLogger(__name__)
 _OPEN = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC

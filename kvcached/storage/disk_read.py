@@ -5,8 +5,8 @@ directory), which of a chain's records are there now.
 A reader's index is only what its start listed: the writer's puts since then, and its
 evictions, are not in it. Before, a reader found none of the blocks the writer stored after the
 reader started (a tensor-parallel group's lookup, the least of its ranks', had no storage hits
-for them), and reported blocks the writer had evicted. So a reader looks at the files
-themselves: its lookups stat them (on an I/O thread, with a lookup's deadline), its reads open
+for them), and reported blocks the writer had evicted. So a reader keeps no index (it lists
+nothing at start) and looks at the files themselves: its lookups stat them (on an I/O thread, with a lookup's deadline), its reads open
 them whether indexed or not, and it removes nothing (a damaged record, a delete's or a clear's
 files are the writer's to remove). A clear - a weight update's, fanned out to every rank - hides
 from a reader every file written before it (by its mtime) whatever the writer's unlinks have
@@ -66,27 +66,20 @@ def files_prefix(paths, after_ns: int) -> int:
 
 
 class ReaderTier:
-    """DiskBackend's part as a reader (its local_keys False), on the state its __init__ makes
-    (the index and its lock, the clears' mark) and `_written_after_ns`."""
+    """DiskBackend's part as a reader (its local_keys False: it keeps no index, lists nothing
+    at start and unlinks nothing - a delete of it does nothing), on the clears' mark its
+    __init__ makes and `_written_after_ns`."""
 
-    def _reader_forget(self, keys, clear: bool = False) -> int:
-        """A reader's delete or clear: its index forgets them, nothing is unlinked; a clear
-        hides every file written before it from now on."""
-        if clear:
-            self._written_after_ns = time.time_ns()
-        with self._lock:
-            gone = [k for k in (list(self._lru) if clear else keys) if k in self._lru]
-            for key in gone:
-                self.used_bytes -= self._lru.pop(key)
-            if gone:
-                self._on_keys(gone, False)
-        return len(gone)
+    def _reader_clear(self) -> int:
+        """A reader's clear: every file written before it is hidden from now on (the writer
+        unlinks them). Nothing indexed to count: 0."""
+        self._written_after_ns = time.time_ns()
+        return 0
 
-    def _reader_start(self) -> bool:
-        """(Its index rebuild.) A reader finishes no clear (False); one under way, the writer's
-        mark there, hides what was written before the mark."""
+    def _reader_start(self) -> None:
+        """(In place of its index rebuild.) A reader finishes no clear; one under way, the
+        writer's mark there, hides what was written before the mark."""
         try:
             self._written_after_ns = max(self._written_after_ns, os.stat(self._clears.path).st_mtime_ns)
         except OSError:
             pass
-        return False

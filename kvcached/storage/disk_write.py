@@ -9,10 +9,12 @@ import os
 import threading
 from typing import Callable
 
-from .record import GEOMETRY_BYTES, HEADER_BYTES, BadRecord, pack_header, verify
+from .disk_read import read_record
+from .record import GEOMETRY_BYTES, HEADER_BYTES, BadRecord, pack_header
 
 log = logging.getLogger(__name__)
 
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)  # a full filesystem, or a quota met
 _OPEN_TEMP = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -73,18 +75,17 @@ def trial(root: str) -> None:
     geometry = os.urandom(GEOMETRY_BYTES)
     size = HEADER_BYTES + len(payload)
     err = write_record(path, key, [payload], size, geometry, False)
-    if err is not None and err.errno in (errno.ENOSPC, errno.EDQUOT):
+    if err is not None and err.errno in NO_ROOM:
         log.warning("[disk] %s: no room for a trial record (%s); the tier starts full", root,
                     err.strerror)
         return
     if err is not None:
         raise OSError(err.errno, f"a record cannot be written there ({err.strerror})")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            verify(os.pread(fd, size + 1, 0), key, len(payload), geometry)
-        finally:
-            os.close(fd)
+        back = bytearray(len(payload))
+        read_record(path, key, [back], geometry)  # as a get reads it
+        if back != payload:
+            raise BadRecord("other bytes")
     except BadRecord as exc:
         raise OSError(errno.EIO, f"a record written there reads back otherwise ({exc})") from None
     finally:
