@@ -1,6 +1,6 @@
 """What the storage tests share: a daemon with storage tiers, blocks stored on its disk tier only
 (or in any tier only), a record's path, a record hung on a filesystem, the load state, a
-redis-server stopped, a disk tier's writes held, a filesystem that fills up."""
+redis-server stopped, a disk tier's writes held, a filesystem that fills up, one that fails."""
 import contextlib
 import glob
 import os
@@ -33,6 +33,55 @@ def small_filesystem(size: str, inodes: int | None = None):
     finally:
         subprocess.run(["umount", path], check=True)
         os.rmdir(path)
+
+
+@contextlib.contextmanager
+def ext4_filesystem(size: str = "64M"):
+    """An ext4 filesystem on a loop device (an image file under /tmp), mounted with ext4's
+    default errors=remount-ro, so the tests can fail it as a disk fails: `ext4_shut_down(path)`
+    (every read and write EIO) or `ext4_error(path)` (read-only, as at a disk error). Skipped
+    where a loop device cannot be mounted (it needs root and loop devices)."""
+    path = tempfile.mkdtemp(prefix="kvext4-", dir="/tmp")
+    image = path + ".img"
+    try:
+        made = subprocess.run(["truncate", "-s", size, image], capture_output=True)
+        if made.returncode == 0:
+            made = subprocess.run(["mkfs.ext4", "-q", "-F", image], capture_output=True)
+        if made.returncode == 0:
+            made = subprocess.run(["mount", "-o", "loop,errors=remount-ro", image, path],
+                                  capture_output=True)
+        if made.returncode != 0:
+            pytest.skip(f"cannot mount an ext4 image here: {made.stderr.decode().strip()}")
+        try:
+            yield path
+        finally:
+            subprocess.run(["umount", path], check=True)
+    finally:
+        os.rmdir(path)
+        if os.path.exists(image):
+            os.unlink(image)
+
+
+def ext4_shut_down(path: str) -> None:
+    """Every read and write of the ext4 filesystem at path fails with EIO from now on (its
+    EXT4_IOC_SHUTDOWN, no log flush): a disk that died. stat and access still answer."""
+    import fcntl
+    import struct
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.ioctl(fd, 0x8004587D, struct.pack("I", 2))
+    finally:
+        os.close(fd)
+
+
+def ext4_error(path: str) -> None:
+    """An error of the ext4 filesystem at path, as a disk error raises one: errors=remount-ro
+    makes it read-only (EROFS on every write; reads go on; access(2) still says writable)."""
+    device = subprocess.run(["findmnt", "-n", "-o", "SOURCE", path], capture_output=True,
+                            text=True, check=True).stdout.strip()
+    with open(f"/sys/fs/ext4/{os.path.basename(device)}/trigger_fs_error", "w") as f:
+        f.write("kvcached test")
 
 
 def files(root):

@@ -149,7 +149,8 @@ class StatusCollector:
             if "evicted" in tier:
                 evictions.add_metric([i, "disk"], tier["evicted"])
             errors.add_metric([i, tier["uri"]], sum(tier.get(k, 0) or 0 for k in
-                                                    ("errors", "put_errors", "corrupt", "dropped_puts")))
+                                                    ("errors", "put_errors", "corrupt", "dropped_puts",
+                                                     "io_errors")))
             healthy.add_metric([i, tier["uri"]], 1 if tier.get("healthy") else 0)
         return evictions, errors, healthy, failovers, restarts, cut
 

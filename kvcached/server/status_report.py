@@ -14,6 +14,8 @@ def degraded(status: dict, lag: float) -> list[str]:
     for tier in status.get("storage", []):
         if not tier.get("healthy", True):
             out.append(f"storage {tier['uri']} unhealthy: {tier.get('last_error') or 'down'}")
+        elif tier.get("read_only"):  # (a disk tier's filesystem: served, nothing stored)
+            out.append(f"storage {tier['uri']}: {tier.get('last_error')}")
     return out
 
 
@@ -107,7 +109,8 @@ def format_status(s: dict) -> str:
     for st in s["storage"]:
         used = (f"  {_gib(st['used_bytes'])} / {_gib(st['capacity_bytes'])}"
                 if st.get("capacity_bytes") else "")
-        flags = "".join(f"  {w.replace('_', ' ')}" for w in ("stuck", "full", "clear_owed", "writes_held") if st.get(w))
+        flags = "".join(f"  {w.replace('_', ' ')}" for w in ("stuck", "full", "read_only", "clear_owed", "writes_held")
+                        if st.get(w))
         flags += f"  {st['deletes_owed']} deletes owed" if st.get("deletes_owed") else ""
         flags += "" if st.get("ready", True) else "  indexing"
         flags += f"  primary {st['primary']}" if st.get("primary") else ""  # (behind sentinels)

@@ -21,7 +21,9 @@ on I/O threads, and one that has not returned after `io_timeout_s` (default 5) i
 hits, puts dropped, until every late operation has returned. A probe stats the root once a
 second on its own thread, so an idle tier on a hung filesystem shows it too. Records are opened
 non-blocking and without following links, and anything but a regular file is damage (a FIFO in
-place of a record would otherwise block its reader forever).
+place of a record would otherwise block its reader forever). A read or write that fails with
+an error of the filesystem (EIO), or a filesystem gone read-only, is told apart from a damaged
+record by a trial record the probe writes (disk_errors.py).
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from typing import Callable, Sequence
 from . import disk_lock, owned
 from .base import StorageBackend
 from .disk_clear import DiskClears
+from .disk_errors import DiskErrors
 from .disk_health import ENOSPC_TRIES, PROBE_EVERY_S, DiskHealth
 from .disk_listing import WhileIndexing, list_records
 from .disk_owed import OwedUnlinks
@@ -52,7 +55,7 @@ IO_THREADS = max(2, min(8, os.cpu_count() or 2))
 IO_TIMEOUT_S = DISK_IO_TIMEOUT_S
 
 
-class DiskBackend(DiskHealth, ReaderTier, StorageBackend):
+class DiskBackend(DiskErrors, DiskHealth, ReaderTier, StorageBackend):
     local_keys = True  # its index is this process's: the key table can publish it (watch_keys)
 
     def __init__(self, root: str, capacity_bytes: int, fsync: bool = False, uri: str = "",
@@ -71,7 +74,7 @@ class DiskBackend(DiskHealth, ReaderTier, StorageBackend):
         self._lru: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self.used_bytes = 0
         self.counters = {"puts": 0, "gets": 0, "put_errors": 0, "corrupt": 0, "evicted": 0,
-                         "dropped_puts": 0, "late_io": 0, "enospc": 0}
+                         "dropped_puts": 0, "late_io": 0, "enospc": 0, "io_errors": 0}
         self.last_error = ""
         self.limit_bytes = capacity_bytes  # lowered when the filesystem fills up first
         self._block_bytes = 0  # size of the last record written (the probe's slack)
@@ -86,6 +89,8 @@ class DiskBackend(DiskHealth, ReaderTier, StorageBackend):
         self._probe_error = ""
         self._root_id: tuple[int, int] | None = None  # (device, inode) of the root at start
         self._closed = threading.Event()
+        self._probe_wake = threading.Event()  # the probe's next round now (a close, an I/O error)
+        self._init_errors()  # (disk_errors.py)
         self._unusable: set[int] = set()  # shards of another user (owned.py): never read or written
         self._on_ready = on_ready
         self._on_keys = _ignore  # (stored names, held?) as the index changes, under the lock
@@ -212,19 +217,6 @@ class DiskBackend(DiskHealth, ReaderTier, StorageBackend):
         self._unlink_victims(victims)
         return fits
 
-    def _unlink_victims(self, victims) -> None:
-        """Called on an I/O thread (a put's) or the index thread: unlinks here."""
-        for key in victims:
-            try:
-                os.unlink(self._path(key))
-            except FileNotFoundError:
-                log.debug("[disk] evicted file already gone")
-            finally:
-                with self._evicting:
-                    self._victims_pending -= 1
-                    self._evicting.notify_all()
-        self.counters["evicted"] += len(victims)
-
     def _unlink_later(self, keys, then=()) -> None:
         """Unlink on an I/O thread, unless the key was stored again meanwhile; then each of
         `then` is called."""
@@ -232,7 +224,7 @@ class DiskBackend(DiskHealth, ReaderTier, StorageBackend):
             self._io.submit(self._unlink_unless_indexed, list(keys), list(then))
 
     def _unlink_unless_indexed(self, keys, then=()) -> None:
-        failed = 0
+        failed, error = 0, None
         for key in keys:
             with self._lock:
                 if key in self._lru:
@@ -242,12 +234,9 @@ class DiskBackend(DiskHealth, ReaderTier, StorageBackend):
             except FileNotFoundError:
                 pass  # never written, or gone already: nothing to remove
             except OSError as exc:  # left: not indexed, so never read (a clear's mark stays)
-                failed += 1
-                self.last_error = f"unlink failed: {exc.strerror or exc}"
-        if failed:
-            log.warning("[disk] %s: %d files to remove were left (%s)", self.root, failed,
-                        self.last_error)
-            return
+                failed, error = failed + 1, exc
+        if error is not None:
+            return self._unlink_failed(error, f"removing {failed} of {len(keys)} files")
         for call in then:
             call()
 
@@ -311,7 +300,10 @@ class DiskBackend(DiskHealth, ReaderTier, StorageBackend):
         except FileNotFoundError:
             self._forget(key)
             return False
-        except (BadRecord, OSError) as exc:
+        except OSError as exc:  # of the record, the system or the filesystem (disk_errors.py)
+            self._read_failed(key, exc)
+            return False
+        except BadRecord as exc:
             log.warning("[disk] %s: %s; %s", key.hex(), exc, "removed" if self.local_keys else "a miss")
             self.counters["corrupt"] += 1
             self._remove(key) if self.local_keys else self._forget(key)
@@ -320,7 +312,8 @@ class DiskBackend(DiskHealth, ReaderTier, StorageBackend):
         return True
 
     def put(self, keys, buffers, geometry, release=None) -> list:
-        if not self.health():  # stuck, or the root is gone (unmounted, removed, not writable)
+        if not self.health() or self._read_only:  # stuck, the root gone (unmounted, removed,
+            # not writable), records that cannot be written (disk_errors.py)
             self.counters["dropped_puts"] += len(keys)
             return [False] * len(keys)
         items = [(k, b, geometry) for k, b in zip(keys, buffers)]
@@ -331,6 +324,9 @@ class DiskBackend(DiskHealth, ReaderTier, StorageBackend):
         return stored
 
     def _put_one(self, key: bytes, pieces, geometry: bytes) -> bool:
+        if self._read_only:  # found by a write of this batch (disk_errors.py): nothing evicted
+            self.counters["dropped_puts"] += 1
+            return False
         if key[0] in self._unusable:
             return False
         with self._lock:
@@ -362,9 +358,7 @@ class DiskBackend(DiskHealth, ReaderTier, StorageBackend):
         if err is not None:
             with self._lock:
                 self.used_bytes -= size  # the reservation
-            self.counters["put_errors"] += 1
-            self.last_error = f"write failed: {errno.errorcode.get(err.errno, err.errno)} {err.strerror}"
-            log.warning("[disk] put %s: %s", key.hex(), self.last_error)
+            self._write_failed(key, err)
             return False
         with self._lock:
             void = self._clears.void(gen, key)  # a clear (or its delete) came since it began
@@ -396,7 +390,7 @@ class DiskBackend(DiskHealth, ReaderTier, StorageBackend):
         except FileNotFoundError:
             return False
         except OSError as exc:  # forgotten all the same: never read again by this daemon
-            log.warning("[disk] cannot remove the damaged record %s: %s", key.hex(), exc)
+            self._unlink_failed(exc, f"removing the damaged record {key.hex()}")
             return False
 
     def delete(self, keys) -> int:
@@ -489,6 +483,7 @@ class DiskBackend(DiskHealth, ReaderTier, StorageBackend):
 
     def close(self) -> None:
         self._closed.set()
+        self._probe_wake.set()
         self._rebuild_thread.join(timeout=1.0)
         self._io.shutdown(timeout=self.io_timeout_s)
         if self._stat_io is not None:

@@ -44,12 +44,17 @@ class DiskHealth:
             self._on_health()
 
     def _probe(self) -> None:
-        while not self._closed.wait(PROBE_EVERY_S):
+        while True:
+            self._probe_wake.wait(PROBE_EVERY_S)  # (woken by an I/O error of the filesystem)
+            self._probe_wake.clear()
+            if self._closed.is_set():
+                return
             self._probe_since = time.monotonic()
             try:
                 st = self._same_root()
                 if not stat.S_ISDIR(st.st_mode) or self.local_keys and not os.access(self.root, os.W_OK):
                     raise OSError(errno.EACCES, "not a writable directory")  # (a reader reads)
+                self._try_records()  # where records failed to be written or read (disk_errors.py)
                 if self._probe_error:
                     self._probe_error = ""
                     log.warning("[disk] %s answers again: the tier serves and stores again", self.root)
@@ -113,8 +118,10 @@ class DiskHealth:
         return {"used_bytes": self.used_bytes, "capacity_bytes": self.capacity_bytes,
                 "limit_bytes": self.limit_bytes, "full": self.limit_bytes < self.capacity_bytes,
                 "blocks": blocks, "ready": self.indexed.is_set(), "stuck": bool(stuck),
+                "read_only": self._read_only,
                 "deletes_owed": self._owed.count(), "clear_owed": self._owed.clear_owed,
-                "last_error": stuck or self._probe_error or self.last_error, **self.counters}
+                "last_error": stuck or self._probe_error or self._read_only_said() or self.last_error,
+                **self.counters}
 
     def _too_big(self, size: int) -> bool:
         """A block larger than the tier's whole capacity: dropped, counted, said once (before,

@@ -63,11 +63,12 @@ def _write_all(fd: int, pieces, total: int) -> None:
 TRIAL = ".kvcached.trial"  # (in the root, beside the shards: the listing never reads it)
 
 
-def trial(root: str) -> None:
-    """(A writing tier's start.) One record written as every put writes it (a temp file opened
-    O_EXCL|O_NOFOLLOW, then os.replace), read back and removed: a filesystem that cannot do one
-    of these (a bucket mount without rename) raises OSError here, named, rather than failing
-    every put of the daemon's life, each logged. A full one passes: the tier evicts for room."""
+def trial(root: str, say_full: bool = True) -> None:
+    """(A writing tier's start, and its probe after I/O errors: disk_errors.py.) One record
+    written as every put writes it (a temp file opened O_EXCL|O_NOFOLLOW, then os.replace), read
+    back and removed: a filesystem that cannot do one of these (a bucket mount without rename)
+    raises OSError here, named, rather than failing every put of the daemon's life, each logged.
+    A full one passes (said where say_full): the tier evicts for room."""
     for name in os.listdir(root):
         if name.startswith(TRIAL) and name.endswith(".tmp"):  # a crashed start's
             os.unlink(os.path.join(root, name))
@@ -76,8 +77,9 @@ def trial(root: str) -> None:
     size = HEADER_BYTES + len(payload)
     err = write_record(path, key, [payload], size, geometry, False)
     if err is not None and err.errno in NO_ROOM:
-        log.warning("[disk] %s: no room for a trial record (%s); the tier starts full", root,
-                    err.strerror)
+        if say_full:
+            log.warning("[disk] %s: no room for a trial record (%s); the tier starts full", root,
+                        err.strerror)
         return
     if err is not None:
         raise OSError(err.errno, f"a record cannot be written there ({err.strerror})")
@@ -88,5 +90,7 @@ def trial(root: str) -> None:
             raise BadRecord("other bytes")
     except BadRecord as exc:
         raise OSError(errno.EIO, f"a record written there reads back otherwise ({exc})") from None
+    except OSError as exc:
+        raise OSError(exc.errno, f"a record written there cannot be read back ({exc.strerror})") from None
     finally:
         os.unlink(path)

@@ -1,0 +1,136 @@
+"""The disk tier's failed reads, writes and unlinks (a part of DiskBackend, disk.py): what each
+says - of its record, of the system, or of the filesystem - and the trial record the probe
+writes to tell which, logged so that a disk that fails does not fill the log.
+
+- A record found damaged (record.BadRecord: its checksum, header or key) is removed (disk.py).
+- EMFILE, ENFILE, ENOMEM, ENOBUFS, EAGAIN, EINTR say nothing of the record or the filesystem
+  (TRANSIENT): a read is a miss and its record stays indexed; a write is a put error.
+- EROFS: the filesystem went read-only - ext4's default at a disk error (errors=remount-ro),
+  which access(2) does not show. The tier is `read_only`: it serves what it holds (every read
+  checked as always) and drops its puts without evicting, until the probe's trial record can
+  be written again. Before, every put evicted records it could not unlink, forgot them and
+  leaked its reservation, and its error failed the whole backup: a tier that held 16 readable
+  records served none, reported none, and said nothing in status.
+- Anything else (EIO from a disk that fails, ESTALE, ...): the read's record is forgotten (its
+  file unlinked where the filesystem lets it: a bad sector costs that record), and the probe
+  is woken to write a trial record at once, then every round while it fails: a trial that
+  fails makes the tier unhealthy - no hits, puts dropped - until one passes. Before, a disk that
+  failed every I/O (an ext4 shut down under the tier) left the tier `healthy`, its lookups
+  finding hits that every load failed, and each block logged two lines per read and one per put.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+from ..logs import LineBudget
+from .disk_write import NO_ROOM, trial
+
+log = logging.getLogger("kvcached.storage.disk")  # the tier's logger
+
+TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.EAGAIN,
+                       errno.EINTR})
+LOG_LINES, LOG_EVERY_S = 2, 10.0  # of each kind (a read, a write, an unlink); the rest counted
+
+
+def _said(exc: OSError) -> str:
+    return f"{errno.errorcode.get(exc.errno, exc.errno)} {exc.strerror or exc}"
+
+
+class DiskErrors:
+    """DiskBackend's methods for its failed I/O, on the state its __init__ makes (counters,
+    last_error, the probe's wake event, `_suspect`, `_read_only`, `_trial_failing`, `_said`)."""
+
+    def _init_errors(self) -> None:
+        self._suspect = False  # an I/O error of the filesystem since the last trial
+        self._trial_failing = False  # the last trial failed (not read-only): the tier is down
+        self._read_only = False  # the filesystem is read-only: served, nothing stored
+        self._said = LineBudget(lines=LOG_LINES, window_s=LOG_EVERY_S)
+
+    def _read_failed(self, key: bytes, exc: OSError) -> None:
+        """A record's read raised an OSError other than its file missing (a miss either way)."""
+        self.counters["io_errors"] += 1
+        self.last_error = f"a read failed: {_said(exc)}"
+        self._said.log(log, logging.WARNING, "read", "[disk] %s: read %s: %s", self.root, key.hex(),
+                       self.last_error)
+        if exc.errno in TRANSIENT or not self.local_keys:  # (a reader removes nothing)
+            return
+        self._forget(key)
+        self._unlink_later([key])  # unless stored again meanwhile
+        self._filesystem_error(exc)
+
+    def _write_failed(self, key: bytes, exc: OSError) -> None:
+        """A record's write failed (for room: still none after ENOSPC_TRIES writes)."""
+        self.counters["put_errors"] += 1
+        self.last_error = f"write failed: {_said(exc)}"
+        self._said.log(log, logging.WARNING, "write", "[disk] %s: put %s: %s", self.root, key.hex(),
+                       self.last_error)
+        if exc.errno not in TRANSIENT and exc.errno not in NO_ROOM:
+            self._filesystem_error(exc)
+
+    def _unlink_failed(self, exc: OSError, what: str = "unlink") -> None:
+        """An unlink (an eviction's, a delete's, a damaged record's) failed: its file is left,
+        not indexed, never read by this daemon."""
+        self.last_error = f"{what} failed: {_said(exc)}"
+        self._said.log(log, logging.WARNING, "unlink", "[disk] %s: %s", self.root, self.last_error)
+        if exc.errno not in TRANSIENT:
+            self._filesystem_error(exc)
+
+    def _filesystem_error(self, exc: OSError) -> None:
+        if exc.errno == errno.EROFS:
+            self._set_read_only(True)
+        elif not self._suspect:
+            self._suspect = True
+            self._probe_wake.set()
+
+    def _set_read_only(self, read_only: bool) -> None:
+        if read_only == self._read_only:
+            return
+        self._read_only = read_only
+        if read_only:
+            log.error("[disk] %s: %s", self.root, self._read_only_said())
+        else:
+            log.warning("[disk] %s: the filesystem is writable again: the tier stores again", self.root)
+
+    def _read_only_said(self) -> str:
+        return ("the filesystem is read-only: the tier serves what it holds and stores nothing "
+                "until it is writable again") if self._read_only else ""
+
+    def _try_records(self) -> None:
+        """(The probe, each round.) Where a read or write failed with an error of the filesystem,
+        the filesystem is read-only, or the last trial failed: write a trial record, read it
+        back, remove it (disk_write.trial). OSError where it fails other than read-only."""
+        if not (self._suspect or self._read_only or self._trial_failing) or not self.local_keys:
+            return
+        self._suspect = False
+        try:
+            trial(self.root, say_full=False)
+        except OSError as exc:
+            self._trial_failing = exc.errno != errno.EROFS
+            if self._trial_failing:
+                raise
+            self._set_read_only(True)
+            return
+        self._trial_failing = False
+        self._set_read_only(False)
+
+    def _unlink_victims(self, victims) -> None:
+        """Called on an I/O thread (a put's) or the index thread: unlinks here. A file that
+        cannot be removed is left (never raised: the put goes on, its reservation with it)."""
+        failed = None
+        for key in victims:
+            try:
+                os.unlink(self._path(key))
+            except FileNotFoundError:
+                log.debug("[disk] evicted file already gone")
+            except OSError as exc:
+                failed = exc
+            finally:
+                with self._evicting:
+                    self._victims_pending -= 1
+                    self._evicting.notify_all()
+        self.counters["evicted"] += len(victims)
+        if failed is not None:
+            self._unlink_failed(failed, "an eviction's unlink")
+
