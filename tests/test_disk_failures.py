@@ -77,7 +77,9 @@ def test_a_filesystem_gone_read_only_at_an_error_serves_what_it_holds_and_stores
     byte-exact, new blocks are dropped without a write or an eviction, and what status counts is what the index holds.
     Before, every put evicted blocks it could not unlink (their files stayed), leaked its
     reservation and failed the whole backup: the tier held 16 readable records and served
-    none, reported 0 blocks of 525,056 bytes used, and status said nothing of why."""
+    none, reported 0 blocks of 525,056 bytes used, and status said nothing of why. A restart on
+    the read-only filesystem serves the same blocks, a crashed write's temp file it cannot
+    remove left (its start was refused: "Read-only file system", the host tier lost with it)."""
     kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=128)
     keys = keys_for(48, 12)
     with ext4_filesystem() as fs:
@@ -96,6 +98,9 @@ def test_a_filesystem_gone_read_only_at_an_error_serves_what_it_holds_and_stores
                 offload_and_flush(c, kv, keys[:16], list(range(16)))
                 expected = snapshot(kv, list(range(16)))
                 assert _disk(c)["blocks"] == 16
+                stray = files(root)[0] + ".1.2.tmp"  # a crashed write's, which a start removes
+                with open(stray, "wb") as f:
+                    f.write(b"x")
                 ext4_error(fs)
                 for i in (16, 32):  # a put in flight on each I/O thread evicts before it finds out
                     offload_and_flush(c, kv, keys[i:i + 16], list(range(i, i + 16)))
@@ -118,6 +123,20 @@ def test_a_filesystem_gone_read_only_at_an_error_serves_what_it_holds_and_stores
             lines = _disk_lines(h)
             assert sum("the filesystem is read-only" in x for x in lines) == 1, lines
             assert len(lines) <= 12, lines
+            h.stop()
+            h = start(run_dir, instance, uri, host_gb=0.001)  # a restart on it: served still
+            with h.connect() as c:
+                c.register_kv_cache(kv)
+                disk = _disk(c)
+                # (the records evicted but not unlinked are there: indexed again)
+                assert disk["read_only"] and disk["healthy"] and disk["blocks"] == 16, disk
+                assert "until a restart" in disk["last_error"], disk
+                scramble(kv, 6)
+                assert c.load(keys[:16], list(range(64, 80))).wait(10) == 16
+                assert blocks_equal(kv, list(range(64, 80)), expected)
+                assert os.path.exists(stray)  # left (its shard listed all the same)
+                offload_and_flush(c, kv, keys[16:24], list(range(16, 24)))
+                assert _disk(c)["dropped_puts"] == 8 and len(files(root)) == 16
         finally:
             h.stop()
 
@@ -142,6 +161,7 @@ def test_a_read_only_mount_made_writable_again_stores_again(run_dir, instance):
                 subprocess.run(["mount", "-o", "remount,bind,ro", root], check=True)
                 offload_and_flush(c, kv, keys[8:16], list(range(8, 16)))
                 wait_until(lambda: _disk(c)["read_only"], 5, "the tier read-only")
+                time.sleep(2.5 * PROBE_EVERY_S)  # the probe sees the mount read-only: not down
                 disk = _disk(c)
                 assert disk["healthy"] and disk["blocks"] == 8 and disk["evicted"] == 0, disk
                 c.clear(tier="host")
@@ -251,5 +271,31 @@ def test_a_trial_that_fails_then_passes_takes_the_tier_down_then_up(tmp_path, mo
         failing[0] = False
         wait_until(tier.health, 3 * PROBE_EVERY_S, "the tier up again")
         assert tier.put([b"\x03" * 16], [page], GEOMETRY) == [True]
+    finally:
+        tier.close()
+
+
+def test_a_shard_that_cannot_be_mended_at_start_is_left_alone(tmp_path, monkeypatch):
+    """A shard the start must mend (its mode, a link in its place) on a filesystem that refuses
+    (read-only: EROFS): that shard is left unused and the others' records are indexed. Before,
+    its error ended the index rebuild: no record was served."""
+    from kvcached.storage import owned
+
+    tier = _tier(tmp_path / "t")
+    page = [bytearray(os.urandom(4096))]
+    keys = [bytes([b]) * 16 for b in (0x10, 0x20, 0x30)]
+    assert tier.put(keys, [page] * 3, GEOMETRY) == [True] * 3
+    tier.close()
+    real = owned.usable_shard
+
+    def usable(path):
+        if path.endswith("/20"):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real(path)
+
+    monkeypatch.setattr(owned, "usable_shard", usable)
+    tier = _tier(tmp_path / "t")
+    try:
+        assert [tier.exists_prefix([k]) for k in keys] == [1, 0, 1]
     finally:
         tier.close()

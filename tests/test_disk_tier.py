@@ -344,7 +344,7 @@ def test_a_put_whose_retry_meets_enospc_again_tries_again(tmp_path, monkeypatch)
     from kvcached.storage import disk, disk_health
 
     monkeypatch.setattr(disk.os, "statvfs", lambda _p: types.SimpleNamespace(
-        f_blocks=1 << 20, f_frsize=4096, f_bavail=1 << 19, f_files=0, f_favail=0))
+        f_blocks=1 << 20, f_frsize=4096, f_bavail=1 << 19, f_files=0, f_favail=0, f_flag=0))
     tier = disk.DiskBackend(str(tmp_path), capacity_bytes=1 << 30)
     try:
         assert tier.indexed.wait(10)

@@ -36,6 +36,7 @@ import time
 from typing import Callable, Sequence
 
 from . import disk_lock, owned
+from .disk_lock import read_only_fs
 from .base import StorageBackend
 from .disk_clear import DiskClears
 from .disk_errors import DiskErrors
@@ -118,9 +119,10 @@ class DiskBackend(DiskErrors, DiskHealth, ReaderTier, StorageBackend):
         def make():  # (a reader's may be a read-only view of the writer's directory)
             os.makedirs(self.root, mode=0o700, exist_ok=True)
             self._root_id = owned.secure_root(self.root, tighten=self.local_keys)
-            if self.local_keys and not os.access(self.root, os.W_OK):
+            if self.local_keys and not os.access(self.root, os.W_OK) and not read_only_fs(self.root):
                 raise PermissionError(errno.EACCES, "not writable", self.root)
-            self._root_lock.take(self.root)
+            if self._root_lock.take(self.root):  # a read-only filesystem (disk_errors.py)
+                self._read_only_at_start()
 
         try:
             run_bounded(self._io, make, [()], self.io_timeout_s, self._late_op("mkdir of the root"),
@@ -150,7 +152,7 @@ class DiskBackend(DiskErrors, DiskHealth, ReaderTier, StorageBackend):
             if not self.local_keys:  # a reader lists nothing: it looks at the files (disk_read.py)
                 return self._reader_start()
             for shard in range(256):  # checked once here, not stat'ed on every put
-                if not owned.usable_shard(os.path.join(self.root, f"{shard:02x}")):
+                if not self._usable_shard(os.path.join(self.root, f"{shard:02x}")):
                     self._unusable.add(shard)
             finishing = self._clears.found_at_start()
             found, removed = list_records(self.root, self._unusable)

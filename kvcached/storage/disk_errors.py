@@ -8,7 +8,9 @@ writes to tell which, logged so that a disk that fails does not fill the log.
 - EROFS: the filesystem went read-only - ext4's default at a disk error (errors=remount-ro),
   which access(2) does not show. The tier is `read_only`: it serves what it holds (every read
   checked as always) and drops its puts without evicting, until the probe's trial record can
-  be written again. Before, every put evicted records it could not unlink, forgot them and
+  be written again. A tier that starts on a read-only filesystem (a restart after the error)
+  serves what it finds and takes no lock; it stores nothing until a restart (its start was
+  refused: the host tier was lost with it). Before, every put evicted records it could not unlink, forgot them and
   leaked its reservation, and its error failed the whole backup: a tier that held 16 readable
   records served none, reported none, and said nothing in status.
 - Anything else (EIO from a disk that fails, ESTALE, ...): the read's record is forgotten (its
@@ -25,6 +27,8 @@ import logging
 import os
 
 from ..logs import LineBudget
+from . import owned
+from .disk_lock import read_only_fs
 from .disk_write import NO_ROOM, trial
 
 log = logging.getLogger("kvcached.storage.disk")  # the tier's logger
@@ -46,6 +50,7 @@ class DiskErrors:
         self._suspect = False  # an I/O error of the filesystem since the last trial
         self._trial_failing = False  # the last trial failed (not read-only): the tier is down
         self._read_only = False  # the filesystem is read-only: served, nothing stored
+        self._read_only_fixed = False  # read-only at start (no lock taken): until a restart
         self._said = LineBudget(lines=LOG_LINES, window_s=LOG_EVERY_S)
 
     def _read_failed(self, key: bytes, exc: OSError) -> None:
@@ -93,15 +98,42 @@ class DiskErrors:
         else:
             log.warning("[disk] %s: the filesystem is writable again: the tier stores again", self.root)
 
+    def _usable_shard(self, path: str) -> bool:
+        """owned.usable_shard, a shard it cannot mend (a read-only filesystem) left unused
+        alone: before, its error ended the index rebuild, and no record was served."""
+        try:
+            return owned.usable_shard(path)
+        except OSError as exc:
+            log.error("[disk] shard %s cannot be made the tier's (%s): left unused", path, _said(exc))
+            return False
+
+    def _read_only_at_start(self) -> None:
+        """(The start, on a read-only filesystem: EROFS.) The tier serves what it finds there;
+        it took no lock (no one writes there), so it stores nothing until a restart."""
+        self._read_only_fixed = True
+        self._set_read_only(True)
+
+    def _mounted_read_only(self) -> bool:
+        """(The probe, the root not writable.) True where its filesystem is mounted read-only:
+        the tier is read_only (it serves), not down."""
+        if not read_only_fs(self.root):
+            return False
+        self._set_read_only(True)
+        return True
+
     def _read_only_said(self) -> str:
+        if not self._read_only:
+            return ""
         return ("the filesystem is read-only: the tier serves what it holds and stores nothing "
-                "until it is writable again") if self._read_only else ""
+                + ("until a restart finds it writable" if self._read_only_fixed
+                   else "until it is writable again"))
 
     def _try_records(self) -> None:
         """(The probe, each round.) Where a read or write failed with an error of the filesystem,
         the filesystem is read-only, or the last trial failed: write a trial record, read it
         back, remove it (disk_write.trial). OSError where it fails other than read-only."""
-        if not (self._suspect or self._read_only or self._trial_failing) or not self.local_keys:
+        if not (self._suspect or self._read_only or self._trial_failing) or not self.local_keys \
+                or self._read_only_fixed:
             return
         self._suspect = False
         try:

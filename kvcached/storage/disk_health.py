@@ -52,7 +52,8 @@ class DiskHealth:
             self._probe_since = time.monotonic()
             try:
                 st = self._same_root()
-                if not stat.S_ISDIR(st.st_mode) or self.local_keys and not os.access(self.root, os.W_OK):
+                if not stat.S_ISDIR(st.st_mode) or self.local_keys and not os.access(self.root, os.W_OK) \
+                        and not self._mounted_read_only():
                     raise OSError(errno.EACCES, "not a writable directory")  # (a reader reads)
                 self._try_records()  # where records failed to be written or read (disk_errors.py)
                 if self._probe_error:

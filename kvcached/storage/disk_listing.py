@@ -61,8 +61,12 @@ def _list_shard(shard: os.DirEntry, own_temp: str) -> tuple[list, int, int]:
             continue  # this process's write in progress
         else:  # temp files of a crashed write, links, FIFOs, another user's files
             foreign += not owned.is_ours(st)
-            os.unlink(entry.path)
-            removed += 1
+            try:
+                os.unlink(entry.path)
+                removed += 1
+            except OSError as exc:  # left, never read (a read-only filesystem's)
+                log.warning("[disk] %s cannot be removed (%s); left, never read", entry.path,
+                            exc.strerror)
     return found, removed, foreign
 
 

@@ -7,7 +7,9 @@ however the daemon dies) for the tier's life; a second tier on it is refused at 
 the holder. Daemons share blocks through a redis:// or mooncake:// tier; the one exception, the
 ranks of an MLA model, share the writer rank's directory with `--no-storage-writer` (RootLock).
 Holding the lock, a writer writes a trial record there as its puts do, reads it back and
-removes it (disk_write.trial): a filesystem that cannot keep a record is refused at start.
+removes it (disk_write.trial): a filesystem that cannot keep a record is refused at start, one
+that is read-only (EROFS) is a tier that serves what it holds and stores nothing, with no lock
+(no one writes there), until a restart finds the filesystem writable (disk_errors.py).
 """
 from __future__ import annotations
 
@@ -44,6 +46,8 @@ def hold(root: str) -> int:
             if exc.errno in NO_ROOM:
                 log.warning("[disk] %s: no room for the lock file (%s): nothing keeps a second "
                             "daemon off this directory until a start makes it", root, exc.strerror)
+                return -1
+            if exc.errno == errno.EROFS:  # nothing writes there: the tier stays read-only
                 return -1
             if exc.errno != errno.ELOOP:  # (a link in its place: removed below)
                 raise
@@ -91,18 +95,36 @@ class RootLock:
         self.writer = writer
         self._fd = -1
 
-    def take(self, root: str) -> None:
+    def take(self, root: str) -> bool:
         """A writer's hold, then a trial record (disk_write.trial: OSError where the
-        filesystem cannot keep one, the hold let go)."""
-        if self.writer:
-            self._fd = hold(root)
-            try:
+        filesystem cannot keep one, the hold let go). True where the filesystem is read-only
+        (EROFS: no lock file, no trial): the tier serves what is there, until a restart."""
+        if not self.writer:
+            return False
+        read_only = read_only_fs(root)
+        self._fd = -1 if read_only else hold(root)
+        try:
+            if not read_only:
                 disk_write.trial(root)
-            except BaseException:
+        except OSError as exc:
+            if exc.errno != errno.EROFS:
                 self.release()
                 raise
+            read_only = True
+        except BaseException:
+            self.release()
+            raise
+        if read_only:
+            self.release()
+        return read_only
 
     def release(self) -> None:
         fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
+
+
+def read_only_fs(root: str) -> bool:
+    """Whether the filesystem of root is mounted read-only (ext4 gone read-only at an error
+    is not: its writes say so, EROFS)."""
+    return bool(os.statvfs(root).f_flag & os.ST_RDONLY)
