@@ -299,3 +299,26 @@ def test_a_shard_that_cannot_be_mended_at_start_is_left_alone(tmp_path, monkeypa
         assert [tier.exists_prefix([k]) for k in keys] == [1, 0, 1]
     finally:
         tier.close()
+
+
+def test_a_disk_whose_fsync_fails_is_unhealthy_with_fsync_on(tmp_path, monkeypatch):
+    """With ?fsync=1, a disk whose fsync fails (EIO: its write-back failed) fails every put; the
+    probe's trial record is synced as the puts are, so it fails too and the tier is down until
+    fsync works again. (Its trial never synced: it passed, and the tier called itself healthy
+    while every put failed.)"""
+    tier = _tier(tmp_path / "t", fsync=True)
+    real = os.fsync
+
+    def eio(_fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", eio)
+    try:
+        page = [bytearray(4096)]
+        assert tier.put([b"\x04" * 16], [page], GEOMETRY) == [False]
+        wait_until(lambda: not tier.health(), 2 * PROBE_EVERY_S, "the tier down")
+        monkeypatch.setattr(os, "fsync", real)
+        wait_until(tier.health, 3 * PROBE_EVERY_S, "the tier up again")
+        assert tier.put([b"\x04" * 16], [page], GEOMETRY) == [True]
+    finally:
+        tier.close()

@@ -121,7 +121,7 @@ class DiskBackend(DiskErrors, DiskHealth, ReaderTier, StorageBackend):
             self._root_id = owned.secure_root(self.root, tighten=self.local_keys)
             if self.local_keys and not os.access(self.root, os.W_OK) and not read_only_fs(self.root):
                 raise PermissionError(errno.EACCES, "not writable", self.root)
-            if self._root_lock.take(self.root):  # a read-only filesystem (disk_errors.py)
+            if self._root_lock.take(self.root, self.fsync):  # read-only (disk_errors.py)
                 self._read_only_at_start()
 
         try:

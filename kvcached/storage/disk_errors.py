@@ -137,7 +137,7 @@ class DiskErrors:
             return
         self._suspect = False
         try:
-            trial(self.root, say_full=False)
+            trial(self.root, say_full=False, fsync=self.fsync)
         except OSError as exc:
             self._trial_failing = exc.errno != errno.EROFS
             if self._trial_failing:

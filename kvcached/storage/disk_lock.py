@@ -95,7 +95,7 @@ class RootLock:
         self.writer = writer
         self._fd = -1
 
-    def take(self, root: str) -> bool:
+    def take(self, root: str, fsync: bool = False) -> bool:
         """A writer's hold, then a trial record (disk_write.trial: OSError where the
         filesystem cannot keep one, the hold let go). True where the filesystem is read-only
         (EROFS: no lock file, no trial): the tier serves what is there, until a restart."""
@@ -105,7 +105,7 @@ class RootLock:
         self._fd = -1 if read_only else hold(root)
         try:
             if not read_only:
-                disk_write.trial(root)
+                disk_write.trial(root, fsync=fsync)
         except OSError as exc:
             if exc.errno != errno.EROFS:
                 self.release()

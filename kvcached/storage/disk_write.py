@@ -63,19 +63,20 @@ def _write_all(fd: int, pieces, total: int) -> None:
 TRIAL = ".kvcached.trial"  # (in the root, beside the shards: the listing never reads it)
 
 
-def trial(root: str, say_full: bool = True) -> None:
+def trial(root: str, say_full: bool = True, fsync: bool = False) -> None:
     """(A writing tier's start, and its probe after I/O errors: disk_errors.py.) One record
     written as every put writes it (a temp file opened O_EXCL|O_NOFOLLOW, then os.replace), read
     back and removed: a filesystem that cannot do one of these (a bucket mount without rename)
     raises OSError here, named, rather than failing every put of the daemon's life, each logged.
-    A full one passes (said where say_full): the tier evicts for room."""
+    A full one passes (said where say_full): the tier evicts for room. With fsync, synced as
+    the tier's puts are (a disk whose fsync fails fails it)."""
     for name in os.listdir(root):
         if name.startswith(TRIAL) and name.endswith(".tmp"):  # a crashed start's
             os.unlink(os.path.join(root, name))
     path, payload, key = os.path.join(root, TRIAL), os.urandom(4096), os.urandom(16)
     geometry = os.urandom(GEOMETRY_BYTES)
     size = HEADER_BYTES + len(payload)
-    err = write_record(path, key, [payload], size, geometry, False)
+    err = write_record(path, key, [payload], size, geometry, fsync)
     if err is not None and err.errno in NO_ROOM:
         if say_full:
             log.warning("[disk] %s: no room for a trial record (%s); the tier starts full", root,
