@@ -252,10 +252,10 @@ def test_a_trial_that_fails_then_passes_takes_the_tier_down_then_up(tmp_path, mo
     failing = [True]
     real_trial = disk_errors.trial
 
-    def trial(root, say_full=True):
+    def trial(root, **kw):
         if failing[0]:
             raise OSError(errno.EIO, "a record cannot be written there (Input/output error)")
-        return real_trial(root, say_full)
+        return real_trial(root, **kw)
 
     monkeypatch.setattr(disk_errors, "trial", trial)
     real_write = tier._write
@@ -320,5 +320,26 @@ def test_a_disk_whose_fsync_fails_is_unhealthy_with_fsync_on(tmp_path, monkeypat
         monkeypatch.setattr(os, "fsync", real)
         wait_until(tier.health, 3 * PROBE_EVERY_S, "the tier up again")
         assert tier.put([b"\x04" * 16], [page], GEOMETRY) == [True]
+    finally:
+        tier.close()
+
+
+def test_the_probe_goes_on_after_a_defect_in_a_round(tmp_path, monkeypatch, caplog):
+    """An exception no round expects (a defect: here the trial's check raising RuntimeError
+    once) is logged and the probe goes on. Before, it ended the probe thread for good: a tier
+    down was never seen again, and one that came back was never let serve."""
+    tier = _tier(tmp_path / "t")
+    real, rounds = tier._try_records, []
+
+    def flaky():
+        rounds.append(1)
+        if len(rounds) == 1:
+            raise RuntimeError("a defect")
+        return real()
+
+    monkeypatch.setattr(tier, "_try_records", flaky)
+    try:
+        wait_until(lambda: len(rounds) >= 3, 5 * PROBE_EVERY_S, "the probe's rounds after it")
+        assert "the probe failed: RuntimeError('a defect')" in caplog.text
     finally:
         tier.close()

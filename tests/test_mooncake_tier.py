@@ -285,3 +285,33 @@ def test_a_daemon_started_before_its_master_runs_and_connects_when_it_comes(run_
             h.stop()
     finally:
         s.close()
+
+
+def test_the_probe_goes_on_after_the_stores_binding_raises(store):
+    """The store's binding raising in a probe round (rather than answering an error code): the
+    tier is down with the reason, and the probe goes on and finds it answering again. Before,
+    the exception ended the probe thread: a tier down was never let serve again."""
+    from kvcached.storage.mooncake_store import PROBE_EVERY_S, MooncakeBackend
+
+    tier = MooncakeBackend(_uri(store))
+    try:
+        wait_until(tier.ready, 10, "connected")
+        wait_until(tier.health, 10, "healthy")
+        real, raised = tier._store, []
+
+        class Raising:  # the binding, but its probe call raises once
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def batch_is_exist(self, keys):
+                if not raised:
+                    raised.append(1)
+                    raise RuntimeError("the binding raised")
+                return real.batch_is_exist(keys)
+
+        tier._store = Raising()
+        wait_until(lambda: raised and not tier.health(), 5 * PROBE_EVERY_S, "the tier down")
+        assert "the binding raised" in tier.usage()["last_error"]
+        wait_until(tier.health, 10 * PROBE_EVERY_S, "the tier healthy again")
+    finally:
+        tier.close()

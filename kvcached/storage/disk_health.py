@@ -69,6 +69,9 @@ class DiskHealth:
                     log.error("[disk] %s; the tier serves nothing and drops its puts until it "
                               "answers again", self._probe_error)
                     self._on_health()
+            except Exception as exc:  # a defect: the probe goes on (it ended, for good)
+                self._said.log(log, logging.ERROR, "probe", "[disk] %s: the probe failed: %r",
+                               self.root, exc)
             self._probe_since = 0.0
 
     def _same_root(self) -> os.stat_result:

@@ -195,15 +195,20 @@ class MooncakeBackend(OwesClears, StorageBackend):
                 continue
             if self._late:
                 continue  # stuck: a call has not returned; it decides
-            got = run_bounded(self._io, self._store.batch_is_exist, [([self.prefix + "probe"],)],
-                              self.io_timeout_s, self._late_op("a probe"), lambda _i: self._late_returned())[0]
-            if got is None:
+            try:
+                got = run_bounded(self._io, self._store.batch_is_exist, [([self.prefix + "probe"],)],
+                                  self.io_timeout_s, self._late_op("a probe"),
+                                  lambda _i: self._late_returned())[0]
+                if got is None:
+                    continue
+                if got and got[0] in RPC_ERRORS:
+                    self._failed(f"the master does not answer ({got[0]})")
+                    continue
+                if self._owes() and not self._owed_now():
+                    continue  # down until its owed clear and deletes are done
+            except Exception as exc:  # (the store's binding raising): down, the probe goes on
+                self._failed(f"the probe failed: {exc!r}")
                 continue
-            if got and got[0] in RPC_ERRORS:
-                self._failed(f"the master does not answer ({got[0]})")
-                continue
-            if self._owes() and not self._owed_now():
-                continue  # down until its owed clear and deletes are done
             if not self._healthy:
                 self._healthy = True
                 log.info("[mooncake] %s healthy again", self.uri)
