@@ -36,12 +36,12 @@ import time
 from typing import Callable, Sequence
 
 from . import disk_lock, owned
-from .disk_lock import read_only_fs
 from .base import StorageBackend
 from .disk_clear import DiskClears
 from .disk_errors import DiskErrors
 from .disk_health import ENOSPC_TRIES, PROBE_EVERY_S, DiskHealth
 from .disk_listing import WhileIndexing, list_records
+from .disk_lock import read_only_fs
 from .disk_owed import OwedUnlinks
 from .disk_read import READER_LOOKUP_S, ReaderTier, files_prefix, read_record
 from .disk_write import NO_ROOM, write_record
@@ -326,7 +326,7 @@ class DiskBackend(DiskErrors, DiskHealth, ReaderTier, StorageBackend):
         return stored
 
     def _put_one(self, key: bytes, pieces, geometry: bytes) -> bool:
-        if self._read_only:  # found by a write of this batch (disk_errors.py): nothing evicted
+        if self._read_only:  # found by a write of this batch (disk_errors.py): none tried
             self.counters["dropped_puts"] += 1
             return False
         if key[0] in self._unusable:

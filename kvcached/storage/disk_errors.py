@@ -8,11 +8,11 @@ writes to tell which, logged so that a disk that fails does not fill the log.
 - EROFS: the filesystem went read-only - ext4's default at a disk error (errors=remount-ro),
   which access(2) does not show. The tier is `read_only`: it serves what it holds (every read
   checked as always) and drops its puts without evicting, until the probe's trial record can
-  be written again. A tier that starts on a read-only filesystem (a restart after the error)
-  serves what it finds and takes no lock; it stores nothing until a restart (its start was
-  refused: the host tier was lost with it). Before, every put evicted records it could not unlink, forgot them and
+  be written again. Before, every put evicted records it could not unlink, forgot them and
   leaked its reservation, and its error failed the whole backup: a tier that held 16 readable
-  records served none, reported none, and said nothing in status.
+  records served none, reported none, and said nothing in status. A tier that starts on a
+  read-only filesystem (a restart after the error) serves what it finds and takes no lock; it
+  stores nothing until a restart (its start was refused: the host tier was lost with it).
 - Anything else (EIO from a disk that fails, ESTALE, ...): the read's record is forgotten (its
   file unlinked where the filesystem lets it: a bad sector costs that record), and the probe
   is woken to write a trial record at once, then every round while it fails: a trial that
@@ -165,4 +165,3 @@ class DiskErrors:
         self.counters["evicted"] += len(victims)
         if failed is not None:
             self._unlink_failed(failed, "an eviction's unlink")
-
