@@ -477,3 +477,37 @@ def test_redis_cluster_tier(run_dir, instance):
                 assert blocks_equal(kv, list(range(20, 32)), expected)
         finally:
             h.stop()
+
+
+def test_blocks_over_the_servers_value_limit_fail_alone_and_the_tier_stays_up(run_dir, instance):
+    """A server whose proto-max-bulk-len (1 MiB, its least) is under a block's record (17 layers x 64 KiB: 1.06 MiB):
+    it resets the connection of such a SET. Before, the tier went down at every backup of them
+    (its lookups finding nothing of what it held until the probe) and counted no put error.
+    Now those puts fail alone, counted and said, and the tier stays up, serving the small
+    blocks it holds."""
+    server = RedisServer(extra=["--proto-max-bulk-len", "1mb"])
+    try:
+        small = small_kv(block_shape=PAGE_SHAPE, num_blocks=8)
+        big = small_kv(num_layers=17, block_shape=(16, 8, 128), num_blocks=8, seed=3)
+        held, big_keys = keys_for(4, 51), keys_for(8, 52)
+        h = start(run_dir, instance, server.uri)
+        try:
+            with h.connect() as c:
+                c.register_kv_cache(small)
+                offload_and_flush(c, small, held, list(range(4)))
+            with h.connect() as c:
+                c.register_kv_cache(big)
+                for i in range(0, 8, 2):
+                    offload_and_flush(c, big, big_keys[i:i + 2], [i, i + 1])
+                    assert c.status()["storage"][0]["healthy"]
+                tier = c.status()["storage"][0]
+                assert tier["put_errors"] == 8 and tier["errors"] == 0, tier
+                assert "proto-max-bulk-len (1048576 bytes)" in tier["last_error"], tier
+            with h.connect() as c:
+                c.register_kv_cache(small)
+                c.clear(tier="host")
+                assert c.lookup(held) == (0, 4)
+        finally:
+            h.stop()
+    finally:
+        server.close()

@@ -35,7 +35,8 @@ server answering and the clear is done, the tier is unhealthy - no hits, puts dr
 block stored before a clear (a weight update's old KV) is read after it.
 
 A command the server refuses (a full server's OOM on SET, a READONLY replica) fails the puts it
-was for, counted as `put_errors`; only a connection that fails or times out marks the tier
+was for, counted as `put_errors`, as does a record longer than the server's proto-max-bulk-len
+(CONFIG GET when the probe finds it answering: the server resets the connection of such a SET); only a connection that fails or times out marks the tier
 down - except a backup whose SET times out: writes are held (`writes_held`), backups are dropped
 (counted) for HOLD_WRITES_S and then tried again, and the tier stays up for lookups and reads.
 That is a server whose writes are paused (CLIENT PAUSE WRITE: a failover's last seconds, while
@@ -121,6 +122,8 @@ class RedisBackend(FollowsFailovers, FollowsRestarts, OwesClears, StorageBackend
                          "lookups_cut": 0}
         self._refusal_said = ""  # the last refusal logged (a full server refuses every SET alike)
         self._writes_held_until = 0.0  # monotonic: backups are dropped until then (a write pause)
+        self._max_value: int | None = None  # the server's proto-max-bulk-len (None: not known)
+        self._max_value_asked = False  # since the server was last down (a restart may change it)
         self.last_error = ""
         self._client = connect(SOCKET_TIMEOUT_S, 1)
         self._lookup_client = connect(LOOKUP_TIMEOUT_S, 0)
@@ -152,6 +155,7 @@ class RedisBackend(FollowsFailovers, FollowsRestarts, OwesClears, StorageBackend
             if self._healthy:
                 log.warning("[redis] %s unhealthy: %s", self.uri, self.last_error)
             self._healthy = False
+        self._max_value_asked = False
 
     def _probe(self) -> None:
         while not self._closed.wait(PROBE_EVERY_S):
@@ -164,6 +168,8 @@ class RedisBackend(FollowsFailovers, FollowsRestarts, OwesClears, StorageBackend
         except Exception as exc:  # any failure: the tier is down until a ping answers
             self._failed(exc)
             return
+        if not self._max_value_asked:
+            self._ask_max_value()
         if self._owes() and not self._owed_now():
             return  # down until its owed clear and deletes are done
         with self._lock:
@@ -270,13 +276,18 @@ class RedisBackend(FollowsFailovers, FollowsRestarts, OwesClears, StorageBackend
         if not self._usable() or time.monotonic() < self._writes_held_until:
             self.counters["dropped_puts"] += len(keys)
             return [False] * len(keys)
+        values = [b"".join([pack_header(key, pieces, geometry), *pieces])
+                  for key, pieces in zip(keys, buffers)]
+        send = self._sendable(values)
+        if not any(send):
+            return [False] * len(keys)
         try:
             pipe = self._client.pipeline(transaction=False)
-            for key, pieces in zip(keys, buffers):
-                value = b"".join([pack_header(key, pieces, geometry), *pieces])
-                # NX: a key already stored is not rewritten
-                pipe.set(self._name(key), value, ex=self.ttl_s, nx=True)
-            results = pipe.execute(raise_on_error=False)  # a refused command is that key's
+            for key, value, ok in zip(keys, values, send):
+                if ok:  # NX: a key already stored is not rewritten
+                    pipe.set(self._name(key), value, ex=self.ttl_s, nx=True)
+            answers = iter(pipe.execute(raise_on_error=False))  # a refused command is that key's
+            results = [next(answers) if ok else None for ok in send]
         except self._redis.exceptions.TimeoutError as exc:  # writes held; the ping says if
             self._hold_writes(exc)  # the whole server hangs
             self.counters["dropped_puts"] += len(keys)
@@ -285,12 +296,37 @@ class RedisBackend(FollowsFailovers, FollowsRestarts, OwesClears, StorageBackend
             self._failed(exc)
             self.counters["dropped_puts"] += len(keys)
             return [False] * len(keys)
-        stored = [not isinstance(r, Exception) for r in results]
+        stored = [ok and not isinstance(r, Exception) for ok, r in zip(send, results)]
         self.counters["puts"] += sum(stored)
         refused = [r for r in results if isinstance(r, Exception)]
         if refused:
             self._refused(refused)
         return stored
+
+    def _ask_max_value(self) -> None:
+        """(The probe, once the server answers.) Its proto-max-bulk-len: it resets the
+        connection of a SET whose value is longer, and the tier went down at every backup of
+        such blocks, its lookups finding nothing until the probe, in a loop. Not known where
+        CONFIG is refused (an ACL, a managed server) or in a cluster (one node answers)."""
+        self._max_value_asked = True
+        if self.cluster:
+            return
+        try:
+            got = self._probe_client.config_get("proto-max-bulk-len")
+            self._max_value = int(got["proto-max-bulk-len"])
+        except Exception:  # noqa: BLE001 - refused or unreadable: not known (SETs find out)
+            self._max_value = None
+
+    def _sendable(self, values) -> list[bool]:
+        """Which values the server takes: those over its proto-max-bulk-len are failed puts,
+        said once (the tier stays up)."""
+        limit = self._max_value
+        send = [limit is None or len(v) <= limit for v in values]
+        if not all(send):
+            over = [len(v) for v, ok in zip(values, send) if not ok]
+            self._refused_why(len(over), f"a record of {over[0]} bytes is over the server's "
+                              f"proto-max-bulk-len ({limit} bytes): raise it to store these blocks")
+        return send
 
     def _hold_writes(self, exc: Exception) -> None:
         """A backup's SET timed out: a server whose writes are paused (a failover), or one that
@@ -306,12 +342,15 @@ class RedisBackend(FollowsFailovers, FollowsRestarts, OwesClears, StorageBackend
 
     def _refused(self, errors: list) -> None:
         """Commands the server refused (OOM when full): failed puts, not an outage."""
-        self.counters["put_errors"] += len(errors)
-        self.last_error = f"{type(errors[0]).__name__}: {errors[0]}"
+        self._refused_why(len(errors), f"{type(errors[0]).__name__}: {errors[0]}")
+
+    def _refused_why(self, n: int, why: str) -> None:
+        self.counters["put_errors"] += n
+        self.last_error = why
         if self.last_error != self._refusal_said:
             self._refusal_said = self.last_error
             log.warning("[redis] %s refused %d puts: %s (the tier stays up; lookups and reads go on)",
-                        self.uri, len(errors), self.last_error)
+                        self.uri, n, self.last_error)
 
     def _delete_store(self, keys) -> int | None:
         """(owed_clear.py) The keys deleted: how many were there; None on failure."""
