@@ -52,6 +52,7 @@ class DiskErrors:
         self._read_only = False  # the filesystem is read-only: served, nothing stored
         self._read_only_fixed = False  # read-only at start (no lock taken): until a restart
         self._said = LineBudget(lines=LOG_LINES, window_s=LOG_EVERY_S)
+        self._too_big_said = False  # a block over the whole capacity, logged (disk_health.py)
 
     def _read_failed(self, key: bytes, exc: OSError) -> None:
         """A record's read raised an OSError other than its file missing (a miss either way)."""

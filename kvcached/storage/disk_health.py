@@ -131,9 +131,10 @@ class DiskHealth:
         """A block larger than the tier's whole capacity: dropped, counted, said once (before,
         a capacity_gb under one block stored nothing, and nothing said why). False."""
         self.counters["dropped_puts"] += 1
-        if not self.last_error.startswith("a block of"):
-            self.last_error = (f"a block of {size} bytes is larger than the tier's capacity "
-                               f"({self.capacity_bytes} bytes): nothing is stored; raise capacity_gb")
+        self.last_error = (f"a block of {size} bytes is larger than the tier's capacity "
+                           f"({self.capacity_bytes} bytes): nothing is stored; raise capacity_gb")
+        if not self._too_big_said:  # (once: another error between puts made it say it again)
+            self._too_big_said = True
             log.error("[disk] %s: %s", self.root, self.last_error)
         return False
 
