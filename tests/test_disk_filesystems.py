@@ -16,6 +16,7 @@ import pytest
 
 from conftest import blocks_equal, disk_uri, keys_for, scramble, small_kv, snapshot, stored, unique_instance, wait_until
 from kvcached.storage import disk_listing, owned
+from kvcached.storage.disk import DiskBackend
 from kvcached.storage.disk_health import PROBE_EVERY_S
 from kvcached.storage.disk_owed import OwedUnlinks
 from kvcached.storage.owed_clear import OwedRecord
@@ -489,3 +490,25 @@ def test_a_capacity_under_one_block_says_why_nothing_is_stored(run_dir, instance
         h.stop()
     with open(h.log_path) as f:
         assert f.read().count("larger than the tier's capacity") == 1
+
+
+def test_a_reader_does_not_do_the_deletes_its_instance_owed_as_a_writer(tmp_path):
+    """An instance that wrote to a directory (and owed a delete in its run dir's record) started
+    later as a reader of it (--no-storage-writer): it removes nothing there - the file, which the
+    writer may have stored again since, stays. Before, the reader unlinked it at its start."""
+    root, key = tmp_path / "t", b"\x05" * 16
+    writer = DiskBackend(str(root), 1 << 30)
+    assert writer.indexed.wait(5)
+    assert writer.put([key], [[bytearray(4096)]], bytes(16)) == [True]
+    path = writer._path(key)
+    writer.close()
+    record = OwedRecord(str(tmp_path / "i.clears-owed"))
+    record.note_deletes(f"disk://{root}", [key])
+    reader = DiskBackend(str(root), 1 << 30, writer=False)
+    try:
+        assert reader.indexed.wait(5)
+        reader.owe_clear(record)
+        time.sleep(2 * PROBE_EVERY_S)  # (the owed unlinks run once the index is whole)
+        assert os.path.exists(path)
+    finally:
+        reader.close()

@@ -431,7 +431,10 @@ class DiskBackend(DiskErrors, DiskHealth, ReaderTier, StorageBackend):
     def owe_clear(self, record) -> None:
         """(At start, from the tiers.) Deletes whose files were not gone yet are kept in record
         (disk_owed.py); those the last run owed are deleted now: never indexed, and unlinked
-        once the index is whole (unless stored again since)."""
+        once the index is whole (unless stored again since). A reader owes none and does none
+        (a record from when its instance wrote there is left to a start as a writer)."""
+        if not self.local_keys:
+            return
         clear, unlinks = self._owed.attach(record)
         if clear:
             log.warning("[disk] %s: the last run owed more deletes than it could keep; the tier "
