@@ -208,6 +208,25 @@ def test_a_record_whose_reads_fail_costs_that_record_alone(run_dir, instance, di
             h.stop()
 
 
+def test_a_link_in_place_of_a_record_is_damage_not_an_error_of_the_filesystem(tmp_path):
+    """A link planted where a record goes (opened without following links: ELOOP) is a damaged
+    record - counted `corrupt`, removed - not an I/O error that wakes the probe's trial."""
+    tier = _tier(tmp_path / "t")
+    try:
+        key = b"\x06" * 16
+        assert tier.put([key], [[bytearray(os.urandom(4096))]], GEOMETRY) == [True]
+        target = tmp_path / "elsewhere"
+        target.write_bytes(open(tier._path(key), "rb").read())
+        os.unlink(tier._path(key))
+        os.symlink(target, tier._path(key))
+        assert tier.get_into([key], [[bytearray(4096)]], GEOMETRY) == [False]
+        usage = tier.usage()
+        assert usage["corrupt"] == 1 and usage["io_errors"] == 0 and not tier._suspect, usage
+        assert not os.path.lexists(tier._path(key)) and target.exists()
+    finally:
+        tier.close()
+
+
 def _tier(path, **kw) -> DiskBackend:
     tier = DiskBackend(str(path), 1 << 30, **kw)
     assert tier.indexed.wait(5)

@@ -14,6 +14,7 @@ from conftest import (RedisServer, blocks_equal, free_port, keys_for, make_tls_f
                       snapshot, stored, wait_until)
 from kvcached_client import launch
 from redis_cluster import cluster
+from kvcached.storage.redis_store import PROBE_EVERY_S
 from storage_util import PAGE_SHAPE, in_storage_only, offload_and_flush, pings_answered, start
 
 SECRET = "s3cret-Pa55"
@@ -484,7 +485,7 @@ def test_blocks_over_the_servers_value_limit_fail_alone_and_the_tier_stays_up(ru
     it resets the connection of such a SET. Before, the tier went down at every backup of them
     (its lookups finding nothing of what it held until the probe) and counted no put error.
     Now those puts fail alone, counted and said, and the tier stays up, serving the small
-    blocks it holds."""
+    blocks it holds; the limit raised, they are stored (the probe reads it again)."""
     server = RedisServer(extra=["--proto-max-bulk-len", "1mb"])
     try:
         small = small_kv(block_shape=PAGE_SHAPE, num_blocks=8)
@@ -503,6 +504,10 @@ def test_blocks_over_the_servers_value_limit_fail_alone_and_the_tier_stays_up(ru
                 tier = c.status()["storage"][0]
                 assert tier["put_errors"] == 8 and tier["errors"] == 0, tier
                 assert "proto-max-bulk-len (1048576 bytes)" in tier["last_error"], tier
+                server.client().config_set("proto-max-bulk-len", "4mb")  # raised, as it says
+                time.sleep(3 * PROBE_EVERY_S)  # (the probe reads it again)
+                offload_and_flush(c, big, keys_for(2, 53), [0, 1])
+                assert c.status()["storage"][0]["puts"] == 6  # 4 small ones, now these 2
             with h.connect() as c:
                 c.register_kv_cache(small)
                 c.clear(tier="host")

@@ -34,7 +34,12 @@ def read_record(path: str, key: bytes, pieces, geometry: bytes, after_ns: int = 
     without following links), OSError (FileNotFoundError: not there, or written at or before
     after_ns)."""
     want = nbytes(pieces)
-    fd = os.open(path, OPEN_READ)
+    try:
+        fd = os.open(path, OPEN_READ)
+    except OSError as exc:  # (ELOOP: O_NOFOLLOW met a link; not an error of the filesystem)
+        if exc.errno == errno.ELOOP:
+            raise BadRecord("a link in place of the record") from None
+        raise
     try:
         st = os.fstat(fd)
         if st.st_mtime_ns <= after_ns:

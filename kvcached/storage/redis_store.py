@@ -36,8 +36,9 @@ block stored before a clear (a weight update's old KV) is read after it.
 
 A command the server refuses (a full server's OOM on SET, a READONLY replica) fails the puts it
 was for, counted as `put_errors`, as does a record longer than the server's proto-max-bulk-len
-(CONFIG GET when the probe finds it answering: the server resets the connection of such a SET); only a connection that fails or times out marks the tier
-down - except a backup whose SET times out: writes are held (`writes_held`), backups are dropped
+(which resets the connection of such a SET: the probe reads it with CONFIG GET once the server
+answers, and again the round after a record was over it, so a limit raised meanwhile is seen);
+only a connection that fails or times out marks the tier down - except a backup whose SET times out: writes are held (`writes_held`), backups are dropped
 (counted) for HOLD_WRITES_S and then tried again, and the tier stays up for lookups and reads.
 That is a server whose writes are paused (CLIENT PAUSE WRITE: a failover's last seconds, while
 the replica catches up); a server that hangs altogether fails the probe's ping and goes down.
@@ -290,11 +291,11 @@ class RedisBackend(FollowsFailovers, FollowsRestarts, OwesClears, StorageBackend
             results = [next(answers) if ok else None for ok in send]
         except self._redis.exceptions.TimeoutError as exc:  # writes held; the ping says if
             self._hold_writes(exc)  # the whole server hangs
-            self.counters["dropped_puts"] += len(keys)
+            self.counters["dropped_puts"] += sum(send)  # (those over the limit: put_errors)
             return [False] * len(keys)
         except self._redis.RedisError as exc:  # the connection failed: the tier is down
             self._failed(exc)
-            self.counters["dropped_puts"] += len(keys)
+            self.counters["dropped_puts"] += sum(send)
             return [False] * len(keys)
         stored = [ok and not isinstance(r, Exception) for ok, r in zip(send, results)]
         self.counters["puts"] += sum(stored)
@@ -323,6 +324,7 @@ class RedisBackend(FollowsFailovers, FollowsRestarts, OwesClears, StorageBackend
         limit = self._max_value
         send = [limit is None or len(v) <= limit for v in values]
         if not all(send):
+            self._max_value_asked = False  # read again next round: an operator may raise it
             over = [len(v) for v, ok in zip(values, send) if not ok]
             self._refused_why(len(over), f"a record of {over[0]} bytes is over the server's "
                               f"proto-max-bulk-len ({limit} bytes): raise it to store these blocks")
