@@ -75,7 +75,8 @@ class DiskFaults:
             size = os.fstat(f.fileno()).st_size
             if size <= start:
                 raise FileNotFoundError(path)  # cut short already: nothing there to flip
-            off = self.rng.randrange(start, size) if start else self.rng.randrange(HEADER)
+            # (a header's byte of a file cut shorter than a header: one of the bytes it has)
+            off = self.rng.randrange(start, size) if start else self.rng.randrange(min(HEADER, size))
             f.seek(off)
             byte = f.read(1)[0] ^ (1 << self.rng.randrange(8))
             f.seek(off)
