@@ -1,6 +1,7 @@
 """`kvcached status`: the status socket asked, or why no daemon answers - none runs (its lock
-not held), it is starting (its lock held, no status socket yet: exit 5, not "no daemon"), or it is
-stopping."""
+not held), it is starting (its lock held, no status socket yet: exit 5, not "no daemon"), it is
+stopping, or its status socket file was removed and did not come back (a running daemon binds it
+again about once a second: waited for that long, three times over)."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,10 @@ import zmq
 from kvcached_proto import DaemonUnavailable, KvcachedError, Op, decode, encode, make_request
 from kvcached_proto.paths import resolve_run_dir, status_endpoint
 
+from .server.instance_files import CHECK_EVERY_S
 from .server.status_report import format_status
+
+SOCKET_BACK_S = 3 * CHECK_EVERY_S  # how long a removed status socket file is waited for
 
 
 def cmd_status(args) -> int:
@@ -78,6 +82,11 @@ def fetch_status(instance: str, run_dir: str | None, timeout: float) -> dict:
     return reply["status"]
 
 
+class StatusSocketGone(DaemonUnavailable):
+    """The instance's daemon runs but its status socket file is not there (removed from the
+    run dir while it ran) and did not come back."""
+
+
 class DaemonStarting(DaemonUnavailable):
     """The instance's daemon lives but has not bound its status socket yet (it allocates and
     pins its host pool first: up to minutes for tens of GiB)."""
@@ -90,9 +99,13 @@ def _check_running(instance: str, run_dir: str) -> None:
     from kvcached_proto.paths import socket_paths
 
     held = _lock_held(run_dir, instance)
-    if not os.path.exists(socket_paths(run_dir, instance)[1]):
-        if held:  # before its status socket (starting), or after it (stopping)
-            raise _starting_or_stopping(instance)
+    path = socket_paths(run_dir, instance)[1]
+    if not os.path.exists(path):
+        if held:  # before its status socket (starting), after it (stopping), or its file removed
+            exc = _starting_or_stopping(instance)
+            if not isinstance(exc, StatusSocketGone) or not _bound_again(path):
+                raise exc
+            return
         raise DaemonUnavailable(f"no daemon {instance!r} is running in {run_dir} (no status socket)")
     if held is None:
         raise DaemonUnavailable(f"no daemon {instance!r} is running in {run_dir} (no instance "
@@ -141,6 +154,18 @@ def _starting_or_stopping(instance: str) -> DaemonUnavailable:
                               "yet (its host pool is being allocated and pinned)")
     if state == State.STOPPING:
         return DaemonUnavailable(f"daemon {instance!r} (pid {pid}) is stopping: its sockets are closed")
-    return DaemonUnavailable(f"daemon {instance!r} (pid {pid}) runs ({state.name.lower()}) but its "
-                             "status socket file is gone (removed by hand?): `kvcached stop` and "
-                             "a new start make it again")
+    return StatusSocketGone(f"daemon {instance!r} (pid {pid}) runs ({state.name.lower()}) but its "
+                            "status socket file is gone (removed by hand?) and was not bound again "
+                            f"within {SOCKET_BACK_S:g} s (the daemon binds it again about once a "
+                            "second): its status thread may be stuck; see the daemon's log")
+
+
+def _bound_again(path: str) -> bool:
+    """The status socket's file back within SOCKET_BACK_S: a running daemon's status thread
+    binds it again about once a second (kvcached/server/status.py)."""
+    deadline = time.monotonic() + SOCKET_BACK_S
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        if os.path.exists(path):
+            return True
+    return False

@@ -214,6 +214,22 @@ def wait_until(predicate, timeout: float = 20.0, what: str = "the condition") ->
         time.sleep(0.02)
 
 
+def settled_status(c, timeout: float = 30.0) -> dict:
+    """c's daemon's status once the work it accepted has ended: a flush (which ends after the
+    backups of every offload before it), then polled until nothing is in flight or pinned - a
+    backup being written holds its host block pinned after the offload's end. Returns the last
+    status read, settled or not, for the caller's assertion to print."""
+    import time
+
+    c.flush().wait(timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        s = c.status()
+        if (s["tasks"]["inflight"], s["host"]["pinned_blocks"]) == (0, 0) or time.monotonic() > deadline:
+            return s
+        time.sleep(0.02)
+
+
 def small_kv(num_layers=4, num_blocks=64, block_shape=(16, 2, 8), dtype=torch.bfloat16,
              kv_pair=True, seed=0):
     """A KV cache in shared memory filled with random data."""

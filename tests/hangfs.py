@@ -2,12 +2,15 @@
 in place of one disk-tier record, made with the kernel's FUSE protocol over /dev/fuse (no
 libfuse). It answers lookups, attributes, directory listings, opens and closes; a READ is held
 until `release_reads()` answers it with EIO. With hang="readdir" the directory listing is held
-instead (a slow index rebuild), until `release_listing()` answers it. Needs root (mount) and
-/dev/fuse.
+instead (a slow index rebuild), until `release_listing()` answers it; with hang="lookup" every
+lookup of a name (a stat, a mkdir under the root) until `release_reads()`, then EIO to those
+and to every lookup after. Needs root (mount) and /dev/fuse.
 
     fs = HangFS(mountpoint, "0123...cdef.kvb", size)   # mounted; a thread serves it
     ...                                               # reads of the file block in the kernel
     fs.release_reads(); fs.close()                    # EIO to the held reads, unmounted
+
+`die()` ends its server with the mount in place: a FUSE filesystem whose daemon was killed.
 """
 from __future__ import annotations
 
@@ -53,6 +56,7 @@ class HangFS:
         self.held_listings: list[tuple[int, bytes]] = []  # (unique, body) of READDIRs held
         self.held: list[int] = []  # unique ids of READs not answered
         self._released = False  # after release_reads(): every read fails at once
+        self._unmounted = False
         self._lock = threading.Lock()
         self._now = int(time.time())
         self._fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
@@ -77,6 +81,8 @@ class HangFS:
                 if exc.errno in (errno.EINTR, errno.ENOENT, errno.EAGAIN):
                     continue  # a request interrupted before we read it
                 raise
+            if not req:
+                return  # its fd closed (die())
             _len, opcode, unique, nodeid, *_ = IN_HEADER.unpack_from(req)
             body = req[IN_HEADER.size:]
             if opcode in NO_REPLY:
@@ -86,6 +92,13 @@ class HangFS:
                     if not self._released:
                         self.held_listings.append((unique, body))
                         continue
+            if opcode == LOOKUP and self.hang == "lookup":
+                with self._lock:
+                    if not self._released:
+                        self.held.append(unique)  # a stat or mkdir of a name waits
+                        continue
+                self._reply(unique, -errno.EIO, b"")
+                continue
             if opcode == READ and nodeid == FILE and self.hang == "read":
                 with self._lock:
                     if not self._released:
@@ -161,16 +174,32 @@ class HangFS:
             self._reply(unique, 0, self._listing(*READ_IN.unpack_from(body)[1:3]))
 
     def release_reads(self) -> None:
-        """EIO to the held reads, and to every read from now on (the kernel retries)."""
+        """EIO to the held reads (lookups), and to every one from now on (the kernel retries)."""
         with self._lock:
             self._released = True
             held, self.held = self.held, []
         for unique in held:
             self._reply(unique, -errno.EIO, b"")
 
-    def close(self) -> None:
+    def die(self) -> None:
+        """Its server dies, the mount left in place (a FUSE daemon killed): every access to the
+        mount fails (ENOTCONN, ECONNABORTED) until close() unmounts it."""
         self.release_listing()
         self.release_reads()
+        fd, self._fd = self._fd, -1
+        os.close(fd)
+        self._thread.join(5)
+
+    def close(self) -> None:
+        """Unmounted (once: a second call would unmount what was mounted there since)."""
+        if self._unmounted:
+            return
+        self._unmounted = True
+        if self._fd >= 0:
+            self.release_listing()
+            self.release_reads()
         self._libc.umount2(self.mountpoint.encode(), MNT_DETACH)
-        os.close(self._fd)  # aborts whatever the kernel still asks
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)  # aborts whatever the kernel still asks
         self._thread.join(5)

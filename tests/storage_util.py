@@ -36,30 +36,45 @@ def small_filesystem(size: str, inodes: int | None = None):
 
 
 @contextlib.contextmanager
-def ext4_filesystem(size: str = "64M"):
-    """An ext4 filesystem on a loop device (an image file under /tmp), mounted with ext4's
-    default errors=remount-ro, so the tests can fail it as a disk fails: `ext4_shut_down(path)`
-    (every read and write EIO) or `ext4_error(path)` (read-only, as at a disk error). Skipped
-    where a loop device cannot be mounted (it needs root and loop devices)."""
-    path = tempfile.mkdtemp(prefix="kvext4-", dir="/tmp")
-    image = path + ".img"
+def ext4_image(size: str = "64M"):
+    """An ext4 filesystem in an image file under /tmp, removed after; mount it with
+    mount_ext4. Skipped where it cannot be made."""
+    image = tempfile.mktemp(prefix="kvext4-", suffix=".img", dir="/tmp")
     try:
         made = subprocess.run(["truncate", "-s", size, image], capture_output=True)
         if made.returncode == 0:
             made = subprocess.run(["mkfs.ext4", "-q", "-F", image], capture_output=True)
-        if made.returncode == 0:
-            made = subprocess.run(["mount", "-o", "loop,errors=remount-ro", image, path],
-                                  capture_output=True)
         if made.returncode != 0:
-            pytest.skip(f"cannot mount an ext4 image here: {made.stderr.decode().strip()}")
-        try:
-            yield path
-        finally:
-            subprocess.run(["umount", path], check=True)
+            pytest.skip(f"cannot make an ext4 image here: {made.stderr.decode().strip()}")
+        yield image
     finally:
-        os.rmdir(path)
         if os.path.exists(image):
             os.unlink(image)
+
+
+def mount_ext4(image: str, path: str) -> None:
+    """The image mounted at path with ext4's default errors=remount-ro; skipped where a loop
+    device cannot be mounted (it needs root and loop devices)."""
+    made = subprocess.run(["mount", "-o", "loop,errors=remount-ro", image, path], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount an ext4 image here: {made.stderr.decode().strip()}")
+
+
+@contextlib.contextmanager
+def ext4_filesystem(size: str = "64M"):
+    """An ext4 filesystem on a loop device (an image file under /tmp), mounted with ext4's
+    default errors=remount-ro, so the tests can fail it as a disk fails: `ext4_shut_down(path)`
+    (every read and write EIO) or `ext4_error(path)` (read-only, as at a disk error)."""
+    path = tempfile.mkdtemp(prefix="kvext4-", dir="/tmp")
+    try:
+        with ext4_image(size) as image:
+            mount_ext4(image, path)
+            try:
+                yield path
+            finally:
+                subprocess.run(["umount", path], check=True)
+    finally:
+        os.rmdir(path)
 
 
 def ext4_shut_down(path: str) -> None:
@@ -82,6 +97,45 @@ def ext4_error(path: str) -> None:
                             text=True, check=True).stdout.strip()
     with open(f"/sys/fs/ext4/{os.path.basename(device)}/trigger_fs_error", "w") as f:
         f.write("kvcached test")
+
+
+def bind_read_only(root: str) -> None:
+    """root bind-mounted on itself, read-only (a filesystem gone read-only under the tier);
+    `writable(root)` makes it writable again; the caller unmounts it."""
+    subprocess.run(["mount", "--bind", root, root], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", root], check=True)
+    except BaseException:
+        subprocess.run(["umount", root], check=True)
+        raise
+
+
+def writable(root: str) -> None:
+    subprocess.run(["mount", "-o", "remount,bind,rw", root], check=True)
+
+
+def listing_held(run_dir, instance, disk_dir, kv, keys):
+    """keys' blocks of kv stored on disk_dir by a daemon run and stopped, and a FUSE shard of
+    no key of theirs made there whose listing hangs (hangfs: the next start's index rebuild
+    waits on it until `release_listing()`; `close()` it after). Skipped without FUSE."""
+    import hangfs
+
+    why = hangfs.available()
+    if why:
+        pytest.skip(why)
+    h = start(run_dir, instance, disk_uri(disk_dir))
+    with h.connect() as c:
+        c.register_kv_cache(kv)
+        offload_and_flush(c, kv, keys, list(range(len(keys))))
+    h.stop()
+    shard = next(f"{b:02x}" for b in range(256) if b not in {stored(k, kv)[0] for k in keys})
+    os.makedirs(os.path.join(disk_dir, shard), mode=0o700, exist_ok=True)  # (a put makes it)
+    return hangfs.HangFS(os.path.join(disk_dir, shard), f"{shard}{'0' * 30}.kvb", 4096, hang="readdir")
+
+
+def owes_work(tier: dict) -> bool:
+    """A tier's status says it owes work: a clear, deletes, files its unlinks left."""
+    return bool(tier["clear_owed"] or tier["deletes_owed"] or tier["unlinks_left"])
 
 
 def files(root):

@@ -3,6 +3,7 @@ weights' KV), whatever was under way: backups queued behind a slow write, a stor
 when the clear comes, a stop before the disk tier's files are gone, a disk write begun before
 the clear that lands after it. Against real daemons and redis-servers; the disk tier's own
 logic in process, on a real directory."""
+import errno
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import sys
 from conftest import disk_uri, keys_for, small_kv, wait_until
 from kvcached.storage.disk import DiskBackend
 from kvcached.storage.disk_clear import MARK
+from kvcached.storage.owed_clear import OwedRecord
 from storage_util import (PAGE_SHAPE, backups_behind_a_paused_server, files, nothing_owed, offload_and_flush,
                           redis_stopped, start, writes_held)
 
@@ -145,6 +147,45 @@ def test_a_disk_clear_cut_short_by_a_stop_is_finished_at_the_next_start(tmp_path
                    "a whole clear's files and mark gone")
     finally:
         disk.close()
+
+
+def test_a_void_write_whose_file_cannot_be_removed_is_owed_and_not_indexed_at_the_next_start(
+        tmp_path, monkeypatch):
+    """A write held across a clear lands void, and its file cannot be removed (EIO; its volume
+    away): the key is owed as a delete in the run dir, so the next start removes the file rather
+    than index it. Before, the clear's mark went with the write's end and the next start served
+    the cleared block (the old weights' KV)."""
+    root, record = str(tmp_path / "disk"), OwedRecord(str(tmp_path / "owed"))
+    key = b"\x08" * 16
+    disk = DiskBackend(root, 1 << 30, io_timeout_s=0.2)
+    disk.owe_clear(record)
+    real_unlink = os.unlink
+
+    def unlink(path, *args, **kw):
+        if path == disk._path(key):
+            raise OSError(errno.EIO, "Input/output error")
+        return real_unlink(path, *args, **kw)
+
+    try:
+        assert disk.indexed.wait(10)
+        monkeypatch.setattr(os, "unlink", unlink)
+        with writes_held(disk) as held:
+            assert disk.put([key], [_page(1)], GEOMETRY) == [None]  # late
+            disk.clear()
+            held.set()
+            wait_until(lambda: not disk._late, 5, "the late write returned")
+        assert os.path.exists(disk._path(key)) and disk.usage()["deletes_owed"] == 1
+    finally:
+        disk.close()
+        monkeypatch.setattr(os, "unlink", real_unlink)
+    again = DiskBackend(root, 1 << 30)
+    again.owe_clear(OwedRecord(str(tmp_path / "owed")))
+    try:
+        assert again.indexed.wait(10)
+        assert again.exists_prefix([key]) == 0
+        wait_until(lambda: not os.path.exists(again._path(key)), 5, "the file removed")
+    finally:
+        again.close()
 
 
 def test_a_disk_write_begun_before_a_clear_and_landing_after_it_is_void(tmp_path):

@@ -3,6 +3,7 @@ stopping already (each fails with a stop that only sends the op: "missed its hea
 starting", "is stopping": exit 1, the daemon left running); `kvcached status` of one starting."""
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import sweep_crashed
+from conftest import sweep_crashed, wait_until
 from kvcached.bench import process_stop
 from kvcached_client import launch
 from kvcached_client.status_block import StatusReader
@@ -149,14 +150,30 @@ def test_status_of_a_starting_daemon_says_so_and_watch_waits_it_out(run_dir, ins
 
 
 def test_status_of_a_daemon_whose_status_socket_file_was_removed_says_so(run_dir, instance):
+    """The file removed while the daemon runs: `kvcached status` waits for the daemon to bind it
+    again (about once a second) and answers; one that does not come back (the daemon stopped
+    here, so that it cannot; a stuck status thread, in a deployment) is said, exit 3."""
     from kvcached_proto.paths import socket_paths
+
+    def status():
+        return subprocess.run([sys.executable, "-m", "kvcached", "status", "--instance", instance,
+                               "--run-dir", run_dir], capture_output=True, text=True, timeout=30)
 
     h = launch(instance=instance, run_dir=run_dir, host_cache_gb=0.25)
     try:
-        os.unlink(socket_paths(run_dir, instance)[1])
-        out = subprocess.run([sys.executable, "-m", "kvcached", "status", "--instance", instance,
-                              "--run-dir", run_dir], capture_output=True, text=True, timeout=30)
+        process_stop.stop(h.pid, "the daemon")
+        try:
+            os.unlink(socket_paths(run_dir, instance)[1])
+            out = status()
+        finally:
+            process_stop.go_on(h.pid, "the daemon")
         assert out.returncode == 3 and f"(pid {h.pid}) runs (normal)" in out.stderr, out.stderr
+        assert "was not bound again" in out.stderr, out.stderr
+        path = socket_paths(run_dir, instance)[1]
+        wait_until(lambda: os.path.exists(path), 10, "the status socket bound again")
+        os.unlink(path)  # the daemon running: status waits for it to come back
+        out = status()
+        assert out.returncode == 0 and re.search(rf"^pid +{h.pid}$", out.stdout, re.M), (out.stdout, out.stderr)
     finally:
         h.stop()
         sweep_crashed(instance)

@@ -5,6 +5,7 @@ default errors=remount-ro), a read-only mount made writable again, one record wh
 import errno
 import os
 import subprocess
+import threading
 import time
 
 import pytest
@@ -13,8 +14,9 @@ from conftest import blocks_equal, disk_uri, keys_for, scramble, small_kv, snaps
 from kvcached.storage import disk_errors, disk_read
 from kvcached.storage.disk import IO_THREADS, DiskBackend
 from kvcached.storage.disk_health import PROBE_EVERY_S
-from storage_util import (PAGE_SHAPE, ext4_error, ext4_filesystem, ext4_shut_down, files,
-                          offload_and_flush, small_filesystem, start, stored_with_one_record_hung)
+from storage_util import (PAGE_SHAPE, bind_read_only, ext4_error, ext4_filesystem, ext4_shut_down, files,
+                          offload_and_flush, small_filesystem, start, stored_with_one_record_hung,
+                          writable)
 
 
 def _disk(c) -> dict:
@@ -156,9 +158,8 @@ def test_a_read_only_mount_made_writable_again_stores_again(run_dir, instance):
             with h.connect() as c:
                 c.register_kv_cache(kv)
                 offload_and_flush(c, kv, keys[:8], list(range(8)))
-                subprocess.run(["mount", "--bind", root, root], check=True)
+                bind_read_only(root)
                 mounted = True
-                subprocess.run(["mount", "-o", "remount,bind,ro", root], check=True)
                 offload_and_flush(c, kv, keys[8:16], list(range(8, 16)))
                 wait_until(lambda: _disk(c)["read_only"], 5, "the tier read-only")
                 time.sleep(2.5 * PROBE_EVERY_S)  # the probe sees the mount read-only: not down
@@ -166,7 +167,7 @@ def test_a_read_only_mount_made_writable_again_stores_again(run_dir, instance):
                 assert disk["healthy"] and disk["blocks"] == 8 and disk["evicted"] == 0, disk
                 c.clear(tier="host")
                 assert c.lookup(keys[:16]) == (0, 8)
-                subprocess.run(["mount", "-o", "remount,bind,rw", root], check=True)
+                writable(root)
                 wait_until(lambda: not _disk(c)["read_only"], 5 * PROBE_EVERY_S, "writable again")
                 offload_and_flush(c, kv, keys[16:], list(range(16, 24)))
                 c.clear(tier="host")
@@ -360,5 +361,47 @@ def test_the_probe_goes_on_after_a_defect_in_a_round(tmp_path, monkeypatch, capl
     try:
         wait_until(lambda: len(rounds) >= 3, 5 * PROBE_EVERY_S, "the probe's rounds after it")
         assert "the probe failed: RuntimeError('a defect')" in caplog.text
+    finally:
+        tier.close()
+
+
+def test_records_whose_reads_failed_with_the_filesystem_stay_and_are_served_when_it_answers(
+        tmp_path, monkeypatch):
+    """A read that fails with an error of the filesystem (ENOTCONN: a FUSE or network mount
+    gone) while the trial record fails too: the record is not served meanwhile, and once the
+    filesystem answers (the trial passes) it is served again. Before, it was forgotten at its
+    failed read, its file left unindexed until a restart. (A record whose reads fail while the
+    trial passes is forgotten: test_a_record_whose_reads_fail_costs_that_record_alone.)"""
+    tier = _tier(tmp_path / "t")
+    keys = [b"\x0a" * 16, b"\x0b" * 16]
+    pages = [bytearray(os.urandom(4096)) for _ in keys]
+    try:
+        assert tier.put(keys, [[p] for p in pages], GEOMETRY) == [True, True]
+        down, checked = [True], threading.Event()
+        real_read, real_trial = disk_read.read_record, disk_errors.trial
+
+        def read(*args, **kw):
+            if down[0]:
+                raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+            return real_read(*args, **kw)
+
+        def trial(root, **kw):
+            checked.wait(5)  # (the verdict waits until the lookup below is made)
+            if down[0]:
+                raise OSError(errno.ENOTCONN, "a record cannot be written there")
+            return real_trial(root, **kw)
+
+        monkeypatch.setattr("kvcached.storage.disk.read_record", read)
+        monkeypatch.setattr(disk_errors, "trial", trial)
+        back = bytearray(4096)
+        assert tier.get_into(keys[:1], [[back]], GEOMETRY) == [False]
+        assert tier.health() and tier.exists_prefix(keys) == 0  # not while the trial has not said
+        checked.set()
+        wait_until(lambda: not tier.health(), 2 * PROBE_EVERY_S, "the tier down")
+        down[0] = False
+        wait_until(tier.health, 3 * PROBE_EVERY_S, "the tier up again")
+        assert tier.exists_prefix(keys) == 2
+        assert tier.get_into(keys[:1], [[back]], GEOMETRY) == [True] and back == pages[0]
+        assert tier.usage()["blocks"] == 2 and tier.usage()["io_errors"] == 1
     finally:
         tier.close()

@@ -244,22 +244,30 @@ def test_a_clear_that_cannot_be_marked_is_owed_in_the_run_dir_until_its_files_ar
 def test_an_unmarked_clear_stays_owed_while_another_is_or_a_delete_went_unkept(tmp_path):
     """OwedUnlinks with the run dir's real record: a clear whose mark failed is on record until
     its unlinks are done; not released while a second such clear is not done, nor after a
-    delete that was not kept (the owed clear was to remove its files)."""
+    delete that was not kept (the owed clear was to remove its files); and the release of one
+    from before the tier was cleared whole (its unlinks tried again long after) does not
+    release a clear owed since."""
     record = OwedRecord(str(tmp_path / "i.clears-owed"))
     owed = OwedUnlinks("disk:///x")
     owed.attach(record)
-    owed.clear_unmarked()
-    owed.clear_unmarked()
+    first, second = owed.clear_unmarked(), owed.clear_unmarked()
     assert OwedRecord(record.path).owed("disk:///x")
-    owed.unmarked_done()
+    first()
     assert owed.clear_owed and OwedRecord(record.path).owed("disk:///x")
-    owed.unmarked_done()
+    second()
     assert not owed.clear_owed and not OwedRecord(record.path).owed("disk:///x")
-    owed.clear_unmarked()
+    third = owed.clear_unmarked()
     owed.unconfirmed(owed.begin([b"k" * 16]))  # its unlink failed: the clear owes it
-    owed.unmarked_done()
+    third()
     assert owed.clear_owed and OwedRecord(record.path).owed("disk:///x")
     owed.cleared()
+    assert not owed.clear_owed and not OwedRecord(record.path).owed("disk:///x")
+    before = owed.clear_unmarked()
+    owed.cleared()  # (a remount's listing cleared the tier whole)
+    since = owed.clear_unmarked()
+    before()  # late: moot
+    assert owed.clear_owed and OwedRecord(record.path).owed("disk:///x")
+    since()
     assert not owed.clear_owed and not OwedRecord(record.path).owed("disk:///x")
 
 

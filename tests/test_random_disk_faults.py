@@ -18,7 +18,7 @@ import shutil
 import time
 
 import pytest
-from conftest import disk_uri, small_kv, wait_until
+from conftest import disk_uri, settled_status, small_kv, wait_until
 from storage_util import files, small_filesystem
 from test_random_ops import BLOCKS, LAYERS, PAGE, SHAPE, Contents, Engine, _docs, operated
 
@@ -145,6 +145,38 @@ def _step(engine, rng, docs, permits, n: int) -> int:
     return n + 1
 
 
+def served_again(c, engine, rng, docs, permits, n: int, ops: int) -> int:
+    """`ops` steps more, the faults over, every op then waited for: the blocks loaded from
+    storage before them (the run's end checks the tier served again after the faults)."""
+    was = c.status()["lookups"]["loaded_from_storage"]
+    for n in range(n, n + ops):
+        _step(engine, rng, docs, permits, n)
+    engine.drain()
+    return was
+
+
+def check_run(errors, engine, s, seed: int, was: int) -> None:
+    """No error of the operator or the engine, no wrong byte, nothing left in flight or pinned,
+    and loads from storage after the faults."""
+    assert not errors, (seed, errors)
+    assert engine.wrong == 0, f"seed {seed}: {engine.wrong} of {engine.loaded} loaded blocks wrong"
+    assert s["tasks"]["inflight"] == 0 and s["host"]["pinned_blocks"] == 0, s["tasks"]
+    assert s["lookups"]["loaded_from_storage"] > was, (was, s["lookups"])  # served again after
+
+
+def reloaded(args: dict, kv, contents, docs, seed: int) -> tuple[Engine, str]:
+    """A daemon started anew (launch args) loads every document once: the engine that did, and
+    the daemon's log."""
+    with launch(**args) as d, d.connect(timeout=30) as c:
+        c.register_kv_cache(kv)
+        after = Engine(c, contents, random.Random(seed))
+        for keys in docs:
+            after.load(keys)
+            after.finish_one()
+        with open(d.log_path) as f:
+            return after, f.read()
+
+
 @pytest.fixture
 def small_fs():
     """A 2 MiB filesystem (tmpfs) for the disk tier: 96 records do not fit in it."""
@@ -183,27 +215,16 @@ def test_random_ops_on_a_damaged_or_full_disk_tier_never_serve_a_wrong_byte(run_
             wait_until(lambda: c.status()["storage"][0]["healthy"], 10, "the disk tier healthy")
             if kind == "full":  # the probe raised the limit again (half the filesystem at least)
                 wait_until(lambda: c.status()["storage"][0]["limit_bytes"] >= 1 << 20, 10, "room again")
-            was = c.status()["lookups"]["loaded_from_storage"]
-            for n in range(n, n + ops):
-                _step(engine, rng, docs, permits, n)
-            engine.drain()
+            was = served_again(c, engine, rng, docs, permits, n, ops)
         assert c.check() == "ok"
-        s = c.status()
-    assert not errors, (seed, errors)
-    assert engine.wrong == 0, f"seed {seed}: {engine.wrong} of {engine.loaded} loaded blocks wrong"
-    assert s["tasks"]["inflight"] == 0 and s["host"]["pinned_blocks"] == 0, s["tasks"]
-    assert s["lookups"]["loaded_from_storage"] > was, (was, s["lookups"])  # served again after
+        s = settled_status(c)
+    check_run(errors, engine, s, seed, was)
     assert kind == "damage" or s["storage"][0]["enospc"] > 0, s["storage"][0]  # (it was full)
     if kind == "damage":  # every kind of damage, and reads that met it
         assert set(faults.done) == set(DAMAGE) and engine.missed > 0, faults.done
         for how in DAMAGE:  # more, while the daemon is down: its restart reads them back
             faults.damage(how)
-        with launch(**args) as d, d.connect(timeout=30) as c:
-            c.register_kv_cache(kv)
-            after = Engine(c, Contents(kv), random.Random(seed))
-            for keys in docs:
-                after.load(keys)
-                after.finish_one()
+        after = reloaded(args, kv, Contents(kv), docs, seed)[0]
         assert after.wrong == 0 and after.loaded > 0, (after.wrong, after.loaded)
     else:
         assert faults.done.get("fill", 0) >= 3 and s["storage"][0]["enospc"] > 0, (faults.done, s["storage"])

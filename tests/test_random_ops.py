@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from conftest import disk_uri, kv_parts, small_kv
+from conftest import disk_uri, kv_parts, settled_status, small_kv
 from test_prefix import content
 
 from kvcached_client import BlockHasher, launch
@@ -250,7 +250,7 @@ def test_random_concurrent_ops_under_eviction_never_serve_a_wrong_byte(run_dir, 
             books = {name: len(getattr(c, name)) for name in  # nothing kept of work that ended
                      ("_events", "_replies", "_holds", "_unanswered", "_late_loads")}
             assert not any(books.values()), books
-            s = c.status()
+            s = settled_status(c)
     assert not errors, (seed, errors)
     assert engine.wrong == 0, f"seed {seed}: {engine.wrong} of {engine.loaded} loaded blocks wrong"
     # not a run that loaded nothing: hits from both tiers, evictions, and the operator's work

@@ -20,7 +20,7 @@ import time
 
 import pytest
 import torch
-from conftest import small_kv, unique_instance, wait_until
+from conftest import settled_status, small_kv, unique_instance, wait_until
 from test_random_ops import BLOCKS, LAYERS, PAGE, SHAPE, Contents, Engine, _docs, _operator
 
 from kvcached.bench import process_stop
@@ -198,7 +198,7 @@ def test_two_daemons_on_one_tier_share_only_their_geometrys_blocks_and_every_byt
             for t in operators:
                 t.join(60)
         assert not any(t.is_alive() for t in operators)
-        statuses = [c.status() for c in (ca, cb)]
+        statuses = [settled_status(c) for c in (ca, cb)]
         assert ca.check() == "ok" and cb.check() == "ok"
     assert not errors, (seed, errors)
     for e, s in zip(engines, statuses):

@@ -26,6 +26,10 @@ metrics_http.MetricsServer (one thread, bounded; a rendering shared for MIN_REND
                                   Sentinel or in a cluster: new primaries and epoch rises seen)
     kvcached_storage_restarts_total{uri}                               counter (a Redis server,
                                   Sentinel's or a cluster's primary seen with a new run_id)
+    kvcached_storage_owed{uri,what="deletes"|"clear"|"unlinks"}        gauge (work a tier owes:
+                                  deletes and a clear not done yet, files a disk tier's unlinks
+                                  left; an alert on one that stays above 0 finds a store that
+                                  cannot delete)
     kvcached_storage_lookups_cut_total{uri}                            counter (requests that asked
                                   a remote tier for its `lookup_keys` and had more)
     kvcached_key_event_gaps_total{readers="all"|"storage"}            counter (the gaps key_events
@@ -126,8 +130,8 @@ class StatusCollector:
             yield g
 
     def _tiers(self, s: dict):
-        """Evictions (host, disk) and each storage tier's errors, health, failovers, restarts and
-        lookups cut."""
+        """Evictions (host, disk) and each storage tier's errors, health, failovers, restarts,
+        lookups cut and owed work."""
         fam, i = self._family, self.instance
         evictions = fam(CounterMetricFamily, "kvcached_evictions", "Blocks evicted", ["tier"])
         evictions.add_metric([i, "host"], s["host"].get("evictions", 0))
@@ -139,7 +143,12 @@ class StatusCollector:
                        "Restarts a tier saw its server make (a new Redis run_id)", ["uri"])
         cut = fam(CounterMetricFamily, "kvcached_storage_lookups_cut",
                   "Requests that asked a remote tier for its lookup_keys and had more", ["uri"])
+        owed = fam(GaugeMetricFamily, "kvcached_storage_owed",
+                   "Work a tier owes: deletes, a clear (1), files its unlinks left", ["uri", "what"])
         for tier in s.get("storage", []):
+            for what, key in (("deletes", "deletes_owed"), ("clear", "clear_owed"), ("unlinks", "unlinks_left")):
+                if key in tier:
+                    owed.add_metric([i, tier["uri"], what], int(tier[key] or 0))
             if "lookups_cut" in tier:
                 cut.add_metric([i, tier["uri"]], tier["lookups_cut"])
             if "failovers" in tier:
@@ -152,7 +161,7 @@ class StatusCollector:
                                                     ("errors", "put_errors", "corrupt", "dropped_puts",
                                                      "io_errors")))
             healthy.add_metric([i, tier["uri"]], 1 if tier.get("healthy") else 0)
-        return evictions, errors, healthy, failovers, restarts, cut
+        return evictions, errors, healthy, failovers, restarts, cut, owed
 
     def _copy_phases(self, copy_phases: dict):
         i = self.instance

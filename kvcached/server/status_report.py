@@ -112,7 +112,9 @@ def format_status(s: dict) -> str:
         flags = "".join(f"  {w.replace('_', ' ')}" for w in ("stuck", "full", "read_only", "clear_owed", "writes_held")
                         if st.get(w))
         flags += f"  {st['deletes_owed']} deletes owed" if st.get("deletes_owed") else ""
-        flags += "" if st.get("ready", True) else "  indexing"
+        flags += f"  {st['unlinks_left']} files left to remove" if st.get("unlinks_left") else ""
+        # (a tier down - its root failing since the start - lists nothing: its error says why)
+        flags += "" if st.get("ready", True) or not st["healthy"] else "  indexing"
         flags += f"  primary {st['primary']}" if st.get("primary") else ""  # (behind sentinels)
         err = f"  last error: {st['last_error']}" if st.get("last_error") else ""
         rows.append(("storage", f"{st['uri']}  {'healthy' if st['healthy'] else 'UNHEALTHY'}"

@@ -23,27 +23,29 @@ second on its own thread, so an idle tier on a hung filesystem shows it too. Rec
 non-blocking and without following links, and anything but a regular file is damage (a FIFO in
 place of a record would otherwise block its reader forever). A read or write that fails with
 an error of the filesystem (EIO), or a filesystem gone read-only, is told apart from a damaged
-record by a trial record the probe writes (disk_errors.py).
+record by a trial record the probe writes (disk_errors.py). A filesystem that fails at start
+starts the tier down until it answers, and a volume mounted anew under it is indexed
+(disk_root.py).
 """
 from __future__ import annotations
 
 import collections
-import errno
 import logging
 import os
 import threading
 import time
 from typing import Callable, Sequence
 
-from . import disk_lock, owned
+from . import disk_lock
 from .base import StorageBackend
 from .disk_clear import DiskClears
 from .disk_errors import DiskErrors
 from .disk_health import ENOSPC_TRIES, PROBE_EVERY_S, DiskHealth
 from .disk_listing import WhileIndexing, list_records
-from .disk_lock import read_only_fs
-from .disk_owed import OwedUnlinks
+from .disk_owed import OwedUnlinks, after
 from .disk_read import READER_LOOKUP_S, ReaderTier, files_prefix, read_record
+from .disk_root import DiskRoot
+from .disk_unlinks import DiskUnlinks
 from .disk_write import NO_ROOM, write_record
 from .iothreads import IOThreads, run_bounded
 from .record import HEADER_BYTES, BadRecord, nbytes
@@ -56,7 +58,7 @@ IO_THREADS = max(2, min(8, os.cpu_count() or 2))
 IO_TIMEOUT_S = DISK_IO_TIMEOUT_S
 
 
-class DiskBackend(DiskErrors, DiskHealth, ReaderTier, StorageBackend):
+class DiskBackend(DiskRoot, DiskUnlinks, DiskErrors, DiskHealth, ReaderTier, StorageBackend):
     local_keys = True  # its index is this process's: the key table can publish it (watch_keys)
 
     def __init__(self, root: str, capacity_bytes: int, fsync: bool = False, uri: str = "",
@@ -92,6 +94,7 @@ class DiskBackend(DiskErrors, DiskHealth, ReaderTier, StorageBackend):
         self._closed = threading.Event()
         self._probe_wake = threading.Event()  # the probe's next round now (a close, an I/O error)
         self._init_errors()  # (disk_errors.py)
+        self._init_unlinks()  # failed unlinks tried again (disk_unlinks.py)
         self._unusable: set[int] = set()  # shards of another user (owned.py): never read or written
         self._on_ready = on_ready
         self._on_keys = _ignore  # (stored names, held?) as the index changes, under the lock
@@ -100,12 +103,8 @@ class DiskBackend(DiskErrors, DiskHealth, ReaderTier, StorageBackend):
         self._io = IOThreads(IO_THREADS, "kvcached-disk")
         # (a reader) its lookups' stats: behind loads' reads they missed their deadline
         self._stat_io = None if writer else IOThreads(1, "kvcached-disk-stat")
-        self._root_lock = disk_lock.RootLock(writer)  # (taken in _make_root, by a writer)
-        self._make_root()
-        self.indexed = threading.Event()
-        self._rebuild_thread = threading.Thread(target=self._rebuild, name="kvcached-disk-index",
-                                                daemon=True)
-        self._rebuild_thread.start()
+        self._root_lock = disk_lock.RootLock(writer)  # (taken with the root, by a writer)
+        self._start_root()  # (disk_root.py: the index rebuilt once the root answers)
         self._prober = threading.Thread(target=self._probe, name="kvcached-disk-probe", daemon=True)
         self._prober.start()
 
@@ -113,23 +112,6 @@ class DiskBackend(DiskErrors, DiskHealth, ReaderTier, StorageBackend):
     def from_uri(cls, uri: str, on_ready: Callable[[], None] | None = None, writer: bool = True):
         o = parse_disk_uri(uri)
         return cls(o["root"], o["capacity_bytes"], o["fsync"], uri, o["io_timeout_s"], on_ready, writer)
-
-    def _make_root(self) -> None:
-        """The root, made on an I/O thread (a hung filesystem leaves the tier stuck, not the start)."""
-        def make():  # (a reader's may be a read-only view of the writer's directory)
-            os.makedirs(self.root, mode=0o700, exist_ok=True)
-            self._root_id = owned.secure_root(self.root, tighten=self.local_keys)
-            if self.local_keys and not os.access(self.root, os.W_OK) and not read_only_fs(self.root):
-                raise PermissionError(errno.EACCES, "not writable", self.root)
-            if self._root_lock.take(self.root, self.fsync):  # read-only (disk_errors.py)
-                self._read_only_at_start()
-
-        try:
-            run_bounded(self._io, make, [()], self.io_timeout_s, self._late_op("mkdir of the root"),
-                        lambda _i: self._late_returned())
-        except OSError as exc:
-            raise ValueError(f"{self.uri}: cannot use {self.root} as the disk tier: "
-                             f"{exc.strerror or exc}") from None
 
     # index ----------------------------------------------------------------
     def watch_keys(self, on_keys: Callable[[list, bool], None], on_cleared: Callable[[], None],
@@ -174,7 +156,7 @@ class DiskBackend(DiskErrors, DiskHealth, ReaderTier, StorageBackend):
         since is already indexed (and counted once), a key deleted or cleared since goes. With
         finishing (a clear the last run did not finish), everything found goes."""
         found.sort()
-        stale = []
+        stale, deleted = [], []
         with self._lock:
             cleared = self._meanwhile.cleared or finishing
             known = dict(self._lru)
@@ -185,14 +167,17 @@ class DiskBackend(DiskErrors, DiskHealth, ReaderTier, StorageBackend):
                     continue
                 if cleared or key in self._meanwhile.deleted:
                     stale.append(key)
+                    if not cleared:  # (else the clear's mark, or its owed record, covers it)
+                        deleted.append(key)
                     continue
                 self._lru[key] = size
                 self.used_bytes += size
                 added.append(key)
             self._lru.update(known)  # newest: the puts made while indexing
             self._on_keys(added, True)
-            held = self._meanwhile.reset()  # a clear while indexing held its mark for this
-        self._unlink_later(stale, [self._clears.unlinked] * (held + finishing))
+            held, owed = self._meanwhile.reset()  # a clear meanwhile held its mark for this
+        self._io.submit(self._unlink_stale, stale, deleted,
+                        [self._clears.unlinked] * (held + finishing) + owed)
 
     def _forget(self, key: bytes) -> None:
         with self._lock:
@@ -219,31 +204,6 @@ class DiskBackend(DiskErrors, DiskHealth, ReaderTier, StorageBackend):
         self._unlink_victims(victims)
         return fits
 
-    def _unlink_later(self, keys, then=()) -> None:
-        """Unlink on an I/O thread, unless the key was stored again meanwhile; then each of
-        `then` is called."""
-        if keys or then:
-            self._io.submit(self._unlink_unless_indexed, list(keys), list(then))
-
-    def _unlink_unless_indexed(self, keys, then=()) -> None:
-        failed, error = 0, None
-        for key in keys:
-            with self._lock:
-                if key in self._lru:
-                    continue
-            try:
-                os.unlink(self._path(key))
-            except FileNotFoundError:
-                pass  # never written, or gone already: nothing to remove
-            except OSError as exc:  # left: not indexed, so never read (a clear's mark stays)
-                failed, error = failed + 1, exc
-        if error is not None:
-            return self._unlink_failed(error, f"removing {failed} of {len(keys)} files")
-        for call in then:
-            call()
-
-    def ready(self) -> bool:
-        return self.indexed.is_set()
 
     # interface ------------------------------------------------------------
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
@@ -256,8 +216,9 @@ class DiskBackend(DiskErrors, DiskHealth, ReaderTier, StorageBackend):
             return n or 0
         n = 0
         with self._lock:
+            suspects = self._suspects  # (disk_errors.py: not served until the probe's trial)
             for key in keys:
-                if key not in self._lru:
+                if key not in self._lru or suspects and key in suspects:
                     break
                 n += 1
             self._touch_chain(keys[:n])
@@ -375,8 +336,10 @@ class DiskBackend(DiskErrors, DiskHealth, ReaderTier, StorageBackend):
             elif size:
                 self._lru[key] = size
                 self._on_keys([key], True)
-        if void:
-            self._unlink_unless_indexed([key])  # no other write of key runs until this one ends
+        if void:  # (no other write of key runs until this one ends)
+            unlinks = self._owed.begin([key])  # left: owed as a delete until it is gone (a
+            if not self._unlink_unless_indexed([key], [unlinks.done]):  # restart deletes it too)
+                self._owed.unconfirmed(unlinks)
             return False
         self.counters["puts"] += 1
         return True
@@ -401,7 +364,7 @@ class DiskBackend(DiskErrors, DiskHealth, ReaderTier, StorageBackend):
         index files still there at its next start."""
         if not self.local_keys:  # a reader keeps no index: the writer removes the files
             return 0
-        gone = []
+        gone, unlisted = [], None
         with self._lock:
             for key in keys:
                 self._clears.deleted(key)  # a write of it running now lands void
@@ -413,6 +376,12 @@ class DiskBackend(DiskErrors, DiskHealth, ReaderTier, StorageBackend):
                     self._meanwhile.deleted.add(key)
             if gone:
                 self._on_keys(gone, False)
+            if not self._root_made:  # files no listing reached, the tier down (one under way:
+                # in memory; on record, 10,000 keys would make the next start clear it all)
+                unlisted = self._owed.begin(set(keys).difference(gone))
+                self._meanwhile.owed.append(unlisted.done)  # by the merge, once its unlinks are
+        if unlisted is not None:
+            self._owed.unconfirmed(unlisted)
         if not gone:  # nothing indexed to unlink (a write of it running is void already)
             return 0
         unlinks = self._owed.begin(gone)
@@ -440,7 +409,8 @@ class DiskBackend(DiskErrors, DiskHealth, ReaderTier, StorageBackend):
             log.warning("[disk] %s: the last run owed more deletes than it could keep; the tier "
                         "is cleared", self.root)
             self.clear()
-            self._owed.cleared()
+            if not self._owed.clear_owed:  # its mark written (else owed on record still)
+                self._owed.cleared()
             return
         if unlinks is None:
             return
@@ -466,30 +436,35 @@ class DiskBackend(DiskErrors, DiskHealth, ReaderTier, StorageBackend):
         if not self.local_keys:  # a reader: the writer removes the files (disk_read.py)
             return self._reader_clear()
         self._clears.hold()
-        then = [self._clears.unlinked]
+        then, unmarked = [self._clears.unlinked], None
         try:
             run_bounded(self._io, self._clears.mark, [()], self.io_timeout_s,
                         self._late_op("the clear's mark"), lambda _i: self._late_returned())
         except OSError as exc:  # the clear goes on, owed in the run dir until its files go
-            self._owed.clear_unmarked()
+            unmarked = self._owed.clear_unmarked()  # (what releases it)
             log.warning("[disk] %s: cannot mark the clear (%s); it is owed in the run dir until "
                         "its files are removed (a start before then clears the tier)", self.root, exc)
-            then += [self._owed.unmarked_done] if self.indexed.is_set() else []
         with self._lock:
             self._clears.new_generation()
             keys = list(self._lru)
             self.used_bytes -= sum(self._lru.values())  # writes in flight keep their reservation
             self._lru.clear()
+            self._suspects.clear()
             self._on_cleared()
-            if not self.indexed.is_set() and self._meanwhile.clear():
+            indexed = self.indexed.is_set()
+            if not indexed and self._meanwhile.clear():
                 self._clears.hold()  # the rebuild's merge unlinks what it finds, then lets go
+            if unmarked:  # owed until these files are gone, and what the listing finds (a merge)
+                then.append(unmarked if indexed else after(2, unmarked))
+                if not indexed:
+                    self._meanwhile.owed.append(then[-1])
         self._unlink_later(keys, then)
         return len(keys)
 
     def close(self) -> None:
         self._closed.set()
         self._probe_wake.set()
-        self._rebuild_thread.join(timeout=1.0)
+        self._join_rebuild()
         self._io.shutdown(timeout=self.io_timeout_s)
         if self._stat_io is not None:
             self._stat_io.shutdown(timeout=READER_LOOKUP_S)

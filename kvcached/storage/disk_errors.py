@@ -13,12 +13,15 @@ writes to tell which, logged so that a disk that fails does not fill the log.
   records served none, reported none, and said nothing in status. A tier that starts on a
   read-only filesystem (a restart after the error) serves what it finds and takes no lock; it
   stores nothing until a restart (its start was refused: the host tier was lost with it).
-- Anything else (EIO from a disk that fails, ESTALE, ...): the read's record is forgotten (its
-  file unlinked where the filesystem lets it: a bad sector costs that record), and the probe
-  is woken to write a trial record at once, then every round while it fails: a trial that
-  fails makes the tier unhealthy - no hits, puts dropped - until one passes. Before, a disk that
-  failed every I/O (an ext4 shut down under the tier) left the tier `healthy`, its lookups
-  finding hits that every load failed, and each block logged two lines per read and one per put.
+- Anything else (EIO from a disk that fails, ESTALE, ENOTCONN, ...): the read's record is not
+  served, and the probe is woken to write a trial record at once, then every round while it
+  fails: a trial that fails makes the tier unhealthy - no hits, puts dropped - until one
+  passes, and the record stays (the filesystem's fault: served again with it); a trial that
+  passes forgets the record and unlinks its file where the filesystem lets it (a bad sector
+  costs that record alone). Before, a disk that failed every I/O (an ext4 shut down under the
+  tier) left the tier `healthy`, its lookups finding hits that every load failed, and each block
+  logged two lines per read and one per put; and every record whose read failed was forgotten:
+  a network filesystem's outage cost each record a load was reading, until a restart.
 """
 from __future__ import annotations
 
@@ -53,6 +56,9 @@ class DiskErrors:
         self._read_only_fixed = False  # read-only at start (no lock taken): until a restart
         self._said = LineBudget(lines=LOG_LINES, window_s=LOG_EVERY_S)
         self._too_big_said = False  # a block over the whole capacity, logged (disk_health.py)
+        # records whose read failed with an error of the filesystem: not served until the
+        # probe's trial says whose the fault was (_try_records), under the tier's lock
+        self._suspects: set[bytes] = set()
 
     def _read_failed(self, key: bytes, exc: OSError) -> None:
         """A record's read raised an OSError other than its file missing (a miss either way)."""
@@ -62,9 +68,27 @@ class DiskErrors:
                        self.last_error)
         if exc.errno in TRANSIENT or not self.local_keys:  # (a reader removes nothing)
             return
-        self._forget(key)
-        self._unlink_later([key])  # unless stored again meanwhile
+        if self._read_only_fixed:  # (no trial there: the record's fault)
+            return self._blame([key])
+        with self._lock:
+            self._suspects.add(key)
         self._filesystem_error(exc)
+
+    def _blame(self, keys) -> None:
+        """The records' reads failed, the filesystem's trial did not: theirs was the fault (a
+        bad sector). Forgotten, and their files removed unless stored again meanwhile."""
+        with self._lock:
+            self._suspects.difference_update(keys)
+        for key in keys:
+            self._forget(key)
+        self._unlink_later(keys)
+
+    def _absolve(self) -> None:
+        """(The probe, a round that failed: the root or the trial.) The records whose reads
+        failed meanwhile failed with the filesystem: they stay, served once it answers again.
+        Before, each was forgotten (its file left, not indexed, until a restart)."""
+        with self._lock:
+            self._suspects.clear()
 
     def _write_failed(self, key: bytes, exc: OSError) -> None:
         """A record's write failed (for room: still none after ENOSPC_TRIES writes)."""
@@ -137,16 +161,19 @@ class DiskErrors:
                 or self._read_only_fixed:
             return
         self._suspect = False
+        with self._lock:
+            tried = list(self._suspects)  # (reads that fail from now on wait for the next trial)
         try:
             trial(self.root, say_full=False, fsync=self.fsync)
         except OSError as exc:
             self._trial_failing = exc.errno != errno.EROFS
             if self._trial_failing:
-                raise
+                raise  # (the probe absolves them)
             self._set_read_only(True)
-            return
+            return self._blame(tried)
         self._trial_failing = False
         self._set_read_only(False)
+        self._blame(tried)
 
     def _unlink_victims(self, victims) -> None:
         """Called on an I/O thread (a put's) or the index thread: unlinks here. A file that

@@ -51,7 +51,7 @@ class DiskHealth:
                 return
             self._probe_since = time.monotonic()
             try:
-                st = self._same_root()
+                st = self._root_now()  # (a tier started down, a volume remounted: disk_root.py)
                 if not stat.S_ISDIR(st.st_mode) or self.local_keys and not os.access(self.root, os.W_OK) \
                         and not self._mounted_read_only():
                     raise OSError(errno.EACCES, "not a writable directory")  # (a reader reads)
@@ -62,7 +62,9 @@ class DiskHealth:
                     self._on_health()
                 if self.limit_bytes < self.capacity_bytes and not self._quota_met:
                     self._regrow(os.statvfs(self.root))
+                self._retry_unlinks()  # (disk_unlinks.py)
             except OSError as exc:
+                self._absolve()  # (disk_errors.py)
                 first = not self._probe_error
                 self._probe_error = f"{self.root}: {exc.strerror or exc}"
                 if first:
@@ -78,13 +80,14 @@ class DiskHealth:
         """The root's stat; OSError (ESTALE) where the path names another directory than the
         tier started on: its volume unmounted (the path is then the mount point's own
         directory, on the filesystem beneath), or the directory removed and made again. The
-        tier is then unhealthy (no hits, puts dropped) until a restart: before, it went on
-        writing blocks onto the filesystem beneath - a node's root disk, say."""
+        tier is then unhealthy (no hits, puts dropped) until a volume is mounted where its own
+        was (the probe then indexes it: disk_root.py): before, it went on writing blocks onto
+        the filesystem beneath - a node's root disk, say."""
         st = os.stat(self.root)
         if self._root_id is not None and (st.st_dev, st.st_ino) != self._root_id:
             raise OSError(errno.ESTALE, "no longer the directory the tier started on (its volume "
-                                        "unmounted, or removed and made again); restart the daemon "
-                                        "to use what is there now")
+                                        "unmounted, or removed and made again); it is used again "
+                                        f"once a volume is mounted at {self._volume or self.root}")
         return st
 
     def _regrow(self, fs) -> None:
@@ -124,6 +127,7 @@ class DiskHealth:
                 "blocks": blocks, "ready": self.indexed.is_set(), "stuck": bool(stuck),
                 "read_only": self._read_only,
                 "deletes_owed": self._owed.count(), "clear_owed": self._owed.clear_owed,
+                "unlinks_left": self.unlinks_left(),
                 "last_error": stuck or self._probe_error or self._read_only_said() or self.last_error,
                 **self.counters}
 

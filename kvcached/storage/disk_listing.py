@@ -80,6 +80,10 @@ class WhileIndexing:
     def __init__(self):
         self.deleted: set[bytes] = set()
         self.cleared = False
+        # what is owed on record in the run dir until the merge has removed the files it found:
+        # deletes of keys the listing had not reached, a clear whose mark could not be written
+        # (a stop before then: the next start does them again); each called once it has
+        self.owed: list = []
 
     def refused(self, n: int) -> str | None:
         if len(self.deleted) + n <= MAX_DELETED_WHILE_INDEXING:
@@ -93,8 +97,10 @@ class WhileIndexing:
         first, self.cleared = not self.cleared, True
         return first
 
-    def reset(self) -> bool:
-        """The index is whole: forget the keys; whether a clear came meanwhile."""
+    def reset(self) -> tuple[bool, list]:
+        """The index is whole: forget the keys; whether a clear came meanwhile, and what
+        to call once the merge's unlinks are done."""
         cleared, self.cleared = self.cleared, False
+        owed, self.owed = self.owed, []
         self.deleted.clear()
-        return cleared
+        return cleared, owed

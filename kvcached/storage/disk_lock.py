@@ -7,7 +7,8 @@ however the daemon dies) for the tier's life; a second tier on it is refused at 
 the holder. Daemons share blocks through a redis:// or mooncake:// tier; the one exception, the
 ranks of an MLA model, share the writer rank's directory with `--no-storage-writer` (RootLock).
 Holding the lock, a writer writes a trial record there as its puts do, reads it back and
-removes it (disk_write.trial): a filesystem that cannot keep a record is refused at start, one
+removes it (disk_write.trial): a filesystem that cannot keep a record is refused at start (one
+that fails - EIO - starts the tier down: disk_root.py), one
 that is read-only (EROFS) is a tier that serves what it holds and stores nothing, with no lock
 (no one writes there), until a restart finds the filesystem writable (disk_errors.py).
 """

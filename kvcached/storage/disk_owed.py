@@ -9,6 +9,7 @@ deletes do), and the next start clears the tier."""
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 from .owed_clear import MAX_OWED_DELETES
 
@@ -33,6 +34,7 @@ class OwedUnlinks:
         self.clear_owed = False  # on record: the next start clears the tier
         self._unmarked = 0  # clears whose mark could not be written, their unlinks not done
         self._must_clear = False  # a delete not kept (too many, or under an owed clear)
+        self._epoch = 0  # cleared() so far
 
     def attach(self, record) -> tuple[bool, Unlinks | None]:
         """(At start.) Keep owed keys in record; whether the last run owed a clear (the caller
@@ -56,34 +58,40 @@ class OwedUnlinks:
         with self._lock:
             self.clear_owed = self._must_clear = False
             self._unmarked = 0
+            self._epoch += 1  # (what an earlier unmarked clear's release says is moot)
             self._owed.clear()
             if self._record is not None:
                 self._record.note_deletes(self.uri, ())
                 self._record.note(self.uri, False)
 
-    def clear_unmarked(self) -> None:
+    def clear_unmarked(self) -> Callable[[], None]:
         """A clear whose mark could not be written on the tier's filesystem (no inode left,
         read-only): owed on record in the run dir instead, before its index forgets anything,
         so a daemon stopped before its unlinks are done (killed, or they failed) clears the
-        tier at its next start rather than index the old blocks again. Released by
-        unmarked_done() once they are done."""
+        tier at its next start rather than index the old blocks again. Returns what releases
+        it (from an I/O thread) once every file it forgot is gone: not owed any more, unless
+        another such clear is or a delete went unkept meanwhile. One that comes after the
+        tier was cleared whole (cleared(): a remount's listing, a start) releases nothing (its
+        unlinks, failed and tried again, may end long after)."""
         with self._lock:
             self._unmarked += 1
             self.clear_owed = True
             if self._record is not None:
                 self._record.note(self.uri, True)
+            epoch = self._epoch
 
-    def unmarked_done(self) -> None:
-        """(An I/O thread.) Every file such a clear forgot is gone: not owed any more, unless
-        another one is or a delete went unkept meanwhile."""
-        with self._lock:
-            self._unmarked -= 1
-            if self._unmarked or self._must_clear:
-                return
-            self.clear_owed = False
-            if self._record is not None:
-                self._record.note(self.uri, False)
-            self._write()
+        def done() -> None:
+            with self._lock:
+                if epoch != self._epoch:
+                    return
+                self._unmarked -= 1
+                if self._unmarked or self._must_clear:
+                    return
+                self.clear_owed = False
+                if self._record is not None:
+                    self._record.note(self.uri, False)
+                self._write()
+        return done
 
     def begin(self, keys) -> Unlinks:
         return Unlinks(self, keys)
@@ -119,6 +127,18 @@ class OwedUnlinks:
                     self._owed[key] = left
             self._write()
 
+    def keys(self) -> set[bytes]:
+        with self._lock:
+            return set(self._owed)
+
+    def settled(self, keys) -> None:
+        """The keys' files are gone (a listing found and removed them, or found none): owed no
+        more, whatever unlinks of them are still pending."""
+        with self._lock:
+            for key in keys:
+                self._owed.pop(key, None)
+            self._write()
+
     def count(self) -> int:
         with self._lock:
             return len(self._owed)
@@ -126,3 +146,16 @@ class OwedUnlinks:
     def _write(self) -> None:
         if self._record is not None:
             self._record.note_deletes(self.uri, self._owed.keys())
+
+
+def after(n: int, call: Callable[[], None]) -> Callable[[], None]:
+    """What calls `call` at its n-th call (from any thread)."""
+    left, lock = [n], threading.Lock()
+
+    def tick() -> None:
+        with lock:
+            left[0] -= 1
+            now = left[0] == 0
+        if now:
+            call()
+    return tick
