@@ -45,15 +45,17 @@ def reference(tmp_path_factory):
             out[f"{name}@{k}"] = hit["tokens"]
     finally:
         eng.close()
-    # the same hit of 5 blocks from an engine core in its own process, as the first test's
-    # engine runs: at that split vLLM's two modes give other bf16 results on some CPUs (an AMD
-    # EPYC VM: 751, 92, ... against 492, 873, ... in process, with no connector at all)
+    # the same outputs from an engine core in its own process, as the first test's engine
+    # runs: vLLM's two modes give other bf16 results on some CPUs, with no connector at all (an
+    # AMD EPYC VM at a 5-block hit: 751, 92, ... against 492, 873, ... in process; a CPU with
+    # AMX already for A: 735, 467, 732, ... against 735, 467, 678, ...)
     eng = Engine(tmp_path_factory.mktemp("ref-proc"), "--connector", "none")
     try:
-        eng.gen("B")
-        hit = eng.step("genk", "B 5")
-        assert hit["num_cached_tokens"] == 5 * vllm_driver.BLOCK, hit
-        out["B@5 proc"] = hit["tokens"]
+        out.update({f"{name} proc": eng.gen(name)["tokens"] for name in ("A", "C")})
+        for name, k in (("B", vllm_driver.PREFIX_BLOCKS), ("X", 3), ("B", 5)):
+            hit = eng.step("genk", f"{name} {k}")
+            assert hit["num_cached_tokens"] == k * vllm_driver.BLOCK, hit
+            out[f"{name}@{k} proc"] = hit["tokens"]
     finally:
         eng.close()
     # the control: real random weights, so B with one prefix token changed generates otherwise
@@ -87,15 +89,15 @@ def test_prefixes_come_back_from_kvcached_and_faults_only_cost_recomputation(
                  "--run-dir", run_dir).saves_go_to(daemon)
     try:
         a = eng.gen("A")
-        assert a["tokens"] == reference["A"] and a["num_cached_tokens"] == 0
+        assert a["tokens"] == reference["A proc"] and a["num_cached_tokens"] == 0
         # the worker's handshake reached the scheduler (it keys lookups by the workers' split)
         assert _said(eng, "workers registered their KV: {0: 'staging'}, 1 kernel block(s)")
         b = eng.gen("B")  # vLLM's own cache was reset: the shared prefix comes from kvcached
         assert b["num_cached_tokens"] >= len(vllm_driver.PREFIX), b
-        assert b["tokens"] == reference[f"B@{vllm_driver.PREFIX_BLOCKS}"]
+        assert b["tokens"] == reference[f"B@{vllm_driver.PREFIX_BLOCKS} proc"]
         x = eng.gen("X")  # the control: one prefix token changed, the blocks after it miss
         assert x["num_cached_tokens"] == 3 * vllm_driver.BLOCK, x
-        assert x["tokens"] == reference["X@3"] != b["tokens"]
+        assert x["tokens"] == reference["X@3 proc"] != b["tokens"]
         # vLLM's cache salt keeps tenants apart: B under salt x finds nothing A stored unsalted,
         # then finds its own blocks; under salt y nothing
         bx = eng.gen("B", "tenant-x")
@@ -116,7 +118,7 @@ def test_prefixes_come_back_from_kvcached_and_faults_only_cost_recomputation(
         daemon.proc.wait(10)
         sweep_crashed(instance)
         c_out = eng.gen("C")  # no daemon: vLLM recomputes, generation goes on
-        assert c_out["tokens"] == reference["C"] and c_out["num_cached_tokens"] == 0
+        assert c_out["tokens"] == reference["C proc"] and c_out["num_cached_tokens"] == 0
         assert c_out["reset"]
         # damage the disk record of prefix block 5, then a new daemon (empty host tier)
         connector_keys = _prefix_keys(tmp_path)
