@@ -351,8 +351,9 @@ def _environment(args) -> None:
         # vLLM's CPU attention plans a decode's KV splits once for the group, with no window
         # when sliding and full layers share it; called directly, a sliding layer's decode so
         # planned came out NaN after a call that had left NaN in the kernel's scratch (vec
-        # ISA, 2 threads: 10 runs of 10; AMX: 0 of 6; splits off: 0 of 10) - the greedy token
-        # 0, as CI saw once. Outputs are otherwise the same with the splits off (unless set).
+        # ISA: 10 runs of 10 at 2 threads, 4 of 6 at 4; AMX at 4 threads: 0 of 6; splits off, at
+        # 2 or 4: 0 of 10) - the greedy token 0, as CI saw once. Outputs are otherwise the same
+        # with the splits off (unless set).
         os.environ.setdefault("VLLM_CPU_ATTN_SPLIT_KV", "0")
     _bind_cpus(args.tp)
 
