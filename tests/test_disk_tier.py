@@ -307,7 +307,7 @@ def test_puts_that_hit_a_full_filesystem_together_lower_the_limit_once(tmp_path,
     tier's bytes and what is free, less a few blocks, however many puts ask."""
     import types
 
-    from kvcached.storage import disk, disk_health
+    from kvcached.storage import disk, disk_room
 
     tier = disk.DiskBackend(str(tmp_path), capacity_bytes=1 << 30)
     try:
@@ -316,7 +316,7 @@ def test_puts_that_hit_a_full_filesystem_together_lower_the_limit_once(tmp_path,
         monkeypatch.setattr(disk.os, "statvfs", lambda _p: types.SimpleNamespace(
             f_blocks=256, f_frsize=4096, f_bavail=free // 4096, f_files=0, f_favail=0))
         tier.used_bytes = 28 * size  # what the tier holds (a test's stand-in for 28 records)
-        expected = 28 * size + free // 4096 * 4096 - disk_health.ENOSPC_EVICT_BLOCKS * size
+        expected = 28 * size + free // 4096 * 4096 - disk_room.ENOSPC_EVICT_BLOCKS * size
         threads = [threading.Thread(target=tier._on_full, args=(size,)) for _ in range(8)]
         for t in threads:
             t.start()
@@ -337,7 +337,7 @@ def test_a_put_whose_retry_meets_enospc_again_tries_again(tmp_path, monkeypatch)
     import errno
     import types
 
-    from kvcached.storage import disk, disk_health
+    from kvcached.storage import disk, disk_room
 
     monkeypatch.setattr(disk.os, "statvfs", lambda _p: types.SimpleNamespace(
         f_blocks=1 << 20, f_frsize=4096, f_bavail=1 << 19, f_files=0, f_favail=0, f_flag=0))
@@ -348,7 +348,7 @@ def test_a_put_whose_retry_meets_enospc_again_tries_again(tmp_path, monkeypatch)
 
         def write(key, *rest):  # ENOSPC for the first tries of each key, then the real write
             calls.append(key)
-            if calls.count(key) < disk_health.ENOSPC_TRIES:
+            if calls.count(key) < disk_room.ENOSPC_TRIES:
                 return OSError(errno.ENOSPC, "No space left on device")
             return real(key, *rest)
 
@@ -360,7 +360,7 @@ def test_a_put_whose_retry_meets_enospc_again_tries_again(tmp_path, monkeypatch)
         tier._write = lambda key, *rest: (calls.append(key),
                                           OSError(errno.ENOSPC, "No space left on device"))[1]
         assert tier.put([b"\x02" * 16], [page], bytes(16)) == [False]  # never room: it ends
-        assert len(calls) == disk_health.ENOSPC_TRIES and tier.counters["put_errors"] == 1
+        assert len(calls) == disk_room.ENOSPC_TRIES and tier.counters["put_errors"] == 1
         assert tier.used_bytes == len(files(str(tmp_path))) * (4096 + disk.HEADER_BYTES)
     finally:
         tier.close()

@@ -373,6 +373,7 @@ class StorageFlow:
                 self._delete_again(again)
                 self.counters["backups"] += sum(stored)
                 continue
+            chain: dict = {}  # the task's blocks, a chain in order: their places (tiers.put)
             while task.entries:  # task.entries: the blocks still pinned for it
                 with self.host.lock:
                     chunk, gone = [], []
@@ -386,9 +387,9 @@ class StorageFlow:
                     seen = self.deletes.seq
                 release, token = self.loans.tokens()
                 # written straight from the host blocks, which stay pinned until it is done
-                ok, late = self.tiers.put([e.key for e in chunk],
-                                          [self.host.pool.page_pieces(e.block) for e in chunk],
-                                          self.host.pool.geometry, release)
+                keys = [e.key for e in chunk]
+                ok, late = self.tiers.put(keys, [self.host.pool.page_pieces(e.block) for e in chunk],
+                                          self.host.pool.geometry, release, chain)
                 with self.host.lock:
                     task.entries = task.entries[len(chunk):]
                     for e, stored in zip(chunk, ok):
@@ -396,7 +397,7 @@ class StorageFlow:
                     done = [e for i, e in enumerate(chunk)
                             if i not in late or not self._lend_pin(token(i), e)]
                     self.host.unpin(done)
-                    again = self._deleted_during([e.key for e in chunk], seen)
+                    again = self._deleted_during(keys, seen)
                     self._backups_done(len(done))
                 self._delete_again(again)
                 self.counters["backups"] += sum(ok)

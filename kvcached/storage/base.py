@@ -38,10 +38,14 @@ class StorageBackend(abc.ABC):
 
     @abc.abstractmethod
     def put(self, keys: Sequence[bytes], pages: Sequence[list], geometry: bytes,
-            release=None) -> list:
+            release=None, chain: dict | None = None) -> list:
         """Store pages written from this geometry (its tag goes in each record); a key already
         stored is not rewritten (and counts as True). None where the write missed its deadline
-        (release(i) follows once it returned)."""
+        (release(i) follows once it returned). keys are a chain's blocks in order; `chain` maps
+        each of them, and the keys of the same chain put before them (an offload's earlier
+        chunks), to its place in the chain (tiers.put fills it). A store that evicts for its
+        puts (the disk tier) evicts no key placed before the one it stores; one whose server
+        evicts (Redis, Mooncake) ignores it."""
 
     @abc.abstractmethod
     def delete(self, keys: Sequence[bytes]) -> int:

@@ -8,7 +8,8 @@ listing the shards at start (in a background thread; the tier reports no hits un
 and puts, deletes and clears made meanwhile win over what the listing finds), oldest
 modification first for LRU. Capacity is enforced by evicting the least recently used files; a
 chain put or read together is ordered head-last, so a prefix loses its tail first and what stays
-is still a loadable prefix. A filesystem that fills up below the capacity (ENOSPC, of bytes or
+is still a loadable prefix; a put evicts no earlier block of its own batch and takes the head of a
+batch larger than its room (disk_room.py). A filesystem that fills up below the capacity (ENOSPC, of bytes or
 inodes: it is smaller, or shared) sets a lower limit - a few blocks under what the filesystem
 holds for the tier then - and the tier evicts to stay under it, so new blocks keep coming in;
 status says `full` with `limit_bytes` (logged once), and the probe raises the limit again as the
@@ -40,10 +41,11 @@ from . import disk_lock
 from .base import StorageBackend
 from .disk_clear import DiskClears
 from .disk_errors import DiskErrors
-from .disk_health import ENOSPC_TRIES, PROBE_EVERY_S, DiskHealth
+from .disk_health import PROBE_EVERY_S, DiskHealth
 from .disk_listing import WhileIndexing, list_records
 from .disk_owed import OwedUnlinks, after
 from .disk_read import READER_LOOKUP_S, ReaderTier, files_prefix, read_record
+from .disk_room import ENOSPC_TRIES, DiskRoom
 from .disk_root import DiskRoot
 from .disk_unlinks import DiskUnlinks
 from .disk_write import NO_ROOM, write_record
@@ -58,7 +60,7 @@ IO_THREADS = max(2, min(8, os.cpu_count() or 2))
 IO_TIMEOUT_S = DISK_IO_TIMEOUT_S
 
 
-class DiskBackend(DiskRoot, DiskUnlinks, DiskErrors, DiskHealth, ReaderTier, StorageBackend):
+class DiskBackend(DiskRoot, DiskUnlinks, DiskErrors, DiskHealth, DiskRoom, ReaderTier, StorageBackend):
     local_keys = True  # its index is this process's: the key table can publish it (watch_keys)
 
     def __init__(self, root: str, capacity_bytes: int, fsync: bool = False, uri: str = "",
@@ -73,7 +75,7 @@ class DiskBackend(DiskRoot, DiskUnlinks, DiskErrors, DiskHealth, ReaderTier, Sto
         self.io_timeout_s = io_timeout_s
         self._lock = threading.Lock()
         self._evicting = threading.Condition(self._lock)  # victims chosen, files not yet unlinked
-        self._victims_pending = 0
+        self._victim_bytes = 0  # (their records' bytes)
         self._lru: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self.used_bytes = 0
         self.counters = {"puts": 0, "gets": 0, "put_errors": 0, "corrupt": 0, "evicted": 0,
@@ -81,7 +83,7 @@ class DiskBackend(DiskRoot, DiskUnlinks, DiskErrors, DiskHealth, ReaderTier, Sto
         self.last_error = ""
         self.limit_bytes = capacity_bytes  # lowered when the filesystem fills up first
         self._block_bytes = 0  # size of the last record written (the probe's slack)
-        self._quota_met = False  # EDQUOT met: the limit stays lowered (disk_health.py)
+        self._quota_met = False  # EDQUOT met: the limit stays lowered (disk_room.py)
         self._late = 0  # I/O operations past their deadline that have not returned yet
         self._meanwhile = WhileIndexing()  # deletes and clears before the index was whole
         self._clears = DiskClears(self.root)  # a clear's mark and generations (disk_clear.py)
@@ -186,25 +188,6 @@ class DiskBackend(DiskRoot, DiskUnlinks, DiskErrors, DiskHealth, ReaderTier, Sto
                 self.used_bytes -= size
                 self._on_keys([key], False)
 
-    def _evict_over_capacity(self, incoming: int) -> bool:
-        """Make room for `incoming` bytes and reserve them (0: just enforce the limit).
-        False when even an empty tier cannot take them now (others hold reservations)."""
-        victims = []
-        with self._lock:
-            while self._lru and self.used_bytes + incoming > self.limit_bytes:
-                key, size = self._lru.popitem(last=False)
-                self.used_bytes -= size
-                victims.append(key)
-            if victims:
-                self._on_keys(victims, False)
-                self._victims_pending += len(victims)
-            fits = self.used_bytes + incoming <= self.limit_bytes
-            if fits:
-                self.used_bytes += incoming  # reserved under the lock: parallel puts cannot overshoot
-        self._unlink_victims(victims)
-        return fits
-
-
     # interface ------------------------------------------------------------
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
         if not self.indexed.is_set() or not self.health():  # stuck, or the root is gone
@@ -274,19 +257,26 @@ class DiskBackend(DiskRoot, DiskUnlinks, DiskErrors, DiskHealth, ReaderTier, Sto
         self.counters["gets"] += 1
         return True
 
-    def put(self, keys, buffers, geometry, release=None) -> list:
+    def put(self, keys, buffers, geometry, release=None, chain=None) -> list:
         if not self.health() or self._read_only:  # stuck, the root gone (unmounted, removed,
             # not writable), records that cannot be written (disk_errors.py)
             self.counters["dropped_puts"] += len(keys)
             return [False] * len(keys)
-        items = [(k, b, geometry) for k, b in zip(keys, buffers)]
+        sizes = [HEADER_BYTES + nbytes(b) for b in buffers]
+        if chain is None:  # the keys' places in their chain (disk_room.py: a head, not a tail)
+            chain = {}
+            for i, key in enumerate(keys):
+                chain.setdefault(key, i)
+        n = self._admitted(keys, sizes, chain)
+        self.counters["dropped_puts"] += len(keys) - n
+        items = [(k, b, geometry, size, chain, chain[k]) for k, b, size in zip(keys[:n], buffers, sizes)]
         stored = run_bounded(self._io, self._put_one, items, self.io_timeout_s,
                              self._late_op("a block write"), self._on_late_done(release))
         with self._lock:
             self._touch_chain([k for k, ok in zip(keys, stored) if ok])
-        return stored
+        return stored + [False] * (len(keys) - n)
 
-    def _put_one(self, key: bytes, pieces, geometry: bytes) -> bool:
+    def _put_one(self, key: bytes, pieces, geometry: bytes, size: int, batch: dict, at: int) -> bool:
         if self._read_only:  # found by a write of this batch (disk_errors.py): none tried
             self.counters["dropped_puts"] += 1
             return False
@@ -299,23 +289,23 @@ class DiskBackend(DiskRoot, DiskUnlinks, DiskErrors, DiskHealth, ReaderTier, Sto
         if gen is None:  # the same key being written: that write decides
             return False
         try:
-            return self._put_new(key, pieces, geometry, gen)
+            return self._put_new(key, pieces, geometry, gen, size, (batch, at))
         finally:
             self._clears.write_ends(key, gen)
 
-    def _put_new(self, key: bytes, pieces, geometry: bytes, gen: int) -> bool:
-        size = HEADER_BYTES + nbytes(pieces)
+    def _put_new(self, key: bytes, pieces, geometry: bytes, gen: int, size: int, place) -> bool:
+        """place: (the batch, key's place in it): a put evicts no key placed before it."""
         self._block_bytes = size
         if size > self.capacity_bytes:
             return self._too_big(size)
-        if not self._evict_over_capacity(size):
+        if not self._evict_over_capacity(size, *place):
             return False
         err, tries = self._write(key, pieces, size, geometry), 1
         while err is not None and err.errno in NO_ROOM and tries < ENOSPC_TRIES:
             with self._lock:  # another I/O thread's write may take the room a retry found
                 self.used_bytes -= size  # the reservation, taken again under the new limit
             self._on_full(size, err.errno)
-            if not self._evict_over_capacity(size):
+            if not self._evict_over_capacity(size, *place):
                 return False
             err, tries = self._write(key, pieces, size, geometry), tries + 1
         if err is not None:

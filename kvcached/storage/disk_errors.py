@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 
 from ..logs import LineBudget
 from . import owned
@@ -174,22 +173,3 @@ class DiskErrors:
         self._trial_failing = False
         self._set_read_only(False)
         self._blame(tried)
-
-    def _unlink_victims(self, victims) -> None:
-        """Called on an I/O thread (a put's) or the index thread: unlinks here. A file that
-        cannot be removed is left (never raised: the put goes on, its reservation with it)."""
-        failed = None
-        for key in victims:
-            try:
-                os.unlink(self._path(key))
-            except FileNotFoundError:
-                log.debug("[disk] evicted file already gone")
-            except OSError as exc:
-                failed = exc
-            finally:
-                with self._evicting:
-                    self._victims_pending -= 1
-                    self._evicting.notify_all()
-        self.counters["evicted"] += len(victims)
-        if failed is not None:
-            self._unlink_failed(failed, "an eviction's unlink")

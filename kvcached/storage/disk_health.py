@@ -1,7 +1,6 @@
-"""The disk tier's health and room (a part of DiskBackend, disk.py): I/O past its deadline, the
-probe that stats the root once a second, and the limit a filesystem that fills up below the
-tier's capacity sets (lowered at ENOSPC, raised again by the probe as the filesystem frees
-room), and what status reports of it (usage)."""
+"""The disk tier's health (a part of DiskBackend, disk.py): I/O past its deadline, the probe
+that stats the root once a second (and raises a limit a full filesystem set as it frees room:
+disk_room.py), and what status reports of the tier (usage)."""
 from __future__ import annotations
 
 import errno
@@ -13,9 +12,6 @@ import time
 log = logging.getLogger("kvcached.storage.disk")  # the tier's logger, as before the split
 
 PROBE_EVERY_S = 1.0
-ENOSPC_EVICT_BLOCKS = 8  # a full filesystem: the limit goes this many blocks under what it holds
-ENOSPC_TRIES = 4  # writes of one block that may meet ENOSPC (room made before each retry)
-FS_SLACK_MAX = 4 << 30  # room left free on the filesystem before the probe raises the limit
 
 
 class DiskHealth:
@@ -90,22 +86,6 @@ class DiskHealth:
                                         f"once a volume is mounted at {self._volume or self.root}")
         return st
 
-    def _regrow(self, fs) -> None:
-        """Raise a limit the filesystem set, by what it has free beyond a slack: bytes, and
-        inodes (one a record) where the filesystem counts them."""
-        total, free = fs.f_blocks * fs.f_frsize, fs.f_bavail * fs.f_frsize
-        slack = min(FS_SLACK_MAX, max(total // 20, 16 * self._block_bytes))
-        if fs.f_files:  # bytes free but no inodes would raise it only to meet ENOSPC again
-            inodes = fs.f_favail - max(fs.f_files // 20, 16)
-            free = min(free, slack + max(0, inodes) * self._block_bytes)
-        if free <= slack:
-            return
-        with self._lock:
-            self.limit_bytes = min(self.capacity_bytes, self.limit_bytes + free - slack)
-            room = self.limit_bytes == self.capacity_bytes
-        if room:
-            log.info("[disk] %s has room for the tier's whole capacity again", self.root)
-
     def _stuck(self) -> str:
         """Why the tier takes no I/O now ("" when it does); never waits on the filesystem."""
         if self._late:
@@ -141,41 +121,3 @@ class DiskHealth:
             self._too_big_said = True
             log.error("[disk] %s: %s", self.root, self.last_error)
         return False
-
-    def _on_full(self, size: int, err: int = errno.ENOSPC) -> None:
-        """ENOSPC below the limit (the filesystem is smaller, or shared): lower the limit to what
-        the filesystem holds for the tier (its bytes and the free space) less a few blocks; the
-        caller evicts down to it and retries. From the filesystem's state, not from the limit:
-        puts that hit ENOSPC together each lowered it again (a few blocks under the last
-        value), and four of them took a 1 MiB tier's limit to 0. Not lowered when the space was
-        only held by records evicted and not yet unlinked (another put's): once those are gone
-        the filesystem has room. EDQUOT (a user's or a directory's quota, which statvfs may not
-        show) is a full filesystem whose free space is what the evictions free; the probe does
-        not raise that limit again (it cannot see the quota's room): a restart does."""
-        self.counters["enospc"] += 1
-        with self._evicting:
-            self._evicting.wait_for(lambda: not self._victims_pending, timeout=1.0)
-        free, what = 0, "over its quota" if err == errno.EDQUOT else "full"
-        self._quota_met = self._quota_met or err == errno.EDQUOT
-        try:
-            st = os.statvfs(self.root)
-            free = st.f_bavail * st.f_frsize
-            if err == errno.EDQUOT:
-                free = 0
-            elif free >= 2 * size and (not st.f_files or st.f_favail > 2):
-                return  # room now (blocks and inodes): the caller retries under the same limit
-            elif st.f_files and st.f_favail <= 2:  # out of inodes (one a record), not of bytes:
-                free, what = 0, "out of inodes"  # what is freed is the records evicted
-        except OSError:
-            pass
-        with self._lock:
-            was = self.limit_bytes
-            # used_bytes counts other puts' reservations, written in part at most: the blocks
-            # of margin cover them (IO_THREADS of them at most)
-            fits = self.used_bytes + free - ENOSPC_EVICT_BLOCKS * size
-            self.limit_bytes = limit = max(0, min(was, fits))
-            first = was == self.capacity_bytes > limit
-        if first:
-            log.warning("[disk] %s: the filesystem is %s at %.3f GiB, below the tier's capacity "
-                        "(%.3f GiB); the tier now evicts to stay under %.3f GiB", self.root, what,
-                        self.used_bytes / 2**30, self.capacity_bytes / 2**30, limit / 2**30)

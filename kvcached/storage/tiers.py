@@ -162,18 +162,23 @@ class StorageTiers:
         return n, late
 
     def put(self, keys: Sequence[bytes], buffers: Sequence, geometry: bytes | None,
-            release=None) -> tuple[list[bool], set]:
+            release=None, chain: dict | None = None) -> tuple[list[bool], set]:
         """Store in every backend; per key, whether it reached at least one, and the positions
         whose write missed its deadline in some backend: their buffers stay in use until
-        release(i), called once every backend's late write of them returned."""
+        release(i), called once every backend's late write of them returned. chain: one chain's
+        put so far (a dict, empty at its first put): its stored names' places, these added
+        after those of its earlier puts (StorageBackend.put)."""
         stored = [False] * len(keys)
         if not keys or not self.writer or geometry is None:  # none: a backup whose keys were all deleted
             return stored, set()
         keys = list(StoredKeys(keys, geometry))
+        if chain is not None:
+            for key in keys:
+                chain.setdefault(key, len(chain))
         late: dict[int, int] = {}
         writes = _LateWrites(release)
         for b in self.backends:
-            for i, ok in enumerate(b.put(keys, buffers, geometry, writes.returned)):
+            for i, ok in enumerate(b.put(keys, buffers, geometry, writes.returned, chain)):
                 if ok is None:
                     late[i] = late.get(i, 0) + 1
                 stored[i] |= bool(ok)
