@@ -52,16 +52,14 @@ def test_a_batch_larger_than_the_tiers_room_keeps_its_head(tier):
 
 
 def test_a_chain_put_in_chunks_keeps_its_head(tier):
-    """The chunks of one offload's backup share their chain's places (tiers.put fills the
-    dict): the second chunk evicts none of the first. Control: the same chunks put as two
+    """The chunks of one offload's backup share a dict of their chain's places (the tier fills
+    it): the second chunk evicts none of the first. Control: the same chunks put as two
     unrelated batches keep the first chunk's head and the second chunk (a lookup finds 4)."""
     size = HEADER_BYTES + 4096
     t = tier(20 * size)
     chain, pages = keys_for(32, 3), _pages(32, 3)
-    places: dict = {}
+    places: dict = {}  # what the backup of one offload keeps for its chunks (storage_flow.py)
     for lo in (0, 16):
-        for key in chain[lo:lo + 16]:
-            places.setdefault(key, len(places))
         t.put(chain[lo:lo + 16], pages[lo:lo + 16], GEOMETRY, chain=places)
     assert t.exists_prefix(chain) == 20 and t.holds(chain[20:]) == [False] * 12
     t.clear()

@@ -41,11 +41,11 @@ class StorageBackend(abc.ABC):
             release=None, chain: dict | None = None) -> list:
         """Store pages written from this geometry (its tag goes in each record); a key already
         stored is not rewritten (and counts as True). None where the write missed its deadline
-        (release(i) follows once it returned). keys are a chain's blocks in order; `chain` maps
-        each of them, and the keys of the same chain put before them (an offload's earlier
-        chunks), to its place in the chain (tiers.put fills it). A store that evicts for its
-        puts (the disk tier) evicts no key placed before the one it stores; one whose server
-        evicts (Redis, Mooncake) ignores it."""
+        (release(i) follows once it returned). keys are a chain's blocks in order; `chain`, a dict
+        the caller keeps for one chain's puts (an offload's chunks), empty at the first: a
+        store that evicts for its puts (the disk tier) keeps each key's place in the chain
+        there and evicts no key placed before the one it stores; one whose server evicts
+        (Redis, Mooncake) ignores it."""
 
     @abc.abstractmethod
     def delete(self, keys: Sequence[bytes]) -> int:

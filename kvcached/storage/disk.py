@@ -263,10 +263,9 @@ class DiskBackend(DiskRoot, DiskUnlinks, DiskErrors, DiskHealth, DiskRoom, Reade
             self.counters["dropped_puts"] += len(keys)
             return [False] * len(keys)
         sizes = [HEADER_BYTES + nbytes(b) for b in buffers]
-        if chain is None:  # the keys' places in their chain (disk_room.py: a head, not a tail)
-            chain = {}
-            for i, key in enumerate(keys):
-                chain.setdefault(key, i)
+        chain = {} if chain is None else chain  # places in the chain (disk_room.py: its head kept)
+        for key in keys:
+            chain.setdefault(key, len(chain))
         n = self._admitted(keys, sizes, chain)
         self.counters["dropped_puts"] += len(keys) - n
         items = [(k, b, geometry, size, chain, chain[k]) for k, b, size in zip(keys[:n], buffers, sizes)]

@@ -165,16 +165,12 @@ class StorageTiers:
             release=None, chain: dict | None = None) -> tuple[list[bool], set]:
         """Store in every backend; per key, whether it reached at least one, and the positions
         whose write missed its deadline in some backend: their buffers stay in use until
-        release(i), called once every backend's late write of them returned. chain: one chain's
-        put so far (a dict, empty at its first put): its stored names' places, these added
-        after those of its earlier puts (StorageBackend.put)."""
+        release(i), called once every backend's late write of them returned. chain: a dict the
+        caller keeps for one chain's puts, empty at the first (StorageBackend.put)."""
         stored = [False] * len(keys)
         if not keys or not self.writer or geometry is None:  # none: a backup whose keys were all deleted
             return stored, set()
         keys = list(StoredKeys(keys, geometry))
-        if chain is not None:
-            for key in keys:
-                chain.setdefault(key, len(chain))
         late: dict[int, int] = {}
         writes = _LateWrites(release)
         for b in self.backends:
