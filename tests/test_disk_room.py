@@ -148,3 +148,33 @@ def test_a_chain_larger_than_a_full_filesystem_keeps_its_head(run_dir, instance)
                 assert c.lookup(new) == (0, n)
         finally:
             h.stop()
+
+
+def test_a_disk_tier_whose_full_index_outgrows_the_machines_memory_is_named_at_registration(
+        run_dir, instance, tmp_path):
+    """The index holds an entry of about 200 bytes a record: 100,000 GB of 32 KiB blocks would
+    take some 600 GiB of the daemon's memory, and a tier that fills up gets the daemon killed for
+    memory. The registration that fixes the block size says so (with the capacity that fits);
+    a 1 GB tier beside it says nothing."""
+    kv = small_kv(block_shape=PAGE_SHAPE)
+    big, small = tmp_path / "big", tmp_path / "small"
+    big.mkdir()
+    small.mkdir()
+    h = start(run_dir, instance, disk_uri(str(big), capacity_gb=100_000))
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+        with open(h.log_path) as f:
+            said = [line for line in f if "indexes at capacity" in line]
+        assert len(said) == 1 and "of 32 KiB blocks" in said[0] and str(big) in said[0]
+        assert "capacity_gb at most" in said[0] and "Lower capacity_gb" in said[0]
+    finally:
+        h.stop()
+    h = start(run_dir, instance, disk_uri(str(small), capacity_gb=1.0))
+    try:
+        with h.connect() as c:
+            c.register_kv_cache(kv)
+        with open(h.log_path) as f:
+            assert "indexes at capacity" not in f.read()
+    finally:
+        h.stop()

@@ -185,6 +185,8 @@ class CacheService:
                     self.storage.drop_queued_backups()
                     self.keys.rebuild(self.host.pool.num_blocks, self.host.pool.geometry,
                                       self.host.pool.page_bytes)
+                    if self.storage.tiers:
+                        self.storage.tiers.index_memory_said(self.host.pool.page_bytes)
                     # after the key table's new geometry: a disk event told before it would
                     # name an old block by the key it has under the new one
                     self.key_events.voided()
