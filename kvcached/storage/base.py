@@ -23,6 +23,11 @@ from typing import Callable, Sequence
 class StorageBackend(abc.ABC):
     uri: str
     lookup_keys = 1 << 62  # keys of one request a remote store is asked at most (URI `lookup_keys`)
+    # a store that evicts for its own puts (the disk tier): its put takes `chain`, a dict the
+    # caller keeps for one chain's puts (an offload's chunks, in order), empty at the first; the
+    # store keeps each key's place there and evicts no key placed before the one it stores. A
+    # store whose server evicts (Redis, Mooncake) is not given it.
+    keeps_chains = False
 
     @abc.abstractmethod
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
@@ -38,14 +43,10 @@ class StorageBackend(abc.ABC):
 
     @abc.abstractmethod
     def put(self, keys: Sequence[bytes], pages: Sequence[list], geometry: bytes,
-            release=None, chain: dict | None = None) -> list:
+            release=None) -> list:
         """Store pages written from this geometry (its tag goes in each record); a key already
         stored is not rewritten (and counts as True). None where the write missed its deadline
-        (release(i) follows once it returned). keys are a chain's blocks in order; `chain`, a dict
-        the caller keeps for one chain's puts (an offload's chunks), empty at the first: a
-        store that evicts for its puts (the disk tier) keeps each key's place in the chain
-        there and evicts no key placed before the one it stores; one whose server evicts
-        (Redis, Mooncake) ignores it."""
+        (release(i) follows once it returned)."""
 
     @abc.abstractmethod
     def delete(self, keys: Sequence[bytes]) -> int:

@@ -62,6 +62,7 @@ IO_TIMEOUT_S = DISK_IO_TIMEOUT_S
 
 class DiskBackend(DiskRoot, DiskUnlinks, DiskErrors, DiskHealth, DiskRoom, ReaderTier, StorageBackend):
     local_keys = True  # its index is this process's: the key table can publish it (watch_keys)
+    keeps_chains = True  # (StorageBackend: a chain larger than the room keeps its head)
 
     def __init__(self, root: str, capacity_bytes: int, fsync: bool = False, uri: str = "",
                  io_timeout_s: float = IO_TIMEOUT_S, on_ready: Callable[[], None] | None = None,

@@ -390,7 +390,7 @@ class MooncakeBackend(OwesClears, StorageBackend):
         finally:
             self._give(slots, idx)
 
-    def put(self, keys, buffers, geometry, release=None, chain=None) -> list:
+    def put(self, keys, buffers, geometry, release=None) -> list:
         """Slices of PUT_SLICE pages go to the I/O threads as soon as their headers are packed,
         so the checksums of the next slice are computed while the last one moves."""
         out: list = [False] * len(keys)

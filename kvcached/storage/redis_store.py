@@ -271,7 +271,7 @@ class RedisBackend(FollowsFailovers, FollowsRestarts, OwesClears, StorageBackend
             out.append(True)
         return out
 
-    def put(self, keys, buffers, geometry, release=None, chain=None) -> list[bool]:
+    def put(self, keys, buffers, geometry, release=None) -> list[bool]:
         if not keys:
             return []
         if not self._usable() or time.monotonic() < self._writes_held_until:

@@ -192,7 +192,7 @@ class StorageTiers:
         """Store in every backend; per key, whether it reached at least one, and the positions
         whose write missed its deadline in some backend: their buffers stay in use until
         release(i), called once every backend's late write of them returned. chain: a dict the
-        caller keeps for one chain's puts, empty at the first (StorageBackend.put)."""
+        caller keeps for one chain's puts, empty at the first (StorageBackend.keeps_chains)."""
         stored = [False] * len(keys)
         if not keys or not self.writer or geometry is None:  # none: a backup whose keys were all deleted
             return stored, set()
@@ -200,7 +200,8 @@ class StorageTiers:
         late: dict[int, int] = {}
         writes = _LateWrites(release)
         for b in self.backends:
-            for i, ok in enumerate(b.put(keys, buffers, geometry, writes.returned, chain)):
+            more = {"chain": chain} if b.keeps_chains else {}
+            for i, ok in enumerate(b.put(keys, buffers, geometry, writes.returned, **more)):
                 if ok is None:
                     late[i] = late.get(i, 0) + 1
                 stored[i] |= bool(ok)
