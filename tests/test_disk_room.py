@@ -34,21 +34,32 @@ def tier(tmp_path):
         t.close()
 
 
-def test_a_batch_larger_than_the_tiers_room_keeps_its_head(tier):
-    """A 16-block chain put into a tier with room for 12: before, each block evicted the least
-    recently used record - the chain's own first blocks once the others were gone - and the tier
-    held blocks 4..15, which no lookup reaches. Now it evicts the other records, takes the first
-    12 blocks and drops the last 4."""
+def test_a_chain_larger_than_the_tiers_room_keeps_its_head(tier):
+    """A 16-block chain (an offload's backup) put into a tier with room for 12: before, each
+    block evicted the least recently used record - the chain's own first blocks once the others
+    were gone - and the tier held blocks 4..15, which no lookup reaches. Now it evicts the other
+    records, takes the first 12 blocks and drops the last 4."""
     size = HEADER_BYTES + 4096
     t = tier(12 * size)
     others, chain = keys_for(4, 1), keys_for(16, 2)
     assert t.put(others, _pages(4, 1), GEOMETRY) == [True] * 4
-    assert t.put(chain, _pages(16, 2), GEOMETRY) == [True] * 12 + [False] * 4
+    assert t.put(chain, _pages(16, 2), GEOMETRY, chain={}) == [True] * 12 + [False] * 4
     assert t.exists_prefix(chain) == 12
     assert t.holds(chain) == [True] * 12 + [False] * 4
     assert t.holds(others) == [False] * 4  # evicted for it
     assert (t.counters["dropped_puts"], t.counters["evicted"]) == (4, 4)
     assert len(files(t.root)) == 12 and t.used_bytes == 12 * size
+
+
+def test_blocks_put_in_no_order_are_plain_lru(tier):
+    """A write-back puts the blocks the host tier evicted, tail first, and no chain: the tier
+    keeps the last 12 it was given - the chain's first 12, what a lookup reaches. (As a chain,
+    the put would keep the blocks it was given first: the chain's tail.)"""
+    size = HEADER_BYTES + 4096
+    t = tier(12 * size)
+    chain, pages = keys_for(16, 8), _pages(16, 8)
+    assert t.put(chain[::-1], pages[::-1], GEOMETRY) == [True] * 16
+    assert t.exists_prefix(chain) == 12 and t.counters["dropped_puts"] == 0
 
 
 def test_a_chain_put_in_chunks_keeps_its_head(tier):

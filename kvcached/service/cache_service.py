@@ -33,7 +33,7 @@ from .key_publisher import KeyPublisher
 from .lookup_notes import take_notes
 from .load_flow import LoadFlow
 from .offload_flow import OffloadFlow
-from .registration import Registered, checked_layout, claim_fds
+from .registration import Registered, checked_layout, claim_fds, index_memory_said
 from .report import InvariantWalk, status_of
 from .task_table import TaskTable
 
@@ -186,7 +186,7 @@ class CacheService:
                     self.keys.rebuild(self.host.pool.num_blocks, self.host.pool.geometry,
                                       self.host.pool.page_bytes)
                     if self.storage.tiers:
-                        self.storage.tiers.index_memory_said(self.host.pool.page_bytes)
+                        index_memory_said(self.storage.tiers, self.host.pool.page_bytes)
                     # after the key table's new geometry: a disk event told before it would
                     # name an old block by the key it has under the new one
                     self.key_events.voided()

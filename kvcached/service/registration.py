@@ -1,7 +1,10 @@
 """What a `register_kv` must pass before anything of it is mapped: the instance is free (or
 already this client's), the layout is valid, on the daemon's kind of device, and one block
-fits the host pool; and what it left (Registered)."""
+fits the host pool; what it left (Registered); and what its block size says of the disk tiers'
+indexes (index_memory_said)."""
 from __future__ import annotations
+
+import logging
 
 from kvcached_proto import ErrorCode
 from kvcached_proto.layout import LayoutSpec, fd_token, parse_layout, require_order_segment
@@ -9,6 +12,35 @@ from kvcached_proto.layout import LayoutSpec, fd_token, parse_layout, require_or
 from ..copy.kv_mapping import KVRegistration
 from ..copy.transfer import TaskAbort
 from ..errors import OpError
+from ..host.machine import available_memory
+from ..storage.disk_room import INDEX_BYTES_PER_RECORD
+from ..storage.uris import redact
+
+log = logging.getLogger(__name__)
+
+INDEX_SHARE = 0.5  # of the memory left: the disk tiers' indexes at capacity may take no more
+
+
+def index_memory_said(tiers, page_bytes: int) -> str:
+    """(A registration's new geometry.) A warning, logged and returned ("" for none), where the
+    local disk tiers' indexes, full of records of this geometry, would take more than
+    INDEX_SHARE of the memory this machine has left: a tier that fills up gets the daemon killed
+    for memory (an index entry a record; 1 TB of 32 KiB blocks is 6 GiB of index)."""
+    sizes = tiers.index_bytes(page_bytes)
+    need = sum(n for _b, n in sizes)
+    avail, source = available_memory()
+    if not need or avail is None or need <= avail * INDEX_SHARE:
+        return ""
+    room = avail * INDEX_SHARE / need  # the share of each capacity that fits
+    said = "; ".join(f"{redact(b.uri)}: {n / 2**30:.1f} GiB (capacity_gb at most "
+                     f"{b.capacity_bytes * room / 2**30:.4g} here)" for b, n in sizes)
+    msg = (f"the disk tiers' indexes at capacity, of {page_bytes >> 10} KiB blocks, would take "
+           f"{need / 2**30:.1f} GiB of the daemon's memory ({INDEX_BYTES_PER_RECORD} bytes a "
+           f"block; {said}); this machine has {avail / 2**30:.1f} GiB left ({source}): the "
+           "daemon would be killed for memory before they are full. Lower capacity_gb, or use "
+           "larger blocks")
+    log.warning("[disk] %s", msg)
+    return msg
 
 
 def _shares(spec: LayoutSpec) -> bool:

@@ -8,8 +8,8 @@ listing the shards at start (in a background thread; the tier reports no hits un
 and puts, deletes and clears made meanwhile win over what the listing finds), oldest
 modification first for LRU. Capacity is enforced by evicting the least recently used files; a
 chain put or read together is ordered head-last, so a prefix loses its tail first and what stays
-is still a loadable prefix; a put evicts no earlier block of its own batch and takes the head of a
-batch larger than its room (disk_room.py). A filesystem that fills up below the capacity (ENOSPC, of bytes or
+is still a loadable prefix; an offload's chain evicts none of its own earlier blocks and keeps
+its head where it is larger than the room (disk_room.py). A filesystem that fills up below the capacity (ENOSPC, of bytes or
 inodes: it is smaller, or shared) sets a lower limit - a few blocks under what the filesystem
 holds for the tier then - and the tier evicts to stay under it, so new blocks keep coming in;
 status says `full` with `limit_bytes` (logged once), and the probe raises the limit again as the
@@ -264,12 +264,14 @@ class DiskBackend(DiskRoot, DiskUnlinks, DiskErrors, DiskHealth, DiskRoom, Reade
             self.counters["dropped_puts"] += len(keys)
             return [False] * len(keys)
         sizes = [HEADER_BYTES + nbytes(b) for b in buffers]
-        chain = {} if chain is None else chain  # places in the chain (disk_room.py: its head kept)
-        for key in keys:
-            chain.setdefault(key, len(chain))
-        n = self._admitted(keys, sizes, chain)
-        self.counters["dropped_puts"] += len(keys) - n
-        items = [(k, b, geometry, size, chain, chain[k]) for k, b, size in zip(keys[:n], buffers, sizes)]
+        n = len(keys)
+        if chain is not None:  # the keys' places in it (disk_room.py: a chain keeps its head); none
+            for key in keys:  # for blocks in no order (a write-back's, evicted tail first)
+                chain.setdefault(key, len(chain))
+            n = self._admitted(keys, sizes, chain)
+            self.counters["dropped_puts"] += len(keys) - n
+        items = [(k, b, geometry, size, chain, chain[k] if chain is not None else 0)
+                 for k, b, size in zip(keys[:n], buffers, sizes)]
         stored = run_bounded(self._io, self._put_one, items, self.io_timeout_s,
                              self._late_op("a block write"), self._on_late_done(release))
         with self._lock:

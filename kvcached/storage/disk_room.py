@@ -1,15 +1,17 @@
 """The disk tier's room (a part of DiskBackend, disk.py): the limit it evicts to stay under,
-which records a put evicts and how much of a put's batch it takes, the lower limit a filesystem
-that fills up below the tier's capacity sets (ENOSPC), and the probe raising it again.
+which records a put evicts and how much of a chain it takes, the lower limit a filesystem that
+fills up below the tier's capacity sets (ENOSPC), the probe raising it again, and the index's
+memory at capacity.
 
-- Victims are the least recently used records. A put never evicts a record of its own batch
-  that comes before the one it writes: a batch is a chain's blocks in order (an offload's), and
-  a lookup reaches a block only through every block before it. Before, a batch larger than the
-  tier's room evicted its own first blocks to store its last ones: a tier that a full
-  filesystem had shrunk to 13 blocks kept a 16-block chain's last 12 and its first, and a
-  lookup found 1 block of it.
-- A put takes the leading blocks of its batch that fit - in the room left, and in what evicting
-  records of other batches frees - and drops the rest (`dropped_puts`): what follows a block that
+- Victims are the least recently used records. A put of a chain's blocks (an offload's backup,
+  in order, in chunks that share a dict of places: StorageBackend.keeps_chains) never evicts a
+  block of the chain placed before the one it writes: a lookup reaches a block only through
+  every block before it. (Blocks put in no order - a write-back's, which the host tier evicts
+  tail first - are plain LRU.) Before, a chain larger than the tier's room evicted its own
+  first blocks to store its last ones: a tier that a full filesystem had shrunk to 13 blocks
+  kept a 16-block chain's last 12 and its first, and a lookup found 1 block of it.
+- A chain's put takes the leading blocks that fit - in the room left, and in what evicting
+  records of other chains frees - and drops the rest (`dropped_puts`): what follows a block that
   is not stored is never reached by a lookup.
 - ENOSPC below the limit lowers it to what the filesystem holds for the tier (its records,
   those evicted and not yet unlinked, and the free space) less a few blocks.

@@ -19,10 +19,8 @@ import logging
 import threading
 from typing import Sequence
 
-from ..host.machine import available_memory
 from .base import StorageBackend
 from .disk import DiskBackend
-from .disk_room import INDEX_BYTES_PER_RECORD
 from .owed_clear import OwedRecord
 from .record import StoredKeys
 from .uris import REDIS_SCHEMES, redact, scheme_of
@@ -30,7 +28,6 @@ from .uris import REDIS_SCHEMES, redact, scheme_of
 log = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-INDEX_SHARE = 0.5  # of the memory left: the disk tiers' indexes at capacity may take no more
 EXPECTED = ("disk:///path, redis[s]://host:port/db, redis[s]+cluster://host:port, "
             "redis[s]+sentinel://host:port[,host:port...]/db?service=NAME or mooncake://master_host:port")
 
@@ -104,28 +101,11 @@ class StorageTiers:
     def __bool__(self) -> bool:
         return bool(self.backends)
 
-    def index_memory_said(self, page_bytes: int) -> str:
-        """(A registration's new geometry.) A warning, logged and returned ("" for none), where
-        the local disk tiers' indexes, full of records of this geometry, would take more than
-        INDEX_SHARE of the memory this machine has left: a tier that fills up gets the daemon
-        killed for memory (an index entry a record, INDEX_BYTES_PER_RECORD; 1 TB of 32 KiB
-        blocks is 6 GiB of index)."""
-        tiers = [(b, b.index_bytes(page_bytes)) for b in self.backends if isinstance(b, DiskBackend)
-                 and b.local_keys]
-        need = sum(n for _b, n in tiers)
-        avail, source = available_memory()
-        if not need or avail is None or need <= avail * INDEX_SHARE:
-            return ""
-        room = avail * INDEX_SHARE / need  # the share of each capacity that fits
-        said = "; ".join(f"{redact(b.uri)}: {n / 2**30:.1f} GiB (capacity_gb at most "
-                         f"{b.capacity_bytes * room / 2**30:.4g} here)" for b, n in tiers)
-        msg = (f"the disk tiers' indexes at capacity, of {page_bytes >> 10} KiB blocks, would take "
-               f"{need / 2**30:.1f} GiB of the daemon's memory ({INDEX_BYTES_PER_RECORD} bytes a "
-               f"block; {said}); this machine has {avail / 2**30:.1f} GiB left ({source}): the "
-               "daemon would be killed for memory before they are full. Lower capacity_gb, or use "
-               "larger blocks")
-        log.warning("[disk] %s", msg)
-        return msg
+    def index_bytes(self, page_bytes: int) -> list[tuple[StorageBackend, int]]:
+        """Each local disk tier with the memory its index takes at capacity, full of records of
+        page_bytes (an entry a record: disk_room.INDEX_BYTES_PER_RECORD)."""
+        return [(b, b.index_bytes(page_bytes)) for b in self.backends
+                if isinstance(b, DiskBackend) and b.local_keys]
 
     def register_memory(self, ptr: int, size: int) -> None:
         """The host pool's memory, for the backends that move pages without a copy."""
