@@ -51,10 +51,12 @@ def test_a_chain_larger_than_the_tiers_room_keeps_its_head(tier):
     assert len(files(t.root)) == 12 and t.used_bytes == 12 * size
 
 
-def test_blocks_put_in_no_order_are_plain_lru(tier):
+def test_blocks_put_in_no_order_are_plain_lru(tier, monkeypatch):
     """A write-back puts the blocks the host tier evicted, tail first, and no chain: the tier
     keeps the last 12 it was given - the chain's first 12, what a lookup reaches. (As a chain,
-    the put would keep the blocks it was given first: the chain's tail.)"""
+    the put would keep the blocks it was given first: the chain's tail.) One I/O thread: with
+    two, writes land in either order, and plain LRU evicts by when each landed."""
+    monkeypatch.setattr(disk, "IO_THREADS", 1)
     size = HEADER_BYTES + 4096
     t = tier(12 * size)
     chain, pages = keys_for(16, 8), _pages(16, 8)
