@@ -59,8 +59,9 @@ def _through_daemon(run_dir: str, storage_uri: str, n: int, repeats: int, extra=
                 t0 = time.perf_counter()
                 got = c.prefetch(keys, policy="wait_complete").wait(300)["prefetched"]
                 get_s.append(time.perf_counter() - t0)
-                if got != n:
-                    raise RuntimeError(f"prefetch brought {got} of {n} blocks back")
+                if got != n:  # (what the tier counted: a put dropped, late, or refused)
+                    raise RuntimeError(f"prefetch brought {got} of {n} blocks back; the storage "
+                                       f"tier's status: {c.status()['storage']}")
                 c.clear(tier="all")
             del kv
     finally:
