@@ -19,7 +19,7 @@ import zmq
 
 from kvcached_proto import (DaemonUnavailable, ErrorCode, KvcachedError, KvcachedTimeout, Op, ProtocolError,
                             RequestError, decode, encode_request, pack_block_ids, pack_keys, request_error)
-from kvcached_proto.codec import MAX_KEYS_PER_REQUEST
+from kvcached_proto.codec import KEY_BYTES, MAX_KEYS_PER_REQUEST
 from kvcached_proto.messages import ROLES, TaskStatus
 from kvcached_proto.paths import DEFAULT_INSTANCE, check_instance, request_endpoint, resolve_run_dir
 from kvcached_proto.order_words import LOAD_REVOKE_WORD, REVOKE_WORD
@@ -417,15 +417,23 @@ class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
         return self.order.fence(stream, self.timeout)
 
     def offload(self, device_blocks: Sequence[int] | np.ndarray, keys: Sequence[bytes],
-                priority: int = 0, timeout: float | None = None, stream=None) -> Task:
+                priority: int = 0, timeout: float | None = None, stream=None,
+                parent: bytes | None = None) -> Task:
         """Copy `device_blocks` to the host tier under `keys`. CUDA KV: the daemon's copies
         wait (on the GPU) for the work queued so far on `stream` (default: the current
         stream), so the engine calls this right after queuing its KV writes, with no
         synchronize. Either way the blocks stay the daemon's to read until the task ends. An
         offload whose reply does not come (KvcachedTimeout, DaemonUnavailable, an interrupt
-        while waiting) is revoked before the error is raised: the blocks are the caller's again."""
+        while waiting) is revoked before the error is raised: the blocks are the caller's again.
+        `parent`: the key of the block before keys[0] in its request (an earlier offload's last
+        block), so the tiers keep the request's head before its tail (told to a daemon of
+        protocol 1.15 or later; an older one is not told)."""
+        if parent is not None and (not isinstance(parent, bytes) or len(parent) != KEY_BYTES):
+            raise ValueError(f"parent: not a {KEY_BYTES}-byte key")
         fields = {"keys": pack_keys(keys), "blocks": pack_block_ids(device_blocks),
                   "priority": priority, **self._fence(stream)}
+        if parent is not None and tuple(self.info.get("protocol_version", (0, 0))) >= (1, 15):
+            fields["parent"] = parent
         try:
             reply = self._request(Op.OFFLOAD, timeout, **fields)
         except BaseException as exc:

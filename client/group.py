@@ -304,16 +304,18 @@ class GroupClient:
         return task
 
     def offload(self, device_blocks, keys: Sequence[bytes], priority: int = 0,
-                timeout: float | None = None) -> GroupOffloadTask:
+                timeout: float | None = None, parent: bytes | None = None) -> GroupOffloadTask:
         """A rank that refused it (e.g. BUSY) fails the whole offload, raised once the other
         ranks' offloads are revoked: the caller takes the blocks back, and those ranks would
-        read them after (they store nothing of it now). A missing rank stores nothing."""
+        read them after (they store nothing of it now). A missing rank stores nothing.
+        `parent`: as Client.offload's (each rank is told its own key of it)."""
         blocks = check_block_ids(device_blocks).tolist()
         failed: list[KvcachedError] = []
 
         def one(rank: int, client: Client):
             try:
-                return client.offload(blocks, self._keys(keys, rank), priority, timeout)
+                return client.offload(blocks, self._keys(keys, rank), priority, timeout,
+                                      parent=None if parent is None else self._keys([parent], rank)[0])
             except DaemonUnavailable:
                 raise  # the rank is lost (_fan); its own offload revoked itself
             except KvcachedError as exc:

@@ -53,6 +53,7 @@ class BlockTransfer:
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
+    parent: bytes | None = None  # a save's: the key of the request's block before keys[0]
 
 
 @dataclass(eq=False)
@@ -357,7 +358,9 @@ class KVWorker:
             if not n:
                 continue
             try:
-                task = client.offload(staging or save.block_ids[:n], self.keys_for_daemon(save.keys[:n]))
+                parent = self.keys_for_daemon([save.parent])[-1] if save.parent is not None else None
+                task = client.offload(staging or save.block_ids[:n], self.keys_for_daemon(save.keys[:n]),
+                                      parent=parent)
             except KvcachedError as exc:
                 self._daemon_failed(exc)
                 self._holds.free(staging)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .codec import MAX_REQUEST_BYTES, MAX_STR_BYTES, encode, unpack_block_ids, unpack_keys
+from .codec import KEY_BYTES, MAX_REQUEST_BYTES, MAX_STR_BYTES, encode, unpack_block_ids, unpack_keys
 from .errors import CodedError, ProtocolError
 from .ops import ErrorCode, Op
 from .version import PROTOCOL_VERSION, check_version
@@ -67,9 +67,10 @@ OP_SPECS: dict[Op, OpSpec] = {
         OpSpec(Op.BYE),
         OpSpec(Op.REGISTER_KV, (Field("layout", "map"),), blocking=True),
         OpSpec(Op.UNREGISTER_KV, admin=True, blocking=True),
+        # 1.15: `parent`, the key of the block before keys[0] in its chain (an earlier offload's)
         OpSpec(
             Op.OFFLOAD,
-            (KEYS, BLOCKS, PRIORITY, *FENCE),
+            (KEYS, BLOCKS, PRIORITY, *FENCE, Field("parent", "bytes", False, b"", max_len=KEY_BYTES)),
             needs_kv=True,
         ),
         OpSpec(Op.LOOKUP, (KEYS,)),
@@ -208,6 +209,8 @@ def parse_request(msg: dict) -> Request:
 
 
 def _check_pairs(op: Op, body: dict) -> None:
+    if len(body.get("parent", b"")) not in (0, KEY_BYTES):
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"parent: not a {KEY_BYTES}-byte digest (nor empty)")
     if "keys" in body and "blocks" in body:
         if len(body["keys"]) != len(body["blocks"]):
             raise ProtocolError(

@@ -88,7 +88,7 @@ def test_a_listen_port_in_use_gets_one_clear_line(run_dir, instance, curve_keys)
 
 def test_version():
     out = _kvcached("--version")
-    assert out.returncode == 0 and out.stdout.startswith("kvcached 0.") and "protocol 1.14" in out.stdout
+    assert out.returncode == 0 and out.stdout.startswith("kvcached 0.") and "protocol 1.15" in out.stdout
 
 
 def test_status_says_no_daemon_at_once(run_dir, instance):

@@ -36,7 +36,7 @@ def test_launch_hello_status_stop(daemon):
     with daemon.connect() as c:
         assert c.info["instance"] == daemon.instance
         assert c.info["pid"] == daemon.pid
-        assert c.info["protocol_version"] == [1, 14]
+        assert c.info["protocol_version"] == [1, 15]
         assert c.ping() < 1.0
         status = c.status()
         assert STATUS_KEYS <= status.keys()

@@ -232,3 +232,32 @@ def test_kernel_blocks_round_trip_under_keys_of_their_own(daemon, mode):
         load_misses(other, unsplit, keys, "a split engine's bytes were loaded into an unsplit one")
     finally:
         other.close()
+
+
+def test_a_save_names_the_block_before_it_under_the_daemons_keys(daemon, monkeypatch):
+    """A save that continues a request (BlockTransfer.parent: an earlier save's last block) tells
+    the daemon that block's key as the daemon holds it - the last of its kernel blocks' keys -
+    and the daemon links the two parts: the earlier part's last block, now a parent, is not what
+    the host tier evicts first (test_offload_parent.py); a first save names none."""
+    from kvcached_client.client import Client
+
+    told = []
+    offload = Client.offload
+
+    def spy(self, blocks, keys, *args, parent=None, **kw):  # the real offload, its parent noted
+        told.append((list(keys), parent))
+        return offload(self, blocks, keys, *args, parent=parent, **kw)
+
+    monkeypatch.setattr(Client, "offload", spy)
+    raw, kv = vllm_kv("LBHNC", blocks=48, tokens=8)  # kernel factor 2
+    fill(kv, seed=17)
+    worker, _ = make_worker(daemon, kv, direct=False)
+    keys = keys_for(len(SRC) + 2, seed=41)
+    try:
+        step(worker, saves=[BlockTransfer("s", keys[:2], [1, 2])])
+        step(worker, saves=[BlockTransfer("s", keys[2:], SRC, parent=keys[1])])
+        saved(worker, "s", keys)
+    finally:
+        worker.close()
+    assert [p for _k, p in told] == [None, kernel_block_keys(keys[1:2], 2)[-1]]
+    assert told[1][0][0] == kernel_block_keys(keys[2:3], 2)[0]

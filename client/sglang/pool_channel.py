@@ -23,6 +23,13 @@ log = logging.getLogger("kvcached.sglang")
 RELEASE_SAY_S = 30.0  # a hung daemon's unconfirmed load waited for this long is logged (once)
 
 
+def last_prefix_key(extra_info) -> str | None:
+    """The hash of the page before a batch (HiCacheStorageExtraInfo.prefix_keys: SGLang passes
+    them with hicache_storage_pass_prefix_keys set), or None."""
+    prefix = getattr(extra_info, "prefix_keys", None)
+    return prefix[-1] if prefix else None
+
+
 class PoolChannel:
     def __init__(self, backend, name: str, pool, instance: str):
         """ValueError (PoolNotShared among them) when the daemon cannot page `pool`."""
@@ -116,9 +123,11 @@ class PoolChannel:
         """Pages loaded into the pool at `host_indices`, a leading run (0 on any failure)."""
         return self.call("load", lambda c: self._load(c, hashes, host_indices), 0)
 
-    def offload(self, hashes, host_indices) -> int:
-        """Pages stored from the pool at `host_indices`, a leading run (0 on any failure)."""
-        return self.call("offload", lambda c: self._offload(c, hashes, host_indices), 0)
+    def offload(self, hashes, host_indices, parent=None) -> int:
+        """Pages stored from the pool at `host_indices`, a leading run (0 on any failure).
+        `parent`: the hash of the page before hashes[0] (SGLang's prefix_keys, when it passes
+        them), so the daemon's tiers keep the sequence's head before its tail."""
+        return self.call("offload", lambda c: self._offload(c, hashes, host_indices, parent), 0)
 
     def _load(self, client, hashes, host_indices) -> int:
         pages = page_ids(host_indices, self.page_size, len(hashes))
@@ -163,14 +172,15 @@ class PoolChannel:
                           RELEASE_SAY_S)
             time.sleep(0.05)
 
-    def _offload(self, client, hashes, host_indices) -> int:
+    def _offload(self, client, hashes, host_indices, parent=None) -> int:
         page_keys, b = self.keys, self.backend
         if b._old_pages:  # these may be pages of the old weights: not stored
             b.stats["old_weights_refused"] += len(hashes)
             return 0
         pages = page_ids(host_indices, self.page_size, len(hashes))
         start = time.perf_counter()
-        task = client.offload(pages, page_keys(hashes))  # revoked by the client if no reply comes
+        parent = page_keys([parent])[0] if parent is not None else None
+        task = client.offload(pages, page_keys(hashes), parent=parent)  # revoked if no reply comes
         try:
             task.wait(b.settings.timeout_s)
         except BaseException:

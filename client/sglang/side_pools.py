@@ -29,7 +29,7 @@ import logging
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransferResult
 
 from .config import ConfigError
-from .pool_channel import PoolChannel
+from .pool_channel import PoolChannel, last_prefix_key
 
 log = logging.getLogger("kvcached.sglang")
 SERVED = ("mamba", "swa", "indexer", "draft")
@@ -155,14 +155,14 @@ class SidePools:
 
     def batch_get_v2(self, transfers, extra_info=None) -> dict:
         """Each transfer's pages loaded into its pool, a leading run of True per pool."""
-        return self._v2(transfers, "get")
+        return self._v2(transfers, "get", extra_info)
 
     def batch_set_v2(self, transfers, extra_info=None) -> dict:
         """Each transfer's pages stored from its pool (SGLang picks which ranks back up which
         pool; the KV pool's backups stay the writer rank's, as in batch_set_v1)."""
-        return self._v2(transfers, "set")
+        return self._v2(transfers, "set", extra_info)
 
-    def _v2(self, transfers, op: str) -> dict:
+    def _v2(self, transfers, op: str, extra_info=None) -> dict:
         out = {}
         if self.kv is not None:
             self._keys()  # a weight version changed since: every pool keyed anew
@@ -175,7 +175,10 @@ class SidePools:
             if op == "set" and channel is self.kv and not self.config.is_storage_writer:
                 out[transfer.name] = [True] * len(keys)
                 continue
-            moved = (channel.load if op == "get" else channel.offload)(keys, transfer.host_indices)
+            if op == "get":
+                moved = channel.load(keys, transfer.host_indices)
+            else:
+                moved = channel.offload(keys, transfer.host_indices, last_prefix_key(extra_info))
             self.stats["side_pages_got" if op == "get" else "side_pages_set"] += moved
             out[transfer.name] = [True] * moved + [False] * (len(keys) - moved)
         return out

@@ -41,7 +41,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from . import side_pools, weight_updates
 from .config import PageKeys, Settings, sglang_weight_version
-from .pool_channel import PoolChannel
+from .pool_channel import PoolChannel, last_prefix_key
 
 log = logging.getLogger("kvcached.sglang")
 
@@ -173,7 +173,7 @@ class KvcachedHiCacheStorage(side_pools.SidePools, HiCacheStorage):
         if self.kv is None:
             return [False] * len(keys)
         self._keys()
-        stored = self.kv.offload(keys, host_indices)
+        stored = self.kv.offload(keys, host_indices, last_prefix_key(extra_info))
         self.stats["set_ok_pages"] += stored
         return [True] * stored + [False] * (len(keys) - stored)
 

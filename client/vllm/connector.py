@@ -64,11 +64,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                               KVConnectorRole)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvcached_proto.errors import KvcachedError
@@ -329,8 +326,9 @@ class KvcachedConnector(KVConnectorBase_V1):
         keys = self._keys(state, full)
         full = len(keys)
         if full > state.saved_blocks:
+            parent = keys[state.saved_blocks - 1] if state.saved_blocks else None  # a save's, a hit's
             meta.saves.append(BlockTransfer(state.request.request_id, keys[state.saved_blocks:full],
-                                            state.block_ids[state.saved_blocks:full]))
+                                            state.block_ids[state.saved_blocks:full], parent))
             self.kv_events.saving(state.request, state.saved_blocks, keys[state.saved_blocks:full])
             state.saved_blocks = full
 

@@ -2,7 +2,13 @@
 not in the host tier gets a WRITING entry and a host block (the leading ones, while the pool has
 room); the offload worker copies the engine's blocks into them layer by layer, then they are
 marked READY (write_through also queues their backup) - or discarded, when the task was
-cancelled or the engine revoked the blocks before the copy was confirmed."""
+cancelled or the engine revoked the blocks before the copy was confirmed.
+
+Each entry's parent is the key before it: keys[i-1], and for keys[0] the offload's `parent`
+(1.15: the last block of the engine's earlier offload of the same request - chunked prefill,
+decode blocks). Eviction takes no entry with children, so a request offloaded in parts loses
+its tail first, as one offloaded whole does; before, each part's head had no parent and the
+earlier part's tail, older, went first, leaving the later parts where no lookup reaches them."""
 from __future__ import annotations
 
 import time
@@ -31,6 +37,7 @@ class OffloadFlow:
         """Host entries for req's keys not held yet, and the task that fills them from `blocks`
         (checked)."""
         keys = req.body["keys"]
+        parent = req.body.get("parent") or None  # (1.15) the chain this offload continues
         with self.host.lock:
             new_pos, host_ids, entries, held = [], [], [], []
             accepted = len(keys)
@@ -46,7 +53,7 @@ class OffloadFlow:
                 if not got:
                     accepted = i  # pool full of blocks in use: keep the leading ones only
                     break
-                entries.append(self.host.index.insert(key, got[0], keys[i - 1] if i else None))
+                entries.append(self.host.index.insert(key, got[0], keys[i - 1] if i else parent))
                 new_pos.append(i)
                 host_ids.append(got[0])
             self.host.unpin(held)

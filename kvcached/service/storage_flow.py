@@ -30,6 +30,7 @@ from ..copy.transfer import CopyTask, TaskKind, TransferWorker
 from ..errors import OpError, StartupError
 from ..host.index import BACKUP_QUEUED, NOT_STORED, STORED, WRITING
 from ..storage.tiers import StorageTiers
+from .backup_chains import BackupChains
 from .backup_deletes import DeletesSeen
 from .io_loans import IOLoans
 from .host_tier import HostTier
@@ -68,6 +69,7 @@ class StorageFlow:
             raise StartupError(f"--storage {exc}") from None
         self.counters = {"backups": 0, "backup_dropped": 0, "deleted_again": 0, "fetched": 0,
                          "fetched_bytes": 0, "fetch_failed": 0, "prefetched": 0}
+        self.chains = BackupChains(self.counters)  # chains a later backup goes on with (the backer's)
         self.pending_backups = 0
         self.deletes = DeletesSeen()  # what a backup queued before a delete must not put back
         self.fetcher = TransferWorker(TaskKind.FETCH, self._run_fetches, ends.failed)
@@ -373,7 +375,9 @@ class StorageFlow:
                 self._delete_again(again)
                 self.counters["backups"] += sum(stored)
                 continue
-            chain: dict = {}  # the task's blocks, a chain in order: their places (tiers.put)
+            # the task's blocks, a chain in order (or going on with an earlier backup's): their
+            chain = self.chains.start(task.entries[0] if task.entries else None)  # places (tiers.put)
+            last = task.entries[-1] if task.entries else None
             while task.entries:  # task.entries: the blocks still pinned for it
                 with self.host.lock:
                     chunk, gone = [], []
@@ -401,6 +405,7 @@ class StorageFlow:
                     self._backups_done(len(done))
                 self._delete_again(again)
                 self.counters["backups"] += sum(ok)
+            self.chains.end(chain, last)
 
     def _backups_done(self, n: int, dropped: bool = False) -> None:
         """(Lock held.) n pending backups ended (or, dropped, will not run)."""

@@ -105,6 +105,33 @@ def daemon(run_dir, instance):
     sweep_crashed(instance)
 
 
+def test_a_save_that_continues_a_request_names_the_block_before_it(model_dir):
+    """The scheduler's saves of one request (a step's blocks at a time): the first names no
+    parent, each later one the last block of the one before; a save after a hit (vLLM's own, here)
+    names the hit's last block. (The worker tells the daemon, which keeps the request's head
+    before its tail: test_offload_parent.py.)"""
+    c = _connector(model_dir, events=False)
+    req = _request("a")
+    state = _state(c, req, 0)
+    keys = c._keys(state, 4)
+    state.block_ids = list(range(4))
+    meta = KvcachedConnectorMetadata()
+    c._add_save(meta, state, 2 * BS)
+    c._add_save(meta, state, 4 * BS)
+    assert [(s.keys, s.parent) for s in meta.saves] == [(keys[:2], None), (keys[2:], keys[1])]
+    hit = _request("b")
+    state = _state(c, hit, 3 * BS)  # vLLM's own prefix cache had the first 3 blocks
+    state.block_ids = list(range(4))
+    meta = KvcachedConnectorMetadata()
+    c._add_save(meta, state, 4 * BS)
+    assert [(s.keys, s.parent) for s in meta.saves] == [(keys[3:], keys[2])]
+
+
+def _state(c: KvcachedConnector, req: Request, computed: int):
+    assert c.get_num_new_matched_tokens(req, computed) == (0, False)  # (no daemon: no hit)
+    return c._reqs[req.request_id]
+
+
 def test_offloaded_blocks_are_announced_once_loadable_and_removed_when_they_go(
         model_dir, run_dir, instance, daemon):
     worker = daemon.worker

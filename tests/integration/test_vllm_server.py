@@ -151,6 +151,21 @@ def _wait_attached(daemon):
     vllm_driver.wait_attached(daemon)
 
 
+def _where(server: Server, daemon) -> dict:
+    """What a missed hit needs to be read: the connector's counters (were A's blocks saved,
+    skipped, refused?) and the daemon's tasks, host tier and lookups."""
+    names = ("saved_blocks", "save_skipped_blocks", "daemon_errors", "loaded_blocks", "load_errors")
+    out = {n: server.metric(f"vllm:kvcached_{n}") for n in names}
+    try:
+        with daemon.connect() as c:
+            s = c.status()
+        out.update({k: s.get(k) for k in ("tasks", "host", "lookups", "clients")})
+    except Exception as exc:  # noqa: BLE001 - a diagnostic: say why it is missing
+        out["status"] = repr(exc)
+    out["log"] = [ln for ln in server.log().splitlines() if "kvcached" in ln][-20:]
+    return out
+
+
 def test_the_openai_server_as_the_readme_runs_it(model, reference, tmp_path, run_dir, instance):
     disk = str(tmp_path / "disk")
     storage = disk_uri(disk, 0.2)
@@ -165,7 +180,7 @@ def test_the_openai_server_as_the_readme_runs_it(model, reference, tmp_path, run
         _wait_attached(daemon)
         assert server.complete("A") == (reference["A"], 0)
         tokens, cached = server.complete("B")  # the shared prefix from the daemon's host tier
-        assert tokens == reference["B@hit"] and cached == PREFIX, cached
+        assert tokens == reference["B@hit"] and cached == PREFIX, (cached, _where(server, daemon))
         tokens, cached = server.complete("X")  # the control: the blocks past its change miss
         assert cached == 3 * BLOCK and tokens == reference["X@3"] != reference["B@hit"]
         assert server.metric("vllm:prompt_tokens_cached_by_source", source="host") >= PREFIX

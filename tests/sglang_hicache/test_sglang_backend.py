@@ -147,6 +147,32 @@ def test_batch_exists_counts_leading_pages_with_prefix_keys(daemon):
     backend.close()
 
 
+def test_a_backup_with_prefix_keys_names_the_page_before_it(daemon, monkeypatch):
+    """SGLang passes prefix_keys (hicache_storage_pass_prefix_keys): the backend tells the daemon
+    the page before the batch as its parent, under the daemon's key of it, so the daemon's tiers
+    keep the sequence's head before its tail (test_offload_parent.py); with none, no parent."""
+    from kvcached_client.client import Client
+
+    told = []
+    offload = Client.offload
+
+    def spy(self, blocks, keys, *args, parent=None, **kw):  # the real offload, its parent noted
+        told.append(parent)
+        return offload(self, blocks, keys, *args, parent=parent, **kw)
+
+    monkeypatch.setattr(Client, "offload", spy)
+    pool = sp.make_pool("mha", "page_first")
+    sp.fill_random(pool, 6)
+    backend = sp.attach(pool, sp.extra_config(daemon.instance, daemon.run_dir))
+    keys = sp.page_hashes(4, seed=9)
+    assert backend.batch_set_v1(keys[:2], sp.pages_of(pool, [1, 2])) == [True] * 2
+    info = HiCacheStorageExtraInfo(prefix_keys=keys[:2])
+    assert backend.batch_set_v1(keys[2:], sp.pages_of(pool, [3, 4]), info) == [True] * 2
+    assert told == [None, backend.kv.keys([keys[1]])[0]]
+    assert backend.batch_exists(keys) == 4
+    backend.close()
+
+
 @pytest.mark.slow
 def test_pages_survive_a_daemon_restart_through_the_disk_tier(run_dir, tmp_path):
     instance = unique_instance("sg")
