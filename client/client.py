@@ -2,8 +2,7 @@
 
 Whichever thread holds the socket lock reads the socket and files what arrives: replies by
 request id, task events by task id. Every wait checks the daemon's pid, `up` flag and heartbeat
-in shared memory, so a dead daemon is reported as DaemonUnavailable within a second instead
-of a hang.
+in shared memory, so a dead daemon is reported as DaemonUnavailable within a second, not a hang.
 """
 from __future__ import annotations
 
@@ -104,9 +103,8 @@ class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
         role: "engine" (default), or "operator" (ipc socket only): an operator may send the
         ops that change the daemon for every engine (clear, pause, resume, unregister_kv,
         shutdown), which an engine may send only while its KV cache is the registered one.
-        hang_s: how long the daemon may miss its heartbeat before it counts as hung (every
-        wait then raises DaemonUnavailable); default $KVCACHED_HANG_S or 2 s. A daemon whose
-        process is gone is seen at once, whatever this says.
+        hang_s: how long the daemon may miss its heartbeat before it counts as hung (every wait then
+        raises DaemonUnavailable; default $KVCACHED_HANG_S or 2 s); a daemon gone is seen at once.
         key_table: answer lookups from the daemon's key table in shared memory where it can
         (default: yes, unless $KVCACHED_KEY_TABLE is "0"); False sends every lookup."""
         client = cls(instance, run_dir, timeout, name, endpoint, curve_server_key_file,
@@ -416,18 +414,16 @@ class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
             return {}
         return self.order.fence(stream, self.timeout)
 
-    def offload(self, device_blocks: Sequence[int] | np.ndarray, keys: Sequence[bytes],
-                priority: int = 0, timeout: float | None = None, stream=None,
-                parent: bytes | None = None) -> Task:
-        """Copy `device_blocks` to the host tier under `keys`. CUDA KV: the daemon's copies
-        wait (on the GPU) for the work queued so far on `stream` (default: the current
-        stream), so the engine calls this right after queuing its KV writes, with no
-        synchronize. Either way the blocks stay the daemon's to read until the task ends. An
-        offload whose reply does not come (KvcachedTimeout, DaemonUnavailable, an interrupt
-        while waiting) is revoked before the error is raised: the blocks are the caller's again.
-        `parent`: the key of the block before keys[0] in its request (an earlier offload's last
-        block), so the tiers keep the request's head before its tail (told to a daemon of
-        protocol 1.15 or later; an older one is not told)."""
+    def offload(self, device_blocks: Sequence[int] | np.ndarray, keys: Sequence[bytes], priority: int = 0,
+                timeout: float | None = None, stream=None, parent: bytes | None = None) -> Task:
+        """Copy `device_blocks` to the host tier under `keys`; `parent`: the key of the block
+        before keys[0] in its request (an earlier offload's last), so the tiers keep the request's
+        head before its tail (told to daemons of protocol 1.15 on). CUDA KV: the daemon's copies
+        wait (on the GPU) for the work queued so far on `stream` (default: the current stream),
+        so the engine calls this right after queuing its KV writes, with no synchronize. The
+        blocks stay the daemon's to read until the task ends; an offload whose reply does not
+        come (KvcachedTimeout, DaemonUnavailable, an interrupt while waiting) is revoked before
+        the error is raised: the blocks are the caller's again."""
         if parent is not None and (not isinstance(parent, bytes) or len(parent) != KEY_BYTES):
             raise ValueError(f"parent: not a {KEY_BYTES}-byte key")
         fields = {"keys": pack_keys(keys), "blocks": pack_block_ids(device_blocks),
@@ -482,9 +478,8 @@ class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
         return task
 
     def flush(self, timeout: float | None = None) -> Task:
-        """A task that completes once the offloads the daemon accepted so far ended and the
-        storage backups queued so far (theirs included) are written (a daemon before protocol
-        1.11: the backups only)."""
+        """A task that completes once the offloads the daemon accepted so far ended and the storage
+        backups queued so far (theirs included) are written (before protocol 1.11: the backups only)."""
         return Task(self, self._request(Op.FLUSH, timeout)["task"], "flush", {})
 
     def cancel(self, task_id: int, timeout: float | None = None) -> str:
@@ -494,8 +489,7 @@ class Client(AsksDaemon, KeepsHolds, SendsNotes, SendsLoads, FollowsKeys):
         """Delete keys from the host tier and the storage tiers; returns host blocks deleted."""
         return self._request(Op.DELETE, timeout, keys=pack_keys(keys))["deleted"]
 
-    def clear(self, tier: str = "all", weights_update: bool = False,
-              timeout: float | None = None) -> int:
+    def clear(self, tier: str = "all", weights_update: bool = False, timeout: float | None = None) -> int:
         return self._request(Op.CLEAR, timeout, tier=tier, weights_update=weights_update)["cleared"]
 
     def pause(self, timeout: float | None = None) -> None:

@@ -241,7 +241,8 @@ def test_the_largest_valid_requests_fit_a_request_frame_and_larger_ones_are_refu
     largest = {
         Op.LOAD: dict(keys=keys, blocks=ints, priority=-1000, fence_word=2**31 - 1, fence=big,
                       host_only=True),
-        Op.OFFLOAD: dict(keys=keys, blocks=ints, priority=-1000, fence_word=2**31 - 1, fence=big),
+        Op.OFFLOAD: dict(keys=keys, blocks=ints, priority=-1000, fence_word=2**31 - 1, fence=big,
+                         parent=b"\xff" * 16),
         Op.LOOKUP_NOTES: dict(keys=keys, counts=np.ones(MAX_KEYS_PER_REQUEST, "<i4").tobytes(),
                               repeats=ints, storage_hits=big, unnoted=big),
         Op.KEY_EVENTS: dict(after=big, limit=65536, storage=True, ask=keys),
