@@ -174,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--block-tokens", type=int, default=512, help="tokens per hash id (default: 512)")
     replay.add_argument("--through-daemon", action="store_true",
                         help="send the lookups and offloads to a real daemon over the real client")
+    replay.add_argument("--save-blocks", type=int, default=0, metavar="N",
+                        help="the engine offloads what follows a hit in parts of at most N blocks, "
+                             "as vLLM saves a chunked prefill (default: 0, one offload)")
+    replay.add_argument("--unlinked-saves", action="store_true",
+                        help="those offloads name no parent block (an engine before protocol 1.15): "
+                             "the comparison for what naming it wins")
     replay.add_argument("--json", action="store_true", help="print results as JSON")
     replay.add_argument("--list-policies", action="store_true", help="print the policy names and exit")
 
@@ -363,9 +369,9 @@ def cmd_replay(args) -> int:
         print(f"kvcached replay: {offline} read the trace's future: a daemon cannot run them "
               "(drop --through-daemon)", file=sys.stderr)
         return 2
-    if unknown or any(c <= 0 for c in args.capacity_tokens) or args.block_tokens <= 0:
+    if unknown or any(c <= 0 for c in args.capacity_tokens) or args.block_tokens <= 0 or args.save_blocks < 0:
         print(f"kvcached replay: unknown policy {unknown} (known: {', '.join(known)}) "
-              "or a capacity / block size that is not positive", file=sys.stderr)
+              "or a capacity / block size / --save-blocks that is not positive", file=sys.stderr)
         return 2
     from .tools import replay
 
@@ -374,13 +380,14 @@ def cmd_replay(args) -> int:
 
     try:
         results = replay.run(args.trace, args.capacity_tokens, policies, args.block_tokens,
-                             args.through_daemon, progress)
+                             args.through_daemon, progress, args.save_blocks, not args.unlinked_saves)
     except (OSError, ValueError) as exc:
         print(f"kvcached replay: {exc}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps({"trace": args.trace, "block_tokens": args.block_tokens,
-                          "through_daemon": args.through_daemon,
+                          "through_daemon": args.through_daemon, "save_blocks": args.save_blocks,
+                          "linked_saves": not args.unlinked_saves,
                           "results": [r.as_dict() for r in results]}, indent=2))
         return 0
     print(f"{'capacity tokens':>16} {'policy':>15} {'hit rate':>9} {'ops/s':>10} {'evictions':>10}")

@@ -67,6 +67,27 @@ def test_a_request_offloaded_in_two_parts_loses_its_tail_first_in_the_host_tier(
         h.stop()
 
 
+def test_a_part_that_meets_a_full_host_tier_does_not_evict_the_block_it_names(run_dir, instance):
+    """The 24-block host tier full (the first 8 blocks, then another request's 16) when the
+    second part comes: its allocations evict 8 blocks, and the first part's last block - the
+    least recently used leaf - is the block the part names. It is held through the allocations
+    (the other request's tail goes), so the parts link and a lookup finds all 16; before, the
+    part's first allocation evicted it, the link was lost and the first part went after it."""
+    kv = small_kv(block_shape=PAGE_SHAPE, num_blocks=64)
+    keys, other = keys_for(16, 24), keys_for(16, 25)
+    h = launch(instance=instance, run_dir=run_dir, host_cache_gb=24 * (32 << 10) / 2**30)
+    try:
+        with h.connect() as c:
+            assert c.register_kv_cache(kv)["host_blocks"] == 24
+            c.offload(list(range(8)), keys[:8]).wait(10)
+            c.offload(list(range(16, 32)), other).wait(10)
+            c.offload(list(range(8, 16)), keys[8:], parent=keys[7]).wait(10)
+            assert c.status()["host"]["evictions"] == 8
+            assert c.lookup(keys) == (16, 0) and c.lookup(other) == (8, 0)
+    finally:
+        h.stop()
+
+
 @pytest.mark.parametrize("parent", [True, False], ids=["parent", "control"])
 def test_a_request_offloaded_in_two_parts_keeps_its_head_in_a_smaller_disk_tier(
         run_dir, instance, disk_dir, parent):

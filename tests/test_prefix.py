@@ -245,10 +245,20 @@ def test_evicted_blocks_come_back_from_the_host_tier(daemon, policy):
     mgr.close()
 
 
-def test_write_back_keeps_every_branch_of_a_prefix_evicted_at_once(daemon):
+def test_write_back_keeps_every_branch_of_a_prefix_evicted_at_once(daemon, monkeypatch):
     """X with two continuations Y and Z, all three evicted by one allocation: the chains go out
     as [X, Y] then [Z] led by X. X's block was freed once its own chain's offload settled, and
-    the second offload named block -1 (BAD_FIELD): Z was lost, the engine warned."""
+    the second offload named block -1 (BAD_FIELD): Z was lost, the engine warned. Now [Z] goes
+    alone and names X as its parent (protocol 1.15), so the daemon links it to X."""
+    from kvcached_client.client import Client
+
+    told, offload = [], Client.offload
+
+    def spy(self, blocks, keys, *args, parent=None, **kw):  # the real offload, its parent noted
+        told.append((list(keys), parent))
+        return offload(self, blocks, keys, *args, parent=parent, **kw)
+
+    monkeypatch.setattr(Client, "offload", spy)
     kv = new_kv()
     mgr = manager(daemon, kv, "write_back")
     eng = SimEngine(mgr, kv)
@@ -261,6 +271,8 @@ def test_write_back_keeps_every_branch_of_a_prefix_evicted_at_once(daemon):
     with daemon.connect() as c:
         for tail in (toks(BS, 2), toks(BS, 3)):
             assert c.lookup(BlockHasher(NS).hash_blocks(x + tail, BS)) == (2, 0)
+    x_key = BlockHasher(NS).hash_blocks(x, BS)[0]
+    assert [p for keys, p in told if x_key not in keys] == [x_key], told  # [Z], named X's child
     mgr.release("big")
     hit, computed = eng.prefill("q2", x + toks(BS, 3) + [2])  # Z's KV comes back, checked
     assert hit.host_tokens == computed == 2 * BS, hit

@@ -75,15 +75,32 @@ def test_hit_is_leading_blocks_capped_at_input_length(tmp_path):
     assert r.hit_tokens == 512 + 900 and r.input_tokens == 2600
 
 
-def test_through_the_daemon_matches_the_in_process_replay(tmp_path):
+@pytest.mark.parametrize("parts", [(0, True), (2, True), (2, False)], ids=["whole", "parts", "unlinked"])
+def test_through_the_daemon_matches_the_in_process_replay(tmp_path, parts):
+    """Offloaded whole, or in parts of 2 blocks naming the block before them (protocol 1.15) or
+    not: the daemon evicts as the in-process model of it does."""
     path = str(tmp_path / "t.jsonl")
     tracegen.write(path, tracegen.generate("documents", requests=300, seed=2))
     trace = load_trace(path)
     capacity = 300 * 512
     for policy in ("lru", "s2lru"):
-        here = replay_in_process(trace, capacity, policy)
-        there = replay_through_daemon(trace, capacity, policy)
+        here = replay_in_process(trace, capacity, policy, part_blocks=parts[0], linked=parts[1])
+        there = replay_through_daemon(trace, capacity, policy, part_blocks=parts[0], linked=parts[1])
         assert (there.hit_tokens, there.evictions) == (here.hit_tokens, here.evictions)
+
+
+@needs_trace
+@pytest.mark.parametrize("policy", ["lru", "s2lru"])
+def test_saves_in_parts_that_name_their_parent_hit_as_one_offload_does(mooncake, policy):
+    """The Mooncake trace at 1e6 tokens, each request's blocks past its hit saved in parts of 16
+    (vLLM's chunked prefill of 8,192 tokens): naming the block before each part hits exactly as
+    one offload does; unnamed (before protocol 1.15), the parts lose hits (an earlier part's
+    tail went before the later part, which no lookup reached after)."""
+    whole = replay_in_process(mooncake, 1_000_000, policy)
+    linked = replay_in_process(mooncake, 1_000_000, policy, part_blocks=16)
+    unlinked = replay_in_process(mooncake, 1_000_000, policy, part_blocks=16, linked=False)
+    assert linked.hit_tokens == whole.hit_tokens
+    assert unlinked.hit_rate < linked.hit_rate - 0.002
 
 
 def test_a_bad_trace_line_is_a_clear_error(tmp_path):
@@ -112,5 +129,9 @@ def test_cli_lists_policies_and_prints_json(tmp_path):
     assert all(0 <= r["hit_rate"] <= 1 for r in results)
     assert "[replay]" in out.stderr  # progress
     assert _cli(path, "--policy", "nope").returncode == 2
+    assert _cli(path, "--save-blocks", "-1").returncode == 2
+    parts = _cli(path, "--capacity-tokens", "20000", "--save-blocks", "4", "--unlinked-saves", "--json")
+    assert parts.returncode == 0, parts.stderr
+    assert (json.loads(parts.stdout)["save_blocks"], json.loads(parts.stdout)["linked_saves"]) == (4, False)
     offline = _cli(path, "--policy", "belady", "--through-daemon")
     assert offline.returncode == 2 and "cannot run them" in offline.stderr

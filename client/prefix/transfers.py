@@ -90,7 +90,9 @@ class Transfers:
     # offloads ----------------------------------------------------------------
     def offload_chain(self, nodes: list[Node]) -> _Offload | None:
         """Offload a chain of nodes (parent first). Its cached parent goes first in the keys,
-        so the daemon links the chain to it (a key it already holds is not copied again)."""
+        so the daemon links the chain to it (a key it already holds is not copied again); a
+        parent with no block any more is named (`parent`, protocol 1.15) for the daemon to link
+        the chain to it where it holds it."""
         client = self.link.client
         if client is None or not nodes:
             return None
@@ -99,7 +101,8 @@ class Transfers:
         lead = [head] if (head is not None and head.state == READY and head.offloading is None
                           and head.block >= 0) else []
         sent = lead + nodes
-        task = self.call(client.offload, [n.block for n in sent], [n.key for n in sent])
+        named = head.key if head is not None and not lead else None
+        task = self.call(client.offload, [n.block for n in sent], [n.key for n in sent], parent=named)
         if task is None:
             self.counters["offload_failures"] += 1
             return None

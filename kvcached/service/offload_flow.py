@@ -40,6 +40,9 @@ class OffloadFlow:
         parent = req.body.get("parent") or None  # (1.15) the chain this offload continues
         with self.host.lock:
             new_pos, host_ids, entries, held = [], [], [], []
+            up = self.host.index.get(parent) if parent is not None else None
+            ups = [up] if up is not None else []  # held too: keys[0]'s allocation must not evict it
+            self.host.index.pin(ups)
             accepted = len(keys)
             for i, key in enumerate(keys):
                 present = self.host.index.get(key)
@@ -56,7 +59,7 @@ class OffloadFlow:
                 entries.append(self.host.index.insert(key, got[0], keys[i - 1] if i else parent))
                 new_pos.append(i)
                 host_ids.append(got[0])
-            self.host.unpin(held)
+            self.host.unpin(held + ups)
             task = self.table.new(TaskKind.OFFLOAD, client, req, blocks[new_pos], host_ids, entries)
             task.fence = fence
         if entries:

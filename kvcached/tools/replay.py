@@ -2,9 +2,10 @@
 
 Mooncake-format traces (one JSON object per line: `timestamp`, `input_length`,
 `output_length`, `hash_ids`, each hash id naming one block *including its whole prefix*). For
-each request: hit = leading blocks present x block tokens, capped at input_length; then every
-block of the request is inserted (evicting per the policy when the capacity, in tokens, is
-full). In process, the daemon's real BlockIndex does the work; `--through-daemon` sends the
+each request: hit = leading blocks present x block tokens, capped at input_length; then the
+blocks past the hit are offloaded (evicting per the policy when the capacity, in tokens, is
+full): in one offload, or in parts as an engine saves them (`part_blocks`), each naming the
+block before it (`linked`, protocol 1.15) or not (an engine before it: the comparison). In process, the daemon's real BlockIndex does the work; `--through-daemon` sends the
 same lookups and offloads to a real daemon over the real client.
 """
 from __future__ import annotations
@@ -72,9 +73,21 @@ def make_replay_policy(name: str, trace: list[Request]):
     return make_policy(name)
 
 
+def save_parts(keys: list, start: int, part_blocks: int) -> list[tuple[int, list]]:
+    """The offloads an engine makes of keys[start:], past its hit: (first index, keys) of one
+    offload, or of parts of part_blocks (vLLM saves each step's blocks: a long prompt's chunked
+    prefill is several)."""
+    step = part_blocks if part_blocks > 0 else max(1, len(keys) - start)
+    return [(s, keys[s:s + step]) for s in range(start, len(keys), step)]
+
+
 def replay_in_process(trace: list[Request], capacity_tokens: int, policy: str,
                       block_tokens: int = 512,
-                      progress: Callable[[int, int], None] | None = None) -> ReplayResult:
+                      progress: Callable[[int, int], None] | None = None,
+                      part_blocks: int = 0, linked: bool = True) -> ReplayResult:
+    """`part_blocks`: the engine saves what follows a hit in offloads of at most this many
+    blocks (0: one); `linked`: each names the block before it (protocol 1.15 `parent`: the
+    hit's last, the earlier part's), else none (an engine before it)."""
     capacity_blocks = max(1, capacity_tokens // block_tokens)
     index = BlockIndex(make_replay_policy(policy, trace))
     used = 0
@@ -88,25 +101,32 @@ def replay_in_process(trace: list[Request], capacity_tokens: int, policy: str,
         ops += len(keys)
         hit_tokens += min(len(hits) * block_tokens, req.input_length)
         input_tokens += req.input_length
-        parent = keys[len(hits) - 1] if hits else None
-        index.pin(hits)  # as the daemon's offload does: the chain being extended stays put
-        written = []
-        for key in keys[len(hits):]:
-            if key in index:  # present past a miss cannot happen with whole prefixes
+        for first, part in save_parts(keys, len(hits), part_blocks):
+            parent = keys[first - 1] if first and linked else None
+            # as the daemon's offload does: the block it names, and the chain it extends, stay put
+            held = [e for e in (index.get(parent) if parent else None,) if e is not None]
+            index.pin(held)
+            written = []
+            for key in part:
+                present = index.get(key)
+                if present is not None:  # (only past a hole: a part that named no parent was
+                    index.touch(present)  # left where its parent went) touched and held, as
+                    index.pin([present])  # the daemon's offload does
+                    held.append(present)
+                    parent = key
+                    continue
+                if used >= capacity_blocks:
+                    if not index.evict(1):
+                        break  # the rest of the pool is this request's own chain: keep its head
+                    used -= 1
+                written.append(index.insert(key, block, parent))  # WRITING until the copy is done
+                block += 1
+                used += 1
                 parent = key
-                continue
-            if used >= capacity_blocks:
-                if not index.evict(1):
-                    break  # the rest of the pool is this request's own chain: keep its head
-                used -= 1
-            written.append(index.insert(key, block, parent))  # WRITING until the copy is done
-            block += 1
-            used += 1
-            parent = key
-            ops += 1
-        for e in written:
-            index.mark_ready(e)
-        index.unpin(hits)
+                ops += 1
+            for e in written:
+                index.mark_ready(e)
+            index.unpin(held)
         if progress is not None and n % 500 == 0:
             progress(n, len(trace))
     elapsed = time.perf_counter() - started
@@ -117,7 +137,8 @@ def replay_in_process(trace: list[Request], capacity_tokens: int, policy: str,
 
 def replay_through_daemon(trace: list[Request], capacity_tokens: int, policy: str,
                           block_tokens: int = 512,
-                          progress: Callable[[int, int], None] | None = None) -> ReplayResult:
+                          progress: Callable[[int, int], None] | None = None,
+                          part_blocks: int = 0, linked: bool = True) -> ReplayResult:
     """The same replay against a real daemon: a 1-layer KV whose block is 512 bytes, a host
     pool of exactly capacity_blocks pages, lookups and offloads through the real client.
     Online policies only: the daemon cannot see the trace's future."""
@@ -149,9 +170,10 @@ def replay_through_daemon(trace: list[Request], capacity_tokens: int, policy: st
                 hit_tokens += min(host * block_tokens, req.input_length)
                 input_tokens += req.input_length
                 ops += len(keys)
-                if host < len(keys):
-                    c.offload(list(range(len(keys))), keys).wait(60)
-                    ops += len(keys) - host
+                for first, part in save_parts(keys, host, part_blocks):
+                    parent = keys[first - 1] if first and linked else None
+                    c.offload(list(range(len(part))), part, parent=parent).wait(60)
+                    ops += len(part)
                 if progress is not None and n % 500 == 0:
                     progress(n, len(trace))
             elapsed = time.perf_counter() - started
@@ -166,7 +188,8 @@ def replay_through_daemon(trace: list[Request], capacity_tokens: int, policy: st
 
 def run(trace_path: str, capacities: Iterable[int], policies: Iterable[str],
         block_tokens: int = 512, through_daemon: bool = False,
-        progress: Callable[[str], None] | None = None) -> list[ReplayResult]:
+        progress: Callable[[str], None] | None = None,
+        part_blocks: int = 0, linked: bool = True) -> list[ReplayResult]:
     trace = load_trace(trace_path)
     fn = replay_through_daemon if through_daemon else replay_in_process
     results = []
@@ -175,5 +198,5 @@ def run(trace_path: str, capacities: Iterable[int], policies: Iterable[str],
             def tick(n, total, _p=policy, _c=cap):
                 if progress:
                     progress(f"[replay] {_p} @ {_c:,} tokens: {n}/{total} requests")
-            results.append(fn(trace, cap, policy, block_tokens, tick))
+            results.append(fn(trace, cap, policy, block_tokens, tick, part_blocks, linked))
     return results
