@@ -115,6 +115,7 @@ class KVWorker:
         self._staged_saves: list[tuple] = []   # (task, staging blocks, client)
         self._held: list[_Held] = []
         self._transfer_reqs: set[str] = set()  # requests with a transfer, until reported
+        self._cut: set[str] = set()  # requests a save stored short of: what follows is not saved
         self._finishing: set[str] = set()
         self._load_errors: set[int] = set()
 
@@ -347,14 +348,16 @@ class KVWorker:
         self._reap_staged()
         for save in saves:
             self._transfer_reqs.add(save.req_id)
-            client = self.link.get()
-            n = len(save.keys) if client is not None else 0
+            client = self.link.get() if save.req_id not in self._cut else None  # (after a hole,
+            n = len(save.keys) if client is not None else 0  # no lookup would reach a block)
             staging = self._take_staging(n) if self.mode == "staging" else []
             if self.mode == "staging":
                 n = len(staging)
                 for layer in range(len(self._layers)):
                     self._copy(layer, save.block_ids[:n], staging, to_staging=True)
             self.counters["save_skipped_blocks"] += len(save.keys) - n
+            if n < len(save.keys):
+                self._cut.add(save.req_id)
             if not n:
                 continue
             try:
@@ -364,7 +367,10 @@ class KVWorker:
             except KvcachedError as exc:
                 self._daemon_failed(exc)
                 self._holds.free(staging)
+                self._cut.add(save.req_id)
                 continue
+            if task.reply.get("accepted", n) < n:  # the host pool was full of blocks in use
+                self._cut.add(save.req_id)
             self.counters["saved_blocks"] += n
             if self.mode == "staging":
                 self._staged_saves.append((task, staging, client))
@@ -454,6 +460,7 @@ class KVWorker:
         done = {r for r in self._finishing if r not in holding}
         self._finishing -= done
         self._transfer_reqs -= done
+        self._cut -= done
         return done
 
     def load_errors(self) -> set[int]:

@@ -261,3 +261,31 @@ def test_a_save_names_the_block_before_it_under_the_daemons_keys(daemon, monkeyp
         worker.close()
     assert [p for _k, p in told] == [None, kernel_block_keys(keys[1:2], 2)[-1]]
     assert told[1][0][0] == kernel_block_keys(keys[2:3], 2)[0]
+
+
+def test_a_request_saved_short_saves_nothing_after_the_hole(daemon):
+    """Staging for 4 blocks and a 6-block save: blocks 4 and 5 are not stored, so no lookup
+    reaches any later block of that request - its next save is skipped (counted), not stored
+    where it only takes room. Another request whose saves were whole goes on storing; the
+    request's mark goes when it is reported finished."""
+    raw, kv = make_kv("LBNHC")
+    fill(kv, seed=19)
+    worker, _ = make_worker(daemon, kv, direct=False, staging_blocks=4)
+    cut, whole = keys_for(8, seed=43), keys_for(5, seed=44)
+    try:
+        step(worker, saves=[BlockTransfer("cut", cut[:6], SRC)])
+        worker._reap_staged(wait=True)
+        assert worker.counters["save_skipped_blocks"] == 2
+        step(worker, saves=[BlockTransfer("cut", cut[6:], [20, 2], parent=cut[5])])
+        step(worker, saves=[BlockTransfer("whole", whole[:3], [11, 12, 13])])
+        worker._reap_staged(wait=True)
+        step(worker, saves=[BlockTransfer("whole", whole[3:], [7, 1], parent=whole[2])])
+        saved(worker, "whole", whole)
+        assert worker.counters["save_skipped_blocks"] == 4 and worker.counters["saved_blocks"] == 9
+        with daemon.connect(timeout=10) as c:
+            assert c.lookup(worker.keys_for_daemon(cut)) == (4, 0)
+            assert c.lookup(worker.keys_for_daemon(cut[6:])) == (0, 0)  # not stored at all
+        finish(worker, "cut")
+        assert not worker._cut
+    finally:
+        worker.close()
