@@ -371,7 +371,7 @@ def cmd_replay(args) -> int:
         return 2
     if unknown or any(c <= 0 for c in args.capacity_tokens) or args.block_tokens <= 0 or args.save_blocks < 0:
         print(f"kvcached replay: unknown policy {unknown} (known: {', '.join(known)}) "
-              "or a capacity / block size / --save-blocks that is not positive", file=sys.stderr)
+              "or a capacity / block size that is not positive / a negative --save-blocks", file=sys.stderr)
         return 2
     from .tools import replay
 
