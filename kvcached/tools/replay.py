@@ -5,7 +5,8 @@ Mooncake-format traces (one JSON object per line: `timestamp`, `input_length`,
 each request: hit = leading blocks present x block tokens, capped at input_length; then the
 blocks past the hit are offloaded (evicting per the policy when the capacity, in tokens, is
 full): in one offload, or in parts as an engine saves them (`part_blocks`), each naming the
-block before it (`linked`, protocol 1.15) or not (an engine before it: the comparison). In process, the daemon's real BlockIndex does the work; `--through-daemon` sends the
+block before it (`linked`, protocol 1.15) or not (an engine before it: the comparison). In
+process, the daemon's real BlockIndex does the work; `--through-daemon` sends the
 same lookups and offloads to a real daemon over the real client.
 """
 from __future__ import annotations
@@ -104,7 +105,8 @@ def replay_in_process(trace: list[Request], capacity_tokens: int, policy: str,
         for first, part in save_parts(keys, len(hits), part_blocks):
             parent = keys[first - 1] if first and linked else None
             # as the daemon's offload does: the block it names, and the chain it extends, stay put
-            held = [e for e in (index.get(parent) if parent else None,) if e is not None]
+            up = index.get(parent) if parent else None
+            held = [up] if up is not None else []
             index.pin(held)
             written = []
             for key in part:

@@ -155,13 +155,14 @@ def _where(server: Server, daemon) -> dict:
     """What a missed hit needs to be read: the connector's counters (were A's blocks saved,
     skipped, refused?) and the daemon's tasks, host tier and lookups."""
     names = ("saved_blocks", "save_skipped_blocks", "daemon_errors", "loaded_blocks", "load_errors")
-    out = {n: server.metric(f"vllm:kvcached_{n}") for n in names}
-    try:
+    out = {}
+    try:  # (a server or daemon gone: the failure's message says so instead of raising)
+        out.update({n: server.metric(f"vllm:kvcached_{n}") for n in names})
         with daemon.connect() as c:
             s = c.status()
         out.update({k: s.get(k) for k in ("tasks", "host", "lookups", "clients")})
     except Exception as exc:  # noqa: BLE001 - a diagnostic: say why it is missing
-        out["status"] = repr(exc)
+        out["unread"] = repr(exc)
     out["log"] = [ln for ln in server.log().splitlines() if "kvcached" in ln][-20:]
     return out
 
